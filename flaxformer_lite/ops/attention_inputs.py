@@ -1,0 +1,116 @@
+"""Shape checks and layout helpers shared by the attention implementations.
+
+Every implementation sees the same validated inputs: ``query [B, Tq, Hq, D]``,
+``key [B, Tk, Hk, D]``, ``value [B, Tk, Hk, Dv]`` with ``Hq % Hk == 0``, and ``bias`` / ``mask``
+broadcastable to ``[B, Hq, Tq, Tk]``. Errors name the offending shapes at trace time, before XLA
+reports something less readable.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from flaxformer_lite.ops.masks import (
+    causal_mask,
+    check_local_window,
+    combine_masks,
+    local_window_mask,
+)
+
+
+def check_attention_inputs(query, key, value, bias, mask, local_window, dropout_rate, dropout_rng):
+    """Raises ``ValueError`` naming the problem if the inputs do not fit together."""
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if x.ndim != 4:
+            raise ValueError(
+                f"{name} must be [batch, length, heads, head_dim], got shape {tuple(x.shape)}"
+            )
+    (b, _, hq, d), (bk, tk, hk, dk), (bv, tv, hv, _) = query.shape, key.shape, value.shape
+    if not b == bk == bv:
+        raise ValueError(
+            f"batch sizes differ: query {query.shape}, key {key.shape}, value {value.shape}"
+        )
+    if d != dk:
+        raise ValueError(f"query and key head_dim differ: query {query.shape}, key {key.shape}")
+    if (tk, hk) != (tv, hv):
+        raise ValueError(
+            f"key and value must agree in length and heads: key {key.shape}, value {value.shape}"
+        )
+    if hq % hk:
+        raise ValueError(
+            f"query heads ({hq}) must be a multiple of key/value heads ({hk}) for grouped-query "
+            f"attention: query {query.shape}, key {key.shape}"
+        )
+    if mask is not None and mask.dtype != jnp.bool_:
+        raise ValueError(f"mask must be boolean (True = may attend), got dtype {mask.dtype}")
+    if local_window is not None:
+        check_local_window(local_window)
+    if not 0.0 <= dropout_rate < 1.0:
+        raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
+    if dropout_rate > 0.0 and dropout_rng is None:
+        raise ValueError("dropout_rate > 0 needs a dropout_rng")
+    target = attention_logits_shape(query, key)
+    as_rank4("bias", bias, target)
+    as_rank4("mask", mask, target)
+
+
+def attention_logits_shape(query, key) -> tuple[int, int, int, int]:
+    """``(B, Hq, Tq, Tk)``: the shape that masks and biases broadcast to."""
+    return query.shape[0], query.shape[2], query.shape[1], key.shape[1]
+
+
+def as_rank4(name: str, x, target: tuple[int, ...]):
+    """Left-pads ``x`` to rank 4 after checking that it broadcasts to ``target``.
+
+    Unlike ``jnp.broadcast_to``, nothing is materialized: size-1 dimensions stay size 1.
+    """
+    if x is None:
+        return None
+    if x.ndim > 4 or any(
+        s not in (1, t) for s, t in zip(x.shape[::-1], target[::-1], strict=False)
+    ):
+        raise ValueError(
+            f"{name} of shape {tuple(x.shape)} does not broadcast to [batch, heads, q_len, kv_len]"
+            f" = {target}"
+        )
+    return x.reshape((1,) * (4 - x.ndim) + tuple(x.shape))
+
+
+def group_heads(x, num_kv_heads: int):
+    """``[b, h, tq, tk]`` with h in {1, Hq} -> ``[b, Hk, G, tq, tk]`` (size 1 kept where h == 1).
+
+    Query head ``n`` belongs to key/value head ``n // G``, G = Hq / Hk, so a plain reshape of
+    the head axis into ``(Hk, G)`` puts each query head under its key/value head.
+    """
+    if x is None:
+        return None
+    b, h, tq, tk = x.shape
+    if h == 1:
+        return x.reshape(b, 1, 1, tq, tk)
+    return x.reshape(b, num_kv_heads, h // num_kv_heads, tq, tk)
+
+
+def structural_mask(q_len: int, kv_len: int, is_causal: bool, local_window):
+    """The causal / sliding-window mask ``[1, 1, Tq, Tk]``, or ``None`` if neither applies.
+
+    The last query is aligned with the last key (``offset = Tk - Tq``), as when decoding
+    against a KV cache.
+    """
+    offset = kv_len - q_len
+    masks = []
+    if is_causal:
+        masks.append(causal_mask(q_len, kv_len, offset))
+    if local_window is not None:
+        masks.append(local_window_mask(q_len, kv_len, local_window, offset))
+    return combine_masks(*masks)
+
+
+def default_scale(query, scale):
+    """``scale`` or 1/sqrt(head_dim)."""
+    return 1.0 / float(query.shape[-1]) ** 0.5 if scale is None else scale
+
+
+def dropout_keep(rng, rate: float, shape):
+    """Bernoulli keep-mask with P(keep) = 1 - rate."""
+    return jax.random.bernoulli(rng, 1.0 - rate, shape)

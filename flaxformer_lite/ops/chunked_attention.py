@@ -1,0 +1,339 @@
+"""Memory-efficient attention in pure JAX: online softmax over blocks, with a custom VJP.
+
+The forward pass walks over query blocks and, for each, over the key/value blocks it can see,
+keeping a running row max, row sum and output accumulator (Rabe & Staats 2021,
+"Self-attention Does Not Need O(n²) Memory"; Dao et al. 2022, FlashAttention). It saves only the
+output and the row log-sum-exp, so the backward pass (FlashAttention-2, Dao 2023) recomputes each
+block's probabilities instead of storing the ``[Tq, Tk]`` matrix: memory is O(T) both ways.
+
+Blocks that a causal or sliding-window mask hides entirely are skipped: each query block loops
+only over the key blocks in its visible band (and each key block over its query band in the
+backward pass). Lengths need not divide by the block sizes; the tails are padded and masked.
+Attention dropout draws its keep-mask per block from ``fold_in(fold_in(rng, q_block), k_block)``
+and redraws the same mask in the backward pass.
+
+Shapes and conventions are those of :func:`flaxformer_lite.ops.dot_product_attention`.
+Forward-mode differentiation (``jax.jvp``) is not defined for the custom VJP.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from flaxformer_lite.ops.attention_inputs import (
+    as_rank4,
+    attention_logits_shape,
+    check_attention_inputs,
+    default_scale,
+    dropout_keep,
+    group_heads,
+)
+
+DEFAULT_BLOCK_Q = 512
+DEFAULT_BLOCK_K = 512
+
+# Finite, so that max() and exp(m_old - m_new) stay NaN-free while every key seen is masked.
+_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Geometry:
+    """Static facts of one call: lengths, blocks, and the visible band of keys per query.
+
+    Query row ``i`` sits at position ``i + kv_len - q_len``, key ``j`` at ``j``; the query may
+    see key ``j`` iff ``position - left <= j <= position + right`` (and ``j < kv_len``).
+    """
+
+    q_len: int
+    kv_len: int
+    block_q: int
+    block_k: int
+    left: int
+    right: int
+    scale: float
+    dropout_rate: float
+
+    @property
+    def offset(self) -> int:
+        return self.kv_len - self.q_len
+
+    def key_blocks(self, q_block):
+        """``[lo, hi)`` key-block indices that query block ``q_block`` can see."""
+        first_row = q_block * self.block_q
+        last_row = jnp.minimum(first_row + self.block_q, self.q_len) - 1
+        lo = jnp.maximum(first_row + self.offset - self.left, 0)
+        hi = jnp.minimum(last_row + self.offset + self.right + 1, self.kv_len)
+        return _block_range(lo, hi, self.block_k)
+
+    def query_blocks(self, k_block):
+        """``[lo, hi)`` query-block indices that can see key block ``k_block``."""
+        first_col = k_block * self.block_k
+        last_col = jnp.minimum(first_col + self.block_k, self.kv_len) - 1
+        lo = jnp.maximum(first_col - self.offset - self.right, 0)
+        hi = jnp.minimum(last_col - self.offset + self.left + 1, self.q_len)
+        return _block_range(lo, hi, self.block_q)
+
+    def visible(self, first_row, first_col):
+        """bool ``[block_q, block_k]``: which (query, key) pairs of a block may attend."""
+        position = first_row + jnp.arange(self.block_q)[:, None] + self.offset
+        col = first_col + jnp.arange(self.block_k)[None, :]
+        return (col < self.kv_len) & (col >= position - self.left) & (col <= position + self.right)
+
+
+def _block_range(lo, hi, block):
+    """Blocks of size ``block`` that overlap ``[lo, hi)``; empty when ``hi <= lo``."""
+    first = lo // block
+    return first, jnp.maximum(first, (hi + block - 1) // block)
+
+
+def chunked_attention(
+    query,
+    key,
+    value,
+    bias=None,
+    mask=None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    local_window: tuple[int, int] | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng=None,
+    block_q: int = DEFAULT_BLOCK_Q,
+    block_k: int = DEFAULT_BLOCK_K,
+):
+    """Memory-efficient attention; same arguments, result and gradients as the "xla" reference.
+
+    Args:
+      query: ``[B, Tq, Hq, D]``.
+      key: ``[B, Tk, Hk, D]``.
+      value: ``[B, Tk, Hk, Dv]``.
+      bias: optional float, broadcastable to ``[B, Hq, Tq, Tk]``; differentiable.
+      mask: optional bool, broadcastable to ``[B, Hq, Tq, Tk]``, True = may attend.
+      scale, is_causal, local_window, dropout_rate, dropout_rng: as in
+        :func:`flaxformer_lite.ops.dot_product_attention`.
+      block_q: query rows per block (clipped to Tq).
+      block_k: keys per block (clipped to Tk).
+
+    Returns:
+      ``[B, Tq, Hq, Dv]`` in the query's dtype.
+    """
+    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+    bias = None if bias is None else jnp.asarray(bias)
+    mask = None if mask is None else jnp.asarray(mask)
+    check_attention_inputs(query, key, value, bias, mask, local_window, dropout_rate, dropout_rng)
+    if block_q < 1 or block_k < 1:
+        raise ValueError(f"block sizes must be positive, got block_q={block_q}, block_k={block_k}")
+    b, q_len, hq, d = query.shape
+    kv_len, hk = key.shape[1], key.shape[2]
+    unlimited = q_len + kv_len
+    left, right = local_window if local_window is not None else (unlimited, unlimited)
+    geometry = _Geometry(
+        q_len=q_len,
+        kv_len=kv_len,
+        block_q=min(block_q, q_len),
+        block_k=min(block_k, kv_len),
+        left=left,
+        right=min(right, 0) if is_causal else right,
+        scale=default_scale(query, scale),
+        dropout_rate=float(dropout_rate),
+    )
+    q_pad = -q_len % geometry.block_q
+    kv_pad = -kv_len % geometry.block_k
+    target = attention_logits_shape(query, key)
+    q = _pad_axis(query, 1, q_pad).reshape(b, q_len + q_pad, hk, hq // hk, d)
+    k = _pad_axis(key, 1, kv_pad)
+    v = _pad_axis(value, 1, kv_pad)
+    bias = _pad_logit_axes(group_heads(as_rank4("bias", bias, target), hk), q_pad, kv_pad)
+    mask = _pad_logit_axes(group_heads(as_rank4("mask", mask, target), hk), q_pad, kv_pad)
+    out = _attention(geometry, q, k, v, bias, mask, dropout_rng)
+    return out[:, :q_len].reshape(b, q_len, hq, value.shape[-1]).astype(query.dtype)
+
+
+def _pad_axis(x, axis, amount):
+    if amount == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, amount)
+    return jnp.pad(x, widths)
+
+
+def _pad_logit_axes(x, q_pad, kv_pad):
+    """Pads the Tq and Tk axes of a ``[b, h, g, tq, tk]`` bias or mask where they are full size."""
+    if x is None:
+        return None
+    x = x if x.shape[3] == 1 else _pad_axis(x, 3, q_pad)
+    return x if x.shape[4] == 1 else _pad_axis(x, 4, kv_pad)
+
+
+def _slice_block(x, first_row, first_col, geometry):
+    """The ``[b, h, g, block_q, block_k]`` block (size-1 axes kept) of a bias or mask."""
+    if x is None:
+        return None
+    if x.shape[3] > 1:
+        x = lax.dynamic_slice_in_dim(x, first_row, geometry.block_q, axis=3)
+    if x.shape[4] > 1:
+        x = lax.dynamic_slice_in_dim(x, first_col, geometry.block_k, axis=4)
+    return x
+
+
+def _add_block(total, block, first_row, first_col):
+    """Adds a logits-shaped block into ``total``, summing over the axes ``total`` broadcasts."""
+    summed = tuple(a for a in range(5) if total.shape[a] == 1 and block.shape[a] > 1)
+    block = block.sum(summed, keepdims=True)
+    start = (
+        0,
+        0,
+        0,
+        first_row if total.shape[3] > 1 else 0,
+        first_col if total.shape[4] > 1 else 0,
+    )
+    current = lax.dynamic_slice(total, start, block.shape)
+    return lax.dynamic_update_slice(total, current + block, start)
+
+
+def _block_logits(geometry, q_block, k_block, bias, mask, first_row, first_col):
+    """Scaled, biased, masked float32 logits ``[B, Hk, G, bq, bk]`` and their validity mask."""
+    logits = jnp.einsum("bqhgd,bkhd->bhgqk", q_block, k_block, preferred_element_type=jnp.float32)
+    logits = logits * geometry.scale
+    if bias is not None:
+        logits = logits + _slice_block(bias, first_row, first_col, geometry).astype(jnp.float32)
+    valid = geometry.visible(first_row, first_col)
+    if mask is not None:
+        valid = valid & _slice_block(mask, first_row, first_col, geometry)
+    return jnp.where(valid, logits, _MASK_VALUE), valid
+
+
+def _dropout_keep(geometry, rng, q_block, k_block, shape):
+    block_rng = jax.random.fold_in(jax.random.fold_in(rng, q_block), k_block)
+    return dropout_keep(block_rng, geometry.dropout_rate, shape)
+
+
+def _forward(geometry, q, k, v, bias, mask, rng):
+    """float32 output ``[B, Tq', Hk, G, Dv]`` and row log-sum-exp ``[B, Hk, G, Tq']``.
+
+    ``Tq'`` is the padded query length.
+    """
+    b, q_len_padded, hk, g, _ = q.shape
+    bq, bk, dv = geometry.block_q, geometry.block_k, v.shape[-1]
+
+    def one_query_block(i):
+        first_row = i * bq
+        q_i = lax.dynamic_slice_in_dim(q, first_row, bq, axis=1)
+
+        def one_key_block(j, carry):
+            row_max, row_sum, acc = carry
+            first_col = j * bk
+            k_j = lax.dynamic_slice_in_dim(k, first_col, bk, axis=1)
+            v_j = lax.dynamic_slice_in_dim(v, first_col, bk, axis=1)
+            logits, valid = _block_logits(geometry, q_i, k_j, bias, mask, first_row, first_col)
+            new_max = jnp.maximum(row_max, logits.max(axis=-1))
+            p = jnp.where(valid, jnp.exp(logits - new_max[..., None]), 0.0)
+            correction = jnp.exp(row_max - new_max)
+            row_sum = correction * row_sum + p.sum(axis=-1)
+            if geometry.dropout_rate > 0.0:
+                keep = _dropout_keep(geometry, rng, i, j, p.shape)
+                p = jnp.where(keep, p / (1.0 - geometry.dropout_rate), 0.0)
+            pv = jnp.einsum(
+                "bhgqk,bkhd->bhgqd", p.astype(v.dtype), v_j, preferred_element_type=jnp.float32
+            )
+            return new_max, row_sum, correction[..., None] * acc + pv
+
+        init = (
+            jnp.full((b, hk, g, bq), _MASK_VALUE, jnp.float32),
+            jnp.zeros((b, hk, g, bq), jnp.float32),
+            jnp.zeros((b, hk, g, bq, dv), jnp.float32),
+        )
+        row_max, row_sum, acc = lax.fori_loop(*geometry.key_blocks(i), one_key_block, init)
+        # Rows that saw no key (fully masked) have row_sum == 0 and acc == 0: output 0, not NaN.
+        safe_sum = jnp.where(row_sum > 0.0, row_sum, 1.0)
+        return acc / safe_sum[..., None], row_max + jnp.log(safe_sum)
+
+    out, lse = lax.map(one_query_block, jnp.arange(q_len_padded // bq))
+    # out: [nq, B, Hk, G, bq, Dv] -> [B, Tq', Hk, G, Dv]; lse: [nq, B, Hk, G, bq] -> [B, Hk, G, Tq']
+    out = jnp.moveaxis(out, (0, 4), (1, 2)).reshape(b, q_len_padded, hk, g, dv)
+    lse = jnp.moveaxis(lse, 0, 3).reshape(b, hk, g, q_len_padded)
+    return out, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(geometry, q, k, v, bias, mask, rng):
+    return _forward(geometry, q, k, v, bias, mask, rng)[0]
+
+
+def _attention_fwd(geometry, q, k, v, bias, mask, rng):
+    out, lse = _forward(geometry, q, k, v, bias, mask, rng)
+    return out, (q, k, v, bias, mask, rng, out, lse)
+
+
+def _attention_bwd(geometry, residuals, d_out):
+    q, k, v, bias, mask, rng, out, lse = residuals
+    b, q_len_padded, hk, g, d = q.shape
+    bq, bk, rate = geometry.block_q, geometry.block_k, geometry.dropout_rate
+    compute_dtype = q.dtype
+    # delta_i = sum_d dO_i · O_i = rowsum(P ∘ dP), also with dropout (FlashAttention-2, eq. 4).
+    delta = jnp.moveaxis(jnp.sum(d_out * out, axis=-1), 1, 3)  # [B, Hk, G, Tq']
+    d_out = d_out.astype(compute_dtype)
+
+    def one_key_block(carry, j):
+        first_col = j * bk
+        k_j = lax.dynamic_slice_in_dim(k, first_col, bk, axis=1)
+        v_j = lax.dynamic_slice_in_dim(v, first_col, bk, axis=1)
+
+        def one_query_block(i, inner):
+            dq, dbias, dk_j, dv_j = inner
+            first_row = i * bq
+            q_i = lax.dynamic_slice_in_dim(q, first_row, bq, axis=1)
+            do_i = lax.dynamic_slice_in_dim(d_out, first_row, bq, axis=1)
+            lse_i = lax.dynamic_slice_in_dim(lse, first_row, bq, axis=3)
+            delta_i = lax.dynamic_slice_in_dim(delta, first_row, bq, axis=3)
+            logits, valid = _block_logits(geometry, q_i, k_j, bias, mask, first_row, first_col)
+            p = jnp.where(valid, jnp.exp(logits - lse_i[..., None]), 0.0)
+            dp = jnp.einsum("bqhgd,bkhd->bhgqk", do_i, v_j, preferred_element_type=jnp.float32)
+            p_dropped = p
+            if rate > 0.0:
+                keep = _dropout_keep(geometry, rng, i, j, p.shape)
+                p_dropped = jnp.where(keep, p / (1.0 - rate), 0.0)
+                dp = jnp.where(keep, dp / (1.0 - rate), 0.0)
+            dv_j = dv_j + jnp.einsum(
+                "bhgqk,bqhgd->bkhd",
+                p_dropped.astype(compute_dtype),
+                do_i,
+                preferred_element_type=jnp.float32,
+            )
+            d_logits = p * (dp - delta_i[..., None])
+            ds = (d_logits * geometry.scale).astype(compute_dtype)
+            dq_i = jnp.einsum("bhgqk,bkhd->bqhgd", ds, k_j, preferred_element_type=jnp.float32)
+            dq = lax.dynamic_update_slice_in_dim(
+                dq, lax.dynamic_slice_in_dim(dq, first_row, bq, axis=1) + dq_i, first_row, axis=1
+            )
+            dk_j = dk_j + jnp.einsum(
+                "bhgqk,bqhgd->bkhd", ds, q_i, preferred_element_type=jnp.float32
+            )
+            if dbias is not None:
+                dbias = _add_block(dbias, d_logits, first_row, first_col)
+            return dq, dbias, dk_j, dv_j
+
+        dq, dbias = carry
+        inner = (dq, dbias, jnp.zeros(k_j.shape, jnp.float32), jnp.zeros(v_j.shape, jnp.float32))
+        dq, dbias, dk_j, dv_j = lax.fori_loop(*geometry.query_blocks(j), one_query_block, inner)
+        return (dq, dbias), (dk_j, dv_j)
+
+    init = (
+        jnp.zeros(q.shape, jnp.float32),
+        None if bias is None else jnp.zeros(bias.shape, jnp.float32),
+    )
+    num_key_blocks = k.shape[1] // bk
+    (dq, dbias), (dk, dv) = lax.scan(one_key_block, init, jnp.arange(num_key_blocks))
+    dk = jnp.moveaxis(dk, 0, 1).reshape(k.shape)
+    dv = jnp.moveaxis(dv, 0, 1).reshape(v.shape)
+    dbias = None if bias is None else dbias.astype(bias.dtype)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias, None, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)

@@ -1,0 +1,262 @@
+"""dot_product_attention and attention_weights against a naive formula and jax.nn."""
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from attention_reference import naive_attention, naive_attention_probs
+
+from flaxformer_lite import ops
+from flaxformer_lite.ops import attention as attention_module
+
+# jit everywhere: eager JAX compiles every primitive separately, which dominates test time.
+attend = jax.jit(
+    ops.dot_product_attention,
+    static_argnames=("scale", "is_causal", "local_window", "dropout_rate", "implementation"),
+)
+
+
+def make_qkv(seed, b=2, tq=9, tk=9, hq=4, hk=2, d=8, dv=None, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((b, tq, hq, d)).astype(dtype)
+    k = rng.standard_normal((b, tk, hk, d)).astype(dtype)
+    v = rng.standard_normal((b, tk, hk, dv or d)).astype(dtype)
+    return jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+
+
+def random_mask(seed, shape, p=0.7):
+    return jnp.asarray(np.random.default_rng(seed).random(shape) < p)
+
+
+CASES = {
+    "plain": dict(),
+    "causal": dict(is_causal=True),
+    "gqa_causal_short_query": dict(tq=4, tk=11, is_causal=True),
+    "long_query_causal": dict(tq=11, tk=6, is_causal=True),
+    "mqa": dict(hk=1),
+    "mask_and_bias": dict(mask=True, bias=True),
+    "padding": dict(padding=True, is_causal=True),
+    "window": dict(local_window=(2, 1)),
+    "causal_window": dict(is_causal=True, local_window=(3, 0), mask=True),
+    "value_dim_differs": dict(dv=5, bias=True),
+}
+
+
+def build_case(case, seed=0):
+    case = dict(case)
+    shape_args = {k: case.pop(k) for k in ("tq", "tk", "hk", "dv") if k in case}
+    q, k, v = make_qkv(seed, **shape_args)
+    b, tq, hq, _ = q.shape
+    tk = k.shape[1]
+    inputs = dict(bias=None, mask=None)
+    if case.pop("bias", False):
+        inputs["bias"] = jnp.asarray(np.random.default_rng(seed + 7).standard_normal((hq, tq, tk)))
+    if case.pop("mask", False):
+        inputs["mask"] = random_mask(seed + 8, (b, hq, tq, tk))
+    if case.pop("padding", False):
+        q_valid = np.arange(tq) < np.array([[tq], [tq - 3]])
+        kv_valid = np.arange(tk) < np.array([[tk - 2], [tk]])
+        inputs["mask"] = jnp.asarray(q_valid[:, None, :, None] & kv_valid[:, None, None, :])
+    return q, k, v, inputs, case
+
+
+def reference(q, k, v, inputs, flags):
+    return naive_attention(
+        q,
+        k,
+        v,
+        inputs["bias"],
+        inputs["mask"],
+        causal=flags.get("is_causal", False),
+        window=flags.get("local_window"),
+    )
+
+
+@pytest.mark.parametrize("implementation", ["xla", "chunked", None])
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_matches_naive_formula(case, implementation):
+    q, k, v, inputs, flags = build_case(case)
+    out = attend(q, k, v, **inputs, **flags, implementation=implementation)
+    assert out.shape == q.shape[:3] + v.shape[-1:] and out.dtype == q.dtype
+    np.testing.assert_allclose(out, reference(q, k, v, inputs, flags), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["plain", "causal", "mqa", "mask_and_bias", "padding", "window"])
+def test_matches_jax_nn(case):
+    q, k, v, inputs, flags = build_case(CASES[case])
+    ours = attend(q, k, v, **inputs, **flags, implementation="xla")
+    theirs = jax.nn.dot_product_attention(
+        q,
+        k,
+        v,
+        inputs["bias"],
+        inputs["mask"],
+        is_causal=flags.get("is_causal", False),
+        local_window_size=flags.get("local_window"),
+    )
+    real_rows = None
+    if inputs["mask"] is not None:  # jax.nn leaves fully masked rows undefined; compare the rest
+        real_rows = np.broadcast_to(inputs["mask"], (2, 4, 9, 9)).any(-1)
+        real_rows = np.transpose(real_rows, (0, 2, 1))[..., None]
+        ours, theirs = np.where(real_rows, ours, 0), np.where(real_rows, theirs, 0)
+    np.testing.assert_allclose(ours, theirs, atol=2e-6, rtol=1e-5)
+
+
+def test_jax_nn_delegation_follows_our_conventions():
+    # The cuDNN path goes through jax_nn_attention; on CPU the same code runs with "xla", which
+    # checks the argument translation (GQA, scale, mask, bias, zeroed masked rows).
+    q, k, v, inputs, _ = build_case(dict(mask=True, bias=True))
+    mask = np.array(inputs["mask"])
+    mask[0, :, 2, :] = False
+    kwargs = dict(scale=0.3, is_causal=True, local_window=(4, 0))
+    ours = attend(q, k, v, inputs["bias"], mask, **kwargs, implementation="xla")
+    delegate = functools.partial(attention_module.jax_nn_attention, **kwargs, implementation="xla")
+    delegated = jax.jit(delegate)(q, k, v, inputs["bias"], mask)
+    np.testing.assert_allclose(delegated, ours, atol=2e-6)
+    assert np.all(np.asarray(delegated)[0, 2] == 0)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "chunked"])
+def test_bfloat16_computes_in_float32(implementation):
+    q, k, v, inputs, flags = build_case(CASES["mask_and_bias"])
+    q, k, v = (np.asarray(x).astype(jnp.bfloat16) for x in (q, k, v))
+    out = attend(*map(jnp.asarray, (q, k, v)), **inputs, implementation=implementation)
+    assert out.dtype == jnp.bfloat16
+    # Against float64 math on the same bf16-rounded inputs: only the output rounding and the
+    # bf16 weights·value product may differ.
+    expected = reference(*(x.astype(np.float32) for x in (q, k, v)), inputs, flags)
+    np.testing.assert_allclose(np.asarray(out, np.float32), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "chunked"])
+def test_fully_masked_rows_are_zero_with_finite_gradients(implementation):
+    q, k, v = make_qkv(1)
+    mask = np.ones((2, 1, 9, 9), bool)
+    mask[:, :, 3] = False
+    mask[1] = False
+    run = functools.partial(attend, mask=jnp.asarray(mask), implementation=implementation)
+    out = np.asarray(run(q, k, v))
+    assert np.all(out[:, 3] == 0) and np.all(out[1] == 0) and np.isfinite(out).all()
+    grads = jax.jit(jax.grad(lambda q, k, v: jnp.sum(run(q, k, v) ** 2), argnums=(0, 1, 2)))(
+        q, k, v
+    )
+    assert all(np.isfinite(np.asarray(g)).all() for g in grads)
+    assert np.all(np.asarray(grads[0])[1] == 0)
+
+
+def test_scale_argument():
+    q, k, v = make_qkv(2)
+    out = attend(q, k, v, scale=0.1, implementation="xla")
+    np.testing.assert_allclose(out, naive_attention(q, k, v, scale=0.1), atol=2e-6)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "chunked"])
+def test_jit_vmap_grad(implementation):
+    q, k, v, inputs, flags = build_case(CASES["causal_window"])
+    run = functools.partial(
+        ops.dot_product_attention, **inputs, **flags, implementation=implementation
+    )
+    np.testing.assert_allclose(jax.jit(run)(q, k, v), reference(q, k, v, inputs, flags), atol=2e-6)
+    # vmap over an extra leading axis: each slice equals the unbatched call.
+    stacked = [jnp.stack([x, 2 * x]) for x in (q, k, v)]
+    batched = jax.jit(jax.vmap(run))(*stacked)
+    np.testing.assert_allclose(batched[1], reference(2 * q, 2 * k, 2 * v, inputs, flags), atol=1e-5)
+    # grad against the float64 formula through finite differences along a random direction.
+    direction = np.random.default_rng(3).standard_normal(q.shape)
+    analytic = jnp.vdot(jax.jit(jax.grad(lambda q: jnp.sum(jnp.sin(run(q, k, v)))))(q), direction)
+    qd = np.asarray(q, np.float64)
+
+    def ref_loss(q):
+        return np.sum(np.sin(reference(q, k, v, inputs, flags)))
+
+    eps = 1e-4
+    numeric = (ref_loss(qd + eps * direction) - ref_loss(qd - eps * direction)) / (2 * eps)
+    np.testing.assert_allclose(analytic, numeric, rtol=1e-4)
+
+
+def test_xla_dropout_is_unbiased_and_reproducible():
+    q, k, v = make_qkv(4, b=1, tq=4, tk=64, hq=2, hk=2)
+    run = functools.partial(attend, dropout_rate=0.5, implementation="xla")
+    rng = jax.random.key(5)
+    first = run(q, k, v, dropout_rng=rng)
+    np.testing.assert_array_equal(first, run(q, k, v, dropout_rng=rng))
+    assert not np.allclose(first, run(q, k, v, dropout_rng=jax.random.key(6)))
+    sample = jax.jit(jax.vmap(lambda r: run(q, k, v, dropout_rng=r)))
+    samples = sample(jax.random.split(rng, 4000))
+    no_dropout = attend(q, k, v, implementation="xla")
+    np.testing.assert_allclose(samples.mean(0), no_dropout, atol=0.03)
+
+
+def test_attention_weights():
+    q, k, _, inputs, flags = build_case(CASES["causal_window"])
+    weights = jax.jit(functools.partial(ops.attention_weights, **flags))(q, k, **inputs)
+    assert weights.shape == (2, 4, 9, 9) and weights.dtype == jnp.float32
+    expected = naive_attention_probs(
+        q, k, inputs["bias"], inputs["mask"], causal=True, window=(3, 0)
+    )
+    np.testing.assert_allclose(weights, expected, atol=1e-6)
+    row_sums = np.asarray(weights.sum(-1))
+    assert np.all((np.abs(row_sums - 1) < 1e-5) | (row_sums == 0))
+
+
+@pytest.mark.parametrize(
+    "shapes, kwargs, message",
+    [
+        (((2, 4, 8), (2, 4, 2, 8), (2, 4, 2, 8)), {}, "query must be"),
+        (((2, 4, 4, 8), (2, 4, 2, 6), (2, 4, 2, 6)), {}, "head_dim differ"),
+        (((2, 4, 4, 8), (2, 4, 3, 8), (2, 4, 3, 8)), {}, "multiple of key/value heads"),
+        (((2, 4, 4, 8), (2, 5, 2, 8), (2, 4, 2, 8)), {}, "key and value must agree"),
+        (((2, 4, 4, 8), (3, 4, 2, 8), (3, 4, 2, 8)), {}, "batch sizes differ"),
+        (
+            ((2, 4, 4, 8), (2, 5, 2, 8), (2, 5, 2, 8)),
+            {"mask": np.ones((2, 1, 4, 4), bool)},
+            r"mask of shape \(2, 1, 4, 4\)",
+        ),
+        (
+            ((2, 4, 4, 8), (2, 5, 2, 8), (2, 5, 2, 8)),
+            {"bias": np.zeros((3, 4, 5))},
+            r"bias of shape \(3, 4, 5\)",
+        ),
+        (((2, 4, 4, 8), (2, 4, 2, 8), (2, 4, 2, 8)), {"mask": np.ones((4, 4))}, "must be boolean"),
+        (((2, 4, 4, 8), (2, 4, 2, 8), (2, 4, 2, 8)), {"dropout_rate": 0.1}, "needs a dropout_rng"),
+        (((2, 4, 4, 8), (2, 4, 2, 8), (2, 4, 2, 8)), {"local_window": (2, -1)}, "local_window"),
+        (
+            ((2, 4, 4, 8), (2, 4, 2, 8), (2, 4, 2, 8)),
+            {"implementation": "flash"},
+            "implementation must be",
+        ),
+    ],
+)
+@pytest.mark.parametrize("implementation", ["xla", "chunked"])
+def test_bad_inputs_raise_value_error_naming_shapes(shapes, kwargs, message, implementation):
+    q, k, v = (jnp.asarray(np.zeros(s, np.float32)) for s in shapes)
+    kwargs = {"implementation": implementation, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        attend(q, k, v, **kwargs)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the non-GPU behaviour")
+def test_cudnn_off_gpu_is_a_clear_error_and_never_chosen():
+    q, k, v = make_qkv(0, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="needs a GPU"):
+        attend(q, k, v, implementation="cudnn")
+    choose = functools.partial(
+        attention_module.select_implementation, is_causal=True, local_window=None, dropout_rate=0.0
+    )
+    assert choose(q, k, v) == "xla"
+
+
+def test_automatic_choice_by_size(caplog):
+    def shapes(t):
+        return (jax.ShapeDtypeStruct((1, t, 8, 64), jnp.float32),) * 3
+
+    choose = functools.partial(
+        attention_module.select_implementation, is_causal=True, local_window=None, dropout_rate=0.0
+    )
+    with caplog.at_level(logging.DEBUG, logger="flaxformer_lite.ops.attention"):
+        assert choose(*shapes(1024)) == "xla"
+        assert choose(*shapes(8192)) == "chunked"
+    assert "chunked" in caplog.text and "xla" in caplog.text

@@ -1,0 +1,77 @@
+"""Mask constructors against plain index formulas."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flaxformer_lite import ops
+
+
+@pytest.mark.parametrize("q_len, kv_len, offset", [(5, 5, 0), (3, 7, 4), (6, 4, -2), (4, 4, 2)])
+def test_causal_mask(q_len, kv_len, offset):
+    mask = ops.causal_mask(q_len, kv_len, offset)
+    expected = np.array([[j <= i + offset for j in range(kv_len)] for i in range(q_len)])
+    assert mask.shape == (1, 1, q_len, kv_len) and mask.dtype == jnp.bool_
+    np.testing.assert_array_equal(mask[0, 0], expected)
+
+
+def test_causal_mask_per_row_offsets_under_jit():
+    offsets = jnp.array([0, 3])
+    mask = jax.jit(ops.causal_mask, static_argnums=(0, 1))(2, 5, offsets)
+    assert mask.shape == (2, 1, 2, 5)
+    for row, offset in enumerate([0, 3]):
+        np.testing.assert_array_equal(mask[row, 0], ops.causal_mask(2, 5, offset)[0, 0])
+
+
+def test_local_window_mask():
+    mask = ops.local_window_mask(6, 8, (2, 1), offset=2)
+    expected = np.array([[i + 2 - 2 <= j <= i + 2 + 1 for j in range(8)] for i in range(6)])
+    np.testing.assert_array_equal(mask[0, 0], expected)
+    with pytest.raises(ValueError, match="local_window"):
+        ops.local_window_mask(4, 4, (1,))
+
+
+def test_padding_mask_from_bools_and_lengths_agree():
+    lengths_q, lengths_kv = jnp.array([3, 1]), jnp.array([2, 4])
+    valid_q = jnp.arange(4)[None] < lengths_q[:, None]
+    valid_kv = jnp.arange(5)[None] < lengths_kv[:, None]
+    from_bools = ops.padding_mask(valid_q, valid_kv)
+    from_lengths = ops.padding_mask(lengths_q, lengths_kv, q_len=4, kv_len=5)
+    assert from_bools.shape == (2, 1, 4, 5)
+    np.testing.assert_array_equal(from_bools, from_lengths)
+    expected = np.array(valid_q)[:, None, :, None] & np.array(valid_kv)[:, None, None, :]
+    np.testing.assert_array_equal(from_bools, expected)
+    self_attention = ops.padding_mask(lengths_q, q_len=4)
+    np.testing.assert_array_equal(self_attention, ops.padding_mask(valid_q, valid_q))
+
+
+def test_padding_mask_errors():
+    with pytest.raises(ValueError, match="q_len is required"):
+        ops.padding_mask(jnp.array([1, 2]), jnp.ones((2, 3), bool))
+    with pytest.raises(ValueError, match="batch sizes differ"):
+        ops.padding_mask(jnp.ones((2, 3), bool), jnp.ones((3, 3), bool))
+    with pytest.raises(ValueError, match="q_valid must be"):
+        ops.padding_mask(jnp.ones((2, 3)), jnp.ones((2, 3), bool))
+
+
+def test_segment_mask():
+    q_ids = jnp.array([[1, 1, 2, 2, 0]])
+    kv_ids = jnp.array([[1, 2, 2, 3]])
+    mask = ops.segment_mask(q_ids, kv_ids)
+    expected = np.array([[[[a == b for b in kv_ids[0]] for a in q_ids[0]]]])
+    np.testing.assert_array_equal(mask, expected)
+    np.testing.assert_array_equal(ops.segment_mask(q_ids), ops.segment_mask(q_ids, q_ids))
+    with pytest.raises(ValueError, match="segment ids"):
+        ops.segment_mask(jnp.array([1, 2]))
+
+
+def test_combine_masks():
+    a = ops.causal_mask(4)
+    b = ops.padding_mask(jnp.array([4, 2]), q_len=4)
+    np.testing.assert_array_equal(ops.combine_masks(a, None, b), np.asarray(a) & np.asarray(b))
+    assert ops.combine_masks(None, None) is None
+    with pytest.raises(ValueError, match="boolean"):
+        ops.combine_masks(a, jnp.ones((4, 4)))
+    with pytest.raises(ValueError, match="do not broadcast"):
+        ops.combine_masks(a, jnp.ones((1, 1, 3, 4), bool))
