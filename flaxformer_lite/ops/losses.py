@@ -1,0 +1,115 @@
+"""Token-level cross-entropy with label smoothing, z-loss and padding weights.
+
+Everything is computed in float32 whatever the logits dtype. The smoothed loss is evaluated in
+closed form from `logsumexp`, the target logit and the mean logit, so no `[..., V]` one-hot or
+smoothed-label array is ever built: with a 256k vocabulary that array would be as large as the
+logits themselves.
+"""
+
+import jax
+import jax.numpy as jnp
+
+
+def _check_inputs(
+    logits: jax.Array,
+    targets: jax.Array,
+    weights: jax.Array | None,
+    label_smoothing: float,
+) -> None:
+    """Raises a ValueError (or TypeError) naming the offending shape, dtype or value."""
+    if logits.ndim != targets.ndim + 1 or logits.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"logits must have shape targets.shape + (vocab,); got logits with shape "
+            f"{logits.shape} and targets with shape {targets.shape}"
+        )
+    if not jnp.issubdtype(targets.dtype, jnp.integer):
+        raise TypeError(f"targets must be an integer array; got dtype {targets.dtype}")
+    if weights is not None and weights.shape != targets.shape:
+        raise ValueError(
+            f"weights must have the shape of targets {targets.shape}; got weights with shape "
+            f"{weights.shape}"
+        )
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1); got {label_smoothing}")
+
+
+def cross_entropy(
+    logits: jax.Array,
+    targets: jax.Array,
+    *,
+    weights: jax.Array | None = None,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Weighted mean softmax cross-entropy over tokens, with label smoothing and z-loss.
+
+    Per token, with `lse = logsumexp(logits)` and `α = label_smoothing`:
+
+        ce = lse - [(1 - α) * logits[target] + α * mean_v(logits[v])]
+        z  = z_loss * lse**2
+
+    `ce` is exactly the cross-entropy against the smoothed distribution
+    `(1 - α) * onehot(target) + α / V` (the `optax.smooth_labels` convention), so its gradient with
+    respect to the logits is `softmax(logits) - smoothed`. `z` is the auxiliary z-loss of PaLM and
+    T5X, which pulls `lse` towards 0 to keep the softmax normalizer from drifting.
+
+    Tokens are averaged with `weights`; the denominator is `max(sum(weights), 1e-8)` so a batch that
+    is all padding gives a loss of 0 (not NaN) and a zero gradient. Positions with weight 0 are
+    excluded entirely: their logits and targets (even out-of-range padding ids such as -100) do not
+    affect the loss or the metrics.
+
+    Args:
+      logits: `[..., V]` unnormalized scores, any float dtype (cast to float32).
+      targets: `[...]` integer class ids in `[0, V)` wherever the weight is non-zero.
+      weights: optional `[...]` float or bool per-token weights; None means all ones. Padding
+        positions should have weight 0.
+      label_smoothing: Python float `α` in `[0, 1)`.
+      z_loss: Python float coefficient of the z-loss term; 0 disables it.
+
+    Returns:
+      A pair `(loss, metrics)`. `loss` is a float32 scalar: the weighted mean of `ce + z`, the value
+      to differentiate. `metrics` maps to float32 scalars:
+        - `"loss"`: weighted mean of `ce` alone (comparable across z-loss settings),
+        - `"z_loss"`: weighted mean of `z`,
+        - `"accuracy"`: weighted fraction of tokens whose argmax equals the target,
+        - `"num_tokens"`: `sum(weights)`.
+
+    Raises:
+      ValueError: if the shapes of `logits`, `targets` and `weights` disagree, or
+        `label_smoothing` is outside `[0, 1)`.
+      TypeError: if `targets` is not an integer array.
+    """
+    logits = jnp.asarray(logits)
+    targets = jnp.asarray(targets)
+    weights = None if weights is None else jnp.asarray(weights)
+    _check_inputs(logits, targets, weights, label_smoothing)
+
+    logits = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    # A gather, not a one-hot product: O(tokens) memory instead of O(tokens * V).
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    smoothed_logit = (1.0 - label_smoothing) * target_logit
+    if label_smoothing:
+        smoothed_logit = smoothed_logit + label_smoothing * jnp.mean(logits, axis=-1)
+    ce = lse - smoothed_logit
+    z = z_loss * jnp.square(lse)
+    correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+
+    w = jnp.ones(targets.shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
+    num_tokens = jnp.sum(w)
+    denominator = jnp.maximum(num_tokens, 1e-8)
+    # An out-of-range padding target gathers NaN (JAX's default "fill" mode), and NaN * 0 is NaN, so
+    # weight-0 positions are selected away rather than multiplied away. `where` also gives them an
+    # exact zero gradient.
+    keep = w != 0
+
+    def weighted_mean(values: jax.Array) -> jax.Array:
+        return jnp.sum(jnp.where(keep, values * w, 0.0)) / denominator
+
+    metrics = {
+        "loss": weighted_mean(ce),
+        "z_loss": weighted_mean(z),
+        "accuracy": weighted_mean(correct),
+        "num_tokens": num_tokens,
+    }
+    return metrics["loss"] + metrics["z_loss"], metrics
