@@ -206,6 +206,7 @@ def test_attention_weights():
     "shapes, kwargs, message",
     [
         (((2, 4, 8), (2, 4, 2, 8), (2, 4, 2, 8)), {}, "query must be"),
+        (((2, 0, 4, 8), (2, 4, 2, 8), (2, 4, 2, 8)), {}, "at least one position"),
         (((2, 4, 4, 8), (2, 4, 2, 6), (2, 4, 2, 6)), {}, "head_dim differ"),
         (((2, 4, 4, 8), (2, 4, 3, 8), (2, 4, 3, 8)), {}, "multiple of key/value heads"),
         (((2, 4, 4, 8), (2, 5, 2, 8), (2, 4, 2, 8)), {}, "key and value must agree"),
@@ -260,3 +261,40 @@ def test_automatic_choice_by_size(caplog):
         assert choose(*shapes(1024)) == "xla"
         assert choose(*shapes(8192)) == "chunked"
     assert "chunked" in caplog.text and "xla" in caplog.text
+
+
+@pytest.mark.parametrize("implementation", ["xla", "chunked"])
+def test_causality_future_keys_change_nothing(implementation):
+    q, k, v = make_qkv(5, tq=12, tk=12)
+    rng = np.random.default_rng(6)
+    k2 = k.at[:, 7:].set(jnp.asarray(rng.standard_normal(k[:, 7:].shape), jnp.float32))
+    v2 = v.at[:, 7:].set(jnp.asarray(rng.standard_normal(v[:, 7:].shape), jnp.float32))
+    before = attend(q, k, v, is_causal=True, implementation=implementation)
+    after = attend(q, k2, v2, is_causal=True, implementation=implementation)
+    np.testing.assert_array_equal(before[:, :7], after[:, :7])
+    assert not np.allclose(before[:, 7:], after[:, 7:])
+
+
+@pytest.mark.parametrize("implementation", ["xla", "chunked"])
+def test_permuting_keys_changes_nothing_and_queries_permute_outputs(implementation):
+    q, k, v = make_qkv(7, tq=6, tk=10)
+    key_order = np.random.default_rng(8).permutation(10)
+    query_order = np.random.default_rng(9).permutation(6)
+    out = attend(q, k, v, implementation=implementation)
+    permuted_keys = attend(q, k[:, key_order], v[:, key_order], implementation=implementation)
+    permuted_queries = attend(q[:, query_order], k, v, implementation=implementation)
+    np.testing.assert_allclose(permuted_keys, out, atol=2e-6)
+    np.testing.assert_allclose(permuted_queries, out[:, query_order], atol=2e-6)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "chunked"])
+def test_packed_sequences_equal_separate_sequences(implementation):
+    # Two sequences of lengths 5 and 7 packed into one row of 12 with segment ids.
+    q, k, v = make_qkv(10, b=1, tq=12, tk=12)
+    segment_ids = jnp.asarray([[1] * 5 + [2] * 7])
+    packed = attend(
+        q, k, v, mask=ops.segment_mask(segment_ids), is_causal=True, implementation=implementation
+    )
+    first = attend(q[:, :5], k[:, :5], v[:, :5], is_causal=True, implementation=implementation)
+    second = attend(q[:, 5:], k[:, 5:], v[:, 5:], is_causal=True, implementation=implementation)
+    np.testing.assert_allclose(packed, jnp.concatenate([first, second], axis=1), atol=2e-6)

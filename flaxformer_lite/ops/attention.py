@@ -26,13 +26,13 @@ import jax
 import jax.numpy as jnp
 
 from flaxformer_lite.ops.attention_inputs import (
+    MASK_VALUE,
     as_rank4,
     attention_logits_shape,
-    check_attention_inputs,
     default_scale,
     dropout_keep,
-    group_heads,
     structural_mask,
+    validated_attention_inputs,
 )
 from flaxformer_lite.ops.chunked_attention import chunked_attention
 from flaxformer_lite.ops.masks import combine_masks
@@ -86,36 +86,25 @@ def dot_product_attention(
       ValueError: on wrong ranks, mismatched shapes, ``Hq % Hk != 0``, masks or biases that do
         not broadcast, a non-boolean mask, or an implementation that cannot run these inputs.
     """
-    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
-    bias = None if bias is None else jnp.asarray(bias)
-    mask = None if mask is None else jnp.asarray(mask)
-    check_attention_inputs(query, key, value, bias, mask, local_window, dropout_rate, dropout_rng)
-    kwargs = dict(
-        scale=scale,
-        is_causal=is_causal,
-        local_window=local_window,
-        dropout_rate=dropout_rate,
-        dropout_rng=dropout_rng,
+    query, key, value, bias, mask = validated_attention_inputs(
+        query, key, value, bias, mask, local_window, dropout_rate, dropout_rng
     )
+    geometry = dict(scale=scale, is_causal=is_causal, local_window=local_window)
+    dropout = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng)
     if implementation is None:
         implementation = select_implementation(
-            query,
-            key,
-            value,
-            is_causal=is_causal,
-            local_window=local_window,
+            query, key, value, is_causal=is_causal, local_window=local_window,
             dropout_rate=dropout_rate,
-        )
+        )  # fmt: skip
     if implementation == "xla":
-        return xla_attention(query, key, value, bias, mask, **kwargs)
+        return xla_attention(query, key, value, bias, mask, **geometry, **dropout)
     if implementation == "chunked":
-        return chunked_attention(query, key, value, bias, mask, **kwargs)
+        return chunked_attention(query, key, value, bias, mask, **geometry, **dropout)
     if implementation == "cudnn":
         reason = cudnn_unsupported_reason(query, key, value, is_causal, local_window, dropout_rate)
         if reason:
             raise ValueError(f'implementation="cudnn" cannot run these inputs: {reason}')
-        kwargs.pop("dropout_rate"), kwargs.pop("dropout_rng")
-        return jax_nn_attention(query, key, value, bias, mask, implementation="cudnn", **kwargs)
+        return jax_nn_attention(query, key, value, bias, mask, **geometry, implementation="cudnn")
     raise ValueError(
         f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}"
     )
@@ -138,46 +127,95 @@ def attention_weights(
     Returns:
       float32 ``[B, Hq, Tq, Tk]``; each row sums to 1, or is all zeros if fully masked.
     """
-    query, key = jnp.asarray(query), jnp.asarray(key)
-    bias = None if bias is None else jnp.asarray(bias)
-    mask = None if mask is None else jnp.asarray(mask)
-    check_attention_inputs(query, key, key, bias, mask, local_window, 0.0, None)
-    probs = _grouped_probs(query, key, bias, mask, scale, is_causal, local_window)
-    return probs.reshape(attention_logits_shape(query, key))
+    query, key, _, bias, mask = validated_attention_inputs(
+        query, key, key, bias, mask, local_window, 0.0, None
+    )
+    bias = as_rank4("bias", bias, attention_logits_shape(query, key))
+    full_mask = _full_mask(query, key, mask, is_causal, local_window)
+
+    def softmax(q, bias, mask):
+        return _softmax(q, key, bias, mask, default_scale(query, scale))
+
+    probs = _per_query_group(softmax, query, key.shape[2], 2, bias, full_mask)
+    return probs if full_mask is None else jnp.where(full_mask, probs, 0.0)
 
 
 def xla_attention(
     query, key, value, bias, mask, *, scale, is_causal, local_window, dropout_rate, dropout_rng
 ):
     """The einsum reference implementation; inputs already validated. See module docstring."""
-    probs = _grouped_probs(query, key, bias, mask, scale, is_causal, local_window)
+    b, q_len, num_heads, _ = query.shape
+    kv_len = key.shape[1]
+    bias = as_rank4("bias", bias, attention_logits_shape(query, key))
+    full_mask = _full_mask(query, key, mask, is_causal, local_window)
+    keep = None
     if dropout_rate > 0.0:
-        keep = dropout_keep(dropout_rng, dropout_rate, probs.shape)
-        probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
-    out = jnp.einsum(
-        "bhgqk,bkhd->bqhgd", probs.astype(value.dtype), value, preferred_element_type=jnp.float32
-    )
-    b, tq, hk, g, dv = out.shape
-    return out.reshape(b, tq, hk * g, dv).astype(query.dtype)
+        keep = dropout_keep(dropout_rng, dropout_rate, (b, num_heads, q_len, kv_len))
+
+    def attend(q, bias, mask, keep):
+        probs = _softmax(q, key, bias, mask, default_scale(query, scale))
+        if keep is not None:
+            probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
+        return jnp.einsum(
+            "bhqk,bkhd->bqhd", probs.astype(value.dtype), value, preferred_element_type=jnp.float32
+        )
+
+    out = _per_query_group(attend, query, key.shape[2], 3, bias, full_mask, keep)
+    # Only a user mask, or more queries than keys, can leave a row without any visible key.
+    # Such rows are zeroed on the output, which is cheaper than on the [Tq, Tk] weights and
+    # blocks their gradient just the same.
+    if mask is not None or q_len > kv_len:
+        row_has_key = jnp.moveaxis(jnp.any(full_mask, axis=-1), 1, 2)[..., None]  # [b, Tq, h, 1]
+        out = jnp.where(row_has_key, out, 0.0)
+    return out.astype(query.dtype)
 
 
-def _grouped_probs(query, key, bias, mask, scale, is_causal, local_window):
-    """float32 softmax probabilities ``[B, Hk, G, Tq, Tk]`` with masked entries exactly zero."""
-    b, tq, hq, d = query.shape
-    tk, hk = key.shape[1], key.shape[2]
-    target = attention_logits_shape(query, key)
-    q = query.reshape(b, tq, hk, hq // hk, d)
-    logits = jnp.einsum("bqhgd,bkhd->bhgqk", q, key, preferred_element_type=jnp.float32)
-    logits = logits * default_scale(query, scale)
+def _full_mask(query, key, mask, is_causal, local_window):
+    """The user's mask combined with the causal / window mask: rank-4 bool, or ``None``."""
+    structural = structural_mask(query.shape[1], key.shape[1], is_causal, local_window)
+    mask = combine_masks(mask, structural)
+    return as_rank4("mask", mask, attention_logits_shape(query, key))
+
+
+def _softmax(query, key, bias, mask, scale):
+    """float32 softmax(q kᵀ · scale + bias) ``[B, Hk, Tq, Tk]`` for query ``[B, Tq, Hk, D]``.
+
+    Masked logits get a finite fill, so a fully masked row is uniform rather than NaN; callers
+    zero such rows.
+    """
+    logits = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32)
+    logits = logits * scale
     if bias is not None:
-        logits = logits + group_heads(as_rank4("bias", bias, target), hk).astype(jnp.float32)
-    mask = combine_masks(mask, structural_mask(tq, tk, is_causal, local_window))
-    if mask is None:
-        return jax.nn.softmax(logits, axis=-1)
-    mask = group_heads(as_rank4("mask", mask, target), hk)
-    # A finite fill keeps fully masked rows NaN-free; zeroing afterwards makes them exactly 0.
-    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-    return jnp.where(mask, jax.nn.softmax(logits, axis=-1), 0.0)
+        logits = logits + bias.astype(jnp.float32)
+    if mask is not None:
+        logits = jnp.where(mask, logits, MASK_VALUE)
+    return jax.nn.softmax(logits, axis=-1)
+
+
+def _per_query_group(fn, query, num_kv_heads, out_axis, *logit_shaped):
+    """Runs ``fn`` once per query head of each key/value group (vmap), merging the results.
+
+    ``fn(q [B, Tq, Hk, D], *xs)`` receives one of the G = Hq / Hk query heads of every key/value
+    head and the matching slice of each ``[b, h, tq, tk]`` array in ``logit_shaped`` (arrays with
+    ``h == 1`` and ``None`` are passed whole). Its head axis ``out_axis`` (of size Hk) becomes the
+    Hq axis of the result. Measured on CPU this beats both a 5-D grouped einsum and repeating the
+    keys and values G times.
+    """
+    b, q_len, num_heads, head_dim = query.shape
+    group = num_heads // num_kv_heads
+    if group == 1:
+        return fn(query, *logit_shaped)
+    args, in_axes = [query.reshape(b, q_len, num_kv_heads, group, head_dim)], [3]
+    for x in logit_shaped:
+        if x is None or x.shape[1] == 1:
+            args.append(x)
+            in_axes.append(None)
+        else:
+            args.append(x.reshape(x.shape[0], num_kv_heads, group, *x.shape[2:]))
+            in_axes.append(2)
+    out = jax.vmap(fn, in_axes=in_axes, out_axes=out_axis)(*args)
+    merged = out.shape[out_axis - 1] * out.shape[out_axis]
+    return out.reshape(*out.shape[: out_axis - 1], merged, *out.shape[out_axis + 1 :])
 
 
 def jax_nn_attention(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from flaxformer_lite.ops.masks import (
     causal_mask,
@@ -18,9 +19,21 @@ from flaxformer_lite.ops.masks import (
     local_window_mask,
 )
 
+# Fill for masked logits. Finite, so that max() and exp(max_old - max_new) of a row whose keys
+# are all masked stay NaN-free; implementations zero such rows explicitly.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
-def check_attention_inputs(query, key, value, bias, mask, local_window, dropout_rate, dropout_rng):
-    """Raises ``ValueError`` naming the problem if the inputs do not fit together."""
+
+def validated_attention_inputs(
+    query, key, value, bias, mask, local_window, dropout_rate, dropout_rng
+):
+    """``(query, key, value, bias, mask)`` as arrays, after checking that they fit together.
+
+    Raises:
+      ValueError: naming the offending shapes or values.
+    """
+    query, key, value = (jnp.asarray(x) for x in (query, key, value))
+    bias, mask = (None if x is None else jnp.asarray(x) for x in (bias, mask))
     for name, x in (("query", query), ("key", key), ("value", value)):
         if x.ndim != 4:
             raise ValueError(
@@ -30,6 +43,10 @@ def check_attention_inputs(query, key, value, bias, mask, local_window, dropout_
     if not b == bk == bv:
         raise ValueError(
             f"batch sizes differ: query {query.shape}, key {key.shape}, value {value.shape}"
+        )
+    if min(query.shape[1], tk) == 0:
+        raise ValueError(
+            f"query and key need at least one position: query {query.shape}, key {key.shape}"
         )
     if d != dk:
         raise ValueError(f"query and key head_dim differ: query {query.shape}, key {key.shape}")
@@ -53,6 +70,7 @@ def check_attention_inputs(query, key, value, bias, mask, local_window, dropout_
     target = attention_logits_shape(query, key)
     as_rank4("bias", bias, target)
     as_rank4("mask", mask, target)
+    return query, key, value, bias, mask
 
 
 def attention_logits_shape(query, key) -> tuple[int, int, int, int]:

@@ -23,23 +23,20 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from flaxformer_lite.ops.attention_inputs import (
+    MASK_VALUE,
     as_rank4,
     attention_logits_shape,
-    check_attention_inputs,
     default_scale,
     dropout_keep,
     group_heads,
+    validated_attention_inputs,
 )
 
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 512
-
-# Finite, so that max() and exp(m_old - m_new) stay NaN-free while every key seen is masked.
-_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,10 +120,9 @@ def chunked_attention(
     Returns:
       ``[B, Tq, Hq, Dv]`` in the query's dtype.
     """
-    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
-    bias = None if bias is None else jnp.asarray(bias)
-    mask = None if mask is None else jnp.asarray(mask)
-    check_attention_inputs(query, key, value, bias, mask, local_window, dropout_rate, dropout_rng)
+    query, key, value, bias, mask = validated_attention_inputs(
+        query, key, value, bias, mask, local_window, dropout_rate, dropout_rng
+    )
     if block_q < 1 or block_k < 1:
         raise ValueError(f"block sizes must be positive, got block_q={block_q}, block_k={block_k}")
     b, q_len, hq, d = query.shape
@@ -206,7 +202,7 @@ def _block_logits(geometry, q_block, k_block, bias, mask, first_row, first_col):
     valid = geometry.visible(first_row, first_col)
     if mask is not None:
         valid = valid & _slice_block(mask, first_row, first_col, geometry)
-    return jnp.where(valid, logits, _MASK_VALUE), valid
+    return jnp.where(valid, logits, MASK_VALUE), valid
 
 
 def _dropout_keep(geometry, rng, q_block, k_block, shape):
@@ -245,7 +241,7 @@ def _forward(geometry, q, k, v, bias, mask, rng):
             return new_max, row_sum, correction[..., None] * acc + pv
 
         init = (
-            jnp.full((b, hk, g, bq), _MASK_VALUE, jnp.float32),
+            jnp.full((b, hk, g, bq), MASK_VALUE, jnp.float32),
             jnp.zeros((b, hk, g, bq), jnp.float32),
             jnp.zeros((b, hk, g, bq, dv), jnp.float32),
         )
