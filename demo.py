@@ -62,15 +62,18 @@ def main():
     y = jnp.asarray(rng.standard_normal((1, 1, 1, 64)), jnp.float32)
 
     def rotated_dot(m, n):
-        return float(jnp.sum(ops.apply_rope(x, jnp.array([m])) * ops.apply_rope(y, jnp.array([n]))))
+        rotated_x, rotated_y = ops.apply_rope(x, jnp.array([m])), ops.apply_rope(y, jnp.array([n]))
+        return float(jnp.sum(rotated_x * rotated_y))
 
-    print(f"RoPE <q@3, k@10> = {rotated_dot(3, 10):.5f}, <q@103, k@110> = {rotated_dot(103, 110):.5f}")
+    near, far = rotated_dot(3, 10), rotated_dot(103, 110)
+    print(f"RoPE <q@3, k@10> = {near:.5f}, <q@103, k@110> = {far:.5f}")
 
     normed = ops.layer_norm(q)
     print(f"layer_norm: mean {float(normed.mean()):.1e}, std {float(normed.std()):.4f}")
     logits = jnp.asarray(rng.standard_normal((batch, length, 100)), jnp.float32)
     targets = jnp.asarray(rng.integers(0, 100, (batch, length)))
-    loss, metrics = ops.cross_entropy(logits, targets, weights=real[:, :, 0, 0], label_smoothing=0.1)
+    weights = real[:, :, 0, 0]
+    loss, metrics = ops.cross_entropy(logits, targets, weights=weights, label_smoothing=0.1)
     print(f"cross_entropy: loss {float(loss):.4f} over {int(metrics['num_tokens'])} real tokens")
 
 

@@ -42,6 +42,9 @@ CASES = {
     "window": dict(local_window=(2, 1)),
     "causal_window": dict(is_causal=True, local_window=(3, 0), mask=True),
     "value_dim_differs": dict(dv=5, bias=True),
+    "causal_window_looking_ahead": dict(is_causal=True, local_window=(2, 3)),
+    "window_mostly_ahead": dict(local_window=(1, 3)),
+    "window_short_query": dict(tq=5, tk=9, local_window=(2, 1), bias=True),
 }
 
 
@@ -84,7 +87,9 @@ def test_matches_naive_formula(case, implementation):
     np.testing.assert_allclose(out, reference(q, k, v, inputs, flags), atol=2e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("case", ["plain", "causal", "mqa", "mask_and_bias", "padding", "window"])
+@pytest.mark.parametrize(
+    "case", ["plain", "causal", "mqa", "mask_and_bias", "padding", "window", "window_mostly_ahead"]
+)
 def test_matches_jax_nn(case):
     q, k, v, inputs, flags = build_case(CASES[case])
     ours = attend(q, k, v, **inputs, **flags, implementation="xla")
@@ -122,6 +127,8 @@ def test_jax_nn_delegation_follows_our_conventions():
 @pytest.mark.parametrize("implementation", ["xla", "chunked"])
 def test_bfloat16_computes_in_float32(implementation):
     q, k, v, inputs, flags = build_case(CASES["mask_and_bias"])
+    # An ALiBi-sized float32 bias: rounding it to bf16 before the softmax would show.
+    inputs["bias"] = 3 * inputs["bias"] + 100
     q, k, v = (np.asarray(x).astype(jnp.bfloat16) for x in (q, k, v))
     out = attend(*map(jnp.asarray, (q, k, v)), **inputs, implementation=implementation)
     assert out.dtype == jnp.bfloat16
@@ -177,9 +184,20 @@ def test_jit_vmap_grad(implementation):
     np.testing.assert_allclose(analytic, numeric, rtol=1e-4)
 
 
+def test_xla_dropout_keeps_one_minus_rate():
+    # Uniform weights (q = 0) over ones: the output is the kept fraction / (1 - rate).
+    q = jnp.zeros((1, 8, 2, 4), jnp.float32)
+    ones = jnp.ones((1, 4096, 2, 4), jnp.float32)
+    out = attend(
+        q, ones, ones, dropout_rate=0.3, dropout_rng=jax.random.key(0), implementation="xla"
+    )
+    kept_fraction = np.asarray(out) * (1 - 0.3)
+    np.testing.assert_allclose(kept_fraction.mean(), 0.7, atol=0.01)
+
+
 def test_xla_dropout_is_unbiased_and_reproducible():
     q, k, v = make_qkv(4, b=1, tq=4, tk=64, hq=2, hk=2)
-    run = functools.partial(attend, dropout_rate=0.5, implementation="xla")
+    run = functools.partial(attend, dropout_rate=0.3, implementation="xla")
     rng = jax.random.key(5)
     first = run(q, k, v, dropout_rng=rng)
     np.testing.assert_array_equal(first, run(q, k, v, dropout_rng=rng))
@@ -223,6 +241,13 @@ def test_attention_weights():
         ),
         (((2, 4, 4, 8), (2, 4, 2, 8), (2, 4, 2, 8)), {"mask": np.ones((4, 4))}, "must be boolean"),
         (((2, 4, 4, 8), (2, 4, 2, 8), (2, 4, 2, 8)), {"dropout_rate": 0.1}, "needs a dropout_rng"),
+        (
+            ((2, 4, 4, 8), (2, 4, 2, 8), (2, 4, 2, 8)),
+            {"dropout_rate": 0.1, "dropout_rng": np.zeros((3, 2), np.uint32)},
+            "one PRNG key",
+        ),
+        (((2, 4, 4, 8), (2, 4, 2, 8), (2, 4, 2, 8)), {"dropout_rate": 1.0}, "dropout_rate"),
+        (((2, 4, 4, 0), (2, 4, 2, 0), (2, 4, 2, 8)), {}, "at least one position"),
         (((2, 4, 4, 8), (2, 4, 2, 8), (2, 4, 2, 8)), {"local_window": (2, -1)}, "local_window"),
         (
             ((2, 4, 4, 8), (2, 4, 2, 8), (2, 4, 2, 8)),
@@ -236,7 +261,32 @@ def test_bad_inputs_raise_value_error_naming_shapes(shapes, kwargs, message, imp
     q, k, v = (jnp.asarray(np.zeros(s, np.float32)) for s in shapes)
     kwargs = {"implementation": implementation, **kwargs}
     with pytest.raises(ValueError, match=message):
-        attend(q, k, v, **kwargs)
+        ops.dot_product_attention(q, k, v, **kwargs)
+
+
+def test_integer_inputs_and_traced_dropout_rate_are_rejected():
+    q = jnp.zeros((1, 4, 2, 8), jnp.int32)
+    with pytest.raises(ValueError, match="floating-point"):
+        ops.dot_product_attention(q, q, q)
+    x = jnp.zeros((1, 4, 2, 8))
+    with pytest.raises(ValueError, match="Python float"):
+        jax.jit(lambda rate: ops.dot_product_attention(x, x, x, dropout_rate=rate))(0.1)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "chunked"])
+def test_gradient_with_respect_to_a_learned_scale(implementation):
+    q, k, v = make_qkv(12)
+
+    def loss(scale, implementation):
+        out = ops.dot_product_attention(
+            q, k, v, scale=scale, is_causal=True, implementation=implementation
+        )
+        return jnp.sum(jnp.sin(out))
+
+    grad = jax.jit(jax.grad(loss), static_argnums=1)(0.4, implementation)
+    eps = 1e-3
+    numeric = (loss(0.4 + eps, "xla") - loss(0.4 - eps, "xla")) / (2 * eps)
+    np.testing.assert_allclose(grad, numeric, rtol=2e-3)
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the non-GPU behaviour")
@@ -248,6 +298,36 @@ def test_cudnn_off_gpu_is_a_clear_error_and_never_chosen():
         attention_module.select_implementation, is_causal=True, local_window=None, dropout_rate=0.0
     )
     assert choose(q, k, v) == "xla"
+
+
+def gpu_shapes(tq=8, tk=8, d=64, dtype=jnp.bfloat16, dv=None):
+    return (
+        jax.ShapeDtypeStruct((2, tq, 4, d), dtype),
+        jax.ShapeDtypeStruct((2, tk, 2, d), dtype),
+        jax.ShapeDtypeStruct((2, tk, 2, dv or d), dtype),
+    )
+
+
+@pytest.mark.parametrize(
+    "shapes, extra, reason",
+    [
+        (gpu_shapes(), {}, ""),
+        (gpu_shapes(), {"is_causal": True, "local_window": (3, 0)}, ""),
+        (gpu_shapes(dtype=jnp.float32), {}, "bfloat16 or float16"),
+        (gpu_shapes(d=160), {}, "head dims"),
+        (gpu_shapes(dv=32), {}, "head dims"),
+        (gpu_shapes(), {"dropout_rate": 0.1}, "dropout"),
+        (gpu_shapes(tq=1, tk=8), {"is_causal": True}, "align differently"),
+        (gpu_shapes(), {"local_window": (2, 2)}, "right window"),
+        (gpu_shapes(tq=7, tk=7), {"mask": True}, "even lengths"),
+    ],
+)
+def test_cudnn_eligibility_rules(shapes, extra, reason):
+    # The rules the automatic choice applies on a GPU, checked without one.
+    extra = {"is_causal": False, "local_window": None, "dropout_rate": 0.0, **extra}
+    mask = jnp.ones((1, 1, 1, shapes[1].shape[1]), bool) if extra.pop("mask", False) else None
+    found = attention_module.cudnn_unsupported_reason(*shapes, None, mask, **extra, backend="gpu")
+    assert (reason in found and found) if reason else found == ""
 
 
 def test_automatic_choice_by_size(caplog):

@@ -17,6 +17,9 @@ CASES = {
     "causal_long_query": dict(is_causal=True, tk=7),
     "window": dict(local_window=(3, 2)),
     "causal_window_mask": dict(is_causal=True, local_window=(4, 0), mask=True),
+    "causal_window_looking_ahead": dict(is_causal=True, local_window=(2, 3)),
+    "window_mostly_ahead": dict(local_window=(1, 3)),
+    "window_long_query": dict(local_window=(3, 1), tk=7),
 }
 
 BIAS_SHAPES = {
@@ -43,6 +46,10 @@ COMBINATIONS = [
     ("window", (5, 3), "per_key"),
     ("causal_window_mask", (3, 5), "per_head"),
     ("causal_window_mask", (4, 4), "none"),
+    ("causal_window_looking_ahead", (3, 4), "per_head"),
+    ("window_mostly_ahead", (2, 4), "none"),
+    ("window_mostly_ahead", (1, 1), "per_key"),
+    ("window_long_query", (2, 3), "shared"),
 ]
 
 
@@ -178,3 +185,10 @@ def test_backward_memory_is_linear_in_length():
     xla_large = grad_temp_bytes(4096, "xla")
     assert chunked_large < 5 * chunked_small  # linear: 4x the length, ~4x the memory
     assert chunked_large * 16 < xla_large  # and far below the quadratic reference
+
+
+def test_block_sizes_must_be_positive_ints():
+    x = jnp.zeros((1, 8, 2, 4))
+    for block_q, block_k in [(0, 4), (4.0, 4), (4, -1)]:
+        with pytest.raises(ValueError, match="block sizes must be positive ints"):
+            ops.chunked_attention(x, x, x, block_q=block_q, block_k=block_k)

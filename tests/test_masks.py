@@ -44,6 +44,9 @@ def test_padding_mask_from_bools_and_lengths_agree():
     np.testing.assert_array_equal(from_bools, expected)
     self_attention = ops.padding_mask(lengths_q, q_len=4)
     np.testing.assert_array_equal(self_attention, ops.padding_mask(valid_q, valid_q))
+    longer_keys = ops.padding_mask(lengths_q, q_len=4, kv_len=6)
+    valid_keys = np.arange(6)[None] < np.asarray(lengths_q)[:, None]
+    np.testing.assert_array_equal(longer_keys, ops.padding_mask(valid_q, jnp.asarray(valid_keys)))
 
 
 def test_padding_mask_errors():
@@ -53,6 +56,10 @@ def test_padding_mask_errors():
         ops.padding_mask(jnp.ones((2, 3), bool), jnp.ones((3, 3), bool))
     with pytest.raises(ValueError, match="q_valid must be"):
         ops.padding_mask(jnp.ones((2, 3)), jnp.ones((2, 3), bool))
+    with pytest.raises(ValueError, match="kv_len=5 contradicts"):
+        ops.padding_mask(jnp.ones((2, 3), bool), kv_len=5)
+    with pytest.raises(ValueError, match="offset must be"):
+        ops.local_window_mask(4, 4, (1, 1), offset=jnp.zeros((2, 3), jnp.int32))
 
 
 def test_segment_mask():

@@ -77,7 +77,9 @@ def dot_product_attention(
         before and ``right`` after its own position (positions aligned as for ``is_causal``).
       dropout_rate: dropout probability on the attention weights ("xla" and "chunked").
       dropout_rng: PRNG key, required when ``dropout_rate > 0``.
-      implementation: ``"xla"``, ``"chunked"``, ``"cudnn"`` or ``None`` (automatic).
+      implementation: ``"xla"``, ``"chunked"``, ``"cudnn"`` or ``None`` (automatic). The
+        dropout keep-mask drawn from one ``dropout_rng`` differs between implementations.
+        "chunked" has a custom VJP: forward-mode autodiff (``jax.jvp``) needs "xla".
 
     Returns:
       ``[B, Tq, Hq, Dv]`` in the query's dtype.
@@ -93,15 +95,18 @@ def dot_product_attention(
     dropout = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng)
     if implementation is None:
         implementation = select_implementation(
-            query, key, value, is_causal=is_causal, local_window=local_window,
-            dropout_rate=dropout_rate,
+            query, key, value, bias, mask,
+            is_causal=is_causal, local_window=local_window, dropout_rate=dropout_rate,
         )  # fmt: skip
     if implementation == "xla":
         return xla_attention(query, key, value, bias, mask, **geometry, **dropout)
     if implementation == "chunked":
         return chunked_attention(query, key, value, bias, mask, **geometry, **dropout)
     if implementation == "cudnn":
-        reason = cudnn_unsupported_reason(query, key, value, is_causal, local_window, dropout_rate)
+        reason = cudnn_unsupported_reason(
+            query, key, value, bias, mask,
+            is_causal=is_causal, local_window=local_window, dropout_rate=dropout_rate,
+        )  # fmt: skip
         if reason:
             raise ValueError(f'implementation="cudnn" cannot run these inputs: {reason}')
         return jax_nn_attention(query, key, value, bias, mask, **geometry, implementation="cudnn")
@@ -224,53 +229,70 @@ def jax_nn_attention(
     """Delegates to ``jax.nn.dot_product_attention`` with our conventions.
 
     ``jax.nn`` aligns causal and window masks top-left; callers pass ``Tq == Tk`` for those
-    (see :func:`cudnn_unsupported_reason`). Rows whose keys are all masked by ``mask`` are
-    zeroed here, since cuDNN leaves them undefined.
+    (see :func:`cudnn_unsupported_reason`). cuDNN takes biases and masks only at full
+    ``[.., Tq, Tk]`` size and the bias in the input dtype, so both are broadcast and cast here.
+    Rows whose keys are all masked are zeroed, since cuDNN leaves them undefined.
     """
+    target = attention_logits_shape(query, key)
+
+    def full_size(name, x):
+        x = as_rank4(name, x, target)
+        return None if x is None else jnp.broadcast_to(x, x.shape[:2] + target[2:])
+
+    bias = full_size("bias", bias)
     out = jax.nn.dot_product_attention(
         query,
         key,
         value,
-        bias,
-        None if mask is None else as_rank4("mask", mask, attention_logits_shape(query, key)),
+        None if bias is None else bias.astype(query.dtype),
+        full_size("mask", mask),
         scale=default_scale(query, scale),
         is_causal=is_causal,
         local_window_size=local_window,
         implementation=implementation,
     )
     if mask is not None:
-        mask = combine_masks(
-            mask, structural_mask(query.shape[1], key.shape[1], is_causal, local_window)
-        )
-        row_has_key = jnp.any(as_rank4("mask", mask, attention_logits_shape(query, key)), axis=-1)
-        out = jnp.where(jnp.transpose(row_has_key, (0, 2, 1))[..., None], out, 0)
+        row_has_key = jnp.any(_full_mask(query, key, mask, is_causal, local_window), axis=-1)
+        out = jnp.where(jnp.moveaxis(row_has_key, 1, 2)[..., None], out, 0)
     return out
 
 
-def cudnn_unsupported_reason(query, key, value, is_causal, local_window, dropout_rate) -> str:
-    """Why cuDNN flash attention cannot run these inputs, or ``""`` if it can."""
-    if jax.default_backend() != "gpu":
-        return f"needs a GPU, the backend is {jax.default_backend()!r}"
+def cudnn_unsupported_reason(
+    query, key, value, bias, mask, *, is_causal, local_window, dropout_rate, backend=None
+) -> str:
+    """Why cuDNN flash attention cannot run these inputs, or ``""`` if it can.
+
+    ``backend`` defaults to ``jax.default_backend()``; tests pass ``"gpu"`` to check the rules.
+    """
+    backend = jax.default_backend() if backend is None else backend
+    head_dim, value_dim = query.shape[-1], value.shape[-1]
+    if backend != "gpu":
+        return f"needs a GPU, the backend is {backend!r}"
     if query.dtype not in (jnp.bfloat16, jnp.float16):
         return f"needs bfloat16 or float16 inputs, got {query.dtype}"
     if not query.dtype == key.dtype == value.dtype:
         return f"needs equal dtypes, got {query.dtype}, {key.dtype}, {value.dtype}"
-    if query.shape[-1] != value.shape[-1] or query.shape[-1] > 128 or query.shape[-1] % 8:
-        return (
-            f"needs equal head dims <= 128 divisible by 8, got {query.shape[-1]}, {value.shape[-1]}"
-        )
+    if head_dim != value_dim or head_dim > 128 or head_dim % 8:
+        return f"needs equal head dims <= 128 divisible by 8, got {head_dim}, {value_dim}"
     if dropout_rate > 0.0:
         return "attention dropout is not supported"
     if (is_causal or local_window is not None) and query.shape[1] != key.shape[1]:
         return "causal or windowed masks with Tq != Tk align differently in cuDNN"
     if local_window is not None and local_window[1] != 0 and not is_causal:
         return f"a right window needs is_causal, got local_window={local_window}"
+    if (bias is not None or mask is not None) and (query.shape[1] % 2 or key.shape[1] % 2):
+        return f"a bias or mask needs even lengths, got Tq={query.shape[1]}, Tk={key.shape[1]}"
     return ""
 
 
-def select_implementation(query, key, value, *, is_causal, local_window, dropout_rate) -> str:
+def select_implementation(
+    query, key, value, bias=None, mask=None, *, is_causal, local_window, dropout_rate
+) -> str:
     """The automatic choice: cuDNN where it runs, else "chunked" for large logits, else "xla"."""
-    reason = cudnn_unsupported_reason(query, key, value, is_causal, local_window, dropout_rate)
+    reason = cudnn_unsupported_reason(
+        query, key, value, bias, mask,
+        is_causal=is_causal, local_window=local_window, dropout_rate=dropout_rate,
+    )  # fmt: skip
     if not reason:
         logger.debug("attention: cudnn")
         return "cudnn"

@@ -44,10 +44,14 @@ def validated_attention_inputs(
         raise ValueError(
             f"batch sizes differ: query {query.shape}, key {key.shape}, value {value.shape}"
         )
-    if min(query.shape[1], tk) == 0:
+    if 0 in (query.shape[1], tk, hk, d):
         raise ValueError(
-            f"query and key need at least one position: query {query.shape}, key {key.shape}"
+            "query and key need at least one position, head and feature: "
+            f"query {query.shape}, key {key.shape}"
         )
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{name} must be a floating-point array, got dtype {x.dtype}")
     if d != dk:
         raise ValueError(f"query and key head_dim differ: query {query.shape}, key {key.shape}")
     if (tk, hk) != (tv, hv):
@@ -63,14 +67,29 @@ def validated_attention_inputs(
         raise ValueError(f"mask must be boolean (True = may attend), got dtype {mask.dtype}")
     if local_window is not None:
         check_local_window(local_window)
-    if not 0.0 <= dropout_rate < 1.0:
-        raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
-    if dropout_rate > 0.0 and dropout_rng is None:
-        raise ValueError("dropout_rate > 0 needs a dropout_rng")
+    check_dropout(dropout_rate, dropout_rng)
     target = attention_logits_shape(query, key)
     as_rank4("bias", bias, target)
     as_rank4("mask", mask, target)
     return query, key, value, bias, mask
+
+
+def check_dropout(rate, rng):
+    """``rate`` must be a static Python number in [0, 1); ``rng`` one PRNG key when rate > 0."""
+    if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0.0 <= rate < 1.0:
+        raise ValueError(f"dropout_rate must be a Python float in [0, 1), got {rate!r}")
+    if rate == 0.0:
+        return
+    if rng is None:
+        raise ValueError("dropout_rate > 0 needs a dropout_rng")
+    rng = jnp.asarray(rng)
+    is_typed_key = jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) and rng.shape == ()
+    is_raw_key = rng.dtype == jnp.uint32 and rng.shape == (2,)
+    if not (is_typed_key or is_raw_key):
+        raise ValueError(
+            "dropout_rng must be one PRNG key (jax.random.key(seed)), got "
+            f"dtype {rng.dtype} shape {rng.shape}"
+        )
 
 
 def attention_logits_shape(query, key) -> tuple[int, int, int, int]:

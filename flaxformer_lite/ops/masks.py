@@ -1,7 +1,7 @@
 """Boolean attention masks.
 
 Convention (shared with ``jax.nn.dot_product_attention``): ``True`` means *may attend*. Every
-function returns a rank-4 boolean array broadcastable to ``[batch, heads, q_len, kv_len]``, so
+constructor returns a rank-4 boolean array broadcastable to ``[batch, heads, q_len, kv_len]``, so
 masks combine with ``&`` (or :func:`combine_masks`) and pass straight to ``dot_product_attention``.
 """
 
@@ -28,11 +28,7 @@ def causal_mask(q_len: int, kv_len: int | None = None, offset=0) -> jnp.ndarray:
       bool ``[1, 1, Tq, Tk]``, or ``[B, 1, Tq, Tk]`` for a per-row ``offset``.
     """
     kv_len = q_len if kv_len is None else kv_len
-    offset = jnp.asarray(offset)
-    if offset.ndim > 1:
-        raise ValueError(
-            f"causal_mask offset must be a scalar or [batch], got shape {offset.shape}"
-        )
+    offset = _check_offset(offset)
     q_pos = jnp.arange(q_len)[:, None] + offset.reshape(-1, 1, 1, 1)
     k_pos = jnp.arange(kv_len)[None, :]
     return k_pos <= q_pos
@@ -57,7 +53,7 @@ def local_window_mask(
     """
     left, right = check_local_window(window)
     kv_len = q_len if kv_len is None else kv_len
-    offset = jnp.asarray(offset)
+    offset = _check_offset(offset)
     q_pos = jnp.arange(q_len)[:, None] + offset.reshape(-1, 1, 1, 1)
     k_pos = jnp.arange(kv_len)[None, :]
     return (k_pos >= q_pos - left) & (k_pos <= q_pos + right)
@@ -143,12 +139,21 @@ def check_local_window(window) -> tuple[int, int]:
     return int(window[0]), int(window[1])
 
 
+def _check_offset(offset):
+    offset = jnp.asarray(offset)
+    if offset.ndim > 1:
+        raise ValueError(f"mask offset must be a scalar or [batch], got shape {offset.shape}")
+    return offset
+
+
 def _as_valid(valid, length, name, length_name):
     """``[B, T]`` bool validity from bools or from ``[B]`` lengths."""
     valid = jnp.asarray(valid)
     if valid.dtype == jnp.bool_:
         if valid.ndim != 2:
             raise ValueError(f"{name} as booleans must be [batch, length], got {valid.shape}")
+        if length is not None and length != valid.shape[1]:
+            raise ValueError(f"{length_name}={length} contradicts {name} of shape {valid.shape}")
         return valid
     if valid.ndim != 1 or not jnp.issubdtype(valid.dtype, jnp.integer):
         raise ValueError(
