@@ -1,0 +1,300 @@
+"""``ModelConfig``: every architectural knob of the three models, validated, with presets."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from typing import Any
+
+import jax.numpy as jnp
+
+from flaxformer_lite import ops
+from flaxformer_lite.nn.attention import Rope
+from flaxformer_lite.nn.dense import INIT_SCHEMES, KernelInit
+from flaxformer_lite.nn.mlp import ACTIVATIONS
+from flaxformer_lite.nn.norms import NORMS
+from flaxformer_lite.nn.stack import REMAT_POLICIES
+
+NORM_POSITIONS = ("pre", "post")
+POSITIONS = ("sinusoidal", "learned", "rope", "relative", "alibi", "none")
+POOLINGS = ("first", "mean")
+DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_IMPLEMENTATIONS = (None, "xla", "chunked", "cudnn")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The architecture. Defaults are the paper's base model (Vaswani et al. 2017, Table 3).
+
+    ``num_encoder_layers`` and ``num_decoder_layers`` choose the model: both > 0 an
+    ``EncoderDecoder``, only decoder layers a ``DecoderLM``, only encoder layers an ``Encoder``.
+    """
+
+    vocab_size: int = 37000
+    d_model: int = 512
+    num_heads: int = 8
+    num_kv_heads: int | None = None  # None: = num_heads; fewer is GQA, 1 is MQA
+    head_dim: int | None = None  # None: d_model // num_heads
+    d_ff: int = 2048
+    num_encoder_layers: int = 6
+    num_decoder_layers: int = 6
+    max_length: int = 512  # longest sequence (learned positions have this many rows)
+    # Dropout on the embedding sum, on the attention weights, and on each sublayer's output.
+    embedding_dropout: float = 0.1
+    attention_dropout: float = 0.0
+    residual_dropout: float = 0.1
+    norm: str = "layernorm"
+    norm_eps: float = 1e-6
+    norm_position: str = "post"
+    embed_norm: bool = False  # normalize the embedding sum (BERT)
+    positions: str = "sinusoidal"
+    rope_base: float = 10000.0
+    rope_layout: str = "half"
+    rope_scaling: ops.RopeScaling | None = None
+    relative_buckets: int = 32
+    relative_max_distance: int = 128
+    activation: str = "relu"
+    tie_embeddings: bool = True  # output projection = token embedding transposed
+    share_src_tgt_embeddings: bool = True  # encoder-decoder: one table for both languages
+    scale_embeddings: bool = True  # multiply token embeddings by sqrt(d_model)
+    parallel_block: bool = False
+    fused_qkv: bool = False
+    qkv_bias: bool = True
+    attention_out_bias: bool = True
+    mlp_bias: bool = True
+    output_bias: bool = False  # a bias on the vocabulary logits (BERT, Marian)
+    type_vocab_size: int = 0  # token-type (segment A/B) embeddings, BERT
+    mlm_transform: bool = False  # BERT's dense + activation + norm before the MLM decoder
+    num_classes: int | None = None  # Encoder: a sequence-classification head
+    pooling: str = "first"  # Encoder classification: first token ([CLS]) or mean of real tokens
+    pooler_dense: bool = False  # BERT's dense + tanh on the pooled vector
+    input_dim: int | None = None  # continuous inputs [B, T, input_dim] instead of token ids
+    output_dim: int | None = None  # a regression head [B, T, output_dim] instead of logits
+    init: str = "xavier"
+    init_std: float = 0.02
+    dtype: str = "float32"  # compute
+    param_dtype: str = "float32"  # storage
+    scan_layers: bool = False
+    remat: str = "none"
+    attention_implementation: str | None = None  # None: chosen per input by ops
+
+    # ----------------------------------------------------------------------- construction
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> ModelConfig:
+        """A preset by name (see ``PRESETS``), with fields overridden by keyword."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown model preset {name!r}{_suggest(name, PRESETS)}; "
+                             f"presets: {', '.join(sorted(PRESETS))}")  # fmt: skip
+        return cls.from_dict({**PRESETS[name], **overrides})
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
+        """A config from plain values (e.g. parsed YAML); unknown keys are an error."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        for key in values:
+            if key not in names:
+                raise ValueError(f"unknown model config key {key!r}{_suggest(key, names)}")
+        values = dict(values)
+        if isinstance(values.get("rope_scaling"), dict):
+            values["rope_scaling"] = ops.RopeScaling(**values["rope_scaling"])
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (YAML/JSON-ready); ``from_dict(to_dict())`` is the same config."""
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return self.from_dict({**self.to_dict(), **changes})
+
+    # ----------------------------------------------------------------------- derived
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.d_model // self.num_heads
+
+    @property
+    def compute_dtype(self):
+        return jnp.dtype(self.dtype)
+
+    @property
+    def storage_dtype(self):
+        return jnp.dtype(self.param_dtype)
+
+    @property
+    def kernel_init(self) -> KernelInit:
+        return KernelInit(self.init, self.init_std)
+
+    @property
+    def rope(self) -> Rope | None:
+        if self.positions != "rope":
+            return None
+        return Rope(self.rope_base, self.rope_layout, self.rope_scaling)
+
+    @property
+    def kind(self) -> str:
+        """``"encoder_decoder"``, ``"decoder"`` or ``"encoder"``."""
+        if self.num_encoder_layers and self.num_decoder_layers:
+            return "encoder_decoder"
+        return "decoder" if self.num_decoder_layers else "encoder"
+
+    # ----------------------------------------------------------------------- validation
+    def __post_init__(self):
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", ops.RopeScaling(**self.rope_scaling))
+        for name in ("vocab_size", "d_model", "num_heads", "d_ff", "max_length"):
+            _check_positive_int(name, getattr(self, name))
+        for name in ("num_encoder_layers", "num_decoder_layers", "type_vocab_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        for name in ("num_kv_heads", "head_dim", "num_classes", "input_dim", "output_dim"):
+            if getattr(self, name) is not None:
+                _check_positive_int(name, getattr(self, name))
+        if not (self.num_encoder_layers or self.num_decoder_layers):
+            raise ValueError("a model needs num_encoder_layers > 0 or num_decoder_layers > 0")
+        _check_choice("norm", self.norm, tuple(NORMS))
+        _check_choice("norm_position", self.norm_position, NORM_POSITIONS)
+        _check_choice("positions", self.positions, POSITIONS)
+        _check_choice("rope_layout", self.rope_layout, ops.rope.ROPE_LAYOUTS)
+        _check_choice("activation", self.activation, tuple(ACTIVATIONS))
+        _check_choice("pooling", self.pooling, POOLINGS)
+        _check_choice("init", self.init, INIT_SCHEMES)
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("param_dtype", self.param_dtype, DTYPES)
+        _check_choice("remat", self.remat, tuple(REMAT_POLICIES))
+        _check_choice(
+            "attention_implementation", self.attention_implementation, ATTENTION_IMPLEMENTATIONS
+        )
+        for name in ("embedding_dropout", "attention_dropout", "residual_dropout"):
+            rate = getattr(self, name)
+            if not isinstance(rate, int | float) or not 0.0 <= rate < 1.0:
+                raise ValueError(f"{name} must be a float in [0, 1), got {rate!r}")
+        if self.num_heads % self.kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads})"
+            )
+        if self.head_dim is None and self.d_model % self.num_heads:
+            raise ValueError(
+                f"d_model ({self.d_model}) is not divisible by num_heads ({self.num_heads}); "
+                "set head_dim explicitly"
+            )
+        if self.positions == "rope" and self.head_size % 2:
+            raise ValueError(f"rope needs an even head_dim, got {self.head_size}")
+        if self.positions == "sinusoidal" and self.d_model % 2:
+            raise ValueError(f"sinusoidal positions need an even d_model, got {self.d_model}")
+        if self.fused_qkv and self.kv_heads != self.num_heads:
+            raise ValueError(
+                f"fused_qkv needs num_kv_heads == num_heads, got {self.num_kv_heads} and "
+                f"{self.num_heads}"
+            )
+        if self.tie_embeddings and (self.input_dim is not None or self.output_dim is not None):
+            raise ValueError(
+                "tie_embeddings needs token inputs and vocabulary outputs; set "
+                "tie_embeddings=False with input_dim or output_dim"
+            )
+        if self.norm_eps <= 0:
+            raise ValueError(f"norm_eps must be > 0, got {self.norm_eps}")
+        if self.num_classes is not None and self.kind != "encoder":
+            raise ValueError("num_classes (a classification head) is for encoder-only models")
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _check_choice(name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def _suggest(name: str, options) -> str:
+    close = difflib.get_close_matches(str(name), list(options), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+# --------------------------------------------------------------------------- presets
+_TRANSFORMER_BASE = dict(
+    vocab_size=37000, d_model=512, num_heads=8, d_ff=2048, num_encoder_layers=6,
+    num_decoder_layers=6, max_length=1024, embedding_dropout=0.1, residual_dropout=0.1,
+    norm="layernorm", norm_eps=1e-6, norm_position="post", positions="sinusoidal",
+    activation="relu", tie_embeddings=True, share_src_tgt_embeddings=True, scale_embeddings=True,
+    init="xavier",
+)  # fmt: skip
+_GPT2_SMALL = dict(
+    vocab_size=50257, d_model=768, num_heads=12, d_ff=3072, num_encoder_layers=0,
+    num_decoder_layers=12, max_length=1024, embedding_dropout=0.1, attention_dropout=0.1,
+    residual_dropout=0.1, norm="layernorm", norm_eps=1e-5, norm_position="pre",
+    positions="learned", activation="gelu_tanh", tie_embeddings=True, scale_embeddings=False,
+    fused_qkv=True, init="normal", init_std=0.02,
+)  # fmt: skip
+_BERT_BASE = dict(
+    vocab_size=30522, d_model=768, num_heads=12, d_ff=3072, num_encoder_layers=12,
+    num_decoder_layers=0, max_length=512, embedding_dropout=0.1, attention_dropout=0.1,
+    residual_dropout=0.1, norm="layernorm", norm_eps=1e-12, norm_position="post", embed_norm=True,
+    positions="learned", activation="gelu", tie_embeddings=True, scale_embeddings=False,
+    output_bias=True, type_vocab_size=2, mlm_transform=True, pooler_dense=True, pooling="first",
+    init="normal", init_std=0.02,
+)  # fmt: skip
+# Llama 3.2 1B's shape: RMSNorm, RoPE (theta 500000, llama3 scaling), SwiGLU, GQA, no biases.
+_LLAMA_STYLE = dict(
+    vocab_size=128256, d_model=2048, num_heads=32, num_kv_heads=8, d_ff=8192,
+    num_encoder_layers=0, num_decoder_layers=16, max_length=8192, embedding_dropout=0.0,
+    attention_dropout=0.0, residual_dropout=0.0, norm="rmsnorm", norm_eps=1e-5,
+    norm_position="pre", positions="rope", rope_base=500000.0,
+    rope_scaling=dict(kind="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                      original_max_position_embeddings=8192),
+    activation="swiglu", tie_embeddings=True, scale_embeddings=False, qkv_bias=False,
+    attention_out_bias=False, mlp_bias=False, init="normal", init_std=0.02,
+)  # fmt: skip
+# CPU-sized variants: byte vocabulary, d_model 64, 2 layers per stack.
+_TINY = dict(vocab_size=256, d_model=64, num_heads=4, d_ff=256, max_length=256)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "transformer-base": _TRANSFORMER_BASE,
+    "transformer-big": {
+        **_TRANSFORMER_BASE,
+        "d_model": 1024,
+        "num_heads": 16,
+        "d_ff": 4096,
+        "embedding_dropout": 0.3,
+        "residual_dropout": 0.3,
+    },  # fmt: skip
+    "gpt2-small": _GPT2_SMALL,
+    "gpt2-medium": {
+        **_GPT2_SMALL,
+        "d_model": 1024,
+        "num_heads": 16,
+        "d_ff": 4096,
+        "num_decoder_layers": 24,
+    },  # fmt: skip
+    "bert-base": _BERT_BASE,
+    "llama-style": _LLAMA_STYLE,
+    "transformer-tiny": {
+        **_TRANSFORMER_BASE,
+        **_TINY,
+        "num_encoder_layers": 2,
+        "num_decoder_layers": 2,
+    },  # fmt: skip
+    "gpt2-tiny": {**_GPT2_SMALL, **_TINY, "num_decoder_layers": 2},
+    "bert-tiny": {**_BERT_BASE, **_TINY, "num_encoder_layers": 2},
+    "llama-tiny": {
+        **_LLAMA_STYLE,
+        **_TINY,
+        "num_kv_heads": 2,
+        "num_decoder_layers": 2,
+        "d_ff": 192,
+        "rope_base": 10000.0,
+        "rope_scaling": None,
+    },  # fmt: skip
+}
+
+
+def sqrt_d_model(cfg: ModelConfig) -> float:
+    """The paper's embedding multiplier ``sqrt(d_model)`` (1 when ``scale_embeddings`` is off)."""
+    return math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0

@@ -1,0 +1,113 @@
+"""BERT-style encoder with a masked-LM head and a sequence-classification head."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from flaxformer_lite import ops
+from flaxformer_lite.models.config import ModelConfig
+from flaxformer_lite.models.parts import (
+    InputEmbedding,
+    OutputHead,
+    Tower,
+    check_length,
+    default_positions,
+    token_embedding,
+)
+from flaxformer_lite.nn.dense import Dense
+
+
+class Encoder(nnx.Module):
+    """Embeddings -> bidirectional layers -> (final norm), with heads.
+
+    ``model(...)`` gives masked-LM logits ``[B, T, V]`` (or a regression ``[B, T, output_dim]``);
+    ``model.classify(...)`` gives ``[B, num_classes]`` from the first token (BERT's [CLS]) or the
+    mean of the real tokens, through BERT's tanh pooler when ``pooler_dense``. (For sequence
+    regression use ``num_classes=1``.)
+
+    Args:
+      cfg: a config with ``num_encoder_layers > 0`` (decoder layers are ignored).
+      rngs: ``nnx.Rngs`` with ``params`` (and ``dropout``, else ``default``) streams.
+      attention_fn: replaces ``ops.dot_product_attention`` in every layer.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, attention_fn=None):
+        if not cfg.num_encoder_layers:
+            raise ValueError("Encoder needs num_encoder_layers > 0")
+        self.config = cfg
+        tokens = token_embedding(cfg, rngs)
+        self.embed = InputEmbedding(cfg, tokens=tokens, rngs=rngs)
+        self.encoder = Tower(
+            cfg, num_layers=cfg.num_encoder_layers, causal=False, cross_attention=False,
+            rngs=rngs, attention_fn=attention_fn,
+        )  # fmt: skip
+        self.head = OutputHead(cfg, tokens=tokens, rngs=rngs)
+        common = dict(init=cfg.kernel_init, dtype=cfg.compute_dtype, param_dtype=cfg.storage_dtype,
+                      rngs=rngs)  # fmt: skip
+        with_classifier = cfg.num_classes is not None
+        self.pooler = (
+            Dense(cfg.d_model, cfg.d_model, names=("embed", "embed_out"), **common)
+            if with_classifier and cfg.pooler_dense
+            else None
+        )
+        self.classifier = (
+            Dense(cfg.d_model, cfg.num_classes, names=("embed", "classes"), **common)
+            if with_classifier
+            else None
+        )
+        self.classifier_dropout = nnx.Dropout(cfg.residual_dropout, rngs=rngs)
+
+    def encode(
+        self,
+        inputs: jax.Array,
+        *,
+        mask: jax.Array | None = None,
+        token_types: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
+        """Contextual representations ``[B, T, D]``.
+
+        Args:
+          inputs: int ``[B, T]`` tokens (float ``[B, T, input_dim]`` with ``input_dim``).
+          mask: bool ``[B, T]``, False at padding: no position attends to padding.
+          token_types: int ``[B, T]`` segment A/B ids (``type_vocab_size > 0``).
+          positions: ``[T]`` or ``[B, T]``; default ``arange(T)``.
+          segment_ids: int ``[B, T]`` for packed sequences.
+        """
+        length = inputs.shape[1]
+        check_length(self.config, length, "input")
+        attention_mask = ops.combine_masks(
+            None if mask is None else ops.padding_mask(mask),
+            None if segment_ids is None else ops.segment_mask(segment_ids),
+        )
+        positions = default_positions(length) if positions is None else positions
+        x = self.embed(inputs, positions, token_types)
+        return self.encoder(x, mask=attention_mask, positions=positions)
+
+    def __call__(self, inputs: jax.Array, **kwargs) -> jax.Array:
+        """Masked-LM logits ``[B, T, vocab_size]`` (``[B, T, output_dim]`` for regression);
+        keyword arguments as :meth:`encode`."""
+        return self.head(self.encode(inputs, **kwargs))
+
+    def classify(self, inputs: jax.Array, *, mask: jax.Array | None = None, **kwargs) -> jax.Array:
+        """Sequence logits ``[B, num_classes]``; keyword arguments as :meth:`encode`."""
+        if self.classifier is None:
+            raise ValueError("classify needs a config with num_classes")
+        hidden = self.encode(inputs, mask=mask, **kwargs)
+        if self.config.pooling == "first":
+            pooled = hidden[:, 0]
+        else:
+            weights = (
+                jnp.ones(hidden.shape[:2], hidden.dtype)
+                if mask is None
+                else mask.astype(hidden.dtype)
+            )
+            pooled = jnp.einsum("btd,bt->bd", hidden, weights) / jnp.maximum(
+                weights.sum(axis=1, keepdims=True), 1
+            )
+        if self.pooler is not None:
+            pooled = jnp.tanh(self.pooler(pooled))
+        return self.classifier(self.classifier_dropout(pooled))

@@ -1,0 +1,110 @@
+"""The paper's encoder-decoder Transformer (Vaswani et al., 2017)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from flaxformer_lite import ops
+from flaxformer_lite.models.config import ModelConfig
+from flaxformer_lite.models.parts import (
+    DecodeState,
+    InputEmbedding,
+    OutputHead,
+    Tower,
+    check_length,
+    default_positions,
+    key_mask,
+    token_embedding,
+)
+
+
+class EncoderDecoder(nnx.Module):
+    """Source -> encoder; target (shifted right) -> causal decoder with cross-attention -> logits.
+
+    With ``share_src_tgt_embeddings`` one token table serves source, target and (with
+    ``tie_embeddings``) the output projection, as in the paper's shared-vocabulary models.
+
+    Args:
+      cfg: a config with encoder and decoder layers.
+      rngs: ``nnx.Rngs`` with ``params`` (and ``dropout``, else ``default``) streams.
+      attention_fn: replaces ``ops.dot_product_attention`` in every layer.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, attention_fn=None):
+        if not (cfg.num_encoder_layers and cfg.num_decoder_layers):
+            raise ValueError(
+                "EncoderDecoder needs num_encoder_layers > 0 and num_decoder_layers > 0"
+            )
+        self.config = cfg
+        src_tokens = token_embedding(cfg, rngs)
+        tgt_tokens = src_tokens if cfg.share_src_tgt_embeddings else token_embedding(cfg, rngs)
+        self.src_embed = InputEmbedding(cfg, tokens=src_tokens, rngs=rngs)
+        self.tgt_embed = InputEmbedding(cfg, tokens=tgt_tokens, rngs=rngs)
+        self.encoder = Tower(
+            cfg, num_layers=cfg.num_encoder_layers, causal=False, cross_attention=False,
+            rngs=rngs, attention_fn=attention_fn,
+        )  # fmt: skip
+        self.decoder = Tower(
+            cfg, num_layers=cfg.num_decoder_layers, causal=True, cross_attention=True,
+            rngs=rngs, attention_fn=attention_fn,
+        )  # fmt: skip
+        self.head = OutputHead(cfg, tokens=tgt_tokens, rngs=rngs)
+        self.decode_state = nnx.data(None)  # a DecodeState after init_cache
+
+    def encode(self, src: jax.Array, *, src_mask: jax.Array | None = None,
+               src_positions: jax.Array | None = None) -> jax.Array:  # fmt: skip
+        """``src`` int ``[B, S]`` (or float ``[B, S, input_dim]``), ``src_mask`` bool ``[B, S]``
+        (False at padding) -> ``[B, S, D]``."""
+        length = src.shape[1]
+        check_length(self.config, length, "source")
+        positions = default_positions(length) if src_positions is None else src_positions
+        x = self.src_embed(src, positions)
+        mask = None if src_mask is None else ops.padding_mask(src_mask)
+        return self.encoder(x, mask=mask, positions=positions)
+
+    def decode(
+        self,
+        tgt: jax.Array,
+        encoded: jax.Array,
+        *,
+        src_mask: jax.Array | None = None,
+        tgt_positions: jax.Array | None = None,
+        decode: bool = False,
+    ) -> jax.Array:
+        """Logits ``[B, T, V]`` for target inputs ``tgt [B, T]`` given ``encoded [B, S, D]``.
+
+        With ``decode=True`` the target tokens are appended to the KV cache from
+        :meth:`init_cache` (one or more at a time).
+        """
+        length = tgt.shape[1]
+        if decode:
+            if self.decode_state is None:
+                raise ValueError("decode=True needs model.init_cache(batch_size, max_length) first")
+            valid = jnp.ones(tgt.shape[:2], jnp.bool_)
+            cache_index, mask = self.decode_state.append(valid)
+            kv_length = self.decode_state.max_length
+        else:
+            check_length(self.config, length, "target")
+            cache_index, mask, kv_length = None, None, length
+        if tgt_positions is None:
+            tgt_positions = default_positions(length, 0 if cache_index is None else cache_index)
+        x = self.tgt_embed(tgt, tgt_positions)
+        x = self.decoder(x, encoded, mask=mask, context_mask=key_mask(src_mask),
+                         positions=tgt_positions, cache_index=cache_index,
+                         kv_length=kv_length)  # fmt: skip
+        return self.head(x)
+
+    def __call__(self, src: jax.Array, tgt: jax.Array, *, src_mask: jax.Array | None = None,
+                 src_positions=None, tgt_positions=None) -> jax.Array:  # fmt: skip
+        """Teacher-forced logits ``[B, T, V]`` (``[B, T, output_dim]`` for regression)."""
+        encoded = self.encode(src, src_mask=src_mask, src_positions=src_positions)
+        return self.decode(tgt, encoded, src_mask=src_mask, tgt_positions=tgt_positions)
+
+    def init_cache(self, batch_size: int, max_length: int | None = None, *, dtype=None) -> None:
+        """Empties the decoder's KV cache for ``batch_size`` rows of up to ``max_length`` tokens."""
+        max_length = max_length or self.config.max_length
+        check_length(self.config, max_length, "the cache")
+        self.decode_state = DecodeState(batch_size, max_length)
+        self.decoder.init_cache(batch_size, max_length, dtype=dtype)

@@ -1,0 +1,212 @@
+"""Multi-head attention: projections, RoPE and the KV cache here; the attention math in ``ops``."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from flaxformer_lite import ops
+from flaxformer_lite.nn.dense import XAVIER, Dense, KernelInit
+
+
+@dataclasses.dataclass(frozen=True)
+class Rope:
+    """Rotary position embedding settings (see ``ops.apply_rope``)."""
+
+    base: float = 10000.0
+    layout: str = "half"
+    scaling: ops.RopeScaling | None = None
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        return ops.apply_rope(
+            x, positions, base=self.base, layout=self.layout, scaling=self.scaling
+        )
+
+
+class MultiHeadAttention(nnx.Module):
+    """Multi-head (grouped-query, multi-query) attention, self or cross, with an optional KV cache.
+
+    ``heads_i = Attention(x Wq_i, ctx Wk_i, ctx Wv_i)``; the heads are concatenated and projected
+    by ``Wo`` (written as one contraction over ``[heads, head_dim]``). With ``num_kv_heads <
+    num_heads`` groups of query heads share a key/value head (GQA; 1 is MQA).
+
+    Args:
+      d_model: input and output size D.
+      num_heads: query heads H.
+      num_kv_heads: key/value heads Hk (``H % Hk == 0``); defaults to H.
+      head_dim: Dh; defaults to ``D // H``.
+      context_features: size of the cross-attention context; defaults to D.
+      fused_qkv: one ``[D, 3, H, Dh]`` projection for self-attention (needs ``Hk == H``).
+      qkv_bias, out_bias: biases on the input and output projections.
+      rope: rotate queries and keys by their positions (self-attention only).
+      dropout_rate: dropout on the attention weights.
+      attention_fn: ``fn(q, k, v, bias, mask, *, is_causal, dropout_rate, dropout_rng)``; the
+        default is ``ops.dot_product_attention`` with ``implementation``.
+      implementation: passed to the default ``attention_fn`` (None = chosen per input).
+      init, out_init: initializers of the input and output projections.
+      dtype, param_dtype: compute and storage dtypes.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        context_features: int | None = None,
+        fused_qkv: bool = False,
+        qkv_bias: bool = True,
+        out_bias: bool = True,
+        rope: Rope | None = None,
+        dropout_rate: float = 0.0,
+        attention_fn=None,
+        implementation: str | None = None,
+        init: KernelInit = XAVIER,
+        out_init: KernelInit | None = None,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        num_kv_heads = num_kv_heads or num_heads
+        head_dim = head_dim or d_model // num_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            )
+        if fused_qkv and (num_kv_heads != num_heads or context_features is not None):
+            raise ValueError("fused_qkv needs self-attention with num_kv_heads == num_heads")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.rope, self.dropout_rate, self.dtype = rope, dropout_rate, dtype
+        self.attention_fn = attention_fn or functools.partial(
+            ops.dot_product_attention, implementation=implementation
+        )
+        common = dict(init=init, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        context_features = context_features or d_model
+        if fused_qkv:
+            self.qkv = Dense(
+                d_model, (3, num_heads, head_dim), names=("embed", "qkv", "heads", "head_dim"),
+                use_bias=qkv_bias, **common,
+            )  # fmt: skip
+        else:
+            self.query = Dense(
+                d_model, (num_heads, head_dim), names=("embed", "heads", "head_dim"),
+                use_bias=qkv_bias, **common,
+            )  # fmt: skip
+            kv_names = ("embed", "kv_heads", "head_dim")
+            self.key = Dense(
+                context_features,
+                (num_kv_heads, head_dim),
+                names=kv_names,
+                use_bias=qkv_bias,
+                **common,
+            )
+            self.value = Dense(
+                context_features,
+                (num_kv_heads, head_dim),
+                names=kv_names,
+                use_bias=qkv_bias,
+                **common,
+            )
+        self.fused_qkv = fused_qkv
+        self.out = Dense(
+            (num_heads, head_dim), d_model, names=("heads", "head_dim", "embed"), use_bias=out_bias,
+            **{**common, "init": out_init or init},
+        )  # fmt: skip
+        self.dropout_rngs = rngs["dropout"].fork() if dropout_rate > 0 else None
+        self.deterministic = False
+        # nnx.Cache arrays after init_cache.
+        self.cached_key = nnx.data(None)
+        self.cached_value = nnx.data(None)
+
+    def init_cache(self, batch_size: int, max_length: int, *, dtype=None, num_layers=None):
+        """Allocates an empty KV cache ``[B, max_length, Hk, Dh]`` for incremental decoding.
+
+        ``num_layers`` prefixes a layer axis, for the stacked attention of scanned layers.
+        """
+        shape = (batch_size, max_length, self.num_kv_heads, self.head_dim)
+        if num_layers is not None:
+            shape = (num_layers, *shape)
+        self.cached_key = nnx.Cache(jnp.zeros(shape, dtype or self.dtype))
+        self.cached_value = nnx.Cache(jnp.zeros(shape, dtype or self.dtype))
+
+    def __call__(
+        self,
+        x: jax.Array,
+        context: jax.Array | None = None,
+        *,
+        mask: jax.Array | None = None,
+        bias: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        is_causal: bool = False,
+        cache_index: jax.Array | None = None,
+    ) -> jax.Array:
+        """Attends from ``x`` to itself, or to ``context`` (cross-attention).
+
+        Args:
+          x: ``[B, T, D]`` queries (and keys/values for self-attention).
+          context: ``[B, S, Dc]`` keys/values for cross-attention.
+          mask: bool, broadcastable to ``[B, H, T, S]`` (``S`` = the cache length when decoding).
+          bias: float, broadcastable to the same logits shape (relative positions, ALiBi).
+          positions: ``[T]`` or ``[B, T]`` positions of ``x`` for RoPE (default ``arange(T)``, or
+            ``cache_index + arange(T)`` when decoding).
+          is_causal: mask keys after each query (self-attention).
+          cache_index: decode with the KV cache: the keys/values of ``x`` are written at slots
+            ``[cache_index, cache_index + T)`` and the queries attend to the whole cache, slots
+            beyond their own position masked when ``is_causal``. ``cache_index + T`` must not
+            exceed the cache length (the slot would be clamped).
+
+        Returns:
+          ``[B, T, D]`` in the compute dtype.
+        """
+        if x.ndim != 3:
+            raise ValueError(f"attention expects x as [batch, length, features], got {x.shape}")
+        length = x.shape[1]
+        if self.fused_qkv:
+            q, k, v = (y[:, :, 0] for y in jnp.split(self.qkv(x), 3, axis=2))
+        else:
+            kv_input = x if context is None else context
+            q, k, v = self.query(x), self.key(kv_input), self.value(kv_input)
+
+        if self.rope is not None and context is None:
+            if positions is None:
+                start = 0 if cache_index is None else cache_index
+                positions = start + jnp.arange(length)
+            q, k = self.rope(q, positions), self.rope(k, positions)
+
+        if cache_index is not None:
+            if context is not None:
+                raise ValueError("the KV cache is for self-attention; cross-attention has none")
+            k, v = self._update_cache(k, v, cache_index)
+            if is_causal:
+                causal = ops.causal_mask(length, k.shape[1], offset=cache_index)
+                mask = causal if mask is None else ops.combine_masks(mask, causal)
+                is_causal = False
+
+        dropout_rate = 0.0 if self.deterministic else self.dropout_rate
+        out = self.attention_fn(
+            q, k, v, bias, mask, is_causal=is_causal, dropout_rate=dropout_rate,
+            dropout_rng=self.dropout_rngs() if dropout_rate > 0 else None,
+        )  # fmt: skip
+        return self.out(out)
+
+    def _update_cache(self, k: jax.Array, v: jax.Array, cache_index: jax.Array):
+        if self.cached_key is None:
+            raise ValueError("decoding with cache_index needs init_cache(batch_size, max_length)")
+        if k.shape[0] != self.cached_key.shape[0]:
+            raise ValueError(
+                f"batch size {k.shape[0]} does not match the KV cache {self.cached_key.shape}"
+            )
+        start = (0, cache_index, 0, 0)
+        cached_key = jax.lax.dynamic_update_slice(
+            self.cached_key[...], k.astype(self.cached_key.dtype), start
+        )
+        cached_value = jax.lax.dynamic_update_slice(
+            self.cached_value[...], v.astype(self.cached_value.dtype), start
+        )
+        self.cached_key[...], self.cached_value[...] = cached_key, cached_value
+        return cached_key.astype(self.dtype), cached_value.astype(self.dtype)

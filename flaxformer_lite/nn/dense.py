@@ -1,0 +1,140 @@
+"""Parameters with logical axis names, their initializers, and the one projection every module uses.
+
+Every parameter is an ``nnx.Param`` whose ``out_sharding`` metadata holds *logical* axis names
+(``"embed"``, ``"heads"``, ``"mlp"``, ...). Nothing is placed on devices when a parameter is created
+(``eager_sharding=False``): ``flaxformer_lite.parallel`` maps the names to mesh axes with rules
+and initializes under ``jax.jit`` with the resulting shardings, so a model builds the same way on
+one CPU and on a pod.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+INIT_SCHEMES = ("xavier", "normal")
+
+
+def param(rngs: nnx.Rngs, init, shape: tuple[int, ...], names: tuple, dtype) -> nnx.Param:
+    """A parameter initialized as ``init(key, shape, dtype)`` and tagged with logical axis names."""
+    if len(names) != len(shape):
+        raise ValueError(f"parameter of shape {shape} needs {len(shape)} axis names, got {names}")
+    return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=names, eager_sharding=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelInit:
+    """How a projection kernel ``[*in_shape, *out_shape]`` is initialized.
+
+    Attributes:
+      scheme: ``"xavier"`` (Glorot uniform over fan_in + fan_out, as in the paper) or ``"normal"``
+        (a normal with standard deviation ``std``, as in GPT-2 and BERT).
+      std: standard deviation of ``"normal"``.
+      scale: extra factor on the standard deviation of ``"normal"``; GPT-2 multiplies the
+        projections that write into the residual stream by ``1 / sqrt(2 * num_layers)``.
+    """
+
+    scheme: str = "xavier"
+    std: float = 0.02
+    scale: float = 1.0
+
+    def __post_init__(self):
+        if self.scheme not in INIT_SCHEMES:
+            raise ValueError(f"init must be one of {INIT_SCHEMES}, got {self.scheme!r}")
+
+    def scaled(self, factor: float) -> KernelInit:
+        return dataclasses.replace(self, scale=self.scale * factor)
+
+    def kernel(self, num_in_axes: int):
+        """An initializer ``(key, shape, dtype) -> array``; the first ``num_in_axes`` are inputs."""
+        if self.scheme == "normal":
+            return nnx.initializers.normal(self.std * self.scale)
+        in_axis = tuple(range(num_in_axes))
+
+        def xavier(key, shape, dtype):
+            out_axis = tuple(range(num_in_axes, len(shape)))
+            init = nnx.initializers.variance_scaling(
+                1.0, "fan_avg", "uniform", in_axis=in_axis, out_axis=out_axis
+            )
+            return init(key, shape, dtype)
+
+        return xavier
+
+    def embedding(self, dim: int):
+        """An initializer for an embedding table ``[num_embeddings, dim]``.
+
+        ``"xavier"`` uses a normal with std ``dim ** -0.5`` (Tensor2Tensor, fairseq): multiplied by
+        ``sqrt(dim)`` as in the paper, embeddings then have unit variance.
+        """
+        std = self.std if self.scheme == "normal" else dim**-0.5
+        return nnx.initializers.normal(std)
+
+
+XAVIER = KernelInit()  # the paper's initialization, the default of every module
+
+
+def _as_tuple(x) -> tuple[int, ...]:
+    return (x,) if isinstance(x, int) else tuple(x)
+
+
+class Dense(nnx.Module):
+    """A linear projection contracting the last axes of the input: ``x @ kernel + bias``.
+
+    ``in_shape`` and ``out_shape`` may be tuples, so the attention projections are written as
+    ``[D] -> [H, Dh]`` and ``[H, Dh] -> [D]`` with no reshapes.
+
+    Args:
+      in_shape: feature axes contracted, e.g. ``768`` or ``(12, 64)``.
+      out_shape: feature axes produced.
+      names: logical axis names of the kernel ``[*in_shape, *out_shape]``.
+      use_bias: add a bias ``[*out_shape]`` (its names are the output part of ``names``).
+      init: a :class:`KernelInit`; biases start at zero.
+      dtype: compute dtype (inputs and kernel are cast to it); param_dtype: storage dtype.
+    """
+
+    def __init__(
+        self,
+        in_shape,
+        out_shape,
+        *,
+        names: tuple,
+        use_bias: bool = True,
+        init: KernelInit = XAVIER,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        self.in_shape, self.out_shape = _as_tuple(in_shape), _as_tuple(out_shape)
+        self.dtype = dtype
+        shape = self.in_shape + self.out_shape
+        self.kernel = param(rngs, init.kernel(len(self.in_shape)), shape, names, param_dtype)
+        self.bias = (
+            param(
+                rngs,
+                nnx.initializers.zeros,
+                self.out_shape,
+                names[len(self.in_shape) :],
+                param_dtype,
+            )
+            if use_bias
+            else None
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """``[..., *in_shape] -> [..., *out_shape]`` in the compute dtype."""
+        n = len(self.in_shape)
+        if x.shape[x.ndim - n :] != self.in_shape:
+            raise ValueError(f"Dense expects inputs [..., {self.in_shape}], got shape {x.shape}")
+        y = jnp.tensordot(x.astype(self.dtype), self.kernel[...].astype(self.dtype), axes=n)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y
+
+
+def residual_scale(num_layers: int) -> float:
+    """GPT-2's ``1 / sqrt(2 * num_layers)`` for the projections that write into the residual."""
+    return 1.0 / math.sqrt(2 * max(num_layers, 1))

@@ -1,0 +1,52 @@
+"""Token embeddings, with ``attend`` for an output projection tied to the same table."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from flaxformer_lite.nn.dense import XAVIER, KernelInit, param
+
+
+class Embed(nnx.Module):
+    """A lookup table ``[num_embeddings, features]``.
+
+    Args:
+      num_embeddings: vocabulary (or position, or token-type) count.
+      features: embedding size D.
+      names: logical axis names of the table, ``("vocab", "embed")`` for tokens.
+      init: a :class:`KernelInit` (its ``embedding`` initializer is used).
+      dtype: compute dtype of the outputs; param_dtype: storage dtype.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        features: int,
+        *,
+        names: tuple = ("vocab", "embed"),
+        init: KernelInit = XAVIER,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        self.num_embeddings, self.features, self.dtype = num_embeddings, features, dtype
+        shape = (num_embeddings, features)
+        self.embedding = param(rngs, init.embedding(features), shape, names, param_dtype)
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        """``[...]`` int ids -> ``[..., D]`` in the compute dtype.
+
+        Raises:
+          ValueError: non-integer ids.
+        """
+        if not jnp.issubdtype(jnp.asarray(ids).dtype, jnp.integer):
+            raise ValueError(f"Embed expects integer ids, got dtype {jnp.asarray(ids).dtype}")
+        return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        """The tied output projection: ``[..., D] -> [..., num_embeddings]`` logits ``x @ E^T``."""
+        return jnp.einsum(
+            "...d,vd->...v", x.astype(self.dtype), self.embedding[...].astype(self.dtype)
+        )

@@ -1,0 +1,161 @@
+"""Transformer layers: self-attention, optional cross-attention and the MLP, each a residual
+sublayer with its norm before (pre-LN) or after (post-LN, the paper) the residual sum.
+
+The layers read their hyper-parameters from a ``flaxformer_lite.models.ModelConfig`` (``cfg``).
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from flaxformer_lite.nn.attention import MultiHeadAttention
+from flaxformer_lite.nn.dense import residual_scale
+from flaxformer_lite.nn.mlp import MLP
+from flaxformer_lite.nn.norms import make_norm
+
+
+def make_layer_norm(cfg, rngs: nnx.Rngs):
+    """The norm ``cfg`` asks for (``layernorm`` or ``rmsnorm``), size ``d_model``."""
+    return make_norm(
+        cfg.norm, cfg.d_model, eps=cfg.norm_eps, dtype=cfg.compute_dtype,
+        param_dtype=cfg.storage_dtype, rngs=rngs,
+    )  # fmt: skip
+
+
+def make_attention(cfg, *, num_layers: int, cross: bool, rngs: nnx.Rngs, attention_fn=None):
+    """A ``MultiHeadAttention`` configured by ``cfg`` (self- or cross-attention)."""
+    init = cfg.kernel_init
+    return MultiHeadAttention(
+        cfg.d_model,
+        cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        fused_qkv=cfg.fused_qkv and not cross,
+        qkv_bias=cfg.qkv_bias,
+        out_bias=cfg.attention_out_bias,
+        rope=None if cross else cfg.rope,
+        dropout_rate=cfg.attention_dropout,
+        attention_fn=attention_fn,
+        implementation=cfg.attention_implementation,
+        init=init,
+        out_init=init.scaled(residual_scale(num_layers)) if cfg.init == "normal" else init,
+        dtype=cfg.compute_dtype,
+        param_dtype=cfg.storage_dtype,
+        rngs=rngs,
+    )
+
+
+class TransformerLayer(nnx.Module):
+    """Self-attention, optional cross-attention, MLP; see :class:`EncoderLayer`,
+    :class:`DecoderLayer`.
+
+    Post-LN (the paper): ``x = Norm(x + Dropout(Sublayer(x)))``. Pre-LN (GPT-2, LLaMA):
+    ``x = x + Dropout(Sublayer(Norm(x)))``. A parallel block (GPT-J, PaLM) feeds attention and
+    MLP the same input and sums both into the residual: ``x + Attn(Norm(x)) + MLP(Norm(x))``
+    (pre-LN) or ``Norm(x + Attn(x) + MLP(x))`` (post-LN).
+
+    Args:
+      cfg: the model configuration.
+      num_layers: layers in the stack (GPT-2's init scales residual projections by it).
+      causal: self-attention sees only earlier positions.
+      cross_attention: attend to an encoder's output after self-attention.
+      attention_fn: overrides ``ops.dot_product_attention`` in every attention.
+    """
+
+    def __init__(self, cfg, *, num_layers: int, causal: bool, cross_attention: bool,
+                 rngs: nnx.Rngs, attention_fn=None):  # fmt: skip
+        self.causal, self.pre_norm = causal, cfg.norm_position == "pre"
+        self.parallel = cfg.parallel_block
+        self.self_attention = make_attention(
+            cfg, num_layers=num_layers, cross=False, rngs=rngs, attention_fn=attention_fn
+        )
+        self.self_attention_norm = make_layer_norm(cfg, rngs)
+        if cross_attention:
+            self.cross_attention = make_attention(
+                cfg, num_layers=num_layers, cross=True, rngs=rngs, attention_fn=attention_fn
+            )
+            self.cross_attention_norm = make_layer_norm(cfg, rngs)
+        else:
+            self.cross_attention = self.cross_attention_norm = None
+        mlp_init = cfg.kernel_init
+        self.mlp = MLP(
+            cfg.d_model, cfg.d_ff, activation=cfg.activation, use_bias=cfg.mlp_bias, init=mlp_init,
+            out_init=mlp_init.scaled(residual_scale(num_layers)) if cfg.init == "normal" else None,
+            dtype=cfg.compute_dtype, param_dtype=cfg.storage_dtype, rngs=rngs,
+        )  # fmt: skip
+        # A parallel block normalizes once for both branches.
+        self.mlp_norm = None if self.parallel else make_layer_norm(cfg, rngs)
+        self.dropout = nnx.Dropout(cfg.residual_dropout, rngs=rngs)
+
+    def __call__(
+        self,
+        x: jax.Array,
+        context: jax.Array | None = None,
+        *,
+        mask: jax.Array | None = None,
+        bias: jax.Array | None = None,
+        context_mask: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        cache_index: jax.Array | None = None,
+    ) -> jax.Array:
+        """One layer.
+
+        Args:
+          x: ``[B, T, D]``.
+          context: ``[B, S, D]`` encoder output (layers with cross-attention).
+          mask: self-attention mask, bool broadcastable to ``[B, H, T, T]`` (``T`` -> the cache
+            length when decoding); causality is added by the layer.
+          bias: self-attention logit bias (relative positions, ALiBi), same shape rules.
+          context_mask: cross-attention mask, broadcastable to ``[B, H, T, S]``.
+          positions: ``[T]`` or ``[B, T]`` positions for RoPE.
+          cache_index: decode through the self-attention KV cache from this slot.
+
+        Returns:
+          ``[B, T, D]``.
+        """
+
+        def self_attention(h):
+            return self.self_attention(
+                h, mask=mask, bias=bias, positions=positions, is_causal=self.causal,
+                cache_index=cache_index,
+            )  # fmt: skip
+
+        if self.parallel:
+            h = self.self_attention_norm(x) if self.pre_norm else x
+            branches = self.dropout(self_attention(h)) + self.dropout(self.mlp(h))
+            x = x + branches if self.pre_norm else self.self_attention_norm(x + branches)
+            if self.cross_attention is not None:
+                x = self._sublayer(x, self.cross_attention_norm, self._cross(context, context_mask))
+            return x
+        x = self._sublayer(x, self.self_attention_norm, self_attention)
+        if self.cross_attention is not None:
+            x = self._sublayer(x, self.cross_attention_norm, self._cross(context, context_mask))
+        return self._sublayer(x, self.mlp_norm, self.mlp)
+
+    def _cross(self, context, context_mask):
+        if context is None:
+            raise ValueError("a layer with cross-attention needs the encoder output (context)")
+        return lambda h: self.cross_attention(h, context, mask=context_mask)
+
+    def _sublayer(self, x, norm, fn):
+        if self.pre_norm:
+            return x + self.dropout(fn(norm(x)))
+        return norm(x + self.dropout(fn(x)))
+
+
+class EncoderLayer(TransformerLayer):
+    """Bidirectional self-attention and MLP (the paper's encoder layer, BERT's layer)."""
+
+    def __init__(self, cfg, *, num_layers: int, rngs: nnx.Rngs, attention_fn=None):
+        super().__init__(cfg, num_layers=num_layers, causal=False, cross_attention=False,
+                         rngs=rngs, attention_fn=attention_fn)  # fmt: skip
+
+
+class DecoderLayer(TransformerLayer):
+    """Causal self-attention, cross-attention to the encoder (if ``cross_attention``) and MLP."""
+
+    def __init__(self, cfg, *, num_layers: int, cross_attention: bool, rngs: nnx.Rngs,
+                 attention_fn=None):  # fmt: skip
+        super().__init__(cfg, num_layers=num_layers, causal=True, cross_attention=cross_attention,
+                         rngs=rngs, attention_fn=attention_fn)  # fmt: skip

@@ -1,0 +1,51 @@
+"""Position-dependent attention biases shared by all layers of a stack: T5's learned relative
+position buckets and ALiBi's fixed linear penalties. The math is in ``ops.positions``."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from flaxformer_lite import ops
+from flaxformer_lite.nn.dense import XAVIER, KernelInit
+from flaxformer_lite.nn.embed import Embed
+
+
+class RelativePositionBias(nnx.Module):
+    """T5's relative position bias: one learned scalar per (bucket of ``k - q``, head).
+
+    Args:
+      num_heads: H.
+      num_buckets, max_distance: see ``ops.relative_position_buckets``.
+      bidirectional: True for encoders, False for causal decoders.
+    """
+
+    def __init__(self, num_heads: int, *, num_buckets: int = 32, max_distance: int = 128,
+                 bidirectional: bool, init: KernelInit = XAVIER, dtype=jnp.float32,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):  # fmt: skip
+        self.num_buckets, self.max_distance = num_buckets, max_distance
+        self.bidirectional = bidirectional
+        self.table = Embed(
+            num_buckets, num_heads, names=("relpos_buckets", "heads"), init=init,
+            dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs,
+        )  # fmt: skip
+
+    def __call__(self, q_positions: jax.Array, k_positions: jax.Array) -> jax.Array:
+        """``[Tq]`` / ``[B, Tq]`` and ``[Tk]`` / ``[B, Tk]`` positions -> bias
+        ``[1 or B, H, Tq, Tk]`` float32."""
+        buckets = ops.relative_position_buckets(
+            q_positions, k_positions, bidirectional=self.bidirectional,
+            num_buckets=self.num_buckets, max_distance=self.max_distance,
+        )  # fmt: skip
+        bias = jnp.moveaxis(self.table(buckets), -1, -3)  # [..., Tq, Tk, H] -> [..., H, Tq, Tk]
+        return bias if bias.ndim == 4 else bias[None]
+
+
+def alibi(num_heads: int, q_len: int, kv_len: int) -> jax.Array:
+    """ALiBi's bias ``[1, H, Tq, Tk]`` (queries aligned with the last keys, see ``ops.alibi_bias``).
+
+    When decoding from a cache slot other than ``kv_len - q_len`` the alignment shifts each row
+    of the bias by a constant, which softmax ignores.
+    """
+    return ops.alibi_bias(num_heads, q_len, kv_len)[None]

@@ -1,0 +1,89 @@
+"""A stack of identical layers, run as a Python loop or as one ``nnx.scan``-ned layer.
+
+With ``scan=True`` the layers' parameters are stacked along a leading ``"layers"`` axis and XLA
+compiles one layer body however deep the model is (compile time independent of depth). With
+``scan=False`` the stack is an ``nnx.List`` of layers unrolled into the program. Both compute the
+same function: :func:`stack_layer_states` converts the loop's parameters into the scan's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class LayerStack(nnx.Module):
+    """``num_layers`` layers built by ``make_layer(rngs)``, applied in order.
+
+    Args:
+      num_layers: depth L.
+      make_layer: builds one layer from an ``nnx.Rngs``.
+      scan: stack the parameters and run the layers with ``nnx.scan``.
+      remat: rematerialization of each layer in the backward pass: ``"none"``, ``"full"`` (save
+        only the layer inputs), ``"dots_saveable"`` (save matmul outputs), or
+        ``"dots_with_no_batch_dims_saveable"``. It changes memory and time, never values.
+    """
+
+    def __init__(self, num_layers: int, make_layer: Callable[[nnx.Rngs], nnx.Module], *,
+                 scan: bool = False, remat: str = "none", rngs: nnx.Rngs):  # fmt: skip
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"remat must be one of {tuple(REMAT_POLICIES)}, got {remat!r}")
+        self.num_layers, self.scan, self.remat = num_layers, scan, remat
+        if scan:
+
+            @nnx.split_rngs(splits=num_layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def make_stacked(rngs):
+                return make_layer(rngs)
+
+            self.layers = make_stacked(rngs)
+        else:
+            self.layers = nnx.List([make_layer(rngs) for _ in range(num_layers)])
+
+    def __call__(self, x: jax.Array, *args, **kwargs) -> jax.Array:
+        """``x [B, T, D] -> [B, T, D]``; ``args`` and ``kwargs`` go unchanged to every layer."""
+
+        def apply(layer, x):
+            return layer(x, *args, **kwargs)
+
+        if self.remat != "none":
+            apply = nnx.remat(apply, policy=REMAT_POLICIES[self.remat])
+        if self.scan:
+
+            @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+            def run(layer, x):
+                return apply(layer, x)
+
+            return run(self.layers, x)
+        for layer in self.layers:
+            x = apply(layer, x)
+        return x
+
+    def init_cache(self, batch_size: int, max_length: int, *, dtype=None) -> None:
+        """Allocates every layer's self-attention KV cache."""
+        if self.scan:
+            self.layers.self_attention.init_cache(
+                batch_size, max_length, dtype=dtype, num_layers=self.num_layers
+            )
+        else:
+            for layer in self.layers:
+                layer.self_attention.init_cache(batch_size, max_length, dtype=dtype)
+
+
+def stack_layer_states(layer_states: list) -> nnx.State:
+    """Stacks per-layer states (of a loop stack) into the state of the equivalent scanned stack.
+
+    ``nnx.state(loop_stack.layers)`` holds ``{0: state, 1: state, ...}``; pass the values in
+    order and ``nnx.update(scan_stack.layers, stack_layer_states(...))``.
+    """
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *layer_states)
