@@ -42,11 +42,11 @@ def parameter_counts(model_or_config) -> dict[str, int]:
 def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward = 3x forward), for MFU.
 
-    ``6 N`` for the matmul parameters N (every projection, plus the vocabulary projection, tied
-    or not; lookups are free) plus attention's logits and weighted sum, ``12 * layers * heads *
-    head_dim * seq_len`` (PaLM, Appendix B), counted at half for causal self-attention, whose
-    upper triangle need not be computed. For an encoder-decoder, per target token with source
-    and target both ``seq_len`` long.
+    ``6 N`` for the matmul parameters N (every projection, the vocabulary projection, tied or
+    not, and BERT's MLM transform; lookups are free) plus attention's logits and weighted sum,
+    ``12 * layers * heads * head_dim * seq_len`` (PaLM, Appendix B), counted at half for causal
+    self-attention, whose upper triangle need not be computed. For an encoder-decoder, per target
+    token with source and target both ``seq_len`` long.
     """
     d, hq, hk, dh, f = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_size, cfg.d_ff
     attention = d * hq * dh * 2 + d * hk * dh * 2  # q and out; k and v
@@ -56,6 +56,8 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     cross = attention if enc and dec else 0
     matmul_params = enc * (attention + mlp) + dec * (attention + cross + mlp)
     matmul_params += d * (cfg.output_dim or cfg.vocab_size)
+    if cfg.mlm_transform and cfg.output_dim is None:
+        matmul_params += d * d
     attention_flops = 12 * hq * dh * seq_len * (enc + dec * (0.5 + (1 if enc else 0)))
     return float(6 * matmul_params + attention_flops)
 
