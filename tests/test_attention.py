@@ -36,6 +36,7 @@ CASES = {
     "causal": dict(is_causal=True),
     "gqa_causal_short_query": dict(tq=4, tk=11, is_causal=True),
     "long_query_causal": dict(tq=11, tk=6, is_causal=True),
+    "long_query_unmasked": dict(tq=11, tk=6),  # cross-attention to a shorter source
     "mqa": dict(hk=1),
     "mask_and_bias": dict(mask=True, bias=True),
     "padding": dict(padding=True, is_causal=True),

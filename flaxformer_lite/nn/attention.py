@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -82,9 +81,9 @@ class MultiHeadAttention(nnx.Module):
             raise ValueError("fused_qkv needs self-attention with num_kv_heads == num_heads")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.rope, self.dropout_rate, self.dtype = rope, dropout_rate, dtype
-        self.attention_fn = attention_fn or functools.partial(
-            ops.dot_product_attention, implementation=implementation
-        )
+        # The function and the implementation name are static attributes: kept as given (not
+        # wrapped in a new partial) so that equal configs give equal graphs and share compiles.
+        self.attention_fn, self.implementation = attention_fn, implementation
         common = dict(init=init, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         context_features = context_features or d_model
         if fused_qkv:
@@ -188,10 +187,17 @@ class MultiHeadAttention(nnx.Module):
                 is_causal = False
 
         dropout_rate = 0.0 if self.deterministic else self.dropout_rate
-        out = self.attention_fn(
-            q, k, v, bias, mask, is_causal=is_causal, dropout_rate=dropout_rate,
+        dropout = dict(
+            dropout_rate=dropout_rate,
             dropout_rng=self.dropout_rngs() if dropout_rate > 0 else None,
-        )  # fmt: skip
+        )
+        if self.attention_fn is None:
+            out = ops.dot_product_attention(
+                q, k, v, bias, mask, is_causal=is_causal, implementation=self.implementation,
+                **dropout,
+            )  # fmt: skip
+        else:
+            out = self.attention_fn(q, k, v, bias, mask, is_causal=is_causal, **dropout)
         return self.out(out)
 
     def _update_cache(self, k: jax.Array, v: jax.Array, cache_index: jax.Array):

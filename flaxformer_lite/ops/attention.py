@@ -166,10 +166,10 @@ def xla_attention(
         )
 
     out = _per_query_group(attend, query, key.shape[2], 3, bias, full_mask, keep)
-    # Only a user mask, or more queries than keys, can leave a row without any visible key.
-    # Such rows are zeroed on the output, which is cheaper than on the [Tq, Tk] weights and
-    # blocks their gradient just the same.
-    if mask is not None or q_len > kv_len:
+    # Only a user mask, or a causal/window mask with more queries than keys, can leave a row
+    # without any visible key. Such rows are zeroed on the output, which is cheaper than on the
+    # [Tq, Tk] weights and blocks their gradient just the same.
+    if full_mask is not None and (mask is not None or q_len > kv_len):
         row_has_key = jnp.moveaxis(jnp.any(full_mask, axis=-1), 1, 2)[..., None]  # [b, Tq, h, 1]
         out = jnp.where(row_has_key, out, 0.0)
     return out.astype(query.dtype)
