@@ -150,6 +150,10 @@ def test_xavier_kernel_is_glorot_uniform_over_all_in_and_out_axes():
     # Multi-axis inputs: fan_in is the product of the input axes (the output projection).
     out_kernel = _f64(Dense((8, 64), 256, names=("h", "d", "e"), rngs=nnx.Rngs(1)).kernel[...])
     assert abs(out_kernel.var() / (2.0 / (512 + 256)) - 1) < 0.05
+    # A fused q/k/v kernel [D, 3, H, Dh]: each of q, k, v initialized as its own [D, H, Dh].
+    fused = Dense(512, (3, 8, 64), names=("e", "qkv", "h", "d"), fused_axes=(1,), rngs=nnx.Rngs(2))
+    for part in np.moveaxis(_f64(fused.kernel[...]), 1, 0):
+        assert abs(part.var() / expected_var - 1) < 0.05
 
 
 def test_normal_kernel_std_and_scaled():

@@ -89,7 +89,7 @@ class MultiHeadAttention(nnx.Module):
         if fused_qkv:
             self.qkv = Dense(
                 d_model, (3, num_heads, head_dim), names=("embed", "qkv", "heads", "head_dim"),
-                use_bias=qkv_bias, **common,
+                use_bias=qkv_bias, fused_axes=(1,), **common,
             )  # fmt: skip
         else:
             self.query = Dense(

@@ -49,16 +49,20 @@ class KernelInit:
     def scaled(self, factor: float) -> KernelInit:
         return dataclasses.replace(self, scale=self.scale * factor)
 
-    def kernel(self, num_in_axes: int):
-        """An initializer ``(key, shape, dtype) -> array``; the first ``num_in_axes`` are inputs."""
+    def kernel(self, num_in_axes: int, fused_axes: tuple[int, ...] = ()):
+        """An initializer ``(key, shape, dtype) -> array``.
+
+        The first ``num_in_axes`` axes are inputs, the others outputs; ``fused_axes`` are output
+        axes that index separate projections stored together (q/k/v), left out of the fans.
+        """
         if self.scheme == "normal":
             return nnx.initializers.normal(self.std * self.scale)
         in_axis = tuple(range(num_in_axes))
 
         def xavier(key, shape, dtype):
-            out_axis = tuple(range(num_in_axes, len(shape)))
+            out_axis = tuple(i for i in range(num_in_axes, len(shape)) if i not in fused_axes)
             init = nnx.initializers.variance_scaling(
-                1.0, "fan_avg", "uniform", in_axis=in_axis, out_axis=out_axis
+                1.0, "fan_avg", "uniform", in_axis=in_axis, out_axis=out_axis, batch_axis=fused_axes
             )
             return init(key, shape, dtype)
 
@@ -93,6 +97,8 @@ class Dense(nnx.Module):
       names: logical axis names of the kernel ``[*in_shape, *out_shape]``.
       use_bias: add a bias ``[*out_shape]`` (its names are the output part of ``names``).
       init: a :class:`KernelInit`; biases start at zero.
+      fused_axes: kernel axes that stack separate projections (the 3 of a fused q/k/v kernel
+        ``[D, 3, H, Dh]``): each is initialized as if it were its own kernel.
       dtype: compute dtype (inputs and kernel are cast to it); param_dtype: storage dtype.
     """
 
@@ -104,6 +110,7 @@ class Dense(nnx.Module):
         names: tuple,
         use_bias: bool = True,
         init: KernelInit = XAVIER,
+        fused_axes: tuple[int, ...] = (),
         dtype=jnp.float32,
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,
@@ -111,7 +118,8 @@ class Dense(nnx.Module):
         self.in_shape, self.out_shape = _as_tuple(in_shape), _as_tuple(out_shape)
         self.dtype = dtype
         shape = self.in_shape + self.out_shape
-        self.kernel = param(rngs, init.kernel(len(self.in_shape)), shape, names, param_dtype)
+        kernel_init = init.kernel(len(self.in_shape), fused_axes)
+        self.kernel = param(rngs, kernel_init, shape, names, param_dtype)
         self.bias = (
             param(
                 rngs,
