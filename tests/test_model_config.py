@@ -105,6 +105,12 @@ def test_overrides_and_dict_round_trip():
         (dict(positions="rope", head_dim=15), "even head_dim"),
         (dict(num_classes=2), "encoder-only"),
         (dict(init="uniform"), "init must be one of"),
+        (dict(rope_base=0.0), "rope_base must be a number > 0"),
+        (dict(norm_eps="a"), "norm_eps must be a number > 0"),
+        (dict(positions="relative", relative_buckets=2), "relative_buckets >= 4"),
+        (dict(positions="relative", relative_max_distance=8, relative_buckets=32), "max_distance"),
+        (dict(type_vocab_size=2), "encoder-only"),
+        (dict(output_dim=2, tie_embeddings=False, output_bias=True), "output_bias"),
     ],
 )
 def test_invalid_configs_name_the_problem(overrides, message):
@@ -150,6 +156,32 @@ def test_flops_per_token_agree_with_xla_for_bidirectional_attention():
     ours = training_flops_per_token(cfg, 128)
     assert 1.0 <= forward / (ours / 3) < 1.12
     assert 0.95 <= train / ours < 1.15
+
+
+def test_residual_projections_are_scaled_down_only_where_published():
+    """GPT-2 scales the init of the projections writing into the residual stream by
+    1/sqrt(2 * layers); BERT and LLaMA use plain N(0, 0.02)."""
+
+    def stds(preset):
+        cfg = ModelConfig.from_preset(preset, d_model=128, d_ff=256, num_heads=4)
+        model = build_model(cfg, rngs=nnx.Rngs(0))
+        tower = model.encoder if cfg.kind == "encoder" else model.decoder
+        layer = tower.layers.layers[0]
+        kernels = (layer.self_attention.out.kernel, layer.mlp.wi.kernel, layer.mlp.wo.kernel)
+        return [float(jnp.std(kernel[...])) for kernel in kernels]
+
+    out, wi, wo = stds("gpt2-tiny")  # 2 layers: 0.02 / sqrt(4)
+    assert out == pytest.approx(0.01, rel=0.03) and wo == pytest.approx(0.01, rel=0.03)
+    assert wi == pytest.approx(0.02, rel=0.03)
+    for preset in ("bert-tiny", "llama-tiny"):
+        assert stds(preset) == pytest.approx([0.02] * 3, rel=0.03)
+
+
+def test_continuous_inputs_count_their_projection():
+    tokens = ModelConfig.from_preset("gpt2-tiny", tie_embeddings=False)
+    features = tokens.replace(input_dim=7)
+    extra = training_flops_per_token(features, 64) - training_flops_per_token(tokens, 64)
+    assert extra == 6 * 7 * tokens.d_model
 
 
 def test_causal_attention_counts_half_and_gqa_counts_fewer_projections():

@@ -351,6 +351,14 @@ def test_encoder_decoder_ignores_padded_source():
     assert (max_diff(out, base, axis=(0, 2)) > 1e-6).all()
 
 
+def test_decoding_past_the_cache_gives_nan_not_wrong_numbers():
+    model = make(tiny("gpt2-tiny"))
+    model.init_cache(B, 6)
+    x = tokens((B, T))
+    assert np.isfinite(np.asarray(lm_decode(model, x[:, :4]))).all()
+    assert np.isnan(np.asarray(lm_decode(model, x[:, 4:7]))).all()  # slots 4..6 of 0..5
+
+
 def test_encoder_decoder_target_longer_than_source_without_mask():
     model = make(tiny("transformer-tiny"))
     out = ed_forward(model, tokens((B, 3)), tokens((B, 5)))
@@ -602,11 +610,12 @@ def series(batch, length, seed=0):
 def test_continuous_inputs_and_regression_head(preset):
     layers = {k: min(v, 1) for k, v in ModelConfig.from_preset(preset).to_dict().items()
               if k in ("num_encoder_layers", "num_decoder_layers")}  # fmt: skip
-    cfg = tiny(preset, input_dim=3, output_dim=2, tie_embeddings=False, **layers)
+    cfg = tiny(preset, input_dim=3, output_dim=2, tie_embeddings=False, output_bias=False, **layers)
     model = make(cfg)
     x, y = series(B, T)
     if isinstance(model, EncoderDecoder):
-        out, batch = ed_forward(model, x, x), (x, x, y)
+        # The decoder reads what it predicts: the current two waves, teacher-forced.
+        out, batch = ed_forward(model, x, x[..., :2]), (x, x[..., :2], y)
     elif isinstance(model, Encoder):
         out, batch = enc_forward(model, x), (x, y)
     else:
@@ -622,6 +631,16 @@ def test_continuous_inputs_and_regression_head(preset):
     step = MSE_STEPS[cfg.kind]
     losses = [float(step(model, optimizer, *batch)) for _ in range(15)]
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_encoder_decoder_with_continuous_source_and_token_targets():
+    """Speech-to-text shape: features in, a (tied) token vocabulary out."""
+    model = make(tiny("transformer-tiny", input_dim=3))
+    x, _ = series(B, T)
+    out = ed_forward(model, x, tokens((B, 5)))
+    assert out.shape == (B, 5, VOCAB)
+    with pytest.raises(ValueError, match="token ids"):
+        ed_forward(model, x, x)
 
 
 # ------------------------------------------------------------------ classification

@@ -450,6 +450,9 @@ def test_attention_invalid_configurations_raise():
     mha = _build(lambda: MultiHeadAttention(D, H, rngs=nnx.Rngs(0)), 1)
     with pytest.raises(ValueError, match="batch, length, features"):
         mha(jnp.zeros((T, D)))
+    fused = _build(lambda: MultiHeadAttention(D, H, fused_qkv=True, rngs=nnx.Rngs(0)), 2)
+    with pytest.raises(ValueError, match="fused_qkv attention is self-attention"):
+        fused(jnp.zeros((B, T, D)), jnp.zeros((B, T, D)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -672,6 +675,8 @@ def test_scan_and_loop_stacks_compute_the_same_function():
 
     stacked = stack_layer_states([nnx.state(layer) for layer in loop.layers])
     nnx.update(scan.layers, stacked)
+    kernel = stacked["mlp"]["wi"]["kernel"]
+    assert kernel.get_metadata()["out_sharding"] == ("layers", "embed", "mlp")
     y_loop_again, y_scan = _run_stacks([loop, scan], x, mask)
     np.testing.assert_array_equal(y_loop_again, y_loop)
     np.testing.assert_allclose(y_scan, y_loop, rtol=1e-5, atol=1e-5)

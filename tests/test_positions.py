@@ -244,6 +244,17 @@ def test_alibi_bias_values(q_len, kv_len):
     )
 
 
+def test_alibi_bias_offset_places_the_queries():
+    # Decoding 2 queries from cache slot 3 of 8: queries at positions 3 and 4.
+    slopes = reference_bloom_slopes(4)
+    expected = np.array(
+        [[[-s * abs(i - j) for j in range(8)] for i in (3, 4)] for s in slopes], np.float64
+    )
+    np.testing.assert_allclose(alibi_bias(4, 2, 8, offset=3), expected, rtol=1e-6)
+    traced = jax.jit(alibi_bias, static_argnums=(0, 1, 2))(4, 2, 8, jnp.int32(3))
+    np.testing.assert_allclose(traced, expected, rtol=1e-6)
+
+
 def test_alibi_bias_causal_part_is_the_papers():
     # The paper adds slope * (j - i) for keys j <= query i.
     bias = np.asarray(alibi_bias(8, 6, 6))

@@ -1,11 +1,7 @@
 """The three architectures, their configuration and presets, and parameter/FLOP accounting."""
 
-from flaxformer_lite.models.accounting import (
-    abstract_model,
-    build_model,
-    parameter_counts,
-    training_flops_per_token,
-)
+from flaxformer_lite.models.accounting import parameter_counts, training_flops_per_token
+from flaxformer_lite.models.build import abstract_model, build_model
 from flaxformer_lite.models.config import PRESETS, ModelConfig
 from flaxformer_lite.models.decoder_lm import DecoderLM
 from flaxformer_lite.models.encoder import Encoder

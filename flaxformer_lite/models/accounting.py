@@ -1,23 +1,15 @@
-"""Building a model from its config, counting its parameters, and its training FLOPs per token."""
+"""Counting a model's parameters and its training FLOPs per token."""
 
 from __future__ import annotations
 
 import numpy as np
 from flax import nnx
 
+from flaxformer_lite.models.build import abstract_model
 from flaxformer_lite.models.config import ModelConfig
-from flaxformer_lite.models.decoder_lm import DecoderLM
-from flaxformer_lite.models.encoder import Encoder
-from flaxformer_lite.models.encoder_decoder import EncoderDecoder
 
-MODEL_CLASSES = {"encoder_decoder": EncoderDecoder, "decoder": DecoderLM, "encoder": Encoder}
 # Tables looked up rather than multiplied: "non-embedding" parameter counts leave them out.
 _EMBEDDING_TABLES = ("tokens", "positions", "token_types")
-
-
-def build_model(cfg: ModelConfig, *, rngs: nnx.Rngs, attention_fn=None):
-    """The model ``cfg`` describes: ``EncoderDecoder``, ``DecoderLM`` or ``Encoder``."""
-    return MODEL_CLASSES[cfg.kind](cfg, rngs=rngs, attention_fn=attention_fn)
 
 
 def parameter_counts(model_or_config) -> dict[str, int]:
@@ -29,7 +21,7 @@ def parameter_counts(model_or_config) -> dict[str, int]:
     """
     model = model_or_config
     if isinstance(model_or_config, ModelConfig):
-        model = nnx.eval_shape(lambda: build_model(model_or_config, rngs=nnx.Rngs(0)))
+        model = abstract_model(model_or_config)
     total = embedding = 0
     for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         size = int(np.prod(variable.shape))
@@ -56,15 +48,12 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     cross = attention if enc and dec else 0
     matmul_params = enc * (attention + mlp) + dec * (attention + cross + mlp)
     matmul_params += d * (cfg.output_dim or cfg.vocab_size)
+    # Continuous inputs are projected (token ids are looked up, for free); an encoder-decoder's
+    # decoder with a regression head also projects its continuous targets.
+    matmul_params += d * (cfg.input_dim or 0)
+    if cfg.kind == "encoder_decoder":
+        matmul_params += d * (cfg.output_dim or 0)
     if cfg.mlm_transform and cfg.output_dim is None:
         matmul_params += d * d
     attention_flops = 12 * hq * dh * seq_len * (enc + dec * (0.5 + (1 if enc else 0)))
     return float(6 * matmul_params + attention_flops)
-
-
-def abstract_model(cfg: ModelConfig):
-    """The model with ``jax.ShapeDtypeStruct`` leaves (no memory), for shapes and shardings."""
-    return nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0)))
-
-
-__all__ = ["abstract_model", "build_model", "parameter_counts", "training_flops_per_token"]

@@ -69,10 +69,14 @@ class ModelConfig:
     num_classes: int | None = None  # Encoder: a sequence-classification head
     pooling: str = "first"  # Encoder classification: first token ([CLS]) or mean of real tokens
     pooler_dense: bool = False  # BERT's dense + tanh on the pooled vector
-    input_dim: int | None = None  # continuous inputs [B, T, input_dim] instead of token ids
-    output_dim: int | None = None  # a regression head [B, T, output_dim] instead of logits
-    init: str = "xavier"
+    # Continuous inputs [B, T, input_dim] instead of token ids (the source of an encoder-decoder).
+    input_dim: int | None = None
+    # A regression head [B, T, output_dim] instead of logits; an encoder-decoder's decoder then
+    # also reads continuous [B, T, output_dim] targets (it consumes what it predicts).
+    output_dim: int | None = None
+    init: str = "xavier"  # Glorot uniform (Tensor2Tensor) or "normal" with init_std (GPT-2, BERT)
     init_std: float = 0.02
+    scale_residual_init: bool = False  # GPT-2: residual projections' init times 1/sqrt(2 layers)
     dtype: str = "float32"  # compute
     param_dtype: str = "float32"  # storage
     scan_layers: bool = False
@@ -192,15 +196,35 @@ class ModelConfig:
                 f"fused_qkv needs num_kv_heads == num_heads, got {self.num_kv_heads} and "
                 f"{self.num_heads}"
             )
-        if self.tie_embeddings and (self.input_dim is not None or self.output_dim is not None):
+        token_targets = self.kind == "encoder_decoder" or self.input_dim is None
+        if self.tie_embeddings and (self.output_dim is not None or not token_targets):
             raise ValueError(
-                "tie_embeddings needs token inputs and vocabulary outputs; set "
+                "tie_embeddings needs a token table and vocabulary outputs; set "
                 "tie_embeddings=False with input_dim or output_dim"
             )
-        if self.norm_eps <= 0:
-            raise ValueError(f"norm_eps must be > 0, got {self.norm_eps}")
+        for name in ("norm_eps", "rope_base", "init_std"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        _check_positive_int("relative_buckets", self.relative_buckets)
+        _check_positive_int("relative_max_distance", self.relative_max_distance)
+        if self.positions == "relative" and (
+            self.relative_buckets < 4 or self.relative_max_distance <= self.relative_buckets // 2
+        ):
+            raise ValueError(
+                "relative positions need relative_buckets >= 4 and relative_max_distance > "
+                f"relative_buckets // 2, got {self.relative_buckets} and "
+                f"{self.relative_max_distance}"
+            )
         if self.num_classes is not None and self.kind != "encoder":
             raise ValueError("num_classes (a classification head) is for encoder-only models")
+        if self.type_vocab_size and self.kind != "encoder":
+            raise ValueError("type_vocab_size (token-type embeddings) is for encoder-only models")
+        if self.output_bias and self.output_dim is not None:
+            raise ValueError(
+                "output_bias is a bias on the vocabulary logits; the regression head of "
+                "output_dim always has one"
+            )
 
 
 def _check_positive_int(name: str, value: Any) -> None:
@@ -231,7 +255,7 @@ _GPT2_SMALL = dict(
     num_decoder_layers=12, max_length=1024, embedding_dropout=0.1, attention_dropout=0.1,
     residual_dropout=0.1, norm="layernorm", norm_eps=1e-5, norm_position="pre",
     positions="learned", activation="gelu_tanh", tie_embeddings=True, scale_embeddings=False,
-    fused_qkv=True, init="normal", init_std=0.02,
+    fused_qkv=True, init="normal", init_std=0.02, scale_residual_init=True,
 )  # fmt: skip
 _BERT_BASE = dict(
     vocab_size=30522, d_model=768, num_heads=12, d_ff=3072, num_encoder_layers=12,

@@ -16,6 +16,7 @@ from flaxformer_lite.models.parts import (
     check_length,
     default_positions,
     key_mask,
+    poison_if,
     token_embedding,
 )
 
@@ -33,8 +34,8 @@ class DecoderLM(nnx.Module):
         if not cfg.num_decoder_layers:
             raise ValueError("DecoderLM needs num_decoder_layers > 0")
         self.config = cfg
-        tokens = token_embedding(cfg, rngs)
-        self.embed = InputEmbedding(cfg, tokens=tokens, rngs=rngs)
+        tokens = None if cfg.input_dim is not None else token_embedding(cfg, rngs)
+        self.embed = InputEmbedding(cfg, tokens=tokens, input_dim=cfg.input_dim, rngs=rngs)
         self.decoder = Tower(
             cfg, num_layers=cfg.num_decoder_layers, causal=True, cross_attention=False,
             rngs=rngs, attention_fn=attention_fn,
@@ -60,7 +61,8 @@ class DecoderLM(nnx.Module):
           segment_ids: int ``[B, T]``: tokens attend only within their segment (packing).
           attention_mask: bool ``[B, T]``, False for padding keys (ragged prompts).
           decode: run incrementally through the KV cache set up by :meth:`init_cache`; the
-            tokens are appended after those of earlier calls.
+            tokens are appended after those of earlier calls. Tokens beyond the cache's
+            ``max_length`` get NaN logits.
 
         Returns:
           ``[B, T, vocab_size]`` logits (``[B, T, output_dim]`` with a regression head) in the
@@ -75,7 +77,7 @@ class DecoderLM(nnx.Module):
             valid = (
                 jnp.ones((batch, length), jnp.bool_) if attention_mask is None else attention_mask
             )
-            cache_index, mask = self.decode_state.append(valid)
+            cache_index, mask, overflow = self.decode_state.append(valid)
             kv_length = self.decode_state.max_length
         else:
             check_length(self.config, length, "input")
@@ -83,13 +85,14 @@ class DecoderLM(nnx.Module):
                 None if segment_ids is None else ops.segment_mask(segment_ids),
                 key_mask(attention_mask),
             )
-            cache_index, kv_length = None, length
+            cache_index, kv_length, overflow = None, length, None
         if positions is None:
             positions = default_positions(length, 0 if cache_index is None else cache_index)
         x = self.embed(inputs, positions)
         x = self.decoder(x, mask=mask, positions=positions, cache_index=cache_index,
                          kv_length=kv_length)  # fmt: skip
-        return self.head(x)
+        logits = self.head(x)
+        return logits if overflow is None else poison_if(overflow, logits)
 
     def init_cache(self, batch_size: int, max_length: int | None = None, *, dtype=None) -> None:
         """Empties the KV cache for ``batch_size`` rows of up to ``max_length`` tokens."""

@@ -14,6 +14,7 @@ from flaxformer_lite.models.parts import (
     Tower,
     check_length,
     default_positions,
+    key_mask,
     token_embedding,
 )
 from flaxformer_lite.nn.dense import Dense
@@ -37,8 +38,8 @@ class Encoder(nnx.Module):
         if not cfg.num_encoder_layers:
             raise ValueError("Encoder needs num_encoder_layers > 0")
         self.config = cfg
-        tokens = token_embedding(cfg, rngs)
-        self.embed = InputEmbedding(cfg, tokens=tokens, rngs=rngs)
+        tokens = None if cfg.input_dim is not None else token_embedding(cfg, rngs)
+        self.embed = InputEmbedding(cfg, tokens=tokens, input_dim=cfg.input_dim, rngs=rngs)
         self.encoder = Tower(
             cfg, num_layers=cfg.num_encoder_layers, causal=False, cross_attention=False,
             rngs=rngs, attention_fn=attention_fn,
@@ -72,7 +73,8 @@ class Encoder(nnx.Module):
 
         Args:
           inputs: int ``[B, T]`` tokens (float ``[B, T, input_dim]`` with ``input_dim``).
-          mask: bool ``[B, T]``, False at padding: no position attends to padding.
+          mask: bool ``[B, T]``, False at padding: no position attends to padding (the outputs
+            at padded positions are meaningless).
           token_types: int ``[B, T]`` segment A/B ids (``type_vocab_size > 0``).
           positions: ``[T]`` or ``[B, T]``; default ``arange(T)``.
           segment_ids: int ``[B, T]`` for packed sequences.
@@ -80,7 +82,7 @@ class Encoder(nnx.Module):
         length = inputs.shape[1]
         check_length(self.config, length, "input")
         attention_mask = ops.combine_masks(
-            None if mask is None else ops.padding_mask(mask),
+            key_mask(mask),
             None if segment_ids is None else ops.segment_mask(segment_ids),
         )
         positions = default_positions(length) if positions is None else positions

@@ -6,7 +6,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from flaxformer_lite import ops
 from flaxformer_lite.models.config import ModelConfig
 from flaxformer_lite.models.parts import (
     DecodeState,
@@ -16,6 +15,7 @@ from flaxformer_lite.models.parts import (
     check_length,
     default_positions,
     key_mask,
+    poison_if,
     token_embedding,
 )
 
@@ -38,10 +38,15 @@ class EncoderDecoder(nnx.Module):
                 "EncoderDecoder needs num_encoder_layers > 0 and num_decoder_layers > 0"
             )
         self.config = cfg
-        src_tokens = token_embedding(cfg, rngs)
-        tgt_tokens = src_tokens if cfg.share_src_tgt_embeddings else token_embedding(cfg, rngs)
-        self.src_embed = InputEmbedding(cfg, tokens=src_tokens, rngs=rngs)
-        self.tgt_embed = InputEmbedding(cfg, tokens=tgt_tokens, rngs=rngs)
+        src_tokens = None if cfg.input_dim is not None else token_embedding(cfg, rngs)
+        if cfg.output_dim is not None:
+            tgt_tokens = None  # the decoder reads continuous targets
+        elif cfg.share_src_tgt_embeddings and src_tokens is not None:
+            tgt_tokens = src_tokens
+        else:
+            tgt_tokens = token_embedding(cfg, rngs)
+        self.src_embed = InputEmbedding(cfg, tokens=src_tokens, input_dim=cfg.input_dim, rngs=rngs)
+        self.tgt_embed = InputEmbedding(cfg, tokens=tgt_tokens, input_dim=cfg.output_dim, rngs=rngs)
         self.encoder = Tower(
             cfg, num_layers=cfg.num_encoder_layers, causal=False, cross_attention=False,
             rngs=rngs, attention_fn=attention_fn,
@@ -56,13 +61,12 @@ class EncoderDecoder(nnx.Module):
     def encode(self, src: jax.Array, *, src_mask: jax.Array | None = None,
                src_positions: jax.Array | None = None) -> jax.Array:  # fmt: skip
         """``src`` int ``[B, S]`` (or float ``[B, S, input_dim]``), ``src_mask`` bool ``[B, S]``
-        (False at padding) -> ``[B, S, D]``."""
+        (False at padding; outputs there are meaningless) -> ``[B, S, D]``."""
         length = src.shape[1]
         check_length(self.config, length, "source")
         positions = default_positions(length) if src_positions is None else src_positions
         x = self.src_embed(src, positions)
-        mask = None if src_mask is None else ops.padding_mask(src_mask)
-        return self.encoder(x, mask=mask, positions=positions)
+        return self.encoder(x, mask=key_mask(src_mask), positions=positions)
 
     def decode(
         self,
@@ -73,28 +77,31 @@ class EncoderDecoder(nnx.Module):
         tgt_positions: jax.Array | None = None,
         decode: bool = False,
     ) -> jax.Array:
-        """Logits ``[B, T, V]`` for target inputs ``tgt [B, T]`` given ``encoded [B, S, D]``.
+        """Logits ``[B, T, V]`` for the shifted target ``tgt`` given ``encoded [B, S, D]``.
 
-        With ``decode=True`` the target tokens are appended to the KV cache from
-        :meth:`init_cache` (one or more at a time).
+        ``tgt`` is int ``[B, T]``, or float ``[B, T, output_dim]`` with a regression head (then
+        the outputs are ``[B, T, output_dim]``). With ``decode=True`` the target is appended to
+        the KV cache from :meth:`init_cache` (one or more positions at a time); positions beyond
+        its ``max_length`` get NaN outputs.
         """
         length = tgt.shape[1]
         if decode:
             if self.decode_state is None:
                 raise ValueError("decode=True needs model.init_cache(batch_size, max_length) first")
             valid = jnp.ones(tgt.shape[:2], jnp.bool_)
-            cache_index, mask = self.decode_state.append(valid)
+            cache_index, mask, overflow = self.decode_state.append(valid)
             kv_length = self.decode_state.max_length
         else:
             check_length(self.config, length, "target")
-            cache_index, mask, kv_length = None, None, length
+            cache_index, mask, kv_length, overflow = None, None, length, None
         if tgt_positions is None:
             tgt_positions = default_positions(length, 0 if cache_index is None else cache_index)
         x = self.tgt_embed(tgt, tgt_positions)
         x = self.decoder(x, encoded, mask=mask, context_mask=key_mask(src_mask),
                          positions=tgt_positions, cache_index=cache_index,
                          kv_length=kv_length)  # fmt: skip
-        return self.head(x)
+        outputs = self.head(x)
+        return outputs if overflow is None else poison_if(overflow, outputs)
 
     def __call__(self, src: jax.Array, tgt: jax.Array, *, src_mask: jax.Array | None = None,
                  src_positions=None, tgt_positions=None) -> jax.Array:  # fmt: skip

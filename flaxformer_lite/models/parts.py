@@ -11,16 +11,14 @@ from flaxformer_lite import ops
 from flaxformer_lite.models.config import ModelConfig, sqrt_d_model
 from flaxformer_lite.nn.dense import Dense, param
 from flaxformer_lite.nn.embed import Embed
-from flaxformer_lite.nn.layers import TransformerLayer, make_layer_norm
+from flaxformer_lite.nn.layers import DecoderLayer, EncoderLayer, make_layer_norm
 from flaxformer_lite.nn.mlp import nonlinearity_of
 from flaxformer_lite.nn.positions import RelativePositionBias, alibi
 from flaxformer_lite.nn.stack import LayerStack
 
 
-def token_embedding(cfg: ModelConfig, rngs: nnx.Rngs) -> Embed | None:
-    """The ``[vocab, D]`` token table, or None for continuous inputs."""
-    if cfg.input_dim is not None:
-        return None
+def token_embedding(cfg: ModelConfig, rngs: nnx.Rngs) -> Embed:
+    """The ``[vocab, D]`` token table."""
     return Embed(cfg.vocab_size, cfg.d_model, init=cfg.kernel_init, dtype=cfg.compute_dtype,
                  param_dtype=cfg.storage_dtype, rngs=rngs)  # fmt: skip
 
@@ -43,15 +41,23 @@ class InputEmbedding(nnx.Module):
     Token embeddings (times ``sqrt(d_model)`` when ``scale_embeddings``), or a linear projection
     of ``[B, T, input_dim]`` features; plus sinusoidal or learned positions; plus token-type
     embeddings; then the embedding norm (BERT) and dropout.
+
+    Args:
+      cfg: the model configuration.
+      tokens: the token table, for token inputs.
+      input_dim: the feature count F, for continuous inputs (instead of ``tokens``).
     """
 
-    def __init__(self, cfg: ModelConfig, *, tokens: Embed | None, rngs: nnx.Rngs):
-        self.cfg, self.tokens = cfg, tokens
+    def __init__(self, cfg: ModelConfig, *, tokens: Embed | None = None,
+                 input_dim: int | None = None, rngs: nnx.Rngs):  # fmt: skip
+        if (tokens is None) == (input_dim is None):
+            raise ValueError("InputEmbedding takes either a token table or an input_dim")
+        self.cfg, self.tokens, self.input_dim = cfg, tokens, input_dim
         common = dict(init=cfg.kernel_init, dtype=cfg.compute_dtype, param_dtype=cfg.storage_dtype,
                       rngs=rngs)  # fmt: skip
         self.features = (
-            Dense(cfg.input_dim, cfg.d_model, names=("features", "embed"), **common)
-            if cfg.input_dim is not None
+            Dense(input_dim, cfg.d_model, names=("features", "embed"), **common)
+            if input_dim is not None
             else None
         )
         self.positions = (
@@ -73,9 +79,16 @@ class InputEmbedding(nnx.Module):
         ``[B, T]`` -> ``[B, T, D]`` in the compute dtype."""
         cfg = self.cfg
         if self.features is not None:
-            if inputs.ndim != 3 or not jnp.issubdtype(inputs.dtype, jnp.floating):
-                raise ValueError(f"this model takes continuous inputs [batch, length, "
-                                 f"{cfg.input_dim}], got {inputs.dtype}{inputs.shape}")  # fmt: skip
+            if (
+                inputs.ndim != 3
+                or inputs.shape[-1] != self.input_dim
+                or not jnp.issubdtype(inputs.dtype, jnp.floating)
+            ):
+                got = f"{inputs.dtype}{inputs.shape}"
+                raise ValueError(
+                    f"this model takes continuous inputs [batch, length, {self.input_dim}], "
+                    f"got {got}"
+                )
             x = self.features(inputs)
         else:
             if inputs.ndim != 2 or not jnp.issubdtype(inputs.dtype, jnp.integer):
@@ -115,9 +128,11 @@ class Tower(nnx.Module):
         )
 
         def make_layer(layer_rngs):
-            return TransformerLayer(cfg, num_layers=num_layers, causal=causal,
-                                    cross_attention=cross_attention, rngs=layer_rngs,
+            if not causal:
+                return EncoderLayer(cfg, num_layers=num_layers, rngs=layer_rngs,
                                     attention_fn=attention_fn)  # fmt: skip
+            return DecoderLayer(cfg, num_layers=num_layers, cross_attention=cross_attention,
+                                rngs=layer_rngs, attention_fn=attention_fn)  # fmt: skip
 
         self.layers = LayerStack(num_layers, make_layer, scan=cfg.scan_layers, remat=cfg.remat,
                                  rngs=rngs)  # fmt: skip
@@ -137,7 +152,7 @@ class Tower(nnx.Module):
             start = 0 if cache_index is None else cache_index
             bias = self.relative_bias(start + jnp.arange(length), jnp.arange(kv_length))
         elif self.positions == "alibi":
-            bias = alibi(self.num_heads, length, kv_length)
+            bias = alibi(self.num_heads, length, kv_length, cache_index)
         x = self.layers(x, context, mask=mask, bias=bias, context_mask=context_mask,
                         positions=positions, cache_index=cache_index)  # fmt: skip
         return x if self.final_norm is None else self.final_norm(x)
@@ -197,14 +212,19 @@ class DecodeState(nnx.Module):
         self.index = nnx.Cache(jnp.zeros((), jnp.int32))
         self.valid = nnx.Cache(jnp.zeros((batch_size, max_length), jnp.bool_))
 
-    def append(self, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Records ``valid [B, T]`` at the next ``T`` slots; returns (first slot, key mask
-        ``[B, 1, 1, max_length]``)."""
+    def append(self, valid: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Records ``valid [B, T]`` at the next ``T`` slots.
+
+        Returns:
+          The first slot, the key mask ``[B, 1, 1, max_length]``, and whether the tokens
+          overflow the cache (a traced bool: the slots would be clamped, so callers poison
+          their outputs with NaN rather than return wrong numbers).
+        """
         index = self.index[...]
         all_valid = jax.lax.dynamic_update_slice(self.valid[...], valid, (0, index))
         self.valid[...] = all_valid
         self.index[...] = index + valid.shape[1]
-        return index, key_mask(all_valid)
+        return index, key_mask(all_valid), index + valid.shape[1] > self.max_length
 
 
 def check_length(cfg: ModelConfig, length: int, what: str) -> None:
@@ -212,3 +232,8 @@ def check_length(cfg: ModelConfig, length: int, what: str) -> None:
     if cfg.positions == "learned" and length > cfg.max_length:
         raise ValueError(f"{what} of length {length} exceeds max_length={cfg.max_length} "
                          "(the learned position table)")  # fmt: skip
+
+
+def poison_if(overflow: jax.Array, outputs: jax.Array) -> jax.Array:
+    """``outputs``, or NaN everywhere when ``overflow`` (decoding past the end of the cache)."""
+    return jnp.where(overflow, jnp.asarray(jnp.nan, outputs.dtype), outputs)

@@ -79,7 +79,7 @@ class MultiHeadAttention(nnx.Module):
             )
         if fused_qkv and (num_kv_heads != num_heads or context_features is not None):
             raise ValueError("fused_qkv needs self-attention with num_kv_heads == num_heads")
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.rope, self.dropout_rate, self.dtype = rope, dropout_rate, dtype
         # The function and the implementation name are static attributes: kept as given (not
         # wrapped in a new partial) so that equal configs give equal graphs and share compiles.
@@ -166,6 +166,8 @@ class MultiHeadAttention(nnx.Module):
             raise ValueError(f"attention expects x as [batch, length, features], got {x.shape}")
         length = x.shape[1]
         if self.fused_qkv:
+            if context is not None:
+                raise ValueError("a fused_qkv attention is self-attention; it takes no context")
             q, k, v = (y[:, :, 0] for y in jnp.split(self.qkv(x), 3, axis=2))
         else:
             kv_input = x if context is None else context

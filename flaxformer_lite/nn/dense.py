@@ -2,9 +2,8 @@
 
 Every parameter is an ``nnx.Param`` whose ``out_sharding`` metadata holds *logical* axis names
 (``"embed"``, ``"heads"``, ``"mlp"``, ...). Nothing is placed on devices when a parameter is created
-(``eager_sharding=False``): ``flaxformer_lite.parallel`` maps the names to mesh axes with rules
-and initializes under ``jax.jit`` with the resulting shardings, so a model builds the same way on
-one CPU and on a pod.
+(``eager_sharding=False``): sharding maps the names to mesh axes with rules and initializes under
+``jax.jit`` with the resulting shardings, so a model builds the same way on one CPU and on a pod.
 """
 
 from __future__ import annotations
@@ -31,11 +30,12 @@ class KernelInit:
     """How a projection kernel ``[*in_shape, *out_shape]`` is initialized.
 
     Attributes:
-      scheme: ``"xavier"`` (Glorot uniform over fan_in + fan_out, as in the paper) or ``"normal"``
-        (a normal with standard deviation ``std``, as in GPT-2 and BERT).
+      scheme: ``"xavier"`` (Glorot uniform over fan_in + fan_out, as in Tensor2Tensor's
+        Transformer; the paper does not state its initialization) or ``"normal"`` (a normal with
+        standard deviation ``std``, as in GPT-2, BERT and LLaMA).
       std: standard deviation of ``"normal"``.
-      scale: extra factor on the standard deviation of ``"normal"``; GPT-2 multiplies the
-        projections that write into the residual stream by ``1 / sqrt(2 * num_layers)``.
+      scale: extra factor on the standard deviation; GPT-2 multiplies the projections that
+        write into the residual stream by ``1 / sqrt(2 * num_layers)``.
     """
 
     scheme: str = "xavier"
@@ -62,7 +62,12 @@ class KernelInit:
         def xavier(key, shape, dtype):
             out_axis = tuple(i for i in range(num_in_axes, len(shape)) if i not in fused_axes)
             init = nnx.initializers.variance_scaling(
-                1.0, "fan_avg", "uniform", in_axis=in_axis, out_axis=out_axis, batch_axis=fused_axes
+                self.scale**2,
+                "fan_avg",
+                "uniform",
+                in_axis=in_axis,
+                out_axis=out_axis,
+                batch_axis=fused_axes,
             )
             return init(key, shape, dtype)
 
@@ -78,7 +83,7 @@ class KernelInit:
         return nnx.initializers.normal(std)
 
 
-XAVIER = KernelInit()  # the paper's initialization, the default of every module
+XAVIER = KernelInit()  # Tensor2Tensor's initialization, the default of every module
 
 
 def _as_tuple(x) -> tuple[int, ...]:

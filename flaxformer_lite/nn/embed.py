@@ -31,7 +31,7 @@ class Embed(nnx.Module):
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):
-        self.num_embeddings, self.features, self.dtype = num_embeddings, features, dtype
+        self.dtype = dtype
         shape = (num_embeddings, features)
         self.embedding = param(rngs, init.embedding(features), shape, names, param_dtype)
 

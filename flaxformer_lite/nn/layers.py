@@ -10,7 +10,7 @@ import jax
 from flax import nnx
 
 from flaxformer_lite.nn.attention import MultiHeadAttention
-from flaxformer_lite.nn.dense import residual_scale
+from flaxformer_lite.nn.dense import KernelInit, residual_scale
 from flaxformer_lite.nn.mlp import MLP
 from flaxformer_lite.nn.norms import make_norm
 
@@ -23,9 +23,16 @@ def make_layer_norm(cfg, rngs: nnx.Rngs):
     )  # fmt: skip
 
 
+def residual_init(cfg, num_layers: int) -> KernelInit:
+    """The initializer of projections that write into the residual stream (attention and MLP
+    outputs): GPT-2 scales it by ``1 / sqrt(2 * num_layers)`` (``scale_residual_init``)."""
+    if cfg.scale_residual_init:
+        return cfg.kernel_init.scaled(residual_scale(num_layers))
+    return cfg.kernel_init
+
+
 def make_attention(cfg, *, num_layers: int, cross: bool, rngs: nnx.Rngs, attention_fn=None):
     """A ``MultiHeadAttention`` configured by ``cfg`` (self- or cross-attention)."""
-    init = cfg.kernel_init
     return MultiHeadAttention(
         cfg.d_model,
         cfg.num_heads,
@@ -38,8 +45,8 @@ def make_attention(cfg, *, num_layers: int, cross: bool, rngs: nnx.Rngs, attenti
         dropout_rate=cfg.attention_dropout,
         attention_fn=attention_fn,
         implementation=cfg.attention_implementation,
-        init=init,
-        out_init=init.scaled(residual_scale(num_layers)) if cfg.init == "normal" else init,
+        init=cfg.kernel_init,
+        out_init=residual_init(cfg, num_layers),
         dtype=cfg.compute_dtype,
         param_dtype=cfg.storage_dtype,
         rngs=rngs,
@@ -78,10 +85,9 @@ class TransformerLayer(nnx.Module):
             self.cross_attention_norm = make_layer_norm(cfg, rngs)
         else:
             self.cross_attention = self.cross_attention_norm = None
-        mlp_init = cfg.kernel_init
         self.mlp = MLP(
-            cfg.d_model, cfg.d_ff, activation=cfg.activation, use_bias=cfg.mlp_bias, init=mlp_init,
-            out_init=mlp_init.scaled(residual_scale(num_layers)) if cfg.init == "normal" else None,
+            cfg.d_model, cfg.d_ff, activation=cfg.activation, use_bias=cfg.mlp_bias,
+            init=cfg.kernel_init, out_init=residual_init(cfg, num_layers),
             dtype=cfg.compute_dtype, param_dtype=cfg.storage_dtype, rngs=rngs,
         )  # fmt: skip
         # A parallel block normalizes once for both branches.

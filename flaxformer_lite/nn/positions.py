@@ -22,8 +22,8 @@ class RelativePositionBias(nnx.Module):
     """
 
     def __init__(self, num_heads: int, *, num_buckets: int = 32, max_distance: int = 128,
-                 bidirectional: bool, init: KernelInit = XAVIER, dtype=jnp.float32,
-                 param_dtype=jnp.float32, rngs: nnx.Rngs):  # fmt: skip
+                 bidirectional: bool, init: KernelInit = XAVIER, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):  # fmt: skip
         self.num_buckets, self.max_distance = num_buckets, max_distance
         self.bidirectional = bidirectional
         self.table = Embed(
@@ -42,10 +42,7 @@ class RelativePositionBias(nnx.Module):
         return bias if bias.ndim == 4 else bias[None]
 
 
-def alibi(num_heads: int, q_len: int, kv_len: int) -> jax.Array:
-    """ALiBi's bias ``[1, H, Tq, Tk]`` (queries aligned with the last keys, see ``ops.alibi_bias``).
-
-    When decoding from a cache slot other than ``kv_len - q_len`` the alignment shifts each row
-    of the bias by a constant, which softmax ignores.
-    """
-    return ops.alibi_bias(num_heads, q_len, kv_len)[None]
+def alibi(num_heads: int, q_len: int, kv_len: int, offset=None) -> jax.Array:
+    """ALiBi's bias ``[1, H, Tq, Tk]``; ``offset``: position of the first query (the cache index
+    when decoding), by default ``kv_len - q_len`` (see ``ops.alibi_bias``)."""
+    return ops.alibi_bias(num_heads, q_len, kv_len, offset)[None]

@@ -57,10 +57,16 @@ class LayerStack(nnx.Module):
             return layer(x, *args, **kwargs)
 
         if self.remat != "none":
-            apply = nnx.remat(apply, policy=REMAT_POLICIES[self.remat])
+            # Inside a scan, the loop already keeps XLA from merging the recomputation away
+            # (the JAX docs recommend prevent_cse=False there).
+            apply = nnx.remat(apply, policy=REMAT_POLICIES[self.remat], prevent_cse=not self.scan)
         if self.scan:
 
-            @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+            @nnx.scan(
+                in_axes=(0, nnx.Carry),
+                out_axes=nnx.Carry,
+                transform_metadata={nnx.PARTITION_NAME: "layers"},
+            )
             def run(layer, x):
                 return apply(layer, x)
 
@@ -84,6 +90,12 @@ def stack_layer_states(layer_states: list) -> nnx.State:
     """Stacks per-layer states (of a loop stack) into the state of the equivalent scanned stack.
 
     ``nnx.state(loop_stack.layers)`` holds ``{0: state, 1: state, ...}``; pass the values in
-    order and ``nnx.update(scan_stack.layers, stack_layer_states(...))``.
+    order and ``nnx.update(scan_stack.layers, stack_layer_states(...))``. The stacked parameters'
+    logical axis names start with ``"layers"``, as those of a scanned stack do.
     """
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *layer_states)
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *layer_states)
+    for _, variable in nnx.to_flat_state(stacked):
+        names = variable.get_metadata().get("out_sharding")
+        if names:
+            variable.set_metadata("out_sharding", ("layers", *names))
+    return stacked

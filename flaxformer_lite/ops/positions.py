@@ -162,11 +162,12 @@ def _alibi_slopes_numpy(num_heads: int) -> np.ndarray:
     return np.concatenate([geometric_slopes(power_of_two), extra]).astype(np.float32)
 
 
-def alibi_bias(num_heads: int, q_len: int, kv_len: int) -> jax.Array:
+def alibi_bias(num_heads: int, q_len: int, kv_len: int, offset=None) -> jax.Array:
     """ALiBi's additive attention-logit bias ``-slope_h * |query position - key position|``.
 
-    The queries are the last ``q_len`` of the ``kv_len`` key positions (query ``i`` sits at
-    position ``i + kv_len - q_len``), as when decoding with a cache. On the entries a causal mask
+    Query ``i`` sits at position ``offset + i`` and key ``j`` at ``j``; by default the queries
+    are the last ``q_len`` of the ``kv_len`` keys (``offset = kv_len - q_len``). When decoding
+    into a cache, pass the cache index as ``offset``. On the entries a causal mask
     keeps, this equals the paper's ``slope_h * (j - i_pos)``; the entries a causal mask removes
     hold the mirrored penalty, which makes this also the symmetric variant for bidirectional
     encoders. The bias is only a function of distance; combine it with the mask separately.
@@ -175,6 +176,7 @@ def alibi_bias(num_heads: int, q_len: int, kv_len: int) -> jax.Array:
         num_heads: Number of attention heads (static).
         q_len: Number of queries (static).
         kv_len: Number of keys (static).
+        offset: Position of the first query: an int or a scalar int array (may be traced).
 
     Returns:
         ``[num_heads, q_len, kv_len]`` float32, <= 0; broadcast it over the batch.
@@ -186,7 +188,8 @@ def alibi_bias(num_heads: int, q_len: int, kv_len: int) -> jax.Array:
         raise ValueError(f"alibi_bias lengths must be >= 0, got q_len={q_len}, kv_len={kv_len}")
     # Built from iotas rather than as a numpy table: under jit a [H, Tq, Tk] constant would be
     # embedded in the program, while this fuses into whatever consumes the bias.
-    query_positions = jnp.arange(q_len) + (kv_len - q_len)
+    offset = kv_len - q_len if offset is None else offset
+    query_positions = jnp.arange(q_len) + offset
     distance = jnp.abs(query_positions[:, None] - jnp.arange(kv_len)[None, :])
     slopes = alibi_slopes(num_heads)
     return -slopes[:, None, None] * distance.astype(jnp.float32)

@@ -1,0 +1,22 @@
+"""Building the model a config describes, concretely or as shapes only."""
+
+from __future__ import annotations
+
+from flax import nnx
+
+from flaxformer_lite.models.config import ModelConfig
+from flaxformer_lite.models.decoder_lm import DecoderLM
+from flaxformer_lite.models.encoder import Encoder
+from flaxformer_lite.models.encoder_decoder import EncoderDecoder
+
+MODEL_CLASSES = {"encoder_decoder": EncoderDecoder, "decoder": DecoderLM, "encoder": Encoder}
+
+
+def build_model(cfg: ModelConfig, *, rngs: nnx.Rngs, attention_fn=None):
+    """The model ``cfg`` describes: ``EncoderDecoder``, ``DecoderLM`` or ``Encoder``."""
+    return MODEL_CLASSES[cfg.kind](cfg, rngs=rngs, attention_fn=attention_fn)
+
+
+def abstract_model(cfg: ModelConfig):
+    """The model with ``jax.ShapeDtypeStruct`` leaves (no memory), for shapes and shardings."""
+    return nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0)))
