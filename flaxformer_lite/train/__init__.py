@@ -1,0 +1,1 @@
+"""Training: optimizer and schedules (the loop, checkpoints and metrics build on them)."""

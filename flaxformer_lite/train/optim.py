@@ -1,0 +1,138 @@
+"""The optimizer and learning-rate schedules, built from optax.
+
+Schedules: linear warmup then cosine, linear or constant decay (optax), and the paper's
+inverse-square-root schedule ``lr = scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)``
+(Vaswani et al. 2017, eq. 3), which optax does not ship. The optimizer is AdamW with a
+weight-decay mask (kernels decay; norms, biases and embedding tables do not, by default) behind
+global-norm clipping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+
+SCHEDULES = ("cosine", "linear", "constant", "inverse_sqrt")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW, its schedule and clipping. Defaults suit small models; the paper presets use
+    ``schedule="inverse_sqrt", lr=1.0, warmup_steps=4000, b2=0.98, eps=1e-9``.
+
+    Attributes:
+      lr: the peak learning rate; for ``inverse_sqrt`` the multiplier of the paper's formula
+        (1.0 is the paper's schedule).
+      schedule: ``cosine``, ``linear`` (to ``end_lr_ratio * lr`` at the last step),
+        ``constant`` (after warmup) or ``inverse_sqrt``.
+      warmup_steps: linear warmup from 0 to ``lr`` (the paper's ``warmup_steps``).
+      end_lr_ratio: the final learning rate of ``cosine`` / ``linear`` as a fraction of ``lr``.
+      b1, b2, eps: Adam's moment decays and epsilon.
+      weight_decay: decoupled weight decay (AdamW); 0 is Adam.
+      decay_embeddings: also decay embedding tables (and norms and biases never).
+      clip_norm: clip the global gradient norm to this; None disables clipping.
+    """
+
+    lr: float = 1e-3
+    schedule: str = "cosine"
+    warmup_steps: int = 100
+    end_lr_ratio: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    decay_embeddings: bool = False
+    clip_norm: float | None = 1.0
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ValueError(
+                f"optimizer.schedule must be one of {SCHEDULES}, got {self.schedule!r}"
+            )
+        for name in ("lr", "b1", "b2", "eps", "weight_decay", "end_lr_ratio"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                raise ValueError(f"optimizer.{name} must be a number >= 0, got {value!r}")
+        if not (0 <= self.b1 < 1 and 0 <= self.b2 < 1):
+            raise ValueError(f"optimizer.b1 and b2 must be in [0, 1), got {self.b1}, {self.b2}")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(
+                f"optimizer.warmup_steps must be an int >= 0, got {self.warmup_steps!r}"
+            )
+        if self.schedule == "inverse_sqrt" and self.warmup_steps < 1:
+            raise ValueError("optimizer.schedule='inverse_sqrt' needs warmup_steps >= 1")
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise ValueError(f"optimizer.clip_norm must be > 0 or None, got {self.clip_norm!r}")
+
+
+def make_schedule(cfg: OptimizerConfig, *, total_steps: int, d_model: int) -> optax.Schedule:
+    """The learning rate at each optimizer step ``0 .. total_steps - 1``.
+
+    Args:
+      cfg: the optimizer configuration.
+      total_steps: optimizer steps of the whole run (cosine and linear reach their end there).
+      d_model: the model width, for ``inverse_sqrt``.
+    """
+    if cfg.schedule == "inverse_sqrt":
+        return inverse_sqrt_schedule(cfg.lr, warmup_steps=cfg.warmup_steps, d_model=d_model)
+    if cfg.warmup_steps > total_steps:
+        raise ValueError(
+            f"optimizer.warmup_steps ({cfg.warmup_steps}) exceeds the run's {total_steps} steps"
+        )
+    end = cfg.lr * cfg.end_lr_ratio
+    if cfg.schedule == "cosine":
+        # optax counts the warmup inside decay_steps.
+        return optax.warmup_cosine_decay_schedule(
+            0.0, cfg.lr, cfg.warmup_steps, max(total_steps, 1), end_value=end
+        )
+    decay = (
+        optax.linear_schedule(cfg.lr, end, max(total_steps - cfg.warmup_steps, 1))
+        if cfg.schedule == "linear"
+        else optax.constant_schedule(cfg.lr)
+    )
+    warmup = optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps)
+    return optax.join_schedules([warmup, decay], [cfg.warmup_steps])
+
+
+def inverse_sqrt_schedule(scale: float, *, warmup_steps: int, d_model: int) -> optax.Schedule:
+    """The paper's ``scale * d_model^-0.5 * min(n^-0.5, n * warmup^-1.5)`` at step ``n = count + 1``
+    (optax counts from 0; the paper's first step is 1): linear warmup, then 1/sqrt decay."""
+
+    def schedule(count):
+        n = jnp.asarray(count, jnp.float32) + 1.0
+        return scale * d_model**-0.5 * jnp.minimum(n**-0.5, n * warmup_steps**-1.5)
+
+    return schedule
+
+
+def weight_decay_mask(params, *, decay_embeddings: bool = False):
+    """True for the parameters weight decay applies to: projection kernels (and embedding
+    tables if ``decay_embeddings``); never norm scales or biases.
+
+    Works on any pytree whose paths name the parameters (``nnx.state(model, nnx.Param)``): the
+    library names kernels ``kernel`` and tables ``embedding``.
+    """
+    decayed = {"kernel", "embedding"} if decay_embeddings else {"kernel"}
+
+    def decays(path, _):
+        names = {getattr(key, "key", getattr(key, "name", None)) for key in path}
+        return bool(names & decayed)
+
+    return jax.tree_util.tree_map_with_path(decays, params)
+
+
+def make_optimizer(
+    cfg: OptimizerConfig, *, total_steps: int, d_model: int
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """``(transformation, schedule)``: clipping, then AdamW with the decay mask."""
+    schedule = make_schedule(cfg, total_steps=total_steps, d_model=d_model)
+    adamw = optax.adamw(
+        schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+        mask=lambda params: weight_decay_mask(params, decay_embeddings=cfg.decay_embeddings),
+    )  # fmt: skip
+    if cfg.clip_norm is None:
+        return adamw, schedule
+    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw), schedule
