@@ -1,1 +1,2 @@
-"""Training: optimizer and schedules (the loop, checkpoints and metrics build on them)."""
+"""Training: the typed run configuration, the optimizer and schedules (the loop, checkpoints
+and metrics build on them)."""

@@ -1,0 +1,296 @@
+"""The typed training configuration: nested frozen dataclasses, read from YAML presets and
+``key=value`` command-line overrides, every key and type checked with a message that names it.
+
+    cfg = load_config("configs/gpt2_small.yaml", ["train.steps=200", "optimizer.lr=3e-4"])
+
+A YAML file mirrors the dataclasses (``model:``, ``optimizer:``, ``train:``, ...). The ``model``
+section may start from a preset (``model: {preset: gpt2-tiny, num_heads: 4}``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import pathlib
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import yaml
+
+from flaxformer_lite.models.config import PRESETS, ModelConfig
+from flaxformer_lite.train.optim import OptimizerConfig
+
+
+class ConfigError(ValueError):
+    """A configuration the user wrote is wrong; the message names the key or the file."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+    """The training loop. ``steps`` counts optimizer steps; ``batch_size`` is global."""
+
+    steps: int = 1000
+    batch_size: int = 32
+    log_every: int = 10
+    eval_every: int = 200
+    eval_batches: int = 4
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "log_every", "eval_every", "eval_batches"):
+            _check_positive(f"train.{name}", getattr(self, name))
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ConfigError(
+                f"train.label_smoothing must be in [0, 1), got {self.label_smoothing}"
+            )
+        if self.z_loss < 0:
+            raise ConfigError(f"train.z_loss must be >= 0, got {self.z_loss}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpoints every ``every`` steps (and at the end), keeping the last ``keep``."""
+
+    every: int = 500
+    keep: int = 3
+
+    def __post_init__(self):
+        _check_positive("checkpoint.every", self.every)
+        _check_positive("checkpoint.keep", self.keep)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh axis sizes: 1 leaves an axis unsharded, -1 takes the remaining devices."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def __post_init__(self):
+        sizes = (self.data, self.fsdp, self.tensor)
+        for name, size in zip(("data", "fsdp", "tensor"), sizes, strict=True):
+            if size == 0 or size < -1:
+                raise ConfigError(f"mesh.{name} must be a positive int or -1, got {size}")
+        if sizes.count(-1) > 1:
+            raise ConfigError(f"at most one mesh axis may be -1, got {sizes}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything a run needs. ``run_dir`` holds its config, metrics and checkpoints."""
+
+    run_dir: str = "runs/default"
+    seed: int = 0
+    model: ModelConfig = dataclasses.field(
+        default_factory=lambda: ModelConfig.from_preset("gpt2-tiny")
+    )
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    train: LoopConfig = dataclasses.field(default_factory=LoopConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values, ready for YAML; ``config_from_dict(cfg.to_dict()) == cfg``."""
+        return dataclasses.asdict(self)
+
+
+# Keys that may change when a run resumes: they do not change what is being trained.
+RUNTIME_KEYS = ("run_dir", "train.steps", "train.log_every", "train.eval_every",
+                "train.eval_batches", "checkpoint.", "mesh.")  # fmt: skip
+
+
+def load_config(
+    path: str | pathlib.Path | None = None, overrides: Sequence[str] = ()
+) -> TrainConfig:
+    """The config of a YAML file (or the defaults) with ``key=value`` overrides applied.
+
+    Raises:
+      ConfigError: a missing or malformed file, an unknown key (with the closest valid key), a
+        value of the wrong type, or a value the section rejects.
+    """
+    values: dict[str, Any] = {}
+    if path is not None:
+        path = pathlib.Path(path)
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except OSError as error:
+            raise ConfigError(f"cannot read config file {path}: {error.strerror}") from None
+        except yaml.YAMLError as error:
+            raise ConfigError(f"config file {path} is not valid YAML: {error}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(
+                f"config file {path} must hold a mapping, got {type(loaded).__name__}"
+            )
+        values = loaded or {}
+    for override in overrides:
+        key, sep, raw = override.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"overrides are key=value, got {override!r}")
+        _set_dotted(values, key.strip(), _OverrideText(raw))
+    return config_from_dict(values)
+
+
+def config_from_dict(values: Mapping[str, Any]) -> TrainConfig:
+    """A :class:`TrainConfig` from nested plain values, checked key by key."""
+    return _build(TrainConfig, values, "")
+
+
+def config_diff(old: TrainConfig, new: TrainConfig) -> dict[str, tuple[Any, Any]]:
+    """``{dotted key: (old, new)}`` for every leaf that differs."""
+    old_flat, new_flat = _flatten(old.to_dict()), _flatten(new.to_dict())
+    return {
+        key: (old_flat.get(key), new_flat.get(key))
+        for key in sorted(old_flat.keys() | new_flat.keys())
+        if old_flat.get(key) != new_flat.get(key)
+    }
+
+
+def is_runtime_key(key: str) -> bool:
+    return any(key == k or (k.endswith(".") and key.startswith(k)) for k in RUNTIME_KEYS)
+
+
+def valid_keys(cls=TrainConfig, prefix: str = "") -> list[str]:
+    """Every dotted key the schema accepts (sections and leaves)."""
+    keys = []
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        key = prefix + field.name
+        keys.append(key)
+        if dataclasses.is_dataclass(hints[field.name]):
+            keys += valid_keys(hints[field.name], key + ".")
+    return keys + ([prefix + "preset"] if cls is ModelConfig else [])
+
+
+class _OverrideText(str):
+    """A value typed on the command line: parsed according to the field it lands in."""
+
+
+def _build(cls, values: Any, where: str, base: Mapping[str, Any] | None = None):
+    """``cls`` from ``values`` laid over ``base`` (the defaults of the enclosing config), or
+    over a model preset when ``values`` name one."""
+    if isinstance(values, cls):
+        return values
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"{where.rstrip('.') or 'the config'} must be a mapping, got {values!r}")
+    values = dict(values)
+    if cls is ModelConfig and "preset" in values:
+        name = values.pop("preset")
+        if name not in PRESETS:
+            close = difflib.get_close_matches(str(name), PRESETS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"unknown model preset {where}preset={name!r}{hint}")
+        base = PRESETS[name]
+    hints = typing.get_type_hints(cls)
+    fields = {field.name: field for field in dataclasses.fields(cls)}
+    for key in values:
+        if key not in fields:
+            close = difflib.get_close_matches(where + str(key), valid_keys(), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"unknown config key {where + str(key)!r}{hint}")
+    kwargs = {}
+    for key, value in {**(base or {}), **values}.items():
+        section_base = None
+        if key in values:  # a section given in part is laid over its preset or default
+            inherited = (base or {}).get(key)
+            section_base = (
+                inherited if isinstance(inherited, Mapping) else _default_dict(fields[key])
+            )
+        kwargs[key] = _coerce(hints[key], value, where + key, section_base)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"{where.rstrip('.') or 'config'}: {error}") from None
+
+
+def _default_dict(field: dataclasses.Field) -> dict[str, Any] | None:
+    """The default of a section field as plain values (None for leaves and empty sections)."""
+    default = field.default
+    if field.default_factory is not dataclasses.MISSING:
+        default = field.default_factory()
+    return dataclasses.asdict(default) if dataclasses.is_dataclass(default) else None
+
+
+def _coerce(annotation, value, key: str, base: Mapping[str, Any] | None = None):
+    """``value`` as the type ``annotation`` names, or a ConfigError naming ``key``."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if isinstance(value, _OverrideText) and value.strip().lower() in ("none", "null", "~"):
+            value = None
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in (o for o in options if o is not type(None)):
+            try:
+                return _coerce(option, value, key, base)
+            except ConfigError as error:
+                errors.append(str(error))
+        raise ConfigError(
+            errors[0] if len(errors) == 1 else f"{key}: {value!r} fits none of {options}"
+        )
+    if dataclasses.is_dataclass(annotation):
+        if isinstance(value, _OverrideText):
+            raise ConfigError(f"{key} is a section; set its keys, e.g. {key}.<name>=...")
+        return _build(annotation, value, key + ".", base)
+    if isinstance(value, _OverrideText):
+        value = str(value) if annotation is str else _parse_text(value, annotation, key)
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if annotation in (int, float, bool, str):
+        if type(value) is not annotation:
+            raise ConfigError(
+                f"{key} must be {annotation.__name__}, got {type(value).__name__} {value!r}"
+            )
+        return value
+    raise ConfigError(f"{key}: unsupported type {annotation}")
+
+
+def _parse_text(text: str, annotation, key: str):
+    text = text.strip()
+    if annotation is bool:
+        lowered = text.lower()
+        if lowered in ("true", "yes", "1"):
+            return True
+        if lowered in ("false", "no", "0"):
+            return False
+        raise ConfigError(f"{key} must be true or false, got {text!r}")
+    try:
+        return annotation(text)
+    except ValueError:
+        if annotation is float:
+            raise ConfigError(f"{key} must be a number, got {text!r}") from None
+        if annotation is int:
+            raise ConfigError(f"{key} must be an integer, got {text!r}") from None
+        raise
+
+
+def _check_positive(key: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{key} must be a positive int, got {value!r}")
+
+
+def _set_dotted(values: dict, key: str, value) -> None:
+    *sections, leaf = key.split(".")
+    node = values
+    for section in sections:
+        child = node.setdefault(section, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"cannot set {key}: {section} is not a section")
+        node = child
+    node[leaf] = value
+
+
+def _flatten(values: Mapping, prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in values.items():
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[prefix + key] = value
+    return flat

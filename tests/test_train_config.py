@@ -1,0 +1,140 @@
+"""The training configuration: YAML, dotted overrides, types, unknown keys, diffs."""
+
+import pytest
+
+from flaxformer_lite.models import ModelConfig
+from flaxformer_lite.ops import RopeScaling
+from flaxformer_lite.train.config import (
+    ConfigError,
+    TrainConfig,
+    config_diff,
+    config_from_dict,
+    is_runtime_key,
+    load_config,
+    valid_keys,
+)
+
+
+def test_defaults_and_typed_overrides():
+    cfg = load_config(
+        None,
+        ["train.steps=200", "model.num_heads=2", "optimizer.lr=1e-3", "run_dir=runs/x",
+         "optimizer.clip_norm=none", "model.scan_layers=true", "mesh.data=2", "seed=7"],
+    )  # fmt: skip
+    assert cfg == TrainConfig(
+        run_dir="runs/x", seed=7, model=ModelConfig.from_preset("gpt2-tiny", num_heads=2,
+                                                                 scan_layers=True),
+        optimizer=TrainConfig().optimizer.__class__(lr=1e-3, clip_norm=None),
+        train=TrainConfig().train.__class__(steps=200),
+        mesh=TrainConfig().mesh.__class__(data=2),
+    )  # fmt: skip
+    assert isinstance(cfg.optimizer.lr, float) and isinstance(cfg.run_dir, str)
+
+
+def test_yaml_file_with_a_model_preset_and_overrides_on_top(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "seed: 3\n"
+        "model:\n  preset: llama-style\n  num_decoder_layers: 2\n"
+        "optimizer:\n  schedule: inverse_sqrt\n  lr: 1\n  warmup_steps: 4000\n"
+    )
+    cfg = load_config(path, ["model.rope_scaling.factor=8", "train.batch_size=4"])
+    expected_model = ModelConfig.from_preset("llama-style", num_decoder_layers=2).replace(
+        rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
+    )
+    assert cfg.model == expected_model and cfg.seed == 3 and cfg.train.batch_size == 4
+    assert cfg.optimizer.lr == 1.0 and isinstance(cfg.optimizer.lr, float)
+    assert cfg.optimizer.warmup_steps == 4000 and cfg.optimizer.schedule == "inverse_sqrt"
+
+
+def test_a_partial_section_keeps_the_other_defaults():
+    cfg = load_config(None, ["model.num_heads=2", "optimizer.lr=0.5"])
+    assert cfg.model == ModelConfig.from_preset("gpt2-tiny", num_heads=2)
+    assert cfg.optimizer.warmup_steps == TrainConfig().optimizer.warmup_steps
+
+
+def test_round_trip_through_plain_values():
+    cfg = load_config(None, ["model.preset=llama-style"])
+    assert config_from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["train.step=3"], "unknown config key 'train.step' \\(did you mean 'train.steps'\\?\\)"),
+        (["optimzer.lr=3"], "did you mean 'optimizer'"),
+        (["model.num_head=3"], "did you mean 'model.num_heads'"),
+        (["train.steps=abc"], "train.steps must be an integer, got 'abc'"),
+        (["model.num_heads=2.5"], "model.num_heads must be an integer"),
+        (["optimizer.lr=fast"], "optimizer.lr must be a number"),
+        (["model.scan_layers=maybe"], "model.scan_layers must be true or false"),
+        (["model=3"], "model is a section"),
+        (["mesh.data=0"], "mesh.data must be a positive int or -1"),
+        (["mesh.data=-1", "mesh.tensor=-1"], "at most one mesh axis may be -1"),
+        (["model.preset=gpt2-smal"], "did you mean 'gpt2-small'"),
+        (["model.norm=batch"], "model: norm must be one of"),
+        (["train.steps"], "overrides are key=value"),
+        (["train.label_smoothing=1.5"], "train.label_smoothing"),
+        (["checkpoint.keep=0"], "checkpoint.keep must be a positive int"),
+        (["optimizer.schedule=noam"], "optimizer.schedule must be one of"),
+    ],
+)
+def test_bad_overrides_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_yaml_types_are_checked_too(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train:\n  steps: '200'\n")
+    with pytest.raises(ConfigError, match="train.steps must be int, got str '200'"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [("train: [1, 2\n", "is not valid YAML"), ("- 1\n- 2\n", "must hold a mapping")],
+)
+def test_malformed_files_name_the_file(tmp_path, text, message):
+    path = tmp_path / "broken.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=f"{path}.*{message}|{message}"):
+        load_config(path)
+
+
+def test_missing_file_names_the_file(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config file .*nope.yaml"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_diff_and_runtime_keys():
+    old = load_config(None, [])
+    new = load_config(None, ["train.steps=5000", "mesh.data=2", "model.num_heads=2"])
+    diff = config_diff(old, new)
+    assert diff == {
+        "mesh.data": (-1, 2), "model.num_heads": (4, 2), "train.steps": (1000, 5000)
+    }  # fmt: skip
+    assert [key for key in diff if not is_runtime_key(key)] == ["model.num_heads"]
+    assert is_runtime_key("checkpoint.every") and is_runtime_key("run_dir")
+    assert not is_runtime_key("optimizer.lr") and not is_runtime_key("train.batch_size")
+
+
+def test_valid_keys_cover_every_section():
+    keys = valid_keys()
+    for key in (
+        "run_dir",
+        "seed",
+        "train.steps",
+        "train.batch_size",
+        "train.log_every",
+        "train.eval_every",
+        "checkpoint.every",
+        "checkpoint.keep",
+        "mesh.data",
+        "mesh.fsdp",
+        "mesh.tensor",
+        "model.preset",
+        "model.num_heads",
+        "optimizer.lr",
+    ):
+        assert key in keys  # fmt: skip
