@@ -1,0 +1,419 @@
+"""Tokenizers: byte, character, word, BPE (Hugging Face ``tokenizers``) and SentencePiece.
+
+Every tokenizer shares one id layout, so the data pipeline and the models never ask which kind
+they hold::
+
+    0 <pad>   1 <sos>   2 <eos>   3 <unk>   4.. regular tokens
+
+``pad_id == 0`` lets a zero-filled batch be all padding, and reserving ``<unk>`` even where a
+tokenizer can never produce it (byte, byte-level BPE) keeps ``unk_id`` one constant. ``encode``
+adds no specials (the pipeline adds ``<sos>``/``<eos>``); ``decode`` drops all four.
+
+``save(directory)`` writes plain files only (JSON, ``tokenizer.json``, a ``.model`` protobuf) plus
+a marker ``tokenizer_kind.json``; :func:`load_tokenizer` reads back whichever kind was saved.
+Nothing here prints, downloads or unpickles. Bad files raise ``FileNotFoundError`` or
+``ValueError`` whose message starts with the offending path.
+"""
+
+from __future__ import annotations
+
+import abc
+import collections
+import itertools
+import json
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+
+SPECIAL_TOKENS = ("<pad>", "<sos>", "<eos>", "<unk>")
+PAD_ID, SOS_ID, EOS_ID, UNK_ID = range(len(SPECIAL_TOKENS))
+NUM_SPECIAL = len(SPECIAL_TOKENS)
+
+KIND_FILE = "tokenizer_kind.json"
+VOCAB_FILE = "vocab.json"
+BPE_FILE = "tokenizer.json"
+SENTENCEPIECE_FILE = "sentencepiece.model"
+
+_WORD_RE = re.compile(r"\w+|[^\w\s]")
+
+
+class Tokenizer(abc.ABC):
+    """Common interface; subclasses implement encoding and their own files."""
+
+    kind: ClassVar[str]
+    pad_id: ClassVar[int] = PAD_ID
+    sos_id: ClassVar[int] = SOS_ID
+    eos_id: ClassVar[int] = EOS_ID
+    unk_id: ClassVar[int] = UNK_ID
+
+    @property
+    @abc.abstractmethod
+    def vocab_size(self) -> int:
+        """Number of ids, specials included; every id is in ``[0, vocab_size)``."""
+
+    @abc.abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, without ``<sos>``/``<eos>``."""
+
+    def decode(self, ids) -> str:
+        """Text of ``ids`` (a list or int ``[T]`` array), skipping the four special ids.
+
+        Raises:
+          ValueError: if ``ids`` is not one-dimensional or holds an id outside the vocabulary.
+        """
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.ndim != 1:
+            raise ValueError(f"decode takes one sequence of ids [T], got shape {ids.shape}")
+        bad = ids[(ids < 0) | (ids >= self.vocab_size)]
+        if bad.size:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        return self._decode_regular(ids[ids >= NUM_SPECIAL].tolist())
+
+    def save(self, directory: Path) -> None:
+        """Writes this tokenizer's files and the kind marker into ``directory`` (created)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        for name, content in self._files().items():
+            (directory / name).write_bytes(content)
+        # The marker goes last, so an interrupted save into a fresh directory is not loadable.
+        (directory / KIND_FILE).write_text(json.dumps({"kind": self.kind}) + "\n", encoding="utf-8")
+
+    @abc.abstractmethod
+    def _decode_regular(self, ids: list[int]) -> str:
+        """Text of ids that are all ``>= NUM_SPECIAL``."""
+
+    def _files(self) -> dict[str, bytes]:
+        """File name -> contents that ``save`` writes; byte tokenizers need none."""
+        return {}
+
+    @classmethod
+    def _load_files(cls, directory: Path) -> Tokenizer:
+        """Rebuilds the tokenizer from the files ``_files`` named."""
+        return cls()
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes: byte ``b`` is id ``b + NUM_SPECIAL``; vocabulary 260. Needs no files."""
+
+    kind = "byte"
+    vocab_size = 256 + NUM_SPECIAL
+
+    def encode(self, text: str) -> list[int]:
+        return [b + NUM_SPECIAL for b in text.encode("utf-8")]
+
+    def _decode_regular(self, ids: list[int]) -> str:
+        # Sampled ids need not form valid UTF-8; broken sequences become U+FFFD.
+        return bytes(i - NUM_SPECIAL for i in ids).decode("utf-8", errors="replace")
+
+
+class _VocabTokenizer(Tokenizer):
+    """A classic ``itos`` list (specials first) and its inverse ``stoi``; saved as vocab.json."""
+
+    separator: ClassVar[str]  # What decode puts between tokens.
+
+    def __init__(self, itos: Sequence[str]):
+        itos = list(itos)
+        if tuple(itos[:NUM_SPECIAL]) != SPECIAL_TOKENS:
+            raise ValueError(f"vocabulary must start with {list(SPECIAL_TOKENS)}")
+        if not all(isinstance(t, str) and t for t in itos) or len(set(itos)) != len(itos):
+            raise ValueError("vocabulary entries must be distinct, non-empty strings")
+        self.itos = itos
+        # Specials stay out of stoi so that text can never encode to them.
+        self.stoi = {t: i for i, t in enumerate(itos) if i >= NUM_SPECIAL}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.itos)
+
+    def encode(self, text: str) -> list[int]:
+        return [self.stoi.get(t, UNK_ID) for t in self._split(text)]
+
+    def _decode_regular(self, ids: list[int]) -> str:
+        return self.separator.join(self.itos[i] for i in ids)
+
+    def _files(self) -> dict[str, bytes]:
+        return {VOCAB_FILE: json.dumps(self._state(), ensure_ascii=False, indent=0).encode()}
+
+    @classmethod
+    def _load_files(cls, directory: Path) -> _VocabTokenizer:
+        path = directory / VOCAB_FILE
+        try:
+            return cls(**_read_json_object(path))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{path}: not a valid {cls.kind} vocabulary ({e})") from None
+
+    def _state(self) -> dict:
+        return {"itos": self.itos}
+
+    @abc.abstractmethod
+    def _split(self, text: str) -> list[str]: ...
+
+
+class CharTokenizer(_VocabTokenizer):
+    """One id per character; characters unseen by :meth:`fit` encode to ``<unk>``."""
+
+    kind = "char"
+    separator = ""
+
+    @classmethod
+    def fit(cls, texts: Iterable[str]) -> CharTokenizer:
+        """Vocabulary of every character in ``texts``, sorted by code point (deterministic)."""
+        chars = set()
+        for text in _nonempty_texts(texts, cls.kind):
+            chars.update(text)
+        return cls([*SPECIAL_TOKENS, *sorted(chars)])
+
+    def _split(self, text: str) -> list[str]:
+        return list(text)
+
+
+class WordTokenizer(_VocabTokenizer):
+    """Word-level vocabulary, split by the regex ``\\w+|[^\\w\\s]``.
+
+    Words are runs of letters, digits and ``_``; each punctuation mark is its own token; whitespace
+    separates tokens and is dropped. ``decode`` joins tokens with single spaces, so it is lossy:
+    ``"Hi, there!"`` comes back as ``"Hi , there !"`` (lowercased if ``lowercase``).
+    """
+
+    kind = "word"
+    separator = " "
+
+    def __init__(self, itos: Sequence[str], lowercase: bool = False):
+        super().__init__(itos)
+        self.lowercase = bool(lowercase)
+
+    @classmethod
+    def fit(
+        cls,
+        texts: Iterable[str],
+        *,
+        min_count: int = 1,
+        max_size: int | None = None,
+        lowercase: bool = False,
+    ) -> WordTokenizer:
+        """Vocabulary of the words of ``texts``, most frequent first.
+
+        Args:
+          texts: the training texts.
+          min_count: words seen fewer times are left out (they encode to ``<unk>``).
+          max_size: keep at most this many words, specials not counted; None keeps all.
+          lowercase: lowercase text before splitting, in ``fit`` and in ``encode``.
+
+        Frequency ties are broken by the word's code points, so the same texts always give the
+        same ids.
+        """
+        counts = collections.Counter()
+        for text in _nonempty_texts(texts, cls.kind):
+            counts.update(_WORD_RE.findall(text.lower() if lowercase else text))
+        words = sorted((w for w in counts if counts[w] >= min_count), key=lambda w: (-counts[w], w))
+        words = words[:max_size] if max_size is not None else words
+        if not words:
+            raise ValueError(f"cannot fit a word tokenizer: no word is seen {min_count}+ times")
+        return cls([*SPECIAL_TOKENS, *words], lowercase=lowercase)
+
+    def _split(self, text: str) -> list[str]:
+        return _WORD_RE.findall(text.lower() if self.lowercase else text)
+
+    def _state(self) -> dict:
+        return {"itos": self.itos, "lowercase": self.lowercase}
+
+
+class BpeTokenizer(Tokenizer):
+    """Byte-level BPE (GPT-2 style) from Hugging Face ``tokenizers``, saved as tokenizer.json.
+
+    Starting from all 256 bytes, no text is ever unknown and ``decode(encode(text)) == text``.
+    """
+
+    kind = "bpe"
+
+    def __init__(self, hf_tokenizer):
+        """Wraps a ``tokenizers.Tokenizer`` whose first four ids are the specials, in order."""
+        found = [hf_tokenizer.token_to_id(t) for t in SPECIAL_TOKENS]
+        if found != list(range(NUM_SPECIAL)):
+            raise ValueError(f"BPE specials {list(SPECIAL_TOKENS)} must have ids 0..3, got {found}")
+        self.hf_tokenizer = hf_tokenizer
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int) -> BpeTokenizer:
+        """Learns merges from ``texts`` (any iterable; no files) up to ``vocab_size`` ids.
+
+        The vocabulary ends smaller when the texts run out of pairs to merge.
+        """
+        import tokenizers  # Imported here: byte, char and word tokenizers work without it.
+
+        if vocab_size < NUM_SPECIAL + 256:
+            raise ValueError(f"BPE vocab_size must be >= {NUM_SPECIAL + 256}, got {vocab_size}")
+        tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+        tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = tokenizers.decoders.ByteLevel()
+        trainer = tokenizers.trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=list(SPECIAL_TOKENS),  # Listed first, so they get ids 0..3.
+            initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tok.train_from_iterator(_nonempty_texts(texts, cls.kind), trainer=trainer)
+        return cls(tok)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_tokenizer.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf_tokenizer.encode(text, add_special_tokens=False).ids
+
+    def _decode_regular(self, ids: list[int]) -> str:
+        return self.hf_tokenizer.decode(ids)
+
+    def _files(self) -> dict[str, bytes]:
+        return {BPE_FILE: self.hf_tokenizer.to_str(pretty=True).encode()}
+
+    @classmethod
+    def _load_files(cls, directory: Path) -> BpeTokenizer:
+        import tokenizers
+
+        path = _require_file(directory / BPE_FILE)
+        try:
+            return cls(tokenizers.Tokenizer.from_file(str(path)))
+        # The Rust bindings raise a bare Exception for any malformed file.
+        except Exception as e:
+            raise ValueError(f"{path}: not a valid Hugging Face tokenizer file ({e})") from None
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A trained SentencePiece ``.model`` file, with ids remapped to the shared layout.
+
+    The model's own ``<pad>``, ``<s>``, ``</s>`` and ``<unk>`` pieces (whichever it has) map to
+    0, 1, 2 and 3; its other pieces keep their order from id 4. Any model works, e.g. the default
+    layout ``unk=0, bos=1, eos=2, pad=-1``; one trained with ``pad_id=0, bos_id=1, eos_id=2,
+    unk_id=3`` maps onto itself. Round trips are exact only for text the model's normalizer
+    leaves alone (by default NFKC, and runs of whitespace become one space).
+    """
+
+    kind = "sentencepiece"
+
+    def __init__(self, model_path: Path | str):
+        """Loads ``model_path``; raises FileNotFoundError or ValueError naming it if unusable."""
+        import sentencepiece  # Imported here: the other tokenizers work without it.
+
+        path = _require_file(Path(model_path))
+        try:
+            self.sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
+        except (RuntimeError, OSError) as e:
+            raise ValueError(f"{path}: not a readable SentencePiece model ({e})") from None
+        model_specials = [self.sp.pad_id(), self.sp.bos_id(), self.sp.eos_id(), self.sp.unk_id()]
+        specials = {mid: ours for ours, mid in enumerate(model_specials) if mid >= 0}  # -1: absent
+        # _to_model[i - NUM_SPECIAL] is the model id of our regular id i; _from_model inverts it.
+        self._to_model = [mid for mid in range(self.sp.get_piece_size()) if mid not in specials]
+        self._from_model = specials | {m: NUM_SPECIAL + i for i, m in enumerate(self._to_model)}
+
+    @property
+    def vocab_size(self) -> int:
+        return NUM_SPECIAL + len(self._to_model)
+
+    def encode(self, text: str) -> list[int]:
+        return [self._from_model[mid] for mid in self.sp.encode(text)]
+
+    def _decode_regular(self, ids: list[int]) -> str:
+        return self.sp.decode([self._to_model[i - NUM_SPECIAL] for i in ids])
+
+    def _files(self) -> dict[str, bytes]:
+        return {SENTENCEPIECE_FILE: self.sp.serialized_model_proto()}
+
+    @classmethod
+    def _load_files(cls, directory: Path) -> SentencePieceTokenizer:
+        return cls(directory / SENTENCEPIECE_FILE)
+
+
+_KINDS: dict[str, type[Tokenizer]] = {
+    cls.kind: cls
+    for cls in (ByteTokenizer, CharTokenizer, WordTokenizer, BpeTokenizer, SentencePieceTokenizer)
+}
+
+
+def make_tokenizer(
+    kind: str,
+    *,
+    texts: Iterable[str] | None = None,
+    vocab_size: int | None = None,
+    path: Path | str | None = None,
+) -> Tokenizer:
+    """Builds the tokenizer a training config asks for.
+
+    Args:
+      kind: one of ``byte``, ``char``, ``word``, ``bpe``, ``sentencepiece``.
+      texts: training texts; required by ``char``, ``word`` and ``bpe``, ignored otherwise.
+      vocab_size: required by ``bpe`` (the target size); for ``word`` an optional cap on the
+        vocabulary, specials included; ignored by the other kinds.
+      path: the ``.model`` file, required by ``sentencepiece``.
+
+    Raises:
+      ValueError: unknown ``kind``, a missing argument, or unusable texts or model file.
+      FileNotFoundError: the SentencePiece model file does not exist.
+    """
+    if kind not in _KINDS:
+        raise ValueError(f"unknown tokenizer kind {kind!r}; valid kinds: {', '.join(_KINDS)}")
+    if kind in ("char", "word", "bpe") and texts is None:
+        raise ValueError(f"tokenizer kind {kind!r} needs texts to fit on")
+    if kind == "byte":
+        return ByteTokenizer()
+    if kind == "char":
+        return CharTokenizer.fit(texts)
+    if kind == "word":
+        if vocab_size is not None and vocab_size <= NUM_SPECIAL:
+            raise ValueError(f"word vocab_size must be > {NUM_SPECIAL}, got {vocab_size}")
+        max_size = None if vocab_size is None else vocab_size - NUM_SPECIAL
+        return WordTokenizer.fit(texts, max_size=max_size)
+    if kind == "bpe":
+        if vocab_size is None:
+            raise ValueError("tokenizer kind 'bpe' needs vocab_size")
+        return BpeTokenizer.train(texts, vocab_size)
+    if path is None:
+        raise ValueError("tokenizer kind 'sentencepiece' needs path (a .model file)")
+    return SentencePieceTokenizer(path)
+
+
+def load_tokenizer(directory: Path | str) -> Tokenizer:
+    """Reads back a tokenizer written by ``Tokenizer.save(directory)``, whatever its kind."""
+    directory = Path(directory)
+    marker = directory / KIND_FILE
+    if not marker.is_file():
+        raise FileNotFoundError(f"{marker}: missing; no tokenizer was saved in {directory}")
+    kind = _read_json_object(marker).get("kind")
+    if not isinstance(kind, str) or kind not in _KINDS:
+        raise ValueError(f"{marker}: unknown tokenizer kind {kind!r}; valid: {', '.join(_KINDS)}")
+    return _KINDS[kind]._load_files(directory)
+
+
+def _nonempty_texts(texts: Iterable[str], kind: str) -> Iterator[str]:
+    """Iterates ``texts`` lazily after checking that at least one is non-empty.
+
+    A bare string is rejected: iterating it would silently yield single characters.
+    """
+    if isinstance(texts, str | bytes):
+        raise TypeError("texts must be an iterable of strings, not a single string")
+    texts = iter(texts)
+    first = next((t for t in texts if t), None)
+    if first is None:
+        raise ValueError(f"cannot fit a {kind} tokenizer: the texts are empty")
+    return itertools.chain([first], texts)
+
+
+def _require_file(path: Path) -> Path:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: file not found")
+    return path
+
+
+def _read_json_object(path: Path) -> dict:
+    """The JSON object in ``path``; missing, empty, non-UTF-8 or non-object files raise."""
+    try:
+        data = json.loads(_require_file(path).read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not valid UTF-8 JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data

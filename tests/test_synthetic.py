@@ -1,0 +1,322 @@
+"""Tests for the procedurally generated tasks: determinism, split disjointness, answers, scores."""
+
+import collections
+import re
+
+import numpy as np
+import pytest
+
+import flaxformer_lite.data.synthetic as syn
+
+NAMES = sorted(syn.TASKS)
+
+
+def _key(task, record):
+    """The input a record is judged on: what must never cross from validation into train."""
+    if task.kind == "lm":
+        return syn.split_prompt(record["text"])[0]
+    if task.kind == "seq2seq":
+        return record["source"]
+    return record["text"]
+
+
+def _reference(task, record):
+    if task.kind == "lm":
+        return syn.split_prompt(record["text"])[1]
+    if task.kind == "seq2seq":
+        return record["target"]
+    return record["label"]
+
+
+# An independent reading of English number words, to check number_to_words without reusing it.
+_UNITS = re.findall(
+    r"\w+",
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
+    "fifteen sixteen seventeen eighteen nineteen",
+)
+_VALUES = {word: i for i, word in enumerate(_UNITS)}
+_TEN_WORDS = re.findall(r"\w+", "twenty thirty forty fifty sixty seventy eighty ninety")
+_VALUES |= {word: 10 * i for i, word in enumerate(_TEN_WORDS, start=2)}
+_SCALES = {"thousand": 1_000, "million": 1_000_000}
+
+
+def parse_number_words(text):
+    total = current = 0
+    for word in text.replace("-", " ").split():
+        if word == "hundred":
+            current *= 100
+        elif word in _SCALES:
+            total, current = total + current * _SCALES[word], 0
+        else:
+            current += _VALUES[word]
+    return total + current
+
+
+# Tens followed by a unit must be hyphenated ("forty-two"), never "forty two".
+_UNHYPHENATED = re.compile(rf"\b({'|'.join(_TEN_WORDS)}) ({'|'.join(_UNITS[1:10])})\b")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_examples_are_pure_functions_of_seed_split_and_index(name):
+    forward = syn.make_task(name, seed=3)
+    ahead = [forward[i] for i in range(200)]
+    backward = syn.make_task(name, seed=3)
+    behind = [backward.example(i) for i in reversed(range(200))][::-1]
+    assert ahead == behind
+    assert syn.make_task(name, seed=3, size=150)[137] == ahead[137]  # size does not reshuffle
+    assert syn.make_task(name, seed=3)[np.int64(42)] == ahead[42]
+
+    other_seed = [syn.make_task(name, seed=4)[i] for i in range(200)]
+    other_split = [syn.make_task(name, seed=3, split="validation")[i] for i in range(200)]
+    assert sum(a != b for a, b in zip(ahead, other_seed, strict=True)) > 150
+    assert sum(a != b for a, b in zip(ahead, other_split, strict=True)) > 150
+
+
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [(name, {}) for name in NAMES]
+    + [("arithmetic", {"max_digits": 1}), ("number_words", {"max_value": 99})],
+)
+def test_validation_inputs_never_appear_in_train(name, options):
+    train = [syn.make_task(name, seed=s, size=1500, **options) for s in (0, 1)]
+    valid = [syn.make_task(name, seed=s, split="validation", size=500, **options) for s in (0, 7)]
+    train_keys = {_key(t, t[i]) for t in train for i in range(len(t))}
+    valid_keys = {_key(t, t[i]) for t in valid for i in range(len(t))}
+    assert not train_keys & valid_keys
+    assert {syn.split_of(k) for k in valid_keys} == {"validation"}
+    assert len(valid_keys) >= 5  # even the small domains keep a usable validation set
+
+
+def test_hash_partition_sends_about_the_validation_fraction():
+    keys = [f"{i}+{i * 7}=" for i in range(20_000)]
+    share = sum(syn.split_of(k) == "validation" for k in keys) / len(keys)
+    assert abs(share - syn.VALIDATION_FRACTION) < 0.01
+
+
+def test_records_hold_the_documented_keys():
+    expected = {
+        "lm": {"text": str},
+        "seq2seq": {"source": str, "target": str},
+        "classification": {"text": str, "label": int},
+    }
+    for name in NAMES:
+        task = syn.make_task(name)
+        for i in range(20):
+            record = task[i]
+            assert {k: type(v) for k, v in record.items()} == expected[task.kind], name
+
+
+def test_arithmetic_answers_are_correct():
+    task = syn.make_task("arithmetic", max_digits=5, size=3000)
+    ops, lengths = collections.Counter(), collections.Counter()
+    for i in range(len(task)):
+        a, op, b, answer = re.fullmatch(r"(\d+)([+-])(\d+)=(\d+)", task[i]["text"]).groups()
+        assert int(answer) == (int(a) + int(b) if op == "+" else int(a) - int(b))
+        for operand in (a, b, answer):
+            assert operand == str(int(operand))  # no leading zeros
+        ops[op] += 1
+        lengths.update([len(a), len(b)])
+    # Operand lengths are uniform over 1..max_digits (3 sigma), so short problems are not rare.
+    assert sorted(lengths) == [1, 2, 3, 4, 5]
+    assert all(abs(count / lengths.total() - 1 / 5) < 0.015 for count in lengths.values())
+    assert min(ops["+"], ops["-"]) > 1000
+    no_sub = syn.make_task("arithmetic", subtraction=False)
+    assert all("-" not in no_sub[i]["text"] for i in range(300))
+
+
+def test_reverse_answers_are_correct():
+    task = syn.make_task("reverse", max_length=6)
+    lengths = set()
+    for i in range(500):
+        prompt, answer = syn.split_prompt(task[i]["text"])
+        assert re.fullmatch(r"[a-z]+=", prompt) and answer == prompt[:-1][::-1]
+        lengths.add(len(answer))
+    assert lengths == set(range(1, 7))
+
+
+@pytest.mark.parametrize(
+    ("n", "words"),
+    [
+        (0, "zero"),
+        (7, "seven"),
+        (10, "ten"),
+        (13, "thirteen"),
+        (19, "nineteen"),
+        (20, "twenty"),
+        (42, "forty-two"),
+        (90, "ninety"),
+        (99, "ninety-nine"),
+        (100, "one hundred"),
+        (105, "one hundred five"),
+        (115, "one hundred fifteen"),
+        (342, "three hundred forty-two"),
+        (1_000, "one thousand"),
+        (1_001, "one thousand one"),
+        (12_345, "twelve thousand three hundred forty-five"),
+        (700_000, "seven hundred thousand"),
+        (999_999, "nine hundred ninety-nine thousand nine hundred ninety-nine"),
+        (1_000_005, "one million five"),
+        (20_030_400, "twenty million thirty thousand four hundred"),
+    ],
+)
+def test_number_to_words_hand_cases(n, words):
+    assert syn.number_to_words(n) == words
+
+
+def test_number_to_words_round_trips_and_rejects_out_of_range():
+    rng = np.random.default_rng(0)
+    numbers = [*range(2_000), *rng.integers(0, syn.MAX_NUMBER + 1, size=2_000).tolist()]
+    spelled = [syn.number_to_words(n) for n in numbers]
+    assert [parse_number_words(s) for s in spelled] == numbers
+    assert not any(_UNHYPHENATED.search(s) or " and " in s for s in spelled)
+    for bad in (-1, syn.MAX_NUMBER + 1, 3.0):
+        with pytest.raises(ValueError, match="n must be an int"):
+            syn.number_to_words(bad)
+
+
+def test_number_words_examples_are_correct():
+    task = syn.make_task("number_words", max_value=50_000, size=2000)
+    targets = []
+    for i in range(len(task)):
+        record = task[i]
+        assert parse_number_words(record["source"]) == int(record["target"]) <= 50_000
+        targets.append(int(record["target"]))
+    assert min(targets) < 10 and sum(t < 100 for t in targets) > 300  # small numbers are common
+    assert max(targets) > 40_000
+
+
+def _sentiment_rule(text):
+    """Label by the documented rule: each clause's adjective polarity, flipped by a negation."""
+    total = 0
+    for clause in text.split(" and "):
+        words = clause.split()
+        polarity = (words[-1] in syn.POSITIVE_WORDS) - (words[-1] in syn.NEGATIVE_WORDS)
+        total += -polarity if set(words) & set(syn.NEGATIONS) else polarity
+    return syn.LABELS.index({-1: "negative", 0: "neutral", 1: "positive"}[total])
+
+
+def test_sentiment_labels_follow_words_and_negation_and_are_balanced():
+    task = syn.make_task("sentiment", size=3000)
+    records = [task[i] for i in range(len(task))]
+    assert [r["label"] for r in records] == [_sentiment_rule(r["text"]) for r in records]
+
+    counts = collections.Counter(r["label"] for r in records)
+    assert all(abs(counts[c] / len(records) - 1 / 3) < 0.04 for c in range(len(syn.LABELS)))
+
+    # Negation flips: each polar adjective shows up under both polar labels, and a negation word
+    # shows up in every class, so neither alone gives the label away.
+    labels_of = collections.defaultdict(set)
+    negated_in = set()
+    for r in records:
+        words = r["text"].split()
+        for word in set(words) & set(syn.POSITIVE_WORDS + syn.NEGATIVE_WORDS):
+            labels_of[word].add(syn.LABELS[r["label"]])
+        if set(words) & set(syn.NEGATIONS):
+            negated_in.add(r["label"])
+    assert set(labels_of) == set(syn.POSITIVE_WORDS + syn.NEGATIVE_WORDS)
+    assert all(labels == {"positive", "negative"} for labels in labels_of.values())
+    assert negated_in == {0, 1, 2}
+    # The clause that carries the label can stand anywhere, so position gives nothing away.
+    polar_positions = set()
+    for r in records:
+        for position, clause in enumerate(r["text"].split(" and ")):
+            if clause.split()[-1] not in syn.NEUTRAL_WORDS:
+                polar_positions.add(position)
+    assert polar_positions == {0, 1, 2}
+    assert {r["text"].count(" and ") + 1 for r in records} == {1, 2, 3}
+    assert syn.make_task("sentiment").labels == syn.LABELS
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_score(name):
+    task = syn.make_task(name, split="validation", size=10)
+    examples = [task[i] for i in range(len(task))]
+    right = [_reference(task, e) for e in examples]
+    if task.kind == "classification":
+        wrong = [(label + 1) % len(syn.LABELS) for label in right]
+    else:
+        wrong = [answer + "1" for answer in right]
+        right = [f" {answer}\n" for answer in right]  # surrounding whitespace is ignored
+    assert task.score(right, examples) == {task.metric: 1.0}
+    assert task.score(wrong, examples) == {task.metric: 0.0}
+    assert task.score(right[:4] + wrong[4:], examples) == {task.metric: pytest.approx(0.4)}
+    with pytest.raises(ValueError, match="as many predictions as examples"):
+        task.score(right[:3], examples)
+    with pytest.raises(ValueError, match="as many predictions as examples"):
+        task.score([], [])
+
+
+def test_metric_names():
+    metrics = {name: syn.TASKS[name].metric for name in NAMES}
+    assert metrics == {
+        "arithmetic": "exact_match",
+        "number_words": "exact_match",
+        "reverse": "exact_match",
+        "sentiment": "accuracy",
+    }
+
+
+def test_split_prompt():
+    assert syn.split_prompt("123+45=168") == ("123+45=", "168")
+    with pytest.raises(ValueError, match="no '='"):
+        syn.split_prompt("123+45")
+
+
+def test_sizes_and_indexing():
+    assert len(syn.make_task("arithmetic")) == syn.DEFAULT_SIZES["train"]
+    assert len(syn.make_task("arithmetic", split="validation")) == syn.DEFAULT_SIZES["validation"]
+    task = syn.make_task("reverse", size=5)
+    assert list(task) == [task[i] for i in range(5)]
+    for bad in (5, -1):
+        with pytest.raises(IndexError, match="out of range"):
+            task[bad]
+
+
+def test_unknown_task_lists_valid_names():
+    with pytest.raises(ValueError, match="unknown synthetic task 'addition'") as info:
+        syn.make_task("addition")
+    assert all(name in str(info.value) for name in NAMES)
+
+
+def test_unknown_option_is_named_with_the_valid_ones():
+    with pytest.raises(
+        ValueError, match=r"max_digit, vocab .*'arithmetic'.*max_digits, subtraction"
+    ):
+        syn.make_task("arithmetic", max_digit=3, vocab=10)
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs", "message"),
+    [
+        ("arithmetic", {"max_digits": 0}, "max_digits must be an int in"),
+        ("arithmetic", {"subtraction": "yes"}, "subtraction must be a bool"),
+        ("number_words", {"max_value": 10**9}, "max_value must be an int in"),
+        ("sentiment", {"max_clauses": 0}, "max_clauses must be an int in"),
+        ("reverse", {"max_length": True}, "max_length must be an int"),
+        ("reverse", {"split": "test"}, "split must be one of"),
+        ("reverse", {"seed": -1}, "seed must be an int >= 0"),
+        ("reverse", {"size": 0}, "size must be an int >= 1"),
+    ],
+)
+def test_bad_values_are_named(name, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        syn.make_task(name, **kwargs)
+
+
+def test_a_domain_too_small_for_a_split_fails_at_construction():
+    # The only input, "zero", belongs to exactly one split; the other split cannot be built.
+    failures = []
+    for split in syn.SPLITS:
+        try:
+            syn.make_task("number_words", split=split, max_value=0)
+        except ValueError as error:
+            assert "widen the domain" in str(error)
+            failures.append(split)
+    assert failures == [s for s in syn.SPLITS if s != syn.split_of("zero")]
+
+
+def test_grain_wraps_a_task_as_a_random_access_source():
+    grain = pytest.importorskip("grain")
+    task = syn.make_task("number_words", size=8, seed=5)
+    dataset = grain.MapDataset.source(task)
+    assert len(dataset) == 8 and [dataset[i] for i in range(8)] == [task[i] for i in range(8)]

@@ -1,0 +1,363 @@
+"""Tests for flaxformer_lite.data.tokenizers: layout, round trips, fitting, files and errors."""
+
+import json
+import random
+
+import numpy as np
+import pytest
+import sentencepiece
+
+from flaxformer_lite.data import tokenizers as tk
+
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog.",
+    "pack my box with five dozen liquor jugs!",
+    "sphinx of black quartz, judge my vow.",
+    "the five boxing wizards jump quickly",
+    "héllo wörld: naïve café, façade, jalapeño",
+    "日本語のテキストも少し",
+] * 20
+KINDS = ("byte", "char", "word", "bpe", "sentencepiece")
+
+
+def _train_sentencepiece(directory, **ids):
+    prefix = directory / "spm"
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS),
+        model_prefix=str(prefix),
+        vocab_size=60,
+        hard_vocab_limit=False,  # The corpus is too small to guarantee exactly 60 pieces.
+        minloglevel=2,
+        **ids,
+    )
+    return prefix.with_suffix(".model")
+
+
+@pytest.fixture(scope="module")
+def spm_default(tmp_path_factory):
+    """A model with SentencePiece's default ids: unk=0, bos=1, eos=2, no pad."""
+    return _train_sentencepiece(tmp_path_factory.mktemp("spm_default"))
+
+
+@pytest.fixture(scope="module")
+def spm_aligned(tmp_path_factory):
+    """A model trained with the library's layout: pad=0, bos=1, eos=2, unk=3."""
+    directory = tmp_path_factory.mktemp("spm_aligned")
+    return _train_sentencepiece(directory, pad_id=0, bos_id=1, eos_id=2, unk_id=3)
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    return tk.BpeTokenizer.train(CORPUS, vocab_size=300)
+
+
+@pytest.fixture
+def make(spm_default, bpe):
+    """Builds a tokenizer of any kind from CORPUS (the BPE one is trained once per module)."""
+
+    def build(kind):
+        if kind == "bpe":
+            return bpe
+        return tk.make_tokenizer(kind, texts=CORPUS, vocab_size=300, path=spm_default)
+
+    return build
+
+
+# --- shared layout and interface -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_special_id_layout(make, kind):
+    tok = make(kind)
+    assert (tok.pad_id, tok.sos_id, tok.eos_id, tok.unk_id) == (0, 1, 2, 3)
+    assert tok.kind == kind
+    ids = tok.encode("the quick brown fox jumps over the lazy dog.")
+    assert ids and all(tk.NUM_SPECIAL <= i < tok.vocab_size for i in ids)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_decode_skips_specials_and_accepts_arrays(make, kind):
+    tok = make(kind)
+    ids = tok.encode("judge my vow")
+    expected = tok.decode(ids)
+    assert tok.decode([tok.sos_id, *ids, tok.eos_id, tok.pad_id, tok.pad_id]) == expected
+    assert tok.decode(np.array(ids, dtype=np.int32)) == expected
+    assert tok.decode([tok.unk_id, tok.pad_id]) == ""
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_decode_rejects_bad_ids(make, kind):
+    tok = make(kind)
+    with pytest.raises(ValueError, match=f"token id {tok.vocab_size} is outside"):
+        tok.decode([5, tok.vocab_size])
+    with pytest.raises(ValueError, match="token id -1"):
+        tok.decode([-1])
+    with pytest.raises(ValueError, match=r"one sequence of ids \[T\]"):
+        tok.decode([[5, 6]])
+
+
+@pytest.mark.parametrize("kind", ["byte", "char", "bpe", "sentencepiece"])
+def test_round_trip(make, kind):
+    """Text made of training characters and single spaces survives every lossless kind."""
+    tok = make(kind)
+    for text in ["the lazy dog jumps.", "naïve café, jalapeño 日本語", ""]:
+        assert tok.decode(tok.encode(text)) == text
+
+
+@pytest.mark.parametrize("kind", ["byte", "bpe"])
+def test_round_trip_any_text(make, kind):
+    """Byte-level kinds have no unknowns and keep whitespace: any string comes back exactly."""
+    tok = make(kind)
+    for text in ["Ünïcödé ✓ 🎉 Ελληνικά 中文 \x00 end", "  spaces\tand\n\nnewlines  ", " "]:
+        assert tk.UNK_ID not in tok.encode(text)
+        assert tok.decode(tok.encode(text)) == text
+
+
+# --- byte -------------------------------------------------------------------------------------
+
+
+def test_byte_ids_are_utf8_offset_by_specials():
+    tok = tk.ByteTokenizer()
+    assert tok.vocab_size == 260
+    assert tok.encode("é") == [0xC3 + 4, 0xA9 + 4]
+    assert tok.encode("\x00") == [4]
+    assert tok.decode([0xC3 + 4]) == "\ufffd"  # A truncated sequence is replaced, not raised.
+
+
+# --- char -------------------------------------------------------------------------------------
+
+
+def test_char_vocabulary_sorted_and_deterministic():
+    tok = tk.CharTokenizer.fit(["bca", "ab"])
+    assert tok.itos == ["<pad>", "<sos>", "<eos>", "<unk>", "a", "b", "c"]
+    shuffled = random.Random(0).sample(CORPUS, len(CORPUS))
+    assert tk.CharTokenizer.fit(shuffled).itos == tk.CharTokenizer.fit(CORPUS).itos
+
+
+def test_char_unknown_maps_to_unk():
+    tok = tk.CharTokenizer.fit(["abc"])
+    assert tok.encode("axc") == [4, tk.UNK_ID, 6]
+    assert tok.decode(tok.encode("axc")) == "ac"
+    # Text spelling a special token is ordinary characters, never the special id.
+    assert tk.CharTokenizer.fit(["<pad>"]).encode("<pad>") == [4, 8, 6, 7, 5]  # <, >, a, d, p
+
+
+# --- word -------------------------------------------------------------------------------------
+
+
+def test_word_vocabulary_order_and_ties():
+    tok = tk.WordTokenizer.fit(["b a c a", "b d a"])
+    # a x3, b x2, then the ties c and d in code-point order.
+    assert tok.itos == ["<pad>", "<sos>", "<eos>", "<unk>", "a", "b", "c", "d"]
+    shuffled = random.Random(1).sample(CORPUS, len(CORPUS))
+    assert tk.WordTokenizer.fit(shuffled).itos == tk.WordTokenizer.fit(CORPUS).itos
+
+
+def test_word_split_unknowns_and_lossy_decode():
+    tok = tk.WordTokenizer.fit(["Hi, there! hi"])
+    assert tok.itos[4:] == ["!", ",", "Hi", "hi", "there"]
+    ids = tok.encode("Hi, there! Bye")
+    assert ids == [6, 5, 8, 4, tk.UNK_ID]
+    assert tok.decode(ids) == "Hi , there !"
+
+
+def test_word_min_count_max_size_lowercase():
+    texts = ["a a a b b c", "A B"]
+    assert tk.WordTokenizer.fit(texts, min_count=2).itos[4:] == ["a", "b"]
+    assert tk.WordTokenizer.fit(texts, max_size=1).itos[4:] == ["a"]
+    lower = tk.WordTokenizer.fit(texts, lowercase=True)
+    assert lower.itos[4:] == ["a", "b", "c"]
+    assert lower.encode("A b") == [4, 5]
+    assert tk.make_tokenizer("word", texts=texts, vocab_size=6).vocab_size == 6
+
+
+# --- bpe --------------------------------------------------------------------------------------
+
+
+def test_bpe_vocab_size_and_merges(bpe):
+    assert bpe.vocab_size == 300
+    assert bpe.hf_tokenizer.get_vocab_size() == 300
+    for word in ["the", "quick", "jumps"]:
+        assert len(bpe.encode(word)) < len(word.encode())
+    assert [bpe.hf_tokenizer.id_to_token(i) for i in range(4)] == list(tk.SPECIAL_TOKENS)
+
+
+def test_bpe_training_is_deterministic(bpe):
+    again = tk.BpeTokenizer.train(iter(CORPUS), vocab_size=300)  # Any iterator works.
+    assert again.hf_tokenizer.get_vocab() == bpe.hf_tokenizer.get_vocab()
+
+
+def test_bpe_rejects_vocab_smaller_than_bytes():
+    with pytest.raises(ValueError, match="vocab_size must be >= 260"):
+        tk.BpeTokenizer.train(CORPUS, vocab_size=100)
+
+
+# --- sentencepiece ----------------------------------------------------------------------------
+
+
+def test_sentencepiece_default_layout_is_remapped(spm_default):
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(spm_default))
+    assert (sp.unk_id(), sp.bos_id(), sp.eos_id(), sp.pad_id()) == (0, 1, 2, -1)
+    tok = tk.SentencePieceTokenizer(spm_default)
+    # Model ids 0..2 are specials; its regular pieces 3.. become ours 4.. (the model has no pad).
+    assert tok.vocab_size == sp.get_piece_size() + 1
+    assert tok.encode("the fox") == [i + 1 for i in sp.encode("the fox")]
+    ids = tok.encode("the ∑ fox")  # "∑" never occurs in the corpus.
+    assert tk.UNK_ID in ids
+    assert tok.decode(ids) == "the  fox"
+
+
+def test_sentencepiece_aligned_layout_maps_onto_itself(spm_aligned):
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(spm_aligned))
+    tok = tk.SentencePieceTokenizer(spm_aligned)
+    assert tok.vocab_size == sp.get_piece_size()
+    assert tok.encode("the lazy ∑ dog") == sp.encode("the lazy ∑ dog")
+
+
+# --- save / load ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_save_load_round_trip(make, kind, tmp_path):
+    tok = make(kind)
+    tok.save(tmp_path / "run" / "tokenizer")  # Parents are created.
+    loaded = tk.load_tokenizer(tmp_path / "run" / "tokenizer")
+    assert type(loaded) is type(tok)
+    assert loaded.vocab_size == tok.vocab_size
+    text = "the quick café ∑ fox, 日本語!"
+    assert loaded.encode(text) == tok.encode(text)
+    assert loaded.decode(tok.encode(text)) == tok.decode(tok.encode(text))
+    marker = json.loads((tmp_path / "run" / "tokenizer" / tk.KIND_FILE).read_text())
+    assert marker == {"kind": kind}
+
+
+def test_saved_files_are_plain(make, tmp_path):
+    for kind, name in [("char", tk.VOCAB_FILE), ("word", tk.VOCAB_FILE), ("bpe", tk.BPE_FILE)]:
+        make(kind).save(tmp_path / kind)
+        json.loads((tmp_path / kind / name).read_text(encoding="utf-8"))
+    make("sentencepiece").save(tmp_path / "sp")
+    model_file = str(tmp_path / "sp" / tk.SENTENCEPIECE_FILE)
+    sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
+    assert sp.get_piece_size() == make("sentencepiece").vocab_size - 1  # The model has no pad.
+    assert sorted(p.name for p in (tmp_path / "word").iterdir()) == [tk.KIND_FILE, tk.VOCAB_FILE]
+
+
+def test_word_lowercase_survives_save(tmp_path):
+    tk.WordTokenizer.fit(["Hello World"], lowercase=True).save(tmp_path)
+    assert tk.load_tokenizer(tmp_path).encode("HELLO world") == [4, 5]
+
+
+def test_nothing_printed(capfd, spm_default, tmp_path):
+    capfd.readouterr()
+    tok = tk.BpeTokenizer.train(CORPUS, vocab_size=270)
+    tok.save(tmp_path / "bpe")
+    tk.load_tokenizer(tmp_path / "bpe").decode(tok.encode("the dog"))
+    tk.SentencePieceTokenizer(spm_default).save(tmp_path / "sp")
+    tk.load_tokenizer(tmp_path / "sp")
+    assert capfd.readouterr() == ("", "")
+
+
+# --- errors -----------------------------------------------------------------------------------
+
+
+def test_unknown_kind_lists_valid_kinds():
+    with pytest.raises(ValueError, match="unknown tokenizer kind 'bytes'; valid kinds: byte, char"):
+        tk.make_tokenizer("bytes")
+
+
+@pytest.mark.parametrize(
+    "kind, kwargs, missing",
+    [
+        ("char", {}, "texts"),
+        ("word", {}, "texts"),
+        ("bpe", {"vocab_size": 300}, "texts"),
+        ("bpe", {"texts": CORPUS}, "vocab_size"),
+        ("sentencepiece", {}, "path"),
+    ],
+)
+def test_missing_arguments_are_named(kind, kwargs, missing):
+    with pytest.raises(ValueError, match=f"'{kind}' needs {missing}"):
+        tk.make_tokenizer(kind, **kwargs)
+
+
+@pytest.mark.parametrize("kind", ["char", "word", "bpe"])
+def test_empty_or_bare_string_texts(kind):
+    with pytest.raises(ValueError, match=f"cannot fit a {kind} tokenizer: the texts are empty"):
+        tk.make_tokenizer(kind, texts=["", ""], vocab_size=300)
+    with pytest.raises(TypeError, match="not a single string"):
+        tk.make_tokenizer(kind, texts="some text", vocab_size=300)
+
+
+def test_word_size_errors():
+    with pytest.raises(ValueError, match="no word is seen 5"):
+        tk.WordTokenizer.fit(["a b"], min_count=5)
+    with pytest.raises(ValueError, match="word vocab_size must be > 4"):
+        tk.make_tokenizer("word", texts=["a b"], vocab_size=4)
+
+
+def test_sentencepiece_missing_or_corrupt_file_is_named(tmp_path):
+    missing = tmp_path / "nope.model"
+    with pytest.raises(FileNotFoundError, match="nope.model: file not found"):
+        tk.make_tokenizer("sentencepiece", path=missing)
+    corrupt = tmp_path / "bad.model"
+    corrupt.write_bytes(b"\x00not a protobuf")
+    with pytest.raises(ValueError, match="bad.model: not a readable SentencePiece model"):
+        tk.make_tokenizer("sentencepiece", path=corrupt)
+
+
+def test_load_without_marker_names_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"{tk.KIND_FILE}: missing"):
+        tk.load_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "content, reason",
+    [
+        (b"", "not valid UTF-8 JSON"),
+        (b"{kind: byte", "not valid UTF-8 JSON"),
+        (b"\xff\xfe\x00", "not valid UTF-8 JSON"),
+        (b'["byte"]', "expected a JSON object, got list"),
+        (b'{"kind": "bytes"}', "unknown tokenizer kind 'bytes'; valid: byte, char"),
+        (b'{"kind": ["byte"]}', "unknown tokenizer kind"),
+    ],
+)
+def test_corrupt_marker_is_named(tmp_path, content, reason):
+    (tmp_path / tk.KIND_FILE).write_bytes(content)
+    with pytest.raises(ValueError, match=f"{tk.KIND_FILE}: {reason}"):
+        tk.load_tokenizer(tmp_path)
+
+
+def test_corrupt_or_missing_bpe_file_is_named(bpe, tmp_path):
+    bpe.save(tmp_path)
+    path = tmp_path / tk.BPE_FILE
+    path.write_text('{"version": "1.0", "model": {"type": "BPE"', encoding="utf-8")
+    with pytest.raises(ValueError, match="tokenizer.json: not a valid Hugging Face tokenizer"):
+        tk.load_tokenizer(tmp_path)
+    path.unlink()
+    with pytest.raises(FileNotFoundError, match="tokenizer.json: file not found"):
+        tk.load_tokenizer(tmp_path)
+
+
+def test_bpe_file_with_other_specials_is_rejected(bpe, tmp_path):
+    bpe.save(tmp_path)
+    path = tmp_path / tk.BPE_FILE
+    path.write_text(path.read_text(encoding="utf-8").replace("<sos>", "<bos>"), encoding="utf-8")
+    with pytest.raises(ValueError, match=r"tokenizer.json: .*must have ids 0..3, got \[0, None"):
+        tk.load_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "kind, vocab, reason",
+    [
+        ("char", {"itos": ["a", "b"]}, "must start with"),
+        ("char", {"itos": [*tk.SPECIAL_TOKENS, "a", "a"]}, "distinct"),
+        ("word", {"itos": [*tk.SPECIAL_TOKENS, 5]}, "non-empty strings"),
+        ("word", {"itos": list(tk.SPECIAL_TOKENS), "casefold": True}, "unexpected keyword"),
+        ("word", {}, "itos"),
+    ],
+)
+def test_corrupt_vocab_is_named(tmp_path, kind, vocab, reason):
+    (tmp_path / tk.KIND_FILE).write_text(json.dumps({"kind": kind}))
+    (tmp_path / tk.VOCAB_FILE).write_text(json.dumps(vocab))
+    with pytest.raises(ValueError, match=f"vocab.json: not a valid {kind} vocabulary .*{reason}"):
+        tk.load_tokenizer(tmp_path)
