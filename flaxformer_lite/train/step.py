@@ -1,0 +1,146 @@
+"""The train and eval steps: pure functions of the split model + optimizer state, jitted once,
+with the state donated so parameters and moments are updated in place.
+
+The loss of each model kind is written once (:func:`model_loss`); gradient accumulation sums the
+microbatches' token-weighted gradients, so ``k`` microbatches give the gradient of the whole batch.
+A step whose loss or gradients are not finite leaves the state untouched and says so.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from flaxformer_lite import ops
+from flaxformer_lite.models.config import ModelConfig
+
+TASKS = ("lm", "seq2seq", "mlm", "classify")
+
+
+def task_of(cfg: ModelConfig) -> str:
+    """What a model of ``cfg`` is trained on: next tokens (``lm``), target tokens given a source
+    (``seq2seq``), masked tokens (``mlm``) or a label per sequence (``classify``)."""
+    if cfg.kind == "decoder":
+        return "lm"
+    if cfg.kind == "encoder_decoder":
+        return "seq2seq"
+    return "classify" if cfg.num_classes is not None else "mlm"
+
+
+def model_loss(model, batch: dict, *, task: str, label_smoothing: float = 0.0,
+               z_loss: float = 0.0) -> tuple[jax.Array, dict[str, jax.Array]]:  # fmt: skip
+    """``ops.cross_entropy`` of the model's predictions for ``batch``.
+
+    Batches (int32 unless noted; weights float32, 0 at padding):
+      ``lm``: ``inputs``, ``targets``, ``weights`` ``[B, T]``; optional ``positions`` and
+        ``segment_ids`` for packed rows.
+      ``seq2seq``: ``src`` and bool ``src_mask`` ``[B, S]``; ``inputs`` (``<sos>`` + target),
+        ``targets`` (target + ``<eos>``), ``weights`` ``[B, T]``.
+      ``mlm``: ``inputs`` (with masked tokens), ``targets``, ``weights`` (1 where masked), bool
+        ``mask`` ``[B, T]`` (False at padding).
+      ``classify``: ``inputs``, bool ``mask`` ``[B, T]``, ``labels`` ``[B]``.
+    """
+    if task == "lm":
+        logits = model(batch["inputs"], positions=batch.get("positions"),
+                       segment_ids=batch.get("segment_ids"))  # fmt: skip
+    elif task == "seq2seq":
+        logits = model(batch["src"], batch["inputs"], src_mask=batch["src_mask"])
+    elif task == "mlm":
+        logits = model(batch["inputs"], mask=batch["mask"])
+    elif task == "classify":
+        logits = model.classify(batch["inputs"], mask=batch["mask"])
+        return ops.cross_entropy(logits, batch["labels"], label_smoothing=label_smoothing,
+                                 z_loss=z_loss)  # fmt: skip
+    else:
+        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    return ops.cross_entropy(logits, batch["targets"], weights=batch["weights"],
+                             label_smoothing=label_smoothing, z_loss=z_loss)  # fmt: skip
+
+
+def make_train_step(graphdef, *, task: str, label_smoothing: float = 0.0, z_loss: float = 0.0,
+                    grad_accum_steps: int = 1):  # fmt: skip
+    """``step(state, batch) -> (state, metrics)``, jitted with ``state`` donated.
+
+    ``graphdef, state = nnx.split((model, optimizer))``; ``optimizer`` an ``nnx.Optimizer`` over
+    ``nnx.Param``. With ``grad_accum_steps = k`` the batch's leading axis is split into ``k``
+    microbatches run one after another (``lax.scan``), for k times less activation memory.
+    Metrics: ``loss``, ``z_loss``, ``accuracy``, ``num_tokens``, ``grad_norm`` and ``finite``
+    (False when the loss or a gradient was NaN/Inf; the state is then returned unchanged).
+    """
+    loss_kwargs = dict(task=task, label_smoothing=label_smoothing, z_loss=z_loss)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(state, batch):
+        model, optimizer = nnx.merge(graphdef, state)
+        model_def, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def micro_step(carry, micro):
+            grads_sum, rest, totals = carry
+
+            def token_sum(params):
+                micro_model = nnx.merge(model_def, params, rest)
+                loss, metrics = model_loss(micro_model, micro, **loss_kwargs)
+                count = metrics["num_tokens"]
+                return loss * count, (metrics, nnx.state(micro_model, nnx.Not(nnx.Param)))
+
+            grads, (metrics, rest) = jax.grad(token_sum, has_aux=True)(params)
+            count = metrics["num_tokens"]
+            totals = {k: totals[k] + metrics[k] * (1 if k == "num_tokens" else count)
+                      for k in totals}  # fmt: skip
+            return (jax.tree.map(jnp.add, grads_sum, grads), rest, totals), None
+
+        batch_size = jax.tree.leaves(batch)[0].shape[0]
+        if batch_size % grad_accum_steps:
+            raise ValueError(
+                f"batch size {batch_size} is not divisible by grad_accum_steps={grad_accum_steps}"
+            )
+        microbatches = jax.tree.map(
+            lambda x: x.reshape(grad_accum_steps, x.shape[0] // grad_accum_steps, *x.shape[1:]),
+            batch,
+        )
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        totals = {
+            k: jnp.zeros((), jnp.float32) for k in ("loss", "z_loss", "accuracy", "num_tokens")
+        }
+        (grads_sum, rest, totals), _ = jax.lax.scan(micro_step, (zeros, rest, totals), microbatches)
+        count = jnp.maximum(totals["num_tokens"], 1e-8)
+        grads = jax.tree.map(lambda g: g / count, grads_sum)
+        metrics = {k: v / count if k != "num_tokens" else v for k, v in totals.items()}
+        metrics["grad_norm"] = optax.tree_utils.tree_norm(grads)
+        finite = jnp.isfinite(metrics["loss"] + metrics["z_loss"]) & jnp.isfinite(
+            metrics["grad_norm"]
+        )
+        metrics["finite"] = finite
+
+        # A copy of the values: nnx.state refers to the Variables that the update mutates.
+        old_state = jax.tree.map(lambda x: x, nnx.state((model, optimizer)))
+        nnx.update(model, rest)
+        optimizer.update(model, grads)
+        new_state = nnx.state((model, optimizer))
+        state = jax.lax.cond(finite, lambda: new_state, lambda: old_state)
+        return state, metrics
+
+    if grad_accum_steps < 1:
+        raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
+    return step
+
+
+def make_eval_step(eval_graphdef, *, task: str):
+    """``eval_step(state, batch) -> metrics`` with ``loss``, ``accuracy`` and ``num_tokens``
+    (for token-weighted averages over batches).
+
+    ``eval_graphdef`` is ``nnx.split((model, optimizer))[0]`` taken after ``model.eval()``: the
+    dropout switches are part of the graph, the state is the training state unchanged.
+    """
+
+    @jax.jit
+    def eval_step(state, batch):
+        model, _ = nnx.merge(eval_graphdef, state)
+        _, metrics = model_loss(model, batch, task=task)
+        return metrics
+
+    return eval_step

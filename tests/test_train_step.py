@@ -1,0 +1,128 @@
+"""The jitted train/eval steps: each task learns, accumulation is exact, NaN steps are skipped."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from flaxformer_lite.models import ModelConfig, build_model
+from flaxformer_lite.train.optim import OptimizerConfig, make_optimizer
+from flaxformer_lite.train.step import make_eval_step, make_train_step, model_loss, task_of
+
+SMALL = dict(d_model=32, num_heads=4, d_ff=64, vocab_size=32, max_length=16,
+             embedding_dropout=0.0, attention_dropout=0.0, residual_dropout=0.0)  # fmt: skip
+B, T = 4, 8
+
+
+def setup(preset, **overrides):
+    cfg = ModelConfig.from_preset(preset, **{**SMALL, **overrides})
+    model = build_model(cfg, rngs=nnx.Rngs(0))
+    tx, _ = make_optimizer(
+        OptimizerConfig(lr=1e-2, schedule="constant", warmup_steps=0), total_steps=100,
+        d_model=cfg.d_model,
+    )  # fmt: skip
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    return cfg, model, optimizer
+
+
+def snapshot(state):
+    """The state as numpy arrays (PRNG keys as their key data), safe from donation."""
+
+    def leaf(x):
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        return np.array(x)
+
+    return jax.tree.map(leaf, nnx.to_pure_dict(state))
+
+
+def make_batch(task, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(3, 32, (B, T + 1)).astype(np.int32)
+    weights = np.ones((B, T), np.float32)
+    weights[1, 5:] = 0.0  # padding
+    mask = weights > 0
+    if task == "lm":
+        return dict(inputs=ids[:, :-1], targets=ids[:, 1:], weights=weights)
+    if task == "seq2seq":
+        return dict(src=ids[:, 1:], src_mask=mask, inputs=ids[:, :-1], targets=ids[:, 1:],
+                    weights=weights)  # fmt: skip
+    if task == "mlm":
+        masked = ids[:, :-1].copy()
+        masked[:, ::3] = 1
+        return dict(inputs=masked, targets=ids[:, :-1], weights=(masked == 1) * weights,
+                    mask=mask)  # fmt: skip
+    return dict(inputs=ids[:, :-1], mask=mask, labels=(ids[:, 0] % 2).astype(np.int32))
+
+
+@pytest.mark.parametrize(
+    "preset, overrides",
+    [("gpt2-tiny", {}), ("transformer-tiny", {}), ("bert-tiny", {}),
+     ("bert-tiny", dict(num_classes=2))],
+)  # fmt: skip
+def test_each_task_learns_its_batch(preset, overrides):
+    cfg, model, optimizer = setup(preset, **overrides)
+    task = task_of(cfg)
+    graphdef, state = nnx.split((model, optimizer))
+    step = make_train_step(graphdef, task=task)
+    batch = make_batch(task)
+    losses = []
+    for _ in range(12):
+        state, metrics = step(state, batch)
+        assert bool(metrics["finite"])
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < 0.5 * losses[0], losses
+    if task != "classify":
+        assert float(metrics["num_tokens"]) == batch["weights"].sum()
+
+
+def test_tasks_follow_the_model_kind():
+    assert [task_of(ModelConfig.from_preset(p)) for p in ("gpt2-tiny", "transformer-tiny",
+            "bert-tiny")] == ["lm", "seq2seq", "mlm"]  # fmt: skip
+    assert task_of(ModelConfig.from_preset("bert-tiny", num_classes=3)) == "classify"
+
+
+def test_gradient_accumulation_equals_the_whole_batch():
+    """Compared after one SGD step, which (unlike Adam's first step) is linear in the gradient."""
+
+    def sgd_setup():
+        model = setup("gpt2-tiny")[1]
+        return model, nnx.Optimizer(model, optax.sgd(0.5), wrt=nnx.Param)
+
+    graphdef, state = nnx.split(sgd_setup())
+    copy = nnx.split(sgd_setup())[1]  # the same seeds: the same state
+    batch = make_batch("lm")
+    whole, whole_metrics = make_train_step(graphdef, task="lm")(state, batch)
+    parts, parts_metrics = make_train_step(graphdef, task="lm", grad_accum_steps=2)(copy, batch)
+    for key in ("loss", "accuracy", "num_tokens", "grad_norm"):
+        np.testing.assert_allclose(parts_metrics[key], whole_metrics[key], rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+                 snapshot(parts), snapshot(whole))  # fmt: skip
+    with pytest.raises(ValueError, match="not divisible by grad_accum_steps=3"):
+        make_train_step(graphdef, task="lm", grad_accum_steps=3)(parts, batch)
+
+
+def test_a_non_finite_step_leaves_the_state_unchanged():
+    _, model, optimizer = setup("gpt2-tiny")
+    model.embed.tokens.embedding[...] = model.embed.tokens.embedding[...].at[5].set(jnp.inf)
+    graphdef, state = nnx.split((model, optimizer))
+    before = snapshot(state)
+    batch = make_batch("lm")
+    batch["inputs"][0, 0] = 5
+    state, metrics = make_train_step(graphdef, task="lm")(state, batch)
+    assert not bool(metrics["finite"])
+    jax.tree.map(np.testing.assert_array_equal, snapshot(state), before)
+
+
+def test_eval_step_is_the_loss_without_dropout():
+    cfg, model, optimizer = setup("gpt2-tiny", residual_dropout=0.3)
+    batch = make_batch("lm")
+    model.eval()
+    eval_graphdef, state = nnx.split((model, optimizer))
+    metrics = make_eval_step(eval_graphdef, task="lm")(state, batch)
+    expected = model_loss(model, jax.tree.map(jnp.asarray, batch), task="lm")[1]
+    np.testing.assert_allclose(metrics["loss"], expected["loss"], rtol=1e-5)
+    again = make_eval_step(eval_graphdef, task="lm")(state, batch)
+    np.testing.assert_array_equal(again["loss"], metrics["loss"])
