@@ -1,0 +1,302 @@
+"""Checkpoints of a training run, written and read by Orbax's ``CheckpointManager``.
+
+    ckpt = Checkpointer(run_dir / "checkpoints", keep=3, every=500)
+    ckpt.save(step, state, data_state=it.get_state(), config=cfg.to_dict(),
+              metrics={"eval_loss": loss}, force=step == last_step)
+    ...
+    ckpt.save(step, ..., force=True); ckpt.wait()  # on SIGTERM / SIGINT, then exit
+    restored = ckpt.restore(abstract_state)  # ShapeDtypeStructs carrying the current shardings
+    ckpt.close()
+
+A checkpoint holds one pytree of arrays (``state``: parameters, optimizer state, step, RNG key
+data), the data-iterator state and the resolved config (both JSON). Orbax's on-disk layout::
+
+    <directory>/<step>/state/        the arrays: TensorStore (OCDBT + Zarr), written per shard
+    <directory>/<step>/data_state/   JSON
+    <directory>/<step>/config/       JSON
+    <directory>/<step>/metrics/      JSON, the ``metrics`` given to ``save`` (for "best" retention)
+    <directory>/<step>.orbax-checkpoint-tmp/   a save in flight
+
+Guarantees, and where they come from:
+  * Async saves (orbax): ``save`` returns once the arrays are copied off the device; the files are
+    written in the background into the ``.orbax-checkpoint-tmp`` directory, which is renamed to
+    ``<step>`` only when complete (on GCS: a ``commit_success.txt`` marks it). Orbax lists only
+    finished step directories, so a process killed mid-save leaves the previous checkpoints as
+    they were and the incomplete one is never picked up. Older checkpoints are deleted only after
+    the new one is committed.
+  * Retention (orbax preservation policies): the newest ``keep`` checkpoints, plus the single one
+    with the lowest ``metrics["eval_loss"]`` among the saves that reported it.
+  * Corruption (this module): a checkpoint that fails to restore (a truncated or missing file)
+    is reported with a warning naming its step and the error, and the previous one is tried.
+    When an older one restores, the newer, unreadable ones are renamed ``<step>.corrupt`` so the
+    resumed run can write those steps again. Orbax checksums its metadata but not array data:
+    flipped bits inside an array file are *not* detected.
+  * Resharding (orbax): ``restore`` places every array on the sharding its abstract target
+    carries, whatever the mesh the checkpoint was written from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import pathlib
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from orbax.checkpoint import checkpoint_managers as policies
+
+logger = logging.getLogger(__name__)
+
+BEST_METRIC = "eval_loss"  # lower is better
+
+
+class CheckpointError(RuntimeError):
+    """No checkpoint could be restored; the message names the directory (and step)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """What :meth:`Checkpointer.restore` returns: ``state`` laid out on the requested shardings."""
+
+    step: int
+    state: Any
+    data_state: dict[str, Any]
+    config: dict[str, Any]
+
+
+class Checkpointer:
+    """Saves and restores a run's checkpoints in ``directory`` (one writing process per run).
+
+    Args:
+      directory: where the step directories live; created if missing.
+      keep: how many of the newest checkpoints to keep (the best by eval loss is kept besides).
+      every: ``save`` writes steps that are multiples of ``every`` (others only with ``force``).
+      async_save: write in a background thread; :meth:`wait` blocks until it is done.
+    """
+
+    def __init__(
+        self, directory: pathlib.Path, *, keep: int, every: int = 1, async_save: bool = True
+    ):
+        for name, value in (("keep", keep), ("every", every)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"checkpoint {name} must be a positive int, got {value!r}")
+        self.directory = pathlib.Path(directory).absolute()
+        options = ocp.CheckpointManagerOptions(
+            save_decision_policy=policies.FixedIntervalPolicy(every),
+            preservation_policy=policies.AnyPreservationPolicy(
+                [
+                    policies.LatestN(n=keep),
+                    # BestN keeps the last n after sorting by the metric; reverse=True sorts
+                    # descending, so the lowest eval loss is kept.
+                    policies.BestN(
+                        get_metric_fn=_eval_loss,
+                        reverse=True,
+                        n=1,
+                        keep_checkpoints_without_metrics=False,
+                    ),
+                ]
+            ),
+            # Orbax writes (and on restart reads back) the metrics item only when best_fn is
+            # set; the preservation policy above is what decides retention.
+            best_fn=_eval_loss,
+            best_mode="min",
+            enable_async_checkpointing=async_save,
+            create=True,
+        )
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self._in_flight: int | None = None
+
+    def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        data_state: Mapping[str, Any],
+        config: Mapping[str, Any],
+        metrics: Mapping[str, Any] | None = None,
+        force: bool = False,
+    ) -> bool:
+        """Starts writing checkpoint ``step``; True if it did (a multiple of ``every``, or
+        ``force``). A step already saved is never rewritten (False).
+
+        Waits for the previous save to finish first. With ``async_save`` it returns once
+        ``state``'s arrays are copied off the device, so they may be donated or deleted next.
+
+        Args:
+          step: the optimizer step the state is at.
+          state: a pytree of arrays (``jax.Array`` or numpy; typed PRNG keys work too).
+          data_state: the data iterator's state, JSON-able (a Grain ``get_state()`` dict).
+          config: the resolved config, JSON-able (``TrainConfig.to_dict()``).
+          metrics: scalars stored with the checkpoint; ``metrics["eval_loss"]`` ranks "best".
+          force: save even when ``step`` is not a multiple of ``every`` (last step, SIGTERM).
+        """
+        if step in self._manager.all_steps():
+            return False
+        # Checked here: orbax would only fail in the background thread, after save returned.
+        data_state, config = _json_dict("data_state", data_state), _json_dict("config", config)
+        args = ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            data_state=ocp.args.JsonSave(data_state),
+            config=ocp.args.JsonSave(config),
+        )
+        plain_metrics = {key: float(value) for key, value in (metrics or {}).items()}
+        saved = self._manager.save(step, args=args, metrics=plain_metrics, force=force)
+        if saved:
+            self._in_flight = step
+        return saved
+
+    def wait(self) -> None:
+        """Blocks until the save in flight is committed; raises the error if it failed."""
+        self._manager.wait_until_finished()
+        self._in_flight = None
+
+    def close(self) -> None:
+        """Waits for the save in flight, then releases orbax's threads."""
+        self._manager.close()
+        self._in_flight = None
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def all_steps(self) -> list[int]:
+        """The steps of finished checkpoints, oldest first (a save in flight is not listed)."""
+        steps = sorted(self._manager.all_steps())
+        if self._in_flight is not None and self._manager.is_saving_in_progress():
+            steps = [step for step in steps if step != self._in_flight]
+        return steps
+
+    def latest_step(self) -> int | None:
+        """The newest finished checkpoint's step, or None."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def restore(self, abstract_state: Any, step: int | None = None) -> Restored:
+        """The checkpoint at ``step`` (default: the newest that can be read).
+
+        Args:
+          abstract_state: the pytree ``save`` was given, as ``jax.ShapeDtypeStruct`` leaves (or
+            arrays) whose ``.sharding`` says where each restored array goes: a ``NamedSharding``
+            on a concrete mesh (e.g. ``jax.make_mesh``, not the ``AbstractMesh`` of
+            ``jax.eval_shape``), or a single device. Dtypes may differ from the saved ones (cast).
+          step: restore this step, with no fallback.
+
+        Raises:
+          CheckpointError: no checkpoint, ``step`` missing, or none could be restored.
+          ValueError: a leaf of ``abstract_state`` without a concrete sharding.
+        """
+        target = jax.tree_util.tree_map_with_path(_abstract_leaf, abstract_state)
+        args = ocp.args.Composite(
+            state=ocp.args.StandardRestore(target),
+            data_state=ocp.args.JsonRestore(),
+            config=ocp.args.JsonRestore(),
+        )
+        step, items = self._restore(args, step)
+        return Restored(step, items.state, dict(items.data_state), dict(items.config))
+
+    def restore_config(self, step: int | None = None) -> dict[str, Any]:
+        """Only the config of checkpoint ``step`` (default: the newest readable one)."""
+        _, items = self._restore(ocp.args.Composite(config=ocp.args.JsonRestore()), step)
+        return dict(items.config)
+
+    def _restore(self, args: ocp.args.Composite, step: int | None) -> tuple[int, Any]:
+        """Restores ``args`` from ``step``, or from the newest checkpoint that can be read."""
+        steps = self.all_steps()
+        if not steps:
+            raise CheckpointError(f"no finished checkpoint in {self.directory}")
+        if step is not None:
+            if step not in steps:
+                raise CheckpointError(
+                    f"no checkpoint for step {step} in {self.directory} (it has steps {steps})"
+                )
+            try:
+                return step, self._manager.restore(step, args=args)
+            except Exception as error:
+                raise CheckpointError(
+                    f"checkpoint step {step} in {self.directory} cannot be restored: "
+                    f"{type(error).__name__}: {error}"
+                ) from error
+        unreadable = []
+        for candidate in reversed(steps):
+            try:
+                items = self._manager.restore(candidate, args=args)
+            except Exception as error:  # orbax and TensorStore raise many types
+                logger.warning(
+                    "checkpoint step %d in %s cannot be restored, trying the previous one: %s: %s",
+                    candidate, self.directory, type(error).__name__, error,
+                )  # fmt: skip
+                unreadable.append((candidate, error))
+                continue
+            self._set_aside([bad for bad, _ in unreadable])
+            return candidate, items
+        newest, error = unreadable[0]
+        raise CheckpointError(
+            f"none of the checkpoints in {self.directory} (steps {steps}) can be restored; "
+            f"the newest, step {newest}, failed with {type(error).__name__}: {error}"
+        ) from error
+
+    def _set_aside(self, steps: list[int]) -> None:
+        """Renames unreadable step directories to ``<step>.corrupt`` (kept for inspection, no
+        longer listed), so the run resumed from an older step can save those steps again."""
+        if not steps:
+            return
+        if jax.process_index() == 0:
+            for step in steps:
+                path = self.directory / str(step)
+                aside = path.with_name(f"{step}.corrupt")
+                suffix = 1
+                while aside.exists():
+                    aside, suffix = path.with_name(f"{step}.corrupt-{suffix}"), suffix + 1
+                path.rename(aside)
+                logger.warning("moved unreadable checkpoint %s to %s", path, aside)
+        self._manager.reload()
+
+
+def _json_dict(name: str, value: Mapping[str, Any]) -> dict[str, Any]:
+    """``value`` as a dict that JSON stores exactly (no tuples, no non-string keys)."""
+    value = dict(value)
+    try:
+        exact = json.loads(json.dumps(value)) == value
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"checkpoint {name} must be JSON-serializable: {error}") from None
+    if not exact:
+        raise TypeError(
+            f"checkpoint {name} does not survive JSON unchanged (tuples become lists, keys "
+            f"become strings): {value!r}"
+        )
+    return value
+
+
+def _eval_loss(metrics: Mapping[str, Any]) -> float:
+    """The ranking of a checkpoint's metrics: its eval loss, +inf when missing or NaN."""
+    loss = metrics.get(BEST_METRIC) if isinstance(metrics, Mapping) else None
+    return math.inf if loss is None or math.isnan(loss) else float(loss)
+
+
+def _abstract_leaf(path, leaf) -> jax.ShapeDtypeStruct:
+    """A leaf of a restore target, checked to carry a sharding on real devices."""
+    where = f"abstract_state{jax.tree_util.keystr(path)}"
+    if isinstance(leaf, jax.Array):
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
+    if not isinstance(leaf, jax.ShapeDtypeStruct):
+        raise ValueError(f"{where} must be a jax.ShapeDtypeStruct or jax.Array, got {leaf!r}")
+    sharding = leaf.sharding
+    if sharding is None:
+        raise ValueError(
+            f"{where} has no sharding; give it the sharding to restore onto "
+            "(restoring never falls back to the device layout the checkpoint was saved from)"
+        )
+    if isinstance(sharding, jax.sharding.NamedSharding) and isinstance(
+        sharding.mesh, jax.sharding.AbstractMesh
+    ):
+        raise ValueError(
+            f"{where} is sharded over an AbstractMesh (as jax.eval_shape returns); use a "
+            f"NamedSharding on a concrete mesh, e.g. jax.make_mesh(...), spec {sharding.spec}"
+        )
+    return leaf
