@@ -1,5 +1,8 @@
 """The training configuration: YAML, dotted overrides, types, unknown keys, diffs."""
 
+import dataclasses
+import pathlib
+
 import pytest
 
 from flaxformer_lite.models import ModelConfig
@@ -21,14 +24,28 @@ def test_defaults_and_typed_overrides():
         ["train.steps=200", "model.num_heads=2", "optimizer.lr=1e-3", "run_dir=runs/x",
          "optimizer.clip_norm=none", "model.scan_layers=true", "mesh.data=2", "seed=7"],
     )  # fmt: skip
-    assert cfg == TrainConfig(
-        run_dir="runs/x", seed=7, model=ModelConfig.from_preset("gpt2-tiny", num_heads=2,
-                                                                 scan_layers=True),
-        optimizer=TrainConfig().optimizer.__class__(lr=1e-3, clip_norm=None),
-        train=TrainConfig().train.__class__(steps=200),
-        mesh=TrainConfig().mesh.__class__(data=2),
+    default = TrainConfig()
+    assert cfg == dataclasses.replace(
+        default, run_dir="runs/x", seed=7,
+        model=ModelConfig.from_preset("gpt2-tiny", num_heads=2, scan_layers=True),
+        optimizer=dataclasses.replace(default.optimizer, lr=1e-3, clip_norm=None),
+        train=dataclasses.replace(default.train, steps=200),
+        mesh=dataclasses.replace(default.mesh, data=2),
     )  # fmt: skip
     assert isinstance(cfg.optimizer.lr, float) and isinstance(cfg.run_dir, str)
+
+
+def test_the_embedded_default_is_configs_default_yaml():
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    assert load_config(repo / "configs" / "default.yaml") == TrainConfig()
+
+
+@pytest.mark.parametrize("name", ["default", "transformer_tiny", "transformer_base", "gpt2_small",
+                                  "bert_base", "bert_tiny", "llama_style"])  # fmt: skip
+def test_every_preset_file_loads(name):
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    cfg = load_config(repo / "configs" / f"{name}.yaml")
+    assert cfg.run_dir == f"runs/{name}"
 
 
 def test_yaml_file_with_a_model_preset_and_overrides_on_top(tmp_path):
@@ -112,7 +129,7 @@ def test_diff_and_runtime_keys():
     new = load_config(None, ["train.steps=5000", "mesh.data=2", "model.num_heads=2"])
     diff = config_diff(old, new)
     assert diff == {
-        "mesh.data": (-1, 2), "model.num_heads": (4, 2), "train.steps": (1000, 5000)
+        "mesh.data": (-1, 2), "model.num_heads": (4, 2), "train.steps": (1500, 5000)
     }  # fmt: skip
     assert [key for key in diff if not is_runtime_key(key)] == ["model.num_heads"]
     assert is_runtime_key("checkpoint.every") and is_runtime_key("run_dir")

@@ -1,1 +1,2 @@
-"""Data: tokenizers and built-in synthetic tasks, plain Python (no JAX), deterministic by seed."""
+"""Data: tokenizers, sources (text, JSONL, parallel files), built-in synthetic tasks and the
+Grain pipelines that turn them into deterministic, resumable, per-process batches."""

@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from flaxformer_lite.data.pipeline import DataConfig
 from flaxformer_lite.models.config import PRESETS, ModelConfig
 from flaxformer_lite.train.optim import OptimizerConfig
 
@@ -29,18 +30,29 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class LoopConfig:
-    """The training loop. ``steps`` counts optimizer steps; ``batch_size`` is global."""
+    """The training loop. ``steps`` counts optimizer steps; ``batch_size`` is global (split into
+    ``grad_accum_steps`` microbatches). A step with a non-finite loss or gradient stops the run,
+    or is skipped with ``skip_nonfinite``."""
 
-    steps: int = 1000
+    steps: int = 1500
     batch_size: int = 32
-    log_every: int = 10
-    eval_every: int = 200
+    grad_accum_steps: int = 1
+    log_every: int = 50
+    eval_every: int = 250
     eval_batches: int = 4
     label_smoothing: float = 0.0
     z_loss: float = 0.0
+    skip_nonfinite: bool = False
 
     def __post_init__(self):
-        for name in ("steps", "batch_size", "log_every", "eval_every", "eval_batches"):
+        if self.batch_size % max(self.grad_accum_steps, 1):
+            raise ConfigError(
+                f"train.batch_size ({self.batch_size}) must be a multiple of "
+                f"train.grad_accum_steps ({self.grad_accum_steps})"
+            )
+        names = ("steps", "batch_size", "grad_accum_steps", "log_every", "eval_every",
+                 "eval_batches")  # fmt: skip
+        for name in names:
             _check_positive(f"train.{name}", getattr(self, name))
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ConfigError(
@@ -81,14 +93,23 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Everything a run needs. ``run_dir`` holds its config, metrics and checkpoints."""
+    """Everything a run needs. ``run_dir`` holds its config, metrics and checkpoints.
+
+    The defaults are the embedded default run (``configs/default.yaml`` spells them out): a
+    GPT-2-style decoder of 0.1M parameters learning arithmetic on a CPU in a few minutes.
+    """
 
     run_dir: str = "runs/default"
     seed: int = 0
     model: ModelConfig = dataclasses.field(
         default_factory=lambda: ModelConfig.from_preset("gpt2-tiny")
     )
-    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    data: DataConfig = dataclasses.field(
+        default_factory=lambda: DataConfig(seq_len=64, packing=True)
+    )
+    optimizer: OptimizerConfig = dataclasses.field(
+        default_factory=lambda: OptimizerConfig(lr=3e-3, weight_decay=0.01)
+    )
     train: LoopConfig = dataclasses.field(default_factory=LoopConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)

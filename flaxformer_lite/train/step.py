@@ -42,7 +42,8 @@ def model_loss(model, batch: dict, *, task: str, label_smoothing: float = 0.0,
         ``targets`` (target + ``<eos>``), ``weights`` ``[B, T]``.
       ``mlm``: ``inputs`` (with masked tokens), ``targets``, ``weights`` (1 where masked), bool
         ``mask`` ``[B, T]`` (False at padding).
-      ``classify``: ``inputs``, bool ``mask`` ``[B, T]``, ``labels`` ``[B]``.
+      ``classify``: ``inputs``, bool ``mask`` ``[B, T]``, ``labels`` ``[B]``; optional
+        ``weights`` ``[B]`` (0 for the padding rows of a last eval batch).
     """
     if task == "lm":
         logits = model(batch["inputs"], positions=batch.get("positions"),
@@ -53,8 +54,8 @@ def model_loss(model, batch: dict, *, task: str, label_smoothing: float = 0.0,
         logits = model(batch["inputs"], mask=batch["mask"])
     elif task == "classify":
         logits = model.classify(batch["inputs"], mask=batch["mask"])
-        return ops.cross_entropy(logits, batch["labels"], label_smoothing=label_smoothing,
-                                 z_loss=z_loss)  # fmt: skip
+        return ops.cross_entropy(logits, batch["labels"], weights=batch.get("weights"),
+                                 label_smoothing=label_smoothing, z_loss=z_loss)  # fmt: skip
     else:
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
     return ops.cross_entropy(logits, batch["targets"], weights=batch["weights"],
@@ -82,7 +83,8 @@ def make_train_step(graphdef, *, task: str, label_smoothing: float = 0.0, z_loss
             grads_sum, rest, totals = carry
 
             def token_sum(params):
-                micro_model = nnx.merge(model_def, params, rest)
+                # Fresh Variables: those of `rest` belong to the scan's trace, not grad's.
+                micro_model = nnx.merge(model_def, params, rest, copy=True)
                 loss, metrics = model_loss(micro_model, micro, **loss_kwargs)
                 count = metrics["num_tokens"]
                 return loss * count, (metrics, nnx.state(micro_model, nnx.Not(nnx.Param)))

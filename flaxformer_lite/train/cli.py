@@ -1,0 +1,99 @@
+"""The command line: ``python train.py``, ``flaxformer-lite train|plot`` and
+``python -m flaxformer_lite.train``.
+
+    python train.py                                   # the embedded default
+    python train.py --config configs/gpt2_small.yaml train.steps=200 optimizer.lr=3e-4
+    flaxformer-lite plot runs/default
+
+Errors the user can fix (config, data, files) print one line and exit with status 2; a run
+stopped by a non-finite step exits 1; SIGTERM/SIGINT save a checkpoint and exit 128 + signal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+from flaxformer_lite.train.config import ConfigError, load_config
+
+USER_ERRORS = (ConfigError, ValueError, FileNotFoundError, NotADirectoryError)
+
+
+def train_main(argv: list[str] | None = None) -> int:
+    """``train.py``: train (or resume) the configured run."""
+    parser = argparse.ArgumentParser(
+        prog="train.py", description="Train a flaxformer_lite model; re-running resumes."
+    )
+    _add_train_arguments(parser)
+    return _train(parser.parse_intermixed_args(argv))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``flaxformer-lite``: the ``train`` (as ``train.py``) and ``plot`` subcommands."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="flaxformer-lite")
+    parser.add_argument("command", choices=("train", "plot"))
+    if argv[:1] == ["train"]:
+        return train_main(argv[1:])
+    if argv[:1] == ["plot"]:
+        plot = argparse.ArgumentParser(
+            prog="flaxformer-lite plot", description="write the loss and learning-rate plots"
+        )
+        plot.add_argument("run_dir", type=pathlib.Path)
+        run_dir = plot.parse_args(argv[1:]).run_dir
+        return _guarded(lambda: _plot(run_dir))
+    parser.parse_args(argv[:1])  # prints the usage (and exits 2) for anything else
+    return 2
+
+
+def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=pathlib.Path, help="a YAML preset (see configs/)")
+    parser.add_argument("--fresh", action="store_true",
+                        help="move an existing run directory aside and start over")  # fmt: skip
+    parser.add_argument("--force", action="store_true",
+                        help="resume even if the model/optimizer/data config changed")  # fmt: skip
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="dotted overrides, e.g. train.steps=200")  # fmt: skip
+
+
+def _train(args) -> int:
+    from flaxformer_lite.train.loop import Interrupted, TrainingError, run
+
+    def train():
+        cfg = load_config(args.config, args.overrides)
+        last = run(cfg, fresh=args.fresh, force=args.force, progress=not args.no_progress,
+                   log=_say)  # fmt: skip
+        summary = ", ".join(f"{k} {v:.4g}" for k, v in last.items() if v is not None)
+        _say(f"done: {cfg.run_dir} ({summary})")
+        return 0
+
+    try:
+        return _guarded(train)
+    except TrainingError as error:
+        _say(f"error: {error}", stream=sys.stderr)
+        return 1
+    except Interrupted as error:
+        _say(str(error), stream=sys.stderr)
+        return 128 + error.signum
+
+
+def _plot(run_dir: pathlib.Path) -> int:
+    from flaxformer_lite.train.metrics import plot_run
+
+    for path in plot_run(run_dir):
+        _say(f"wrote {path}")
+    return 0
+
+
+def _guarded(fn) -> int:
+    try:
+        return fn()
+    except USER_ERRORS as error:
+        _say(f"error: {error}", stream=sys.stderr)
+        return 2
+
+
+def _say(message: str, stream=None) -> None:
+    print(message, file=stream or sys.stdout, flush=True)

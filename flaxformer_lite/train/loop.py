@@ -1,0 +1,275 @@
+"""A training run, start to finish: resolve the config, build data, model and optimizer, resume
+from the newest checkpoint, run the jitted steps, log, evaluate, checkpoint, and stop cleanly on
+SIGTERM/SIGINT or on a non-finite step.
+
+Nothing here parses command lines; :mod:`flaxformer_lite.train.cli` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import pathlib
+import shutil
+import signal
+import time
+
+import jax
+import jax.numpy as jnp
+import yaml
+from flax import nnx
+
+from flaxformer_lite.data.pipeline import build_data
+from flaxformer_lite.models import build_model, training_flops_per_token
+from flaxformer_lite.train.checkpoint import Checkpointer
+from flaxformer_lite.train.config import (
+    ConfigError,
+    TrainConfig,
+    config_diff,
+    config_from_dict,
+    is_runtime_key,
+)
+from flaxformer_lite.train.metrics import MetricsWriter, plot_run
+from flaxformer_lite.train.optim import make_optimizer
+from flaxformer_lite.train.step import make_eval_step, make_train_step, task_of
+
+# Dense peak FLOP/s per chip for bf16 matmuls, by jax's device_kind; other devices: n/a.
+PEAK_FLOPS = {
+    "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H200": 989e12, "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-SXM4-40GB": 312e12, "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5": 459e12,
+    "TPU v6 lite": 918e12,
+}  # fmt: skip
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (a non-finite step, a changed config); the message says why."""
+
+
+class Interrupted(RuntimeError):  # noqa: N818 - raised on a signal, not an error of the run
+    """SIGTERM or SIGINT arrived: a checkpoint was written and the run stopped."""
+
+    def __init__(self, signum: int, step: int):
+        super().__init__(f"{signal.Signals(signum).name} at step {step}: checkpoint saved")
+        self.signum, self.step = signum, step
+
+
+def run(cfg: TrainConfig, *, fresh: bool = False, force: bool = False, progress: bool = True,
+        log=print) -> dict[str, float]:  # fmt: skip
+    """Trains ``cfg`` in ``cfg.run_dir``, resuming from its newest checkpoint; returns the last
+    logged metrics.
+
+    Args:
+      cfg: the run's configuration.
+      fresh: move an existing run directory aside (to ``<run_dir>.old<N>``) and start over.
+      force: resume even if the model, optimizer or data config changed.
+      progress: show a progress bar.
+      log: where one-line messages go.
+
+    Raises:
+      ConfigError: a changed config on resume (without ``force``), bad data or settings.
+      TrainingError: a non-finite loss or gradient (the last good checkpoint is kept).
+      Interrupted: SIGTERM / SIGINT (after the checkpoint is written).
+    """
+    run_dir = pathlib.Path(cfg.run_dir)
+    if fresh and run_dir.exists():
+        log(f"--fresh: moved the previous run to {_move_aside(run_dir)}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    task = task_of(cfg.model)
+    data = build_data(cfg.data, task=task, seed=cfg.seed, batch_size=cfg.train.batch_size,
+                      directory=run_dir / "tokenizer", process_index=jax.process_index(),
+                      process_count=jax.process_count())  # fmt: skip
+    if cfg.model.vocab_size != data.vocab_size:
+        log(f"model.vocab_size set to the tokenizer's {data.vocab_size}")
+        cfg = dataclasses.replace(cfg, model=cfg.model.replace(vocab_size=data.vocab_size))
+
+    checkpointer = Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep,
+                                every=cfg.checkpoint.every)  # fmt: skip
+    with contextlib.closing(checkpointer):
+        if checkpointer.latest_step() is not None:
+            _check_resumable(config_from_dict(checkpointer.restore_config()), cfg, force, log)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        return _train(cfg, data, task, checkpointer, run_dir, progress, log)
+
+
+def _train(cfg, data, task, checkpointer, run_dir, progress, log):
+    model = build_model(cfg.model, rngs=nnx.Rngs(params=cfg.seed, dropout=cfg.seed + 1))
+    tx, schedule = make_optimizer(cfg.optimizer, total_steps=cfg.train.steps,
+                                  d_model=cfg.model.d_model)  # fmt: skip
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    model.eval()
+    eval_graphdef, _ = nnx.split((model, optimizer))
+    model.train()
+    graphdef, state = nnx.split((model, optimizer))
+    step = 0
+    if checkpointer.latest_step() is not None:
+        restored = checkpointer.restore(_abstract(to_savable(state)))
+        state = from_savable(restored.state, state)
+        data.train.set_state(restored.data_state)
+        step = restored.step
+        log(f"resumed from step {step} of {checkpointer.directory}")
+
+    train_step = make_train_step(
+        graphdef, task=task, label_smoothing=cfg.train.label_smoothing, z_loss=cfg.train.z_loss,
+        grad_accum_steps=cfg.train.grad_accum_steps,
+    )  # fmt: skip
+    eval_step = make_eval_step(eval_graphdef, task=task)
+    tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
+    flops_per_token = training_flops_per_token(cfg.model, cfg.data.seq_len)
+    peak = _peak_flops()
+    writer = MetricsWriter(run_dir, resume_step=step)
+    bar = _progress_bar(cfg.train.steps, step, progress)
+    last: dict[str, float] = {}
+    window_start, window_steps = None, 0
+    with _stop_on_signals() as stop, contextlib.closing(writer), contextlib.closing(bar):
+        while step < cfg.train.steps:
+            batch = next(data.train)
+            started = time.perf_counter()
+            state, metrics = train_step(state, batch)
+            step += 1
+            if not bool(metrics["finite"]):
+                message = (f"step {step}: the loss or a gradient is not finite (loss "
+                           f"{float(metrics['loss'])}); the update was skipped")  # fmt: skip
+                if not cfg.train.skip_nonfinite:
+                    raise TrainingError(f"{message} and the run stopped; last good checkpoint: "
+                                        f"step {checkpointer.latest_step()}")  # fmt: skip
+                log(message)
+            if window_start is None:  # the first step compiled: time the steady state after it
+                log(f"compiled the train step in {time.perf_counter() - started:.1f} s")
+                window_start, window_steps = time.perf_counter(), 0
+            else:
+                window_steps += 1
+            bar.update(1)
+            values = {}
+            if step % cfg.train.log_every == 0 or step == cfg.train.steps:
+                elapsed = time.perf_counter() - window_start
+                tokens_per_sec = window_steps * tokens_per_step / elapsed if window_steps else None
+                values = {k: float(metrics[k]) for k in ("loss", "accuracy", "grad_norm")}
+                values["learning_rate"] = float(schedule(step - 1))
+                values["tokens_per_sec"] = tokens_per_sec
+                values["mfu"] = (flops_per_token * tokens_per_sec / peak
+                                 if peak and tokens_per_sec else None)  # fmt: skip
+                window_start, window_steps = time.perf_counter(), 0
+            if step % cfg.train.eval_every == 0 or step == cfg.train.steps:
+                values |= evaluate(eval_step, state, data.eval_batches(), cfg.train.eval_batches)
+            if values:
+                writer.write(step, values)
+                last = values
+                bar.set_postfix({k: f"{v:.4g}" for k, v in values.items() if v is not None})
+            checkpointer.save(
+                step, to_savable(state), data_state=data.train.get_state(), config=cfg.to_dict(),
+                metrics={"eval_loss": values["eval_loss"]} if "eval_loss" in values else None,
+                force=step == cfg.train.steps or stop.signum is not None,
+            )  # fmt: skip
+            if stop.signum is not None:
+                checkpointer.wait()
+                raise Interrupted(stop.signum, step)
+        checkpointer.wait()
+    plot_run(run_dir)
+    return last
+
+
+def evaluate(eval_step, state, batches, max_batches: int) -> dict[str, float]:
+    """Token-weighted ``eval_loss`` and ``eval_accuracy`` over at most ``max_batches``."""
+    totals = {"loss": 0.0, "accuracy": 0.0, "num_tokens": 0.0}
+    for _, batch in zip(range(max_batches), batches, strict=False):
+        metrics = eval_step(state, batch)
+        count = float(metrics["num_tokens"])
+        totals["num_tokens"] += count
+        for key in ("loss", "accuracy"):
+            totals[key] += float(metrics[key]) * count
+    count = max(totals["num_tokens"], 1e-8)
+    return {"eval_loss": totals["loss"] / count, "eval_accuracy": totals["accuracy"] / count}
+
+
+def to_savable(state) -> dict:
+    """The split state as a nested dict of plain arrays (typed PRNG keys as their key data)."""
+    return jax.tree.map(
+        lambda x: jax.random.key_data(x) if _is_key(x) else x, nnx.to_pure_dict(state)
+    )
+
+
+def from_savable(saved: dict, like):
+    """The inverse of :func:`to_savable`, written into the state ``like``."""
+    pure = jax.tree.map(
+        lambda s, x: jax.random.wrap_key_data(s, impl=jax.random.key_impl(x)) if _is_key(x) else s,
+        saved, nnx.to_pure_dict(like),
+    )  # fmt: skip
+    nnx.replace_by_pure_dict(like, pure)
+    return like
+
+
+def _is_key(x) -> bool:
+    return jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def _check_resumable(saved: TrainConfig, cfg: TrainConfig, force: bool, log) -> None:
+    diff = config_diff(saved, cfg)
+    changed = {k: v for k, v in diff.items() if not is_runtime_key(k)}
+    lines = [f"  {key}: {old!r} -> {new!r}" for key, (old, new) in changed.items()]
+    if changed and not force:
+        raise ConfigError("the config differs from the checkpoint's; pass --force to resume "
+                          "anyway or --fresh to start over:\n" + "\n".join(lines))  # fmt: skip
+    if changed:
+        log("resuming with a changed config (--force):\n" + "\n".join(lines))
+
+
+def _move_aside(run_dir: pathlib.Path) -> pathlib.Path:
+    number = 1
+    while (target := run_dir.with_name(f"{run_dir.name}.old{number}")).exists():
+        number += 1
+    shutil.move(run_dir, target)
+    return target
+
+
+def _peak_flops() -> float | None:
+    """Peak FLOP/s of the devices: from the table for accelerators; on CPU, a float32 matmul
+    measured now (on one device: simulated CPU devices share the same cores)."""
+    devices = jax.devices()
+    if devices[0].platform != "cpu":
+        peak = PEAK_FLOPS.get(devices[0].device_kind)
+        return peak * len(devices) if peak else None
+    n = 1024
+    a = jnp.ones((n, n), jnp.float32)
+    matmul = jax.jit(lambda a: a @ a)
+    matmul(a).block_until_ready()
+    best = min(_timed(matmul, a) for _ in range(3))
+    return 2 * n**3 / best
+
+
+def _timed(fn, *args) -> float:
+    started = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - started
+
+
+def _progress_bar(total: int, initial: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True)
+
+
+class _StopFlag:
+    signum: int | None = None
+
+
+@contextlib.contextmanager
+def _stop_on_signals():
+    """Turns SIGTERM / SIGINT into a flag the loop checks after each step."""
+    flag = _StopFlag()
+
+    def handler(signum, _frame):
+        flag.signum = signum
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield flag
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+__all__ = ["Interrupted", "TrainingError", "evaluate", "from_savable", "run", "to_savable"]

@@ -1,0 +1,89 @@
+"""A run's metrics: one JSON object per logged step in ``metrics.jsonl``, the same scalars as
+TensorBoard events, and PNG plots of the loss and learning-rate curves."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+from collections.abc import Mapping
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class MetricsWriter:
+    """Appends metrics to ``run_dir/metrics.jsonl`` and TensorBoard events in ``run_dir/tb``.
+
+    A resumed run appends; lines of steps after the resumed step (written by the interrupted run
+    after its last checkpoint) are dropped first, so the file reads as one uninterrupted run.
+    """
+
+    def __init__(self, run_dir: pathlib.Path, *, resume_step: int = 0):
+        from tensorboardX import SummaryWriter  # heavy import, only when a run starts
+
+        self.path = run_dir / METRICS_FILE
+        if self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= resume_step]  # fmt: skip
+            self.path.write_text("".join(line + "\n" for line in kept))
+        self._file = self.path.open("a")
+        self._tensorboard = SummaryWriter(str(run_dir / "tb"), purge_step=resume_step + 1)
+
+    def write(self, step: int, values: Mapping[str, float]) -> None:
+        record = {"step": step, **{k: _plain(v) for k, v in values.items()}}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        for key, value in record.items():
+            if key != "step" and isinstance(value, int | float):
+                self._tensorboard.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self._file.close()
+        self._tensorboard.close()
+
+
+def _plain(value):
+    value = float(value) if not isinstance(value, int | str) else value
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def read_metrics(run_dir: pathlib.Path) -> list[dict]:
+    """The records of ``run_dir/metrics.jsonl``.
+
+    Raises:
+      FileNotFoundError: the run directory has no metrics file.
+    """
+    path = pathlib.Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no metrics file (is {run_dir} a run directory?)")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_run(run_dir: pathlib.Path) -> list[pathlib.Path]:
+    """Writes ``plots/loss.png`` (train and eval loss) and ``plots/learning_rate.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    records = read_metrics(run_dir)
+    plots = pathlib.Path(run_dir) / "plots"
+    plots.mkdir(exist_ok=True)
+    written = []
+    for name, keys in (("loss", ("loss", "eval_loss")), ("learning_rate", ("learning_rate",))):
+        figure, axes = plt.subplots(figsize=(6, 4))
+        for key in keys:
+            points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+            if points:
+                axes.plot(*zip(*points, strict=True), label=key)
+        axes.set_xlabel("step")
+        axes.set_ylabel(name.replace("_", " "))
+        if name == "loss":
+            axes.set_yscale("log")
+        axes.legend()
+        figure.tight_layout()
+        path = plots / f"{name}.png"
+        figure.savefig(path, dpi=100)
+        plt.close(figure)
+        written.append(path)
+    return written

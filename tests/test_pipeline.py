@@ -1,0 +1,398 @@
+"""Data sources and Grain pipelines: records, batch formats, packing, sharding and resumption."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from flaxformer_lite.data import synthetic
+from flaxformer_lite.data.pipeline import MASK_ID, DataConfig, build_data
+from flaxformer_lite.data.sources import jsonl_records, parallel_records, text_records
+from flaxformer_lite.data.tokenizers import EOS_ID, SOS_ID, UNK_ID, ByteTokenizer
+
+# 30 distinct lines of 10 to 18 bytes; validation_fraction=0.1 leaves 27 for training.
+BYTES = ByteTokenizer()
+LINES = [f"sentence {i} " + "xyz"[i % 3] * (i % 7) for i in range(30)]
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text("\n".join(LINES) + "\n")
+    return path
+
+
+def text_cfg(path, **kwargs):
+    return DataConfig(source="text", path=str(path), **kwargs)
+
+
+def build(cfg, tmp_path, *, task="lm", seed=0, batch_size=4, directory=None, **kwargs):
+    directory = directory or tmp_path / "tokenizer"
+    return build_data(
+        cfg, task=task, seed=seed, batch_size=batch_size, directory=directory, **kwargs
+    )
+
+
+def take(iterator, count):
+    return [next(iterator) for _ in range(count)]
+
+
+def assert_batches_equal(left, right):
+    assert len(left) == len(right)
+    for a, b in zip(left, right, strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+def lm_row_text(tokenizer, inputs, targets, weights):
+    """Checks one unpacked lm row (shift, <sos>/<eos>, padding) and returns its text."""
+    n = int(weights.sum())
+    assert weights[:n].all() and not weights[n:].any()
+    assert inputs[0] == SOS_ID and targets[n - 1] == EOS_ID
+    np.testing.assert_array_equal(inputs[1:n], targets[: n - 1])
+    assert not inputs[n:].any() and not targets[n:].any()
+    return tokenizer.decode(inputs[:n])
+
+
+def lm_texts(tokenizer, batch):
+    rows = zip(batch["inputs"], batch["targets"], batch["weights"], strict=True)
+    return [lm_row_text(tokenizer, *row) for row in rows if row[2].any()]
+
+
+# --- sources ---------------------------------------------------------------------------------
+
+
+def test_text_records_read_a_glob_in_sorted_order_one_record_per_line(tmp_path):
+    (tmp_path / "b.txt").write_text("third\n")
+    (tmp_path / "a.txt").write_bytes(b"first line\r\n   \n\nsecond  \n")
+    (tmp_path / "notes.md").write_text("not matched\n")
+    records = text_records(str(tmp_path / "*.txt"))
+    assert records == [{"text": "first line"}, {"text": "second  "}, {"text": "third"}]
+
+
+def test_jsonl_records_take_the_named_field(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"body": "one", "id": 1}\n\n{"body": "two"}\n')
+    assert jsonl_records(str(path), "body") == [{"text": "one"}, {"text": "two"}]
+
+
+def test_parallel_records_from_tsv_and_from_two_files(tmp_path):
+    tsv = tmp_path / "pairs.tsv"
+    tsv.write_text("hallo\thello\nwelt\tworld\n")
+    src, tgt = tmp_path / "train.de", tmp_path / "train.en"
+    src.write_text("hallo\nwelt\n")
+    tgt.write_text("hello\nworld\n")
+    expected = [{"source": "hallo", "target": "hello"}, {"source": "welt", "target": "world"}]
+    assert parallel_records(str(tsv)) == expected
+    assert parallel_records(f"{src},{tgt}") == expected
+
+
+@pytest.mark.parametrize(
+    "name, content, read, error, reason",
+    [
+        ("missing.txt", None, text_records, FileNotFoundError, "file not found"),
+        ("empty.txt", b" \n\n", text_records, ValueError, "empty file"),
+        ("latin1.txt", b"ok\ncaf\xe9\n", text_records, ValueError, "not valid UTF-8 at line 2"),
+        (
+            "rows.jsonl",
+            b'{"text": "a"}\n{"txt": "b"}\n',
+            jsonl_records,
+            ValueError,
+            r"rows.jsonl:2: no field 'text'",
+        ),
+        ("bad.jsonl", b'{"text": "a"\n', jsonl_records, ValueError, "bad.jsonl:1: not valid JSON"),
+        (
+            "pairs.tsv",
+            b"a\tb\nno tab\n",
+            parallel_records,
+            ValueError,
+            "pairs.tsv:2: expected source<TAB>target",
+        ),
+    ],
+)
+def test_bad_files_raise_errors_naming_the_file_and_reason(
+    tmp_path, name, content, read, error, reason
+):
+    path = tmp_path / name
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(error, match=reason) as info:
+        read(str(path))
+    assert str(path) in str(info.value)
+
+
+def test_a_glob_without_matches_and_misaligned_parallel_files_are_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no file matches"):
+        text_records(str(tmp_path / "*.txt"))
+    src, tgt = tmp_path / "src.txt", tmp_path / "tgt.txt"
+    src.write_text("a\nb\nc\n")
+    tgt.write_text("x\ny\n")
+    with pytest.raises(ValueError, match="has 3 lines but .* has 2") as info:
+        parallel_records(f"{src},{tgt}")
+    assert str(src) in str(info.value) and str(tgt) in str(info.value)
+
+
+# --- configuration and task checks ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, key",
+    [
+        ({"source": "csv"}, "data.source"),
+        ({"task": "chess"}, "data.task"),
+        ({"source": "text"}, "data.path"),
+        ({"tokenizer": "bpe"}, "data.vocab_size"),
+        ({"tokenizer": "bpe", "vocab_size": 100}, "data.vocab_size"),
+        ({"tokenizer": "sentencepiece"}, "data.tokenizer_path"),
+        ({"seq_len": 2}, "data.seq_len"),
+        ({"validation_fraction": 1.0}, "data.validation_fraction"),
+        ({"mlm_probability": 0.0}, "data.mlm_probability"),
+        ({"train_size": 0}, "data.train_size"),
+    ],
+)
+def test_config_rejects_bad_values_naming_the_key(kwargs, key):
+    with pytest.raises(ValueError, match=key):
+        DataConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "cfg, task, batch_size, match",
+    [
+        (DataConfig(source="parallel", path="x.tsv"), "lm", 4, "task 'lm' cannot train on"),
+        (DataConfig(source="text", path="x.txt"), "classify", 4, "labelled text"),
+        (DataConfig(task="arithmetic"), "seq2seq", 4, "source/target pairs"),
+        (DataConfig(task="sentiment", packing=True), "mlm", 4, "'lm' only"),
+        (DataConfig(), "lm", 3, "positive multiple of the process count 2"),
+        (DataConfig(), "translate", 4, "task must be one of"),
+    ],
+)
+def test_build_rejects_data_that_does_not_fit(tmp_path, cfg, task, batch_size, match):
+    with pytest.raises(ValueError, match=match):
+        build(cfg, tmp_path, task=task, batch_size=batch_size, process_count=2)
+
+
+def test_build_names_a_missing_data_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere.txt: file not found"):
+        build(text_cfg(tmp_path / "nowhere.txt"), tmp_path)
+
+
+# --- batch formats ---------------------------------------------------------------------------
+
+
+def test_lm_batches_shift_pad_and_cover_each_epoch_in_a_new_order(corpus, tmp_path):
+    data = build(text_cfg(corpus, seq_len=24), tmp_path, batch_size=3)  # 27 examples = 9 batches
+    held_out = [r["text"] for r in data.eval_examples]
+    assert len(held_out) == 3 and set(held_out) <= set(LINES)
+    epochs = []
+    for _ in range(2):
+        texts = []
+        for batch in take(data.train, 9):
+            assert {k: (v.shape, v.dtype.name) for k, v in batch.items()} == {
+                "inputs": ((3, 24), "int32"),
+                "targets": ((3, 24), "int32"),
+                "weights": ((3, 24), "float32"),
+            }
+            texts += lm_texts(data.tokenizer, batch)
+        epochs.append(texts)
+    train_texts = sorted(set(LINES) - set(held_out))
+    assert sorted(epochs[0]) == sorted(epochs[1]) == train_texts
+    assert epochs[0] != epochs[1]
+
+
+def test_long_lm_examples_are_cut_before_the_shift(tmp_path):
+    path = tmp_path / "long.txt"
+    path.write_text("".join(f"abcdefghijklmnop{i}\n" for i in range(10)))
+    batch = next(build(text_cfg(path, seq_len=8), tmp_path).train)
+    letters = np.frombuffer(b"abcdefgh", np.uint8).astype(np.int32) + 4  # byte ids
+    np.testing.assert_array_equal(batch["inputs"][0], [SOS_ID, *letters[:7]])
+    np.testing.assert_array_equal(batch["targets"][0], letters)
+    assert batch["weights"].all()
+
+
+def test_seq2seq_batches_from_two_parallel_files(tmp_path):
+    src, tgt = tmp_path / "src.txt", tmp_path / "tgt.txt"
+    pairs = {f"quelle {i}": f"target number {i}" for i in range(20)}
+    src.write_text("\n".join(pairs) + "\n")
+    tgt.write_text("\n".join(pairs.values()) + "\n")
+    cfg = DataConfig(source="parallel", path=f"{src},{tgt}", tokenizer="word", seq_len=8)
+    data = build(cfg, tmp_path, task="seq2seq")
+    for batch in take(data.train, 5):
+        assert batch["src_mask"].dtype == bool and batch["src"].shape == (4, 8)
+        for row in range(4):
+            n = int(batch["src_mask"][row].sum())
+            np.testing.assert_array_equal(batch["src_mask"][row], batch["src"][row] != 0)
+            assert batch["src"][row, n - 1] == EOS_ID
+            source = data.tokenizer.decode(batch["src"][row])
+            target_side = (batch["inputs"][row], batch["targets"][row], batch["weights"][row])
+            assert lm_row_text(data.tokenizer, *target_side) == pairs[source]
+
+
+def test_classify_batches_carry_labels_and_pad_the_last_eval_batch(tmp_path):
+    cfg = DataConfig(task="sentiment", seq_len=160, train_size=12, eval_size=6)
+    data = build(cfg, tmp_path, task="classify")
+    assert data.labels == synthetic.LABELS
+    task = synthetic.make_task("sentiment", size=12)
+    label_of = {task[i]["text"]: task[i]["label"] for i in range(12)}
+    for batch in take(data.train, 3):
+        assert batch["labels"].dtype == np.int32 and batch["labels"].shape == (4,)
+        np.testing.assert_array_equal(batch["mask"], batch["inputs"] != 0)
+        assert (batch["inputs"][:, 0] == SOS_ID).all() and batch["weights"].all()
+        texts = [data.tokenizer.decode(row) for row in batch["inputs"]]
+        assert [label_of[t] for t in texts] == batch["labels"].tolist()
+    first, last = data.eval_batches()
+    np.testing.assert_array_equal(last["weights"], [1, 1, 0, 0])
+    assert not last["mask"][2:].any() and first["mask"].any(axis=1).all()
+
+
+def test_mlm_masks_15_percent_split_80_10_10_deterministically(tmp_path):
+    cfg = DataConfig(task="sentiment", seq_len=128, train_size=2000)
+    batches = take(build(cfg, tmp_path, task="mlm", batch_size=16).train, 20)
+    counts = {"mask": 0, "random": 0, "kept": 0}
+    for batch in batches:
+        inputs, targets, weights, mask = (
+            batch[k] for k in ("inputs", "targets", "weights", "mask")
+        )
+        np.testing.assert_array_equal(mask, targets != 0)
+        picked = weights > 0
+        np.testing.assert_array_equal(inputs[~picked], targets[~picked])
+        regular = mask.sum(axis=1) - 2  # <sos> and <eos> are never picked
+        assert not picked[:, 0].any()
+        np.testing.assert_array_equal(picked.sum(axis=1), np.maximum(1, np.round(0.15 * regular)))
+        counts["mask"] += int((inputs[picked] == MASK_ID).sum())
+        counts["kept"] += int((inputs[picked] == targets[picked]).sum())
+        counts["random"] += int(((inputs != MASK_ID) & (inputs != targets))[picked].sum())
+    total = sum(counts.values())
+    assert total > 2000
+    assert 0.76 < counts["mask"] / total < 0.84
+    assert 0.08 < counts["random"] / total < 0.12 and 0.08 < counts["kept"] / total < 0.12
+    again = take(build(cfg, tmp_path, task="mlm", batch_size=16).train, 2)
+    assert_batches_equal(again, batches[:2])
+
+
+# --- packing ---------------------------------------------------------------------------------
+
+
+def test_packed_rows_hold_whole_examples_in_stream_order(corpus, tmp_path):
+    cfg = text_cfg(corpus, seq_len=48)
+    packed = take(build(dataclasses.replace(cfg, packing=True), tmp_path).train, 3)
+    segments = []
+    for batch in packed:
+        assert batch["segment_ids"].dtype == np.int32 and batch["positions"].shape == (4, 48)
+        for inputs, targets, weights, ids, positions in zip(
+            *(batch[k] for k in ("inputs", "targets", "weights", "segment_ids", "positions")),
+            strict=True,
+        ):
+            np.testing.assert_array_equal(weights > 0, ids > 0)
+            assert not inputs[ids == 0].any() and not targets[ids == 0].any()
+            assert ids.max() >= 2  # several examples per row
+            for segment in range(1, ids.max() + 1):
+                where = ids == segment
+                np.testing.assert_array_equal(positions[where], np.arange(where.sum()))
+                text = lm_row_text(BYTES, inputs[where], targets[where], weights[where])
+                segments.append(text)
+    unpacked = take(build(cfg, tmp_path).train, 20)
+    stream = [BYTES.decode(row) for b in unpacked for row in b["inputs"]]
+    assert sorted(segments) == sorted(stream[: len(segments)])
+
+
+# --- determinism, resumption, sharding -------------------------------------------------------
+
+
+@pytest.mark.parametrize("task, packing", [("lm", False), ("lm", True), ("mlm", False)])
+def test_same_seed_same_batches_other_seed_other_batches(corpus, tmp_path, task, packing):
+    cfg = text_cfg(corpus, seq_len=48, packing=packing)
+    first = take(build(cfg, tmp_path, task=task).train, 3)
+    assert_batches_equal(take(build(cfg, tmp_path, task=task).train, 3), first)
+    other = take(build(cfg, tmp_path, task=task, seed=1).train, 3)
+    assert any((a["inputs"] != b["inputs"]).any() for a, b in zip(first, other, strict=True))
+
+
+@pytest.mark.parametrize("task, packing", [("lm", False), ("lm", True), ("mlm", False)])
+def test_resume_from_saved_state_gives_the_next_batch(corpus, tmp_path, task, packing):
+    cfg = text_cfg(corpus, seq_len=48, packing=packing)
+    expected = take(build(cfg, tmp_path, task=task).train, 10)
+    for consumed in (2, 6):  # an epoch is 27 examples: batch 7 straddles the boundary
+        interrupted = build(cfg, tmp_path, task=task)
+        take(interrupted.train, consumed)
+        state = json.loads(json.dumps(interrupted.train.get_state()))
+        resumed = build(cfg, tmp_path, task=task)
+        resumed.train.set_state(state)
+        assert_batches_equal(take(resumed.train, 3), expected[consumed : consumed + 3])
+
+
+def test_a_state_from_another_pipeline_is_refused(corpus, tmp_path):
+    packed = build(text_cfg(corpus, packing=True), tmp_path)
+    next(packed.train)
+    with pytest.raises(ValueError, match="another pipeline"):
+        build(text_cfg(corpus), tmp_path).train.set_state(packed.train.get_state())
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_process_shards_split_each_global_batch(corpus, tmp_path, packing):
+    cfg = text_cfg(corpus, seq_len=48, packing=packing, validation_fraction=0.3)
+    single = build(cfg, tmp_path)
+    shards = [build(cfg, tmp_path, process_index=i, process_count=2) for i in range(2)]
+    for whole in take(single.train, 8):
+        parts = [next(shard.train) for shard in shards]
+        assert parts[0]["inputs"].shape == (2, 48)
+        for key, value in whole.items():
+            np.testing.assert_array_equal(np.concatenate([p[key] for p in parts]), value)
+    state = single.train.get_state()
+    assert [shard.train.get_state() for shard in shards] == [state, state]
+    # The state counts global batches, so a run may resume on another number of processes.
+    resumed = build(cfg, tmp_path, process_index=1, process_count=2)
+    resumed.train.set_state(state)
+    np.testing.assert_array_equal(next(resumed.train)["inputs"], next(single.train)["inputs"][2:])
+    whole_eval = list(single.eval_batches())
+    shard_eval = [list(shard.eval_batches()) for shard in shards]
+    for whole, *parts in zip(whole_eval, *shard_eval, strict=True):
+        np.testing.assert_array_equal(np.concatenate([p["inputs"] for p in parts]), whole["inputs"])
+
+
+def test_eval_batches_cover_the_validation_split_once_in_order(corpus, tmp_path):
+    data = build(text_cfg(corpus, validation_fraction=0.3), tmp_path)  # 9 validation lines
+    batches = list(data.eval_batches())
+    assert len(batches) == 3
+    texts = [text for batch in batches for text in lm_texts(data.tokenizer, batch)]
+    assert texts == [r["text"] for r in data.eval_examples]
+    assert not batches[-1]["inputs"][1:].any() and not batches[-1]["weights"][1:].any()
+    assert_batches_equal(list(data.eval_batches()), batches)
+
+
+# --- tokenizers ------------------------------------------------------------------------------
+
+
+def test_fitted_tokenizer_is_saved_once_and_reloaded(tmp_path):
+    first_text, second_text = tmp_path / "a.txt", tmp_path / "b.txt"
+    first_text.write_text("abc\nbcd\ncab\ndab\n" * 3)
+    second_text.write_text("xyz\nzzz\n" * 5)
+    first = build(text_cfg(first_text, tokenizer="char"), tmp_path)
+    assert (tmp_path / "tokenizer" / "vocab.json").is_file()
+    second = build(text_cfg(second_text, tokenizer="char"), tmp_path)
+    assert second.tokenizer.itos == first.tokenizer.itos
+    assert second.tokenizer.encode("xyz") == [UNK_ID] * 3
+    with pytest.raises(ValueError, match="holds a saved 'char' tokenizer"):
+        build(text_cfg(first_text, tokenizer="word"), tmp_path)
+    elsewhere = tmp_path / "process_1"  # only process 0 writes the tokenizer files
+    build(
+        text_cfg(first_text, tokenizer="char"),
+        tmp_path,
+        directory=elsewhere,
+        process_count=2,
+        process_index=1,
+    )
+    assert not elsewhere.exists()
+
+
+def test_bpe_is_trained_on_jsonl_text_and_saved(tmp_path):
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"body": line}) + "\n" for line in LINES))
+    cfg = DataConfig(source="jsonl", path=str(path), field="body", tokenizer="bpe", vocab_size=300)
+    data = build(cfg, tmp_path, batch_size=3)
+    assert (tmp_path / "tokenizer" / "tokenizer.json").is_file()
+    assert 260 < data.vocab_size <= 300
+    batch = next(data.train)
+    texts = lm_texts(data.tokenizer, batch)
+    assert len(texts) == 3 and set(texts) <= set(LINES)

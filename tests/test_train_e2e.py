@@ -1,0 +1,200 @@
+"""train.py end to end on tiny configs: learning, exact resume, signals, kill -9, bad input."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from flaxformer_lite.models import build_model
+from flaxformer_lite.train.checkpoint import Checkpointer
+from flaxformer_lite.train.cli import main, train_main
+from flaxformer_lite.train.config import ConfigError, load_config
+from flaxformer_lite.train.loop import TrainingError, run, to_savable
+from flaxformer_lite.train.optim import make_optimizer
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+# A small, fast run: 8 rows of 32 tokens, no warmup surprises, quiet.
+QUICK = ["train.batch_size=8", "data.seq_len=32", "optimizer.warmup_steps=0",
+         "optimizer.schedule=constant", "train.log_every=5", "train.eval_every=10",
+         "train.eval_batches=2", "data.eval_size=16"]  # fmt: skip
+
+
+def config(run_dir, *overrides):
+    return load_config(None, [f"run_dir={run_dir}", *QUICK, *overrides])
+
+
+def records(run_dir):
+    path = pathlib.Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def losses(run_dir):
+    return {r["step"]: r["loss"] for r in records(run_dir) if "loss" in r}
+
+
+def quiet(_message):
+    pass
+
+
+def test_the_default_run_learns(tmp_path):
+    cfg = config(tmp_path / "run", "train.steps=120", "optimizer.lr=0.003")
+    last = run(cfg, progress=False, log=quiet)
+    logged = losses(tmp_path / "run")
+    assert logged[120] < 0.6 * logged[5], logged
+    evals = [r["eval_accuracy"] for r in records(tmp_path / "run") if "eval_accuracy" in r]
+    assert evals[-1] > evals[0] + 0.05, evals
+    assert last["tokens_per_sec"] > 0 and 0 < last["mfu"] < 1
+    for name in ("config.yaml", "plots/loss.png", "plots/learning_rate.png", "tb"):
+        assert (tmp_path / "run" / name).exists(), name
+    saved = load_config(tmp_path / "run" / "config.yaml")
+    assert saved.model.vocab_size == 260  # resolved from the byte tokenizer
+
+
+def test_interrupted_and_resumed_equals_uninterrupted(tmp_path):
+    straight = config(tmp_path / "straight", "train.steps=30", "checkpoint.every=10")
+    run(straight, progress=False, log=quiet)
+    first = config(tmp_path / "resumed", "train.steps=20", "checkpoint.every=10")
+    run(first, progress=False, log=quiet)
+    run(config(tmp_path / "resumed", "train.steps=30", "checkpoint.every=10"), progress=False,
+        log=quiet)  # fmt: skip
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
+
+    def final_state(run_dir):
+        """The checkpointed parameters and optimizer state, restored as the loop builds them."""
+        cfg = load_config(run_dir / "config.yaml")
+        model = build_model(cfg.model, rngs=nnx.Rngs(0))
+        tx, _ = make_optimizer(cfg.optimizer, total_steps=cfg.train.steps, d_model=64)
+        savable = to_savable(nnx.split((model, nnx.Optimizer(model, tx, wrt=nnx.Param)))[1])
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), savable
+        )
+        with Checkpointer(run_dir / "checkpoints", keep=3) as checkpointer:
+            restored = checkpointer.restore(abstract)
+        assert restored.step == 30
+        return restored.state
+
+    jax.tree.map(np.testing.assert_array_equal, final_state(tmp_path / "resumed"),
+                 final_state(tmp_path / "straight"))  # fmt: skip
+    evals = [[r.get("eval_loss") for r in records(tmp_path / name) if "eval_loss" in r]
+             for name in ("straight", "resumed")]  # fmt: skip
+    assert evals[0] == evals[1]
+
+
+def test_changed_config_is_refused_unless_forced_and_fresh_moves_the_run_aside(tmp_path):
+    run_dir = tmp_path / "run"
+    run(config(run_dir, "train.steps=10"), progress=False, log=quiet)
+    with pytest.raises(ConfigError, match="model.num_heads: 4 -> 2"):
+        run(config(run_dir, "train.steps=12", "model.num_heads=2"), progress=False, log=quiet)
+    messages = []
+    run(config(run_dir, "train.steps=12", "optimizer.lr=0.002"), force=True, progress=False,
+        log=messages.append)  # fmt: skip
+    assert any("optimizer.lr" in m for m in messages)
+    run(config(run_dir, "train.steps=5", "model.num_heads=2"), fresh=True, progress=False,
+        log=quiet)  # fmt: skip
+    assert (tmp_path / "run.old1" / "checkpoints").exists()
+    assert max(losses(run_dir)) == 5
+
+
+def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = config(run_dir, "train.steps=40", "checkpoint.every=1", "optimizer.lr=1e30",
+                 "optimizer.clip_norm=none")  # fmt: skip
+    with pytest.raises(TrainingError, match="not finite.*last good checkpoint: step"):
+        run(cfg, progress=False, log=quiet)
+    with Checkpointer(run_dir / "checkpoints", keep=3) as checkpointer:
+        assert checkpointer.latest_step() is not None
+    skipping = config(tmp_path / "skip", "train.steps=6", "optimizer.lr=1e30",
+                      "optimizer.clip_norm=none", "train.skip_nonfinite=true")  # fmt: skip
+    messages = []
+    run(skipping, progress=False, log=messages.append)
+    assert any("not finite" in m and "skipped" in m for m in messages)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["train.step=3"], "did you mean 'train.steps'"),
+        (["train.steps=many"], "train.steps must be an integer"),
+        (["--config", "/nonexistent/x.yaml"], "cannot read config file /nonexistent/x.yaml"),
+        (["data.source=text", "data.path=/nonexistent/*.txt"], "/nonexistent"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(tmp_path, capsys, argv, message):
+    assert train_main([f"run_dir={tmp_path / 'run'}", "--no-progress", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err
+
+
+def test_plot_subcommand(tmp_path, capsys):
+    run(config(tmp_path / "run", "train.steps=5"), progress=False, log=quiet)
+    (tmp_path / "run" / "plots" / "loss.png").unlink()
+    assert main(["plot", str(tmp_path / "run")]) == 0
+    assert (tmp_path / "run" / "plots" / "loss.png").exists()
+    assert main(["plot", str(tmp_path / "nothing")]) == 2
+    assert "no metrics file" in capsys.readouterr().err
+
+
+def start_training(run_dir, *overrides):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.Popen(
+        [sys.executable, str(REPO / "train.py"), "--no-progress", f"run_dir={run_dir}", *QUICK,
+         *overrides],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+    )  # fmt: skip
+
+
+def wait_for(condition, process, timeout=120):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if process.poll() is not None:
+            raise AssertionError(f"training exited early: {process.communicate()}")
+        if time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError("training made no progress")
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_and_exits(tmp_path):
+    run_dir = tmp_path / "run"
+    process = start_training(run_dir, "train.steps=100000", "checkpoint.every=100000")
+    wait_for(lambda: (run_dir / "metrics.jsonl").exists()
+             and (run_dir / "metrics.jsonl").read_text().strip(), process)  # fmt: skip
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, err
+    assert "SIGTERM at step" in err
+    step = int(err.split("SIGTERM at step ")[1].split(":")[0])
+    with Checkpointer(run_dir / "checkpoints", keep=3) as checkpointer:
+        assert checkpointer.latest_step() == step
+
+
+@pytest.mark.slow
+def test_kill_9_resumes_from_the_last_finished_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    process = start_training(run_dir, "train.steps=100000", "checkpoint.every=3")
+    checkpoints = run_dir / "checkpoints"
+
+    def two_checkpoints():
+        return checkpoints.exists() and len([p for p in checkpoints.iterdir()
+                                             if p.name.isdigit()]) >= 2  # fmt: skip
+
+    wait_for(two_checkpoints, process)
+    process.kill()
+    process.wait()
+    with Checkpointer(checkpoints, keep=3) as checkpointer:
+        last = checkpointer.latest_step()
+    messages = []
+    run(config(run_dir, f"train.steps={last + 2}", "checkpoint.every=3"), progress=False,
+        log=messages.append)  # fmt: skip
+    assert f"resumed from step {last} of {checkpoints}" in messages
+    assert max(losses(run_dir)) == last + 2
+    assert np.all(np.diff(sorted(losses(run_dir))) > 0)
