@@ -24,7 +24,7 @@ def corpus(tmp_path):
 
 
 def text_cfg(path, **kwargs):
-    return DataConfig(source="text", path=str(path), **kwargs)
+    return DataConfig(source="text", path=str(path), **{"packing": False, **kwargs})
 
 
 def build(cfg, tmp_path, *, task="lm", seed=0, batch_size=4, directory=None, **kwargs):
@@ -160,12 +160,17 @@ def test_config_rejects_bad_values_naming_the_key(kwargs, key):
 @pytest.mark.parametrize(
     "cfg, task, batch_size, match",
     [
-        (DataConfig(source="parallel", path="x.tsv"), "lm", 4, "task 'lm' cannot train on"),
-        (DataConfig(source="text", path="x.txt"), "classify", 4, "labelled text"),
-        (DataConfig(task="arithmetic"), "seq2seq", 4, "source/target pairs"),
+        (
+            DataConfig(packing=False, source="parallel", path="x.tsv"),
+            "lm",
+            4,
+            "task 'lm' cannot train on",
+        ),
+        (DataConfig(packing=False, source="text", path="x.txt"), "classify", 4, "labelled text"),
+        (DataConfig(packing=False, task="arithmetic"), "seq2seq", 4, "source/target pairs"),
         (DataConfig(task="sentiment", packing=True), "mlm", 4, "'lm' only"),
-        (DataConfig(), "lm", 3, "positive multiple of the process count 2"),
-        (DataConfig(), "translate", 4, "task must be one of"),
+        (DataConfig(packing=False), "lm", 3, "positive multiple of the process count 2"),
+        (DataConfig(packing=False), "translate", 4, "task must be one of"),
     ],
 )
 def test_build_rejects_data_that_does_not_fit(tmp_path, cfg, task, batch_size, match):
@@ -216,7 +221,9 @@ def test_seq2seq_batches_from_two_parallel_files(tmp_path):
     pairs = {f"quelle {i}": f"target number {i}" for i in range(20)}
     src.write_text("\n".join(pairs) + "\n")
     tgt.write_text("\n".join(pairs.values()) + "\n")
-    cfg = DataConfig(source="parallel", path=f"{src},{tgt}", tokenizer="word", seq_len=8)
+    cfg = DataConfig(
+        packing=False, source="parallel", path=f"{src},{tgt}", tokenizer="word", seq_len=8
+    )
     data = build(cfg, tmp_path, task="seq2seq")
     for batch in take(data.train, 5):
         assert batch["src_mask"].dtype == bool and batch["src"].shape == (4, 8)
@@ -230,7 +237,7 @@ def test_seq2seq_batches_from_two_parallel_files(tmp_path):
 
 
 def test_classify_batches_carry_labels_and_pad_the_last_eval_batch(tmp_path):
-    cfg = DataConfig(task="sentiment", seq_len=160, train_size=12, eval_size=6)
+    cfg = DataConfig(packing=False, task="sentiment", seq_len=160, train_size=12, eval_size=6)
     data = build(cfg, tmp_path, task="classify")
     assert data.labels == synthetic.LABELS
     task = synthetic.make_task("sentiment", size=12)
@@ -247,7 +254,7 @@ def test_classify_batches_carry_labels_and_pad_the_last_eval_batch(tmp_path):
 
 
 def test_mlm_masks_15_percent_split_80_10_10_deterministically(tmp_path):
-    cfg = DataConfig(task="sentiment", seq_len=128, train_size=2000)
+    cfg = DataConfig(packing=False, task="sentiment", seq_len=128, train_size=2000)
     batches = take(build(cfg, tmp_path, task="mlm", batch_size=16).train, 20)
     counts = {"mask": 0, "random": 0, "kept": 0}
     for batch in batches:
@@ -389,10 +396,20 @@ def test_fitted_tokenizer_is_saved_once_and_reloaded(tmp_path):
 def test_bpe_is_trained_on_jsonl_text_and_saved(tmp_path):
     path = tmp_path / "docs.jsonl"
     path.write_text("".join(json.dumps({"body": line}) + "\n" for line in LINES))
-    cfg = DataConfig(source="jsonl", path=str(path), field="body", tokenizer="bpe", vocab_size=300)
+    cfg = DataConfig(
+        packing=False, source="jsonl", path=str(path), field="body", tokenizer="bpe", vocab_size=300
+    )
     data = build(cfg, tmp_path, batch_size=3)
     assert (tmp_path / "tokenizer" / "tokenizer.json").is_file()
     assert 260 < data.vocab_size <= 300
     batch = next(data.train)
     texts = lm_texts(data.tokenizer, batch)
     assert len(texts) == 3 and set(texts) <= set(LINES)
+
+
+def test_packing_by_default_for_language_modelling_only(tmp_path):
+    lm = build_data(DataConfig(), task="lm", seed=0, batch_size=4, directory=tmp_path / "a")
+    assert "segment_ids" in next(lm.train)
+    seq2seq = build_data(DataConfig(task="number_words"), task="seq2seq", seed=0, batch_size=4,
+                         directory=tmp_path / "b")  # fmt: skip
+    assert "segment_ids" not in next(seq2seq.train)

@@ -198,3 +198,24 @@ def test_kill_9_resumes_from_the_last_finished_checkpoint(tmp_path):
     assert f"resumed from step {last} of {checkpoints}" in messages
     assert max(losses(run_dir)) == last + 2
     assert np.all(np.diff(sorted(losses(run_dir))) > 0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "preset, steps, metric, target",
+    # Token accuracy of the digits (chance ~0.1); sentence accuracy over 3 classes (chance 1/3).
+    [("transformer_tiny", 300, "eval_accuracy", 0.25), ("bert_tiny", 300, "eval_accuracy", 0.42)],
+)
+def test_tiny_presets_learn_their_tasks(tmp_path, preset, steps, metric, target):
+    """The CPU presets of the encoder-decoder (number words -> digits) and the encoder
+    (3-way sentiment with negation), shortened; their full runs go further."""
+    cfg = load_config(
+        REPO / "configs" / f"{preset}.yaml",
+        [f"run_dir={tmp_path / 'run'}", f"train.steps={steps}", "train.eval_every=100",
+         "data.eval_size=64", "optimizer.warmup_steps=50"],
+    )  # fmt: skip
+    run(cfg, progress=False, log=quiet)
+    evals = [r[metric] for r in records(tmp_path / "run") if metric in r]
+    assert evals[-1] > target, evals
+    logged = losses(tmp_path / "run")
+    assert logged[max(logged)] < 0.5 * logged[min(logged)], logged

@@ -86,7 +86,8 @@ class DataConfig:
       tokenizer_path: a SentencePiece ``.model`` file.
       vocab_size: the BPE target size (required, >= 260), or a cap on a word vocabulary.
       seq_len: tokens per row of every ``[B, seq_len]`` array; longer examples are truncated.
-      packing: ``lm`` only: first-fit pack several examples into each training row.
+      packing: first-fit pack several examples into each training row (``lm`` only); None (the
+        default) packs for ``lm`` and pads for the other tasks.
       validation_fraction: share of a file source's records held out for validation (synthetic
         tasks have their own validation split).
       mlm_probability: share of an ``mlm`` example's tokens to predict.
@@ -101,8 +102,8 @@ class DataConfig:
     tokenizer: str = "byte"
     tokenizer_path: str | None = None
     vocab_size: int | None = None
-    seq_len: int = 128
-    packing: bool = False
+    seq_len: int = 64
+    packing: bool | None = None
     validation_fraction: float = 0.1
     mlm_probability: float = 0.15
     train_size: int | None = None
@@ -124,8 +125,8 @@ class DataConfig:
         for name, low in (("vocab_size", min_vocab), ("train_size", 1), ("eval_size", 1)):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), low)
-        if not isinstance(self.packing, bool):
-            raise ValueError(f"data.packing must be a bool, got {self.packing!r}")
+        if self.packing is not None and not isinstance(self.packing, bool):
+            raise ValueError(f"data.packing must be a bool or None, got {self.packing!r}")
         if not 0 < self.validation_fraction < 1:
             raise ValueError(
                 f"data.validation_fraction must be in (0, 1), got {self.validation_fraction!r}"
@@ -235,6 +236,7 @@ def build_data(
         )
     if cfg.packing and task != "lm":
         raise ValueError(f"data.packing=true applies to task 'lm' only, not {task!r}")
+    packing = task == "lm" if cfg.packing is None else cfg.packing
     _check_fits(cfg, task)
     train_records, eval_records, labels = _load_records(cfg, seed)
     tokenizer = _tokenizer(cfg, train_records, Path(directory), save=process_index == 0)
@@ -247,14 +249,14 @@ def build_data(
         .repeat()
         .map_with_index(functools.partial(featurize, stream=_TRAIN_STREAM))
     )
-    if cfg.packing:
+    if packing:
         rows = slice(process_index * local_size, (process_index + 1) * local_size)
         train = _packed(stream, cfg.seq_len, batch_size, rows)
     else:
         train = stream.map(functools.partial(_pad, seq_len=cfg.seq_len))
         train = train.batch(local_size)[process_index::process_count]
         train = train.to_iter_dataset(_READ_OPTIONS)
-    pipeline = dict(task=task, packing=cfg.packing, seq_len=cfg.seq_len, seed=seed)
+    pipeline = dict(task=task, packing=packing, seq_len=cfg.seq_len, seed=seed)
     pipeline.update(batch_size=batch_size, train_examples=len(train_records))
     eval_featurize = functools.partial(featurize, stream=_EVAL_STREAM)
     return Data(

@@ -104,12 +104,8 @@ class TrainConfig:
     model: ModelConfig = dataclasses.field(
         default_factory=lambda: ModelConfig.from_preset("gpt2-tiny")
     )
-    data: DataConfig = dataclasses.field(
-        default_factory=lambda: DataConfig(seq_len=64, packing=True)
-    )
-    optimizer: OptimizerConfig = dataclasses.field(
-        default_factory=lambda: OptimizerConfig(lr=3e-3, weight_decay=0.01)
-    )
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     train: LoopConfig = dataclasses.field(default_factory=LoopConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)

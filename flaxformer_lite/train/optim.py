@@ -20,7 +20,7 @@ SCHEDULES = ("cosine", "linear", "constant", "inverse_sqrt")
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW, its schedule and clipping. Defaults suit small models; the paper presets use
+    """AdamW, its schedule and clipping. Defaults suit the small CPU models; the paper presets use
     ``schedule="inverse_sqrt", lr=1.0, warmup_steps=4000, b2=0.98, eps=1e-9``.
 
     Attributes:
@@ -36,14 +36,14 @@ class OptimizerConfig:
       clip_norm: clip the global gradient norm to this; None disables clipping.
     """
 
-    lr: float = 1e-3
+    lr: float = 3e-3
     schedule: str = "cosine"
     warmup_steps: int = 100
     end_lr_ratio: float = 0.1
     b1: float = 0.9
     b2: float = 0.999
     eps: float = 1e-8
-    weight_decay: float = 0.0
+    weight_decay: float = 0.01
     decay_embeddings: bool = False
     clip_norm: float | None = 1.0
 

@@ -1,0 +1,15 @@
+"""demo.py, the self-checking tour of the ops and models, keeps running."""
+
+import pathlib
+import runpy
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_demo_runs(capsys):
+    runpy.run_path(str(REPO / "demo.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "KV-cache decoding vs full forward" in out and "gpt2-small" in out
