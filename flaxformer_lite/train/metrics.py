@@ -72,15 +72,18 @@ def plot_run(run_dir: pathlib.Path) -> list[pathlib.Path]:
     written = []
     for name, keys in (("loss", ("loss", "eval_loss")), ("learning_rate", ("learning_rate",))):
         figure, axes = plt.subplots(figsize=(6, 4))
+        plotted = False
         for key in keys:
             points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
             if points:
                 axes.plot(*zip(*points, strict=True), label=key)
+                plotted = True
         axes.set_xlabel("step")
         axes.set_ylabel(name.replace("_", " "))
-        if name == "loss":
-            axes.set_yscale("log")
-        axes.legend()
+        if plotted:  # a run stopped before its first log has nothing to draw
+            axes.legend()
+            if name == "loss":
+                axes.set_yscale("log")
         figure.tight_layout()
         path = plots / f"{name}.png"
         figure.savefig(path, dpi=100)
