@@ -25,6 +25,7 @@ never occur in train, whatever the seeds. Within one split a small domain repeat
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import hashlib
 import operator
@@ -123,7 +124,7 @@ def _sample_number(rng: np.random.Generator, max_value: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Task:
+class Task(abc.ABC):
     """Base of all tasks: a deterministic, lazily generated sequence of ``size`` examples.
 
     Attributes:
@@ -150,12 +151,13 @@ class Task:
         self._check_options()
         self.example(0)  # options that leave this split empty fail here, not mid-training
 
+    @abc.abstractmethod
     def _check_options(self) -> None:
-        """Validates the subclass's own fields."""
+        """Validates the subclass's own fields (raises ValueError naming the field)."""
 
+    @abc.abstractmethod
     def _draw(self, rng: np.random.Generator) -> tuple[dict[str, Any], str]:
         """One candidate ``(record, key)``; ``key`` is the input that decides the split."""
-        raise NotImplementedError
 
     def __len__(self) -> int:
         return self.size

@@ -155,11 +155,13 @@ def _train(cfg, data, task, checkpointer, run_dir, progress, log):
                 writer.write(step, values)
                 last = values
                 bar.set_postfix({k: f"{v:.4g}" for k, v in values.items() if v is not None})
-            checkpointer.save(
-                step, to_savable(state), data_state=data.train.get_state(), config=cfg.to_dict(),
-                metrics={"eval_loss": values["eval_loss"]} if "eval_loss" in values else None,
-                force=step == cfg.train.steps or stop.signum is not None,
-            )  # fmt: skip
+            final = step == cfg.train.steps or stop.signum is not None
+            if final or step % cfg.checkpoint.every == 0:  # no state conversion on other steps
+                checkpointer.save(
+                    step, to_savable(state), data_state=data.train.get_state(),
+                    config=cfg.to_dict(), force=final,
+                    metrics={"eval_loss": values["eval_loss"]} if "eval_loss" in values else None,
+                )  # fmt: skip
             if stop.signum is not None:
                 checkpointer.wait()
                 raise Interrupted(stop.signum, step)
