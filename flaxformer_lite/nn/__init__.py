@@ -7,9 +7,11 @@ from flaxformer_lite.nn.layers import DecoderLayer, EncoderLayer, TransformerLay
 from flaxformer_lite.nn.mlp import ACTIVATIONS, MLP
 from flaxformer_lite.nn.norms import LayerNorm, RMSNorm
 from flaxformer_lite.nn.positions import RelativePositionBias
+from flaxformer_lite.nn.sharding import ACTIVATION_NAMES, constrain
 from flaxformer_lite.nn.stack import REMAT_POLICIES, LayerStack, stack_layer_states
 
 __all__ = [
+    "ACTIVATION_NAMES",
     "ACTIVATIONS",
     "MLP",
     "REMAT_POLICIES",
@@ -25,5 +27,6 @@ __all__ = [
     "RelativePositionBias",
     "Rope",
     "TransformerLayer",
+    "constrain",
     "stack_layer_states",
 ]

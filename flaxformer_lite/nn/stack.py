@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from flaxformer_lite.nn.sharding import ACTIVATION_NAMES, constrain
+
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -54,7 +56,8 @@ class LayerStack(nnx.Module):
         """``x [B, T, D] -> [B, T, D]``; ``args`` and ``kwargs`` go unchanged to every layer."""
 
         def apply(layer, x):
-            return layer(x, *args, **kwargs)
+            return constrain(layer(constrain(x, ACTIVATION_NAMES), *args, **kwargs),
+                             ACTIVATION_NAMES)  # fmt: skip
 
         if self.remat != "none":
             # Inside a scan, the loop already keeps XLA from merging the recomputation away

@@ -1,0 +1,25 @@
+"""Pinning an activation's layout by logical axis names, when a mesh and rules are active.
+
+Training runs the model under ``jax.set_mesh(mesh)`` and ``nnx.logical_axis_rules(rules)``
+(see :mod:`flaxformer_lite.parallel`); outside them (one device, tests, decoding) this is a no-op,
+so modules never need to know whether they are sharded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+from flax import linen
+from flax.core import spmd
+
+# The layout of the residual stream ``[B, T, D]`` between layers.
+ACTIVATION_NAMES = ("batch", "length", "activation_embed")
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """``x`` with its sharding constrained to ``names`` under the active rules and mesh."""
+    rules = spmd.get_logical_axis_rules()
+    if not rules or jax.sharding.get_abstract_mesh().empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, linen.logical_to_mesh_axes(tuple(names), rules))
