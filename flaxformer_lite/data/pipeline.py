@@ -208,6 +208,7 @@ def build_data(
     directory: Path,
     process_index: int = 0,
     process_count: int = 1,
+    save_tokenizer: bool | None = None,
 ) -> Data:
     """Reads the data ``cfg`` names, prepares its tokenizer and builds the train/eval pipelines.
 
@@ -216,9 +217,12 @@ def build_data(
       task: ``lm``, ``seq2seq``, ``mlm`` or ``classify`` (``train.step.task_of``).
       seed: shuffles the training stream (and, with it, the synthetic data and MLM masking).
       batch_size: the global batch size; each process gets ``batch_size // process_count`` rows.
-      directory: where process 0 saves the tokenizer. A tokenizer already saved there is loaded
+      directory: where the tokenizer is saved. A tokenizer already saved there is loaded
         instead of fitted again, so a resumed run sees the same ids. Nothing else is written.
-      process_index, process_count: this process among all that feed one global batch.
+      process_index, process_count: which of ``process_count`` equal blocks of rows of each
+        global batch this process loads (processes that feed the same devices' rows share one).
+      save_tokenizer: whether this process writes the tokenizer (default: ``process_index ==
+        0``); exactly one process of those sharing a file system should.
 
     Raises:
       ValueError: the source does not fit ``task``, an unusable batch size or process, a saved
@@ -239,7 +243,8 @@ def build_data(
     packing = task == "lm" if cfg.packing is None else cfg.packing
     _check_fits(cfg, task)
     train_records, eval_records, labels = _load_records(cfg, seed)
-    tokenizer = _tokenizer(cfg, train_records, Path(directory), save=process_index == 0)
+    save = process_index == 0 if save_tokenizer is None else save_tokenizer
+    tokenizer = _tokenizer(cfg, train_records, Path(directory), save=save)
 
     shard, local_size = (process_index, process_count), batch_size // process_count
     featurize = functools.partial(_featurize, task=task, tokenizer=tokenizer, cfg=cfg, seed=seed)

@@ -59,6 +59,8 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _train(args) -> int:
+    import jax
+
     from flaxformer_lite.train.loop import Interrupted, TrainingError, run
 
     def train():
@@ -66,7 +68,8 @@ def _train(args) -> int:
         last = run(cfg, fresh=args.fresh, force=args.force, progress=not args.no_progress,
                    log=_say)  # fmt: skip
         summary = ", ".join(f"{k} {v:.4g}" for k, v in last.items() if v is not None)
-        _say(f"done: {cfg.run_dir} ({summary})")
+        if jax.process_index() == 0:  # a multi-process run reports once
+            _say(f"done: {cfg.run_dir} ({summary})")
         return 0
 
     try:

@@ -21,6 +21,7 @@ import yaml
 
 from flaxformer_lite.data.pipeline import DataConfig
 from flaxformer_lite.models.config import PRESETS, ModelConfig
+from flaxformer_lite.parallel import DEFAULT_RULES, MESH_AXES, DistributedConfig, check_rules
 from flaxformer_lite.train.optim import OptimizerConfig
 
 
@@ -76,11 +77,21 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh axis sizes: 1 leaves an axis unsharded, -1 takes the remaining devices."""
+    """The device mesh and how arrays are laid out on it (:mod:`flaxformer_lite.parallel`).
+
+    ``data``, ``fsdp``, ``tensor``: axis sizes; 1 leaves an axis unused, -1 takes the remaining
+    devices. ``rules``: logical axis name -> the mesh axes that shard it (an empty list
+    replicates); earlier rules take precedence when two names of one array want the same mesh
+    axis. Rules given in a file or as ``mesh.rules.<name>=a,b`` (or ``=none``) replace the entries
+    of :data:`~flaxformer_lite.parallel.DEFAULT_RULES` in place; new names come last.
+    """
 
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
+    rules: dict[str, tuple[str, ...]] = dataclasses.field(
+        default_factory=lambda: dict(DEFAULT_RULES)
+    )
 
     def __post_init__(self):
         sizes = (self.data, self.fsdp, self.tensor)
@@ -89,6 +100,10 @@ class MeshConfig:
                 raise ConfigError(f"mesh.{name} must be a positive int or -1, got {size}")
         if sizes.count(-1) > 1:
             raise ConfigError(f"at most one mesh axis may be -1, got {sizes}")
+        try:
+            check_rules(self.rules, MESH_AXES)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,15 +124,17 @@ class TrainConfig:
     train: LoopConfig = dataclasses.field(default_factory=LoopConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain values, ready for YAML; ``config_from_dict(cfg.to_dict()) == cfg``."""
-        return dataclasses.asdict(self)
+        """Plain values (lists for tuples), ready for YAML and JSON;
+        ``config_from_dict(cfg.to_dict()) == cfg``."""
+        return _plain(dataclasses.asdict(self))
 
 
 # Keys that may change when a run resumes: they do not change what is being trained.
 RUNTIME_KEYS = ("run_dir", "train.steps", "train.log_every", "train.eval_every",
-                "train.eval_batches", "checkpoint.", "mesh.")  # fmt: skip
+                "train.eval_batches", "checkpoint.", "mesh.", "distributed.")  # fmt: skip
 
 
 def load_config(
@@ -226,11 +243,13 @@ def _build(cls, values: Any, where: str, base: Mapping[str, Any] | None = None):
 
 
 def _default_dict(field: dataclasses.Field) -> dict[str, Any] | None:
-    """The default of a section field as plain values (None for leaves and empty sections)."""
+    """The default of a section (or mapping) field as plain values (None for other leaves)."""
     default = field.default
     if field.default_factory is not dataclasses.MISSING:
         default = field.default_factory()
-    return dataclasses.asdict(default) if dataclasses.is_dataclass(default) else None
+    if dataclasses.is_dataclass(default):
+        return dataclasses.asdict(default)
+    return dict(default) if isinstance(default, Mapping) else None
 
 
 def _coerce(annotation, value, key: str, base: Mapping[str, Any] | None = None):
@@ -255,6 +274,23 @@ def _coerce(annotation, value, key: str, base: Mapping[str, Any] | None = None):
         if isinstance(value, _OverrideText):
             raise ConfigError(f"{key} is a section; set its keys, e.g. {key}.<name>=...")
         return _build(annotation, value, key + ".", base)
+    if origin is dict:  # entries laid over the default mapping, one by one
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key} is a mapping; set its entries, e.g. {key}.<name>=...")
+        _, value_type = typing.get_args(annotation)
+        merged = {**(base or {}), **value}
+        return {str(k): _coerce(value_type, v, f"{key}.{k}") for k, v in merged.items()}
+    if origin is tuple:  # tuple[item, ...]: a list, one item, none, or "a,b" on the command line
+        item_type = typing.get_args(annotation)[0]
+        if isinstance(value, _OverrideText):
+            text = value.strip()
+            value = [] if text.lower() in ("", "none", "null", "~") else text.split(",")
+            value = [_OverrideText(item.strip()) for item in value]
+        if value is None or isinstance(value, str):
+            value = [] if value is None else [value]
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{key} must be a list, got {type(value).__name__} {value!r}")
+        return tuple(_coerce(item_type, item, key) for item in value)
     if isinstance(value, _OverrideText):
         value = str(value) if annotation is str else _parse_text(value, annotation, key)
     if annotation is float and isinstance(value, int) and not isinstance(value, bool):
@@ -301,6 +337,15 @@ def _set_dotted(values: dict, key: str, value) -> None:
             raise ConfigError(f"cannot set {key}: {section} is not a section")
         node = child
     node[leaf] = value
+
+
+def _plain(value):
+    """``value`` with tuples as lists and mappings as dicts, recursively (JSON round-trips it)."""
+    if isinstance(value, Mapping):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(item) for item in value]
+    return value
 
 
 def _flatten(values: Mapping, prefix: str = "") -> dict[str, Any]:

@@ -16,9 +16,11 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import yaml
 from flax import nnx
 
+from flaxformer_lite import parallel
 from flaxformer_lite.data.pipeline import build_data
 from flaxformer_lite.models import build_model, training_flops_per_token
 from flaxformer_lite.train.checkpoint import Checkpointer
@@ -58,6 +60,10 @@ def run(cfg: TrainConfig, *, fresh: bool = False, force: bool = False, progress:
     """Trains ``cfg`` in ``cfg.run_dir``, resuming from its newest checkpoint; returns the last
     logged metrics.
 
+    Every process of a multi-process run calls this with the same config (``cfg.distributed``
+    connects them first); process 0 writes the run directory's files and logs, all of them
+    take part in every step and checkpoint.
+
     Args:
       cfg: the run's configuration.
       fresh: move an existing run directory aside (to ``<run_dir>.old<N>``) and start over.
@@ -67,17 +73,31 @@ def run(cfg: TrainConfig, *, fresh: bool = False, force: bool = False, progress:
 
     Raises:
       ConfigError: a changed config on resume (without ``force``), bad data or settings.
+      ValueError: a mesh that does not fit the devices, or shapes that do not divide over it.
       TrainingError: a non-finite loss or gradient (the last good checkpoint is kept).
       Interrupted: SIGTERM / SIGINT (after the checkpoint is written).
     """
+    parallel.initialize(cfg.distributed)
+    main = jax.process_index() == 0
+    log, progress = (log, progress) if main else (_quiet, False)
     run_dir = pathlib.Path(cfg.run_dir)
-    if fresh and run_dir.exists():
+    if fresh and main and run_dir.exists():
         log(f"--fresh: moved the previous run to {_move_aside(run_dir)}")
+    _sync_processes("run directory ready")
     run_dir.mkdir(parents=True, exist_ok=True)
+
+    mesh = parallel.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    data_size, fsdp_size, tensor_size = mesh.shape.values()
+    cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(
+        cfg.mesh, data=data_size, fsdp=fsdp_size, tensor=tensor_size))  # fmt: skip
+    batch_sharding = parallel.batch_sharding(mesh, cfg.mesh.rules)
+    parallel.check_batch_size(cfg.train.batch_size, mesh, cfg.mesh.rules,
+                              cfg.train.grad_accum_steps)  # fmt: skip
+    shard_index, shard_count = parallel.process_batch_shard(batch_sharding, cfg.train.batch_size)
     task = task_of(cfg.model)
     data = build_data(cfg.data, task=task, seed=cfg.seed, batch_size=cfg.train.batch_size,
-                      directory=run_dir / "tokenizer", process_index=jax.process_index(),
-                      process_count=jax.process_count())  # fmt: skip
+                      directory=run_dir / "tokenizer", process_index=shard_index,
+                      process_count=shard_count, save_tokenizer=main)  # fmt: skip
     if cfg.model.vocab_size != data.vocab_size:
         log(f"model.vocab_size set to the tokenizer's {data.vocab_size}")
         cfg = dataclasses.replace(cfg, model=cfg.model.replace(vocab_size=data.vocab_size))
@@ -86,23 +106,35 @@ def run(cfg: TrainConfig, *, fresh: bool = False, force: bool = False, progress:
                                 every=cfg.checkpoint.every)  # fmt: skip
     with contextlib.closing(checkpointer):
         if checkpointer.latest_step() is not None:
-            _check_resumable(config_from_dict(checkpointer.restore_config()), cfg, force, log)
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        return _train(cfg, data, task, checkpointer, run_dir, progress, log)
+            saved = config_from_dict(checkpointer.restore_config())
+            _check_resumable(saved, cfg, force, log)
+            if saved.mesh != cfg.mesh:
+                log(
+                    f"resuming on mesh {_mesh_text(cfg.mesh)}; the checkpoint was written on "
+                    f"{_mesh_text(saved.mesh)}: arrays are resharded as they are restored"
+                )
+        if main:
+            (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        return _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log)
 
 
-def _train(cfg, data, task, checkpointer, run_dir, progress, log):
-    model = build_model(cfg.model, rngs=nnx.Rngs(params=cfg.seed, dropout=cfg.seed + 1))
+def _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log):
+    run_dir, rules = pathlib.Path(cfg.run_dir), cfg.mesh.rules
     tx, schedule = make_optimizer(cfg.optimizer, total_steps=cfg.train.steps,
                                   d_model=cfg.model.d_model)  # fmt: skip
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-    model.eval()
-    eval_graphdef, _ = nnx.split((model, optimizer))
-    model.train()
-    graphdef, state = nnx.split((model, optimizer))
+
+    def create():
+        model = build_model(cfg.model, rngs=nnx.Rngs(params=cfg.seed, dropout=cfg.seed + 1))
+        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    resuming = checkpointer.latest_step() is not None
+    make_state = parallel.abstract_sharded if resuming else parallel.create_sharded
+    graphdef, state, shardings = make_state(create, mesh, rules)
+    graphdef, eval_graphdef = _train_and_eval_graphdefs(graphdef, state)
+    _log_layout(state, shardings, mesh, log)
     step = 0
-    if checkpointer.latest_step() is not None:
-        restored = checkpointer.restore(_abstract(to_savable(state)))
+    if resuming:
+        restored = checkpointer.restore(_restore_target(state))
         state = from_savable(restored.state, state)
         data.train.set_state(restored.data_state)
         step = restored.step
@@ -110,19 +142,27 @@ def _train(cfg, data, task, checkpointer, run_dir, progress, log):
 
     train_step = make_train_step(
         graphdef, task=task, label_smoothing=cfg.train.label_smoothing, z_loss=cfg.train.z_loss,
-        grad_accum_steps=cfg.train.grad_accum_steps,
+        grad_accum_steps=cfg.train.grad_accum_steps, state_shardings=shardings,
     )  # fmt: skip
     eval_step = make_eval_step(eval_graphdef, task=task)
-    tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
+    batch_size = cfg.train.batch_size
+
+    def place(batch):
+        return parallel.put_batch(batch, batch_sharding, batch_size)
+
+    tokens_per_step = batch_size * cfg.data.seq_len
     flops_per_token = training_flops_per_token(cfg.model, cfg.data.seq_len)
     peak = _peak_flops()
-    writer = MetricsWriter(run_dir, resume_step=step)
+    main = jax.process_index() == 0
+    writer = MetricsWriter(run_dir, resume_step=step) if main else _NoMetrics()
     bar = _progress_bar(cfg.train.steps, step, progress)
     last: dict[str, float] = {}
     window_start, window_steps = None, 0
-    with _stop_on_signals() as stop, contextlib.closing(writer), contextlib.closing(bar):
+    # The steps are traced under the mesh and rules: the layers pin their activations' layout.
+    with (_stop_on_signals() as stop, contextlib.closing(writer), contextlib.closing(bar),
+          jax.set_mesh(mesh), nnx.logical_axis_rules(parallel.rule_pairs(rules))):  # fmt: skip
         while step < cfg.train.steps:
-            batch = next(data.train)
+            batch = place(next(data.train))
             started = time.perf_counter()
             state, metrics = train_step(state, batch)
             step += 1
@@ -150,23 +190,26 @@ def _train(cfg, data, task, checkpointer, run_dir, progress, log):
                                  if peak and tokens_per_sec else None)  # fmt: skip
                 window_start, window_steps = time.perf_counter(), 0
             if step % cfg.train.eval_every == 0 or step == cfg.train.steps:
-                values |= evaluate(eval_step, state, data.eval_batches(), cfg.train.eval_batches)
+                batches = map(place, data.eval_batches())
+                values |= evaluate(eval_step, state, batches, cfg.train.eval_batches)
             if values:
                 writer.write(step, values)
                 last = values
                 bar.set_postfix({k: f"{v:.4g}" for k, v in values.items() if v is not None})
-            final = step == cfg.train.steps or stop.signum is not None
+            signum = _agreed_signal(stop.signum)
+            final = step == cfg.train.steps or signum is not None
             if final or step % cfg.checkpoint.every == 0:  # no state conversion on other steps
                 checkpointer.save(
                     step, to_savable(state), data_state=data.train.get_state(),
                     config=cfg.to_dict(), force=final,
                     metrics={"eval_loss": values["eval_loss"]} if "eval_loss" in values else None,
                 )  # fmt: skip
-            if stop.signum is not None:
+            if signum is not None:
                 checkpointer.wait()
-                raise Interrupted(stop.signum, step)
+                raise Interrupted(signum, step)
         checkpointer.wait()
-    plot_run(run_dir)
+    if main:
+        plot_run(run_dir)
     return last
 
 
@@ -191,12 +234,17 @@ def to_savable(state) -> dict:
 
 
 def from_savable(saved: dict, like):
-    """The inverse of :func:`to_savable`, written into the state ``like``."""
-    pure = jax.tree.map(
-        lambda s, x: jax.random.wrap_key_data(s, impl=jax.random.key_impl(x)) if _is_key(x) else s,
-        saved, nnx.to_pure_dict(like),
-    )  # fmt: skip
-    nnx.replace_by_pure_dict(like, pure)
+    """The inverse of :func:`to_savable`, written into the state ``like`` (concrete, or abstract
+    as :func:`flaxformer_lite.parallel.abstract_sharded` makes it)."""
+
+    def restore(saved_leaf, like_leaf):
+        if not _is_key(like_leaf):
+            return saved_leaf
+        # An abstract key has no implementation to ask; nnx.Rngs made it with the default one.
+        impl = jax.random.key_impl(like_leaf) if isinstance(like_leaf, jax.Array) else None
+        return jax.random.wrap_key_data(saved_leaf, impl=impl)
+
+    nnx.replace_by_pure_dict(like, jax.tree.map(restore, saved, nnx.to_pure_dict(like)))
     return like
 
 
@@ -204,8 +252,85 @@ def _is_key(x) -> bool:
     return jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-def _abstract(tree):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+def _restore_target(abstract_state) -> dict:
+    """What :func:`to_savable` makes of ``abstract_state``, as ``ShapeDtypeStruct``s carrying the
+    current shardings: checkpoints restore straight into this run's layout."""
+
+    def leaf(x):
+        if _is_key(x):
+            data = jax.eval_shape(jax.random.key_data, x)
+            return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=x.sharding)
+        return x
+
+    return jax.tree.map(leaf, nnx.to_pure_dict(abstract_state))
+
+
+def _train_and_eval_graphdefs(graphdef, state):
+    """The graph of ``(model, optimizer)`` with dropout on, and with it off (``model.eval()``)."""
+    model, optimizer = nnx.merge(graphdef, state, copy=True)
+    model.train()
+    train_graphdef = nnx.split((model, optimizer))[0]
+    model.eval()
+    return train_graphdef, nnx.split((model, optimizer))[0]
+
+
+def _log_layout(state, shardings, mesh, log) -> None:
+    """The start-up summary: the mesh, bytes per device, and large replicated parameters."""
+    log(f"mesh: {parallel.describe_mesh(mesh)}")
+    params = nnx.filter_state(state[0], nnx.Param)
+    param_shardings = nnx.filter_state(shardings[0], nnx.Param)
+    parts = {"parameters": (params, param_shardings), "optimizer state": (state[1], shardings[1])}
+    sizes = []
+    for name, (part, part_shardings) in parts.items():
+        layouts = parallel.array_layouts(part, part_shardings)
+        total = sum(layout.total_bytes for layout in layouts)
+        per_device = sum(layout.device_bytes for layout in layouts)
+        sizes.append(f"{name} {_mib(per_device)} of {_mib(total)}")
+    log("per device: " + ", ".join(sizes))
+    for warning in parallel.replicated_warnings(params, param_shardings, mesh):
+        log(f"warning: {warning}")
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:.2f} MiB"
+
+
+def _mesh_text(mesh_cfg) -> str:
+    return f"data {mesh_cfg.data} x fsdp {mesh_cfg.fsdp} x tensor {mesh_cfg.tensor}"
+
+
+def _sync_processes(name: str) -> None:
+    """Waits until every process of a multi-process run gets here (no-op for one process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def _agreed_signal(signum: int | None) -> int | None:
+    """The signal any process received, the same on all of them: they must stop at the same
+    step, since the checkpoint they then write is collective (a process saving alone would wait
+    forever for the others, already in the next step's collectives)."""
+    if jax.process_count() == 1:
+        return signum
+    from jax.experimental import multihost_utils
+
+    received = multihost_utils.process_allgather(np.int32(signum or 0))
+    return int(np.max(received)) or None
+
+
+def _quiet(_message: str) -> None:
+    pass
+
+
+class _NoMetrics:
+    """The metrics writer of processes other than 0: they compute the metrics, 0 writes them."""
+
+    def write(self, step: int, values) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _check_resumable(saved: TrainConfig, cfg: TrainConfig, force: bool, log) -> None:
@@ -234,12 +359,12 @@ def _peak_flops() -> float | None:
     if devices[0].platform != "cpu":
         peak = PEAK_FLOPS.get(devices[0].device_kind)
         return peak * len(devices) if peak else None
-    n = 1024
+    n = 1024  # each process measures its host's cores; all hosts are taken to be alike
     a = jnp.ones((n, n), jnp.float32)
     matmul = jax.jit(lambda a: a @ a)
     matmul(a).block_until_ready()
     best = min(_timed(matmul, a) for _ in range(3))
-    return 2 * n**3 / best
+    return 2 * n**3 / best * jax.process_count()
 
 
 def _timed(fn, *args) -> float:

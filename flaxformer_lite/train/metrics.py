@@ -43,6 +43,10 @@ class MetricsWriter:
 
 
 def _plain(value):
+    """A JSON value: ints and strings as they are, numbers as floats, None for missing or
+    non-finite values (e.g. no throughput yet on the first step after compiling)."""
+    if value is None:
+        return None
     value = float(value) if not isinstance(value, int | str) else value
     return None if isinstance(value, float) and not math.isfinite(value) else value
 

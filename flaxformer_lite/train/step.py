@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from flaxformer_lite import ops
 from flaxformer_lite.models.config import ModelConfig
@@ -63,18 +64,27 @@ def model_loss(model, batch: dict, *, task: str, label_smoothing: float = 0.0,
 
 
 def make_train_step(graphdef, *, task: str, label_smoothing: float = 0.0, z_loss: float = 0.0,
-                    grad_accum_steps: int = 1):  # fmt: skip
+                    grad_accum_steps: int = 1, state_shardings=None):  # fmt: skip
     """``step(state, batch) -> (state, metrics)``, jitted with ``state`` donated.
 
     ``graphdef, state = nnx.split((model, optimizer))``; ``optimizer`` an ``nnx.Optimizer`` over
-    ``nnx.Param``. With ``grad_accum_steps = k`` the batch's leading axis is split into ``k``
-    microbatches run one after another (``lax.scan``), for k times less activation memory.
-    Metrics: ``loss``, ``z_loss``, ``accuracy``, ``num_tokens``, ``grad_norm`` and ``finite``
-    (False when the loss or a gradient was NaN/Inf; the state is then returned unchanged).
+    ``nnx.Param``. With ``grad_accum_steps = k`` microbatch ``i`` is rows ``i, i + k, ...`` of the
+    batch, run one after another (``lax.scan``), for k times less activation memory; every
+    device keeps computing on its own rows. Metrics: ``loss``, ``z_loss``, ``accuracy``,
+    ``num_tokens``, ``grad_norm`` and ``finite`` (False when the loss or a gradient was NaN/Inf;
+    the state is then returned unchanged).
+
+    ``state_shardings`` (:func:`flaxformer_lite.parallel.state_shardings`) keeps the new state in
+    the layout of the old one and returns the metrics replicated. Traced under
+    ``jax.set_mesh`` and ``nnx.logical_axis_rules``, the layers pin their activations' layout.
     """
     loss_kwargs = dict(task=task, label_smoothing=label_smoothing, z_loss=z_loss)
+    out_shardings = None
+    if state_shardings is not None:
+        mesh = jax.tree.leaves(state_shardings)[0].mesh
+        out_shardings = (state_shardings, NamedSharding(mesh, PartitionSpec()))
 
-    @functools.partial(jax.jit, donate_argnums=0)
+    @functools.partial(jax.jit, donate_argnums=0, out_shardings=out_shardings)
     def step(state, batch):
         model, optimizer = nnx.merge(graphdef, state)
         model_def, params, rest = nnx.split(model, nnx.Param, ...)
@@ -101,7 +111,9 @@ def make_train_step(graphdef, *, task: str, label_smoothing: float = 0.0, z_loss
                 f"batch size {batch_size} is not divisible by grad_accum_steps={grad_accum_steps}"
             )
         microbatches = jax.tree.map(
-            lambda x: x.reshape(grad_accum_steps, x.shape[0] // grad_accum_steps, *x.shape[1:]),
+            lambda x: x.reshape(
+                x.shape[0] // grad_accum_steps, grad_accum_steps, *x.shape[1:]
+            ).swapaxes(0, 1),
             batch,
         )
         zeros = jax.tree.map(jnp.zeros_like, params)
