@@ -18,6 +18,7 @@ from flaxformer_lite.train.checkpoint import Checkpointer
 from flaxformer_lite.train.cli import main, train_main
 from flaxformer_lite.train.config import ConfigError, load_config
 from flaxformer_lite.train.loop import TrainingError, run, to_savable
+from flaxformer_lite.train.metrics import MetricsWriter, read_metrics
 from flaxformer_lite.train.optim import make_optimizer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -56,6 +57,17 @@ def test_the_default_run_learns(tmp_path):
         assert (tmp_path / "run" / name).exists(), name
     saved = load_config(tmp_path / "run" / "config.yaml")
     assert saved.model.vocab_size == 260  # resolved from the byte tokenizer
+
+
+def test_metrics_writer_records_missing_values_as_null(tmp_path):
+    # The first logged step after compiling (train.steps=1, log_every=1, a resume whose first
+    # step is logged) has no throughput yet.
+    writer = MetricsWriter(tmp_path)
+    writer.write(1, {"loss": 1.5, "tokens_per_sec": None, "mfu": float("nan"), "note": "x"})
+    writer.close()
+    assert read_metrics(tmp_path) == [
+        {"step": 1, "loss": 1.5, "tokens_per_sec": None, "mfu": None, "note": "x"}
+    ]
 
 
 def test_interrupted_and_resumed_equals_uninterrupted(tmp_path):
