@@ -499,7 +499,7 @@ def test_decode_without_cache_raises():
     mha.init_cache(B, 4)
     with pytest.raises(ValueError, match="batch size"):
         mha(jnp.zeros((B + 1, 1, D)), is_causal=True, cache_index=jnp.int32(0))
-    with pytest.raises(ValueError, match="cross-attention"):
+    with pytest.raises(ValueError, match="takes no context"):
         mha(x, jnp.zeros((B, 3, D)), cache_index=jnp.int32(0))
 
 

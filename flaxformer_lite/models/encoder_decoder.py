@@ -71,7 +71,7 @@ class EncoderDecoder(nnx.Module):
     def decode(
         self,
         tgt: jax.Array,
-        encoded: jax.Array,
+        encoded: jax.Array | None,
         *,
         src_mask: jax.Array | None = None,
         tgt_positions: jax.Array | None = None,
@@ -82,7 +82,9 @@ class EncoderDecoder(nnx.Module):
         ``tgt`` is int ``[B, T]``, or float ``[B, T, output_dim]`` with a regression head (then
         the outputs are ``[B, T, output_dim]``). With ``decode=True`` the target is appended to
         the KV cache from :meth:`init_cache` (one or more positions at a time); positions beyond
-        its ``max_length`` get NaN outputs.
+        its ``max_length`` get NaN outputs. A cache made with ``source_length`` also keeps the
+        cross-attention keys/values: the first call passes ``encoded``, later calls ``None``
+        (the encoder output is projected once, not at every step).
         """
         length = tgt.shape[1]
         if decode:
@@ -109,9 +111,12 @@ class EncoderDecoder(nnx.Module):
         encoded = self.encode(src, src_mask=src_mask, src_positions=src_positions)
         return self.decode(tgt, encoded, src_mask=src_mask, tgt_positions=tgt_positions)
 
-    def init_cache(self, batch_size: int, max_length: int | None = None, *, dtype=None) -> None:
-        """Empties the decoder's KV cache for ``batch_size`` rows of up to ``max_length`` tokens."""
+    def init_cache(self, batch_size: int, max_length: int | None = None, *,
+                   source_length: int | None = None, dtype=None) -> None:  # fmt: skip
+        """Empties the decoder's KV cache for ``batch_size`` rows of up to ``max_length`` target
+        tokens; with ``source_length`` also the cross-attention cache of the encoder output."""
         max_length = max_length or self.config.max_length
         check_length(self.config, max_length, "the cache")
         self.decode_state = DecodeState(batch_size, max_length)
-        self.decoder.init_cache(batch_size, max_length, dtype=dtype)
+        self.decoder.init_cache(batch_size, max_length, context_length=source_length,
+                                dtype=dtype)  # fmt: skip

@@ -157,8 +157,10 @@ class Tower(nnx.Module):
                         positions=positions, cache_index=cache_index)  # fmt: skip
         return x if self.final_norm is None else self.final_norm(x)
 
-    def init_cache(self, batch_size: int, max_length: int, *, dtype=None) -> None:
-        self.layers.init_cache(batch_size, max_length, dtype=dtype)
+    def init_cache(self, batch_size: int, max_length: int, *, context_length: int | None = None,
+                   dtype=None) -> None:  # fmt: skip
+        self.layers.init_cache(batch_size, max_length, context_length=context_length,
+                               dtype=dtype)  # fmt: skip
 
 
 class OutputHead(nnx.Module):

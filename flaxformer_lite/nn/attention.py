@@ -39,6 +39,8 @@ class MultiHeadAttention(nnx.Module):
       num_kv_heads: key/value heads Hk (``H % Hk == 0``); defaults to H.
       head_dim: Dh; defaults to ``D // H``.
       context_features: size of the cross-attention context; defaults to D.
+      cross: cross-attention: keys/values come from a context, the KV cache (when decoding)
+        holds the context's projections, computed once.
       fused_qkv: one ``[D, 3, H, Dh]`` projection for self-attention (needs ``Hk == H``).
       qkv_bias, out_bias: biases on the input and output projections.
       rope: rotate queries and keys by their positions (self-attention only).
@@ -58,6 +60,7 @@ class MultiHeadAttention(nnx.Module):
         num_kv_heads: int | None = None,
         head_dim: int | None = None,
         context_features: int | None = None,
+        cross: bool = False,
         fused_qkv: bool = False,
         qkv_bias: bool = True,
         out_bias: bool = True,
@@ -77,9 +80,9 @@ class MultiHeadAttention(nnx.Module):
             raise ValueError(
                 f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
             )
-        if fused_qkv and (num_kv_heads != num_heads or context_features is not None):
+        if fused_qkv and (num_kv_heads != num_heads or cross or context_features is not None):
             raise ValueError("fused_qkv needs self-attention with num_kv_heads == num_heads")
-        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.num_kv_heads, self.head_dim, self.cross = num_kv_heads, head_dim, cross
         self.rope, self.dropout_rate, self.dtype = rope, dropout_rate, dtype
         # The function and the implementation name are static attributes: kept as given (not
         # wrapped in a new partial) so that equal configs give equal graphs and share compiles.
@@ -125,6 +128,8 @@ class MultiHeadAttention(nnx.Module):
     def init_cache(self, batch_size: int, max_length: int, *, dtype=None, num_layers=None):
         """Allocates an empty KV cache ``[B, max_length, Hk, Dh]`` for incremental decoding.
 
+        For cross-attention ``max_length`` is the context length S: the first decoding call
+        with a context stores its keys/values, later calls without one reuse them.
         ``num_layers`` prefixes a layer axis, for the stacked attention of scanned layers.
         """
         shape = (batch_size, max_length, self.num_kv_heads, self.head_dim)
@@ -157,7 +162,8 @@ class MultiHeadAttention(nnx.Module):
           cache_index: decode with the KV cache: the keys/values of ``x`` are written at slots
             ``[cache_index, cache_index + T)`` and the queries attend to the whole cache, slots
             beyond their own position masked when ``is_causal``. ``cache_index + T`` must not
-            exceed the cache length (the slot would be clamped).
+            exceed the cache length (the slot would be clamped). For cross-attention with a
+            cache: a ``context`` is projected and stored; ``context=None`` reuses the stored one.
 
         Returns:
           ``[B, T, D]`` in the compute dtype.
@@ -169,7 +175,11 @@ class MultiHeadAttention(nnx.Module):
             if context is not None:
                 raise ValueError("a fused_qkv attention is self-attention; it takes no context")
             q, k, v = (y[:, :, 0] for y in jnp.split(self.qkv(x), 3, axis=2))
+        elif self.cross and cache_index is not None and self.cached_key is not None:
+            q, (k, v) = self.query(x), self._cached_context(context)
         else:
+            if self.cross and context is None:
+                raise ValueError("cross-attention needs a context (or a filled KV cache)")
             kv_input = x if context is None else context
             q, k, v = self.query(x), self.key(kv_input), self.value(kv_input)
 
@@ -179,9 +189,9 @@ class MultiHeadAttention(nnx.Module):
                 positions = start + jnp.arange(length)
             q, k = self.rope(q, positions), self.rope(k, positions)
 
-        if cache_index is not None:
+        if cache_index is not None and not self.cross:
             if context is not None:
-                raise ValueError("the KV cache is for self-attention; cross-attention has none")
+                raise ValueError("a self-attention KV cache takes no context")
             k, v = self._update_cache(k, v, cache_index)
             if is_causal:
                 causal = ops.causal_mask(length, k.shape[1], offset=cache_index)
@@ -201,6 +211,21 @@ class MultiHeadAttention(nnx.Module):
         else:
             out = self.attention_fn(q, k, v, bias, mask, is_causal=is_causal, **dropout)
         return self.out(out)
+
+    def _cached_context(self, context: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+        """Cross-attention keys/values ``[B, S, Hk, Dh]``: of ``context``, stored in the cache
+        for the next steps; or, without a context, those stored by an earlier step."""
+        if context is None:
+            return self.cached_key[...].astype(self.dtype), self.cached_value[...].astype(self.dtype)
+        k, v = self.key(context), self.value(context)
+        if k.shape != self.cached_key.shape:
+            raise ValueError(
+                f"context keys {k.shape} do not fit the cross-attention cache "
+                f"{self.cached_key.shape} (init_cache with the source length)"
+            )
+        self.cached_key[...] = k.astype(self.cached_key.dtype)
+        self.cached_value[...] = v.astype(self.cached_value.dtype)
+        return k, v
 
     def _update_cache(self, k: jax.Array, v: jax.Array, cache_index: jax.Array):
         if self.cached_key is None:

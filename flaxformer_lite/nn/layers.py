@@ -38,6 +38,7 @@ def make_attention(cfg, *, num_layers: int, cross: bool, rngs: nnx.Rngs, attenti
         cfg.num_heads,
         num_kv_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim,
+        cross=cross,
         fused_qkv=cfg.fused_qkv and not cross,
         qkv_bias=cfg.qkv_bias,
         out_bias=cfg.attention_out_bias,
@@ -115,7 +116,8 @@ class TransformerLayer(nnx.Module):
           bias: self-attention logit bias (relative positions, ALiBi), same shape rules.
           context_mask: cross-attention mask, broadcastable to ``[B, H, T, S]``.
           positions: ``[T]`` or ``[B, T]`` positions for RoPE.
-          cache_index: decode through the self-attention KV cache from this slot.
+          cache_index: decode through the self-attention KV cache from this slot (and, if
+            allocated, the cross-attention cache: ``context=None`` reuses the stored context).
 
         Returns:
           ``[B, T, D]``.
@@ -127,22 +129,28 @@ class TransformerLayer(nnx.Module):
                 cache_index=cache_index,
             )  # fmt: skip
 
+        cross_attention = (
+            None if self.cross_attention is None
+            else self._cross(context, context_mask, cache_index)
+        )  # fmt: skip
         if self.parallel:
             h = self.self_attention_norm(x) if self.pre_norm else x
             branches = self.dropout(self_attention(h)) + self.dropout(self.mlp(h))
             x = x + branches if self.pre_norm else self.self_attention_norm(x + branches)
             if self.cross_attention is not None:
-                x = self._sublayer(x, self.cross_attention_norm, self._cross(context, context_mask))
+                x = self._sublayer(x, self.cross_attention_norm, cross_attention)
             return x
         x = self._sublayer(x, self.self_attention_norm, self_attention)
         if self.cross_attention is not None:
-            x = self._sublayer(x, self.cross_attention_norm, self._cross(context, context_mask))
+            x = self._sublayer(x, self.cross_attention_norm, cross_attention)
         return self._sublayer(x, self.mlp_norm, self.mlp)
 
-    def _cross(self, context, context_mask):
-        if context is None:
+    def _cross(self, context, context_mask, cache_index):
+        cached = cache_index is not None and self.cross_attention.cached_key is not None
+        if context is None and not cached:
             raise ValueError("a layer with cross-attention needs the encoder output (context)")
-        return lambda h: self.cross_attention(h, context, mask=context_mask)
+        return lambda h: self.cross_attention(h, context, mask=context_mask,
+                                              cache_index=cache_index)  # fmt: skip
 
     def _sublayer(self, x, norm, fn):
         if self.pre_norm:

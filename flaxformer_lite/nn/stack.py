@@ -78,15 +78,18 @@ class LayerStack(nnx.Module):
             x = apply(layer, x)
         return x
 
-    def init_cache(self, batch_size: int, max_length: int, *, dtype=None) -> None:
-        """Allocates every layer's self-attention KV cache."""
-        if self.scan:
-            self.layers.self_attention.init_cache(
-                batch_size, max_length, dtype=dtype, num_layers=self.num_layers
-            )
-        else:
-            for layer in self.layers:
-                layer.self_attention.init_cache(batch_size, max_length, dtype=dtype)
+    def init_cache(self, batch_size: int, max_length: int, *, context_length: int | None = None,
+                   dtype=None) -> None:  # fmt: skip
+        """Allocates every layer's self-attention KV cache of ``max_length`` slots and, with
+        ``context_length``, the cross-attention caches of the context's keys/values."""
+        layers = [self.layers] if self.scan else list(self.layers)
+        num_layers = self.num_layers if self.scan else None
+        for layer in layers:
+            layer.self_attention.init_cache(batch_size, max_length, dtype=dtype,
+                                            num_layers=num_layers)  # fmt: skip
+            if context_length is not None and layer.cross_attention is not None:
+                layer.cross_attention.init_cache(batch_size, context_length, dtype=dtype,
+                                                 num_layers=num_layers)  # fmt: skip
 
 
 def stack_layer_states(layer_states: list) -> nnx.State:
