@@ -151,7 +151,8 @@ def check_lengths(lengths, batch: int, length: int, what: str) -> np.ndarray:
         return np.full((batch,), length, np.int32)
     lengths = np.asarray(lengths)
     if lengths.shape != (batch,) or not np.issubdtype(lengths.dtype, np.integer):
-        raise ValueError(f"{what}_lengths must be int [{batch}], got {lengths.dtype}{lengths.shape}")
+        got = f"{lengths.dtype}{lengths.shape}"
+        raise ValueError(f"{what}_lengths must be int [{batch}], got {got}")
     if lengths.min() < 1 or lengths.max() > length:
         raise ValueError(f"{what}_lengths must be in [1, {length}], got {lengths.tolist()}")
     return lengths.astype(np.int32)

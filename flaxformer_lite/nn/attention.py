@@ -216,7 +216,8 @@ class MultiHeadAttention(nnx.Module):
         """Cross-attention keys/values ``[B, S, Hk, Dh]``: of ``context``, stored in the cache
         for the next steps; or, without a context, those stored by an earlier step."""
         if context is None:
-            return self.cached_key[...].astype(self.dtype), self.cached_value[...].astype(self.dtype)
+            cached = self.cached_key[...], self.cached_value[...]
+            return tuple(x.astype(self.dtype) for x in cached)
         k, v = self.key(context), self.value(context)
         if k.shape != self.cached_key.shape:
             raise ValueError(

@@ -1,9 +1,10 @@
-"""The command line: ``python train.py``, ``flaxformer-lite train|plot`` and
+"""The command line: ``python train.py``, ``flaxformer-lite train|plot|attention`` and
 ``python -m flaxformer_lite.train``.
 
     python train.py                                   # the embedded default
     python train.py --config configs/gpt2_small.yaml train.steps=200 optimizer.lr=3e-4
     flaxformer-lite plot runs/default
+    flaxformer-lite attention --run_dir runs/default --text "12+34=" --out maps
 
 Errors the user can fix (config, data, files) print one line and exit with status 2; a run
 stopped by a non-finite step exits 1; SIGTERM/SIGINT save a checkpoint and exit 128 + signal.
@@ -30,10 +31,11 @@ def train_main(argv: list[str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``flaxformer-lite``: the ``train`` (as ``train.py``) and ``plot`` subcommands."""
+    """``flaxformer-lite``: the ``train`` (as ``train.py``), ``plot`` and ``attention``
+    subcommands."""
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="flaxformer-lite")
-    parser.add_argument("command", choices=("train", "plot"))
+    parser.add_argument("command", choices=("train", "plot", "attention"))
     if argv[:1] == ["train"]:
         return train_main(argv[1:])
     if argv[:1] == ["plot"]:
@@ -43,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         plot.add_argument("run_dir", type=pathlib.Path)
         run_dir = plot.parse_args(argv[1:]).run_dir
         return _guarded(lambda: _plot(run_dir))
+    if argv[:1] == ["attention"]:
+        args = _attention_parser().parse_args(argv[1:])
+        return _guarded(lambda: _attention(args))
     parser.parse_args(argv[:1])  # prints the usage (and exits 2) for anything else
     return 2
 
@@ -86,6 +91,36 @@ def _plot(run_dir: pathlib.Path) -> int:
     from flaxformer_lite.train.metrics import plot_run
 
     for path in plot_run(run_dir):
+        _say(f"wrote {path}")
+    return 0
+
+
+def _attention_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flaxformer-lite attention",
+        description="plot a trained run's attention weights on a text, one PNG per layer "
+        "(a grid of heads; queries on rows, keys on columns)",
+    )
+    parser.add_argument("--run_dir", type=pathlib.Path, required=True, help="a trained run")
+    parser.add_argument("--text", required=True,
+                        help="the input (an encoder-decoder's source)")  # fmt: skip
+    parser.add_argument("--out", type=pathlib.Path,
+                        help="where the PNGs go (default: RUN_DIR/plots/attention)")  # fmt: skip
+    parser.add_argument("--target", help="an encoder-decoder's target text: adds the decoder's "
+                        "self- and cross-attention")  # fmt: skip
+    parser.add_argument("--step", type=int, help="the checkpoint (default: the newest)")
+    return parser
+
+
+def _attention(args) -> int:
+    from flaxformer_lite.attention_maps import write_text_attention_maps
+    from flaxformer_lite.train.restore import load_run
+
+    run = load_run(args.run_dir, step=args.step)
+    out = args.out if args.out is not None else args.run_dir / "plots" / "attention"
+    paths = write_text_attention_maps(run.model, run.tokenizer, args.text, out,
+                                      target=args.target, note=f"step {run.step}")  # fmt: skip
+    for path in paths:
         _say(f"wrote {path}")
     return 0
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import pathlib
 import shutil
 import signal
@@ -22,7 +23,7 @@ from flax import nnx
 
 from flaxformer_lite import parallel
 from flaxformer_lite.data.pipeline import build_data
-from flaxformer_lite.models import build_model, training_flops_per_token
+from flaxformer_lite.models import training_flops_per_token
 from flaxformer_lite.train.checkpoint import Checkpointer
 from flaxformer_lite.train.config import (
     ConfigError,
@@ -33,6 +34,8 @@ from flaxformer_lite.train.config import (
 )
 from flaxformer_lite.train.metrics import MetricsWriter, plot_run
 from flaxformer_lite.train.optim import make_optimizer
+from flaxformer_lite.train.restore import from_savable, make_train_state, to_savable
+from flaxformer_lite.train.restore import restore_target as _restore_target
 from flaxformer_lite.train.step import make_eval_step, make_train_step, task_of
 
 # Dense peak FLOP/s per chip for bf16 matmuls, by jax's device_kind; other devices: n/a.
@@ -123,10 +126,7 @@ def _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log):
     tx, schedule = make_optimizer(cfg.optimizer, total_steps=cfg.train.steps,
                                   d_model=cfg.model.d_model)  # fmt: skip
 
-    def create():
-        model = build_model(cfg.model, rngs=nnx.Rngs(params=cfg.seed, dropout=cfg.seed + 1))
-        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
-
+    create = functools.partial(make_train_state, cfg, tx)
     resuming = checkpointer.latest_step() is not None
     make_state = parallel.abstract_sharded if resuming else parallel.create_sharded
     graphdef, state, shardings = make_state(create, mesh, rules)
@@ -224,45 +224,6 @@ def evaluate(eval_step, state, batches, max_batches: int) -> dict[str, float]:
             totals[key] += float(metrics[key]) * count
     count = max(totals["num_tokens"], 1e-8)
     return {"eval_loss": totals["loss"] / count, "eval_accuracy": totals["accuracy"] / count}
-
-
-def to_savable(state) -> dict:
-    """The split state as a nested dict of plain arrays (typed PRNG keys as their key data)."""
-    return jax.tree.map(
-        lambda x: jax.random.key_data(x) if _is_key(x) else x, nnx.to_pure_dict(state)
-    )
-
-
-def from_savable(saved: dict, like):
-    """The inverse of :func:`to_savable`, written into the state ``like`` (concrete, or abstract
-    as :func:`flaxformer_lite.parallel.abstract_sharded` makes it)."""
-
-    def restore(saved_leaf, like_leaf):
-        if not _is_key(like_leaf):
-            return saved_leaf
-        # An abstract key has no implementation to ask; nnx.Rngs made it with the default one.
-        impl = jax.random.key_impl(like_leaf) if isinstance(like_leaf, jax.Array) else None
-        return jax.random.wrap_key_data(saved_leaf, impl=impl)
-
-    nnx.replace_by_pure_dict(like, jax.tree.map(restore, saved, nnx.to_pure_dict(like)))
-    return like
-
-
-def _is_key(x) -> bool:
-    return jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def _restore_target(abstract_state) -> dict:
-    """What :func:`to_savable` makes of ``abstract_state``, as ``ShapeDtypeStruct``s carrying the
-    current shardings: checkpoints restore straight into this run's layout."""
-
-    def leaf(x):
-        if _is_key(x):
-            data = jax.eval_shape(jax.random.key_data, x)
-            return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=x.sharding)
-        return x
-
-    return jax.tree.map(leaf, nnx.to_pure_dict(abstract_state))
 
 
 def _train_and_eval_graphdefs(graphdef, state):

@@ -1,0 +1,325 @@
+"""Attention maps: the attention weights every layer and head of a model uses on an input, and
+heatmaps of them.
+
+    maps = attention_maps(model, tokens)             # DecoderLM / Encoder: L x [B, H, T, T]
+    maps = attention_maps(model, src, tgt)           # {"encoder", "decoder", "cross"} lists
+    plot_attention_maps(maps[0][0], labels, labels, "layer0.png")
+
+The weights are the ones the model uses, not a re-implementation of it: on a copy of the model
+every ``MultiHeadAttention`` gets an ``attention_fn`` that passes the ``q, k, bias, mask,
+is_causal`` it receives (queries and keys from the layer's own projections, after RoPE; the
+padding, causal and segment masks and the relative / ALiBi biases the model builds) to
+``ops.attention_weights``, keeps the result, and returns the output of the module's own
+attention function, so every later layer sees exactly what it sees in the model.
+
+A scanned layer stack (``scan_layers=True``) runs inside ``nnx.scan``, where kept values would be
+tracers of the scan; the copy's stack is unrolled instead, one layer per slice of the stacked
+parameters (the inverse of ``nn.stack.stack_layer_states``). Remat is switched off on the copy:
+it changes memory and time, never values. Dropout is off (``eval()``).
+
+The weights are those of ``ops.dot_product_attention`` (the default ``attention_fn``): a model
+built with another ``attention_fn`` still runs it, but its weights are not known here.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from flaxformer_lite import ops
+from flaxformer_lite.models import DecoderLM, Encoder, EncoderDecoder
+from flaxformer_lite.nn.attention import MultiHeadAttention
+from flaxformer_lite.nn.stack import LayerStack
+
+SPECIAL_LABELS = ("<pad>", "<sos>", "<eos>", "<unk>")  # ids 0..3 of every tokenizer
+
+
+def attention_maps(model, inputs, target=None, *, mask=None, **kwargs):
+    """The attention weights of every layer and head of ``model`` for one batch.
+
+    Args:
+      model: a ``DecoderLM``, ``Encoder`` or ``EncoderDecoder``; it is not modified.
+      inputs: int ``[B, T]`` tokens (float ``[B, T, input_dim]`` for continuous inputs): the
+        model's input, the source ``[B, S]`` of an ``EncoderDecoder``.
+      target: ``EncoderDecoder`` only: the decoder's input ``[B, T]`` (``<sos>`` + target, as in
+        training); without it only the encoder's maps are computed.
+      mask: bool ``[B, T]`` (``[B, S]``), False at padding: ``DecoderLM``'s ``attention_mask``,
+        ``Encoder``'s ``mask``, ``EncoderDecoder``'s ``src_mask``.
+      **kwargs: further keyword arguments of the model call: ``positions``, ``segment_ids``
+        (``DecoderLM``); ``token_types``, ``positions``, ``segment_ids`` (``Encoder.encode``);
+        ``src_positions``, ``tgt_positions`` (``EncoderDecoder``).
+
+    Returns:
+      float32 weights, rows are queries and columns keys; each row sums to 1 (0 where every key
+      is masked). ``DecoderLM`` and ``Encoder``: a list over layers of ``[B, H, T, T]``.
+      ``EncoderDecoder``: ``{"encoder": [B, H, S, S] per encoder layer, "decoder": [B, H, T, T]
+      and "cross": [B, H, T, S] per decoder layer}`` (the last two empty without ``target``).
+
+    Raises:
+      TypeError: ``model`` is not one of the three models.
+      ValueError: ``target`` for a model that is not an ``EncoderDecoder``, or bad inputs.
+    """
+    if not isinstance(model, DecoderLM | Encoder | EncoderDecoder):
+        raise TypeError(
+            f"attention_maps takes a DecoderLM, Encoder or EncoderDecoder, got {type(model)}"
+        )
+    if target is not None and not isinstance(model, EncoderDecoder):
+        raise ValueError(f"target is for an EncoderDecoder; this is a {type(model).__name__}")
+    copy = nnx.clone(model)  # new modules and Variables (sharing the arrays): safe to rewire
+    copy.eval()
+    records = {name: _recorded_tower(getattr(copy, name)) for name in _TOWERS[type(model)]}
+    if isinstance(copy, DecoderLM):
+        copy(inputs, attention_mask=mask, **kwargs)
+    elif isinstance(copy, Encoder):
+        copy.encode(inputs, mask=mask, **kwargs)
+    elif target is None:
+        copy.encode(inputs, src_mask=mask, **kwargs)
+    else:
+        copy(inputs, target, src_mask=mask, **kwargs)
+
+    def collect(tower: str, kind: str) -> list[jax.Array]:
+        # One entry per layer, or none where the layer was not run (no target).
+        return [layer[kind][0] for layer in records[tower] if layer[kind]]
+
+    if isinstance(model, EncoderDecoder):
+        return {
+            "encoder": collect("encoder", "self"),
+            "decoder": collect("decoder", "self"),
+            "cross": collect("decoder", "cross"),
+        }
+    return collect(_TOWERS[type(model)][0], "self")
+
+
+_TOWERS = {DecoderLM: ("decoder",), Encoder: ("encoder",), EncoderDecoder: ("encoder", "decoder")}
+
+
+def _recorded_tower(tower) -> list[dict[str, list[jax.Array]]]:
+    """Rewires the attention of every layer of ``tower`` (a copy) to record its weights.
+
+    Returns, per layer, ``{"self": [], "cross": []}`` lists that the forward pass fills.
+    """
+    stack: LayerStack = tower.layers
+    if stack.scan:
+        graphdef, stacked = nnx.split(stack.layers)
+        stack.layers = nnx.List(
+            [nnx.merge(graphdef, unstack_layer_state(stacked, i)) for i in range(stack.num_layers)]
+        )
+        stack.scan = False
+    stack.remat = "none"  # nnx.remat would trace the layer too
+    records = []
+    for layer in stack.layers:
+        record = {"self": [], "cross": []}
+        layer.self_attention.attention_fn = _recording_attention(
+            layer.self_attention, record["self"]
+        )
+        if layer.cross_attention is not None:
+            layer.cross_attention.attention_fn = _recording_attention(
+                layer.cross_attention, record["cross"]
+            )
+        records.append(record)
+    return records
+
+
+def unstack_layer_state(stacked: nnx.State, index: int) -> nnx.State:
+    """Layer ``index`` of the state of a scanned stack (its leading ``"layers"`` axis sliced off
+    the arrays and the logical axis names): the inverse of
+    :func:`flaxformer_lite.nn.stack.stack_layer_states`."""
+    layer = jax.tree.map(lambda x: x[index], stacked)  # new Variables: ``stacked`` is untouched
+    for _, variable in nnx.to_flat_state(layer):
+        names = variable.get_metadata().get("out_sharding")
+        if names and names[0] == "layers":
+            variable.set_metadata("out_sharding", tuple(names[1:]))
+    return layer
+
+
+def _recording_attention(module: MultiHeadAttention, sink: list):
+    """An ``attention_fn`` for ``module`` that appends ``[B, H, Tq, Tk]`` weights to ``sink`` and
+    returns what the module's own attention function returns."""
+    inner, implementation = module.attention_fn, module.implementation
+
+    def attention_fn(q, k, v, bias, mask, *, is_causal, dropout_rate, dropout_rng):
+        sink.append(ops.attention_weights(q, k, bias, mask, is_causal=is_causal))
+        dropout = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+        if inner is None:
+            return ops.dot_product_attention(
+                q, k, v, bias, mask, is_causal=is_causal, implementation=implementation, **dropout
+            )
+        return inner(q, k, v, bias, mask, is_causal=is_causal, **dropout)
+
+    return attention_fn
+
+
+# ------------------------------------------------------------------------------ text and plots
+
+
+def text_inputs(model, tokenizer, text: str, target: str | None = None):
+    """Token ids ``[1, T]`` of ``text`` (and ``target``) laid out as the model saw them in
+    training (see :mod:`flaxformer_lite.data.pipeline`): ``<sos> text`` for a ``DecoderLM``,
+    ``<sos> text <eos>`` for an ``Encoder``; source ``text <eos>`` and decoder input
+    ``<sos> target`` for an ``EncoderDecoder``.
+
+    Returns:
+      ``(inputs, target_inputs)``: numpy int32 ``[1, T]`` each, ``target_inputs`` None without
+      ``target``.
+
+    Raises:
+      ValueError: a model reading continuous inputs, or ``target`` for a model without decoder
+        cross-attention.
+    """
+    if model.config.input_dim is not None or model.config.output_dim is not None:
+        raise ValueError("this model reads or writes continuous values, not tokens of text")
+    if target is not None and not isinstance(model, EncoderDecoder):
+        raise ValueError(
+            f"a target text is for encoder-decoder models; this is a {type(model).__name__}"
+        )
+    ids = tokenizer.encode(text)
+    if isinstance(model, DecoderLM):
+        inputs = [tokenizer.sos_id, *ids]
+    elif isinstance(model, Encoder):
+        inputs = [tokenizer.sos_id, *ids, tokenizer.eos_id]
+    else:
+        inputs = [*ids, tokenizer.eos_id]
+    targets = None if target is None else [tokenizer.sos_id, *tokenizer.encode(target)]
+    return tuple(None if x is None else np.asarray([x], np.int32) for x in (inputs, targets))
+
+
+def token_labels(tokenizer, ids: Sequence[int]) -> list[str]:
+    """A readable tick label per id: specials by name, a space as ``␣``, a byte that is only
+    part of a character (byte tokenizer) as ``<0xC3>``."""
+    labels = []
+    for i in np.asarray(ids).reshape(-1).tolist():
+        if i < len(SPECIAL_LABELS):
+            labels.append(SPECIAL_LABELS[i])
+            continue
+        text = tokenizer.decode([i])
+        if "\ufffd" in text and tokenizer.kind == "byte":
+            text = f"<0x{i - len(SPECIAL_LABELS):02X}>"
+        labels.append(text.replace(" ", "␣").replace("\n", "\\n").replace("\t", "\\t") or "''")
+    return labels
+
+
+def plot_attention_maps(
+    weights,
+    row_tokens: Sequence[str],
+    col_tokens: Sequence[str],
+    path: pathlib.Path | str,
+    *,
+    title: str | None = None,
+) -> pathlib.Path:
+    """Writes a PNG of one layer's attention: a grid of heatmaps, one per head.
+
+    Args:
+      weights: ``[H, Tq, Tk]`` weights of one example (``attention_maps(...)[layer][b]``).
+      row_tokens: ``Tq`` labels of the queries (rows, y axis).
+      col_tokens: ``Tk`` labels of the keys (columns, x axis).
+      path: the PNG to write (parent directories are created).
+      title: a title above the grid.
+
+    Returns:
+      ``path``.
+
+    Raises:
+      ValueError: ``weights`` is not ``[H, Tq, Tk]`` or the label counts do not match.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    weights = np.asarray(weights, np.float32)
+    if weights.ndim != 3:
+        raise ValueError(
+            f"weights must be one example's [heads, queries, keys], got shape {weights.shape}"
+        )
+    num_heads, q_len, k_len = weights.shape
+    if (len(row_tokens), len(col_tokens)) != (q_len, k_len):
+        raise ValueError(
+            f"{len(row_tokens)} row and {len(col_tokens)} column labels for weights of "
+            f"{q_len} queries and {k_len} keys"
+        )
+    cols = math.ceil(math.sqrt(num_heads))  # a near-square grid
+    rows = math.ceil(num_heads / cols)
+    longest = max(q_len, k_len)
+    cell = max(3.0, 0.28 * longest)  # inches per heatmap: room for one label per token
+    fontsize = max(4.0, min(10.0, 0.45 * cell * 72 / longest))  # about half a row's height
+    figure = Figure(figsize=(cols * cell + 1.2, rows * cell + 1.0), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(rows, cols, squeeze=False)
+    vmax = max(float(weights.max()), 1e-6)  # one color scale for the layer: heads compare
+    image = None
+    for head, ax in enumerate(axes.flat):
+        if head >= num_heads:
+            ax.set_axis_off()
+            continue
+        image = ax.imshow(weights[head], cmap="viridis", vmin=0.0, vmax=vmax, aspect="auto",
+                          interpolation="nearest")  # fmt: skip
+        ax.set_title(f"head {head}", fontsize=fontsize + 2)
+        ax.set_xticks(range(k_len), list(col_tokens), fontsize=fontsize)
+        for label in ax.get_xticklabels():  # characters read best upright; longer tokens overlap
+            label.set_rotation(90 if len(label.get_text()) > 2 else 0)
+        ax.set_yticks(range(q_len), list(row_tokens), fontsize=fontsize)
+        ax.set_xlabel("key", fontsize=fontsize + 1)
+        ax.set_ylabel("query", fontsize=fontsize + 1)
+    figure.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
+    if title:
+        figure.suptitle(title)
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    return path
+
+
+def write_text_attention_maps(
+    model, tokenizer, text: str, out_dir: pathlib.Path | str, *, target: str | None = None,
+    note: str = "",
+) -> list[pathlib.Path]:  # fmt: skip
+    """Plots the attention of ``model`` on ``text`` into ``out_dir``, one PNG per layer.
+
+    Files: ``decoder_layer<i>.png`` (``DecoderLM``), ``encoder_layer<i>.png`` (``Encoder`` and
+    an ``EncoderDecoder``'s encoder), and with ``target`` ``decoder_layer<i>.png`` and
+    ``cross_layer<i>.png`` (an ``EncoderDecoder``'s decoder self- and cross-attention).
+
+    Args:
+      model, tokenizer: a trained model and its tokenizer.
+      text: the input (the source of an ``EncoderDecoder``), laid out by :func:`text_inputs`.
+      out_dir: where the PNGs go (created).
+      target: an ``EncoderDecoder``'s target text.
+      note: appended to every title (e.g. the checkpoint step).
+
+    Returns:
+      The written paths.
+    """
+    inputs, targets = text_inputs(model, tokenizer, text, target)
+    maps = attention_maps(model, inputs, targets)
+    source_labels = token_labels(tokenizer, inputs)
+    target_labels = None if targets is None else token_labels(tokenizer, targets)
+    if isinstance(model, EncoderDecoder):
+        parts = {"encoder": ("encoder self-attention", source_labels, source_labels)}
+        if target is not None:
+            parts["decoder"] = ("decoder self-attention", target_labels, target_labels)
+            parts["cross"] = ("cross-attention (target -> source)", target_labels, source_labels)
+    else:
+        name = "decoder" if isinstance(model, DecoderLM) else "encoder"
+        maps = {name: maps}
+        parts = {name: (f"{name} self-attention", source_labels, source_labels)}
+    out_dir = pathlib.Path(out_dir)
+    written = []
+    for name, (what, rows, cols) in parts.items():
+        for layer, weights in enumerate(maps[name]):
+            title = f"{what}, layer {layer}" + (f" ({note})" if note else "")
+            path = out_dir / f"{name}_layer{layer}.png"
+            written.append(plot_attention_maps(weights[0], rows, cols, path, title=title))
+    return written
+
+
+__all__ = [
+    "attention_maps",
+    "plot_attention_maps",
+    "text_inputs",
+    "token_labels",
+    "unstack_layer_state",
+    "write_text_attention_maps",
+]

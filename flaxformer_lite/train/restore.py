@@ -1,0 +1,157 @@
+"""Loading a trained run: the model of a checkpoint written by ``train.py``, with its tokenizer
+and config, ready for inference, plots and generation.
+
+    run = load_run("runs/default")            # the newest checkpoint (or step=N)
+    ids = jnp.asarray([[run.tokenizer.sos_id, *run.tokenizer.encode("12+34=")]])
+    logits = run.model(ids)                   # [1, T, vocab], dropout off
+
+The helpers that convert the training state to and from what a checkpoint holds
+(:func:`to_savable`, :func:`from_savable`, :func:`restore_target`, :func:`make_train_state`)
+live here and the training loop uses them too, so a run is restored exactly as it resumes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import pathlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from flaxformer_lite import parallel
+from flaxformer_lite.data.tokenizers import Tokenizer, load_tokenizer
+from flaxformer_lite.models import build_model
+from flaxformer_lite.train.checkpoint import Checkpointer, CheckpointError
+from flaxformer_lite.train.config import TrainConfig, config_from_dict
+from flaxformer_lite.train.optim import make_optimizer
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedRun:
+    """A run's model at one checkpoint.
+
+    Attributes:
+      model: the ``EncoderDecoder``, ``DecoderLM`` or ``Encoder``, in eval mode (no dropout).
+      tokenizer: the run's tokenizer (``<run_dir>/tokenizer``).
+      config: the ``TrainConfig`` saved with the checkpoint (``config.model`` built ``model``).
+      step: the optimizer step of the checkpoint.
+    """
+
+    model: nnx.Module
+    tokenizer: Tokenizer
+    config: TrainConfig
+    step: int
+
+
+def load_run(run_dir: pathlib.Path | str, *, step: int | None = None,
+             mesh: Mesh | None = None) -> LoadedRun:  # fmt: skip
+    """Restores the model of ``run_dir/checkpoints`` at ``step`` (default: the newest).
+
+    The directory is only read: an unreadable checkpoint is reported, never moved aside (a
+    training run may still be writing into it).
+
+    Args:
+      run_dir: a directory written by ``train.py``.
+      step: the checkpoint to load; default the newest finished one.
+      mesh: where the parameters go, laid out by the run's ``mesh.rules``; default one
+        ``(data, fsdp, tensor)`` mesh of size 1 on the first local device.
+
+    Raises:
+      FileNotFoundError: ``run_dir`` is not a directory, or has no checkpoints or tokenizer
+        (the message names the path).
+      ValueError: ``step`` has no checkpoint, or the checkpoint cannot be restored.
+    """
+    run_dir = pathlib.Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"{run_dir}: no such run directory")
+    directory = run_dir / "checkpoints"
+    # Checked before opening: the Checkpointer would create a missing directory.
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory}: no checkpoints directory; is {run_dir} a run?")
+    if mesh is None:
+        mesh = parallel.make_mesh(1, 1, 1, devices=jax.local_devices()[:1])
+    # keep/every only matter when saving, which this never does.
+    with Checkpointer(directory, keep=1, async_save=False) as checkpointer:
+        steps = checkpointer.all_steps()
+        if not steps:
+            raise FileNotFoundError(f"{directory}: no finished checkpoint")
+        tokenizer = load_tokenizer(run_dir / "tokenizer")
+        if step is None:
+            step = steps[-1]
+        elif step not in steps:
+            raise ValueError(f"{directory}: no checkpoint for step {step}; it has steps {steps}")
+        try:
+            cfg = config_from_dict(checkpointer.restore_config(step))
+            tx, _ = make_optimizer(cfg.optimizer, total_steps=cfg.train.steps,
+                                   d_model=cfg.model.d_model)  # fmt: skip
+            # The optimizer state is restored too (and dropped): the checkpoint holds one
+            # pytree, and restoring a part of it would need orbax placeholders.
+            create = functools.partial(make_train_state, cfg, tx)
+            graphdef, state, _ = parallel.abstract_sharded(create, mesh, cfg.mesh.rules)
+            restored = checkpointer.restore(restore_target(state), step=step)
+        except CheckpointError as error:
+            others = [s for s in steps if s != step]
+            raise ValueError(f"{error}" + (f"; other steps: {others}" if others else "")) from error
+    model, _ = nnx.merge(graphdef, from_savable(restored.state, state))
+    model.eval()
+    return LoadedRun(model, tokenizer, config_from_dict(restored.config), restored.step)
+
+
+def make_train_state(cfg: TrainConfig, tx) -> tuple[nnx.Module, nnx.Optimizer]:
+    """The run's ``(model, optimizer)`` as ``train.py`` creates them (seeded by ``cfg.seed``);
+    their split state is what a checkpoint holds (through :func:`to_savable`)."""
+    model = build_model(cfg.model, rngs=nnx.Rngs(params=cfg.seed, dropout=cfg.seed + 1))
+    return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+def to_savable(state) -> dict:
+    """The split state as a nested dict of plain arrays (typed PRNG keys as their key data)."""
+    return jax.tree.map(
+        lambda x: jax.random.key_data(x) if _is_key(x) else x, nnx.to_pure_dict(state)
+    )
+
+
+def from_savable(saved: dict, like):
+    """The inverse of :func:`to_savable`, written into the state ``like`` (concrete, or abstract
+    as :func:`flaxformer_lite.parallel.abstract_sharded` makes it)."""
+
+    def restore(saved_leaf, like_leaf):
+        if not _is_key(like_leaf):
+            return saved_leaf
+        # An abstract key has no implementation to ask; nnx.Rngs made it with the default one.
+        impl = jax.random.key_impl(like_leaf) if isinstance(like_leaf, jax.Array) else None
+        return jax.random.wrap_key_data(saved_leaf, impl=impl)
+
+    nnx.replace_by_pure_dict(like, jax.tree.map(restore, saved, nnx.to_pure_dict(like)))
+    return like
+
+
+def restore_target(abstract_state) -> dict[str, Any]:
+    """What :func:`to_savable` makes of ``abstract_state``, as ``ShapeDtypeStruct``s carrying the
+    current shardings: checkpoints restore straight into this layout."""
+
+    def leaf(x):
+        if _is_key(x):
+            data = jax.eval_shape(jax.random.key_data, x)
+            return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=x.sharding)
+        return x
+
+    return jax.tree.map(leaf, nnx.to_pure_dict(abstract_state))
+
+
+def _is_key(x) -> bool:
+    return jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+__all__ = [
+    "LoadedRun",
+    "from_savable",
+    "load_run",
+    "make_train_state",
+    "restore_target",
+    "to_savable",
+]
