@@ -161,3 +161,21 @@ def check_lengths(lengths, batch: int, length: int, what: str) -> np.ndarray:
 def check_new_tokens(max_new_tokens: int) -> None:
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+
+
+def right_pad(rows, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Token lists of different lengths -> int32 ``[B, max_len]`` (padded after each row) and
+    their lengths ``[B]``: the ``prompt_tokens`` / ``prompt_lengths`` of :func:`generate`."""
+    rows = [list(r) for r in rows]
+    if not rows or not all(rows):
+        raise ValueError("need at least one row, and no empty row")
+    batch = np.full((len(rows), max(len(r) for r in rows)), pad_id, np.int32)
+    for i, row in enumerate(rows):
+        batch[i, : len(row)] = row
+    return batch, np.array([len(r) for r in rows], np.int32)
+
+
+def until_eos(ids, eos_id: int | None) -> list[int]:
+    """The tokens of one generated row before its first ``eos_id``."""
+    ids = np.asarray(ids).tolist()
+    return ids[: ids.index(eos_id)] if eos_id in ids else ids

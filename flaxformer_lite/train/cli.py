@@ -1,9 +1,10 @@
-"""The command line: ``python train.py``, ``flaxformer-lite train|plot|attention`` and
-``python -m flaxformer_lite.train``.
+"""The command line: ``python train.py``, ``flaxformer-lite train|plot|generate|attention``,
+``python sample.py`` and ``python -m flaxformer_lite.train``.
 
     python train.py                                   # the embedded default
     python train.py --config configs/gpt2_small.yaml train.steps=200 optimizer.lr=3e-4
     flaxformer-lite plot runs/default
+    flaxformer-lite generate --run_dir runs/default --prompt "12+34="
     flaxformer-lite attention --run_dir runs/default --text "12+34=" --out maps
 
 Errors the user can fix (config, data, files) print one line and exit with status 2; a run
@@ -31,11 +32,11 @@ def train_main(argv: list[str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``flaxformer-lite``: the ``train`` (as ``train.py``), ``plot`` and ``attention``
-    subcommands."""
+    """``flaxformer-lite``: the ``train`` (as ``train.py``), ``plot``, ``generate`` (as
+    ``sample.py``) and ``attention`` subcommands."""
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="flaxformer-lite")
-    parser.add_argument("command", choices=("train", "plot", "attention"))
+    parser.add_argument("command", choices=("train", "plot", "generate", "attention"))
     if argv[:1] == ["train"]:
         return train_main(argv[1:])
     if argv[:1] == ["plot"]:
@@ -45,11 +46,21 @@ def main(argv: list[str] | None = None) -> int:
         plot.add_argument("run_dir", type=pathlib.Path)
         run_dir = plot.parse_args(argv[1:]).run_dir
         return _guarded(lambda: _plot(run_dir))
+    if argv[:1] == ["generate"]:
+        return generate_main(argv[1:])
     if argv[:1] == ["attention"]:
         args = _attention_parser().parse_args(argv[1:])
         return _guarded(lambda: _attention(args))
     parser.parse_args(argv[:1])  # prints the usage (and exits 2) for anything else
     return 2
+
+
+def generate_main(argv: list[str] | None = None, prog: str = "flaxformer-lite generate") -> int:
+    """``flaxformer-lite generate`` / ``sample.py``: continue or translate prompts with a run."""
+    from flaxformer_lite.train import sample
+
+    args = sample.parser(prog).parse_args(argv)
+    return _guarded(lambda: sample.run(args, say=_say))
 
 
 def _add_train_arguments(parser: argparse.ArgumentParser) -> None:

@@ -33,7 +33,10 @@ class ConfigError(ValueError):
 class LoopConfig:
     """The training loop. ``steps`` counts optimizer steps; ``batch_size`` is global (split into
     ``grad_accum_steps`` microbatches). A step with a non-finite loss or gradient stops the run,
-    or is skipped with ``skip_nonfinite``."""
+    or is skipped with ``skip_nonfinite``. Each evaluation also greedy-decodes the first
+    ``decode_examples`` validation examples of LM prompt=answer tasks and seq2seq data, scores
+    them (exact match, token accuracy, BLEU for translation) and logs ``log_samples`` of them;
+    0 turns decoding off."""
 
     steps: int = 1500
     batch_size: int = 32
@@ -41,6 +44,8 @@ class LoopConfig:
     log_every: int = 50
     eval_every: int = 250
     eval_batches: int = 4
+    decode_examples: int = 32
+    log_samples: int = 3
     label_smoothing: float = 0.0
     z_loss: float = 0.0
     skip_nonfinite: bool = False
@@ -61,6 +66,9 @@ class LoopConfig:
             )
         if self.z_loss < 0:
             raise ConfigError(f"train.z_loss must be >= 0, got {self.z_loss}")
+        for name in ("decode_examples", "log_samples"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +142,8 @@ class TrainConfig:
 
 # Keys that may change when a run resumes: they do not change what is being trained.
 RUNTIME_KEYS = ("run_dir", "train.steps", "train.log_every", "train.eval_every",
-                "train.eval_batches", "checkpoint.", "mesh.", "distributed.")  # fmt: skip
+                "train.eval_batches", "train.decode_examples", "train.log_samples", "checkpoint.",
+                "mesh.", "distributed.")  # fmt: skip
 
 
 def load_config(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import pathlib
 import shutil
 import signal
@@ -32,6 +33,7 @@ from flaxformer_lite.train.config import (
     config_from_dict,
     is_runtime_key,
 )
+from flaxformer_lite.train.decode_eval import decodable, decode_eval
 from flaxformer_lite.train.metrics import MetricsWriter, plot_run
 from flaxformer_lite.train.optim import make_optimizer
 from flaxformer_lite.train.restore import from_savable, make_train_state, to_savable
@@ -192,6 +194,9 @@ def _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log):
             if step % cfg.train.eval_every == 0 or step == cfg.train.steps:
                 batches = map(place, data.eval_batches())
                 values |= evaluate(eval_step, state, batches, cfg.train.eval_batches)
+                if task in ("lm", "seq2seq"):
+                    values["eval_perplexity"] = math.exp(min(values["eval_loss"], 80.0))
+                values |= _decoded_eval(cfg, data, task, nnx.merge(eval_graphdef, state)[0], log)
             if values:
                 writer.write(step, values)
                 last = values
@@ -224,6 +229,25 @@ def evaluate(eval_step, state, batches, max_batches: int) -> dict[str, float]:
             totals[key] += float(metrics[key]) * count
     count = max(totals["num_tokens"], 1e-8)
     return {"eval_loss": totals["loss"] / count, "eval_accuracy": totals["accuracy"] / count}
+
+
+def _decoded_eval(cfg, data, task, model, log) -> dict[str, float]:
+    """Greedy-decodes ``train.decode_examples`` validation examples, logs ``train.log_samples``
+    of them, and returns their scores (nothing for tasks without answers to compare)."""
+    if not cfg.train.decode_examples or not decodable(task, data.eval_examples):
+        return {}
+    if jax.process_count() > 1:  # the prompts are not split over processes
+        return {}
+    # One batch of prompts on whatever devices hold the parameters: no activation layout rules.
+    with nnx.logical_axis_rules(()):
+        values, samples = decode_eval(
+            model, data.tokenizer, data.eval_examples, task=task,
+            num_examples=cfg.train.decode_examples, max_length=cfg.model.max_length,
+        )  # fmt: skip
+    for sample in samples[: cfg.train.log_samples]:
+        log(f"  sample {sample.input!r} -> {sample.prediction!r} "
+            f"(reference {sample.reference!r})")  # fmt: skip
+    return values
 
 
 def _train_and_eval_graphdefs(graphdef, state):

@@ -1,0 +1,114 @@
+"""Evaluation by decoding: the model writes answers (LM prompts) or targets (seq2seq sources) for
+validation examples, which are scored as text.
+
+* exact match: the synthetic task's own scoring (``Task.score``), else stripped string equality;
+* token accuracy: the fraction of reference tokens (and the closing ``<eos>``) that the greedy
+  output reproduces at the same position;
+* BLEU (sacrebleu's corpus BLEU) for translation data (a ``parallel`` source).
+
+Perplexity is ``exp(eval_loss)`` of the teacher-forced evaluation (see ``train.loop``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+import sacrebleu
+
+from flaxformer_lite.data import synthetic
+from flaxformer_lite.data.tokenizers import EOS_ID, PAD_ID, SOS_ID, Tokenizer
+from flaxformer_lite.decode import generate, right_pad, seq2seq_generate, until_eos
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """One decoded example: what the model read, what it should write, and what it wrote."""
+
+    input: str
+    reference: str
+    prediction: str
+
+
+def decodable(task: str, examples: Sequence[dict]) -> bool:
+    """Whether ``examples`` of a ``task`` run can be scored by decoding: seq2seq data, or LM data
+    of the synthetic prompt=answer tasks (plain text has no answer to compare with)."""
+    if task == "seq2seq":
+        return True
+    return task == "lm" and isinstance(examples, synthetic.Task) and examples.kind == "lm"
+
+
+def decode_eval(
+    model,
+    tokenizer: Tokenizer,
+    examples: Sequence[dict],
+    *,
+    task: str,
+    num_examples: int,
+    max_length: int,
+) -> tuple[dict[str, float], list[Sample]]:
+    """Greedy-decodes the first ``num_examples`` validation ``examples`` and scores them.
+
+    Args:
+      model: a ``DecoderLM`` (``task="lm"``) or ``EncoderDecoder`` (``"seq2seq"``).
+      tokenizer: the run's tokenizer.
+      examples: validation records (a synthetic ``Task`` or a list of dicts); see
+        :func:`decodable`.
+      num_examples: how many to decode (one batch, the same every call: one compile).
+      max_length: the model's longest sequence (prompt plus answer, or one target).
+
+    Returns:
+      ``({"eval_exact_match", "eval_token_accuracy"[, "eval_bleu"]}, samples)``.
+    """
+    records = [examples[i] for i in range(min(num_examples, len(examples)))]
+    if task == "lm":
+        pairs = [synthetic.split_prompt(r["text"]) for r in records]
+        inputs = [[SOS_ID, *tokenizer.encode(prompt)] for prompt, _ in pairs]
+    else:
+        pairs = [(r["source"], r["target"]) for r in records]
+        inputs = [[*tokenizer.encode(source)[: max_length - 1], EOS_ID] for source, _ in pairs]
+    references = [[*tokenizer.encode(reference), EOS_ID] for _, reference in pairs]
+    batch, lengths = right_pad(inputs, PAD_ID)
+    budget = max_length - batch.shape[1] if task == "lm" else max_length - 1
+    max_new_tokens = max(1, min(max(len(r) for r in references) + 2, budget))
+    if task == "lm":
+        out = generate(model, batch, max_new_tokens=max_new_tokens, prompt_lengths=lengths,
+                       eos_id=EOS_ID, pad_id=PAD_ID)  # fmt: skip
+        outputs = [row[n : n + max_new_tokens] for row, n in zip(np.asarray(out), lengths,
+                                                                 strict=True)]  # fmt: skip
+    else:
+        out = seq2seq_generate(model, batch, max_new_tokens=max_new_tokens, src_lengths=lengths,
+                               sos_id=SOS_ID, eos_id=EOS_ID, pad_id=PAD_ID)  # fmt: skip
+        outputs = list(np.asarray(out))
+    predictions = [tokenizer.decode(until_eos(ids, EOS_ID)) for ids in outputs]
+    samples = [
+        Sample(input=source, reference=reference, prediction=prediction)
+        for (source, reference), prediction in zip(pairs, predictions, strict=True)
+    ]
+    metrics = {
+        "eval_exact_match": _exact_match(examples, records, predictions, pairs),
+        "eval_token_accuracy": token_accuracy(outputs, references),
+    }
+    if task == "seq2seq" and not isinstance(examples, synthetic.Task):
+        metrics["eval_bleu"] = sacrebleu.corpus_bleu(
+            predictions, [[reference for _, reference in pairs]]
+        ).score
+    return metrics, samples
+
+
+def token_accuracy(outputs: Sequence[Sequence[int]], references: Sequence[Sequence[int]]) -> float:
+    """Reference tokens matched at their position by the output, over all reference tokens."""
+    hits = total = 0
+    for output, reference in zip(outputs, references, strict=True):
+        output = list(output)[: len(reference)]
+        hits += sum(o == r for o, r in zip(output, reference, strict=False))
+        total += len(reference)
+    return hits / max(total, 1)
+
+
+def _exact_match(examples, records, predictions, pairs) -> float:
+    if isinstance(examples, synthetic.Task) and examples.metric == "exact_match":
+        return examples.score(predictions, records)["exact_match"]
+    hits = sum(p.strip() == r.strip() for p, (_, r) in zip(predictions, pairs, strict=True))
+    return hits / len(predictions)

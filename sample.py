@@ -1,0 +1,14 @@
+"""Continue prompts (or translate) with a trained run, like nanoGPT's sample.py.
+
+    python sample.py --run_dir runs/default --prompt "12+34="
+    python sample.py --run_dir runs/default --prompt "7-2=" --temperature 0.8 --num_samples 3
+
+Same options as ``flaxformer-lite generate`` (``--help`` lists them).
+"""
+
+import sys
+
+from flaxformer_lite.train.cli import generate_main
+
+if __name__ == "__main__":
+    sys.exit(generate_main(prog="sample.py"))

@@ -1,0 +1,174 @@
+"""Decoding on trained runs: train.py's decoded evaluation (exact match, token accuracy,
+perplexity, BLEU, logged samples) and the ``generate`` command / ``sample.py`` on checkpoints made
+by tiny train.py runs inside the test."""
+
+import json
+import math
+import pathlib
+import runpy
+import sys
+
+import numpy as np
+import pytest
+
+from flaxformer_lite.data import synthetic
+from flaxformer_lite.data.tokenizers import EOS_ID, SOS_ID
+from flaxformer_lite.decode import beam_search, generate, right_pad, until_eos
+from flaxformer_lite.train.cli import main
+from flaxformer_lite.train.config import load_config
+from flaxformer_lite.train.decode_eval import decode_eval, token_accuracy
+from flaxformer_lite.train.loop import run
+from flaxformer_lite.train.restore import load_run
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+QUICK = ["train.batch_size=8", "optimizer.warmup_steps=0", "optimizer.schedule=constant",
+         "train.log_every=10", "train.eval_every=20", "train.eval_batches=2",
+         "data.eval_size=16", "train.decode_examples=6", "train.log_samples=2"]  # fmt: skip
+
+
+def metrics(run_dir):
+    lines = (pathlib.Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+@pytest.fixture(scope="module")
+def lm_run(tmp_path_factory):
+    """The embedded default (arithmetic, gpt2-tiny), 40 steps."""
+    run_dir = tmp_path_factory.mktemp("lm") / "run"
+    cfg = load_config(None, [f"run_dir={run_dir}", "data.seq_len=32", "train.steps=40",
+                             "optimizer.lr=0.003", *QUICK])  # fmt: skip
+    logs = []
+    run(cfg, progress=False, log=logs.append)
+    return run_dir, logs
+
+
+@pytest.fixture(scope="module")
+def translation_run(tmp_path_factory):
+    """The encoder-decoder preset on a TSV file of parallel sentences (BLEU is reported for
+    translation data), 40 steps."""
+    root = tmp_path_factory.mktemp("mt")
+    task = synthetic.make_task("number_words", split="train", seed=0, size=300)
+    lines = [f"{task[i]['source']}\t{task[i]['target']}" for i in range(len(task))]
+    (root / "pairs.tsv").write_text("\n".join(lines) + "\n")
+    cfg = load_config(REPO / "configs" / "transformer_tiny.yaml", [
+        f"run_dir={root / 'run'}", "data.source=parallel", f"data.path={root / 'pairs.tsv'}",
+        "data.seq_len=40", "train.steps=40", *QUICK,
+    ])  # fmt: skip
+    logs = []
+    run(cfg, progress=False, log=logs.append)
+    return root / "run", logs
+
+
+def test_lm_eval_decodes_and_scores(lm_run):
+    run_dir, logs = lm_run
+    evals = [r for r in metrics(run_dir) if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [20, 40]
+    for record in evals:
+        assert 0 <= record["eval_exact_match"] <= 1
+        assert 0 < record["eval_token_accuracy"] <= 1  # "<eos>" and digits are learnt early
+        assert record["eval_perplexity"] == pytest.approx(math.exp(record["eval_loss"]))
+        assert "eval_bleu" not in record
+    samples = [line for line in logs if line.startswith("  sample ")]
+    assert len(samples) == 2 * len(evals), logs
+    assert "=" in samples[0] and "(reference " in samples[0]
+
+
+def test_decode_eval_scores_agree_with_its_samples(lm_run):
+    run_dir, _ = lm_run
+    loaded = load_run(run_dir)
+    examples = synthetic.make_task("arithmetic", split="validation", seed=0, size=16)
+    max_length = loaded.model.config.max_length
+    values, samples = decode_eval(loaded.model, loaded.tokenizer, examples, task="lm",
+                                  num_examples=10, max_length=max_length)  # fmt: skip
+    assert len(samples) == 10
+    hits = [s.prediction.strip() == s.reference for s in samples]
+    assert values["eval_exact_match"] == pytest.approx(np.mean(hits))
+    # The samples are what generate() writes for the same prompts.
+    prompts = [[SOS_ID, *loaded.tokenizer.encode(s.input)] for s in samples]
+    batch, lengths = right_pad(prompts)
+    out = np.asarray(generate(loaded.model, batch, max_new_tokens=12, prompt_lengths=lengths,
+                              eos_id=EOS_ID))  # fmt: skip
+    for sample, row, n in zip(samples, out, lengths, strict=True):
+        assert loaded.tokenizer.decode(until_eos(row[n:], EOS_ID)) == sample.prediction
+
+
+def test_token_accuracy_counts_positions_and_eos():
+    assert token_accuracy([[5, 6, 2, 0]], [[5, 6, 2]]) == 1.0
+    assert token_accuracy([[5, 7, 2]], [[5, 6, 2]]) == pytest.approx(2 / 3)
+    assert token_accuracy([[6, 2], [5, 6, 7, 2]], [[5, 6, 2], [5, 6, 7, 2]]) == pytest.approx(4 / 7)
+
+
+def test_generate_command_continues_prompts(lm_run, capsys):
+    run_dir, _ = lm_run
+    prompts = ["12+34=", "7-2="]
+    argv = ["generate", "--run_dir", str(run_dir), "--max_new_tokens", "8"]
+    assert main([*argv, "--prompt", prompts[0], "--prompt", prompts[1]]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2
+    loaded = load_run(run_dir)
+    batch, lengths = right_pad([[SOS_ID, *loaded.tokenizer.encode(p)] for p in prompts])
+    out = np.asarray(generate(loaded.model, batch, max_new_tokens=8, prompt_lengths=lengths,
+                              eos_id=EOS_ID))  # fmt: skip
+    for prompt, line, row, n in zip(prompts, lines, out, lengths, strict=True):
+        assert line == prompt + loaded.tokenizer.decode(until_eos(row[n:], EOS_ID))
+
+    sampled = [*argv, "--prompt", "5+5=", "--temperature", "1.0", "--num_samples", "4"]
+    assert main([*sampled, "--seed", "3"]) == 0
+    first = capsys.readouterr().out
+    assert main([*sampled, "--seed", "3"]) == 0
+    assert capsys.readouterr().out == first and len(first.splitlines()) == 4
+
+
+def test_sample_py_entry_point(lm_run, capsys, monkeypatch):
+    run_dir, _ = lm_run
+    monkeypatch.setattr(sys, "argv", ["sample.py", "--run_dir", str(run_dir), "--prompt", "3+4=",
+                                      "--max_new_tokens", "4"])  # fmt: skip
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(REPO / "sample.py"), run_name="__main__")
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith("3+4=")
+
+
+def test_translation_eval_reports_bleu(translation_run):
+    run_dir, logs = translation_run
+    evals = [r for r in metrics(run_dir) if "eval_loss" in r]
+    for record in evals:
+        assert 0 <= record["eval_bleu"] <= 100
+        assert 0 <= record["eval_exact_match"] <= 1 and 0 <= record["eval_token_accuracy"] <= 1
+    assert any(line.startswith("  sample ") and "->" in line for line in logs)
+
+
+def test_generate_command_translates_with_beam_search(translation_run, capsys):
+    run_dir, _ = translation_run
+    argv = ["generate", "--run_dir", str(run_dir), "--prompt", "forty-two", "--max_new_tokens",
+            "6", "--beam_size", "4", "--n_best", "3"]  # fmt: skip
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "forty-two" and len(lines) == 4
+    scores = [float(line.split()[0]) for line in lines[1:]]
+    assert scores == sorted(scores, reverse=True)
+    loaded = load_run(run_dir)
+    src = np.array([[*loaded.tokenizer.encode("forty-two"), EOS_ID]], np.int32)
+    tokens, expected = beam_search(loaded.model, src, max_new_tokens=6, beam_size=4)
+    np.testing.assert_allclose(scores, np.asarray(expected)[0, :3], atol=1e-4)
+
+    assert main(["generate", "--run_dir", str(run_dir), "--prompt", "forty-two",
+                 "--max_new_tokens", "6"]) == 0  # fmt: skip
+    greedy = capsys.readouterr().out.strip()
+    assert greedy.startswith("forty-two -> ")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--run_dir", "{missing}", "--prompt", "x"], "missing"),
+        (["--run_dir", "{lm}", "--prompt", "x", "--beam_size", "2", "--n_best", "3"], "n_best"),
+        (["--run_dir", "{lm}", "--prompt", "x", "--temperature", "-1"], "temperature"),
+    ],
+)
+def test_generate_command_bad_input_exits_2(lm_run, tmp_path, capsys, args, message):
+    run_dir, _ = lm_run
+    args = [a.format(missing=tmp_path / "missing", lm=run_dir) for a in args]
+    assert main(["generate", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
