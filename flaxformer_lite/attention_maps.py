@@ -34,7 +34,7 @@ from flax import nnx
 from flaxformer_lite import ops
 from flaxformer_lite.models import DecoderLM, Encoder, EncoderDecoder
 from flaxformer_lite.nn.attention import MultiHeadAttention
-from flaxformer_lite.nn.stack import LayerStack
+from flaxformer_lite.nn.stack import LayerStack, unstack_layer_state
 
 SPECIAL_LABELS = ("<pad>", "<sos>", "<eos>", "<unk>")  # ids 0..3 of every tokenizer
 
@@ -123,18 +123,6 @@ def _recorded_tower(tower) -> list[dict[str, list[jax.Array]]]:
             )
         records.append(record)
     return records
-
-
-def unstack_layer_state(stacked: nnx.State, index: int) -> nnx.State:
-    """Layer ``index`` of the state of a scanned stack (its leading ``"layers"`` axis sliced off
-    the arrays and the logical axis names): the inverse of
-    :func:`flaxformer_lite.nn.stack.stack_layer_states`."""
-    layer = jax.tree.map(lambda x: x[index], stacked)  # new Variables: ``stacked`` is untouched
-    for _, variable in nnx.to_flat_state(layer):
-        names = variable.get_metadata().get("out_sharding")
-        if names and names[0] == "layers":
-            variable.set_metadata("out_sharding", tuple(names[1:]))
-    return layer
 
 
 def _recording_attention(module: MultiHeadAttention, sink: list):
@@ -320,6 +308,5 @@ __all__ = [
     "plot_attention_maps",
     "text_inputs",
     "token_labels",
-    "unstack_layer_state",
     "write_text_attention_maps",
 ]

@@ -257,8 +257,16 @@ def test_seq2seq_eos_and_sampling(seq2seq_case):
         if eos_id in new:
             new = new[: new.index(eos_id) + 1]
         np.testing.assert_array_equal(row, new + [0] * (NEW - len(new)))
-    top1 = seq2seq_generate(model, SOURCES, max_new_tokens=NEW, src_lengths=SOURCE_LENGTHS,
-                            eos_id=None, temperature=0.7, top_k=1, rng=jax.random.key(0))
+    top1 = seq2seq_generate(
+        model,
+        SOURCES,
+        max_new_tokens=NEW,
+        src_lengths=SOURCE_LENGTHS,
+        eos_id=None,
+        temperature=0.7,
+        top_k=1,
+        rng=jax.random.key(0),
+    )
     np.testing.assert_array_equal(np.asarray(top1), references)
 
 

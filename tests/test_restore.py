@@ -1,0 +1,130 @@
+"""load_run: a run trained by train.py comes back as the model its checkpoint holds."""
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from flaxformer_lite import parallel
+from flaxformer_lite.data.tokenizers import ByteTokenizer
+from flaxformer_lite.models import DecoderLM, build_model
+from flaxformer_lite.train.checkpoint import Checkpointer
+from flaxformer_lite.train.config import load_config
+from flaxformer_lite.train.loop import run
+from flaxformer_lite.train.optim import make_optimizer
+from flaxformer_lite.train.restore import LoadedRun, load_run, to_savable
+
+# A tiny one-layer GPT-2-style run: 3 steps, checkpoints at steps 2 and 3, on all 8 devices.
+TINY_RUN = ["model.num_decoder_layers=1", "train.steps=3", "checkpoint.every=2",
+            "train.batch_size=8", "data.seq_len=32", "optimizer.warmup_steps=0",
+            "optimizer.schedule=constant", "train.log_every=1", "train.eval_every=3",
+            "train.eval_batches=1", "data.eval_size=8"]  # fmt: skip
+TOKENS = jnp.asarray([[1, *ByteTokenizer().encode("12+34=46")]])
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("restore") / "run"
+    run(load_config(None, [f"run_dir={path}", *TINY_RUN]), progress=False, log=lambda _: None)
+    return path
+
+
+def checkpointed_model(run_dir, step):
+    """The model of checkpoint ``step``, restored with the Checkpointer directly (single-device
+    targets) and written into a fresh model's parameters."""
+    cfg = load_config(run_dir / "config.yaml")
+    model = build_model(cfg.model, rngs=nnx.Rngs(0))
+    tx, _ = make_optimizer(cfg.optimizer, total_steps=cfg.train.steps, d_model=cfg.model.d_model)
+    savable = to_savable(nnx.split((model, nnx.Optimizer(model, tx, wrt=nnx.Param)))[1])
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+                            savable)  # fmt: skip
+    with Checkpointer(run_dir / "checkpoints", keep=3) as checkpointer:
+        saved = checkpointer.restore(abstract, step=step).state[0]
+    params = nnx.state(model, nnx.Param)
+
+    def subset(saved, like):  # the parameters among the model's saved variables
+        if not isinstance(like, dict):
+            return saved
+        return {key: subset(saved[key], value) for key, value in like.items()}
+
+    nnx.replace_by_pure_dict(params, subset(saved, nnx.to_pure_dict(params)))
+    nnx.update(model, params)
+    model.eval()
+    return model, saved
+
+
+def test_loads_the_newest_checkpoint(run_dir):
+    loaded = load_run(run_dir)
+    assert isinstance(loaded, LoadedRun) and isinstance(loaded.model, DecoderLM)
+    assert loaded.step == 3
+    assert loaded.config == load_config(run_dir / "config.yaml")
+    assert loaded.config.model.vocab_size == 260  # resolved from the tokenizer, as trained
+    assert isinstance(loaded.tokenizer, ByteTokenizer)
+    reference, saved = checkpointed_model(run_dir, 3)
+    # Every saved variable of the model (parameters and RNG state) came back unchanged.
+    jax.tree.map(np.testing.assert_array_equal, to_savable(nnx.state(loaded.model)), saved)
+    np.testing.assert_array_equal(loaded.model(TOKENS), reference(TOKENS))
+    # ... and they are trained ones, not the initialization.
+    fresh = build_model(loaded.config.model, rngs=nnx.Rngs(params=0, dropout=1))
+    fresh.eval()
+    assert np.abs(np.asarray(fresh(TOKENS) - loaded.model(TOKENS))).max() > 1e-4
+
+
+def test_model_is_in_eval_mode_on_one_device(run_dir):
+    model = load_run(run_dir).model
+    flags = [m.deterministic for _, m in nnx.iter_graph(model) if hasattr(m, "deterministic")]
+    assert flags and all(flags)
+    np.testing.assert_array_equal(model(TOKENS), model(TOKENS))  # no dropout
+    devices = {d for x in jax.tree.leaves(nnx.state(model)) for d in x.devices()}
+    assert devices == {jax.local_devices()[0]}
+
+
+def test_loads_a_given_step(run_dir):
+    loaded = load_run(run_dir, step=2)
+    assert loaded.step == 2
+    reference, _ = checkpointed_model(run_dir, 2)
+    np.testing.assert_array_equal(loaded.model(TOKENS), reference(TOKENS))
+    newest = load_run(run_dir).model(TOKENS)
+    assert np.abs(np.asarray(newest - loaded.model(TOKENS))).max() > 1e-6
+
+
+def test_loads_onto_a_given_mesh(run_dir):
+    mesh = parallel.make_mesh(1, 1, 2, devices=jax.devices()[:2])  # heads split over 2
+    loaded = load_run(run_dir, mesh=mesh)
+    kernel = loaded.model.decoder.layers.layers[0].self_attention.qkv.kernel[...]
+    assert len(kernel.sharding.device_set) == 2
+    np.testing.assert_allclose(loaded.model(TOKENS), load_run(run_dir).model(TOKENS), atol=1e-5)
+
+
+def test_errors_name_the_path(run_dir, tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError, match=f"{missing}: no such run directory"):
+        load_run(missing)
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'checkpoints'}: no checkpoints"):
+        load_run(tmp_path)
+    (tmp_path / "checkpoints").mkdir()
+    with pytest.raises(FileNotFoundError, match="no finished checkpoint"):
+        load_run(tmp_path)
+    with pytest.raises(ValueError, match=r"no checkpoint for step 7; it has steps \[2, 3\]"):
+        load_run(run_dir, step=7)
+
+    no_tokenizer = tmp_path / "no_tokenizer"
+    shutil.copytree(run_dir, no_tokenizer, ignore=shutil.ignore_patterns("tokenizer"))
+    with pytest.raises(FileNotFoundError, match=str(no_tokenizer / "tokenizer")):
+        load_run(no_tokenizer)
+
+
+def test_unreadable_checkpoint_is_reported_and_left_in_place(run_dir, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    for path in (copy / "checkpoints" / "3" / "state").rglob("*"):
+        if path.is_file() and path.parent.name == "d":  # the array data files
+            path.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"step 3 .*cannot be restored.*other steps: \[2\]"):
+        load_run(copy)
+    assert (copy / "checkpoints" / "3").is_dir()  # a reader never moves checkpoints aside
+    assert load_run(copy, step=2).step == 2
