@@ -312,3 +312,7 @@ def test_seq2seq_bad_arguments():
         beam_search(model, SOURCES, max_new_tokens=2, alpha=-1.0)
     with pytest.raises(ValueError, match="src_lengths"):
         seq2seq_generate(model, SOURCES, max_new_tokens=2, src_lengths=[8, 1, 1])
+    with pytest.raises(ValueError, match="takes a DecoderLM, got EncoderDecoder"):
+        generate(model, SOURCES, max_new_tokens=2)
+    with pytest.raises(ValueError, match="takes a EncoderDecoder, got DecoderLM"):
+        beam_search(make("gpt2-tiny"), SOURCES, max_new_tokens=2)

@@ -1,4 +1,5 @@
-"""Every train.py / flaxformer-lite command in README.md parses and names a valid config.
+"""Every train.py / sample.py / flaxformer-lite command in README.md parses (and a training
+command names a valid config).
 
 The set-up command itself (install + the default run) is what CI's .ci/run executes."""
 
@@ -9,12 +10,15 @@ import shlex
 
 import pytest
 
-from flaxformer_lite.train.cli import _add_train_arguments
+from flaxformer_lite.train import sample
+from flaxformer_lite.train.cli import _add_train_arguments, _attention_parser
 from flaxformer_lite.train.config import load_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
-COMMANDS = re.findall(r"^\.venv/bin/(?:python train\.py|flaxformer-lite) ?.*$", README, re.M)
+COMMANDS = re.findall(
+    r"^\.venv/bin/(?:python train\.py|python sample\.py|flaxformer-lite) ?.*$", README, re.M
+)
 
 
 def test_the_readme_has_commands_and_ci_runs_the_setup_line():
@@ -28,6 +32,12 @@ def test_the_readme_has_commands_and_ci_runs_the_setup_line():
 @pytest.mark.parametrize("command", COMMANDS)
 def test_readme_command_is_valid(command, tmp_path, monkeypatch):
     argv = shlex.split(command.split("#")[0])
+    if argv[1:2] in (["sample.py"], ["generate"]):
+        sample.parser().parse_args(argv[2:])
+        return
+    if argv[1:2] == ["attention"]:
+        _attention_parser().parse_args(argv[2:])
+        return
     if "flaxformer-lite" in argv[0]:
         assert argv[1] in ("train", "plot")
         return

@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from flaxformer_lite.decode.sampling import check_sampling, next_token
+from flaxformer_lite.models import DecoderLM
 
 
 def generate(
@@ -51,6 +52,7 @@ def generate(
     Returns:
       int32 ``[B, T + N]``: row ``b`` is its prompt, its new tokens, then ``pad_id``.
     """
+    check_model(model, DecoderLM, "generate")
     prompt_tokens = jnp.asarray(prompt_tokens)
     if prompt_tokens.ndim != 2 or not jnp.issubdtype(prompt_tokens.dtype, jnp.integer):
         raise ValueError(
@@ -156,6 +158,11 @@ def check_lengths(lengths, batch: int, length: int, what: str) -> np.ndarray:
     if lengths.min() < 1 or lengths.max() > length:
         raise ValueError(f"{what}_lengths must be in [1, {length}], got {lengths.tolist()}")
     return lengths.astype(np.int32)
+
+
+def check_model(model, kind: type, what: str) -> None:
+    if not isinstance(model, kind):
+        raise ValueError(f"{what} takes a {kind.__name__}, got {type(model).__name__}")
 
 
 def check_new_tokens(max_new_tokens: int) -> None:

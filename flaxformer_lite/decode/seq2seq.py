@@ -14,10 +14,12 @@ from flax import nnx
 
 from flaxformer_lite.decode.generate import (
     check_lengths,
+    check_model,
     check_new_tokens,
     sampling_loop,
 )
 from flaxformer_lite.decode.sampling import check_sampling
+from flaxformer_lite.models import EncoderDecoder
 
 
 def seq2seq_generate(
@@ -50,6 +52,7 @@ def seq2seq_generate(
     Returns:
       int32 ``[B, N]``: the targets (without ``sos_id``), ``pad_id`` after ``eos_id``.
     """
+    check_model(model, EncoderDecoder, "seq2seq_generate")
     src, src_mask = _source(src, src_lengths)
     check_new_tokens(max_new_tokens)
     check_sampling(temperature, top_k, top_p, rng)
@@ -103,6 +106,7 @@ def beam_search(
       ``(tokens, scores)``: int32 ``[B, K, N]`` targets (``pad_id`` after ``eos_id``) and float32
       ``[B, K]`` scores, best first.
     """
+    check_model(model, EncoderDecoder, "beam_search")
     src, src_mask = _source(src, src_lengths)
     check_new_tokens(max_new_tokens)
     if not isinstance(beam_size, int) or beam_size < 1:
