@@ -1,20 +1,91 @@
-"""Test setup: 8 simulated CPU devices, float32 matmuls at full precision.
+"""Test setup: 8 simulated CPU devices, float32 matmuls at full precision, and compiling fast.
 
 XLA reads ``XLA_FLAGS`` once, when the backend starts, so the flag is set here before any
 test module imports jax. Tests that need several devices use ``jax.devices()[:n]``.
+
+Compiling is most of the suite's time on a CPU:
+
+* JAX's persistent compilation cache is on, in one directory for the whole session. It is set
+  up through environment variables, so this process, the pytest-xdist workers (started with
+  its environment after this file is imported) and the subprocesses tests start share it.
+  Several end-to-end tests compile the same programs (the default run's train step above
+  all); each is compiled once. The cache is keyed by the program, the compile options, the
+  XLA flags and the devices, so a hit runs the very executable a compile would have produced.
+  Set ``JAX_COMPILATION_CACHE_DIR`` yourself to keep a cache between sessions; otherwise a
+  temporary one is removed at the end of the session.
+* A module marked ``pytestmark = pytest.mark.fast_compile`` compiles with XLA's LLVM backend
+  optimizations off (JAX's ``jax_disable_most_optimizations``, what the XLA flag
+  ``--xla_backend_optimization_level=0`` does): about half the compile time, the same values
+  up to float32 round-off, slower to run. A test in it that runs a program for hundreds of
+  steps, where the optimizations pay, asks for them back with the ``full_optimization``
+  fixture. Subprocesses started with ``subprocess_env.subprocess_env`` compile the same way.
+  Unmarked modules compile as users' programs do.
 """
 
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
+
+_OWN_CACHE = "FLAXFORMER_LITE_TEST_CACHE_OWNER"  # the pid of the process that made the cache
+if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="flaxformer-lite-jax-cache-")
+    os.environ[_OWN_CACHE] = str(os.getpid())
+# Programs that take a moment to compile are cached. A size limit turns on JAX's file lock, so
+# that processes compiling the same program at once never read a half-written entry.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 * 2**30))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
 # Reference comparisons at float32 round-off need full-precision matmuls on every backend.
 jax.config.update("jax_default_matmul_precision", "highest")
+
+_NO_OPTIMIZATIONS = "jax_disable_most_optimizations"
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "fast_compile: compile the module's programs with XLA's backend optimizations "
+        "off (see tests/conftest.py)"
+    )  # fmt: skip
+
+
+def pytest_unconfigure(config):
+    if os.environ.get(_OWN_CACHE) == str(os.getpid()):
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
+
+def _set_optimizations_off(off: bool):
+    """Sets ``jax_disable_most_optimizations``, read when a program is compiled; returns the
+    previous value."""
+    previous = jax.config.values[_NO_OPTIMIZATIONS]
+    jax.config.update(_NO_OPTIMIZATIONS, off)
+    return previous
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fast_compile_modules(request):
+    """Backend optimizations off for the modules marked ``fast_compile``. Module-scoped and
+    autouse: set before the module's other fixtures, which may compile too."""
+    if request.node.get_closest_marker("fast_compile") is None:
+        yield
+        return
+    previous = _set_optimizations_off(True)
+    yield
+    _set_optimizations_off(previous)
+
+
+@pytest.fixture
+def full_optimization():
+    """XLA's backend optimizations on for what the test compiles: for runs of many steps."""
+    previous = _set_optimizations_off(False)
+    yield
+    _set_optimizations_off(previous)
 
 
 @pytest.fixture

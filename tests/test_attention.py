@@ -12,6 +12,8 @@ from attention_reference import naive_attention, naive_attention_probs
 from flaxformer_lite import ops
 from flaxformer_lite.ops import attention as attention_module
 
+pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
+
 # jit everywhere: eager JAX compiles every primitive separately, which dominates test time.
 attend = jax.jit(
     ops.dot_product_attention,

@@ -6,6 +6,8 @@ import pathlib
 
 import pytest
 
+pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
+
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "sharding.py"
 
 

@@ -18,6 +18,8 @@ from jax.sharding import PartitionSpec as P
 
 from flaxformer_lite.train.checkpoint import Checkpointer, CheckpointError
 
+pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
+
 LOGGER = "flaxformer_lite.train.checkpoint"
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = {"model": {"d_model": 16, "dropout": 0.1}, "seed": 0, "run_dir": "runs/x", "clip": None}

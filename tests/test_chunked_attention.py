@@ -10,6 +10,8 @@ from attention_reference import naive_attention
 
 from flaxformer_lite import ops
 
+pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
+
 CASES = {
     "plain": dict(),
     "causal_gqa": dict(is_causal=True),

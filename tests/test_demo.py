@@ -5,6 +5,8 @@ import runpy
 
 import pytest
 
+pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 

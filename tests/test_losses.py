@@ -8,6 +8,8 @@ import pytest
 
 from flaxformer_lite.ops.losses import cross_entropy
 
+pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
+
 B, T, V = 2, 6, 11
 
 

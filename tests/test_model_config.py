@@ -17,6 +17,8 @@ from flaxformer_lite.models import (
     training_flops_per_token,
 )
 
+pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
+
 
 def test_transformer_base_has_the_papers_size():
     """Table 3's base model: the paper reports 65M; with a 37,000-token shared vocabulary and

@@ -30,6 +30,8 @@ from flaxformer_lite.nn.layers import TransformerLayer
 from flaxformer_lite.nn.mlp import MLP
 from flaxformer_lite.nn.stack import stack_layer_states
 
+pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
+
 VOCAB = 64
 B, T = 2, 8  # the batch and length of most inputs
 SMALL = dict(d_model=32, num_heads=4, d_ff=64, vocab_size=VOCAB, max_length=32)

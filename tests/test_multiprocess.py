@@ -6,7 +6,9 @@ same losses as one process with the same 4 devices, a dead peer stopping the sur
 hanging it, and bad distributed settings rejected with exit status 2.
 
 Every subprocess gets its own environment (the ``XLA_FLAGS`` of this test process asks for 8
-devices) and writes stdout/stderr to files whose tails go into the assertion messages.
+devices; ``subprocess_env`` turns XLA's backend optimizations off and keeps the session's
+compilation cache, which the runs share) and writes stdout/stderr to files whose tails go into
+the assertion messages.
 Independent runs are started together, and each test is one scenario (so that ``pytest -n``
 never runs a scenario's set-up twice), to keep the file short on a small machine.
 """
@@ -16,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import shutil
 import signal
 import socket
@@ -27,6 +28,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from subprocess_env import DISTRIBUTED_ENV, subprocess_env
+
+pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "train.py"
@@ -36,10 +40,6 @@ QUICK = ["train.batch_size=8", "data.seq_len=32", "optimizer.warmup_steps=0",
          "optimizer.schedule=constant", "model.num_decoder_layers=1", "train.log_every=5",
          "train.eval_every=10", "train.eval_batches=2", "data.eval_size=16",
          "checkpoint.every=5"]  # fmt: skip
-DISTRIBUTED_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
-# Compiling is most of a short run's time: LLVM's optimizations off (the same for every run
-# here, so their numbers compare) and JAX's persistent compilation cache shared by the runs.
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 RUN_TIMEOUT = 420  # seconds for runs started together, on a loaded machine; normally < 60
 COMPILED = "compiled the train step"  # process 0's line after the first step
 
@@ -99,25 +99,14 @@ def free_ports(count: int) -> list[int]:
         return [sock.getsockname()[1] for sock in sockets]
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("jax-compilation-cache")
-
-
 @pytest.fixture
-def launch(cache_dir):
+def launch():
     """``launch(name, directory, args, devices=2, env=None)`` starts ``python train.py
     --no-progress *args`` on ``devices`` simulated CPU devices; all are killed after the test."""
     with killed_at_exit() as jobs:
 
         def start(name: str, directory: Path, args, *, devices: int = 2, env=None) -> Job:
-            environ = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV}
-            environ |= {
-                "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}",
-                "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
-                "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
-                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", **(env or {}),
-            }  # fmt: skip
+            environ = subprocess_env(devices, **(env or {}))
             directory.mkdir(parents=True, exist_ok=True)
             stdout, stderr = directory / f"{name}.out", directory / f"{name}.err"
             with stdout.open("w") as out, stderr.open("w") as err:

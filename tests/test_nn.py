@@ -37,6 +37,8 @@ from flaxformer_lite.nn import (
 )
 from flaxformer_lite.nn.dense import param
 
+pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
+
 B, T, D, H, DH = 2, 9, 32, 4, 8
 TOL = dict(rtol=1e-5, atol=1e-5)
 

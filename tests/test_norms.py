@@ -10,6 +10,8 @@ from flax import nnx
 
 from flaxformer_lite.ops.norms import layer_norm, rms_norm
 
+pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
+
 
 def _f64(a):
     return np.asarray(jnp.asarray(a).astype(jnp.float32), np.float64)

@@ -17,6 +17,8 @@ from flaxformer_lite.train.optim import (
     weight_decay_mask,
 )
 
+pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
+
 
 def values(schedule, steps):
     return np.array([float(schedule(step)) for step in steps])

@@ -27,6 +27,7 @@ import yaml
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from subprocess_env import subprocess_env
 
 from flaxformer_lite.models import ModelConfig, build_model
 from flaxformer_lite.nn.sharding import ACTIVATION_NAMES, constrain
@@ -55,6 +56,8 @@ from flaxformer_lite.train.checkpoint import Checkpointer
 from flaxformer_lite.train.config import ConfigError, config_from_dict, load_config
 from flaxformer_lite.train.loop import _restore_target, from_savable, run, to_savable
 from flaxformer_lite.train.step import make_train_step
+
+pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -484,9 +487,7 @@ def one_device_baseline(tmp_path_factory):
     """``(process, run_dir)``: 20 steps in a separate process that sees a single CPU device,
     started before the in-process runs so that it runs while they do."""
     run_dir = tmp_path_factory.mktemp("one_device") / "run"
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
-    env["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
+    env = subprocess_env(1, JAX_DEFAULT_MATMUL_PRECISION="highest")
     process = subprocess.Popen(
         [sys.executable, str(REPO / "train.py"), "--no-progress", f"run_dir={run_dir}", *E2E,
          "train.steps=20"],

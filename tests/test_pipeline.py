@@ -11,6 +11,8 @@ from flaxformer_lite.data.pipeline import MASK_ID, DataConfig, build_data
 from flaxformer_lite.data.sources import jsonl_records, parallel_records, text_records
 from flaxformer_lite.data.tokenizers import EOS_ID, SOS_ID, UNK_ID, ByteTokenizer
 
+pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
+
 # 30 distinct lines of 10 to 18 bytes; validation_fraction=0.1 leaves 27 for training.
 BYTES = ByteTokenizer()
 LINES = [f"sentence {i} " + "xyz"[i % 3] * (i % 7) for i in range(30)]

@@ -9,6 +9,8 @@ import pytest
 
 from flaxformer_lite.ops.rope import RopeScaling, apply_rope, rope_frequencies
 
+pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
+
 # Llama 3.1's published rope_scaling, with its base and head size.
 LLAMA31 = RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
 LLAMA31_BASE, LLAMA31_HEAD_DIM = 500000.0, 128

@@ -11,6 +11,8 @@ from flaxformer_lite.models import ModelConfig, build_model
 from flaxformer_lite.train.optim import OptimizerConfig, make_optimizer
 from flaxformer_lite.train.step import make_eval_step, make_train_step, model_loss, task_of
 
+pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
+
 SMALL = dict(d_model=32, num_heads=4, d_ff=64, vocab_size=32, max_length=16,
              embedding_dropout=0.0, attention_dropout=0.0, residual_dropout=0.0)  # fmt: skip
 B, T = 4, 8
