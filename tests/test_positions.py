@@ -15,9 +15,11 @@ from flaxformer_lite.ops.positions import (
     sinusoidal_positions,
 )
 
+pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
+
 # Most tests call jitted wrappers, one compile per shape instead of one per primitive, to stay
 # fast; the tests named *eager* cover the eager path.
-encode = jax.jit(sinusoidal_positions, static_argnames=("dim", "max_wavelength"))
+encode = jax.jit(sinusoidal_positions, static_argnames=("dim", "max_wavelength", "layout"))
 bucketize = jax.jit(
     relative_position_buckets, static_argnames=("bidirectional", "num_buckets", "max_distance")
 )
@@ -120,6 +122,23 @@ def test_sinusoidal_max_wavelength():
     table = encode(jnp.array([3.0]), 4, max_wavelength=100.0)
     expected = [math.sin(3.0), math.cos(3.0), math.sin(3.0 / 10), math.cos(3.0 / 10)]
     np.testing.assert_allclose(table[0], expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("dim", [2, 6, 16])
+def test_sinusoidal_concat_layout(dim):
+    """``layout="concat"`` is ``[sin | cos]`` (Marian's table, HF
+    ``MarianSinusoidalPositionalEmbedding``): the same features as the paper's, regrouped."""
+    positions = np.array([0, 1, 2, 7, 50, 1000])
+    angles = positions[:, None] / 10000.0 ** (np.arange(0, dim, 2) / dim)  # float64
+    expected = np.concatenate([np.sin(angles), np.cos(angles)], axis=-1)
+    table = encode(jnp.asarray(positions), dim, layout="concat")
+    assert table.shape == (len(positions), dim) and table.dtype == jnp.float32
+    np.testing.assert_allclose(table, expected, atol=2e-4)
+    paper = np.asarray(encode(jnp.asarray(positions), dim))
+    np.testing.assert_array_equal(table, np.concatenate([paper[:, 0::2], paper[:, 1::2]], -1))
+    np.testing.assert_allclose(sinusoidal_positions(3, dim, layout="concat"), table[:3], atol=1e-6)
+    with pytest.raises(ValueError, match="layout"):
+        sinusoidal_positions(4, dim, layout="halves")
 
 
 @pytest.mark.parametrize("dim", [5, 0])

@@ -49,6 +49,7 @@ class ModelConfig:
     norm_position: str = "post"
     embed_norm: bool = False  # normalize the embedding sum (BERT)
     positions: str = "sinusoidal"
+    sinusoidal_layout: str = "interleaved"  # sin/cos "interleaved" (the paper) or "concat" (Marian)
     rope_base: float = 10000.0
     rope_layout: str = "half"
     rope_scaling: ops.RopeScaling | None = None
@@ -164,6 +165,7 @@ class ModelConfig:
         _check_choice("norm_position", self.norm_position, NORM_POSITIONS)
         _check_choice("positions", self.positions, POSITIONS)
         _check_choice("rope_layout", self.rope_layout, ops.rope.ROPE_LAYOUTS)
+        _check_choice("sinusoidal_layout", self.sinusoidal_layout, ops.positions.SINUSOIDAL_LAYOUTS)
         _check_choice("activation", self.activation, tuple(ACTIVATIONS))
         _check_choice("pooling", self.pooling, POOLINGS)
         _check_choice("init", self.init, INIT_SCHEMES)

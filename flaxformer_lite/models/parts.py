@@ -96,7 +96,8 @@ class InputEmbedding(nnx.Module):
                 raise ValueError(f"this model takes token ids int [batch, length], got {got}")
             x = self.tokens(inputs) * jnp.asarray(sqrt_d_model(cfg), cfg.compute_dtype)
         if cfg.positions == "sinusoidal":
-            x = x + ops.sinusoidal_positions(positions, cfg.d_model).astype(x.dtype)
+            table = ops.sinusoidal_positions(positions, cfg.d_model, layout=cfg.sinusoidal_layout)
+            x = x + table.astype(x.dtype)
         elif self.positions is not None:
             x = x + self.positions(positions)
         if self.token_types is not None:

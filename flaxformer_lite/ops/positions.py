@@ -13,14 +13,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+SINUSOIDAL_LAYOUTS = ("interleaved", "concat")
+
 
 def sinusoidal_positions(
-    positions: int | jax.Array, dim: int, *, max_wavelength: float = 10000.0
+    positions: int | jax.Array,
+    dim: int,
+    *,
+    max_wavelength: float = 10000.0,
+    layout: str = "interleaved",
 ) -> jax.Array:
     """The Transformer paper's sinusoidal encoding, sin and cos interleaved as in its formula.
 
     ``PE[..., 2i] = sin(pos / max_wavelength ** (2i / dim))`` and
-    ``PE[..., 2i + 1] = cos(pos / max_wavelength ** (2i / dim))``.
+    ``PE[..., 2i + 1] = cos(pos / max_wavelength ** (2i / dim))``. With ``layout="concat"`` the
+    same features are laid out ``[sin | cos]`` (Tensor2Tensor, Marian / OPUS-MT):
+    ``PE[..., i]`` is the sine and ``PE[..., dim / 2 + i]`` the cosine of frequency ``i``.
 
     Args:
         positions: A Python int ``T`` (positions ``0 .. T - 1``; static under jit) or an int or
@@ -29,14 +37,18 @@ def sinusoidal_positions(
         dim: The model dimension (static, positive, even).
         max_wavelength: The paper's 10000 (static): the longest wavelength is
             ``2 * pi * max_wavelength``.
+        layout: ``"interleaved"`` (the paper's formula) or ``"concat"`` (static).
 
     Returns:
         ``[T, dim]``, or ``[*positions.shape, dim]`` for an array, float32.
 
     Raises:
         ValueError: ``dim`` is not a positive even int, the int length is negative, or
-            ``positions`` is a scalar array.
+            ``positions`` is a scalar array, or ``layout`` is unknown.
     """
+    if layout not in SINUSOIDAL_LAYOUTS:
+        raise ValueError(f"sinusoidal_positions layout must be one of {SINUSOIDAL_LAYOUTS}, "
+                         f"got {layout!r}")  # fmt: skip
     if isinstance(dim, bool) or not isinstance(dim, int) or dim < 2 or dim % 2:
         raise ValueError(f"sinusoidal_positions dim must be a positive even int, got {dim!r}")
     if isinstance(positions, int | np.integer):
@@ -52,6 +64,8 @@ def sinusoidal_positions(
     # From static arguments only, so numpy: a float64-accurate compile-time constant.
     inv_freq = (max_wavelength ** (-np.arange(0, dim, 2) / dim)).astype(np.float32)
     angles = jnp.asarray(positions, jnp.float32)[..., None] * inv_freq  # [..., dim / 2]
+    if layout == "concat":
+        return jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
     sin_cos = jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1)
     return einops.rearrange(sin_cos, "... d two -> ... (d two)")
 

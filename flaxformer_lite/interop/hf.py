@@ -1,0 +1,157 @@
+"""``load_hf`` / ``save_hf``: Hugging Face checkpoint directories <-> our models, dispatched by the
+``architectures`` entry of ``config.json`` to one module per family."""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from flaxformer_lite.interop import common, gpt2, llama, marian
+from flaxformer_lite.models.build import build_model
+from flaxformer_lite.models.config import DTYPES, ModelConfig
+from flaxformer_lite.models.decoder_lm import DecoderLM
+
+# HF architecture name -> the module that converts it. Each module has ARCHITECTURE, MODEL_TYPE,
+# config_from_hf, config_to_hf, mismatches, rules, ignored and hf_name.
+FAMILIES: dict[str, ModuleType] = {family.ARCHITECTURE: family for family in (gpt2, llama, marian)}
+SUPPORTED = tuple(FAMILIES)
+
+# Where our layer parameters live: "decoder.layers.layers.{i}...." in a loop stack, the same
+# path without the index (and a leading layer axis) in a scanned one.
+_LAYERS = "decoder.layers.layers"
+_STACKS = ("encoder.layers.layers", _LAYERS)
+
+
+def family_of(hf_config: dict) -> ModuleType:
+    """The family module of a ``config.json`` dict.
+
+    Raises:
+      ValueError: an architecture (or model type) we do not convert, listing those we do.
+    """
+    architectures = hf_config.get("architectures") or []
+    for name in architectures:
+        if name in FAMILIES:
+            return FAMILIES[name]
+    if not architectures:  # older configs name only the model type
+        for family in FAMILIES.values():
+            if hf_config.get("model_type") == family.MODEL_TYPE:
+                return family
+    what = architectures or hf_config.get("model_type")
+    raise ValueError(
+        f"unsupported Hugging Face architecture {what!r}; supported: {', '.join(SUPPORTED)}"
+    )
+
+
+def load_hf(path: str | os.PathLike, *, dtype=None) -> tuple[DecoderLM, ModelConfig]:
+    """A Hugging Face checkpoint directory as our model, in eval mode, and its config.
+
+    Reads ``config.json`` and ``model.safetensors`` (or the shards of
+    ``model.safetensors.index.json``) from the local directory ``path``; nothing is downloaded.
+
+    Args:
+      path: a directory written by ``save_pretrained`` (or :func:`save_hf`).
+      dtype: parameter and compute dtype (``"float32"``, ``"bfloat16"``, ``"float16"`` or a
+        numpy/jax dtype); None is float32, whatever dtype the checkpoint is stored in.
+
+    Returns:
+      ``(model, config)``: a ``DecoderLM`` (``model(input_ids [B, T]) -> logits [B, T, V]``,
+      numpy or jax ints) and its ``ModelConfig``.
+
+    Raises:
+      FileNotFoundError: the directory, ``config.json`` or the weights are missing.
+      ValueError: an unsupported architecture or setting, or tensors that do not fit the config.
+    """
+    dtype = _dtype_name(dtype)
+    hf_config = common.read_config(path)
+    family = family_of(hf_config)
+    try:
+        cfg = family.config_from_hf(hf_config, dtype=dtype)
+    except KeyError as e:
+        raise ValueError(f"{path}/config.json lacks the {family.MODEL_TYPE} key {e}") from None
+    tensors = {family.hf_name(name): x for name, x in common.read_tensors(path).items()}
+    graphdef, abstract_params, others = _abstract_split(cfg)
+    shapes = {_dotted(p): tuple(v.shape) for p, v in nnx.to_flat_state(abstract_params)}
+    params = common.tensors_to_params(
+        family.rules(cfg), tensors, shapes, ignore=family.ignored(cfg), dtype=jnp.dtype(dtype)
+    )
+    filled = nnx.from_flat_state(
+        [(p, v.replace(jnp.asarray(params[_dotted(p)]))) for p, v in
+         nnx.to_flat_state(abstract_params)]
+    )  # fmt: skip
+    model = nnx.merge(graphdef, filled, others)
+    model.eval()
+    return model, cfg
+
+
+def save_hf(model: DecoderLM, config: ModelConfig, path: str | os.PathLike) -> None:
+    """Writes ``config.json`` and ``model.safetensors`` that ``transformers``' ``from_pretrained``
+    loads as the matching HF model (GPT-2 or Llama, chosen by ``config``).
+
+    Args:
+      model: our ``DecoderLM`` (loop or scanned layers).
+      config: its ``ModelConfig``.
+      path: the output directory (created if needed; existing files are overwritten).
+
+    Raises:
+      ValueError: ``config`` is neither a GPT-2 nor a Llama; lists what does not fit each.
+    """
+    family = _family_of_config(config)
+    hf_config = family.config_to_hf(config)
+    params = _layer_params(model, config)
+    tensors = common.params_to_tensors(family.rules(config), params)
+    if family is gpt2:  # what GPT2LMHeadModel itself writes
+        tensors = {("transformer." + n if n != "lm_head.weight" else n): x
+                   for n, x in tensors.items()}  # fmt: skip
+    common.write_checkpoint(path, hf_config, tensors)
+
+
+# --------------------------------------------------------------------------- helpers
+def _dtype_name(dtype) -> str:
+    name = "float32" if dtype is None else jnp.dtype(dtype).name
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    return name
+
+
+def _dotted(path: tuple) -> str:
+    return ".".join(str(part) for part in path)
+
+
+def _abstract_split(cfg: ModelConfig):
+    """``(graphdef, params, others)`` of the model ``cfg`` builds, without initializing the
+    parameters: they are shapes only (the checkpoint fills them), while the RNG state of dropout
+    (``others``) is made for real; XLA drops the unused parameter initialization from that jit."""
+    abstract = nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0)))
+    graphdef, params, _ = nnx.split(abstract, nnx.Param, ...)
+    others = jax.jit(lambda: nnx.split(build_model(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)[2])()
+    return graphdef, params, others
+
+
+def _layer_params(model, config: ModelConfig) -> dict[str, np.ndarray]:
+    """Our parameters as dotted path -> numpy array, with a scanned stack's layers split into
+    the paths of a loop stack (``decoder.layers.layers.{i}....``) that the rules name."""
+    params = {}
+    for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        name, value = _dotted(path), np.asarray(jax.device_get(variable[...]))
+        stack = next((s for s in _STACKS if name.startswith(s + ".")), None)
+        if config.scan_layers and stack is not None:
+            rest = name.removeprefix(stack + ".")
+            for i in range(value.shape[0]):
+                params[f"{stack}.{i}.{rest}"] = value[i]
+        else:
+            params[name] = value
+    return params
+
+
+def _family_of_config(config: ModelConfig) -> ModuleType:
+    problems = {name: family.mismatches(config) for name, family in FAMILIES.items()}
+    for name, found in problems.items():
+        if not found:
+            return FAMILIES[name]
+    details = " | ".join(f"not {name}: {'; '.join(found)}" for name, found in problems.items())
+    raise ValueError(f"save_hf writes only {', '.join(SUPPORTED)} models; {details}")
