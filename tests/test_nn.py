@@ -476,7 +476,7 @@ def test_kv_cache_chunked_decode_equals_full_causal_call(init_kwargs):
 
     mha.init_cache(B, max_len)
     hk = mha.num_kv_heads
-    assert mha.cached_key.shape == (B, max_len, hk, DH)
+    assert mha.cached_key.shape == (B, hk, max_len, DH)  # heads before positions
     outputs = [_decode(mha, _f32(x[:, :prefill]), jnp.int32(0))]
     for i in range(prefill, seq):
         outputs.append(_decode(mha, _f32(x[:, i : i + 1]), jnp.int32(i)))
@@ -488,9 +488,10 @@ def test_kv_cache_chunked_decode_equals_full_causal_call(init_kwargs):
     _, k, v = _projections(mha, x)
     if mha.rope is not None:
         k = _rope_ref(k, np.arange(seq), mha.rope.base)
-    np.testing.assert_allclose(mha.cached_key[...][:, :seq], k, **TOL)
-    np.testing.assert_allclose(mha.cached_value[...][:, :seq], v, **TOL)
-    np.testing.assert_array_equal(mha.cached_key[...][:, seq:], 0.0)
+    cached_key, cached_value = (c[...].swapaxes(1, 2) for c in (mha.cached_key, mha.cached_value))
+    np.testing.assert_allclose(cached_key[:, :seq], k, **TOL)
+    np.testing.assert_allclose(cached_value[:, :seq], v, **TOL)
+    np.testing.assert_array_equal(cached_key[:, seq:], 0.0)
 
 
 def test_decode_without_cache_raises():
