@@ -27,6 +27,8 @@ from flaxformer_lite.train.optim import make_optimizer
 from flaxformer_lite.train.restore import make_train_state, to_savable
 
 B, T, S = 2, 7, 9
+pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

@@ -20,6 +20,8 @@ from flaxformer_lite.train.decode_eval import decode_eval, token_accuracy
 from flaxformer_lite.train.loop import run
 from flaxformer_lite.train.restore import load_run
 
+pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 QUICK = ["train.batch_size=8", "optimizer.warmup_steps=0", "optimizer.schedule=constant",
          "train.log_every=10", "train.eval_every=20", "train.eval_batches=2",

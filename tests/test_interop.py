@@ -21,6 +21,8 @@ from flaxformer_lite import ops
 from flaxformer_lite.interop import SUPPORTED, load_hf, save_hf
 from flaxformer_lite.models import ModelConfig, build_model
 
+pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
+
 TOL = 1e-4  # float32, absolute
 VOCAB = 128
 NEEDS_EXTRA = "needs the optional test extra (torch, transformers): pip install -e '.[dev]'"

@@ -18,6 +18,8 @@ from flaxformer_lite.train.optim import make_optimizer
 from flaxformer_lite.train.restore import LoadedRun, load_run, to_savable
 
 # A tiny one-layer GPT-2-style run: 3 steps, checkpoints at steps 2 and 3, on all 8 devices.
+pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
+
 TINY_RUN = ["model.num_decoder_layers=1", "train.steps=3", "checkpoint.every=2",
             "train.batch_size=8", "data.seq_len=32", "optimizer.warmup_steps=0",
             "optimizer.schedule=constant", "train.log_every=1", "train.eval_every=3",
