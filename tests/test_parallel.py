@@ -54,7 +54,8 @@ from flaxformer_lite.parallel import (
 )
 from flaxformer_lite.train.checkpoint import Checkpointer
 from flaxformer_lite.train.config import ConfigError, config_from_dict, load_config
-from flaxformer_lite.train.loop import _restore_target, from_savable, run, to_savable
+from flaxformer_lite.train.loop import run
+from flaxformer_lite.train.restore import from_savable, restore_target, to_savable
 from flaxformer_lite.train.step import make_train_step
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
@@ -587,7 +588,7 @@ def test_a_checkpoint_restores_onto_other_meshes_bit_for_bit(tmp_path):
     with Checkpointer(tmp_path / "checkpoints", keep=2) as checkpointer:
         for name, mesh in targets.items():
             target_graphdef, abstract, target_shardings = abstract_sharded(create, mesh, rules)
-            restored = checkpointer.restore(_restore_target(abstract))
+            restored = checkpointer.restore(restore_target(abstract))
             assert restored.step == 3
             restored_state = from_savable(restored.state, abstract)
             placed = flat(target_shardings)

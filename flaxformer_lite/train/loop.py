@@ -36,8 +36,7 @@ from flaxformer_lite.train.config import (
 from flaxformer_lite.train.decode_eval import decodable, decode_eval
 from flaxformer_lite.train.metrics import MetricsWriter, plot_run
 from flaxformer_lite.train.optim import make_optimizer
-from flaxformer_lite.train.restore import from_savable, make_train_state, to_savable
-from flaxformer_lite.train.restore import restore_target as _restore_target
+from flaxformer_lite.train.restore import from_savable, make_train_state, restore_target, to_savable
 from flaxformer_lite.train.step import make_eval_step, make_train_step, task_of
 
 # Dense peak FLOP/s per chip for bf16 matmuls, by jax's device_kind; other devices: n/a.
@@ -136,7 +135,7 @@ def _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log):
     _log_layout(state, shardings, mesh, log)
     step = 0
     if resuming:
-        restored = checkpointer.restore(_restore_target(state))
+        restored = checkpointer.restore(restore_target(state))
         state = from_savable(restored.state, state)
         data.train.set_state(restored.data_state)
         step = restored.step
