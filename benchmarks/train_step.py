@@ -1,0 +1,281 @@
+"""The training step side by side: tokens/s and MFU of ours and of Hugging Face on PyTorch.
+
+    python benchmarks/train_step.py                    # 4 layers, d_model 256, T 256, batch 8
+    python benchmarks/train_step.py --layers 12 --d-model 768 --heads 12 --seq 128 --batch 4
+
+Ours is the step ``train.py`` runs, built the way it builds it: ``make_train_state`` (model +
+``nnx.Optimizer``), ``make_optimizer`` (global-norm clipping, AdamW with the decay mask, warmup
+schedule), ``make_train_step`` (``jax.jit``, the state donated, the finite check) on an ``lm``
+batch of random tokens. The model is the embedded default's GPT-2 (pre-LN, learned positions,
+gelu_tanh, fused QKV, tied embeddings) at the size given, float32, dropout off.
+
+The peer is Hugging Face transformers' ``GPT2LMHeadModel`` of the same shape (its default
+attention, ``sdpa``) with ``torch.optim.AdamW`` (same learning rate, betas, eps and weight decay)
+and ``clip_grad_norm_`` when ours clips, in eager mode, ``torch.set_num_threads`` = the CPUs XLA
+uses and ``OMP_WAIT_POLICY=PASSIVE`` unless the environment sets it (see benchmarks/generate.py
+for why). It is skipped, with a line saying so, when torch or transformers cannot be imported, or
+with ``--no-hf``. Its loss covers ``T - 1`` targets per row (labels shifted inside the model),
+ours ``T``; both are counted as ``B * T`` tokens.
+
+Ours is compiled ahead of time (``.lower().compile()``, timed: ``compile_seconds``) and the peer
+warmed up by two steps. Then ``--windows`` rounds each time ``--steps`` consecutive steps of ours
+and then of the peer, so that a shared machine's noise hits both alike; the median window gives
+the seconds per step. MFU is training FLOPs per token (``training_flops_per_token``: 6 x matmul
+parameters + attention, as train.py logs it) x tokens/s over the float32 peak of a 2048^3 matmul
+measured by XLA in the same run. The output is a table, PASS/FAIL lines for the targets at the
+default size (ratio >= 1.25, MFU >= 65%) and, as the last line, one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from flaxformer_lite.models.accounting import training_flops_per_token
+from flaxformer_lite.train.config import TrainConfig, load_config
+from flaxformer_lite.train.optim import make_optimizer
+from flaxformer_lite.train.restore import make_train_state
+from flaxformer_lite.train.step import make_train_step
+
+DEFAULT_SIZE = dict(layers=4, d_model=256, heads=4, seq=256, batch=8, vocab=8192)
+RATIO_TARGET = 1.25  # our tokens/s over Hugging Face's, at the default size
+MFU_TARGET = 0.65
+
+
+def train_config(args) -> TrainConfig:
+    overrides = {
+        "model.num_decoder_layers": args.layers, "model.d_model": args.d_model,
+        "model.num_heads": args.heads, "model.d_ff": args.d_ff or 4 * args.d_model,
+        "model.vocab_size": args.vocab, "model.max_length": args.seq,
+        "model.embedding_dropout": 0.0, "model.attention_dropout": 0.0,
+        "model.residual_dropout": 0.0, "model.scan_layers": args.scan_layers,
+        "data.seq_len": args.seq, "train.batch_size": args.batch, "seed": args.seed,
+    }  # fmt: skip
+    return load_config(None, [f"{key}={value}" for key, value in overrides.items()])
+
+
+def random_batch(cfg: TrainConfig, seed: int) -> dict[str, np.ndarray]:
+    """An ``lm`` batch: ``inputs``, ``targets`` int32 and ``weights`` float32 ``[B, T]``."""
+    rng = np.random.default_rng(seed)
+    shape = (cfg.train.batch_size, cfg.data.seq_len + 1)
+    tokens = rng.integers(0, cfg.model.vocab_size, shape).astype(np.int32)
+    weights = np.ones((shape[0], shape[1] - 1), np.float32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": weights}
+
+
+def matmul_peak_flops(n: int = 2048, repeats: int = 5) -> float:
+    """float32 FLOP/s of XLA's ``n x n x n`` matmul, the best of ``repeats`` calls."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    matmul = jax.jit(jnp.matmul).lower(a, a).compile()
+    matmul(a, a).block_until_ready()
+    best = min(timed(lambda: matmul(a, a).block_until_ready()) for _ in range(repeats))
+    return 2 * n**3 / best
+
+
+def timed(call) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+# ----------------------------------------------------------------------------- ours
+class OurStep:
+    """The compiled train step and its state; ``run(k)`` takes ``k`` steps."""
+
+    def __init__(self, cfg: TrainConfig, batch: dict[str, np.ndarray]):
+        tx, _ = make_optimizer(cfg.optimizer, total_steps=cfg.train.steps,
+                               d_model=cfg.model.d_model)  # fmt: skip
+        model, optimizer = make_train_state(cfg, tx)
+        graphdef, self.state = nnx.split((model, optimizer))
+        self.parameters = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+        self.batch = jax.device_put(batch)
+        step = make_train_step(graphdef, task="lm")
+        start = time.perf_counter()
+        self.step = step.lower(self.state, self.batch).compile()
+        self.compile_seconds = time.perf_counter() - start
+        self.losses: list[float] = []
+
+    def run(self, steps: int) -> None:
+        for _ in range(steps):
+            self.state, metrics = self.step(self.state, self.batch)
+        self.losses.append(float(metrics["loss"]))  # waits for the last step
+
+
+# ----------------------------------------------------------------------------- Hugging Face
+def load_torch():
+    """``(torch, transformers)``, or the reason they cannot be used."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when torch loads OpenMP
+    try:
+        import torch
+        import transformers
+    except ImportError as error:
+        return None, f"{error}"
+    return (torch, transformers), None
+
+
+class PeerStep:
+    """``GPT2LMHeadModel`` + ``torch.optim.AdamW`` on the same batch; ``run(k)`` takes k steps."""
+
+    def __init__(self, libraries, cfg: TrainConfig, batch: dict[str, np.ndarray]):
+        torch, transformers = libraries
+        self.torch = torch
+        torch.set_num_threads(os.cpu_count())
+        torch.manual_seed(cfg.seed)
+        m, o = cfg.model, cfg.optimizer
+        config = transformers.GPT2Config(
+            vocab_size=m.vocab_size, n_positions=m.max_length, n_embd=m.d_model,
+            n_layer=m.num_decoder_layers, n_head=m.num_heads, n_inner=m.d_ff,
+            activation_function="gelu_new", layer_norm_epsilon=m.norm_eps, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None,
+        )  # fmt: skip
+        self.model = transformers.GPT2LMHeadModel(config).train()
+        self.parameters = sum(p.numel() for p in self.model.parameters())
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=(o.b1, o.b2),
+                                           eps=o.eps, weight_decay=o.weight_decay)  # fmt: skip
+        self.clip_norm = o.clip_norm
+        self.input_ids = torch.from_numpy(batch["inputs"].astype(np.int64))
+        self.losses: list[float] = []
+
+    def run(self, steps: int) -> None:
+        for _ in range(steps):
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = self.model(self.input_ids, labels=self.input_ids).loss
+            loss.backward()
+            if self.clip_norm is not None:
+                self.torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_norm)
+            self.optimizer.step()
+        self.losses.append(loss.item())
+
+
+# ----------------------------------------------------------------------------- the benchmark
+def run(args) -> dict:
+    cfg = train_config(args)
+    batch = random_batch(cfg, args.seed)
+    tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
+    flops_per_token = training_flops_per_token(cfg.model, cfg.data.seq_len)
+    peak = matmul_peak_flops()
+    print(f"matmul peak {peak / 1e9:.0f} GFLOP/s", file=sys.stderr, flush=True)
+
+    ours = OurStep(cfg, batch)
+    print(f"compiled in {ours.compile_seconds:.1f} s", file=sys.stderr, flush=True)
+    ours.run(2)
+    libraries, peer_skipped = (None, "--no-hf") if args.no_hf else load_torch()
+    peer = None if libraries is None else PeerStep(libraries, cfg, batch)
+    if peer is not None:
+        peer.run(2)
+
+    windows = {"ours": [], "peer": []}
+    for window in range(args.windows):
+        windows["ours"].append(timed(lambda: ours.run(args.steps)) / args.steps)
+        if peer is not None:
+            windows["peer"].append(timed(lambda: peer.run(args.steps)) / args.steps)
+        print(f"window {window + 1}/{args.windows} done", file=sys.stderr, flush=True)
+
+    seconds = statistics.median(windows["ours"])
+    tokens_per_sec = tokens_per_step / seconds
+    summary = {
+        "jax": jax.__version__, "python": platform.python_version(),
+        "cpu_count": os.cpu_count(), "backend": jax.default_backend(),
+        "model": {k: getattr(cfg.model, k) for k in ("num_decoder_layers", "d_model", "num_heads",
+                                                     "d_ff", "vocab_size", "scan_layers")},
+        "seq_len": cfg.data.seq_len, "batch_size": cfg.train.batch_size,
+        "parameters": ours.parameters, "flops_per_token": flops_per_token,
+        "matmul_peak_flops": peak, "steps_per_window": args.steps, "windows": args.windows,
+        "step_seconds": seconds, "window_step_seconds": windows["ours"],
+        "tokens_per_sec": tokens_per_sec, "mfu": flops_per_token * tokens_per_sec / peak,
+        "compile_seconds": ours.compile_seconds, "losses": ours.losses,
+        "peer_skipped": peer_skipped, "peer_tokens_per_sec": None, "ratio": None,
+    }  # fmt: skip
+    if peer is not None:
+        peer_seconds = statistics.median(windows["peer"])
+        summary |= {
+            "torch": libraries[0].__version__, "transformers": libraries[1].__version__,
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+            "peer_parameters": peer.parameters, "peer_step_seconds": peer_seconds,
+            "peer_window_step_seconds": windows["peer"],
+            "peer_tokens_per_sec": tokens_per_step / peer_seconds,
+            "peer_mfu": flops_per_token * tokens_per_step / peer_seconds / peak,
+            "peer_losses": peer.losses, "ratio": peer_seconds / seconds,
+        }  # fmt: skip
+    return summary
+
+
+def table(summary: dict) -> list[str]:
+    lines = ["| | tokens/s | ms/step | MFU | compile s |", "|---|---|---|---|---|"]
+    lines.append(f"| flaxformer_lite (JAX) | {summary['tokens_per_sec']:.0f} | "
+                 f"{1e3 * summary['step_seconds']:.1f} | {100 * summary['mfu']:.1f}% | "
+                 f"{summary['compile_seconds']:.1f} |")  # fmt: skip
+    if summary["peer_skipped"] is None:
+        lines.append(f"| Hugging Face GPT2LMHeadModel (PyTorch eager) | "
+                     f"{summary['peer_tokens_per_sec']:.0f} | "
+                     f"{1e3 * summary['peer_step_seconds']:.1f} | "
+                     f"{100 * summary['peer_mfu']:.1f}% | - |")  # fmt: skip
+    return lines
+
+
+def checks(summary: dict, default_size: bool) -> list[str]:
+    if not default_size:
+        return []
+    lines = [f"{'PASS' if summary['mfu'] >= MFU_TARGET else 'FAIL'}: MFU = "
+             f"{100 * summary['mfu']:.1f}% >= {100 * MFU_TARGET:.0f}%"]  # fmt: skip
+    if summary["ratio"] is not None:
+        ok = summary["ratio"] >= RATIO_TARGET
+        lines.append(f"{'PASS' if ok else 'FAIL'}: tokens/s / Hugging Face = "
+                     f"{summary['ratio']:.2f}x >= {RATIO_TARGET:g}x")  # fmt: skip
+    return lines
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=DEFAULT_SIZE["layers"])
+    parser.add_argument("--d-model", type=int, default=DEFAULT_SIZE["d_model"])
+    parser.add_argument("--heads", type=int, default=DEFAULT_SIZE["heads"])
+    parser.add_argument("--d-ff", type=int, default=0, help="0: 4 * d_model")
+    parser.add_argument("--seq", type=int, default=DEFAULT_SIZE["seq"])
+    parser.add_argument("--batch", type=int, default=DEFAULT_SIZE["batch"])
+    parser.add_argument("--vocab", type=int, default=DEFAULT_SIZE["vocab"])
+    parser.add_argument("--scan-layers", action="store_true", help="model.scan_layers=true")
+    parser.add_argument("--steps", type=int, default=5, help="steps per timed window")
+    parser.add_argument("--windows", type=int, default=7, help="timed windows (median reported)")
+    parser.add_argument("--no-hf", action="store_true", help="skip Hugging Face transformers")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if min(args.steps, args.windows) < 1:
+        parser.error("--steps and --windows must be positive")
+
+    summary = run(args)
+    default_size = all(getattr(args, k) == v for k, v in DEFAULT_SIZE.items()) and not args.d_ff
+    model = summary["model"]
+    print(f"jax {summary['jax']}, backend {summary['backend']}, {summary['cpu_count']} CPUs"
+          + (f"; torch {summary['torch']} (OMP_WAIT_POLICY={summary['omp_wait_policy']}), "
+             f"transformers {summary['transformers']}" if "torch" in summary else ""))  # fmt: skip
+    print(f"GPT-2-style: {model['num_decoder_layers']} layers, d_model {model['d_model']}, "
+          f"{model['num_heads']} heads, d_ff {model['d_ff']}, vocab {model['vocab_size']} "
+          f"({summary['parameters']:,} parameters), T {summary['seq_len']}, batch "
+          f"{summary['batch_size']}, float32; matmul peak "
+          f"{summary['matmul_peak_flops'] / 1e9:.0f} GFLOP/s; median of {summary['windows']} "
+          f"windows of {summary['steps_per_window']} steps")  # fmt: skip
+    if summary["peer_skipped"] is not None:
+        print(f"Hugging Face skipped: {summary['peer_skipped']}")
+    print()
+    print("\n".join(table(summary)))
+    print()
+    if summary["ratio"] is not None:
+        print(f"ours / Hugging Face tokens/s: {summary['ratio']:.2f}x")
+    print("\n".join(checks(summary, default_size)))
+    print(json.dumps(summary), flush=True)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""benchmarks/train_step.py at a tiny size: its JSON and table, the step it times is train.py's
+(the loss goes down), and Hugging Face's step runs beside it when torch and transformers are
+installed."""
+
+import importlib.util
+import json
+import pathlib
+
+import pytest
+
+pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "train_step.py"
+TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--seq", "16", "--batch", "2",
+        "--vocab", "64", "--steps", "3", "--windows", "2"]  # fmt: skip
+
+
+def load_benchmark():
+    spec = importlib.util.spec_from_file_location("benchmark_train_step", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def hf_available() -> bool:
+    return all(importlib.util.find_spec(name) for name in ("torch", "transformers"))
+
+
+@pytest.mark.slow
+def test_train_step_benchmark_at_a_tiny_size(capsys):
+    benchmark = load_benchmark()
+    argv = TINY + ([] if hf_available() else ["--no-hf"])
+    summary = benchmark.main(argv)
+    out = capsys.readouterr().out.strip().splitlines()
+
+    assert json.loads(out[-1]) == json.loads(json.dumps(summary))
+    assert summary["model"]["d_model"] == 32 and summary["model"]["num_decoder_layers"] == 1
+    assert summary["seq_len"] == 16 and summary["batch_size"] == 2
+    assert len(summary["window_step_seconds"]) == 2
+    assert summary["tokens_per_sec"] == pytest.approx(2 * 16 / summary["step_seconds"])
+    mfu = summary["flops_per_token"] * summary["tokens_per_sec"] / summary["matmul_peak_flops"]
+    assert summary["mfu"] == pytest.approx(mfu)
+    assert 0 < summary["mfu"] < 1 and summary["compile_seconds"] > 0
+    # Warm-up and two windows of three steps on one batch: train.py's step learns it.
+    assert len(summary["losses"]) == 3 and summary["losses"][-1] < summary["losses"][0]
+    table = [line for line in out if line.startswith("|")]
+    assert table[2].startswith("| flaxformer_lite (JAX) | " + f"{summary['tokens_per_sec']:.0f}")
+    assert not [line for line in out if line.startswith(("PASS", "FAIL"))]  # not the default size
+    if hf_available():
+        assert summary["peer_skipped"] is None and len(table) == 4
+        assert summary["peer_parameters"] == summary["parameters"]  # the same model shape
+        ratio = summary["peer_step_seconds"] / summary["step_seconds"]
+        assert summary["ratio"] == pytest.approx(ratio)
+        assert summary["peer_losses"][-1] < summary["peer_losses"][0]
+    else:
+        assert summary["peer_skipped"] and summary["ratio"] is None and len(table) == 3
+
+
+def test_the_timed_config_is_the_requested_gpt2():
+    benchmark = load_benchmark()
+    args = benchmark.argparse.Namespace(layers=12, d_model=768, heads=12, d_ff=0, seq=128,
+                                        batch=4, vocab=50304, scan_layers=True, seed=0)  # fmt: skip
+    cfg = benchmark.train_config(args)
+    m = cfg.model
+    assert (m.num_decoder_layers, m.d_model, m.num_heads, m.d_ff) == (12, 768, 12, 3072)
+    assert m.vocab_size == 50304 and m.scan_layers and m.kind == "decoder"
+    assert (m.embedding_dropout, m.attention_dropout, m.residual_dropout) == (0, 0, 0)
+    assert (cfg.data.seq_len, cfg.train.batch_size, m.dtype) == (128, 4, "float32")
+    batch = benchmark.random_batch(cfg, 0)
+    assert batch["inputs"].shape == batch["targets"].shape == (4, 128)
+    assert (batch["inputs"][:, 1:] == batch["targets"][:, :-1]).all()
