@@ -7,7 +7,10 @@
 
 Batches are dicts of numpy arrays ``[B, T]`` with ``B = batch_size // process_count`` and
 ``T = seq_len`` (int32 unless noted; ``weights`` float32, 0 exactly at padding; masks bool, False at
-padding; padding ids are ``<pad> = 0``), the formats ``train.step.model_loss`` reads:
+padding; padding ids are ``<pad> = 0``), the formats ``train.step.model_loss`` reads (``<sos>`` and
+``<eos>`` are the tokenizer's ``sos_id`` and ``eos_id``: a Hugging Face checkpoint's tokenizer has
+its own, and padding, marked by weights and masks, stays id 0 even where 0 is a real token, so no
+pad token is needed: GPT-2 has none, and its ``<eos>`` targets keep weight 1):
 
 - ``lm``: ``inputs = <sos> + tokens``, ``targets = tokens + <eos>``, ``weights``. With ``packing``
   also ``segment_ids`` (1, 2, ... per example in a row, 0 at padding) and ``positions`` (from 0 in
@@ -47,7 +50,7 @@ import numpy as np
 from grain.experimental import FirstFitPackIterDataset
 
 from flaxformer_lite.data import sources, synthetic, tokenizers
-from flaxformer_lite.data.tokenizers import EOS_ID, NUM_SPECIAL, SOS_ID, UNK_ID, Tokenizer
+from flaxformer_lite.data.tokenizers import NUM_SPECIAL, UNK_ID, Tokenizer
 
 SOURCES = ("synthetic", "text", "jsonl", "parallel")
 TOKENIZERS = ("byte", "char", "word", "bpe", "sentencepiece")
@@ -209,6 +212,7 @@ def build_data(
     process_index: int = 0,
     process_count: int = 1,
     save_tokenizer: bool | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> Data:
     """Reads the data ``cfg`` names, prepares its tokenizer and builds the train/eval pipelines.
 
@@ -223,6 +227,8 @@ def build_data(
         global batch this process loads (processes that feed the same devices' rows share one).
       save_tokenizer: whether this process writes the tokenizer (default: ``process_index ==
         0``); exactly one process of those sharing a file system should.
+      tokenizer: use this tokenizer (e.g. a Hugging Face checkpoint's, with its own ids) instead
+        of the one ``cfg.tokenizer`` names; it is saved in ``directory`` like a fitted one.
 
     Raises:
       ValueError: the source does not fit ``task``, an unusable batch size or process, a saved
@@ -244,7 +250,7 @@ def build_data(
     _check_fits(cfg, task)
     train_records, eval_records, labels = _load_records(cfg, seed)
     save = process_index == 0 if save_tokenizer is None else save_tokenizer
-    tokenizer = _tokenizer(cfg, train_records, Path(directory), save=save)
+    tokenizer = _tokenizer(cfg, train_records, Path(directory), save=save, given=tokenizer)
 
     shard, local_size = (process_index, process_count), batch_size // process_count
     featurize = functools.partial(_featurize, task=task, tokenizer=tokenizer, cfg=cfg, seed=seed)
@@ -301,18 +307,24 @@ def _load_records(cfg: DataConfig, seed: int):
     return train[: cfg.train_size], valid[: cfg.eval_size], None
 
 
-def _tokenizer(cfg: DataConfig, records: Sequence[dict], directory: Path, save: bool) -> Tokenizer:
-    """The tokenizer saved in ``directory``, or a new one (fitted if need be), saved there if
-    ``save``. Only process 0 saves, so processes sharing a file system never write the same
-    files at once; fitting is deterministic, so the others fit the same tokenizer."""
+def _tokenizer(
+    cfg: DataConfig, records: Sequence[dict], directory: Path, save: bool, given: Tokenizer | None
+) -> Tokenizer:
+    """The tokenizer saved in ``directory``, or ``given``, or a new one (fitted if need be), saved
+    there if ``save``. Only process 0 saves, so processes sharing a file system never write the
+    same files at once; fitting is deterministic, so the others fit the same tokenizer."""
+    kind = cfg.tokenizer if given is None else given.kind
     if (directory / tokenizers.KIND_FILE).is_file():
         tokenizer = tokenizers.load_tokenizer(directory)
-        if tokenizer.kind != cfg.tokenizer:
-            raise ValueError(
-                f"{directory}: holds a saved {tokenizer.kind!r} tokenizer, but "
-                f"data.tokenizer={cfg.tokenizer!r}"
-            )
+        if tokenizer.kind != kind:
+            wanted = f"data.tokenizer={kind!r}" if given is None else f"a {kind!r} tokenizer"
+            raise ValueError(f"{directory}: holds a saved {tokenizer.kind!r} tokenizer, but "
+                             f"this run uses {wanted}")  # fmt: skip
         return tokenizer
+    if given is not None:
+        if save:
+            given.save(directory)
+        return given
     if not isinstance(records, list):  # a synthetic task: its first FIT_EXAMPLES examples
         records = [records[i] for i in range(min(len(records), FIT_EXAMPLES))]
     texts = (r[key] for r in records for key in ("text", "source", "target") if key in r)
@@ -336,15 +348,16 @@ def _featurize(
 ) -> dict[str, np.ndarray]:
     """One example's unpadded arrays; ``index`` is its position in its stream."""
     if task == "lm":
-        return _shifted(tokenizer.encode(record["text"]), cfg.seq_len)
+        return _shifted(tokenizer.encode(record["text"]), cfg.seq_len, tokenizer)
     if task == "seq2seq":
-        src = [*tokenizer.encode(record["source"])[: cfg.seq_len - 1], EOS_ID]
+        src = [*tokenizer.encode(record["source"])[: cfg.seq_len - 1], tokenizer.eos_id]
         return {
             "src": np.array(src, np.int32),
             "src_mask": np.ones(len(src), bool),
-            **_shifted(tokenizer.encode(record["target"]), cfg.seq_len),
+            **_shifted(tokenizer.encode(record["target"]), cfg.seq_len, tokenizer),
         }
-    tokens = np.array([SOS_ID, *tokenizer.encode(record["text"])[: cfg.seq_len - 2], EOS_ID])
+    text_ids = tokenizer.encode(record["text"])[: cfg.seq_len - 2]
+    tokens = np.array([tokenizer.sos_id, *text_ids, tokenizer.eos_id])
     tokens = tokens.astype(np.int32)
     if task == "classify":
         label, weight = np.int32(record["label"]), np.float32(1)
@@ -353,9 +366,10 @@ def _featurize(
     return _mask_tokens(tokens, rng, cfg.mlm_probability, tokenizer.vocab_size)
 
 
-def _shifted(ids: list[int], seq_len: int) -> dict[str, np.ndarray]:
+def _shifted(ids: list[int], seq_len: int, tokenizer: Tokenizer) -> dict[str, np.ndarray]:
     """``<sos> ids <eos>`` cut to ``seq_len + 1`` tokens, shifted into inputs and targets."""
-    sequence = np.array([SOS_ID, *ids[:seq_len], EOS_ID][: seq_len + 1], np.int32)
+    sequence = [tokenizer.sos_id, *ids[:seq_len], tokenizer.eos_id][: seq_len + 1]
+    sequence = np.array(sequence, np.int32)
     weights = np.ones(len(sequence) - 1, np.float32)
     return {"inputs": sequence[:-1], "targets": sequence[1:], "weights": weights}
 

@@ -6,7 +6,9 @@ they hold::
     0 <pad>   1 <sos>   2 <eos>   3 <unk>   4.. regular tokens
 
 ``pad_id == 0`` lets a zero-filled batch be all padding, and reserving ``<unk>`` even where a
-tokenizer can never produce it (byte, byte-level BPE) keeps ``unk_id`` one constant. ``encode``
+tokenizer can never produce it (byte, byte-level BPE) keeps ``unk_id`` one constant. The one
+exception is a Hugging Face checkpoint's tokenizer (:mod:`flaxformer_lite.data.hf_tokenizer`),
+which keeps the checkpoint's ids: code that adds specials reads ``tokenizer.sos_id`` etc. ``encode``
 adds no specials (the pipeline adds ``<sos>``/``<eos>``); ``decode`` drops all four.
 
 ``save(directory)`` writes plain files only (JSON, ``tokenizer.json``, a ``.model`` protobuf) plus
@@ -383,6 +385,10 @@ def load_tokenizer(directory: Path | str) -> Tokenizer:
     if not marker.is_file():
         raise FileNotFoundError(f"{marker}: missing; no tokenizer was saved in {directory}")
     kind = _read_json_object(marker).get("kind")
+    if kind == "hf":  # a Hugging Face checkpoint's tokenizer, saved by a run trained from it
+        from flaxformer_lite.data.hf_tokenizer import HfTokenizer
+
+        return HfTokenizer._load_files(directory)
     if not isinstance(kind, str) or kind not in _KINDS:
         raise ValueError(f"{marker}: unknown tokenizer kind {kind!r}; valid: {', '.join(_KINDS)}")
     return _KINDS[kind]._load_files(directory)

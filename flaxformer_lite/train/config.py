@@ -4,7 +4,11 @@
     cfg = load_config("configs/gpt2_small.yaml", ["train.steps=200", "optimizer.lr=3e-4"])
 
 A YAML file mirrors the dataclasses (``model:``, ``optimizer:``, ``train:``, ...). The ``model``
-section may start from a preset (``model: {preset: gpt2-tiny, num_heads: 4}``).
+section may start from a preset (``model: {preset: gpt2-tiny, num_heads: 4}``), or, with
+``init_from=PATH`` (a Hugging Face checkpoint directory), from ``PATH/config.json``: then only the
+keys of :data:`INIT_FROM_MODEL_KEYS` may be set in ``model`` (other keys would change the
+architecture the weights were trained for) and none of ``data.tokenizer``,
+``data.tokenizer_path``, ``data.vocab_size`` (the checkpoint's own tokenizer is used).
 """
 
 from __future__ import annotations
@@ -27,6 +31,13 @@ from flaxformer_lite.train.optim import OptimizerConfig
 
 class ConfigError(ValueError):
     """A configuration the user wrote is wrong; the message names the key or the file."""
+
+
+# The model keys that may be set with init_from: they change how the checkpoint's architecture
+# computes or regularizes, not its parameters.
+INIT_FROM_MODEL_KEYS = ("embedding_dropout", "attention_dropout", "residual_dropout", "dtype",
+                        "remat", "attention_implementation")  # fmt: skip
+_TOKENIZER_KEYS = ("tokenizer", "tokenizer_path", "vocab_size")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,10 +131,14 @@ class TrainConfig:
 
     The defaults are the embedded default run (``configs/default.yaml`` spells them out): a
     GPT-2-style decoder of 0.1M parameters learning arithmetic on a CPU in a few minutes.
+    ``init_from``: a Hugging Face checkpoint directory (GPT-2, Llama or Marian) to fine-tune:
+    ``load_config`` takes ``model`` from its ``config.json``, a fresh run starts from its
+    weights, and the data are encoded by its tokenizer, with its ids.
     """
 
     run_dir: str = "runs/default"
     seed: int = 0
+    init_from: str | None = None
     model: ModelConfig = dataclasses.field(
         default_factory=lambda: ModelConfig.from_preset("gpt2-tiny")
     )
@@ -174,6 +189,11 @@ def load_config(
         if not sep or not key:
             raise ConfigError(f"overrides are key=value, got {override!r}")
         _set_dotted(values, key.strip(), _OverrideText(raw))
+    init_from = values.get("init_from")
+    if isinstance(init_from, _OverrideText) and init_from.strip().lower() in ("", "none", "null"):
+        init_from = values["init_from"] = None
+    if init_from is not None:
+        values["model"] = _checkpoint_model(str(init_from), values)
     return config_from_dict(values)
 
 
@@ -210,6 +230,43 @@ def valid_keys(cls=TrainConfig, prefix: str = "") -> list[str]:
 
 class _OverrideText(str):
     """A value typed on the command line: parsed according to the field it lands in."""
+
+
+def _checkpoint_model(path: str, values: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``model`` section for ``init_from=path``: the checkpoint's ``config.json`` as our
+    ``ModelConfig`` (plain values), with the user's :data:`INIT_FROM_MODEL_KEYS` laid over it.
+
+    Raises:
+      ConfigError: another model key, a tokenizer key, a missing directory or ``config.json``,
+        an unsupported architecture, or an encoder-only model (naming ``init_from``).
+    """
+    from flaxformer_lite.interop import family_of
+    from flaxformer_lite.interop.common import read_config
+
+    model = values.get("model") or {}
+    data = values.get("data") or {}
+    if not isinstance(model, Mapping) or not isinstance(data, Mapping):
+        raise ConfigError("model and data must be mappings")
+    for key in model:
+        if key not in INIT_FROM_MODEL_KEYS:
+            allowed = ", ".join(f"model.{k}" for k in INIT_FROM_MODEL_KEYS)
+            raise ConfigError(f"model.{key} cannot be set with init_from: the architecture comes "
+                              f"from {path}/config.json (settable: {allowed})")  # fmt: skip
+    for key in _TOKENIZER_KEYS:
+        if key in data:
+            raise ConfigError(f"data.{key} cannot be set with init_from: the data are encoded "
+                              f"by the tokenizer of {path}")  # fmt: skip
+    try:
+        hf_config = read_config(path)
+        cfg = family_of(hf_config).config_from_hf(hf_config, dtype="float32")
+    except (FileNotFoundError, ValueError) as error:
+        raise ConfigError(f"init_from={path}: {error}") from None
+    except KeyError as error:
+        raise ConfigError(f"init_from={path}: config.json lacks the key {error}") from None
+    if cfg.kind not in ("decoder", "encoder_decoder"):
+        raise ConfigError(f"init_from={path}: fine-tuning supports decoder LMs and "
+                          f"encoder-decoders, not a {cfg.kind} model")  # fmt: skip
+    return {**dataclasses.asdict(cfg), **model}
 
 
 def _build(cls, values: Any, where: str, base: Mapping[str, Any] | None = None):

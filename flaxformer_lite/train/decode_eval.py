@@ -18,7 +18,7 @@ import numpy as np
 import sacrebleu
 
 from flaxformer_lite.data import synthetic
-from flaxformer_lite.data.tokenizers import EOS_ID, PAD_ID, SOS_ID, Tokenizer
+from flaxformer_lite.data.tokenizers import Tokenizer
 from flaxformer_lite.decode import generate, right_pad, seq2seq_generate, until_eos
 
 
@@ -64,24 +64,27 @@ def decode_eval(
     records = [examples[i] for i in range(min(num_examples, len(examples)))]
     if task == "lm":
         pairs = [synthetic.split_prompt(r["text"]) for r in records]
-        inputs = [[SOS_ID, *tokenizer.encode(prompt)] for prompt, _ in pairs]
+        inputs = [[tokenizer.sos_id, *tokenizer.encode(prompt)] for prompt, _ in pairs]
     else:
         pairs = [(r["source"], r["target"]) for r in records]
-        inputs = [[*tokenizer.encode(source)[: max_length - 1], EOS_ID] for source, _ in pairs]
-    references = [[*tokenizer.encode(reference), EOS_ID] for _, reference in pairs]
-    batch, lengths = right_pad(inputs, PAD_ID)
+        inputs = [
+            [*tokenizer.encode(source)[: max_length - 1], tokenizer.eos_id] for source, _ in pairs
+        ]
+    references = [[*tokenizer.encode(reference), tokenizer.eos_id] for _, reference in pairs]
+    batch, lengths = right_pad(inputs, tokenizer.pad_id)
     budget = max_length - batch.shape[1] if task == "lm" else max_length - 1
     max_new_tokens = max(1, min(max(len(r) for r in references) + 2, budget))
     if task == "lm":
         out = generate(model, batch, max_new_tokens=max_new_tokens, prompt_lengths=lengths,
-                       eos_id=EOS_ID, pad_id=PAD_ID)  # fmt: skip
+                       eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)  # fmt: skip
         outputs = [row[n : n + max_new_tokens] for row, n in zip(np.asarray(out), lengths,
                                                                  strict=True)]  # fmt: skip
     else:
         out = seq2seq_generate(model, batch, max_new_tokens=max_new_tokens, src_lengths=lengths,
-                               sos_id=SOS_ID, eos_id=EOS_ID, pad_id=PAD_ID)  # fmt: skip
+                               sos_id=tokenizer.sos_id, eos_id=tokenizer.eos_id,
+                               pad_id=tokenizer.pad_id)  # fmt: skip
         outputs = list(np.asarray(out))
-    predictions = [tokenizer.decode(until_eos(ids, EOS_ID)) for ids in outputs]
+    predictions = [tokenizer.decode(until_eos(ids, tokenizer.eos_id)) for ids in outputs]
     samples = [
         Sample(input=source, reference=reference, prediction=prediction)
         for (source, reference), prediction in zip(pairs, predictions, strict=True)

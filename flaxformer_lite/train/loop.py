@@ -23,6 +23,7 @@ import yaml
 from flax import nnx
 
 from flaxformer_lite import parallel
+from flaxformer_lite.data.hf_tokenizer import load_hf_tokenizer
 from flaxformer_lite.data.pipeline import build_data
 from flaxformer_lite.models import training_flops_per_token
 from flaxformer_lite.train.checkpoint import Checkpointer
@@ -36,7 +37,13 @@ from flaxformer_lite.train.config import (
 from flaxformer_lite.train.decode_eval import decodable, decode_eval
 from flaxformer_lite.train.metrics import MetricsWriter, plot_run
 from flaxformer_lite.train.optim import make_optimizer
-from flaxformer_lite.train.restore import from_savable, make_train_state, restore_target, to_savable
+from flaxformer_lite.train.restore import (
+    from_savable,
+    load_hf_weights,
+    make_train_state,
+    restore_target,
+    to_savable,
+)
 from flaxformer_lite.train.step import make_eval_step, make_train_step, task_of
 
 # Dense peak FLOP/s per chip for bf16 matmuls, by jax's device_kind; other devices: n/a.
@@ -99,10 +106,17 @@ def run(cfg: TrainConfig, *, fresh: bool = False, force: bool = False, progress:
                               cfg.train.grad_accum_steps)  # fmt: skip
     shard_index, shard_count = parallel.process_batch_shard(batch_sharding, cfg.train.batch_size)
     task = task_of(cfg.model)
+    # init_from: the checkpoint's tokenizer, with its ids (a resumed run reads the saved copy).
+    tokenizer = None if cfg.init_from is None else load_hf_tokenizer(cfg.init_from)
     data = build_data(cfg.data, task=task, seed=cfg.seed, batch_size=cfg.train.batch_size,
                       directory=run_dir / "tokenizer", process_index=shard_index,
-                      process_count=shard_count, save_tokenizer=main)  # fmt: skip
-    if cfg.model.vocab_size != data.vocab_size:
+                      process_count=shard_count, save_tokenizer=main,
+                      tokenizer=tokenizer)  # fmt: skip
+    if cfg.init_from is not None:  # the embedding table may have more rows than ids
+        if data.vocab_size > cfg.model.vocab_size:
+            raise ConfigError(f"init_from={cfg.init_from}: the tokenizer has {data.vocab_size} "
+                              f"ids, the model {cfg.model.vocab_size} rows")  # fmt: skip
+    elif cfg.model.vocab_size != data.vocab_size:
         log(f"model.vocab_size set to the tokenizer's {data.vocab_size}")
         cfg = dataclasses.replace(cfg, model=cfg.model.replace(vocab_size=data.vocab_size))
 
@@ -131,6 +145,9 @@ def _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log):
     resuming = checkpointer.latest_step() is not None
     make_state = parallel.abstract_sharded if resuming else parallel.create_sharded
     graphdef, state, shardings = make_state(create, mesh, rules)
+    if cfg.init_from is not None and not resuming:  # a resumed run keeps its checkpoint
+        state = load_hf_weights(state, cfg.init_from)
+        log(f"initialized the model from {cfg.init_from}")
     graphdef, eval_graphdef = _train_and_eval_graphdefs(graphdef, state)
     _log_layout(state, shardings, mesh, log)
     step = 0

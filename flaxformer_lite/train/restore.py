@@ -7,7 +7,8 @@ and config, ready for inference, plots and generation.
 
 The helpers that convert the training state to and from what a checkpoint holds
 (:func:`to_savable`, :func:`from_savable`, :func:`restore_target`, :func:`make_train_state`)
-live here and the training loop uses them too, so a run is restored exactly as it resumes.
+live here and the training loop uses them too, so a run is restored exactly as it resumes;
+:func:`load_hf_weights` starts a run's state from a Hugging Face checkpoint (``init_from``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+import numpy as np
+from flax import nnx, traverse_util
 from jax.sharding import Mesh
 
 from flaxformer_lite import parallel
@@ -108,6 +110,32 @@ def make_train_state(cfg: TrainConfig, tx) -> tuple[nnx.Module, nnx.Optimizer]:
     return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
+def load_hf_weights(state, path: pathlib.Path | str):
+    """Writes the parameters of the Hugging Face checkpoint ``path`` (read by
+    ``interop.load_hf``) into the model part ``state[0]`` of a created train state, each in the
+    sharding and dtype of the array it replaces; the rest (optimizer moments, still zero, and
+    RNG state) is kept. Returns ``state``.
+
+    Raises:
+      ValueError: the checkpoint's parameters do not have the model's names and shapes.
+    """
+    from flaxformer_lite.interop import load_hf
+
+    hf_model, _ = load_hf(path)
+    loaded = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(hf_model, nnx.Param)))
+    like = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.filter_state(state[0], nnx.Param)))
+    shapes = {k: tuple(v.shape) for k, v in loaded.items()}
+    if shapes != {k: tuple(v.shape) for k, v in like.items()}:
+        raise ValueError(f"{path}: the checkpoint's parameters do not fit the configured model")
+
+    def place(name):
+        value = np.asarray(loaded[name], like[name].dtype)
+        return jax.make_array_from_callback(value.shape, like[name].sharding, lambda i: value[i])
+
+    nnx.replace_by_pure_dict(state[0], traverse_util.unflatten_dict({k: place(k) for k in like}))
+    return state
+
+
 def to_savable(state) -> dict:
     """The split state as a nested dict of plain arrays (typed PRNG keys as their key data)."""
     return jax.tree.map(
@@ -150,6 +178,7 @@ def _is_key(x) -> bool:
 __all__ = [
     "LoadedRun",
     "from_savable",
+    "load_hf_weights",
     "load_run",
     "make_train_state",
     "restore_target",

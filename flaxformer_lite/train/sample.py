@@ -1,9 +1,16 @@
-"""``flaxformer-lite generate`` and ``python sample.py``: continue prompts (decoder LM runs) or
-translate inputs (encoder-decoder runs) with a trained run's newest checkpoint and tokenizer.
+"""``flaxformer-lite generate`` and ``python sample.py``: continue prompts (decoder LMs) or
+translate inputs (encoder-decoders) with a trained run's newest checkpoint and tokenizer, or with
+a Hugging Face checkpoint directory and its own tokenizer.
 
     flaxformer-lite generate --run_dir runs/default --prompt "12+34="
     python sample.py --run_dir runs/default --prompt "7-2=" --temperature 0.8 --num_samples 3
     flaxformer-lite generate --run_dir runs/translate --prompt "forty-two" --beam_size 4 --n_best 2
+    flaxformer-lite generate --hf_dir path/to/gpt2 --prompt "Hello, my name is"
+
+Token ids come from the tokenizer: a run's prompts start with ``<sos>`` (as its training rows
+did); a Hugging Face checkpoint's prompts start with its ``bos`` only when its tokenizer adds one
+(``HfTokenizer.add_bos``: Llama yes, GPT-2 no), encoder inputs end with ``eos``, and decoding
+starts from ``sos_id`` (Marian: ``decoder_start_token_id``, its pad) and stops at ``eos_id``.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import pathlib
 import jax
 import numpy as np
 
-from flaxformer_lite.data.tokenizers import EOS_ID, PAD_ID, SOS_ID
+from flaxformer_lite.data.tokenizers import Tokenizer
 from flaxformer_lite.decode import beam_search, generate, right_pad, seq2seq_generate, until_eos
 from flaxformer_lite.models import DecoderLM, EncoderDecoder
 
@@ -22,10 +29,15 @@ from flaxformer_lite.models import DecoderLM, EncoderDecoder
 def parser(prog: str = "flaxformer-lite generate") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
-        description="continue prompts (decoder LM runs) or translate them (encoder-decoder "
-        "runs) with a trained run",
+        description="continue prompts (decoder LMs) or translate them (encoder-decoders) with "
+        "a trained run or a Hugging Face checkpoint directory",
     )
-    p.add_argument("--run_dir", type=pathlib.Path, required=True, help="a train.py run directory")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--run_dir", type=pathlib.Path, help="a train.py run directory")
+    source.add_argument("--hf_dir", type=pathlib.Path,
+                        help="a Hugging Face checkpoint directory (GPT-2, Llama or Marian: "
+                        "config.json, safetensors and tokenizer.json, or Marian's source.spm + "
+                        "target.spm + vocab.json)")  # fmt: skip
     p.add_argument("--prompt", action="append", required=True,
                    help="text to continue or translate (repeat for several)")  # fmt: skip
     p.add_argument("--max_new_tokens", type=int, default=32)
@@ -35,55 +47,145 @@ def parser(prog: str = "flaxformer-lite generate") -> argparse.ArgumentParser:
     p.add_argument("--num_samples", type=int, default=1, help="samples per prompt")
     p.add_argument("--seed", type=int, default=0, help="the sampling key")
     p.add_argument("--beam_size", type=int, default=1,
-                   help="encoder-decoder runs: beam search with this many beams")  # fmt: skip
+                   help="encoder-decoders: beam search with this many beams")  # fmt: skip
     p.add_argument("--alpha", type=float, default=0.6, help="beam search length penalty")
     p.add_argument("--n_best", type=int, default=1, help="beam search: hypotheses to print")
-    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    p.add_argument("--step", type=int, default=None,
+                   help="--run_dir's checkpoint step (default: newest)")  # fmt: skip
     return p
 
 
 def run(args: argparse.Namespace, say=print) -> int:
-    """Loads the run and prints one block per prompt (and sample)."""
-    from flaxformer_lite.train.restore import load_run
-
+    """Loads the run or checkpoint and prints one block per prompt (and sample)."""
     if args.n_best > args.beam_size:
         raise ValueError(f"--n_best ({args.n_best}) cannot exceed --beam_size ({args.beam_size})")
-    loaded = load_run(args.run_dir, step=args.step)
-    model, tokenizer = loaded.model, loaded.tokenizer
+    if args.hf_dir is not None:
+        if args.step is not None:
+            raise ValueError("--step applies to --run_dir, not --hf_dir")
+        model, tokenizer = load_hf_checkpoint(args.hf_dir)
+        add_bos, source = tokenizer.add_bos, args.hf_dir
+    else:
+        from flaxformer_lite.train.restore import load_run
+
+        loaded = load_run(args.run_dir, step=args.step)
+        model, tokenizer, add_bos, source = loaded.model, loaded.tokenizer, True, args.run_dir
     if not isinstance(model, DecoderLM | EncoderDecoder):
-        raise ValueError(f"{args.run_dir} holds a {type(model).__name__}; generate needs a "
-                         "DecoderLM or EncoderDecoder run")  # fmt: skip
+        raise ValueError(f"{source} holds a {type(model).__name__}; generate needs a "
+                         "DecoderLM or EncoderDecoder")  # fmt: skip
     prompts = [p for p in args.prompt for _ in range(args.num_samples)]
     rng = jax.random.key(args.seed) if args.temperature > 0 else None
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, rng=rng)
-    max_length = model.config.max_length
     if isinstance(model, DecoderLM):
-        rows = [[SOS_ID, *tokenizer.encode(p)] for p in prompts]
-        batch, lengths = right_pad(rows, PAD_ID)
-        new = min(args.max_new_tokens, max_length - batch.shape[1])
-        if new < 1:
-            raise ValueError(f"a prompt of {batch.shape[1]} tokens leaves no room below "
-                             f"max_length={max_length}")  # fmt: skip
-        out = np.asarray(generate(model, batch, max_new_tokens=new, prompt_lengths=lengths,
-                                  eos_id=EOS_ID, pad_id=PAD_ID, **sampling))  # fmt: skip
-        for prompt, row, n in zip(prompts, out, lengths, strict=True):
-            say(f"{prompt}{tokenizer.decode(until_eos(row[n:], EOS_ID))}")
+        outputs = continue_prompts(model, tokenizer, prompts, add_bos=add_bos,
+                                   max_new_tokens=args.max_new_tokens, **sampling)  # fmt: skip
+        for prompt, ids in zip(prompts, outputs, strict=True):
+            say(f"{prompt}{tokenizer.decode(ids)}")
         return 0
-    rows = [[*tokenizer.encode(p)[: max_length - 1], EOS_ID] for p in prompts]
-    batch, lengths = right_pad(rows, PAD_ID)
-    new = min(args.max_new_tokens, max_length - 1)
-    common = dict(max_new_tokens=new, src_lengths=lengths, sos_id=SOS_ID, eos_id=EOS_ID,
-                  pad_id=PAD_ID)  # fmt: skip
     if args.beam_size > 1:
-        tokens, scores = beam_search(model, batch, beam_size=args.beam_size, alpha=args.alpha,
-                                     **common)  # fmt: skip
-        for prompt, beams, beam_scores in zip(prompts, np.asarray(tokens), np.asarray(scores),
-                                              strict=True):  # fmt: skip
+        tokens, scores = translate_beam(
+            model,
+            tokenizer,
+            prompts,
+            beam_size=args.beam_size,
+            alpha=args.alpha,
+            max_new_tokens=args.max_new_tokens,
+        )
+        for prompt, beams, beam_scores in zip(prompts, tokens, scores, strict=True):
             say(prompt)
             for beam, score in list(zip(beams, beam_scores, strict=True))[: args.n_best]:
-                say(f"  {score:9.4f}  {tokenizer.decode(until_eos(beam, EOS_ID))}")
+                say(f"  {score:9.4f}  {tokenizer.decode(beam)}")
         return 0
-    out = np.asarray(seq2seq_generate(model, batch, **common, **sampling))
-    for prompt, row in zip(prompts, out, strict=True):
-        say(f"{prompt} -> {tokenizer.decode(until_eos(row, EOS_ID))}")
+    outputs = translate(model, tokenizer, prompts, max_new_tokens=args.max_new_tokens, **sampling)
+    for prompt, ids in zip(prompts, outputs, strict=True):
+        say(f"{prompt} -> {tokenizer.decode(ids)}")
     return 0
+
+
+def load_hf_checkpoint(directory: pathlib.Path) -> tuple[DecoderLM | EncoderDecoder, Tokenizer]:
+    """The model (``interop.load_hf``, float32, eval mode) and tokenizer of a Hugging Face
+    checkpoint directory; the tokenizer is looked for first, so a directory without one fails
+    before any weights are read (FileNotFoundError naming the directory and the files)."""
+    from flaxformer_lite.data.hf_tokenizer import load_hf_tokenizer
+    from flaxformer_lite.interop import load_hf
+
+    tokenizer = load_hf_tokenizer(directory)
+    model, _ = load_hf(directory)
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(f"{directory}: the tokenizer has {tokenizer.vocab_size} ids, the model "
+                         f"only {model.config.vocab_size} embedding rows")  # fmt: skip
+    return model, tokenizer
+
+
+def continue_prompts(
+    model: DecoderLM,
+    tokenizer: Tokenizer,
+    prompts: list[str],
+    *,
+    add_bos: bool,
+    max_new_tokens: int,
+    **sampling,
+) -> list[list[int]]:
+    """The new tokens of each prompt, up to (not including) the first ``eos_id``.
+
+    Each prompt is ``[sos_id] + encode(prompt)`` if ``add_bos`` (or if it encodes to nothing),
+    else ``encode(prompt)``. ``sampling``: ``temperature``, ``top_k``, ``top_p``, ``rng`` of
+    :func:`flaxformer_lite.decode.generate` (default greedy). ``max_new_tokens`` is capped so
+    that prompt and continuation fit in ``model.config.max_length``.
+    """
+    rows = []
+    for prompt in prompts:
+        ids = tokenizer.encode(prompt)
+        rows.append([tokenizer.sos_id, *ids] if add_bos or not ids else ids)
+    batch, lengths = right_pad(rows, tokenizer.pad_id)
+    max_length = model.config.max_length
+    new = min(max_new_tokens, max_length - batch.shape[1])
+    if new < 1:
+        raise ValueError(f"a prompt of {batch.shape[1]} tokens leaves no room below "
+                         f"max_length={max_length}")  # fmt: skip
+    out = np.asarray(
+        generate(
+            model,
+            batch,
+            max_new_tokens=new,
+            prompt_lengths=lengths,
+            eos_id=tokenizer.eos_id,
+            pad_id=tokenizer.pad_id,
+            **sampling,
+        )
+    )
+    return [until_eos(row[n:], tokenizer.eos_id) for row, n in zip(out, lengths, strict=True)]
+
+
+def _sources(model: EncoderDecoder, tokenizer: Tokenizer, texts: list[str], max_new_tokens: int):
+    """Encoder inputs ``encode(text) + [eos_id]`` (cut to ``max_length``), right-padded, and the
+    decoding arguments shared by greedy, sampled and beam decoding."""
+    max_length = model.config.max_length
+    rows = [[*tokenizer.encode(t)[: max_length - 1], tokenizer.eos_id] for t in texts]
+    batch, lengths = right_pad(rows, tokenizer.pad_id)
+    common = dict(
+        max_new_tokens=min(max_new_tokens, max_length - 1),
+        src_lengths=lengths,
+        sos_id=tokenizer.sos_id,
+        eos_id=tokenizer.eos_id,
+        pad_id=tokenizer.pad_id,
+    )
+    return batch, common
+
+
+def translate(model: EncoderDecoder, tokenizer: Tokenizer, texts: list[str], *,
+              max_new_tokens: int, **sampling) -> list[list[int]]:  # fmt: skip
+    """Greedy (or sampled) targets of ``texts``, decoding from ``sos_id``, each up to (not
+    including) its first ``eos_id``."""
+    batch, common = _sources(model, tokenizer, texts, max_new_tokens)
+    out = np.asarray(seq2seq_generate(model, batch, **common, **sampling))
+    return [until_eos(row, tokenizer.eos_id) for row in out]
+
+
+def translate_beam(model: EncoderDecoder, tokenizer: Tokenizer, texts: list[str], *,
+                   beam_size: int, alpha: float, max_new_tokens: int):  # fmt: skip
+    """Beam search: per text, ``beam_size`` hypotheses (best first, each up to its ``eos_id``)
+    and their length-penalized scores."""
+    batch, common = _sources(model, tokenizer, texts, max_new_tokens)
+    tokens, scores = beam_search(model, batch, beam_size=beam_size, alpha=alpha, **common)
+    beams = [[until_eos(b, tokenizer.eos_id) for b in row] for row in np.asarray(tokens)]
+    return beams, np.asarray(scores).tolist()

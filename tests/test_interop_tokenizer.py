@@ -1,0 +1,186 @@
+"""A Hugging Face checkpoint's own tokenizer (``data.hf_tokenizer``) and ``flaxformer-lite generate
+--hf_dir``, against ``transformers``: tiny random GPT-2, Llama and Marian checkpoints with
+tokenizers trained in the test (``tests/hf_checkpoints.py``). Ids are compared with
+``AutoTokenizer`` / ``MarianTokenizer``, and generated ids with ``model.generate(do_sample=False)``.
+"""
+
+import json
+import shutil
+
+import hf_checkpoints
+import numpy as np
+import pytest
+
+from flaxformer_lite.data.hf_tokenizer import HfTokenizer, load_hf_tokenizer
+from flaxformer_lite.data.tokenizers import load_tokenizer
+from flaxformer_lite.train import sample
+from flaxformer_lite.train.cli import main
+
+pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
+
+TEXTS = ["hello world, hello there!", "the lazy fox", "zebra: unseen ÷ text", "  two  spaces", "a"]
+PROMPTS = ["hello world", "the quick brown", "all that"]
+
+
+@pytest.fixture(scope="module")
+def hf():
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    return transformers, torch
+
+
+@pytest.fixture(scope="module")
+def gpt2(hf, tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpt2")
+    return hf_checkpoints.gpt2_dir(*hf, path), path
+
+
+@pytest.fixture(scope="module")
+def llama(hf, tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    return hf_checkpoints.llama_dir(*hf, path), path
+
+
+@pytest.fixture(scope="module")
+def marian(hf, tmp_path_factory):
+    sentencepiece = pytest.importorskip("sentencepiece")
+    path = tmp_path_factory.mktemp("marian")
+    return hf_checkpoints.marian_dir(*hf, sentencepiece, path), path
+
+
+def check_like_auto_tokenizer(hf, path, *, add_bos, eos_appended=False):
+    """Our ids (with bos / eos where HF adds them) and decoded text equal AutoTokenizer's."""
+    reference = hf[0].AutoTokenizer.from_pretrained(path)
+    ours = load_hf_tokenizer(path)
+    assert ours.add_bos == add_bos
+    assert (ours.eos_id, ours.unk_id) == (reference.eos_token_id, reference.unk_token_id)
+    for text in TEXTS:
+        ids = [ours.sos_id] * add_bos + ours.encode(text) + [ours.eos_id] * eos_appended
+        assert ids == reference(text).input_ids, text
+        expected = reference.decode(ids, skip_special_tokens=True)
+        assert ours.decode(ids) == expected
+        assert ours.decode(np.array([*ids, ours.eos_id, ours.pad_id])) == expected
+    return ours
+
+
+def test_gpt2_tokenizer_has_the_checkpoint_ids(hf, gpt2):
+    ours = check_like_auto_tokenizer(hf, gpt2[1], add_bos=False)
+    eot = ours.token_id(hf_checkpoints.EOT)
+    # No pad token: the end-of-text token fills in; bos = eos = unk = <|endoftext|>.
+    assert (ours.sos_id, ours.eos_id, ours.pad_id, ours.unk_id) == (eot, eot, eot, eot)
+    assert ours.vocab_size == gpt2[0].config.vocab_size
+
+
+def test_llama_tokenizer_starts_with_bos(hf, llama):
+    ours = check_like_auto_tokenizer(hf, llama[1], add_bos=True)
+    assert (ours.sos_id, ours.eos_id, ours.unk_id, ours.pad_id) == (1, 2, 0, 2)
+    # The tokenizer file alone, as PreTrainedTokenizerFast reads it.
+    file_only = hf[0].PreTrainedTokenizerFast(tokenizer_file=str(llama[1] / "tokenizer.json"))
+    for text in TEXTS:
+        assert [1, *ours.encode(text)] == file_only(text).input_ids
+
+
+def test_marian_tokenizer_matches_marian_tokenizer(hf, marian, tmp_path):
+    model, path = marian
+    check_like_auto_tokenizer(hf, path, add_bos=False, eos_appended=True)
+    assert type(hf[0].AutoTokenizer.from_pretrained(path)) is hf[0].MarianTokenizer
+    ours = load_hf_tokenizer(path)
+    vocab = json.loads((path / "vocab.json").read_text())
+    assert ours.sos_id == ours.pad_id == vocab["<pad>"] == model.config.decoder_start_token_id
+    assert ours.eos_id == vocab["</s>"] == 0
+    # A multilingual model's target-language code: one token, before the pieces.
+    shutil.copytree(path, tmp_path, dirs_exist_ok=True)
+    (tmp_path / "vocab.json").write_text(json.dumps({**vocab, ">>fra<<": len(vocab)}))
+    reference = hf[0].MarianTokenizer.from_pretrained(tmp_path)
+    ids = load_hf_tokenizer(tmp_path).encode(">>fra<< the dog")
+    assert ids[0] == len(vocab) and ids + [0] == reference(">>fra<< the dog").input_ids
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "marian"])
+def test_saved_tokenizer_reads_back_alike(name, request, tmp_path):
+    path = request.getfixturevalue(name)[1]
+    ours = load_hf_tokenizer(path)
+    ours.save(tmp_path)
+    again = load_tokenizer(tmp_path)
+    assert isinstance(again, HfTokenizer)
+    assert (again.specials, again.add_bos, again.vocab_size) == (
+        ours.specials, ours.add_bos, ours.vocab_size,
+    )  # fmt: skip
+    for text in TEXTS:
+        assert again.encode(text) == ours.encode(text)
+        assert again.decode(ours.encode(text)) == ours.decode(ours.encode(text))
+
+
+def test_missing_or_bad_tokenizer_files_are_named(gpt2, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such Hugging Face checkpoint directory"):
+        load_hf_tokenizer(tmp_path / "nowhere")
+    shutil.copy(gpt2[1] / "config.json", tmp_path / "config.json")
+    with pytest.raises(FileNotFoundError, match=r"tokenizer\.json, or source\.spm \+ target"):
+        load_hf_tokenizer(tmp_path)
+    shutil.copy(gpt2[1] / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<nope>"}))
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json: bos_token '<nope>' is not"):
+        load_hf_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="no end-of-sequence token"):
+        load_hf_tokenizer(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match="tokenizer.json: not a valid Hugging Face tokenizer"):
+        load_hf_tokenizer(tmp_path)
+
+
+def hf_greedy(hf, model, input_ids, max_new_tokens, eos_id, pad_id):
+    """HF ``generate(do_sample=False)``'s new tokens for one input, cut before its first eos."""
+    torch = hf[1]
+    with torch.no_grad():
+        out = model.generate(torch.tensor([input_ids]), do_sample=False, num_beams=1,
+                             max_new_tokens=max_new_tokens, pad_token_id=pad_id)  # fmt: skip
+    new = out[0].tolist()
+    new = new[1:] if model.config.is_encoder_decoder else new[len(input_ids) :]
+    return new[: new.index(eos_id)] if eos_id in new else new
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_generate_continues_like_hf_greedy(name, request, hf):
+    hf_model, path = request.getfixturevalue(name)
+    model, tokenizer = sample.load_hf_checkpoint(path)
+    ours = sample.continue_prompts(model, tokenizer, PROMPTS, add_bos=tokenizer.add_bos,
+                                   max_new_tokens=20)  # fmt: skip
+    reference = hf[0].AutoTokenizer.from_pretrained(path)
+    for prompt, new in zip(PROMPTS, ours, strict=True):
+        expected = hf_greedy(hf, hf_model, reference(prompt).input_ids, 20, tokenizer.eos_id,
+                             tokenizer.pad_id)  # fmt: skip
+        assert new == expected, prompt
+        assert len(new) > 3
+
+
+def test_translate_decodes_like_hf_greedy(hf, marian):
+    hf_model, path = marian
+    model, tokenizer = sample.load_hf_checkpoint(path)
+    ours = sample.translate(model, tokenizer, PROMPTS, max_new_tokens=20)
+    reference = hf[0].MarianTokenizer.from_pretrained(path)
+    for prompt, new in zip(PROMPTS, ours, strict=True):
+        expected = hf_greedy(hf, hf_model, reference(prompt).input_ids, 20, tokenizer.eos_id,
+                             tokenizer.pad_id)  # fmt: skip
+        assert new == expected, prompt
+        assert len(new) > 3
+
+
+def test_generate_command_on_hf_dirs(gpt2, marian, capsys, tmp_path):
+    assert main(["generate", "--hf_dir", str(gpt2[1]), "--prompt", "hello world",
+                 "--max_new_tokens", "6"]) == 0  # fmt: skip
+    model, tokenizer = sample.load_hf_checkpoint(gpt2[1])
+    [new] = sample.continue_prompts(model, tokenizer, ["hello world"], add_bos=False,
+                                    max_new_tokens=6)  # fmt: skip
+    assert capsys.readouterr().out == f"hello world{tokenizer.decode(new)}\n"
+    argv = ["generate", "--hf_dir", str(marian[1]), "--prompt", "the dog", "--beam_size", "3",
+            "--n_best", "2", "--max_new_tokens", "8"]  # fmt: skip
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "the dog" and len(lines) == 3
+    (tmp_path / "config.json").write_text((gpt2[1] / "config.json").read_text())
+    assert main(["generate", "--hf_dir", str(tmp_path), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert str(tmp_path) in err and "tokenizer.json" in err and "source.spm" in err
+    assert main(["generate", "--hf_dir", str(gpt2[1]), "--step", "3", "--prompt", "x"]) == 2
