@@ -39,8 +39,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
-
 from flaxformer_lite.data.tokenizers import Tokenizer, _read_json_object
 
 JSON_FILE = "tokenizer.json"
@@ -132,19 +130,9 @@ class HfTokenizer(Tokenizer):
         pieces = code + self._source.encode(text, out_type=str)
         return [self._vocab.get(piece, self.unk_id) for piece in pieces]
 
-    def decode(self, ids) -> str:
-        """Text of ``ids`` (a list or int ``[T]`` array), skipping the special ids.
-
-        Raises:
-          ValueError: if ``ids`` is not one-dimensional or holds an id outside the vocabulary.
-        """
-        ids = np.asarray(ids, dtype=np.int64)
-        if ids.ndim != 1:
-            raise ValueError(f"decode takes one sequence of ids [T], got shape {ids.shape}")
-        bad = ids[(ids < 0) | (ids >= self.vocab_size)]
-        if bad.size:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        return self._decode_regular([i for i in ids.tolist() if i not in self._special_ids])
+    def is_special(self, token_id: int) -> bool:
+        """Whether ``decode`` drops ``token_id``: one of this checkpoint's special ids."""
+        return token_id in self._special_ids
 
     def _decode_regular(self, ids: list[int]) -> str:
         if self._json is not None:

@@ -61,7 +61,7 @@ class Tokenizer(abc.ABC):
         """Token ids of ``text``, without ``<sos>``/``<eos>``."""
 
     def decode(self, ids) -> str:
-        """Text of ``ids`` (a list or int ``[T]`` array), skipping the four special ids.
+        """Text of ``ids`` (a list or int ``[T]`` array) without the ids :meth:`is_special` names.
 
         Raises:
           ValueError: if ``ids`` is not one-dimensional or holds an id outside the vocabulary.
@@ -72,7 +72,11 @@ class Tokenizer(abc.ABC):
         bad = ids[(ids < 0) | (ids >= self.vocab_size)]
         if bad.size:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        return self._decode_regular(ids[ids >= NUM_SPECIAL].tolist())
+        return self._decode_regular([i for i in ids.tolist() if not self.is_special(i)])
+
+    def is_special(self, token_id: int) -> bool:
+        """Whether ``decode`` drops ``token_id``: one of the four special ids."""
+        return token_id < NUM_SPECIAL
 
     def save(self, directory: Path) -> None:
         """Writes this tokenizer's files and the kind marker into ``directory`` (created)."""
