@@ -241,8 +241,8 @@ def edit_config(path, **changes):
 
 
 def test_unknown_architecture_lists_supported(tiny_gpt2_dir):
-    edit_config(tiny_gpt2_dir, architectures=["BertForMaskedLM"], model_type="bert")
-    with pytest.raises(ValueError, match="BertForMaskedLM") as error:
+    edit_config(tiny_gpt2_dir, architectures=["BertForTokenClassification"], model_type="bert")
+    with pytest.raises(ValueError, match="BertForTokenClassification") as error:
         load_hf(tiny_gpt2_dir)
     assert all(name in str(error.value) for name in SUPPORTED)
 

@@ -1,6 +1,7 @@
 """Hugging Face checkpoints in and out: ``load_hf(path) -> (model, config)`` and
-``save_hf(model, config, path)`` for GPT-2 (``GPT2LMHeadModel``) and Llama
-(``LlamaForCausalLM``), from and to local directories of ``config.json`` + safetensors."""
+``save_hf(model, config, path)`` for GPT-2 (``GPT2LMHeadModel``), Llama (``LlamaForCausalLM``),
+BERT (``BertForMaskedLM``, ``BertForSequenceClassification``) and Marian (``MarianMTModel``),
+from and to local directories of ``config.json`` + safetensors."""
 
 from flaxformer_lite.interop.hf import FAMILIES, SUPPORTED, family_of, load_hf, save_hf
 

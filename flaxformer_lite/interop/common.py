@@ -115,12 +115,16 @@ class Rule:
       layout: one of ``LAYOUTS``.
       num_in: for kernels, how many leading axes of our kernel are inputs (1 for ``[D, H, Dh]``,
         2 for the attention output ``[H, Dh, D]``).
+      write_only: a copy of a parameter that another rule reads, written only so that HF's loader
+        finds every tensor it expects; on load it is neither required nor read (a checkpoint's
+        copy may hold a value HF's forward pass does not use).
     """
 
     hf: str
     ours: str
     layout: str = "same"
     num_in: int = 1
+    write_only: bool = False
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
@@ -172,7 +176,7 @@ def tensors_to_params(
     """Our parameters (dotted path -> array of ``dtype``) from the HF ``tensors``.
 
     Args:
-      rules: one per parameter of our model.
+      rules: one per parameter of our model (and ``write_only`` copies, skipped).
       tensors: HF name -> array.
       shapes: our parameter paths -> shapes (of the model the config builds).
       ignore: regular expressions of HF names that carry no parameter (buffers such as GPT-2's
@@ -182,11 +186,12 @@ def tensors_to_params(
     Raises:
       ValueError: a tensor is missing, has the wrong shape, or is not used by any rule.
     """
-    rules = list(rules)
+    all_rules = list(rules)
+    rules = [rule for rule in all_rules if not rule.write_only]
     missing = sorted(rule.hf for rule in rules if rule.hf not in tensors)
     if missing:
         raise ValueError(f"the checkpoint lacks tensors the config needs: {missing}")
-    used = {rule.hf for rule in rules}
+    used = {rule.hf for rule in all_rules}
     patterns = [re.compile(p) for p in ignore]
     unused = sorted(
         name for name in tensors
@@ -205,15 +210,23 @@ def tensors_to_params(
 
 
 def params_to_tensors(
-    rules: Iterable[Rule], params: Mapping[str, np.ndarray]
+    rules: Iterable[Rule], params: Mapping[str, np.ndarray], *, ignore: Iterable[str] = ()
 ) -> dict[str, np.ndarray]:
     """The HF tensors (name -> array) of our parameters (dotted path -> array).
+
+    Args:
+      rules: one per HF tensor.
+      params: our dotted path -> array.
+      ignore: regular expressions of our paths that the HF architecture has no place for and
+        that are left out (the masked-LM head of a model saved as a sequence classifier).
 
     Raises:
       ValueError: the model has parameters no rule writes (its config has a feature the HF
         family lacks), or lacks one a rule needs.
     """
     rules = list(rules)
+    patterns = [re.compile(p) for p in ignore]
+    params = {k: v for k, v in params.items() if not any(p.fullmatch(k) for p in patterns)}
     missing = sorted(rule.ours for rule in rules if rule.ours not in params)
     extra = sorted(set(params) - {rule.ours for rule in rules})
     if missing or extra:

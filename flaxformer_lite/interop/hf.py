@@ -1,5 +1,7 @@
 """``load_hf`` / ``save_hf``: Hugging Face checkpoint directories <-> our models, dispatched by the
-``architectures`` entry of ``config.json`` to one module per family."""
+``architectures`` entry of ``config.json`` to one module per family: GPT-2 and Llama
+(``DecoderLM``), BERT (``Encoder``: masked LM or sequence classifier) and Marian
+(``EncoderDecoder``)."""
 
 from __future__ import annotations
 
@@ -11,14 +13,31 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flaxformer_lite.interop import common, gpt2, llama, marian
+from flaxformer_lite.interop import bert, common, gpt2, llama, marian
 from flaxformer_lite.models.build import build_model
 from flaxformer_lite.models.config import DTYPES, ModelConfig
 from flaxformer_lite.models.decoder_lm import DecoderLM
+from flaxformer_lite.models.encoder import Encoder
+from flaxformer_lite.models.encoder_decoder import EncoderDecoder
 
-# HF architecture name -> the module that converts it. Each module has ARCHITECTURE, MODEL_TYPE,
-# config_from_hf, config_to_hf, mismatches, rules, ignored and hf_name.
-FAMILIES: dict[str, ModuleType] = {family.ARCHITECTURE: family for family in (gpt2, llama, marian)}
+Model = DecoderLM | Encoder | EncoderDecoder
+
+# One module per family. Each has MODEL_TYPE, config_from_hf, config_to_hf, mismatches, rules,
+# ignored and hf_name, and names the HF architecture it converts in ARCHITECTURE, or the several
+# it converts in ARCHITECTURES (BERT's masked LM and sequence classifier: config_from_hf and
+# config_to_hf then tell them apart). A module may also have unwritten(cfg): regular expressions
+# of our parameters that save_hf leaves out, having no place in the HF architecture.
+_MODULES = (gpt2, llama, bert, marian)
+
+
+def _architectures(family: ModuleType) -> tuple[str, ...]:
+    return getattr(family, "ARCHITECTURES", None) or (family.ARCHITECTURE,)
+
+
+# HF architecture name -> the module that converts it.
+FAMILIES: dict[str, ModuleType] = {
+    name: family for family in _MODULES for name in _architectures(family)
+}
 SUPPORTED = tuple(FAMILIES)
 
 # Where our layer parameters live: "decoder.layers.layers.{i}...." in a loop stack, the same
@@ -47,7 +66,7 @@ def family_of(hf_config: dict) -> ModuleType:
     )
 
 
-def load_hf(path: str | os.PathLike, *, dtype=None) -> tuple[DecoderLM, ModelConfig]:
+def load_hf(path: str | os.PathLike, *, dtype=None) -> tuple[Model, ModelConfig]:
     """A Hugging Face checkpoint directory as our model, in eval mode, and its config.
 
     Reads ``config.json`` and ``model.safetensors`` (or the shards of
@@ -59,8 +78,13 @@ def load_hf(path: str | os.PathLike, *, dtype=None) -> tuple[DecoderLM, ModelCon
         numpy/jax dtype); None is float32, whatever dtype the checkpoint is stored in.
 
     Returns:
-      ``(model, config)``: a ``DecoderLM`` (``model(input_ids [B, T]) -> logits [B, T, V]``,
-      numpy or jax ints) and its ``ModelConfig``.
+      ``(model, config)``: the model and its ``ModelConfig``. Inputs are numpy or jax ints:
+      a ``DecoderLM`` (GPT-2, Llama): ``model(input_ids [B, T]) -> logits [B, T, V]``;
+      an ``Encoder`` (BERT): ``model(input_ids [B, T], token_type_ids=None,
+      attention_mask=None)`` (the mask int 0/1 as HF's, 0 at padding) -> masked-LM logits
+      ``[B, T, V]``, or class logits ``[B, num_labels]`` for ``BertForSequenceClassification``;
+      an ``EncoderDecoder`` (Marian): ``model(src [B, S], tgt [B, T], src_mask=bool [B, S])
+      -> logits [B, T, V]``.
 
     Raises:
       FileNotFoundError: the directory, ``config.json`` or the weights are missing.
@@ -88,22 +112,24 @@ def load_hf(path: str | os.PathLike, *, dtype=None) -> tuple[DecoderLM, ModelCon
     return model, cfg
 
 
-def save_hf(model: DecoderLM, config: ModelConfig, path: str | os.PathLike) -> None:
+def save_hf(model: Model, config: ModelConfig, path: str | os.PathLike) -> None:
     """Writes ``config.json`` and ``model.safetensors`` that ``transformers``' ``from_pretrained``
-    loads as the matching HF model (GPT-2 or Llama, chosen by ``config``).
+    loads as the matching HF model (GPT-2, Llama, BERT or Marian, chosen by ``config``; a BERT
+    with ``num_classes`` as ``BertForSequenceClassification``, see ``interop.bert``).
 
     Args:
-      model: our ``DecoderLM`` (loop or scanned layers).
+      model: our ``DecoderLM``, ``Encoder`` or ``EncoderDecoder`` (loop or scanned layers).
       config: its ``ModelConfig``.
       path: the output directory (created if needed; existing files are overwritten).
 
     Raises:
-      ValueError: ``config`` is neither a GPT-2 nor a Llama; lists what does not fit each.
+      ValueError: ``config`` fits none of the families; lists what does not fit each.
     """
     family = _family_of_config(config)
     hf_config = family.config_to_hf(config)
     params = _layer_params(model, config)
-    tensors = common.params_to_tensors(family.rules(config), params)
+    unwritten = family.unwritten(config) if hasattr(family, "unwritten") else ()
+    tensors = common.params_to_tensors(family.rules(config), params, ignore=unwritten)
     if family is gpt2:  # what GPT2LMHeadModel itself writes
         tensors = {("transformer." + n if n != "lm_head.weight" else n): x
                    for n, x in tensors.items()}  # fmt: skip
@@ -134,7 +160,8 @@ def _abstract_split(cfg: ModelConfig):
 
 def _layer_params(model, config: ModelConfig) -> dict[str, np.ndarray]:
     """Our parameters as dotted path -> numpy array, with a scanned stack's layers split into
-    the paths of a loop stack (``decoder.layers.layers.{i}....``) that the rules name."""
+    the paths of a loop stack (``{encoder,decoder}.layers.layers.{i}....``) that the rules
+    name."""
     params = {}
     for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         name, value = _dotted(path), np.asarray(jax.device_get(variable[...]))
@@ -149,9 +176,12 @@ def _layer_params(model, config: ModelConfig) -> dict[str, np.ndarray]:
 
 
 def _family_of_config(config: ModelConfig) -> ModuleType:
-    problems = {name: family.mismatches(config) for name, family in FAMILIES.items()}
-    for name, found in problems.items():
+    problems = {family: family.mismatches(config) for family in _MODULES}
+    for family, found in problems.items():
         if not found:
-            return FAMILIES[name]
-    details = " | ".join(f"not {name}: {'; '.join(found)}" for name, found in problems.items())
+            return family
+    details = " | ".join(
+        f"not {'/'.join(_architectures(family))}: {'; '.join(found)}"
+        for family, found in problems.items()
+    )
     raise ValueError(f"save_hf writes only {', '.join(SUPPORTED)} models; {details}")

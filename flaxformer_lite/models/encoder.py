@@ -23,10 +23,18 @@ from flaxformer_lite.nn.dense import Dense
 class Encoder(nnx.Module):
     """Embeddings -> bidirectional layers -> (final norm), with heads.
 
-    ``model(...)`` gives masked-LM logits ``[B, T, V]`` (or a regression ``[B, T, output_dim]``);
     ``model.classify(...)`` gives ``[B, num_classes]`` from the first token (BERT's [CLS]) or the
     mean of the real tokens, through BERT's tanh pooler when ``pooler_dense``. (For sequence
-    regression use ``num_classes=1``.)
+    regression use ``num_classes=1``.) ``model(...)`` gives what the model is for, as Hugging
+    Face's BERT classes do: the class logits of :meth:`classify` with ``num_classes`` (a
+    sequence classifier, ``BertForSequenceClassification``), else masked-LM logits
+    ``[B, T, V]`` (``BertForMaskedLM``; a regression ``[B, T, output_dim]`` with
+    ``output_dim``). A classifier's masked-LM head, if its config has one, stays reachable as
+    ``model.head(model.encode(...))``.
+
+    Every method takes Hugging Face's call convention, ``model(input_ids,
+    token_type_ids=None, attention_mask=None)`` with an int 0/1 (or bool) ``attention_mask``,
+    as well as our names ``token_types=`` and a bool ``mask=``; numpy or jax arrays.
 
     Args:
       cfg: a config with ``num_encoder_layers > 0`` (decoder layers are ignored).
@@ -68,6 +76,8 @@ class Encoder(nnx.Module):
         token_types: jax.Array | None = None,
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
+        attention_mask: jax.Array | None = None,
+        token_type_ids: jax.Array | None = None,
     ) -> jax.Array:
         """Contextual representations ``[B, T, D]``.
 
@@ -75,29 +85,51 @@ class Encoder(nnx.Module):
           inputs: int ``[B, T]`` tokens (float ``[B, T, input_dim]`` with ``input_dim``).
           mask: bool ``[B, T]``, False at padding: no position attends to padding (the outputs
             at padded positions are meaningless).
-          token_types: int ``[B, T]`` segment A/B ids (``type_vocab_size > 0``).
+          token_types: int ``[B, T]`` segment A/B ids (``type_vocab_size > 0``); default 0.
           positions: ``[T]`` or ``[B, T]``; default ``arange(T)``.
           segment_ids: int ``[B, T]`` for packed sequences.
+          attention_mask: Hugging Face's form of ``mask``: int ``[B, T]``, 1 at real tokens
+            and 0 at padding (bool works too); give one of the two.
+          token_type_ids: Hugging Face's name for ``token_types``; give one of the two.
+
+        Raises:
+          ValueError: both names of one input, a mask or token types not ``[B, T]``, or token
+            types for a model without token-type embeddings.
         """
+        mask = _padding_mask(inputs, mask, attention_mask)
+        token_types = self._token_types(inputs, token_types, token_type_ids)
         length = inputs.shape[1]
         check_length(self.config, length, "input")
-        attention_mask = ops.combine_masks(
+        pair_mask = ops.combine_masks(
             key_mask(mask),
             None if segment_ids is None else ops.segment_mask(segment_ids),
         )
         positions = default_positions(length) if positions is None else positions
         x = self.embed(inputs, positions, token_types)
-        return self.encoder(x, mask=attention_mask, positions=positions)
+        return self.encoder(x, mask=pair_mask, positions=positions)
 
     def __call__(self, inputs: jax.Array, **kwargs) -> jax.Array:
-        """Masked-LM logits ``[B, T, vocab_size]`` (``[B, T, output_dim]`` for regression);
-        keyword arguments as :meth:`encode`."""
+        """With ``num_classes``, the class logits ``[B, num_classes]`` of :meth:`classify`;
+        otherwise masked-LM logits ``[B, T, vocab_size]`` (``[B, T, output_dim]`` for
+        regression). ``inputs`` and keyword arguments as :meth:`encode`:
+        ``model(input_ids, token_type_ids=..., attention_mask=...)`` as in Hugging Face."""
+        if self.classifier is not None:
+            return self.classify(inputs, **kwargs)
         return self.head(self.encode(inputs, **kwargs))
 
-    def classify(self, inputs: jax.Array, *, mask: jax.Array | None = None, **kwargs) -> jax.Array:
-        """Sequence logits ``[B, num_classes]``; keyword arguments as :meth:`encode`."""
+    def classify(
+        self,
+        inputs: jax.Array,
+        *,
+        mask: jax.Array | None = None,
+        attention_mask: jax.Array | None = None,
+        **kwargs,
+    ) -> jax.Array:
+        """Sequence logits ``[B, num_classes]``; arguments as :meth:`encode` (the mask also
+        limits mean pooling to the real tokens)."""
         if self.classifier is None:
             raise ValueError("classify needs a config with num_classes")
+        mask = _padding_mask(inputs, mask, attention_mask)
         hidden = self.encode(inputs, mask=mask, **kwargs)
         if self.config.pooling == "first":
             pooled = hidden[:, 0]
@@ -113,3 +145,46 @@ class Encoder(nnx.Module):
         if self.pooler is not None:
             pooled = jnp.tanh(self.pooler(pooled))
         return self.classifier(self.classifier_dropout(pooled))
+
+    def _token_types(self, inputs, token_types, token_type_ids) -> jax.Array | None:
+        """``token_types`` or HF's ``token_type_ids`` (at most one given), checked: int
+        ``[B, T]``, for a model with token-type embeddings."""
+        if token_type_ids is not None:
+            if token_types is not None:
+                raise ValueError(
+                    "give token_types or token_type_ids (its Hugging Face name), not both"
+                )
+            token_types = token_type_ids
+        if token_types is None:
+            return None
+        if not self.config.type_vocab_size:
+            raise ValueError("token types need a config with type_vocab_size > 0")
+        token_types = jnp.asarray(token_types)
+        if token_types.shape != inputs.shape[:2] or not jnp.issubdtype(
+            token_types.dtype, jnp.integer
+        ):
+            got = f"{token_types.dtype}{token_types.shape}"
+            raise ValueError(
+                f"token types must be int {list(inputs.shape[:2])} like the inputs, got {got}"
+            )
+        return token_types
+
+
+def _padding_mask(inputs, mask, attention_mask) -> jax.Array | None:
+    """The bool ``[B, T]`` padding mask from ``mask`` or Hugging Face's ``attention_mask``
+    (int 0/1 or bool ``[B, T]``, nonzero at real tokens); None when neither is given."""
+    if attention_mask is None:
+        return mask
+    if mask is not None:
+        raise ValueError("give mask or attention_mask (its Hugging Face form), not both")
+    attention_mask = jnp.asarray(attention_mask)
+    valid_dtype = attention_mask.dtype == jnp.bool_ or jnp.issubdtype(
+        attention_mask.dtype, jnp.integer
+    )
+    if attention_mask.shape != inputs.shape[:2] or not valid_dtype:
+        got = f"{attention_mask.dtype}{attention_mask.shape}"
+        raise ValueError(
+            f"attention_mask must be int 0/1 or bool {list(inputs.shape[:2])} like the inputs, "
+            f"got {got}"
+        )
+    return attention_mask != 0
