@@ -265,7 +265,7 @@ def _checkpoint_model(path: str, values: Mapping[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"init_from={path}: config.json lacks the key {error}") from None
     if cfg.kind not in ("decoder", "encoder_decoder"):
         raise ConfigError(f"init_from={path}: fine-tuning supports decoder LMs and "
-                          f"encoder-decoders, not a {cfg.kind} model")  # fmt: skip
+                          f"encoder-decoders, not {cfg.kind!r} models")  # fmt: skip
     return {**dataclasses.asdict(cfg), **model}
 
 
