@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flaxformer_lite.interop.common import Rule, layer_rules, require
+from flaxformer_lite.interop.common import Rule, layer_rules, multi_head_mismatches, require
 from flaxformer_lite.models.config import ModelConfig
 
 MASKED_LM = "BertForMaskedLM"
@@ -278,19 +278,9 @@ def mismatches(cfg: ModelConfig) -> list[str]:
         want.update(mlm_transform=True, output_bias=True)
     else:  # BertForSequenceClassification's
         want.update(pooler_dense=True, pooling="first")
-    problems = [
-        f"{name}={getattr(cfg, name)!r} (BERT has {value!r})"
-        for name, value in want.items()
-        if getattr(cfg, name) != value
-    ]
+    problems = multi_head_mismatches(cfg, "BERT", want, _ACTIVATION_NAMES)
     if cfg.type_vocab_size < 1:
         problems.append("type_vocab_size=0 (BERT has token-type embeddings)")
-    if cfg.kv_heads != cfg.num_heads:
-        problems.append(f"num_kv_heads={cfg.num_kv_heads} (BERT has no grouped-query attention)")
-    if cfg.head_size * cfg.num_heads != cfg.d_model:
-        problems.append(f"head_dim={cfg.head_dim} (BERT has d_model // num_heads)")
-    if cfg.activation not in _ACTIVATION_NAMES:
-        problems.append(f"activation={cfg.activation!r} (supported: {sorted(_ACTIVATION_NAMES)})")
     if cfg.embedding_dropout != cfg.residual_dropout:
         problems.append(
             f"embedding_dropout={cfg.embedding_dropout} != residual_dropout="

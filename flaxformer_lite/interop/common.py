@@ -237,6 +237,26 @@ def params_to_tensors(
     return {rule.hf: rule.to_hf(np.asarray(params[rule.ours])) for rule in rules}
 
 
+def multi_head_mismatches(cfg, family: str, want: dict, activations) -> list[str]:
+    """What in ``cfg`` a ``family`` model (plain multi-head attention) cannot have: each field
+    differing from ``want``, grouped-query attention, a head size other than
+    ``d_model // num_heads``, and an activation outside ``activations``."""
+    problems = [
+        f"{name}={getattr(cfg, name)!r} ({family} has {value!r})"
+        for name, value in want.items()
+        if getattr(cfg, name) != value
+    ]
+    if cfg.kv_heads != cfg.num_heads:
+        problems.append(
+            f"num_kv_heads={cfg.num_kv_heads} ({family} has no grouped-query attention)"
+        )
+    if cfg.head_size * cfg.num_heads != cfg.d_model:
+        problems.append(f"head_dim={cfg.head_dim} ({family} has d_model // num_heads)")
+    if cfg.activation not in activations:
+        problems.append(f"activation={cfg.activation!r} (supported: {sorted(activations)})")
+    return problems
+
+
 def require(problems: list[str], what: str) -> None:
     """Raises one ValueError listing every problem (settings that cannot be represented)."""
     if problems:

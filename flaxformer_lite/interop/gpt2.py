@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flaxformer_lite.interop.common import Rule, layer_rules, require
+from flaxformer_lite.interop.common import Rule, layer_rules, multi_head_mismatches, require
 from flaxformer_lite.models.config import ModelConfig
 
 ARCHITECTURE = "GPT2LMHeadModel"
@@ -160,15 +160,4 @@ def mismatches(cfg: ModelConfig) -> list[str]:
         qkv_bias=True, attention_out_bias=True, mlp_bias=True, output_bias=False,
         input_dim=None, output_dim=None, mlm_transform=False,
     )  # fmt: skip
-    problems = [
-        f"{name}={getattr(cfg, name)!r} (GPT-2 has {value!r})"
-        for name, value in want.items()
-        if getattr(cfg, name) != value
-    ]
-    if cfg.kv_heads != cfg.num_heads:
-        problems.append(f"num_kv_heads={cfg.num_kv_heads} (GPT-2 has no grouped-query attention)")
-    if cfg.head_size * cfg.num_heads != cfg.d_model:
-        problems.append(f"head_dim={cfg.head_dim} (GPT-2 has d_model // num_heads)")
-    if cfg.activation not in _ACTIVATION_NAMES:
-        problems.append(f"activation={cfg.activation!r} (supported: {sorted(_ACTIVATION_NAMES)})")
-    return problems
+    return multi_head_mismatches(cfg, "GPT-2", want, _ACTIVATION_NAMES)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from flaxformer_lite.interop.common import Rule, layer_rules, require
+from flaxformer_lite.interop.common import Rule, layer_rules, multi_head_mismatches, require
 from flaxformer_lite.models.config import ModelConfig
 
 ARCHITECTURE = "MarianMTModel"
@@ -258,17 +258,7 @@ def mismatches(cfg: ModelConfig) -> list[str]:
         parallel_block=False, fused_qkv=False, qkv_bias=True, attention_out_bias=True,
         mlp_bias=True, output_bias=True, input_dim=None, output_dim=None, mlm_transform=False,
     )  # fmt: skip
-    problems = [
-        f"{name}={getattr(cfg, name)!r} (Marian has {value!r})"
-        for name, value in want.items()
-        if getattr(cfg, name) != value
-    ]
-    if cfg.kv_heads != cfg.num_heads:
-        problems.append(f"num_kv_heads={cfg.num_kv_heads} (Marian has no grouped-query attention)")
-    if cfg.head_size * cfg.num_heads != cfg.d_model:
-        problems.append(f"head_dim={cfg.head_dim} (Marian has d_model // num_heads)")
-    if cfg.activation not in _ACTIVATION_NAMES:
-        problems.append(f"activation={cfg.activation!r} (supported: {sorted(_ACTIVATION_NAMES)})")
+    problems = multi_head_mismatches(cfg, "Marian", want, _ACTIVATION_NAMES)
     if cfg.embedding_dropout != cfg.residual_dropout:
         problems.append(
             f"embedding_dropout={cfg.embedding_dropout} != residual_dropout="
