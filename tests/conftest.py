@@ -92,3 +92,20 @@ def full_optimization():
 def rng():
     """A fresh typed PRNG key per test."""
     return jax.random.key(0)
+
+
+NEEDS_EXTRA = "needs the optional test extra (torch, transformers): pip install -e '.[dev]'"
+
+
+@pytest.fixture(scope="session")
+def hf():
+    """``hf.torch`` and ``hf.transformers``, the reference implementations of the interop
+    tests, imported once (the import takes seconds); the test is skipped, saying why, when the
+    optional test extra is not installed."""
+    import types
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local directories only, never the network
+    torch = pytest.importorskip("torch", reason=NEEDS_EXTRA)
+    transformers = pytest.importorskip("transformers", reason=NEEDS_EXTRA)
+    transformers.logging.set_verbosity_error()
+    return types.SimpleNamespace(torch=torch, transformers=transformers)

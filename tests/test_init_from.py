@@ -25,16 +25,9 @@ NO_DROPOUT = ["model.embedding_dropout=0", "model.attention_dropout=0", "model.r
 
 
 @pytest.fixture(scope="module")
-def hf():
-    transformers = pytest.importorskip("transformers")
-    torch = pytest.importorskip("torch")
-    return transformers, torch
-
-
-@pytest.fixture(scope="module")
 def gpt2(hf, tmp_path_factory):
     path = tmp_path_factory.mktemp("gpt2")
-    return hf_checkpoints.gpt2_dir(*hf, path), path
+    return hf_checkpoints.gpt2_dir(hf.transformers, hf.torch, path), path
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +66,7 @@ def test_the_model_comes_from_config_json(gpt2, finetuned):
 def test_first_step_loss_is_the_hf_loss_and_it_falls(hf, gpt2, finetuned, tmp_path):
     """The first batch, rebuilt, through the HF model: its token-weighted cross-entropy equals
     our first step's loss (before any update); padding has weight 0, real <|endoftext|> 1."""
-    torch = hf[1]
+    torch = hf.torch
     root, overrides, _ = finetuned
     cfg = load_config(None, overrides)
     tokenizer = load_hf_tokenizer(gpt2[1])

@@ -11,7 +11,6 @@ saying so. The error and call-convention tests need neither.
 
 import json
 import os
-import types
 
 import jax
 import jax.numpy as jnp
@@ -27,17 +26,6 @@ pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: confte
 
 TOL = 1e-4  # float32, absolute
 VOCAB = 128
-NEEDS_EXTRA = "needs the optional test extra (torch, transformers): pip install -e '.[dev]'"
-
-
-@pytest.fixture(scope="module")
-def hf():
-    """``torch`` and ``transformers``, imported once per module (the import takes seconds)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local directories only, never the network
-    torch = pytest.importorskip("torch", reason=NEEDS_EXTRA)
-    transformers = pytest.importorskip("transformers", reason=NEEDS_EXTRA)
-    transformers.logging.set_verbosity_error()
-    return types.SimpleNamespace(torch=torch, transformers=transformers)
 
 
 @pytest.fixture(scope="module")

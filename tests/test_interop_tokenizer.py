@@ -23,34 +23,27 @@ PROMPTS = ["hello world", "the quick brown", "all that"]
 
 
 @pytest.fixture(scope="module")
-def hf():
-    transformers = pytest.importorskip("transformers")
-    torch = pytest.importorskip("torch")
-    return transformers, torch
-
-
-@pytest.fixture(scope="module")
 def gpt2(hf, tmp_path_factory):
     path = tmp_path_factory.mktemp("gpt2")
-    return hf_checkpoints.gpt2_dir(*hf, path), path
+    return hf_checkpoints.gpt2_dir(hf.transformers, hf.torch, path), path
 
 
 @pytest.fixture(scope="module")
 def llama(hf, tmp_path_factory):
     path = tmp_path_factory.mktemp("llama")
-    return hf_checkpoints.llama_dir(*hf, path), path
+    return hf_checkpoints.llama_dir(hf.transformers, hf.torch, path), path
 
 
 @pytest.fixture(scope="module")
 def marian(hf, tmp_path_factory):
     sentencepiece = pytest.importorskip("sentencepiece")
     path = tmp_path_factory.mktemp("marian")
-    return hf_checkpoints.marian_dir(*hf, sentencepiece, path), path
+    return hf_checkpoints.marian_dir(hf.transformers, hf.torch, sentencepiece, path), path
 
 
 def check_like_auto_tokenizer(hf, path, *, add_bos, eos_appended=False):
     """Our ids (with bos / eos where HF adds them) and decoded text equal AutoTokenizer's."""
-    reference = hf[0].AutoTokenizer.from_pretrained(path)
+    reference = hf.transformers.AutoTokenizer.from_pretrained(path)
     ours = load_hf_tokenizer(path)
     assert ours.add_bos == add_bos
     assert (ours.eos_id, ours.unk_id) == (reference.eos_token_id, reference.unk_token_id)
@@ -75,7 +68,8 @@ def test_llama_tokenizer_starts_with_bos(hf, llama):
     ours = check_like_auto_tokenizer(hf, llama[1], add_bos=True)
     assert (ours.sos_id, ours.eos_id, ours.unk_id, ours.pad_id) == (1, 2, 0, 2)
     # The tokenizer file alone, as PreTrainedTokenizerFast reads it.
-    file_only = hf[0].PreTrainedTokenizerFast(tokenizer_file=str(llama[1] / "tokenizer.json"))
+    tokenizer_file = str(llama[1] / "tokenizer.json")
+    file_only = hf.transformers.PreTrainedTokenizerFast(tokenizer_file=tokenizer_file)
     for text in TEXTS:
         assert [1, *ours.encode(text)] == file_only(text).input_ids
 
@@ -83,7 +77,8 @@ def test_llama_tokenizer_starts_with_bos(hf, llama):
 def test_marian_tokenizer_matches_marian_tokenizer(hf, marian, tmp_path):
     model, path = marian
     check_like_auto_tokenizer(hf, path, add_bos=False, eos_appended=True)
-    assert type(hf[0].AutoTokenizer.from_pretrained(path)) is hf[0].MarianTokenizer
+    auto = hf.transformers.AutoTokenizer.from_pretrained(path)
+    assert type(auto) is hf.transformers.MarianTokenizer
     ours = load_hf_tokenizer(path)
     vocab = json.loads((path / "vocab.json").read_text())
     assert ours.sos_id == ours.pad_id == vocab["<pad>"] == model.config.decoder_start_token_id
@@ -91,7 +86,7 @@ def test_marian_tokenizer_matches_marian_tokenizer(hf, marian, tmp_path):
     # A multilingual model's target-language code: one token, before the pieces.
     shutil.copytree(path, tmp_path, dirs_exist_ok=True)
     (tmp_path / "vocab.json").write_text(json.dumps({**vocab, ">>fra<<": len(vocab)}))
-    reference = hf[0].MarianTokenizer.from_pretrained(tmp_path)
+    reference = hf.transformers.MarianTokenizer.from_pretrained(tmp_path)
     ids = load_hf_tokenizer(tmp_path).encode(">>fra<< the dog")
     assert ids[0] == len(vocab) and ids + [0] == reference(">>fra<< the dog").input_ids
 
@@ -132,7 +127,7 @@ def test_missing_or_bad_tokenizer_files_are_named(gpt2, tmp_path):
 
 def hf_greedy(hf, model, input_ids, max_new_tokens, eos_id, pad_id):
     """HF ``generate(do_sample=False)``'s new tokens for one input, cut before its first eos."""
-    torch = hf[1]
+    torch = hf.torch
     with torch.no_grad():
         out = model.generate(torch.tensor([input_ids]), do_sample=False, num_beams=1,
                              max_new_tokens=max_new_tokens, pad_token_id=pad_id)  # fmt: skip
@@ -147,7 +142,7 @@ def test_generate_continues_like_hf_greedy(name, request, hf):
     model, tokenizer = sample.load_hf_checkpoint(path)
     ours = sample.continue_prompts(model, tokenizer, PROMPTS, add_bos=tokenizer.add_bos,
                                    max_new_tokens=20)  # fmt: skip
-    reference = hf[0].AutoTokenizer.from_pretrained(path)
+    reference = hf.transformers.AutoTokenizer.from_pretrained(path)
     for prompt, new in zip(PROMPTS, ours, strict=True):
         expected = hf_greedy(hf, hf_model, reference(prompt).input_ids, 20, tokenizer.eos_id,
                              tokenizer.pad_id)  # fmt: skip
@@ -159,7 +154,7 @@ def test_translate_decodes_like_hf_greedy(hf, marian):
     hf_model, path = marian
     model, tokenizer = sample.load_hf_checkpoint(path)
     ours = sample.translate(model, tokenizer, PROMPTS, max_new_tokens=20)
-    reference = hf[0].MarianTokenizer.from_pretrained(path)
+    reference = hf.transformers.MarianTokenizer.from_pretrained(path)
     for prompt, new in zip(PROMPTS, ours, strict=True):
         expected = hf_greedy(hf, hf_model, reference(prompt).input_ids, 20, tokenizer.eos_id,
                              tokenizer.pad_id)  # fmt: skip
