@@ -32,11 +32,10 @@ import numpy as np
 from flax import nnx
 
 from flaxformer_lite import ops
+from flaxformer_lite.data.tokenizers import NUM_SPECIAL
 from flaxformer_lite.models import DecoderLM, Encoder, EncoderDecoder
 from flaxformer_lite.nn.attention import MultiHeadAttention
 from flaxformer_lite.nn.stack import LayerStack, unstack_layer_state
-
-SPECIAL_LABELS = ("<pad>", "<sos>", "<eos>", "<unk>")  # ids 0..3 of every tokenizer
 
 
 def attention_maps(model, inputs, target=None, *, mask=None, **kwargs):
@@ -179,14 +178,18 @@ def text_inputs(model, tokenizer, text: str, target: str | None = None):
 def token_labels(tokenizer, ids: Sequence[int]) -> list[str]:
     """A readable tick label per id: specials by name, a space as ``␣``, a byte that is only
     part of a character (byte tokenizer) as ``<0xC3>``."""
+    # By the tokenizer's own special ids (a Hugging Face checkpoint's are not 0..3); where two
+    # roles share an id (GPT-2's <|endoftext|>), the later name wins.
+    roles = ("unk_id", "pad_id", "sos_id", "eos_id")
+    names = {getattr(tokenizer, role): f"<{role[:-3]}>" for role in roles}
     labels = []
     for i in np.asarray(ids).reshape(-1).tolist():
-        if i < len(SPECIAL_LABELS):
-            labels.append(SPECIAL_LABELS[i])
+        if tokenizer.is_special(i):
+            labels.append(names.get(i) or tokenizer.decode([i]) or f"<{i}>")
             continue
         text = tokenizer.decode([i])
         if "\ufffd" in text and tokenizer.kind == "byte":
-            text = f"<0x{i - len(SPECIAL_LABELS):02X}>"
+            text = f"<0x{i - NUM_SPECIAL:02X}>"
         labels.append(text.replace(" ", "␣").replace("\n", "\\n").replace("\t", "\\t") or "''")
     return labels
 

@@ -5,6 +5,7 @@ loss falls, a resumed run continues from its checkpoint (not from the checkpoint
 fine-tuned run generates, and bad settings exit 2 naming the key."""
 
 import json
+import shutil
 
 import hf_checkpoints
 import numpy as np
@@ -143,3 +144,18 @@ def test_bad_init_from_settings_name_the_key(gpt2, tmp_path, capsys):
                        "train.steps=1", "--no-progress"]) == 2  # fmt: skip
     err = capsys.readouterr().err
     assert str(tmp_path / "bare") in err and "tokenizer.json" in err
+
+
+def test_a_saved_tokenizer_of_another_checkpoint_is_refused(gpt2, tmp_path, capsys):
+    """A run directory left with another checkpoint's tokenizer (a first run that failed before
+    its first checkpoint) is not trained with the wrong ids."""
+    other = tmp_path / "other"
+    shutil.copytree(gpt2[1], other)
+    (other / "tokenizer.json").write_text(hf_checkpoints.bpe_tokenizer(vocab_size=280).to_str())
+    load_hf_tokenizer(other).save(tmp_path / "run" / "tokenizer")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(hf_checkpoints.CORPUS) + "\n")
+    argv = [f"init_from={gpt2[1]}", f"run_dir={tmp_path / 'run'}", "data.source=text",
+            f"data.path={corpus}", "train.steps=1", "--no-progress"]  # fmt: skip
+    assert train_main(argv) == 2
+    assert "another checkpoint's tokenizer" in capsys.readouterr().err

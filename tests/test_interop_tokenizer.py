@@ -4,6 +4,7 @@ tokenizers trained in the test (``tests/hf_checkpoints.py``). Ids are compared w
 ``AutoTokenizer`` / ``MarianTokenizer``, and generated ids with ``model.generate(do_sample=False)``.
 """
 
+import io
 import json
 import shutil
 
@@ -11,6 +12,7 @@ import hf_checkpoints
 import numpy as np
 import pytest
 
+from flaxformer_lite.attention_maps import token_labels
 from flaxformer_lite.data.hf_tokenizer import HfTokenizer, load_hf_tokenizer
 from flaxformer_lite.data.tokenizers import load_tokenizer
 from flaxformer_lite.train import sample
@@ -179,3 +181,81 @@ def test_generate_command_on_hf_dirs(gpt2, marian, capsys, tmp_path):
     err = capsys.readouterr().err
     assert str(tmp_path) in err and "tokenizer.json" in err and "source.spm" in err
     assert main(["generate", "--hf_dir", str(gpt2[1]), "--step", "3", "--prompt", "x"]) == 2
+    argv = ["generate", "--hf_dir", str(gpt2[1]), "--prompt", "x", "--max_new_tokens", "0"]
+    assert main(argv) == 2 and "--max_new_tokens must be positive" in capsys.readouterr().err
+
+
+def test_generate_names_an_encoder_only_checkpoint(hf, tmp_path, capsys):
+    config = hf.transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, intermediate_size=64)  # fmt: skip
+    config.save_pretrained(tmp_path)  # no tokenizer either: the model kind is named first
+    assert main(["generate", "--hf_dir", str(tmp_path), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert str(tmp_path) in err and "encoder-only model" in err
+
+
+def test_attention_labels_use_the_checkpoint_special_ids(gpt2):
+    tokenizer = load_hf_tokenizer(gpt2[1])
+    eot = tokenizer.eos_id
+    ids = [eot, 1, 2, 3, *tokenizer.encode("hello")]
+    labels = token_labels(tokenizer, ids)
+    assert labels[0] == "<eos>"  # GPT-2's <|endoftext|> is bos, eos and pad at once
+    assert labels[1:4] == [tokenizer.decode([i]) for i in (1, 2, 3)]  # regular tokens here
+    assert "".join(labels[4:]) == "hello"
+
+
+GERMAN = ["der schnelle braune fuchs springt", "hallo welt, hallo da!",
+          "taten sagen mehr als worte", "der fruehe vogel faengt den wurm",
+          "besser spaet als nie, sagen sie"] * 6  # fmt: skip
+
+
+def test_marian_sides_have_their_own_sentencepiece_models(hf, tmp_path):
+    """A language pair with separate ``source.spm`` and ``target.spm``: sources are split by the
+    one, targets (``encode_target``) and decoding by the other, as ``MarianTokenizer`` does; the
+    files need not name ``<unk>``."""
+    sentencepiece = pytest.importorskip("sentencepiece")
+    models = []
+    for corpus in (hf_checkpoints.CORPUS, GERMAN):
+        buffer = io.BytesIO()
+        sentencepiece.SentencePieceTrainer.train(
+            sentence_iterator=iter(corpus), model_writer=buffer, vocab_size=60,
+            hard_vocab_limit=False, minloglevel=2,
+        )  # fmt: skip
+        models.append(buffer.getvalue())
+    pieces = []
+    for model in models:
+        sp = sentencepiece.SentencePieceProcessor(model_proto=model)
+        for i in range(sp.get_piece_size()):
+            piece = sp.id_to_piece(i)
+            if piece not in ("<unk>", "<s>", "</s>", *pieces):
+                pieces.append(piece)
+    vocab = ["</s>", "<unk>", *pieces, "<pad>"]
+    files = tmp_path / "files"
+    files.mkdir()
+    (files / "s.model").write_bytes(models[0])
+    (files / "t.model").write_bytes(models[1])
+    (files / "v.json").write_text(json.dumps({p: i for i, p in enumerate(vocab)}))
+    reference = hf.transformers.MarianTokenizer(
+        source_spm=str(files / "s.model"), target_spm=str(files / "t.model"),
+        vocab=str(files / "v.json"),
+    )  # fmt: skip
+    path = tmp_path / "checkpoint"
+    reference.save_pretrained(path)
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):  # no unk_token named
+        if (path / name).is_file():
+            values = json.loads((path / name).read_text())
+            values.pop("unk_token", None)
+            (path / name).write_text(json.dumps(values))
+    (path / "config.json").write_text(json.dumps({"eos_token_id": 0}))
+    ours = load_hf_tokenizer(path)
+    assert ours.unk_id == 1
+    for text in GERMAN[:5]:
+        target = reference(text_target=text, add_special_tokens=False)["input_ids"]
+        assert ours.encode_target(text) == target
+        assert ours.decode(target) == reference.decode(target, skip_special_tokens=True)
+    for text in TEXTS:
+        assert ours.encode(text) + [0] == reference(text).input_ids
+    assert ours.encode_target(GERMAN[3]) != ours.encode(GERMAN[3])  # the two models differ here
+    # Ids past the tokenizer (rows a checkpoint pads its embedding table with) name no token.
+    ids = ours.encode_target(GERMAN[0])
+    assert ours.decode([*ids, len(vocab), len(vocab) + 5]) == ours.decode(ids)

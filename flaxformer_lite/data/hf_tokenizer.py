@@ -9,8 +9,9 @@ checkpoint's embedding rows are indexed by; nothing is remapped. Two layouts are
 
 * ``tokenizer.json`` (Hugging Face ``tokenizers``; GPT-2, Llama and most recent checkpoints);
 * Marian's ``source.spm`` + ``target.spm`` + ``vocab.json`` (as ``transformers.MarianTokenizer``):
-  source text -> SentencePiece pieces of ``source.spm`` -> ids of ``vocab.json`` (unknown pieces
-  -> ``<unk>``); a leading language code such as ``>>fra<<`` is one token. Moses punctuation
+  source text -> SentencePiece pieces of ``source.spm`` (target text, :meth:`encode_target`: of
+  ``target.spm``) -> ids of ``vocab.json`` (unknown pieces -> ``<unk>``); a leading language code
+  such as ``>>fra<<`` is one token; decoding joins pieces with ``target.spm``. Moses punctuation
   normalization (applied by ``MarianTokenizer`` only when ``sacremoses`` is installed) is not.
 
 Special ids, each checked to be in the vocabulary:
@@ -22,7 +23,7 @@ Special ids, each checked to be in the vocabulary:
   (encoder-decoders; Marian's is its pad), else ``bos``, else ``eos_id``;
 * ``pad_id``: the tokenizer files' ``pad_token``, else ``pad_token_id``, else ``eos_id`` (GPT-2
   has no pad token; batches mark padding by weights and masks, so ``pad_id`` is only a filler);
-* ``unk_id``: the tokenizer files' ``unk_token``, or None.
+* ``unk_id``: the tokenizer files' ``unk_token`` (Marian: else ``<unk>``), or None.
 
 ``add_bos``: whether the checkpoint's tokenizer starts an input with ``bos``:
 ``add_bos_token`` of ``tokenizer_config.json`` when given, else what ``tokenizer.json``'s
@@ -38,6 +39,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+
+import numpy as np
 
 from flaxformer_lite.data.tokenizers import Tokenizer, _read_json_object
 
@@ -78,10 +81,8 @@ class HfTokenizer(Tokenizer):
             import sentencepiece
 
             self._json = None
-            try:
-                self._source = sentencepiece.SentencePieceProcessor(model_proto=files["source.spm"])
-            except (RuntimeError, TypeError) as e:
-                raise ValueError(f"source.spm: not a SentencePiece model ({e})") from None
+            self._source, self._target = (_sentencepiece(files, side, sentencepiece)
+                                          for side in ("source.spm", "target.spm"))  # fmt: skip
             try:
                 self._vocab = json.loads(files["vocab.json"].decode("utf-8"))
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -121,14 +122,34 @@ class HfTokenizer(Tokenizer):
         return with_specials[: len(plain) + 1] == [bos, *plain]
 
     def encode(self, text: str) -> list[int]:
-        """The checkpoint's ids of ``text`` ``[T]``, without special tokens."""
+        """The checkpoint's ids of ``text`` ``[T]``, without special tokens (Marian: split by
+        ``source.spm``)."""
         if self._json is not None:
             return self._json.encode(text, add_special_tokens=False).ids
+        return self._marian_ids(text, self._source)
+
+    def encode_target(self, text: str) -> list[int]:
+        """As :meth:`encode`, for a target text: Marian splits it by ``target.spm``."""
+        if self._json is not None:
+            return self.encode(text)
+        return self._marian_ids(text, self._target)
+
+    def _marian_ids(self, text: str, model) -> list[int]:
         code = []
         if text.startswith(">>") and (end := text.find("<<")) != -1:  # a language code
             code, text = [text[: end + 2]], text[end + 2 :]
-        pieces = code + self._source.encode(text, out_type=str)
+        pieces = code + model.encode(text, out_type=str)
+        missing = [p for p in pieces if p not in self._vocab]
+        if missing and self.unk_id is None:
+            raise ValueError(f"vocab.json has no {missing[0]!r} and no <unk> token to stand "
+                             "for it")  # fmt: skip
         return [self._vocab.get(piece, self.unk_id) for piece in pieces]
+
+    def decode(self, ids) -> str:
+        """Text of ``ids``, without the special ids; ids at or beyond ``vocab_size`` (the rows a
+        checkpoint pads its embedding table with, which name no token) are dropped too."""
+        ids = np.asarray(ids, dtype=np.int64)
+        return super().decode(ids[ids < self.vocab_size] if ids.ndim == 1 else ids)
 
     def is_special(self, token_id: int) -> bool:
         """Whether ``decode`` drops ``token_id``: one of this checkpoint's special ids."""
@@ -137,9 +158,9 @@ class HfTokenizer(Tokenizer):
     def _decode_regular(self, ids: list[int]) -> str:
         if self._json is not None:
             return self._json.decode(ids, skip_special_tokens=True)
-        # As MarianTokenizer: pieces joined by the source model, then "▁" -> " " and stripped.
+        # As MarianTokenizer: pieces joined by the target model, then "▁" -> " " and stripped.
         pieces = [self._pieces[i] for i in ids if i in self._pieces]
-        text = self._source.decode_pieces(pieces)
+        text = self._target.decode_pieces(pieces)
         return text.replace(_SPIECE_UNDERLINE, " ").strip()
 
     def _files(self) -> dict[str, bytes]:
@@ -218,13 +239,21 @@ def load_hf_tokenizer(directory: Path | str) -> HfTokenizer:
         "pad": _first(token_id("pad"), config_id("pad_token_id"), eos),
         "sos": _first(config_id("decoder_start_token_id"), bos, eos),
         "eos": eos,
-        "unk": token_id("unk"),
+        # MarianTokenizer's default unk_token is "<unk>" (the files need not name it).
+        "unk": _first(token_id("unk"), None if JSON_FILE in files else plain.token_id("<unk>")),
         "bos": bos,
     }
     add_bos = token_files.get("tokenizer_config.json", {}).get("add_bos_token")
     if not isinstance(add_bos, bool):
         add_bos = plain._post_processor_adds(bos)
     return HfTokenizer(files, specials, add_bos and bos is not None)
+
+
+def _sentencepiece(files: dict[str, bytes], name: str, sentencepiece):
+    try:
+        return sentencepiece.SentencePieceProcessor(model_proto=files[name])
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"{name}: not a SentencePiece model ({e})") from None
 
 
 def _first(*values: int | None) -> int | None:

@@ -320,6 +320,9 @@ def _tokenizer(
             wanted = f"data.tokenizer={kind!r}" if given is None else f"a {kind!r} tokenizer"
             raise ValueError(f"{directory}: holds a saved {tokenizer.kind!r} tokenizer, but "
                              f"this run uses {wanted}")  # fmt: skip
+        if given is not None and tokenizer._files() != given._files():
+            raise ValueError(f"{directory}: holds another checkpoint's tokenizer than the one "
+                             "this run starts from (init_from)")  # fmt: skip
         return tokenizer
     if given is not None:
         if save:
@@ -354,7 +357,7 @@ def _featurize(
         return {
             "src": np.array(src, np.int32),
             "src_mask": np.ones(len(src), bool),
-            **_shifted(tokenizer.encode(record["target"]), cfg.seq_len, tokenizer),
+            **_shifted(tokenizer.encode_target(record["target"]), cfg.seq_len, tokenizer),
         }
     text_ids = tokenizer.encode(record["text"])[: cfg.seq_len - 2]
     tokens = np.array([tokenizer.sos_id, *text_ids, tokenizer.eos_id])

@@ -60,6 +60,11 @@ class Tokenizer(abc.ABC):
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``, without ``<sos>``/``<eos>``."""
 
+    def encode_target(self, text: str) -> list[int]:
+        """Token ids of a target text (a decoder's side of a seq2seq pair); the same as
+        :meth:`encode` unless the two sides have their own models (Marian)."""
+        return self.encode(text)
+
     def decode(self, ids) -> str:
         """Text of ``ids`` (a list or int ``[T]`` array) without the ids :meth:`is_special` names.
 
@@ -89,7 +94,7 @@ class Tokenizer(abc.ABC):
 
     @abc.abstractmethod
     def _decode_regular(self, ids: list[int]) -> str:
-        """Text of ids that are all ``>= NUM_SPECIAL``."""
+        """Text of ids that are none of the special ids (:meth:`is_special` is False for each)."""
 
     def _files(self) -> dict[str, bytes]:
         """File name -> contents that ``save`` writes; byte tokenizers need none."""

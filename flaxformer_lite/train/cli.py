@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def generate_main(argv: list[str] | None = None, prog: str = "flaxformer-lite generate") -> int:
-    """``flaxformer-lite generate`` / ``sample.py``: continue or translate prompts with a run."""
+    """``flaxformer-lite generate`` / ``sample.py``: continue or translate prompts with a run or a
+    Hugging Face checkpoint directory."""
     from flaxformer_lite.train import sample
 
     args = sample.parser(prog).parse_args(argv)

@@ -70,7 +70,8 @@ def decode_eval(
         inputs = [
             [*tokenizer.encode(source)[: max_length - 1], tokenizer.eos_id] for source, _ in pairs
         ]
-    references = [[*tokenizer.encode(reference), tokenizer.eos_id] for _, reference in pairs]
+    encode = tokenizer.encode if task == "lm" else tokenizer.encode_target
+    references = [[*encode(reference), tokenizer.eos_id] for _, reference in pairs]
     batch, lengths = right_pad(inputs, tokenizer.pad_id)
     budget = max_length - batch.shape[1] if task == "lm" else max_length - 1
     max_new_tokens = max(1, min(max(len(r) for r in references) + 2, budget))

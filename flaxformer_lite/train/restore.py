@@ -125,8 +125,13 @@ def load_hf_weights(state, path: pathlib.Path | str):
     loaded = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(hf_model, nnx.Param)))
     like = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.filter_state(state[0], nnx.Param)))
     shapes = {k: tuple(v.shape) for k, v in loaded.items()}
-    if shapes != {k: tuple(v.shape) for k, v in like.items()}:
-        raise ValueError(f"{path}: the checkpoint's parameters do not fit the configured model")
+    wanted = {k: tuple(v.shape) for k, v in like.items()}
+    if shapes != wanted:
+        differing = [f"{'.'.join(map(str, k))}: {shapes.get(k)} vs {wanted.get(k)}"
+                     for k in sorted(shapes.keys() | wanted.keys(), key=str)
+                     if shapes.get(k) != wanted.get(k)]  # fmt: skip
+        raise ValueError(f"{path}: the checkpoint's parameters do not fit the configured model "
+                         f"(checkpoint vs model): {'; '.join(differing[:3])}")  # fmt: skip
 
     def place(name):
         value = np.asarray(loaded[name], like[name].dtype)

@@ -59,6 +59,8 @@ def run(args: argparse.Namespace, say=print) -> int:
     """Loads the run or checkpoint and prints one block per prompt (and sample)."""
     if args.n_best > args.beam_size:
         raise ValueError(f"--n_best ({args.n_best}) cannot exceed --beam_size ({args.beam_size})")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max_new_tokens must be positive, got {args.max_new_tokens}")
     if args.hf_dir is not None:
         if args.step is not None:
             raise ValueError("--step applies to --run_dir, not --hf_dir")
@@ -103,11 +105,19 @@ def run(args: argparse.Namespace, say=print) -> int:
 
 def load_hf_checkpoint(directory: pathlib.Path) -> tuple[DecoderLM | EncoderDecoder, Tokenizer]:
     """The model (``interop.load_hf``, float32, eval mode) and tokenizer of a Hugging Face
-    checkpoint directory; the tokenizer is looked for first, so a directory without one fails
-    before any weights are read (FileNotFoundError naming the directory and the files)."""
+    checkpoint directory; the architecture and the tokenizer are checked first, so an encoder-only
+    model or a directory without a tokenizer fails before any weights are read (ValueError /
+    FileNotFoundError naming the directory and the files)."""
     from flaxformer_lite.data.hf_tokenizer import load_hf_tokenizer
-    from flaxformer_lite.interop import load_hf
+    from flaxformer_lite.interop import family_of, load_hf
+    from flaxformer_lite.interop.common import read_config
 
+    hf_config = read_config(directory)
+    architecture = family_of(hf_config).config_from_hf(hf_config)
+    if architecture.kind == "encoder":  # before the tokenizer, whose errors would mislead
+        raise ValueError(f"{directory} holds an encoder-only model "
+                         f"({', '.join(hf_config.get('architectures') or ['bert'])}); generate "
+                         "needs a decoder LM or an encoder-decoder")  # fmt: skip
     tokenizer = load_hf_tokenizer(directory)
     model, _ = load_hf(directory)
     if tokenizer.vocab_size > model.config.vocab_size:
