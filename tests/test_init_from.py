@@ -119,6 +119,18 @@ def test_the_finetuned_run_generates(finetuned, capsys):
     assert "brown fox" in out  # learnt from the corpus
 
 
+def test_the_run_config_yaml_loads_back(finetuned, tmp_path):
+    """The resolved config.yaml a run writes (init_from and the checkpoint's model) is a valid
+    --config; a model value changed in it is still refused."""
+    saved = finetuned[0] / "run" / "config.yaml"
+    cfg = load_config(saved, ["train.steps=3"])
+    assert cfg.model == load_config(None, finetuned[1]).model and cfg.train.steps == 3
+    changed = tmp_path / "changed.yaml"
+    changed.write_text(saved.read_text().replace("num_heads: 2", "num_heads: 4"))
+    with pytest.raises(ConfigError, match=r"model\.num_heads cannot be set with init_from"):
+        load_config(changed, [])
+
+
 def test_bad_init_from_settings_name_the_key(gpt2, tmp_path, capsys):
     path = gpt2[1]
     with pytest.raises(ConfigError, match=r"model\.num_heads cannot be set with init_from"):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import pathlib
 import types
 import typing
@@ -237,7 +238,8 @@ def _checkpoint_model(path: str, values: Mapping[str, Any]) -> dict[str, Any]:
     ``ModelConfig`` (plain values), with the user's :data:`INIT_FROM_MODEL_KEYS` laid over it.
 
     Raises:
-      ConfigError: another model key, a tokenizer key, a missing directory or ``config.json``,
+      ConfigError: another model key with another value than the checkpoint's, a tokenizer
+        key other than its default, a missing directory or ``config.json``,
         an unsupported architecture, or an encoder-only model (naming ``init_from``).
     """
     from flaxformer_lite.interop import family_of
@@ -247,13 +249,9 @@ def _checkpoint_model(path: str, values: Mapping[str, Any]) -> dict[str, Any]:
     data = values.get("data") or {}
     if not isinstance(model, Mapping) or not isinstance(data, Mapping):
         raise ConfigError("model and data must be mappings")
-    for key in model:
-        if key not in INIT_FROM_MODEL_KEYS:
-            allowed = ", ".join(f"model.{k}" for k in INIT_FROM_MODEL_KEYS)
-            raise ConfigError(f"model.{key} cannot be set with init_from: the architecture comes "
-                              f"from {path}/config.json (settable: {allowed})")  # fmt: skip
     for key in _TOKENIZER_KEYS:
-        if key in data:
+        # A run's resolved config.yaml repeats the (unused) defaults.
+        if key in data and _plain_json(data[key]) != _plain_json(getattr(DataConfig(), key)):
             raise ConfigError(f"data.{key} cannot be set with init_from: the data are encoded "
                               f"by the tokenizer of {path}")  # fmt: skip
     try:
@@ -266,7 +264,28 @@ def _checkpoint_model(path: str, values: Mapping[str, Any]) -> dict[str, Any]:
     if cfg.kind not in ("decoder", "encoder_decoder"):
         raise ConfigError(f"init_from={path}: fine-tuning supports decoder LMs and "
                           f"encoder-decoders, not {cfg.kind!r} models")  # fmt: skip
-    return {**dataclasses.asdict(cfg), **model}
+    checkpoint = dataclasses.asdict(cfg)
+    for key, value in model.items():
+        # ... and the checkpoint's model values: those are no change.
+        if key not in INIT_FROM_MODEL_KEYS and _plain_json(value) != _plain_json(
+            checkpoint.get(key, _MISSING)
+        ):
+            allowed = ", ".join(f"model.{k}" for k in INIT_FROM_MODEL_KEYS)
+            raise ConfigError(f"model.{key} cannot be set with init_from: the architecture comes "
+                              f"from {path}/config.json (settable: {allowed})")  # fmt: skip
+    return {**checkpoint, **model}
+
+
+_MISSING = object()
+
+
+def _plain_json(value):
+    """``value`` as JSON would read it back (tuples -> lists), for comparing a YAML value with a
+    dataclass field; typed command-line text stays a string, so it never equals a number."""
+    try:
+        return json.loads(json.dumps(value))
+    except TypeError:
+        return value
 
 
 def _build(cls, values: Any, where: str, base: Mapping[str, Any] | None = None):
