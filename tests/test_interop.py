@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hf_checkpoints import randomize
 from safetensors.numpy import load_file, save_file
 
 from flaxformer_lite import ops
@@ -30,16 +31,6 @@ VOCAB = 128
 def ids():
     """Random token ids ``[2, 13]``, int64 numpy (as a tokenizer gives them)."""
     return np.random.default_rng(0).integers(0, VOCAB, (2, 13))
-
-
-def randomize(hf, model, seed=0):
-    """Moves every HF parameter (norm scales and biases too) well away from its init, so that a
-    wrongly mapped tensor shows up in the logits; float32, eval mode."""
-    generator = hf.torch.Generator().manual_seed(seed)
-    with hf.torch.no_grad():
-        for p in model.parameters():  # a tied table is listed once
-            p.add_(0.1 * hf.torch.randn(p.shape, generator=generator))
-    return model.float().eval()
 
 
 def hf_logits(hf, model, ids):
@@ -91,7 +82,7 @@ def gpt2(request, hf, tmp_path_factory):
         n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64, bos_token_id=0,
         eos_token_id=0, **GPT2_VARIANTS[request.param],
     )  # fmt: skip
-    model = randomize(hf, hf.transformers.GPT2LMHeadModel(config))
+    model = randomize(hf.torch, hf.transformers.GPT2LMHeadModel(config))
     path = tmp_path_factory.mktemp(f"gpt2-{request.param}")
     model.save_pretrained(path)
     return model, path
@@ -148,7 +139,7 @@ def llama(request, hf, tmp_path_factory):
         num_attention_heads=4, max_position_embeddings=256, rms_norm_eps=1e-5,
         **LLAMA_VARIANTS[request.param],
     )  # fmt: skip
-    model = randomize(hf, hf.transformers.LlamaForCausalLM(config))
+    model = randomize(hf.torch, hf.transformers.LlamaForCausalLM(config))
     path = tmp_path_factory.mktemp(f"llama-{request.param}")
     model.save_pretrained(path)
     return model, path
@@ -356,16 +347,14 @@ def src_tgt():
 
 
 def randomize_marian(hf, model, seed=0):
-    """``randomize`` for Marian: its position tables are fixed, not saved, so they stay; the
-    ``final_logits_bias`` buffer moves too."""
-    generator = hf.torch.Generator().manual_seed(seed)
+    """``randomize`` (which leaves Marian's fixed position tables alone), and the
+    ``final_logits_bias`` buffer moved too."""
+    model = randomize(hf.torch, model, seed)
+    generator = hf.torch.Generator().manual_seed(seed + 1)
     with hf.torch.no_grad():
-        for name, p in model.named_parameters():
-            if not re.fullmatch(MARIAN_POSITIONS, name):
-                p.add_(0.1 * hf.torch.randn(p.shape, generator=generator))
         model.final_logits_bias.add_(hf.torch.randn(model.final_logits_bias.shape,
                                                     generator=generator))  # fmt: skip
-    return model.float().eval()
+    return model
 
 
 def marian_logits(hf, model, src_tgt):

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hf_checkpoints import randomize
 from safetensors.numpy import load_file, save_file
 
 from flaxformer_lite.interop import SUPPORTED, bert, load_hf, save_hf
@@ -42,16 +43,6 @@ def inputs():
 
 
 INPUT_NAMES = ("input_ids", "token_type_ids", "attention_mask")
-
-
-def randomize(hf, model, seed=0):
-    """Moves every HF parameter (norm scales and biases too) well away from its init, so that a
-    wrongly mapped tensor shows up in the logits; float32, eval mode."""
-    generator = hf.torch.Generator().manual_seed(seed)
-    with hf.torch.no_grad():
-        for p in model.parameters():  # a tied table is listed once
-            p.add_(0.1 * hf.torch.randn(p.shape, generator=generator))
-    return model.float().eval()
 
 
 def hf_logits(hf, model, inputs):
@@ -109,7 +100,7 @@ def bert_dir(request, hf, tmp_path_factory):
         vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
         intermediate_size=96, max_position_embeddings=64, **overrides,
     )  # fmt: skip
-    model = randomize(hf, getattr(hf.transformers, architecture)(config))
+    model = randomize(hf.torch, getattr(hf.transformers, architecture)(config))
     path = tmp_path_factory.mktemp(f"bert-{request.param}")
     model.save_pretrained(path)
     return model, path
