@@ -1,33 +1,20 @@
 """benchmarks/generate.py at a tiny size: its JSON, its table, and cached greedy tokens equal to
 the uncached ones (Hugging Face too when torch and transformers are installed)."""
 
-import importlib.util
 import json
-import pathlib
 
 import numpy as np
 import pytest
+from benchmark_scripts import hf_available, load_benchmark
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "generate.py"
 TINY = ["--layers", "2", "--d-model", "32", "--heads", "4", "--vocab", "64", "--max-length", "32"]
-
-
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location("benchmark_generate", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def hf_available() -> bool:
-    return all(importlib.util.find_spec(name) for name in ("torch", "transformers"))
 
 
 @pytest.mark.slow
 def test_generate_benchmark_at_a_tiny_size(capsys):
-    benchmark = load_benchmark()
+    benchmark = load_benchmark("generate")
     argv = [*TINY, "--prompt-length", "6", "--new-tokens", "10", "--batch-sizes", "3",
             "--repeats", "2"]  # fmt: skip
     if not hf_available():
@@ -73,7 +60,7 @@ def test_no_cache_path_equals_generate():
 
     from flaxformer_lite.decode import generate
 
-    benchmark = load_benchmark()
+    benchmark = load_benchmark("generate")
     args = benchmark.argparse.Namespace(layers=2, d_model=32, heads=4, d_ff=0, vocab=64,
                                         max_length=32)  # fmt: skip
     model = benchmark.build_model(benchmark.model_config(args), rngs=nnx.Rngs(1))

@@ -1,26 +1,16 @@
 """benchmarks/sharding.py on gpt2-tiny: fsdp shards the state, data parallelism all-reduces."""
 
-import importlib.util
 import json
-import pathlib
 
 import pytest
+from benchmark_scripts import load_benchmark
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
-
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "sharding.py"
-
-
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location("benchmark_sharding", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.slow
 def test_sharding_benchmark_on_gpt2_tiny(capsys):
-    benchmark = load_benchmark()
+    benchmark = load_benchmark("sharding")
     argv = ["--preset", "gpt2-tiny", "--batch", "8", "--seq", "32", "--layouts", "data=8", "fsdp=8"]
     rows = benchmark.main(argv)
     out = capsys.readouterr().out.strip().splitlines()

@@ -2,33 +2,20 @@
 (the loss goes down), and Hugging Face's step runs beside it when torch and transformers are
 installed."""
 
-import importlib.util
 import json
-import pathlib
 
 import pytest
+from benchmark_scripts import hf_available, load_benchmark
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "train_step.py"
 TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--seq", "16", "--batch", "2",
         "--vocab", "64", "--steps", "3", "--windows", "2"]  # fmt: skip
 
 
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location("benchmark_train_step", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def hf_available() -> bool:
-    return all(importlib.util.find_spec(name) for name in ("torch", "transformers"))
-
-
 @pytest.mark.slow
 def test_train_step_benchmark_at_a_tiny_size(capsys):
-    benchmark = load_benchmark()
+    benchmark = load_benchmark("train_step")
     argv = TINY + ([] if hf_available() else ["--no-hf"])
     summary = benchmark.main(argv)
     out = capsys.readouterr().out.strip().splitlines()
@@ -57,7 +44,7 @@ def test_train_step_benchmark_at_a_tiny_size(capsys):
 
 
 def test_the_timed_config_is_the_requested_gpt2():
-    benchmark = load_benchmark()
+    benchmark = load_benchmark("train_step")
     args = benchmark.argparse.Namespace(layers=12, d_model=768, heads=12, d_ff=0, seq=128,
                                         batch=4, vocab=50304, scan_layers=True, seed=0)  # fmt: skip
     cfg = benchmark.train_config(args)

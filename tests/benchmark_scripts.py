@@ -1,0 +1,19 @@
+"""The scripts of benchmarks/ as modules, for the tests that run them at a tiny size."""
+
+import importlib.util
+import pathlib
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_benchmark(name: str):
+    """``benchmarks/{name}.py``, imported (its ``main`` not run)."""
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def hf_available() -> bool:
+    """Whether the benchmarks' Hugging Face peer (torch and transformers) can be imported."""
+    return all(importlib.util.find_spec(name) for name in ("torch", "transformers"))
