@@ -320,7 +320,7 @@ def _tokenizer(
             wanted = f"data.tokenizer={kind!r}" if given is None else f"a {kind!r} tokenizer"
             raise ValueError(f"{directory}: holds a saved {tokenizer.kind!r} tokenizer, but "
                              f"this run uses {wanted}")  # fmt: skip
-        if given is not None and tokenizer._files() != given._files():
+        if given is not None and not tokenizer.same_as(given):
             raise ValueError(f"{directory}: holds another checkpoint's tokenizer than the one "
                              "this run starts from (init_from)")  # fmt: skip
         return tokenizer

@@ -79,6 +79,10 @@ class Tokenizer(abc.ABC):
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         return self._decode_regular([i for i in ids.tolist() if not self.is_special(i)])
 
+    def same_as(self, other: Tokenizer) -> bool:
+        """Whether ``other`` is this tokenizer: the same kind and the same files."""
+        return self.kind == other.kind and self._files() == other._files()
+
     def is_special(self, token_id: int) -> bool:
         """Whether ``decode`` drops ``token_id``: one of the four special ids."""
         return token_id < NUM_SPECIAL
