@@ -482,3 +482,25 @@ def test_unsupported_marian_settings_are_named(tmp_path, changes, message):
     edit_config(tmp_path, **changes)
     with pytest.raises(ValueError, match=message):
         load_hf(tmp_path)
+
+
+def test_save_hf_replaces_files_whole(hf, gpt2, ids, tmp_path, monkeypatch):
+    """save_hf writes under temporary names and renames: nothing else is left in the directory,
+    and a save that fails while writing the weights leaves the previous checkpoint loadable."""
+    from flaxformer_lite.interop import common
+
+    model, cfg = load_hf(gpt2[1])
+    save_hf(model, cfg, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    def failing_save(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(common, "save_file", failing_save)
+    with pytest.raises(OSError, match="disk full"):
+        save_hf(model, cfg, tmp_path)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.suffix != ".tmp"} == before
+    assert max_diff(load_hf(tmp_path)[0](ids), model(ids)) == 0.0

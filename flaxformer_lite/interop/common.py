@@ -87,13 +87,20 @@ def write_checkpoint(
     path: str | os.PathLike, config: Mapping[str, Any], tensors: Mapping[str, np.ndarray]
 ) -> None:
     """Writes ``config.json`` and one ``model.safetensors`` (tagged ``format: pt``, which
-    ``transformers`` expects) into ``path``, creating the directory."""
+    ``transformers`` expects) into ``path``, creating the directory.
+
+    Each file is written under a temporary name and then renamed over the old one, weights
+    first, so an interrupted save leaves no half-written file (at worst, when overwriting, new
+    weights beside the previous ``config.json``)."""
     os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, CONFIG_FILE), "w", encoding="utf-8") as f:
+    weights, config_file = os.path.join(path, WEIGHTS_FILE), os.path.join(path, CONFIG_FILE)
+    contiguous = {name: np.ascontiguousarray(x) for name, x in tensors.items()}
+    save_file(contiguous, weights + ".tmp", metadata={"format": "pt"})
+    os.replace(weights + ".tmp", weights)
+    with open(config_file + ".tmp", "w", encoding="utf-8") as f:
         json.dump(dict(config), f, indent=2, sort_keys=True)
         f.write("\n")
-    contiguous = {name: np.ascontiguousarray(x) for name, x in tensors.items()}
-    save_file(contiguous, os.path.join(path, WEIGHTS_FILE), metadata={"format": "pt"})
+    os.replace(config_file + ".tmp", config_file)
 
 
 # --------------------------------------------------------------------------- rules
