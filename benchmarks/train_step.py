@@ -37,11 +37,10 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flaxformer_lite.models.accounting import training_flops_per_token
+from flaxformer_lite.models.accounting import matmul_peak_flops, training_flops_per_token
 from flaxformer_lite.train.config import TrainConfig, load_config
 from flaxformer_lite.train.optim import make_optimizer
 from flaxformer_lite.train.restore import make_train_state
@@ -71,15 +70,6 @@ def random_batch(cfg: TrainConfig, seed: int) -> dict[str, np.ndarray]:
     tokens = rng.integers(0, cfg.model.vocab_size, shape).astype(np.int32)
     weights = np.ones((shape[0], shape[1] - 1), np.float32)
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": weights}
-
-
-def matmul_peak_flops(n: int = 2048, repeats: int = 5) -> float:
-    """float32 FLOP/s of XLA's ``n x n x n`` matmul, the best of ``repeats`` calls."""
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    matmul = jax.jit(jnp.matmul).lower(a, a).compile()
-    matmul(a, a).block_until_ready()
-    best = min(timed(lambda: matmul(a, a).block_until_ready()) for _ in range(repeats))
-    return 2 * n**3 / best
 
 
 def timed(call) -> float:

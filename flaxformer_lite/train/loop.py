@@ -17,7 +17,6 @@ import signal
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import yaml
 from flax import nnx
@@ -25,7 +24,7 @@ from flax import nnx
 from flaxformer_lite import parallel
 from flaxformer_lite.data.hf_tokenizer import load_hf_tokenizer
 from flaxformer_lite.data.pipeline import build_data
-from flaxformer_lite.models import training_flops_per_token
+from flaxformer_lite.models import peak_flops, training_flops_per_token
 from flaxformer_lite.train.checkpoint import Checkpointer
 from flaxformer_lite.train.config import (
     ConfigError,
@@ -45,13 +44,6 @@ from flaxformer_lite.train.restore import (
     to_savable,
 )
 from flaxformer_lite.train.step import make_eval_step, make_train_step, task_of
-
-# Dense peak FLOP/s per chip for bf16 matmuls, by jax's device_kind; other devices: n/a.
-PEAK_FLOPS = {
-    "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H200": 989e12, "NVIDIA A100-SXM4-80GB": 312e12,
-    "NVIDIA A100-SXM4-40GB": 312e12, "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5": 459e12,
-    "TPU v6 lite": 918e12,
-}  # fmt: skip
 
 
 class TrainingError(RuntimeError):
@@ -170,7 +162,7 @@ def _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log):
 
     tokens_per_step = batch_size * cfg.data.seq_len
     flops_per_token = training_flops_per_token(cfg.model, cfg.data.seq_len)
-    peak = _peak_flops()
+    peak = peak_flops()
     main = jax.process_index() == 0
     writer = MetricsWriter(run_dir, resume_step=step) if main else _NoMetrics()
     bar = _progress_bar(cfg.train.steps, step, progress)
@@ -351,27 +343,6 @@ def _move_aside(run_dir: pathlib.Path) -> pathlib.Path:
         number += 1
     shutil.move(run_dir, target)
     return target
-
-
-def _peak_flops() -> float | None:
-    """Peak FLOP/s of the devices: from the table for accelerators; on CPU, a float32 matmul
-    measured now (on one device: simulated CPU devices share the same cores)."""
-    devices = jax.devices()
-    if devices[0].platform != "cpu":
-        peak = PEAK_FLOPS.get(devices[0].device_kind)
-        return peak * len(devices) if peak else None
-    n = 1024  # each process measures its host's cores; all hosts are taken to be alike
-    a = jnp.ones((n, n), jnp.float32)
-    matmul = jax.jit(lambda a: a @ a)
-    matmul(a).block_until_ready()
-    best = min(_timed(matmul, a) for _ in range(3))
-    return 2 * n**3 / best * jax.process_count()
-
-
-def _timed(fn, *args) -> float:
-    started = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    return time.perf_counter() - started
 
 
 def _progress_bar(total: int, initial: int, enabled: bool):
