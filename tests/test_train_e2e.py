@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import jax
 import numpy as np
@@ -59,6 +60,35 @@ def test_the_default_run_learns(tmp_path):
         assert (tmp_path / "run" / name).exists(), name
     saved = load_config(tmp_path / "run" / "config.yaml")
     assert saved.model.vocab_size == 260  # resolved from the byte tokenizer
+
+
+def test_logged_tokens_per_sec_times_the_training_steps_alone(tmp_path, monkeypatch):
+    """A fake clock: each train step takes 1 s, each evaluation and checkpoint save 1000 s."""
+    from flaxformer_lite.train import loop
+
+    clock = types.SimpleNamespace(now=0.0)
+    monkeypatch.setattr(loop, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
+
+    def taking(seconds, fn):
+        def call(*args, **kwargs):
+            out = jax.block_until_ready(fn(*args, **kwargs))
+            clock.now += seconds
+            return out
+
+        return call
+
+    make_train_step = loop.make_train_step
+    monkeypatch.setattr(
+        loop, "make_train_step", lambda *a, **k: taking(1.0, make_train_step(*a, **k))
+    )
+    monkeypatch.setattr(loop, "evaluate", taking(1000.0, loop.evaluate))
+    monkeypatch.setattr(loop, "to_savable", taking(1000.0, loop.to_savable))
+    cfg = config(tmp_path / "run", "train.steps=12", "train.log_every=3", "train.eval_every=6",
+                 "checkpoint.every=4")  # fmt: skip
+    run(cfg, progress=False, log=quiet)
+    logged = {r["step"]: r["tokens_per_sec"] for r in records(tmp_path / "run")}
+    assert sorted(logged) == [3, 6, 9, 12]
+    assert logged == {step: pytest.approx(8 * 32) for step in logged}  # 8 x 32 tokens a second
 
 
 def test_metrics_writer_records_missing_values_as_null(tmp_path):

@@ -198,7 +198,6 @@ def _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log):
                 values["tokens_per_sec"] = tokens_per_sec
                 values["mfu"] = (flops_per_token * tokens_per_sec / peak
                                  if peak and tokens_per_sec else None)  # fmt: skip
-                window_start, window_steps = time.perf_counter(), 0
             if step % cfg.train.eval_every == 0 or step == cfg.train.steps:
                 batches = map(place, data.eval_batches())
                 values |= evaluate(eval_step, state, batches, cfg.train.eval_batches)
@@ -211,7 +210,8 @@ def _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log):
                 bar.set_postfix({k: f"{v:.4g}" for k, v in values.items() if v is not None})
             signum = _agreed_signal(stop.signum)
             final = step == cfg.train.steps or signum is not None
-            if final or step % cfg.checkpoint.every == 0:  # no state conversion on other steps
+            saving = final or step % cfg.checkpoint.every == 0
+            if saving:  # no state conversion on other steps
                 checkpointer.save(
                     step, to_savable(state), data_state=data.train.get_state(),
                     config=cfg.to_dict(), force=final,
@@ -220,6 +220,8 @@ def _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log):
             if signum is not None:
                 checkpointer.wait()
                 raise Interrupted(signum, step)
+            if values or saving:  # tokens/s times training steps alone, not evals or saves
+                window_start, window_steps = time.perf_counter(), 0
         checkpointer.wait()
     if main:
         plot_run(run_dir)
