@@ -63,9 +63,9 @@ TRAIN_PY_TOLERANCE = 0.05  # train.py's logged tokens/s within 5% of the timed s
 MFU_TARGET = 0.65
 
 
-def train_config(args, **extra) -> TrainConfig:
-    """The benchmark's config: the embedded default at the size of ``args``, dropout off, and
-    any ``extra`` overrides (``"data.seq_len": 64`` given as ``data__seq_len=64``)."""
+def train_config(args, extra: dict | None = None) -> TrainConfig:
+    """The benchmark's config: the embedded default at the size of ``args``, dropout off, then
+    the ``extra`` overrides (``{"data.packing": False}``)."""
     overrides = {
         "model.num_decoder_layers": args.layers, "model.d_model": args.d_model,
         "model.num_heads": args.heads, "model.d_ff": args.d_ff or 4 * args.d_model,
@@ -74,7 +74,7 @@ def train_config(args, **extra) -> TrainConfig:
         "model.residual_dropout": 0.0, "model.scan_layers": args.scan_layers,
         "data.seq_len": args.seq, "train.batch_size": args.batch, "seed": args.seed,
     }  # fmt: skip
-    overrides |= {key.replace("__", "."): value for key, value in extra.items()}
+    overrides |= extra or {}
     return load_config(None, [f"{key}={value}" for key, value in overrides.items()])
 
 
@@ -179,13 +179,13 @@ def train_py_tokens_per_sec(args) -> list[float]:
     with tempfile.TemporaryDirectory() as directory:
         text = pathlib.Path(directory, "words.txt")
         text.write_text("\n".join(lines) + "\n")
-        cfg = train_config(
-            args, run_dir=pathlib.Path(directory, "run"), data__source="text", data__path=text,
-            data__tokenizer="word", data__vocab_size=args.vocab, data__packing=False,
-            train__steps=steps, train__log_every=args.steps, train__eval_every=steps,
-            train__eval_batches=1, train__decode_examples=0, checkpoint__every=steps,
-            optimizer__warmup_steps=1,
-        )  # fmt: skip
+        cfg = train_config(args, {
+            "run_dir": pathlib.Path(directory, "run"), "data.source": "text", "data.path": text,
+            "data.tokenizer": "word", "data.vocab_size": args.vocab, "data.packing": False,
+            "train.steps": steps, "train.log_every": args.steps, "train.eval_every": steps,
+            "train.eval_batches": 1, "train.decode_examples": 0, "checkpoint.every": steps,
+            "optimizer.warmup_steps": 1,
+        })  # fmt: skip
         loop.run(cfg, progress=False, log=lambda _: None)
         logged = read_metrics(cfg.run_dir)
     return [r["tokens_per_sec"] for r in logged[1:]]

@@ -192,8 +192,8 @@ def _softmax(query, key, bias, mask, scale):
     Masked logits get a finite fill, so a fully masked row is uniform rather than NaN; callers
     zero such rows.
     """
-    # Heads moved ahead of time first: every (b, h) product is then a contiguous GEMM, which on
-    # CPU runs the attention forward and backward about 20% faster than strided "bqhd" operands.
+    # Heads moved ahead of positions: every (b, h) product is then a contiguous GEMM, which on
+    # CPU runs the attention forward and backward about 17% faster than strided "bqhd" operands.
     logits = jnp.einsum(
         "bhqd,bhkd->bhqk",
         query.swapaxes(1, 2),
