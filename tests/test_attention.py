@@ -381,3 +381,77 @@ def test_packed_sequences_equal_separate_sequences(implementation):
     first = attend(q[:, :5], k[:, :5], v[:, :5], is_causal=True, implementation=implementation)
     second = attend(q[:, 5:], k[:, 5:], v[:, 5:], is_causal=True, implementation=implementation)
     np.testing.assert_allclose(packed, jnp.concatenate([first, second], axis=1), atol=2e-6)
+
+
+@pytest.mark.parametrize(
+    "q_len, kv_len, is_causal, window",
+    [
+        (13, 13, True, None),
+        (13, 13, False, (2, 1)),
+        (13, 13, True, (3, 5)),
+        (5, 13, True, None),  # decoding a chunk against a longer cache
+        (13, 6, True, None),  # more queries than keys: the first blocks see none
+        (13, 13, False, None),
+        (4, 13, True, None),  # at most one block of queries
+    ],
+)
+def test_query_bands_hold_every_visible_key(monkeypatch, q_len, kv_len, is_causal, window):
+    monkeypatch.setattr(attention_module, "BANDED_BLOCK_Q", 4)
+    bands = attention_module._query_bands(q_len, kv_len, is_causal, window)
+    position = np.arange(q_len)[:, None] + kv_len - q_len  # of each query; keys are at 0..
+    key = np.arange(kv_len)[None, :]
+    visible = np.ones((q_len, kv_len), bool)
+    if is_causal:
+        visible &= key <= position
+    if window is not None:
+        visible &= (key >= position - window[0]) & (key <= position + window[1])
+    rows = [q for (q0, q1), _ in bands for q in range(q0, q1)]
+    assert rows == list(range(q_len))  # the blocks tile the queries in order
+    inside = np.zeros_like(visible)
+    for (q0, q1), (k0, k1) in bands:
+        assert 0 <= k0 < k1 <= kv_len
+        inside[q0:q1, k0:k1] = True
+    assert not (visible & ~inside).any()  # no visible key falls outside its block's range
+    if (is_causal or window) and q_len > 4:
+        assert inside.sum() < inside.size  # and the hidden keys are skipped
+
+
+def test_default_query_bands_skip_a_quarter_of_causal_logits_at_256():
+    bands = attention_module._query_bands(256, 256, True, None)
+    assert bands == [((0, 128), (0, 128)), ((128, 256), (0, 256))]
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_query_blocks_match_naive_formula(monkeypatch, case):
+    monkeypatch.setattr(attention_module, "BANDED_BLOCK_Q", 4)
+    q, k, v, inputs, flags = build_case(case)
+    out = jax.jit(functools.partial(ops.dot_product_attention, **flags, implementation="xla"))(
+        q, k, v, **inputs
+    )
+    np.testing.assert_allclose(out, reference(q, k, v, inputs, flags), atol=2e-6, rtol=1e-5)
+
+
+def test_query_blocks_keep_gradients_and_dropout(monkeypatch):
+    q, k, v, inputs, flags = build_case(CASES["causal_window"] | dict(tq=13, tk=13))
+    run = functools.partial(
+        ops.dot_product_attention, **inputs, **flags, dropout_rate=0.2,
+        dropout_rng=jax.random.key(1), implementation="xla",
+    )  # fmt: skip
+
+    def grads():
+        return jax.jit(jax.grad(lambda *qkv: jnp.sum(jnp.sin(run(*qkv))), argnums=(0, 1, 2)))(
+            q, k, v
+        )
+
+    whole = grads()
+    monkeypatch.setattr(attention_module, "BANDED_BLOCK_Q", 4)
+    blocked = grads()
+    for a, b in zip(whole, blocked, strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-6, rtol=1e-5)
+
+
+def test_query_blocks_at_the_default_size_match_naive_formula():
+    # 300 causal queries: blocks of BANDED_BLOCK_Q = 128 rows and a tail of 44.
+    q, k, v = make_qkv(11, b=1, tq=300, tk=300, hq=2, hk=1)
+    out = attend(q, k, v, is_causal=True, implementation="xla")
+    np.testing.assert_allclose(out, naive_attention(q, k, v, causal=True), atol=2e-6, rtol=1e-5)
