@@ -419,6 +419,7 @@ def test_query_bands_hold_every_visible_key(monkeypatch, q_len, kv_len, is_causa
 def test_default_query_bands_skip_a_quarter_of_causal_logits_at_256():
     bands = attention_module._query_bands(256, 256, True, None)
     assert bands == [((0, 128), (0, 128)), ((128, 256), (0, 256))]
+    assert len(attention_module._query_bands(8192, 8192, True, None)) == 8  # larger blocks
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())

@@ -45,8 +45,9 @@ logger = logging.getLogger(__name__)
 IMPLEMENTATIONS = ("xla", "chunked", "cudnn")
 
 # Above this many float32 logits per call ([B, Hq, Tq, Tk] elements) the automatic choice on
-# CPU/TPU is "chunked": the O(T²) buffers of "xla" stop fitting in cache and memory (see
-# benchmarks/attention.py for the measured crossover).
+# CPU/TPU is "chunked": the O(T²) buffers of "xla" grow past hundreds of MiB, while "chunked"
+# stays O(T) for a little more time (benchmarks/attention.py, forward and backward: 1.26x
+# "xla"'s time at T = 2048, 1.15x at 8192).
 CHUNKED_MIN_LOGITS = 8 * 2048 * 2048
 
 # "xla" computes causal or windowed attention over more queries than this in blocks of this many
@@ -54,8 +55,10 @@ CHUNKED_MIN_LOGITS = 8 * 2048 * 2048
 # logits (a quarter of them for a causal mask at T = 256, nearly half at T = 1024). One pre-LN
 # layer's forward and backward on CPU: 1.2x faster at T = 256, 1.35x at T = 1024; blocks of 64
 # rows were slower at T = 256, 256 rows no better at T = 1024 (benchmarks/train_step.py for the
-# whole step).
+# whole step). Longer queries use larger blocks, at most MAX_QUERY_BLOCKS of them, so that the
+# program (each block is its own pair of matmuls) stays small.
 BANDED_BLOCK_Q = 128
+MAX_QUERY_BLOCKS = 8
 
 
 def dot_product_attention(
@@ -200,7 +203,8 @@ def _query_bands(q_len, kv_len, is_causal, local_window):
     """``[((q0, q1), (k0, k1)), ...]``: blocks of query rows and the range of keys each can see.
 
     One block (all queries, all keys) unless a causal or sliding-window mask hides keys and
-    there are more than ``BANDED_BLOCK_Q`` queries. Positions are aligned as in
+    there are more than ``BANDED_BLOCK_Q`` queries; else blocks of ``BANDED_BLOCK_Q`` rows, or
+    ``MAX_QUERY_BLOCKS`` equal blocks if that makes them larger. Positions are aligned as in
     :func:`structural_mask`: query ``i`` sits at ``i + kv_len - q_len``.
     """
     left, right = local_window if local_window is not None else (None, None)
@@ -209,9 +213,10 @@ def _query_bands(q_len, kv_len, is_causal, local_window):
     if (left is None and right is None) or q_len <= BANDED_BLOCK_Q:
         return [((0, q_len), (0, kv_len))]
     offset = kv_len - q_len
+    block = max(BANDED_BLOCK_Q, -(-q_len // MAX_QUERY_BLOCKS))
     bands = []
-    for q0 in range(0, q_len, BANDED_BLOCK_Q):
-        q1 = min(q0 + BANDED_BLOCK_Q, q_len)
+    for q0 in range(0, q_len, block):
+        q1 = min(q0 + block, q_len)
         k0 = 0 if left is None else max(q0 + offset - left, 0)
         k1 = kv_len if right is None else min(q1 + offset + right, kv_len)
         # With more queries than keys a block may see no key at all: it keeps one (masked) and
