@@ -395,9 +395,9 @@ def test_packed_sequences_equal_separate_sequences(implementation):
         (4, 13, True, None),  # at most one block of queries
     ],
 )
-def test_query_bands_hold_every_visible_key(monkeypatch, q_len, kv_len, is_causal, window):
-    monkeypatch.setattr(attention_module, "BANDED_BLOCK_Q", 4)
-    bands = attention_module._query_bands(q_len, kv_len, is_causal, window)
+def test_query_blocks_hold_every_visible_key(monkeypatch, q_len, kv_len, is_causal, window):
+    monkeypatch.setattr(attention_module, "QUERY_BLOCK_ROWS", 4)
+    blocks = attention_module._query_blocks(q_len, kv_len, is_causal, window)
     position = np.arange(q_len)[:, None] + kv_len - q_len  # of each query; keys are at 0..
     key = np.arange(kv_len)[None, :]
     visible = np.ones((q_len, kv_len), bool)
@@ -405,10 +405,10 @@ def test_query_bands_hold_every_visible_key(monkeypatch, q_len, kv_len, is_causa
         visible &= key <= position
     if window is not None:
         visible &= (key >= position - window[0]) & (key <= position + window[1])
-    rows = [q for (q0, q1), _ in bands for q in range(q0, q1)]
+    rows = [q for (q0, q1), _ in blocks for q in range(q0, q1)]
     assert rows == list(range(q_len))  # the blocks tile the queries in order
     inside = np.zeros_like(visible)
-    for (q0, q1), (k0, k1) in bands:
+    for (q0, q1), (k0, k1) in blocks:
         assert 0 <= k0 < k1 <= kv_len
         inside[q0:q1, k0:k1] = True
     assert not (visible & ~inside).any()  # no visible key falls outside its block's range
@@ -416,15 +416,15 @@ def test_query_bands_hold_every_visible_key(monkeypatch, q_len, kv_len, is_causa
         assert inside.sum() < inside.size  # and the hidden keys are skipped
 
 
-def test_default_query_bands_skip_a_quarter_of_causal_logits_at_256():
-    bands = attention_module._query_bands(256, 256, True, None)
-    assert bands == [((0, 128), (0, 128)), ((128, 256), (0, 256))]
-    assert len(attention_module._query_bands(8192, 8192, True, None)) == 8  # larger blocks
+def test_default_query_blocks_skip_a_quarter_of_causal_logits_at_256():
+    blocks = attention_module._query_blocks(256, 256, True, None)
+    assert blocks == [((0, 128), (0, 128)), ((128, 256), (0, 256))]
+    assert len(attention_module._query_blocks(8192, 8192, True, None)) == 8  # larger blocks
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_query_blocks_match_naive_formula(monkeypatch, case):
-    monkeypatch.setattr(attention_module, "BANDED_BLOCK_Q", 4)
+    monkeypatch.setattr(attention_module, "QUERY_BLOCK_ROWS", 4)
     q, k, v, inputs, flags = build_case(case)
     out = jax.jit(functools.partial(ops.dot_product_attention, **flags, implementation="xla"))(
         q, k, v, **inputs
@@ -445,14 +445,14 @@ def test_query_blocks_keep_gradients_and_dropout(monkeypatch):
         )
 
     whole = grads()
-    monkeypatch.setattr(attention_module, "BANDED_BLOCK_Q", 4)
+    monkeypatch.setattr(attention_module, "QUERY_BLOCK_ROWS", 4)
     blocked = grads()
     for a, b in zip(whole, blocked, strict=True):
         np.testing.assert_allclose(a, b, atol=2e-6, rtol=1e-5)
 
 
 def test_query_blocks_at_the_default_size_match_naive_formula():
-    # 300 causal queries: blocks of BANDED_BLOCK_Q = 128 rows and a tail of 44.
+    # 300 causal queries: blocks of QUERY_BLOCK_ROWS = 128 rows and a tail of 44.
     q, k, v = make_qkv(11, b=1, tq=300, tk=300, hq=2, hk=1)
     out = attend(q, k, v, is_causal=True, implementation="xla")
     np.testing.assert_allclose(out, naive_attention(q, k, v, causal=True), atol=2e-6, rtol=1e-5)

@@ -12,7 +12,7 @@ the query's dtype. A query row whose keys are all masked returns zeros, never Na
 Implementations:
   ``"xla"``      the reference: two einsums around a float32 softmax; O(Tq·Tk) memory. Causal
                  and windowed masks are applied per block of queries against only the keys
-                 the block can see (``BANDED_BLOCK_Q``).
+                 the block can see (``QUERY_BLOCK_ROWS``).
   ``"chunked"``  memory-efficient online-softmax attention (see ``chunked_attention``); O(T)
                  memory in the forward and backward pass.
   ``"cudnn"``    cuDNN flash attention through ``jax.nn.dot_product_attention`` (GPU only).
@@ -57,7 +57,7 @@ CHUNKED_MIN_LOGITS = 8 * 2048 * 2048
 # rows were slower at T = 256, 256 rows no better at T = 1024 (benchmarks/train_step.py for the
 # whole step). Longer queries use larger blocks, at most MAX_QUERY_BLOCKS of them, so that the
 # program (each block is its own pair of matmuls) stays small.
-BANDED_BLOCK_Q = 128
+QUERY_BLOCK_ROWS = 128
 MAX_QUERY_BLOCKS = 8
 
 
@@ -185,10 +185,10 @@ def xla_attention(
         return out.swapaxes(1, 2)
 
     outs = []
-    for (q0, q1), (k0, k1) in _query_bands(q_len, kv_len, is_causal, local_window):
-        block = [_logit_block(x, q0, q1, k0, k1) for x in (bias, full_mask, keep)]
-        attend_band = functools.partial(attend, key=key[:, k0:k1], value=value[:, k0:k1])
-        outs.append(_per_query_group(attend_band, query[:, q0:q1], key.shape[2], 3, *block))
+    for (q0, q1), (k0, k1) in _query_blocks(q_len, kv_len, is_causal, local_window):
+        logit_blocks = [_logit_block(x, q0, q1, k0, k1) for x in (bias, full_mask, keep)]
+        attend_block = functools.partial(attend, key=key[:, k0:k1], value=value[:, k0:k1])
+        outs.append(_per_query_group(attend_block, query[:, q0:q1], key.shape[2], 3, *logit_blocks))
     out = jnp.concatenate(outs, axis=1)
     # Only a user mask, or a causal/window mask with more queries than keys, can leave a row
     # without any visible key. Such rows are zeroed on the output, which is cheaper than on the
@@ -199,30 +199,30 @@ def xla_attention(
     return out.astype(query.dtype)
 
 
-def _query_bands(q_len, kv_len, is_causal, local_window):
+def _query_blocks(q_len, kv_len, is_causal, local_window):
     """``[((q0, q1), (k0, k1)), ...]``: blocks of query rows and the range of keys each can see.
 
     One block (all queries, all keys) unless a causal or sliding-window mask hides keys and
-    there are more than ``BANDED_BLOCK_Q`` queries; else blocks of ``BANDED_BLOCK_Q`` rows, or
+    there are more than ``QUERY_BLOCK_ROWS`` queries; else blocks of ``QUERY_BLOCK_ROWS`` rows, or
     ``MAX_QUERY_BLOCKS`` equal blocks if that makes them larger. Positions are aligned as in
     :func:`structural_mask`: query ``i`` sits at ``i + kv_len - q_len``.
     """
     left, right = local_window if local_window is not None else (None, None)
     if is_causal:
         right = 0
-    if (left is None and right is None) or q_len <= BANDED_BLOCK_Q:
+    if (left is None and right is None) or q_len <= QUERY_BLOCK_ROWS:
         return [((0, q_len), (0, kv_len))]
     offset = kv_len - q_len
-    block = max(BANDED_BLOCK_Q, -(-q_len // MAX_QUERY_BLOCKS))
-    bands = []
-    for q0 in range(0, q_len, block):
-        q1 = min(q0 + block, q_len)
+    rows = max(QUERY_BLOCK_ROWS, -(-q_len // MAX_QUERY_BLOCKS))
+    blocks = []
+    for q0 in range(0, q_len, rows):
+        q1 = min(q0 + rows, q_len)
         k0 = 0 if left is None else max(q0 + offset - left, 0)
         k1 = kv_len if right is None else min(q1 + offset + right, kv_len)
         # With more queries than keys a block may see no key at all: it keeps one (masked) and
         # its rows are zeroed like every row without a key.
-        bands.append(((q0, q1), (k0, max(k1, k0 + 1))))
-    return bands
+        blocks.append(((q0, q1), (k0, max(k1, k0 + 1))))
+    return blocks
 
 
 def _logit_block(x, q0, q1, k0, k1):
