@@ -3,6 +3,7 @@
 installed."""
 
 import json
+import statistics
 
 import pytest
 from benchmark_scripts import hf_available, load_benchmark
@@ -29,13 +30,20 @@ def test_train_step_benchmark_at_a_tiny_size(capsys):
     mfu = summary["flops_per_token"] * summary["tokens_per_sec"] / summary["matmul_peak_flops"]
     assert summary["mfu"] == pytest.approx(mfu)
     assert 0 < summary["mfu"] < 1 and summary["compile_seconds"] > 0
-    # Warm-up and two windows of three steps on one batch: train.py's step learns it.
-    assert len(summary["losses"]) == 3 and summary["losses"][-1] < summary["losses"][0]
+    # Warm-up, two windows of three steps, and two more after train.py's loop, on one batch:
+    # train.py's step learns it.
+    assert len(summary["losses"]) == 5 and summary["losses"][-1] < summary["losses"][0]
     table = [line for line in out if line.startswith("|")]
     assert table[2].startswith("| flaxformer_lite (JAX) | " + f"{summary['tokens_per_sec']:.0f}")
     # train.py's loop on the same config, logging every 3 steps: one value per window.
     assert len(summary["train_py_window_tokens_per_sec"]) == 2
     assert summary["train_py_tokens_per_sec"] > 0
+    # ... compared with the step timed before (2 windows) and after it (2 more).
+    assert len(summary["window_step_seconds_after_train_py"]) == 2
+    around = statistics.median(
+        summary["window_step_seconds"] + summary["window_step_seconds_after_train_py"]
+    )
+    assert summary["tokens_per_sec_around_train_py"] == pytest.approx(8 * 16 / around)
     assert table[-1].startswith("| train.py's logged steady state (JAX) | ")
     checks = [line for line in out if line.startswith(("PASS", "FAIL"))]
     assert len(checks) == 1 and "train.py's logged tokens/s" in checks[0]  # not the default size
