@@ -395,8 +395,12 @@ def test_packed_sequences_equal_separate_sequences(implementation):
         (4, 13, True, None),  # at most one block of queries
     ],
 )
-def test_query_blocks_hold_every_visible_key(monkeypatch, q_len, kv_len, is_causal, window):
+@pytest.mark.parametrize("max_blocks", [8, 2])  # 2: fewer, larger blocks than QUERY_BLOCK_ROWS
+def test_query_blocks_hold_every_visible_key(
+    monkeypatch, q_len, kv_len, is_causal, window, max_blocks
+):
     monkeypatch.setattr(attention_module, "QUERY_BLOCK_ROWS", 4)
+    monkeypatch.setattr(attention_module, "MAX_QUERY_BLOCKS", max_blocks)
     blocks = attention_module._query_blocks(q_len, kv_len, is_causal, window)
     position = np.arange(q_len)[:, None] + kv_len - q_len  # of each query; keys are at 0..
     key = np.arange(kv_len)[None, :]
@@ -422,9 +426,11 @@ def test_default_query_blocks_skip_a_quarter_of_causal_logits_at_256():
     assert len(attention_module._query_blocks(8192, 8192, True, None)) == 8  # larger blocks
 
 
+@pytest.mark.parametrize("max_blocks", [8, 2])
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_query_blocks_match_naive_formula(monkeypatch, case):
+def test_query_blocks_match_naive_formula(monkeypatch, case, max_blocks):
     monkeypatch.setattr(attention_module, "QUERY_BLOCK_ROWS", 4)
+    monkeypatch.setattr(attention_module, "MAX_QUERY_BLOCKS", max_blocks)
     q, k, v, inputs, flags = build_case(case)
     out = jax.jit(functools.partial(ops.dot_product_attention, **flags, implementation="xla"))(
         q, k, v, **inputs
