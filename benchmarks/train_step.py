@@ -22,8 +22,11 @@ warmed up by two steps. Then ``--windows`` rounds each time ``--steps`` consecut
 and then of the peer, so that a shared machine's noise hits both alike; the median window gives
 the seconds per step. MFU is training FLOPs per token (``training_flops_per_token``: 6 x matmul
 parameters + attention, as train.py logs it) x tokens/s over the float32 peak of a 2048^3 matmul
-measured by XLA in the same run. The output is a table, PASS/FAIL lines for the targets at the
-default size (ratio >= 1.25, MFU >= 65%) and, as the last line, one JSON object.
+measured by XLA in the same run. Each window also counts the process's minor page faults and
+kernel CPU seconds per step (``getrusage``): memory the allocator maps afresh every step is
+zeroed by the kernel page by page, a cost that is not the frameworks' arithmetic and, unlike the
+clock, hardly depends on the machine's load. The output is a table, PASS/FAIL lines for the
+targets at the default size (ratio >= 1.25, MFU >= 65%) and, as the last line, one JSON object.
 
 ``--train-py`` then runs ``train.py``'s loop (``flaxformer_lite.train.loop.run``) on the same
 config for ``(windows + 1) * steps`` steps, logging every ``--steps`` (the first window, which
@@ -42,6 +45,7 @@ import json
 import os
 import pathlib
 import platform
+import resource
 import statistics
 import sys
 import tempfile
@@ -89,10 +93,14 @@ def random_batch(cfg: TrainConfig, seed: int) -> dict[str, np.ndarray]:
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": weights}
 
 
-def timed(call) -> float:
-    start = time.perf_counter()
-    call()
-    return time.perf_counter() - start
+def measured(call, *args) -> tuple[float, int, float]:
+    """``call(*args)``'s wall-clock seconds, and the minor page faults and kernel (system) CPU
+    seconds of this whole process meanwhile: the price of memory that the allocator maps afresh,
+    which the kernel zeroes page by page on first touch."""
+    before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    call(*args)
+    seconds, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF)
+    return seconds, after.ru_minflt - before.ru_minflt, after.ru_stime - before.ru_stime
 
 
 # ----------------------------------------------------------------------------- ours
@@ -210,14 +218,19 @@ def run(args) -> dict:
     if peer is not None:
         peer.run(2)
 
-    windows = {"ours": [], "peer": []}
+    windows = {"ours": [], "peer": []}  # per window: seconds, page faults, kernel CPU s per step
     for window in range(args.windows):
-        windows["ours"].append(timed(lambda: ours.run(args.steps)) / args.steps)
-        if peer is not None:
-            windows["peer"].append(timed(lambda: peer.run(args.steps)) / args.steps)
+        for name, step in (("ours", ours), ("peer", peer)):
+            if step is not None:
+                use = measured(step.run, args.steps)
+                windows[name].append([value / args.steps for value in use])
         print(f"window {window + 1}/{args.windows} done", file=sys.stderr, flush=True)
 
-    seconds = statistics.median(windows["ours"])
+    def medians(name: str) -> tuple[list[float], float, float, float]:
+        seconds, faults, system = zip(*windows[name], strict=True)
+        return list(seconds), *(statistics.median(v) for v in (seconds, faults, system))
+
+    window_seconds, seconds, faults, system = medians("ours")
     tokens_per_sec = tokens_per_step / seconds
     summary = {
         "jax": jax.__version__, "python": platform.python_version(),
@@ -227,18 +240,21 @@ def run(args) -> dict:
         "seq_len": cfg.data.seq_len, "batch_size": cfg.train.batch_size,
         "parameters": ours.parameters, "flops_per_token": flops_per_token,
         "matmul_peak_flops": peak, "steps_per_window": args.steps, "windows": args.windows,
-        "step_seconds": seconds, "window_step_seconds": windows["ours"],
+        "step_seconds": seconds, "window_step_seconds": window_seconds,
+        "page_faults_per_step": faults, "system_cpu_seconds_per_step": system,
         "tokens_per_sec": tokens_per_sec, "mfu": flops_per_token * tokens_per_sec / peak,
         "compile_seconds": ours.compile_seconds, "losses": ours.losses,
         "peer_skipped": peer_skipped, "peer_tokens_per_sec": None, "ratio": None,
     }  # fmt: skip
     if peer is not None:
-        peer_seconds = statistics.median(windows["peer"])
+        peer_window_seconds, peer_seconds, peer_faults, peer_system = medians("peer")
         summary |= {
             "torch": libraries[0].__version__, "transformers": libraries[1].__version__,
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
             "peer_parameters": peer.parameters, "peer_step_seconds": peer_seconds,
-            "peer_window_step_seconds": windows["peer"],
+            "peer_window_step_seconds": peer_window_seconds,
+            "peer_page_faults_per_step": peer_faults,
+            "peer_system_cpu_seconds_per_step": peer_system,
             "peer_tokens_per_sec": tokens_per_step / peer_seconds,
             "peer_mfu": flops_per_token * tokens_per_step / peer_seconds / peak,
             "peer_losses": peer.losses, "ratio": peer_seconds / seconds,
@@ -248,8 +264,8 @@ def run(args) -> dict:
         logged = train_py_tokens_per_sec(args)
         # The step again right after the loop: the loop is compared with the step timed on both
         # sides of it, so that a drift of the shared machine's speed during the run cancels.
-        after = [timed(lambda: ours.run(args.steps)) / args.steps for _ in range(args.windows)]
-        around = statistics.median(windows["ours"] + after)
+        after = [measured(ours.run, args.steps)[0] / args.steps for _ in range(args.windows)]
+        around = statistics.median(window_seconds + after)
         summary |= {"train_py_window_tokens_per_sec": logged,
                     "train_py_tokens_per_sec": statistics.median(logged),
                     "window_step_seconds_after_train_py": after,
@@ -258,21 +274,25 @@ def run(args) -> dict:
 
 
 def table(summary: dict) -> list[str]:
-    lines = ["| | tokens/s | ms/step | MFU | compile s |", "|---|---|---|---|---|"]
+    lines = ["| | tokens/s | ms/step | MFU | compile s | page faults/step | kernel CPU s/step |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
     lines.append(f"| flaxformer_lite (JAX) | {summary['tokens_per_sec']:.0f} | "
                  f"{1e3 * summary['step_seconds']:.1f} | {100 * summary['mfu']:.1f}% | "
-                 f"{summary['compile_seconds']:.1f} |")  # fmt: skip
+                 f"{summary['compile_seconds']:.1f} | {summary['page_faults_per_step']:.0f} | "
+                 f"{summary['system_cpu_seconds_per_step']:.3f} |")  # fmt: skip
     if summary["peer_skipped"] is None:
         lines.append(f"| Hugging Face GPT2LMHeadModel (PyTorch eager) | "
                      f"{summary['peer_tokens_per_sec']:.0f} | "
                      f"{1e3 * summary['peer_step_seconds']:.1f} | "
-                     f"{100 * summary['peer_mfu']:.1f}% | - |")  # fmt: skip
+                     f"{100 * summary['peer_mfu']:.1f}% | - | "
+                     f"{summary['peer_page_faults_per_step']:.0f} | "
+                     f"{summary['peer_system_cpu_seconds_per_step']:.3f} |")  # fmt: skip
     if "train_py_tokens_per_sec" in summary:
         tokens_per_sec = summary["train_py_tokens_per_sec"]
         seconds = summary["batch_size"] * summary["seq_len"] / tokens_per_sec
         mfu = summary["flops_per_token"] * tokens_per_sec / summary["matmul_peak_flops"]
         lines.append(f"| train.py's logged steady state (JAX) | {tokens_per_sec:.0f} | "
-                     f"{1e3 * seconds:.1f} | {100 * mfu:.1f}% | - |")  # fmt: skip
+                     f"{1e3 * seconds:.1f} | {100 * mfu:.1f}% | - | - | - |")  # fmt: skip
     return lines
 
 

@@ -5,6 +5,7 @@ installed."""
 import json
 import statistics
 
+import numpy as np
 import pytest
 from benchmark_scripts import hf_available, load_benchmark
 
@@ -33,8 +34,11 @@ def test_train_step_benchmark_at_a_tiny_size(capsys):
     # Warm-up, two windows of three steps, and two more after train.py's loop, on one batch:
     # train.py's step learns it.
     assert len(summary["losses"]) == 5 and summary["losses"][-1] < summary["losses"][0]
+    assert summary["page_faults_per_step"] >= 0 and summary["system_cpu_seconds_per_step"] >= 0
     table = [line for line in out if line.startswith("|")]
     assert table[2].startswith("| flaxformer_lite (JAX) | " + f"{summary['tokens_per_sec']:.0f}")
+    assert table[2].endswith(f"| {summary['page_faults_per_step']:.0f} | "
+                             f"{summary['system_cpu_seconds_per_step']:.3f} |")  # fmt: skip
     # train.py's loop on the same config, logging every 3 steps: one value per window.
     assert len(summary["train_py_window_tokens_per_sec"]) == 2
     assert summary["train_py_tokens_per_sec"] > 0
@@ -53,6 +57,7 @@ def test_train_step_benchmark_at_a_tiny_size(capsys):
         ratio = summary["peer_step_seconds"] / summary["step_seconds"]
         assert summary["ratio"] == pytest.approx(ratio)
         assert summary["peer_losses"][-1] < summary["peer_losses"][0]
+        assert summary["peer_page_faults_per_step"] >= 0
     else:
         assert summary["peer_skipped"] and summary["ratio"] is None and len(table) == 4
 
@@ -70,3 +75,12 @@ def test_the_timed_config_is_the_requested_gpt2():
     batch = benchmark.random_batch(cfg, 0)
     assert batch["inputs"].shape == batch["targets"].shape == (4, 128)
     assert (batch["inputs"][:, 1:] == batch["targets"][:, :-1]).all()
+
+
+def test_measured_counts_the_pages_that_fresh_memory_costs():
+    benchmark = load_benchmark("train_step")
+    size = 64 * 2**20  # above glibc's largest mmap threshold: mapped afresh, touched by the fill
+    seconds, faults, system = benchmark.measured(np.full, size // 8, 1.0)
+    # One fault per 4 KiB page, or per 2 MiB where the allocator asks for transparent huge pages.
+    assert faults >= size // 2**21 and seconds > 0 and system >= 0
+    assert benchmark.measured(sum, [1, 2])[1] < size // 2**21  # a call that maps nothing
