@@ -139,7 +139,7 @@ def make_train_step(graphdef, *, task: str, label_smoothing: float = 0.0, z_loss
         # The update runs inside the taken branch, so XLA writes the new state over the donated
         # old one. Choosing between an updated copy and the old state after the update would
         # keep both alive: the whole state once more in temporary memory, mapped afresh and
-        # copied every step (a quarter of the temporary bytes at gpt2-small's size).
+        # copied every step (a quarter of the temporary bytes of a 91M-parameter GPT-2).
         state = jax.lax.cond(finite, apply_update, lambda state: state, state)
         return state, metrics
 
