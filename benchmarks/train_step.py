@@ -25,8 +25,13 @@ parameters + attention, as train.py logs it) x tokens/s over the float32 peak of
 measured by XLA in the same run. Each window also counts the process's minor page faults and
 kernel CPU seconds per step (``getrusage``): memory the allocator maps afresh every step is
 zeroed by the kernel page by page, a cost that is not the frameworks' arithmetic and, unlike the
-clock, hardly depends on the machine's load. The output is a table, PASS/FAIL lines for the
-targets at the default size (ratio >= 1.25, MFU >= 65%) and, as the last line, one JSON object.
+clock, hardly depends on the machine's load. After each window, every matmul of our step (the
+``dot_general`` equations of its jaxpr, forward and backward, each counted as often as the step
+runs it) is compiled by XLA and timed alone, its best of ``MATMUL_REPEATS`` calls, and so is the
+same product in PyTorch (``torch.einsum``): what the step's arithmetic costs at each framework's
+matmul speed with nothing else to do, set against the step and against the target. The output
+is a table, PASS/FAIL lines for the targets at the default size (ratio >= 1.25, MFU >= 65%) and,
+as the last line, one JSON object.
 
 ``--train-py`` then alternates ``--windows`` fresh runs of ``train.py``'s loop
 (``flaxformer_lite.train.loop.run``) on the same config, on full rows of random words whose word
@@ -42,12 +47,15 @@ every device, as train.py does: run it on one.
 from __future__ import annotations
 
 import argparse
+import collections
+import functools
 import json
 import os
 import pathlib
 import platform
 import resource
 import statistics
+import string
 import sys
 import tempfile
 import time
@@ -55,6 +63,7 @@ import time
 import jax
 import numpy as np
 from flax import nnx
+from jax.extend import core as jax_core
 
 from flaxformer_lite.models.accounting import matmul_peak_flops, training_flops_per_token
 from flaxformer_lite.train import loop
@@ -117,14 +126,113 @@ class OurStep:
         self.batch = jax.device_put(batch)
         step = make_train_step(graphdef, task="lm")
         start = time.perf_counter()
-        self.step = step.lower(self.state, self.batch).compile()
+        traced = step.trace(self.state, self.batch)
+        self.step = traced.lower().compile()
         self.compile_seconds = time.perf_counter() - start
+        self.jaxpr = traced.jaxpr.jaxpr
         self.losses: list[float] = []
 
     def run(self, steps: int) -> None:
         for _ in range(steps):
             self.state, metrics = self.step(self.state, self.batch)
         self.losses.append(float(metrics["loss"]))  # waits for the last step
+
+
+# ----------------------------------------------------------------------------- the step's matmuls
+MATMUL_REPEATS = 3  # each matmul's best of this many calls, once per window
+
+
+def step_matmuls(jaxpr) -> collections.Counter:
+    """How many times a step runs each matmul: ``{(lhs shape, rhs shape, lhs dtype, rhs dtype,
+    dimension_numbers, preferred_element_type): count}``, from the ``dot_general`` equations of
+    its jaxpr (``jax.extend.core.Jaxpr``). A scan's body counts ``length`` times; of a cond's
+    branches, the one with the fewest matmul FLOPs (so the sum never counts work that may not
+    run)."""
+    counts = collections.Counter()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            lhs, rhs = (var.aval for var in eqn.invars)
+            dims, preferred = eqn.params["dimension_numbers"], eqn.params["preferred_element_type"]
+            counts[(lhs.shape, rhs.shape, lhs.dtype.name, rhs.dtype.name, dims, preferred)] += 1
+        elif eqn.primitive.name == "cond":
+            branches = [step_matmuls(branch.jaxpr) for branch in eqn.params["branches"]]
+            counts.update(min(branches, key=matmul_flops))
+        else:
+            repeat = eqn.params["length"] if eqn.primitive.name == "scan" else 1
+            for sub in jax_core.jaxprs_in_params(eqn.params):
+                counts.update({key: repeat * n for key, n in step_matmuls(sub).items()})
+    return counts
+
+
+def matmul_flops(counts: collections.Counter) -> int:
+    """The FLOPs of ``counts`` (:func:`step_matmuls`): 2 x the lhs's elements x the rhs's free
+    elements, per matmul."""
+    total = 0
+    for (lhs, rhs, _, _, ((_, rhs_contracting), (_, rhs_batch)), _), n in counts.items():
+        shared = rhs_contracting + rhs_batch
+        rhs_free = [size for axis, size in enumerate(rhs) if axis not in shared]
+        total += n * 2 * int(np.prod(lhs)) * int(np.prod(rhs_free))
+    return total
+
+
+def einsum_spec(lhs_rank: int, rhs_rank: int, dimension_numbers) -> str:
+    """The ``einsum`` equation of a ``dot_general``: output axes are batch, lhs free, rhs free."""
+    (lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch) = dimension_numbers
+    letters = iter(string.ascii_letters)
+    lhs = [next(letters) for _ in range(lhs_rank)]
+    rhs = [None] * rhs_rank
+    for i, j in zip(lhs_contracting + lhs_batch, rhs_contracting + rhs_batch, strict=True):
+        rhs[j] = lhs[i]
+    rhs = [letter or next(letters) for letter in rhs]
+    shared = lhs_contracting + lhs_batch
+    out = [lhs[i] for i in lhs_batch] + [x for i, x in enumerate(lhs) if i not in shared]
+    out += [x for j, x in enumerate(rhs) if j not in rhs_contracting + rhs_batch]
+    return f"{''.join(lhs)},{''.join(rhs)}->{''.join(out)}"
+
+
+def best_seconds(call, *args) -> float:
+    """The fastest of ``MATMUL_REPEATS`` calls of ``call(*args)`` (waiting for its result),
+    after one untimed call."""
+    jax.block_until_ready(call(*args))
+    best = float("inf")
+    for _ in range(MATMUL_REPEATS):
+        start = time.perf_counter()
+        jax.block_until_ready(call(*args))
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+class StepMatmuls:
+    """The step's matmuls (:func:`step_matmuls`), each compiled by XLA and timed alone, and the
+    same products in PyTorch (``torch.einsum``) when ``torch`` is given: the time the step's
+    arithmetic takes at each framework's matmul speed, with nothing else running."""
+
+    def __init__(self, jaxpr, torch=None):
+        self.counts = step_matmuls(jaxpr)
+        self.flops = matmul_flops(self.counts)
+        self.torch = torch
+        rng = np.random.default_rng(0)
+        self.xla, self.peer = [], []  # (count, compiled or einsum equation, lhs, rhs)
+        for key, n in self.counts.items():
+            lhs, rhs, lhs_dtype, rhs_dtype, dimension_numbers, preferred = key
+            a = rng.standard_normal(lhs).astype(lhs_dtype)
+            b = rng.standard_normal(rhs).astype(rhs_dtype)
+            a_device, b_device = jax.device_put(a), jax.device_put(b)
+            matmul = functools.partial(jax.lax.dot_general, dimension_numbers=dimension_numbers,
+                                       preferred_element_type=preferred)  # fmt: skip
+            compiled = jax.jit(matmul).lower(a_device, b_device).compile()
+            self.xla.append((n, compiled, a_device, b_device))
+            if torch is not None:
+                spec = einsum_spec(len(lhs), len(rhs), dimension_numbers)
+                self.peer.append((n, spec, torch.from_numpy(a), torch.from_numpy(b)))
+
+    def seconds(self) -> tuple[float, float | None]:
+        """Seconds per step of the step's matmuls in XLA and in PyTorch (``None`` without it):
+        each matmul's best of ``MATMUL_REPEATS`` calls times the times the step runs it."""
+        xla = sum(n * best_seconds(compiled, a, b) for n, compiled, a, b in self.xla)
+        if self.torch is None:
+            return xla, None
+        return xla, sum(n * best_seconds(self.torch.einsum, *args) for n, *args in self.peer)
 
 
 # ----------------------------------------------------------------------------- Hugging Face
@@ -219,13 +327,16 @@ def run(args) -> dict:
     peer = None if libraries is None else PeerStep(libraries, cfg, batch)
     if peer is not None:
         peer.run(2)
+    matmuls = StepMatmuls(ours.jaxpr, None if peer is None else libraries[0])
 
     windows = {"ours": [], "peer": []}  # per window: seconds, page faults, kernel CPU s per step
+    matmul_seconds = []  # per window: (XLA, PyTorch or None) seconds of the step's matmuls
     for window in range(args.windows):
         for name, step in (("ours", ours), ("peer", peer)):
             if step is not None:
                 use = measured(step.run, args.steps)
                 windows[name].append([value / args.steps for value in use])
+        matmul_seconds.append(matmuls.seconds())
         print(f"window {window + 1}/{args.windows} done", file=sys.stderr, flush=True)
 
     def medians(name: str) -> tuple[list[float], float, float, float]:
@@ -247,6 +358,9 @@ def run(args) -> dict:
         "tokens_per_sec": tokens_per_sec, "mfu": flops_per_token * tokens_per_sec / peak,
         "compile_seconds": ours.compile_seconds, "losses": ours.losses,
         "peer_skipped": peer_skipped, "peer_tokens_per_sec": None, "ratio": None,
+        "matmuls_per_step": sum(matmuls.counts.values()), "matmul_flops_per_step": matmuls.flops,
+        "window_matmul_seconds": [xla for xla, _ in matmul_seconds],
+        "matmul_seconds": statistics.median(xla for xla, _ in matmul_seconds),
     }  # fmt: skip
     if peer is not None:
         peer_window_seconds, peer_seconds, peer_faults, peer_system = medians("peer")
@@ -260,6 +374,8 @@ def run(args) -> dict:
             "peer_tokens_per_sec": tokens_per_step / peer_seconds,
             "peer_mfu": flops_per_token * tokens_per_step / peer_seconds / peak,
             "peer_losses": peer.losses, "ratio": peer_seconds / seconds,
+            "window_peer_matmul_seconds": [torch for _, torch in matmul_seconds],
+            "peer_matmul_seconds": statistics.median(torch for _, torch in matmul_seconds),
         }  # fmt: skip
     if args.train_py:
         # Paired windows: each of train.py's is compared with the step's windows right before
@@ -303,7 +419,31 @@ def table(summary: dict) -> list[str]:
         mfu = summary["flops_per_token"] * tokens_per_sec / summary["matmul_peak_flops"]
         lines.append(f"| train.py's logged steady state (JAX) | {tokens_per_sec:.0f} | "
                      f"{1e3 * seconds:.1f} | {100 * mfu:.1f}% | - | - | - |")  # fmt: skip
+    rows = [("the step's matmuls alone, XLA (each compiled and timed alone)", "matmul_seconds")]
+    if summary["peer_skipped"] is None:
+        rows.append(("the same matmuls, PyTorch (torch.einsum)", "peer_matmul_seconds"))
+    for name, key in rows:
+        tokens_per_sec = summary["batch_size"] * summary["seq_len"] / summary[key]
+        mfu = summary["flops_per_token"] * tokens_per_sec / summary["matmul_peak_flops"]
+        lines.append(f"| {name} | {tokens_per_sec:.0f} | {1e3 * summary[key]:.1f} | "
+                     f"{100 * mfu:.1f}% | - | - | - |")  # fmt: skip
     return lines
+
+
+def matmul_line(summary: dict) -> str:
+    """What the step's matmuls alone take, next to the step and to the target's step time."""
+    line = (f"the step's {summary['matmuls_per_step']} matmuls "
+            f"({summary['matmul_flops_per_step'] / 1e9:.1f} GFLOP) timed alone: XLA "
+            f"{1e3 * summary['matmul_seconds']:.1f} ms = "
+            f"{summary['matmul_seconds'] / summary['step_seconds']:.2f}x our step")  # fmt: skip
+    if summary["peer_skipped"] is not None:
+        return line
+    target_seconds = summary["peer_step_seconds"] / RATIO_TARGET
+    return (f"{line}; PyTorch {1e3 * summary['peer_matmul_seconds']:.1f} ms = "
+            f"{summary['peer_matmul_seconds'] / summary['peer_step_seconds']:.2f}x Hugging "
+            f"Face's step; {RATIO_TARGET:g}x Hugging Face is a step of "
+            f"{1e3 * target_seconds:.1f} ms = "
+            f"{target_seconds / summary['matmul_seconds']:.2f}x XLA's matmuls alone")  # fmt: skip
 
 
 def checks(summary: dict, default_size: bool) -> list[str]:
@@ -364,6 +504,7 @@ def main(argv=None) -> dict:
     print()
     if summary["ratio"] is not None:
         print(f"ours / Hugging Face tokens/s: {summary['ratio']:.2f}x")
+    print(matmul_line(summary))
     print("\n".join(checks(summary, default_size)))
     print(json.dumps(summary), flush=True)
     return summary

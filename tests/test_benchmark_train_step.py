@@ -5,6 +5,8 @@ installed."""
 import json
 import statistics
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from benchmark_scripts import hf_available, load_benchmark
@@ -49,18 +51,29 @@ def test_train_step_benchmark_at_a_tiny_size(capsys):
     shares = [logged[i] * (between[i] + between[i + 1]) / 2 / (8 * 16) for i in range(2)]
     assert summary["train_py_window_shares"] == pytest.approx(shares)
     assert summary["train_py_share"] == pytest.approx(statistics.median(shares))
-    assert table[-1].startswith("| train.py's logged steady state (JAX) | ")
+    assert table[4 if hf_available() else 3].startswith("| train.py's logged steady state (JAX) | ")
+    # The step's 21 matmuls (below), timed alone once per window.
+    assert summary["matmuls_per_step"] == 21 and len(summary["window_matmul_seconds"]) == 2
+    assert summary["matmul_seconds"] == statistics.median(summary["window_matmul_seconds"])
+    assert table[-2 if hf_available() else -1].startswith(
+        "| the step's matmuls alone, XLA (each compiled and timed alone) | "
+        f"{8 * 16 / summary['matmul_seconds']:.0f} | "
+    )
+    assert any(line.startswith("the step's 21 matmuls (") for line in out)
     checks = [line for line in out if line.startswith(("PASS", "FAIL"))]
     assert len(checks) == 1 and "train.py's logged tokens/s" in checks[0]  # not the default size
     if hf_available():
-        assert summary["peer_skipped"] is None and len(table) == 5
+        assert summary["peer_skipped"] is None and len(table) == 7
+        peer_matmul_seconds = summary["window_peer_matmul_seconds"]
+        assert summary["peer_matmul_seconds"] == statistics.median(peer_matmul_seconds) > 0
+        assert table[-1].startswith("| the same matmuls, PyTorch (torch.einsum) | ")
         assert summary["peer_parameters"] == summary["parameters"]  # the same model shape
         ratio = summary["peer_step_seconds"] / summary["step_seconds"]
         assert summary["ratio"] == pytest.approx(ratio)
         assert summary["peer_losses"][-1] < summary["peer_losses"][0]
         assert summary["peer_page_faults_per_step"] >= 0
     else:
-        assert summary["peer_skipped"] and summary["ratio"] is None and len(table) == 4
+        assert summary["peer_skipped"] and summary["ratio"] is None and len(table) == 5
 
 
 def test_the_timed_config_is_the_requested_gpt2():
@@ -85,3 +98,51 @@ def test_measured_counts_the_pages_that_fresh_memory_costs():
     # One fault per 4 KiB page, or per 2 MiB where the allocator asks for transparent huge pages.
     assert faults >= size // 2**21 and seconds > 0 and system >= 0
     assert benchmark.measured(sum, [1, 2])[1] < size // 2**21  # a call that maps nothing
+
+
+def test_the_matmuls_counted_are_the_steps_own():
+    """The tiny GPT's step: 7 products forward (QKV, logits, weights x values, output
+    projection, MLP in and out, the tied vocabulary projection), each with 2 in the backward."""
+    benchmark = load_benchmark("train_step")
+    args = benchmark.argparse.Namespace(layers=1, d_model=32, heads=2, d_ff=0, seq=16, batch=8,
+                                        vocab=64, scan_layers=False, seed=0)  # fmt: skip
+    cfg = benchmark.train_config(args)
+    ours = benchmark.OurStep(cfg, benchmark.random_batch(cfg, 0))
+    matmuls = benchmark.StepMatmuls(ours.jaxpr)
+    tokens, d, ff, heads, t, vocab = 8 * 16, 32, 128, 2, 16, 64
+    forward = 2 * tokens * d * (3 * d + d + 2 * ff + vocab) + 2 * 2 * 8 * heads * t * t * (d // 2)
+    assert sum(matmuls.counts.values()) == 21 and matmuls.flops == 3 * forward
+    xla, torch_seconds = matmuls.seconds()
+    assert xla > 0 and torch_seconds is None
+
+
+def test_step_matmuls_counts_scan_bodies_and_the_cheaper_branch():
+    benchmark = load_benchmark("train_step")
+    w = jnp.ones((5, 6))
+
+    def f(x):
+        y, _ = jax.lax.scan(lambda c, _: (jnp.tanh(c @ w @ w.T), None), x, length=3)
+        return jax.lax.cond(y.sum() > 0, lambda y: y @ w @ w.T, lambda y: y, y)
+
+    counts = benchmark.step_matmuls(jax.make_jaxpr(f)(jnp.ones((4, 5))).jaxpr)
+    assert sum(counts.values()) == 6  # two per scan step; the cond's branch without matmuls
+    assert benchmark.matmul_flops(counts) == 3 * (2 * 4 * 5 * 6 + 2 * 4 * 6 * 5)
+    grad_counts = benchmark.step_matmuls(jax.make_jaxpr(jax.grad(lambda x: f(x).sum()))(
+        jnp.ones((4, 5))).jaxpr)  # fmt: skip
+    assert sum(grad_counts.values()) == 6 + 3 * 2  # the backward of the products with x's side
+
+
+@pytest.mark.parametrize(
+    "lhs, rhs, dims",
+    [((4, 5), (5, 6), (((1,), (0,)), ((), ()))),
+     ((5, 4), (5, 6), (((0,), (0,)), ((), ()))),
+     ((2, 3, 4, 5), (2, 4, 6, 5), (((3,), (3,)), ((0, 2), (0, 1)))),
+     ((2, 7, 4), (7, 2, 4, 3), (((1, 2), (0, 2)), ((0,), (1,))))],
+)  # fmt: skip
+def test_einsum_spec_computes_the_dot_general(lhs, rhs, dims):
+    benchmark = load_benchmark("train_step")
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal(lhs), rng.standard_normal(rhs)
+    expected = jax.lax.dot_general(a, b, dims, precision="highest")
+    spec = benchmark.einsum_spec(len(lhs), len(rhs), dims)
+    np.testing.assert_allclose(np.einsum(spec, a, b), expected, rtol=1e-5)
