@@ -26,12 +26,13 @@ measured by XLA in the same run. Each window also counts the process's minor pag
 kernel CPU seconds per step (``getrusage``): memory the allocator maps afresh every step is
 zeroed by the kernel page by page, a cost that is not the frameworks' arithmetic and, unlike the
 clock, hardly depends on the machine's load. After each window, every matmul of our step (the
-``dot_general`` equations of its jaxpr, forward and backward, each counted as often as the step
-runs it) is compiled by XLA and timed alone, its best of ``MATMUL_REPEATS`` calls, and so is the
-same product in PyTorch (``torch.einsum``): what the step's arithmetic costs at each framework's
-matmul speed with nothing else to do, set against the step and against the target. The output
-is a table, PASS/FAIL lines for the targets at the default size (ratio >= 1.25, MFU >= 65%) and,
-as the last line, one JSON object.
+``dot_general`` equations of its jaxpr, forward and backward: :func:`step_matmuls`) is compiled
+by XLA and timed alone, its best of ``MATMUL_REPEATS`` calls on warm inputs, and so is the same
+product in PyTorch (``torch.einsum``; these are our step's products, not the ones Hugging Face's
+step runs, which fuses its attention): what our step would take if it were only its matmuls, at
+either framework's matmul speed, an optimistic floor set against both steps and the target. The
+output is a table, PASS/FAIL lines for the targets at the default size (ratio >= 1.25, MFU >=
+65%) and, as the last line, one JSON object.
 
 ``--train-py`` then alternates ``--windows`` fresh runs of ``train.py``'s loop
 (``flaxformer_lite.train.loop.run``) on the same config, on full rows of random words whose word
@@ -142,26 +143,40 @@ class OurStep:
 MATMUL_REPEATS = 3  # each matmul's best of this many calls, once per window
 
 
-def step_matmuls(jaxpr) -> collections.Counter:
+def step_matmuls(jaxpr) -> tuple[collections.Counter, int]:
     """How many times a step runs each matmul: ``{(lhs shape, rhs shape, lhs dtype, rhs dtype,
-    dimension_numbers, preferred_element_type): count}``, from the ``dot_general`` equations of
-    its jaxpr (``jax.extend.core.Jaxpr``). A scan's body counts ``length`` times; of a cond's
-    branches, the one with the fewest matmul FLOPs (so the sum never counts work that may not
-    run)."""
-    counts = collections.Counter()
+    dimension_numbers, preferred_element_type): count}`` over the ``dot_general`` equations of
+    its jaxpr (``jax.extend.core.Jaxpr``), and the number of while loops that hold matmuls.
+
+    A scan's body counts ``length`` times; of a cond's branches, the one with the fewest matmul
+    FLOPs (so the sum never counts work that may not run); a while loop's body once, its trip
+    count not being in the jaxpr (chunked attention's ``fori_loop`` over key blocks), so that
+    with loops the counts are a floor.
+    """
+    counts, loops = collections.Counter(), 0
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
+        name = eqn.primitive.name
+        if name == "dot_general":
             lhs, rhs = (var.aval for var in eqn.invars)
             dims, preferred = eqn.params["dimension_numbers"], eqn.params["preferred_element_type"]
             counts[(lhs.shape, rhs.shape, lhs.dtype.name, rhs.dtype.name, dims, preferred)] += 1
-        elif eqn.primitive.name == "cond":
+            continue
+        if name == "cond":
             branches = [step_matmuls(branch.jaxpr) for branch in eqn.params["branches"]]
-            counts.update(min(branches, key=matmul_flops))
-        else:
-            repeat = eqn.params["length"] if eqn.primitive.name == "scan" else 1
-            for sub in jax_core.jaxprs_in_params(eqn.params):
-                counts.update({key: repeat * n for key, n in step_matmuls(sub).items()})
-    return counts
+            branch_counts, branch_loops = min(branches, key=lambda branch: matmul_flops(branch[0]))
+            counts.update(branch_counts)
+            loops += branch_loops
+            continue
+        repeat = eqn.params["length"] if name == "scan" else 1
+        inner = collections.Counter()
+        for sub in jax_core.jaxprs_in_params(eqn.params):
+            sub_counts, sub_loops = step_matmuls(sub)
+            inner.update(sub_counts)
+            loops += sub_loops
+        counts.update({key: repeat * n for key, n in inner.items()})
+        if name == "while" and inner:
+            loops += 1
+    return counts, loops
 
 
 def matmul_flops(counts: collections.Counter) -> int:
@@ -182,11 +197,11 @@ def einsum_spec(lhs_rank: int, rhs_rank: int, dimension_numbers) -> str:
     lhs = [next(letters) for _ in range(lhs_rank)]
     rhs = [None] * rhs_rank
     for i, j in zip(lhs_contracting + lhs_batch, rhs_contracting + rhs_batch, strict=True):
-        rhs[j] = lhs[i]
+        rhs[j] = lhs[i]  # contracted and batch axes share a letter
     rhs = [letter or next(letters) for letter in rhs]
-    shared = lhs_contracting + lhs_batch
-    out = [lhs[i] for i in lhs_batch] + [x for i, x in enumerate(lhs) if i not in shared]
-    out += [x for j, x in enumerate(rhs) if j not in rhs_contracting + rhs_batch]
+    lhs_shared, rhs_shared = lhs_contracting + lhs_batch, rhs_contracting + rhs_batch
+    out = [lhs[i] for i in lhs_batch] + [x for i, x in enumerate(lhs) if i not in lhs_shared]
+    out += [x for j, x in enumerate(rhs) if j not in rhs_shared]
     return f"{''.join(lhs)},{''.join(rhs)}->{''.join(out)}"
 
 
@@ -208,11 +223,11 @@ class StepMatmuls:
     arithmetic takes at each framework's matmul speed, with nothing else running."""
 
     def __init__(self, jaxpr, torch=None):
-        self.counts = step_matmuls(jaxpr)
+        self.counts, self.while_loops = step_matmuls(jaxpr)
         self.flops = matmul_flops(self.counts)
         self.torch = torch
         rng = np.random.default_rng(0)
-        self.xla, self.peer = [], []  # (count, compiled or einsum equation, lhs, rhs)
+        self.xla, self.torch_products = [], []  # (count, compiled or equation, lhs, rhs)
         for key, n in self.counts.items():
             lhs, rhs, lhs_dtype, rhs_dtype, dimension_numbers, preferred = key
             a = rng.standard_normal(lhs).astype(lhs_dtype)
@@ -224,7 +239,7 @@ class StepMatmuls:
             self.xla.append((n, compiled, a_device, b_device))
             if torch is not None:
                 spec = einsum_spec(len(lhs), len(rhs), dimension_numbers)
-                self.peer.append((n, spec, torch.from_numpy(a), torch.from_numpy(b)))
+                self.torch_products.append((n, spec, torch.from_numpy(a), torch.from_numpy(b)))
 
     def seconds(self) -> tuple[float, float | None]:
         """Seconds per step of the step's matmuls in XLA and in PyTorch (``None`` without it):
@@ -232,7 +247,8 @@ class StepMatmuls:
         xla = sum(n * best_seconds(compiled, a, b) for n, compiled, a, b in self.xla)
         if self.torch is None:
             return xla, None
-        return xla, sum(n * best_seconds(self.torch.einsum, *args) for n, *args in self.peer)
+        einsum = self.torch.einsum
+        return xla, sum(n * best_seconds(einsum, *args) for n, *args in self.torch_products)
 
 
 # ----------------------------------------------------------------------------- Hugging Face
@@ -359,6 +375,7 @@ def run(args) -> dict:
         "compile_seconds": ours.compile_seconds, "losses": ours.losses,
         "peer_skipped": peer_skipped, "peer_tokens_per_sec": None, "ratio": None,
         "matmuls_per_step": sum(matmuls.counts.values()), "matmul_flops_per_step": matmuls.flops,
+        "matmul_while_loops": matmuls.while_loops,
         "window_matmul_seconds": [xla for xla, _ in matmul_seconds],
         "matmul_seconds": statistics.median(xla for xla, _ in matmul_seconds),
     }  # fmt: skip
@@ -374,8 +391,8 @@ def run(args) -> dict:
             "peer_tokens_per_sec": tokens_per_step / peer_seconds,
             "peer_mfu": flops_per_token * tokens_per_step / peer_seconds / peak,
             "peer_losses": peer.losses, "ratio": peer_seconds / seconds,
-            "window_peer_matmul_seconds": [torch for _, torch in matmul_seconds],
-            "peer_matmul_seconds": statistics.median(torch for _, torch in matmul_seconds),
+            "window_torch_matmul_seconds": [torch for _, torch in matmul_seconds],
+            "torch_matmul_seconds": statistics.median(torch for _, torch in matmul_seconds),
         }  # fmt: skip
     if args.train_py:
         # Paired windows: each of train.py's is compared with the step's windows right before
@@ -419,9 +436,10 @@ def table(summary: dict) -> list[str]:
         mfu = summary["flops_per_token"] * tokens_per_sec / summary["matmul_peak_flops"]
         lines.append(f"| train.py's logged steady state (JAX) | {tokens_per_sec:.0f} | "
                      f"{1e3 * seconds:.1f} | {100 * mfu:.1f}% | - | - | - |")  # fmt: skip
-    rows = [("the step's matmuls alone, XLA (each compiled and timed alone)", "matmul_seconds")]
+    # The step as if it were only its matmuls, each at its best time alone.
+    rows = [("our step's matmuls alone, XLA", "matmul_seconds")]
     if summary["peer_skipped"] is None:
-        rows.append(("the same matmuls, PyTorch (torch.einsum)", "peer_matmul_seconds"))
+        rows.append(("our step's matmuls alone, PyTorch (torch.einsum)", "torch_matmul_seconds"))
     for name, key in rows:
         tokens_per_sec = summary["batch_size"] * summary["seq_len"] / summary[key]
         mfu = summary["flops_per_token"] * tokens_per_sec / summary["matmul_peak_flops"]
@@ -431,19 +449,22 @@ def table(summary: dict) -> list[str]:
 
 
 def matmul_line(summary: dict) -> str:
-    """What the step's matmuls alone take, next to the step and to the target's step time."""
-    line = (f"the step's {summary['matmuls_per_step']} matmuls "
-            f"({summary['matmul_flops_per_step'] / 1e9:.1f} GFLOP) timed alone: XLA "
-            f"{1e3 * summary['matmul_seconds']:.1f} ms = "
-            f"{summary['matmul_seconds'] / summary['step_seconds']:.2f}x our step")  # fmt: skip
+    """What our step's matmuls take alone, against both steps and the target's step time."""
+    flops, seconds = summary["matmul_flops_per_step"], summary["matmul_seconds"]
+    loops = summary["matmul_while_loops"]
+    line = (f"our step's {summary['matmuls_per_step']} matmuls ({flops / 1e9:.1f} GFLOP"
+            f"{f', {loops} while loops counted once' if loops else ''}), each at its best time "
+            f"alone: XLA {1e3 * seconds:.1f} ms ({flops / seconds / 1e9:.0f} GFLOP/s) = "
+            f"{seconds / summary['step_seconds']:.2f}x our step")  # fmt: skip
     if summary["peer_skipped"] is not None:
         return line
+    torch_seconds = summary["torch_matmul_seconds"]
     target_seconds = summary["peer_step_seconds"] / RATIO_TARGET
-    return (f"{line}; PyTorch {1e3 * summary['peer_matmul_seconds']:.1f} ms = "
-            f"{summary['peer_matmul_seconds'] / summary['peer_step_seconds']:.2f}x Hugging "
-            f"Face's step; {RATIO_TARGET:g}x Hugging Face is a step of "
-            f"{1e3 * target_seconds:.1f} ms = "
-            f"{target_seconds / summary['matmul_seconds']:.2f}x XLA's matmuls alone")  # fmt: skip
+    return (f"{line}; PyTorch {1e3 * torch_seconds:.1f} ms ({flops / torch_seconds / 1e9:.0f} "
+            f"GFLOP/s) = {torch_seconds / summary['peer_step_seconds']:.2f}x Hugging Face's "
+            f"step; {RATIO_TARGET:g}x Hugging Face's tokens/s is a step of "
+            f"{1e3 * target_seconds:.1f} ms = {target_seconds / seconds:.2f}x XLA's "
+            "matmuls")  # fmt: skip
 
 
 def checks(summary: dict, default_size: bool) -> list[str]:

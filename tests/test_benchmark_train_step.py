@@ -55,18 +55,20 @@ def test_train_step_benchmark_at_a_tiny_size(capsys):
     # The step's 21 matmuls (below), timed alone once per window.
     assert summary["matmuls_per_step"] == 21 and len(summary["window_matmul_seconds"]) == 2
     assert summary["matmul_seconds"] == statistics.median(summary["window_matmul_seconds"])
+    assert summary["matmul_while_loops"] == 0
     assert table[-2 if hf_available() else -1].startswith(
-        "| the step's matmuls alone, XLA (each compiled and timed alone) | "
-        f"{8 * 16 / summary['matmul_seconds']:.0f} | "
+        f"| our step's matmuls alone, XLA | {8 * 16 / summary['matmul_seconds']:.0f} | "
     )
-    assert any(line.startswith("the step's 21 matmuls (") for line in out)
+    assert [line for line in out if line.startswith("our step's")] == [
+        benchmark.matmul_line(summary)
+    ]
     checks = [line for line in out if line.startswith(("PASS", "FAIL"))]
     assert len(checks) == 1 and "train.py's logged tokens/s" in checks[0]  # not the default size
     if hf_available():
         assert summary["peer_skipped"] is None and len(table) == 7
-        peer_matmul_seconds = summary["window_peer_matmul_seconds"]
-        assert summary["peer_matmul_seconds"] == statistics.median(peer_matmul_seconds) > 0
-        assert table[-1].startswith("| the same matmuls, PyTorch (torch.einsum) | ")
+        torch_matmul_seconds = summary["window_torch_matmul_seconds"]
+        assert summary["torch_matmul_seconds"] == statistics.median(torch_matmul_seconds) > 0
+        assert table[-1].startswith("| our step's matmuls alone, PyTorch (torch.einsum) | ")
         assert summary["peer_parameters"] == summary["parameters"]  # the same model shape
         ratio = summary["peer_step_seconds"] / summary["step_seconds"]
         assert summary["ratio"] == pytest.approx(ratio)
@@ -112,24 +114,46 @@ def test_the_matmuls_counted_are_the_steps_own():
     tokens, d, ff, heads, t, vocab = 8 * 16, 32, 128, 2, 16, 64
     forward = 2 * tokens * d * (3 * d + d + 2 * ff + vocab) + 2 * 2 * 8 * heads * t * t * (d // 2)
     assert sum(matmuls.counts.values()) == 21 and matmuls.flops == 3 * forward
-    xla, torch_seconds = matmuls.seconds()
-    assert xla > 0 and torch_seconds is None
+    assert matmuls.while_loops == 0 and matmuls.seconds()[1] is None  # no PyTorch given
 
 
-def test_step_matmuls_counts_scan_bodies_and_the_cheaper_branch():
+def test_step_matmuls_counts_scan_bodies_the_cheaper_branch_and_loops_once():
     benchmark = load_benchmark("train_step")
-    w = jnp.ones((5, 6))
+    w, v = jnp.ones((5, 6)), jnp.ones((6, 5))
 
     def f(x):
-        y, _ = jax.lax.scan(lambda c, _: (jnp.tanh(c @ w @ w.T), None), x, length=3)
-        return jax.lax.cond(y.sum() > 0, lambda y: y @ w @ w.T, lambda y: y, y)
+        y, _ = jax.lax.scan(lambda c, _: (jnp.tanh(c @ w @ v), None), x, length=3)
+        return jax.lax.cond(y.sum() > 0, lambda y: y @ w @ v, lambda y: y, y)
 
-    counts = benchmark.step_matmuls(jax.make_jaxpr(f)(jnp.ones((4, 5))).jaxpr)
-    assert sum(counts.values()) == 6  # two per scan step; the cond's branch without matmuls
+    x = jnp.ones((4, 5))
+    counts, loops = benchmark.step_matmuls(jax.make_jaxpr(f)(x).jaxpr)
+    assert sum(counts.values()) == 6 and loops == 0  # two per scan step; the branch without
     assert benchmark.matmul_flops(counts) == 3 * (2 * 4 * 5 * 6 + 2 * 4 * 6 * 5)
-    grad_counts = benchmark.step_matmuls(jax.make_jaxpr(jax.grad(lambda x: f(x).sum()))(
-        jnp.ones((4, 5))).jaxpr)  # fmt: skip
-    assert sum(grad_counts.values()) == 6 + 3 * 2  # the backward of the products with x's side
+    grad_counts, _ = benchmark.step_matmuls(jax.make_jaxpr(jax.grad(lambda x: f(x).sum()))(x).jaxpr)
+    assert sum(grad_counts.values()) == 6 + 3 * 2  # the backward of each product, x's side only
+
+    def loop(x, n):  # a trip count known only at run time, as in chunked attention
+        return jax.lax.fori_loop(0, n, lambda i, c: c @ w @ v, x)
+
+    counts, loops = benchmark.step_matmuls(jax.make_jaxpr(loop)(x, 3).jaxpr)
+    assert sum(counts.values()) == 2 and loops == 1
+
+
+def test_matmul_line_sets_the_matmuls_against_both_steps_and_the_target():
+    benchmark = load_benchmark("train_step")
+    summary = {"matmuls_per_step": 99, "matmul_flops_per_step": 80e9, "matmul_while_loops": 0,
+               "matmul_seconds": 0.8, "step_seconds": 1.0, "peer_skipped": None,
+               "torch_matmul_seconds": 0.5, "peer_step_seconds": 1.25}  # fmt: skip
+    assert benchmark.matmul_line(summary) == (
+        "our step's 99 matmuls (80.0 GFLOP), each at its best time alone: XLA 800.0 ms "
+        "(100 GFLOP/s) = 0.80x our step; PyTorch 500.0 ms (160 GFLOP/s) = 0.40x Hugging "
+        "Face's step; 1.25x Hugging Face's tokens/s is a step of 1000.0 ms = 1.25x XLA's matmuls"
+    )
+    summary |= {"peer_skipped": "--no-hf", "matmul_while_loops": 2}
+    assert benchmark.matmul_line(summary) == (
+        "our step's 99 matmuls (80.0 GFLOP, 2 while loops counted once), each at its best time "
+        "alone: XLA 800.0 ms (100 GFLOP/s) = 0.80x our step"
+    )
 
 
 @pytest.mark.parametrize(
