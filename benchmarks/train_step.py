@@ -19,20 +19,22 @@ ours ``T``; both are counted as ``B * T`` tokens.
 
 Ours is compiled ahead of time (``.lower().compile()``, timed: ``compile_seconds``) and the peer
 warmed up by two steps. Then ``--windows`` rounds each time ``--steps`` consecutive steps of ours
-and then of the peer, so that a shared machine's noise hits both alike; the median window gives
-the seconds per step. MFU is training FLOPs per token (``training_flops_per_token``: 6 x matmul
+and then of the peer, so that a shared machine's noise hits both alike; the median window gives the
+seconds per step. MFU is training FLOPs per token (``training_flops_per_token``: 6 x matmul
 parameters + attention, as train.py logs it) x tokens/s over the float32 peak of a 2048^3 matmul
-measured by XLA in the same run. Each window also counts the process's minor page faults and
-kernel CPU seconds per step (``getrusage``): memory the allocator maps afresh every step is
-zeroed by the kernel page by page, a cost that is not the frameworks' arithmetic and, unlike the
-clock, hardly depends on the machine's load. After each window, every matmul of our step (the
-``dot_general`` equations of its jaxpr, forward and backward: :func:`step_matmuls`) is compiled
-by XLA and timed alone, its best of ``MATMUL_REPEATS`` calls on warm inputs, and so is the same
-product in PyTorch (``torch.einsum``; these are our step's products, not the ones Hugging Face's
-step runs, which fuses its attention): what our step would take if it were only its matmuls, at
-either framework's matmul speed, an optimistic floor set against both steps and the target. The
-output is a table, PASS/FAIL lines for the targets at the default size (ratio >= 1.25, MFU >=
-65%) and, as the last line, one JSON object.
+measured by XLA in the same run. Each window also counts the process's minor page faults and kernel
+CPU seconds per step (``getrusage``): memory the allocator maps afresh every step is zeroed by the
+kernel page by page, a cost that is not the frameworks' arithmetic and, unlike the clock, hardly
+depends on the machine's load. Run as a script, it first makes glibc keep freed memory for reuse,
+as ``train.py`` does (:mod:`flaxformer_lite.train.host_memory`): a setting of the whole process, so
+the peer runs under it too. After each window, every matmul of our step (the ``dot_general``
+equations of its jaxpr, forward and backward: :func:`step_matmuls`) is compiled by XLA and timed
+alone, its best of ``MATMUL_REPEATS`` calls on warm inputs, and so is the same product in PyTorch
+(``torch.einsum``; these are our step's products, not the ones Hugging Face's step runs, which
+fuses its attention): what our step would take if it were only its matmuls, at either framework's
+matmul speed, an optimistic floor set against both steps and the target. The output is a table,
+PASS/FAIL lines for the targets at the default size (ratio >= 1.25, MFU >= 65%) and, as the last
+line, one JSON object.
 
 ``--train-py`` then alternates ``--windows`` fresh runs of ``train.py``'s loop
 (``flaxformer_lite.train.loop.run``) on the same config, on full rows of random words whose word
@@ -69,6 +71,7 @@ from jax.extend import core as jax_core
 from flaxformer_lite.models.accounting import matmul_peak_flops, training_flops_per_token
 from flaxformer_lite.train import loop
 from flaxformer_lite.train.config import TrainConfig, load_config
+from flaxformer_lite.train.host_memory import reuse_freed_host_memory
 from flaxformer_lite.train.metrics import read_metrics
 from flaxformer_lite.train.optim import make_optimizer
 from flaxformer_lite.train.restore import make_train_state
@@ -532,4 +535,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    reuse_freed_host_memory()  # as train.py does, before JAX starts its backend
     main()

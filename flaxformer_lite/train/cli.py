@@ -76,6 +76,9 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _train(args) -> int:
+    from flaxformer_lite.train.host_memory import reuse_freed_host_memory
+
+    reuse_freed_host_memory()  # before JAX starts its backend's threads
     import jax
 
     from flaxformer_lite.train.loop import Interrupted, TrainingError, run
