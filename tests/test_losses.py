@@ -139,6 +139,22 @@ def test_accuracy_and_num_tokens(data):
     assert all(v.dtype == jnp.float32 and v.shape == () for v in metrics.values())
 
 
+def test_accuracy_counts_the_first_maximum_as_argmax_does():
+    # Ties: a constant row (argmax 0), the maximum twice with the target second or first, and an
+    # out-of-range padding target under weight 0.
+    logits = np.zeros((6, V), np.float32)
+    logits[1, [2, 5]] = logits[2, [2, 5]] = logits[3, [4]] = 1.0
+    logits[4] = np.arange(V)
+    targets = np.array([0, 5, 2, 4, 0, -100], np.int32)
+    weights = np.array([1, 1, 1, 1, 1, 0], np.float32)
+    _, metrics = cross_entropy(
+        jnp.asarray(logits), jnp.asarray(targets), weights=jnp.asarray(weights)
+    )
+    expected = np.mean(np.argmax(logits[:5], -1) == targets[:5])  # 0, 2 and 4 are right: 3 / 5
+    np.testing.assert_allclose(metrics["accuracy"], expected, rtol=1e-6)
+    assert expected == 3 / 5
+
+
 def test_large_logits_are_finite(data):
     logits, targets, _ = data
     big = jnp.asarray(1e4 * np.tanh(np.asarray(logits)), jnp.float32)
