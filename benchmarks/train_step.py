@@ -341,12 +341,17 @@ def run(args) -> dict:
 
     ours = OurStep(cfg, batch)
     print(f"compiled in {ours.compile_seconds:.1f} s", file=sys.stderr, flush=True)
-    ours.run(2)
     libraries, peer_skipped = (None, "--no-hf") if args.no_hf else load_torch()
     peer = None if libraries is None else PeerStep(libraries, cfg, batch)
-    if peer is not None:
-        peer.run(2)
     matmuls = StepMatmuls(ours.jaxpr, None if peer is None else libraries[0])
+    # One untimed window of everything first: when the first timed window came right after
+    # building the peer and the matmuls, our step took 1.6x-1.8x its later time there (891 and
+    # 970 ms against about 545 in two runs; the heap, one malloc arena that both frameworks
+    # share, is still growing then).
+    for step in (ours, peer):
+        if step is not None:
+            step.run(args.steps)
+    matmuls.seconds()
 
     windows = {"ours": [], "peer": []}  # per window: seconds, page faults, kernel CPU s per step
     matmul_seconds = []  # per window: (XLA, PyTorch or None) seconds of the step's matmuls
