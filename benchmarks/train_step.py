@@ -344,10 +344,9 @@ def run(args) -> dict:
     libraries, peer_skipped = (None, "--no-hf") if args.no_hf else load_torch()
     peer = None if libraries is None else PeerStep(libraries, cfg, batch)
     matmuls = StepMatmuls(ours.jaxpr, None if peer is None else libraries[0])
-    # One untimed window of everything first: when the first timed window came right after
-    # building the peer and the matmuls, our step took 1.6x-1.8x its later time there (891 and
-    # 970 ms against about 545 in two runs; the heap, one malloc arena that both frameworks
-    # share, is still growing then).
+    # One untimed window of everything first. Our first timed window can still take up to 1.8x
+    # the later ones (953 against about 530 ms in one run, with or without this warm-up; the
+    # cause is not known): the median of the windows is what is reported.
     for step in (ours, peer):
         if step is not None:
             step.run(args.steps)
