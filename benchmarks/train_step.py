@@ -17,24 +17,25 @@ for why). It is skipped, with a line saying so, when torch or transformers canno
 with ``--no-hf``. Its loss covers ``T - 1`` targets per row (labels shifted inside the model),
 ours ``T``; both are counted as ``B * T`` tokens.
 
-Ours is compiled ahead of time (``.lower().compile()``, timed: ``compile_seconds``) and the peer
-warmed up by two steps. Then ``--windows`` rounds each time ``--steps`` consecutive steps of ours
-and then of the peer, so that a shared machine's noise hits both alike; the median window gives the
-seconds per step. MFU is training FLOPs per token (``training_flops_per_token``: 6 x matmul
-parameters + attention, as train.py logs it) x tokens/s over the float32 peak of a 2048^3 matmul
-measured by XLA in the same run (before the first window and after each; the best of them). Each
-window also counts the process's minor page faults and kernel CPU seconds per step (``getrusage``):
-memory the allocator maps afresh every step is zeroed by the kernel page by page, a cost that is
-not the frameworks' arithmetic and, unlike the clock, hardly depends on the machine's load. Run as
-a script, it first makes glibc keep freed memory for reuse, as ``train.py`` does
-(:mod:`flaxformer_lite.train.host_memory`): a setting of the whole process, so the peer runs under
-it too. After each window, every matmul of our step (the ``dot_general`` equations of its jaxpr,
-forward and backward: :func:`step_matmuls`) is compiled by XLA and timed alone, its best of
-``MATMUL_REPEATS`` calls on warm inputs, and so is the same product in PyTorch (``torch.einsum``;
-these are our step's products, not the ones Hugging Face's step runs, which fuses its attention):
-what our step would take if it were only its matmuls, at either framework's matmul speed, an
-optimistic floor set against both steps and the target. The output is a table, PASS/FAIL lines for
-the targets at the default size (ratio >= 1.25, MFU >= 65%) and, as the last line, one JSON object.
+Ours is compiled ahead of time (``.lower().compile()``, timed: ``compile_seconds``); ours, the peer
+and the step's matmuls then run one untimed window. Then ``--windows`` rounds each time ``--steps``
+consecutive steps of ours and then of the peer, so that a shared machine's noise hits both alike;
+the median window gives the seconds per step. MFU is training FLOPs per token
+(``training_flops_per_token``: 6 x matmul parameters + attention, as train.py logs it) x tokens/s
+over the float32 peak of a 2048^3 matmul measured by XLA in the same run (before the first window
+and after each; the best of them). Each window also counts the process's minor page faults and
+kernel CPU seconds per step (``getrusage``): memory the allocator maps afresh every step is zeroed
+by the kernel page by page, a cost that is not the frameworks' arithmetic and, unlike the clock,
+hardly depends on the machine's load. Run as a script, it first makes glibc keep freed memory for
+reuse, as ``train.py`` does (:mod:`flaxformer_lite.train.host_memory`): a setting of the whole
+process, so the peer runs under it too. After each window, every matmul of our step (the
+``dot_general`` equations of its jaxpr, forward and backward: :func:`step_matmuls`) is compiled by
+XLA and timed alone, its best of ``MATMUL_REPEATS`` calls on warm inputs, and so is the same
+product in PyTorch (``torch.einsum``; these are our step's products, not the ones Hugging Face's
+step runs, which fuses its attention): what our step would take if it were only its matmuls, at
+either framework's matmul speed, an optimistic floor set against both steps and the target. The
+output is a table, PASS/FAIL lines for the targets at the default size (ratio >= 1.25, MFU >= 65%)
+and, as the last line, one JSON object.
 
 ``--train-py`` then alternates ``--windows`` fresh runs of ``train.py``'s loop
 (``flaxformer_lite.train.loop.run``) on the same config, on full rows of random words whose word
@@ -377,7 +378,7 @@ def run(args) -> dict:
                                                      "d_ff", "vocab_size", "scan_layers")},
         "seq_len": cfg.data.seq_len, "batch_size": cfg.train.batch_size,
         "parameters": ours.parameters, "flops_per_token": flops_per_token,
-        "matmul_peak_flops": peak, "window_matmul_peak_flops": peaks[1:],
+        "matmul_peak_flops": peak, "matmul_peaks_measured": peaks,
         "steps_per_window": args.steps, "windows": args.windows,
         "step_seconds": seconds, "window_step_seconds": window_seconds,
         "page_faults_per_step": faults, "system_cpu_seconds_per_step": system,

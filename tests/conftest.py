@@ -42,6 +42,8 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 * 2**30))
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from flaxformer_lite.train import host_memory  # noqa: E402
+
 # Reference comparisons at float32 round-off need full-precision matmuls on every backend.
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -78,6 +80,13 @@ def _fast_compile_modules(request):
     previous = _set_optimizations_off(True)
     yield
     _set_optimizations_off(previous)
+
+
+@pytest.fixture(autouse=True)
+def _keep_malloc_defaults(monkeypatch):
+    """``train_main`` called in-process would set glibc's malloc for the rest of the worker's
+    tests (``flaxformer_lite.train.host_memory``); tests that need the setting start a process."""
+    monkeypatch.setattr(host_memory, "reuse_freed_host_memory", lambda: False)
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """Host memory reuse: with glibc keeping freed memory, XLA's per-call temporary buffers stop
 faulting in fresh pages (``flaxformer_lite.train.host_memory``)."""
 
+import os
 import platform
 import subprocess
 import sys
@@ -11,10 +12,13 @@ from flaxformer_lite.train import host_memory
 from flaxformer_lite.train.cli import train_main
 
 # A jitted function whose temporaries (4 MiB each, and the matmuls' own) XLA's worker threads
-# allocate and free on every call; prints the minor page faults per call once warm.
+# allocate and free on every call; prints the minor page faults per call once warm. With
+# "reuse", the setting is made where train.py makes it: after the CLI module (and with it jax)
+# is imported, before JAX starts its backend.
 FAULTS_PER_CALL = """
 import resource, sys
 if sys.argv[1] == "reuse":
+    import flaxformer_lite.train.cli
     from flaxformer_lite.train.host_memory import reuse_freed_host_memory
     assert reuse_freed_host_memory()
 import jax, jax.numpy as jnp
@@ -34,8 +38,9 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5)
 
 
 def faults_per_call(mode: str) -> float:
+    env = os.environ | {"JAX_PLATFORMS": "cpu"}
     done = subprocess.run([sys.executable, "-c", FAULTS_PER_CALL, mode], capture_output=True,
-                          text=True, check=True, env={"JAX_PLATFORMS": "cpu"})  # fmt: skip
+                          text=True, check=True, env=env)  # fmt: skip
     return float(done.stdout.split()[-1])
 
 

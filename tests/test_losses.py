@@ -140,19 +140,29 @@ def test_accuracy_and_num_tokens(data):
 
 
 def test_accuracy_counts_the_first_maximum_as_argmax_does():
-    # Ties: a constant row (argmax 0), the maximum twice with the target second or first, and an
-    # out-of-range padding target under weight 0.
-    logits = np.zeros((6, V), np.float32)
-    logits[1, [2, 5]] = logits[2, [2, 5]] = logits[3, [4]] = 1.0
+    # Ties: a constant row (argmax 0), the maximum twice with the target second or first, a
+    # negative target where the last class holds the maximum (take_along_axis wraps -1 to it),
+    # and an out-of-range padding target under weight 0.
+    logits = np.zeros((7, V), np.float32)
+    logits[1, [2, 5]] = logits[2, [2, 5]] = logits[3, [4]] = logits[5, [V - 1]] = 1.0
     logits[4] = np.arange(V)
-    targets = np.array([0, 5, 2, 4, 0, -100], np.int32)
-    weights = np.array([1, 1, 1, 1, 1, 0], np.float32)
+    targets = np.array([0, 5, 2, 4, 0, -1, -100], np.int32)
+    weights = np.array([1, 1, 1, 1, 1, 1, 0], np.float32)
     _, metrics = cross_entropy(
         jnp.asarray(logits), jnp.asarray(targets), weights=jnp.asarray(weights)
     )
-    expected = np.mean(np.argmax(logits[:5], -1) == targets[:5])  # 0, 2 and 4 are right: 3 / 5
+    expected = np.mean(np.argmax(logits[:6], -1) == targets[:6])  # 0, 2 and 4 are right
+    assert expected == 3 / 6
     np.testing.assert_allclose(metrics["accuracy"], expected, rtol=1e-6)
-    assert expected == 3 / 5
+
+
+def test_accuracy_with_narrow_target_ids_and_a_wide_vocabulary():
+    # uint8 ids against 300 classes: positions above 255 must not wrap around to small ids.
+    logits = np.zeros((2, 300), np.float32)
+    logits[:, [10, 260]] = 1.0
+    targets = np.array([10, 200], np.uint8)
+    _, metrics = cross_entropy(jnp.asarray(logits), jnp.asarray(targets))
+    np.testing.assert_allclose(metrics["accuracy"], 0.5, rtol=1e-6)
 
 
 def test_large_logits_are_finite(data):

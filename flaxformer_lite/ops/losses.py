@@ -34,8 +34,10 @@ def _check_inputs(
 
 
 def _target_is_argmax(logits: jax.Array, targets: jax.Array, target_logit: jax.Array) -> jax.Array:
-    """`jnp.argmax(logits, -1) == targets` for `[..., V]` logits: the target holds the maximum and
-    no earlier class does (argmax returns the first maximum).
+    """`jnp.argmax(logits, -1) == targets` for `[..., V]` logits: the target is a class (`0 <= t
+    < V`, where `take_along_axis` would wrap a negative one) that holds the maximum, and no
+    earlier class does (argmax returns the first maximum). A row with a NaN never counts as
+    correct, where argmax would point at its first NaN.
 
     Written with a max and a boolean any-reduce because XLA lowers `argmax` to a reduction over
     (value, index) pairs that its CPU backend does not vectorize: for `[2048, 8192]` float32
@@ -43,10 +45,12 @@ def _target_is_argmax(logits: jax.Array, targets: jax.Array, target_logit: jax.A
     logsumexp alone 9.0); the argmax was about 6% of the 4-layer training step of
     benchmarks/train_step.py.
     """
+    targets = targets.astype(jnp.int32)  # int8/uint8 ids would wrap when compared with positions
     max_logit = jnp.max(logits, axis=-1, keepdims=True)
-    position = jax.lax.broadcasted_iota(targets.dtype, logits.shape, logits.ndim - 1)
+    position = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
     max_before_target = jnp.any((logits == max_logit) & (position < targets[..., None]), axis=-1)
-    return (target_logit == max_logit[..., 0]) & ~max_before_target
+    is_class = targets >= 0
+    return is_class & (target_logit == max_logit[..., 0]) & ~max_before_target
 
 
 def cross_entropy(
