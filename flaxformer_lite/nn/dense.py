@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from flaxformer_lite.ops.projection import project
+
 INIT_SCHEMES = ("xavier", "normal")
 
 
@@ -142,7 +144,7 @@ class Dense(nnx.Module):
         n = len(self.in_shape)
         if x.shape[x.ndim - n :] != self.in_shape:
             raise ValueError(f"Dense expects inputs [..., {self.in_shape}], got shape {x.shape}")
-        y = jnp.tensordot(x.astype(self.dtype), self.kernel[...].astype(self.dtype), axes=n)
+        y = project(x.astype(self.dtype), self.kernel[...].astype(self.dtype), n)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y

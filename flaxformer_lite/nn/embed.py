@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flaxformer_lite.nn.dense import XAVIER, KernelInit, param
+from flaxformer_lite.ops.projection import project
 
 
 class Embed(nnx.Module):
@@ -46,7 +47,9 @@ class Embed(nnx.Module):
         return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:
-        """The tied output projection: ``[..., D] -> [..., num_embeddings]`` logits ``x @ E^T``."""
-        return jnp.einsum(
-            "...d,vd->...v", x.astype(self.dtype), self.embedding[...].astype(self.dtype)
-        )
+        """The tied output projection: ``[..., D] -> [..., num_embeddings]`` logits ``x @ E^T``.
+
+        Through :func:`~flaxformer_lite.ops.project`, whose backward pass transposes ``x [T, D]``
+        rather than the logits' gradient ``[T, V]`` to form the table's gradient.
+        """
+        return project(x.astype(self.dtype), self.embedding[...].astype(self.dtype).T)

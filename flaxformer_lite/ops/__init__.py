@@ -21,6 +21,7 @@ from flaxformer_lite.ops.positions import (
     relative_position_buckets,
     sinusoidal_positions,
 )
+from flaxformer_lite.ops.projection import project
 from flaxformer_lite.ops.rope import RopeScaling, apply_rope, rope_frequencies
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "layer_norm",
     "local_window_mask",
     "padding_mask",
+    "project",
     "relative_position_buckets",
     "rms_norm",
     "rope_frequencies",
