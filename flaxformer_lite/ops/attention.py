@@ -173,16 +173,16 @@ def xla_attention(
     scale = default_scale(query, scale)
 
     def attend(q, bias, mask, keep, *, key, value):
-        probs = _softmax(q, key, bias, mask, scale)
+        weights, normalizer = _unnormalized_softmax(q, key, bias, mask, scale)
         if keep is not None:
-            probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
+            weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
         out = jnp.einsum(
             "bhqk,bhkd->bhqd",
-            probs.astype(value.dtype),
+            weights.astype(value.dtype),
             value.swapaxes(1, 2),
             preferred_element_type=jnp.float32,
         )
-        return out.swapaxes(1, 2)
+        return (out / normalizer).swapaxes(1, 2)
 
     outs = []
     for (q0, q1), (k0, k1) in _query_blocks(q_len, kv_len, is_causal, local_window):
@@ -241,8 +241,8 @@ def _full_mask(query, key, mask, is_causal, local_window):
     return as_rank4("mask", mask, attention_logits_shape(query, key))
 
 
-def _softmax(query, key, bias, mask, scale):
-    """float32 softmax(q kᵀ · scale + bias) ``[B, Hk, Tq, Tk]`` for query ``[B, Tq, Hk, D]``.
+def _logits(query, key, bias, mask, scale):
+    """float32 masked logits q kᵀ · scale + bias ``[B, Hk, Tq, Tk]`` for query ``[B, Tq, Hk, D]``.
 
     Masked logits get a finite fill, so a fully masked row is uniform rather than NaN; callers
     zero such rows.
@@ -260,7 +260,25 @@ def _softmax(query, key, bias, mask, scale):
         logits = logits + bias.astype(jnp.float32)
     if mask is not None:
         logits = jnp.where(mask, logits, MASK_VALUE)
-    return jax.nn.softmax(logits, axis=-1)
+    return logits
+
+
+def _softmax(query, key, bias, mask, scale):
+    """float32 softmax of :func:`_logits` ``[B, Hk, Tq, Tk]``."""
+    return jax.nn.softmax(_logits(query, key, bias, mask, scale), axis=-1)
+
+
+def _unnormalized_softmax(query, key, bias, mask, scale):
+    """``(exp(logits - max), sum)``: the softmax before its division, ``[B, Hk, Tq, Tk]``, and
+    its row sums ``[B, Hk, Tq, 1]``.
+
+    Dividing the ``[.., Tq, Dv]`` attention output by the sums instead of the ``[.., Tq, Tk]``
+    weights saves a pass over the weights, and in the backward pass the broadcast quotient that
+    autodiff of ``jax.nn.softmax`` materializes at ``[B, Hk, Tq, Tk]``.
+    """
+    logits = _logits(query, key, bias, mask, scale)
+    weights = jnp.exp(logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True)))
+    return weights, jnp.sum(weights, axis=-1, keepdims=True)
 
 
 def _per_query_group(fn, query, num_kv_heads, out_axis, *logit_shaped):
