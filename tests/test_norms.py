@@ -193,3 +193,47 @@ def test_rms_norm_grad_matches_closed_form(data):
     gs = _f64(g) * _f64(scale)
     expected = (gs - x64 * (gs * x64).mean(-1, keepdims=True) / r**2) / r
     np.testing.assert_allclose(dx, expected, atol=1e-5)
+
+
+def test_layer_norm_grad_without_scale_or_bias_matches_autodiff_of_the_formula(data):
+    x, _, _ = data
+    g = jnp.asarray(_normal(7), jnp.float32)
+
+    def formula(x):
+        centered = x - jnp.mean(x, -1, keepdims=True)
+        return centered * jax.lax.rsqrt(jnp.mean(centered**2, -1, keepdims=True) + 1e-5)
+
+    expected = jax.grad(lambda x: jnp.sum(g * formula(x)))(x)
+    np.testing.assert_allclose(jax.grad(lambda x: jnp.sum(g * layer_norm(x)))(x), expected,
+                               atol=1e-5)  # fmt: skip
+    dx, dbias = jax.grad(lambda x, b: jnp.sum(g * layer_norm(x, bias=b)), argnums=(0, 1))(
+        x, jnp.zeros(SHAPE[-1])
+    )
+    np.testing.assert_allclose(dx, expected, atol=1e-5)
+    np.testing.assert_allclose(dbias, _f64(g).sum((0, 1)), rtol=1e-5, atol=1e-5)
+
+
+def test_layer_norm_grad_large_mean_and_under_vmap(data):
+    """The backward pass reuses the forward's two-pass statistics: a mean of 1000 costs no
+    digits; and it batches under vmap."""
+    _, scale, bias = data
+    x = jnp.asarray(1000.0 + _normal(0), jnp.float32)
+    g = jnp.asarray(_normal(6), jnp.float32)
+    grad = jax.grad(lambda x, g: jnp.sum(g * layer_norm(x, scale, bias)))
+    xhat = _layer_norm_ref(x)
+    sigma = np.sqrt(_f64(x).var(-1, keepdims=True) + 1e-5)
+    gs = _f64(g) * _f64(scale)
+    expected = (
+        gs - gs.mean(-1, keepdims=True) - xhat * (gs * xhat).mean(-1, keepdims=True)
+    ) / sigma
+    np.testing.assert_allclose(grad(x, g), expected, atol=1e-4)
+    np.testing.assert_allclose(jax.vmap(grad)(x, g), grad(x, g), atol=1e-6)
+
+
+def test_layer_norm_bf16_grad_dtypes_follow_their_inputs(data):
+    x, scale, bias = data
+    g = jnp.asarray(_normal(6), jnp.bfloat16)
+    _, vjp = jax.vjp(layer_norm, x.astype(jnp.bfloat16), scale, bias.astype(jnp.bfloat16))
+    dx, dscale, dbias = vjp(g)
+    assert (dx.dtype, dscale.dtype, dbias.dtype) == (jnp.bfloat16, jnp.float32, jnp.bfloat16)
+    np.testing.assert_allclose(_f64(dbias), _f64(g).sum((0, 1)), rtol=2e-2, atol=5e-2)

@@ -6,6 +6,8 @@ The result is cast back to the input dtype so the surrounding computation keeps 
 policy. Parameters (`scale`, `bias`) are applied in float32 before that cast.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -29,7 +31,8 @@ def layer_norm(
     """Layer normalization (Ba et al., 2016) over the last axis.
 
     `y = (x - mean) / sqrt(var + eps) * scale + bias`, with mean and (biased) variance taken over
-    the last axis in float32.
+    the last axis in float32. The gradient is the closed form (`_layer_norm_backward`), a custom
+    VJP: reverse mode, `jit` and `vmap` work; forward mode (`jax.jvp`) does not.
 
     Args:
       x: `[..., D]` input, any float dtype.
@@ -47,20 +50,66 @@ def layer_norm(
     x = jnp.asarray(x)
     if scale is not None:
         _check_feature_param("scale", scale, x)
+        scale = jnp.asarray(scale)
     if bias is not None:
         _check_feature_param("bias", bias, x)
+        bias = jnp.asarray(bias)
+    return _layer_norm(x, scale, bias, eps)
+
+
+def _layer_norm_statistics(x, eps):
+    """float32 ``(mean, rstd)`` of ``x`` over its last axis, ``[..., 1]`` each."""
     x32 = x.astype(jnp.float32)
     mean = jnp.mean(x32, axis=-1, keepdims=True)
-    centered = x32 - mean
     # Two-pass variance, E[(x - mean)^2]: the one-pass E[x^2] - mean^2 cancels catastrophically when
     # |mean| >> std (e.g. 1000 + noise loses every digit of the variance in float32).
-    var = jnp.mean(jnp.square(centered), axis=-1, keepdims=True)
-    y = centered * jax.lax.rsqrt(var + eps)
+    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    return mean, jax.lax.rsqrt(var + eps)
+
+
+def _layer_norm_forward(x, scale, bias, eps):
+    mean, rstd = _layer_norm_statistics(x, eps)
+    y = (x.astype(jnp.float32) - mean) * rstd
     if scale is not None:
-        y = y * jnp.asarray(scale, jnp.float32)
+        y = y * scale.astype(jnp.float32)
     if bias is not None:
-        y = y + jnp.asarray(bias, jnp.float32)
-    return y.astype(x.dtype)
+        y = y + bias.astype(jnp.float32)
+    return y.astype(x.dtype), (x, mean, rstd, scale, bias)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _layer_norm(x, scale, bias, eps):
+    return _layer_norm_forward(x, scale, bias, eps)[0]
+
+
+def _layer_norm_backward(eps, residuals, g):
+    """The closed-form gradient, with ``x̂ = (x - mean) * rstd`` and ``ĝ = g * scale``:
+
+        dx = rstd * (ĝ - mean(ĝ) - x̂ * mean(ĝ * x̂)),  dscale = Σ g * x̂,  dbias = Σ g.
+
+    Autodiff of the forward pass reaches the same values through the two-pass variance's
+    chain of means and differences; XLA does not materialize a pre-LN Transformer's residual
+    gradient but recomputes it inside each of its consumers, each time with every later layer's
+    LayerNorm backward in it, so the shorter formula is paid for many times over. The 12-layer
+    training step of benchmarks/train_step.py on a 2-core CPU: 0.92x the time of autodiff's
+    (alternated windows in one process, 0.86x-0.97x each); the 4-layer one: within noise.
+    """
+    x, mean, rstd, scale, bias = residuals
+    g32 = g.astype(jnp.float32)
+    x_hat = (x.astype(jnp.float32) - mean) * rstd
+    g_hat = g32 if scale is None else g32 * scale.astype(jnp.float32)
+    dx = rstd * (
+        g_hat
+        - jnp.mean(g_hat, axis=-1, keepdims=True)
+        - x_hat * jnp.mean(g_hat * x_hat, axis=-1, keepdims=True)
+    )
+    tokens = tuple(range(x.ndim - 1))
+    dscale = None if scale is None else jnp.sum(g32 * x_hat, axis=tokens).astype(scale.dtype)
+    dbias = None if bias is None else jnp.sum(g32, axis=tokens).astype(bias.dtype)
+    return dx.astype(x.dtype), dscale, dbias
+
+
+_layer_norm.defvjp(_layer_norm_forward, _layer_norm_backward)
 
 
 def rms_norm(
