@@ -15,7 +15,9 @@ each of these copies re-runs that chain with strided reads. On the 4-layer bench
 Copying the narrower of the two operands instead (for a tied output embedding, ``x [T, D]``
 rather than the logits' gradient ``[T, V]``) is the same arithmetic with less data moved, and
 on backends whose GEMMs read transposed operands natively (cuBLAS, the TPU's MXU) it costs
-nothing either way.
+nothing either way. The whole 4-layer step with it, against autodiff of ``tensordot``
+(alternated in one process): 0.92x-0.96x the time on an AMD EPYC with AVX2, about 0.8x on an
+Intel Xeon with AVX-512.
 
 Forward-mode differentiation (``jax.jvp``, ``jax.jacfwd``) is not defined through a custom VJP;
 reverse mode, ``jit`` and ``vmap`` are.
