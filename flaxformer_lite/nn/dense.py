@@ -141,9 +141,8 @@ class Dense(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """``[..., *in_shape] -> [..., *out_shape]`` in the compute dtype."""
+        # project raises a ValueError naming both shapes when x does not end with in_shape.
         n = len(self.in_shape)
-        if x.shape[x.ndim - n :] != self.in_shape:
-            raise ValueError(f"Dense expects inputs [..., {self.in_shape}], got shape {x.shape}")
         y = project(x.astype(self.dtype), self.kernel[...].astype(self.dtype), n)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)

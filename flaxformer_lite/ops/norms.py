@@ -57,19 +57,16 @@ def layer_norm(
     return _layer_norm(x, scale, bias, eps)
 
 
-def _layer_norm_statistics(x, eps):
-    """float32 ``(mean, rstd)`` of ``x`` over its last axis, ``[..., 1]`` each."""
+def _layer_norm_forward(x, scale, bias, eps):
+    """The output and the residuals of the backward pass: ``x`` and float32 ``mean``, ``rstd``
+    ``[..., 1]``."""
     x32 = x.astype(jnp.float32)
     mean = jnp.mean(x32, axis=-1, keepdims=True)
+    centered = x32 - mean
     # Two-pass variance, E[(x - mean)^2]: the one-pass E[x^2] - mean^2 cancels catastrophically when
     # |mean| >> std (e.g. 1000 + noise loses every digit of the variance in float32).
-    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
-    return mean, jax.lax.rsqrt(var + eps)
-
-
-def _layer_norm_forward(x, scale, bias, eps):
-    mean, rstd = _layer_norm_statistics(x, eps)
-    y = (x.astype(jnp.float32) - mean) * rstd
+    rstd = jax.lax.rsqrt(jnp.mean(jnp.square(centered), axis=-1, keepdims=True) + eps)
+    y = centered * rstd
     if scale is not None:
         y = y * scale.astype(jnp.float32)
     if bias is not None:

@@ -55,13 +55,13 @@ def project(x: jax.Array, kernel: jax.Array, num_in_axes: int = 1) -> jax.Array:
     return _project(x, kernel, num_in_axes)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _project(x, kernel, num_in_axes):
-    return jnp.tensordot(x, kernel, axes=num_in_axes)
-
-
 def _project_fwd(x, kernel, num_in_axes):
     return jnp.tensordot(x, kernel, axes=num_in_axes), (x, kernel)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _project(x, kernel, num_in_axes):
+    return _project_fwd(x, kernel, num_in_axes)[0]
 
 
 def _project_bwd(num_in_axes, residuals, g):
