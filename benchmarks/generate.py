@@ -181,11 +181,21 @@ def hf_model(libraries, cfg: ModelConfig, seed: int):
     torch.set_num_threads(os.cpu_count())
     torch.manual_seed(seed)
     config = transformers.GPT2Config(
-        vocab_size=cfg.vocab_size, n_positions=cfg.max_length, n_embd=cfg.d_model,
-        n_layer=cfg.num_decoder_layers, n_head=cfg.num_heads, n_inner=cfg.d_ff,
-        activation_function="gelu_new", layer_norm_epsilon=cfg.norm_eps, resid_pdrop=0.0,
-        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=cfg.vocab_size,
+        n_positions=cfg.max_length,
+        n_embd=cfg.d_model,
+        n_layer=cfg.num_decoder_layers,
+        n_head=cfg.num_heads,
+        n_inner=cfg.d_ff,
+        activation_function="gelu_new",
+        layer_norm_epsilon=cfg.norm_eps,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     return transformers.GPT2LMHeadModel(config).eval()
 
 
@@ -194,12 +204,19 @@ def hf_generate(libraries, model, prompt: np.ndarray, new_tokens: int):
     input_ids = torch.from_numpy(prompt.astype(np.int64))
     with torch.inference_mode():
         out = model.generate(
-            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens, do_sample=False, use_cache=True, pad_token_id=0,
-        )  # fmt: skip
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            use_cache=True,
+            pad_token_id=0,
+        )
     if out.shape != (prompt.shape[0], prompt.shape[1] + new_tokens):
-        raise RuntimeError(f"Hugging Face generated {tuple(out.shape)}, expected "
-                           f"{(prompt.shape[0], prompt.shape[1] + new_tokens)}")  # fmt: skip
+        raise RuntimeError(
+            f"Hugging Face generated {tuple(out.shape)}, expected "
+            f"{(prompt.shape[0], prompt.shape[1] + new_tokens)}"
+        )
     return out
 
 
@@ -207,8 +224,10 @@ def hf_generate(libraries, model, prompt: np.ndarray, new_tokens: int):
 def run(args) -> dict:
     cfg = model_config(args)
     if args.prompt_length + args.new_tokens > cfg.max_length:
-        raise SystemExit(f"--prompt-length + --new-tokens = {args.prompt_length + args.new_tokens}"
-                         f" exceeds --max-length {cfg.max_length}")  # fmt: skip
+        raise SystemExit(
+            f"--prompt-length + --new-tokens = {args.prompt_length + args.new_tokens}"
+            f" exceeds --max-length {cfg.max_length}"
+        )
     model = build_model(cfg, rngs=nnx.Rngs(args.seed))
     model.eval()
     if args.weight_scale != 1:  # as tests/test_decode.py does: tokens vary from step to step
@@ -217,15 +236,18 @@ def run(args) -> dict:
     libraries, hf_skipped = (None, "--no-hf") if args.no_hf else load_torch()
     hf = None if libraries is None else hf_model(libraries, cfg, args.seed)
     rng = np.random.default_rng(args.seed)
-    prompts = {b: rng.integers(1, cfg.vocab_size, (b, args.prompt_length)).astype(np.int32)
-               for b in args.batch_sizes}  # fmt: skip
+    prompts = {
+        b: rng.integers(1, cfg.vocab_size, (b, args.prompt_length)).astype(np.int32)
+        for b in args.batch_sizes
+    }
 
     rows = {b: {"batch": b} for b in args.batch_sizes}
     calls = {}  # (batch, method) -> a call generating for that batch's prompts
     for b, row in rows.items():  # compile (cache: a warm-up call), and warm Hugging Face up
         prompt = prompts[b]
-        calls[b, "cache"] = functools.partial(generate, model, prompt,
-                                              max_new_tokens=args.new_tokens)  # fmt: skip
+        calls[b, "cache"] = functools.partial(
+            generate, model, prompt, max_new_tokens=args.new_tokens
+        )
         row["cache_compile_s"] = timed(calls[b, "cache"])[2]
         run_no_cache, row["no_cache_compile_s"] = compile_no_cache(
             model, b, args.prompt_length, args.new_tokens
@@ -234,8 +256,12 @@ def run(args) -> dict:
         if hf is not None:
             hf_generate(libraries, hf, prompt, min(args.new_tokens, 8))
             calls[b, "hf"] = functools.partial(hf_generate, libraries, hf, prompt, args.new_tokens)
-        print(f"[batch {b}] compiled: cache {row['cache_compile_s']:.1f} s, no cache "
-              f"{row['no_cache_compile_s']:.1f} s", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"[batch {b}] compiled: cache {row['cache_compile_s']:.1f} s, no cache "
+            f"{row['no_cache_compile_s']:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
 
     methods = ["cache", "no_cache"] + ([] if hf is None else ["hf"])
     times = {key: [] for key in calls}
@@ -267,18 +293,34 @@ def run(args) -> dict:
 
     versions = {"jax": jax.__version__, "python": platform.python_version()}
     if libraries is not None:
-        versions |= {"torch": libraries[0].__version__,
-                     "transformers": libraries[1].__version__,
-                     "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}  # fmt: skip
+        versions |= {
+            "torch": libraries[0].__version__,
+            "transformers": libraries[1].__version__,
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        }
     return {
-        **versions, "cpu_count": os.cpu_count(), "backend": jax.default_backend(),
-        "model": {k: getattr(cfg, k) for k in ("num_decoder_layers", "d_model", "num_heads", "d_ff",
-                                               "vocab_size", "max_length")},
+        **versions,
+        "cpu_count": os.cpu_count(),
+        "backend": jax.default_backend(),
+        "model": {
+            k: getattr(cfg, k)
+            for k in (
+                "num_decoder_layers",
+                "d_model",
+                "num_heads",
+                "d_ff",
+                "vocab_size",
+                "max_length",
+            )
+        },
         "parameters": sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))),
-        "prompt_length": args.prompt_length, "new_tokens": args.new_tokens,
-        "repeats": args.repeats, "weight_scale": args.weight_scale, "hf_skipped": hf_skipped,
+        "prompt_length": args.prompt_length,
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+        "weight_scale": args.weight_scale,
+        "hf_skipped": hf_skipped,
         "rows": list(rows.values()),
-    }  # fmt: skip
+    }
 
 
 def table(summary: dict) -> list[str]:
@@ -288,13 +330,19 @@ def table(summary: dict) -> list[str]:
     head += ["cache compile s", "no cache compile s", "same tokens"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in summary["rows"]:
-        cells = [str(row["batch"]), f"{row['cache_tokens_per_s']:.0f}",
-                 f"{row['no_cache_tokens_per_s']:.0f}"]  # fmt: skip
+        cells = [
+            str(row["batch"]),
+            f"{row['cache_tokens_per_s']:.0f}",
+            f"{row['no_cache_tokens_per_s']:.0f}",
+        ]
         cells += [f"{row['hf_tokens_per_s']:.0f}"] if hf else []
         cells += [f"{row['cache_over_no_cache']:.1f}x"]
         cells += [f"{row['cache_over_hf']:.2f}x"] if hf else []
-        cells += [f"{row['cache_compile_s']:.1f}", f"{row['no_cache_compile_s']:.1f}",
-                  "yes" if row["tokens_identical"] else "NO"]  # fmt: skip
+        cells += [
+            f"{row['cache_compile_s']:.1f}",
+            f"{row['no_cache_compile_s']:.1f}",
+            "yes" if row["tokens_identical"] else "NO",
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -314,16 +362,22 @@ def checks(summary: dict) -> list[str]:
         if row["tokens_identical"]:
             check(f"batch {b}: cached and uncached greedy tokens are identical", True)
         else:
-            check(f"batch {b}: cached and uncached greedy tokens differ: {row['first_difference']}",
-                  False)  # fmt: skip
+            check(
+                f"batch {b}: cached and uncached greedy tokens differ: {row['first_difference']}",
+                False,
+            )
         if summary["new_tokens"] == 256:
             ratio = row["cache_over_no_cache"]
-            check(f"batch {b}: cache / no cache = {ratio:.1f}x >= {NO_CACHE_TARGET:g}x",
-                  ratio >= NO_CACHE_TARGET)  # fmt: skip
+            check(
+                f"batch {b}: cache / no cache = {ratio:.1f}x >= {NO_CACHE_TARGET:g}x",
+                ratio >= NO_CACHE_TARGET,
+            )
         if "cache_over_hf" in row:
             ratio = row["cache_over_hf"]
-            check(f"batch {b}: cache / Hugging Face = {ratio:.2f}x >= {HF_TARGET:g}x",
-                  ratio >= HF_TARGET)  # fmt: skip
+            check(
+                f"batch {b}: cache / Hugging Face = {ratio:.2f}x >= {HF_TARGET:g}x",
+                ratio >= HF_TARGET,
+            )
     return lines
 
 
@@ -341,22 +395,34 @@ def main(argv=None) -> dict:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--max-length", type=int, default=1024, help="position table size")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--weight-scale", type=float, default=3.0,
-                        help="multiply our random weights (varied greedy tokens)")  # fmt: skip
+    parser.add_argument(
+        "--weight-scale",
+        type=float,
+        default=3.0,
+        help="multiply our random weights (varied greedy tokens)",
+    )
     args = parser.parse_args(argv)
     if args.new_tokens < 1 or args.prompt_length < 1 or args.repeats < 1:
         parser.error("--new-tokens, --prompt-length and --repeats must be positive")
 
     summary = run(args)
     model = summary["model"]
-    print(f"jax {summary['jax']}, backend {summary['backend']}, {summary['cpu_count']} CPUs"
-          + (f"; torch {summary['torch']} (OMP_WAIT_POLICY={summary['omp_wait_policy']}), "
-             f"transformers {summary['transformers']}" if "torch" in summary else ""))  # fmt: skip
-    print(f"GPT-2-style: {model['num_decoder_layers']} layers, d_model {model['d_model']}, "
-          f"{model['num_heads']} heads, d_ff {model['d_ff']}, vocab {model['vocab_size']} "
-          f"({summary['parameters']:,} parameters), float32; prompt "
-          f"{summary['prompt_length']} + {summary['new_tokens']} new tokens, greedy; median of "
-          f"{summary['repeats']} rounds")  # fmt: skip
+    print(
+        f"jax {summary['jax']}, backend {summary['backend']}, {summary['cpu_count']} CPUs"
+        + (
+            f"; torch {summary['torch']} (OMP_WAIT_POLICY={summary['omp_wait_policy']}), "
+            f"transformers {summary['transformers']}"
+            if "torch" in summary
+            else ""
+        )
+    )
+    print(
+        f"GPT-2-style: {model['num_decoder_layers']} layers, d_model {model['d_model']}, "
+        f"{model['num_heads']} heads, d_ff {model['d_ff']}, vocab {model['vocab_size']} "
+        f"({summary['parameters']:,} parameters), float32; prompt "
+        f"{summary['prompt_length']} + {summary['new_tokens']} new tokens, greedy; median of "
+        f"{summary['repeats']} rounds"
+    )
     if summary["hf_skipped"] is not None:
         print(f"Hugging Face skipped: {summary['hf_skipped']}")
     print()
@@ -364,8 +430,9 @@ def main(argv=None) -> dict:
     print()
     methods = ["cache", "no_cache"] + (["hf"] if summary["hf_skipped"] is None else [])
     for row in summary["rows"]:
-        spread = ", ".join(f"{name.replace('_', ' ')} {spread_of(row[f'{name}_times_s']):.2f}"
-                           for name in methods)  # fmt: skip
+        spread = ", ".join(
+            f"{name.replace('_', ' ')} {spread_of(row[f'{name}_times_s']):.2f}" for name in methods
+        )
         print(f"batch {row['batch']}: slowest / fastest round: {spread}")
     print()
     print("\n".join(checks(summary)))

@@ -65,9 +65,14 @@ from flaxformer_lite.train.step import make_train_step, task_of  # noqa: E402
 
 DEVICES = 8
 LAYOUTS = [
-    "data=8", "fsdp=8", "data=2,tensor=4", "fsdp=4,tensor=2", "data=2,fsdp=2,tensor=2", "tensor=8",
+    "data=8",
+    "fsdp=8",
+    "data=2,tensor=4",
+    "fsdp=4,tensor=2",
+    "data=2,fsdp=2,tensor=2",
+    "tensor=8",
     "tensor=8,heads=none",
-]  # fmt: skip
+]
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 REMAT_WARNING = "Involuntary full rematerialization"
 MIB = 2**20
@@ -233,8 +238,10 @@ def measure(cfg: ModelConfig, layout: str, batch_size: int, seq_len: int, device
     opt, opt_total = _part_bytes(state[1], shardings[1])
     batch_sharding = parallel.batch_sharding(mesh, rules)
     dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "weights": jnp.float32}
-    batch = {key: jax.ShapeDtypeStruct((batch_size, seq_len), dtype, sharding=batch_sharding)
-             for key, dtype in dtypes.items()}  # fmt: skip
+    batch = {
+        key: jax.ShapeDtypeStruct((batch_size, seq_len), dtype, sharding=batch_sharding)
+        for key, dtype in dtypes.items()
+    }
     batch_bytes = sum(
         parallel.shard_bytes(x.shape, x.dtype, batch_sharding) for x in batch.values()
     )
@@ -281,8 +288,17 @@ def _cell(counts: dict) -> str:
 
 
 def table(rows: list[dict]) -> list[str]:
-    head = ["layout", "params MiB", "optimizer MiB", "total MiB", "of unsharded", *COLLECTIVES,
-            "temp MiB", "compile s", "remat warnings"]  # fmt: skip
+    head = [
+        "layout",
+        "params MiB",
+        "optimizer MiB",
+        "total MiB",
+        "of unsharded",
+        *COLLECTIVES,
+        "temp MiB",
+        "compile s",
+        "remat warnings",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         if "error" in row:
@@ -290,12 +306,16 @@ def table(rows: list[dict]) -> list[str]:
         else:
             temp = row["temp_bytes"]
             cells = [
-                row["layout"], f"{row['param_bytes'] / MIB:.1f}", f"{row['opt_bytes'] / MIB:.1f}",
-                f"{row['total_bytes'] / MIB:.1f}", f"{row['fraction']:.3f}",
+                row["layout"],
+                f"{row['param_bytes'] / MIB:.1f}",
+                f"{row['opt_bytes'] / MIB:.1f}",
+                f"{row['total_bytes'] / MIB:.1f}",
+                f"{row['fraction']:.3f}",
                 *[_cell(row["collectives"][op]) for op in COLLECTIVES],
-                "n/a" if temp is None else f"{temp / MIB:.0f}", f"{row['compile_s']:.1f}",
+                "n/a" if temp is None else f"{temp / MIB:.0f}",
+                f"{row['compile_s']:.1f}",
                 str(row["remat_warnings"]),
-            ]  # fmt: skip
+            ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -310,22 +330,28 @@ def checks(rows: list[dict]) -> list[str]:
 
     if "data=8" in by_layout:
         row = by_layout["data=8"]
-        check(f"data=8 keeps everything replicated: fraction {row['fraction']:.3f} == 1",
-              row["fraction"] == 1.0)  # fmt: skip
+        check(
+            f"data=8 keeps everything replicated: fraction {row['fraction']:.3f} == 1",
+            row["fraction"] == 1.0,
+        )
         n = row["collectives"]["all-reduce"]["instructions"]
         check(f"data=8 all-reduces the gradients: {n} all-reduce(s)", n >= 1)
     if "fsdp=8" in by_layout:
         row = by_layout["fsdp=8"]
-        check(f"fsdp=8 shards the state: fraction {row['fraction']:.3f} <= 1/8 + 2%",
-              row["fraction"] <= 1 / 8 + 0.02)  # fmt: skip
+        check(
+            f"fsdp=8 shards the state: fraction {row['fraction']:.3f} <= 1/8 + 2%",
+            row["fraction"] <= 1 / 8 + 0.02,
+        )
         n = row["collectives"]["all-gather"]["instructions"]
         check(f"fsdp=8 gathers the parameters: {n} all-gather(s)", n >= 1)
     for row in by_layout.values():
         if row["argument_bytes"] is not None:
             expected = row["state_bytes"] + row["batch_bytes"]
-            check(f"{row['layout']}: XLA's arguments per device {row['argument_bytes'] / MIB:.1f}"
-                  f" MiB = state + batch shards {expected / MIB:.1f} MiB (within 0.1%)",
-                  abs(row["argument_bytes"] - expected) <= 1e-3 * expected)  # fmt: skip
+            check(
+                f"{row['layout']}: XLA's arguments per device {row['argument_bytes'] / MIB:.1f}"
+                f" MiB = state + batch shards {expected / MIB:.1f} MiB (within 0.1%)",
+                abs(row["argument_bytes"] - expected) <= 1e-3 * expected,
+            )
     return lines
 
 
@@ -334,29 +360,39 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--preset", default="gpt2-small")
     parser.add_argument("--batch", type=int, default=8, help="global batch (rows)")
     parser.add_argument("--seq", type=int, default=1024, help="sequence length")
-    parser.add_argument("--layouts", nargs="+", default=LAYOUTS,
-                        help="e.g. data=2,tensor=4 or tensor=8,heads=none")  # fmt: skip
+    parser.add_argument(
+        "--layouts", nargs="+", default=LAYOUTS, help="e.g. data=2,tensor=4 or tensor=8,heads=none"
+    )
     parser.add_argument(
         "--vocab-multiple",
         type=int,
         default=64,
         help="pad the vocabulary to a multiple of this (nanoGPT: 50257 -> 50304)",
     )
-    parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
-                        help="override the preset's scan_layers")  # fmt: skip
+    parser.add_argument(
+        "--scan-layers",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="override the preset's scan_layers",
+    )
     args = parser.parse_args(argv)
 
     devices = jax.devices("cpu")
     if len(devices) < DEVICES:
-        raise SystemExit(f"needs {DEVICES} CPU devices, has {len(devices)}: start with "
-                         f"XLA_FLAGS=--xla_force_host_platform_device_count={DEVICES}")  # fmt: skip
+        raise SystemExit(
+            f"needs {DEVICES} CPU devices, has {len(devices)}: start with "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={DEVICES}"
+        )
     devices = devices[:DEVICES]
     cfg = model_config(args.preset, args.vocab_multiple, args.scan_layers)
     if task_of(cfg) != "lm":
         raise SystemExit(f"{args.preset} is not a decoder LM; this benchmark feeds lm batches")
     preset_vocab = ModelConfig.from_preset(args.preset).vocab_size
-    vocab = (f"vocab {preset_vocab} padded to {cfg.vocab_size}"
-             if cfg.vocab_size != preset_vocab else f"vocab {cfg.vocab_size}")  # fmt: skip
+    vocab = (
+        f"vocab {preset_vocab} padded to {cfg.vocab_size}"
+        if cfg.vocab_size != preset_vocab
+        else f"vocab {cfg.vocab_size}"
+    )
 
     print(f"jax {jax.__version__}, {DEVICES} simulated CPU devices")
     print(
@@ -369,8 +405,11 @@ def main(argv=None) -> list[dict]:
         row = measure(cfg, layout, args.batch, args.seq, devices)
         rows.append(row)
         if "error" not in row:
-            print(f"[{row['layout']}] compiled in {row['lower_s']:.1f} + {row['compile_s']:.1f} s",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"[{row['layout']}] compiled in {row['lower_s']:.1f} + {row['compile_s']:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
 
     measured = [row for row in rows if "error" not in row]
     if measured:
@@ -381,17 +420,24 @@ def main(argv=None) -> list[dict]:
     for row in measured:
         operands = {op: c["operands"] for op, c in row["collectives"].items() if c["instructions"]}
         if any(operands[op] > row["collectives"][op]["instructions"] for op in operands):
-            text = ", ".join(f"{op} {row['collectives'][op]['instructions']} carrying {n}"
-                             for op, n in operands.items())  # fmt: skip
+            text = ", ".join(
+                f"{op} {row['collectives'][op]['instructions']} carrying {n}"
+                for op, n in operands.items()
+            )
             notes.append(f"- {row['layout']}: arrays per collective kind: {text}")
     if notes:
         print("\nnotes:\n" + "\n".join(notes))
     print()
     print("\n".join(checks(rows)))
     summary = {
-        "jax": jax.__version__, "preset": args.preset, "vocab_size": cfg.vocab_size,
-        "scan_layers": cfg.scan_layers, "batch": args.batch, "seq": args.seq, "rows": rows,
-    }  # fmt: skip
+        "jax": jax.__version__,
+        "preset": args.preset,
+        "vocab_size": cfg.vocab_size,
+        "scan_layers": cfg.scan_layers,
+        "batch": args.batch,
+        "seq": args.seq,
+        "rows": rows,
+    }
     print(json.dumps(summary), flush=True)
     return rows
 

@@ -88,13 +88,20 @@ def train_config(args, extra: dict | None = None) -> TrainConfig:
     """The benchmark's config: the embedded default at the size of ``args``, dropout off, then
     the ``extra`` overrides (``{"data.packing": False}``)."""
     overrides = {
-        "model.num_decoder_layers": args.layers, "model.d_model": args.d_model,
-        "model.num_heads": args.heads, "model.d_ff": args.d_ff or 4 * args.d_model,
-        "model.vocab_size": args.vocab, "model.max_length": args.seq,
-        "model.embedding_dropout": 0.0, "model.attention_dropout": 0.0,
-        "model.residual_dropout": 0.0, "model.scan_layers": args.scan_layers,
-        "data.seq_len": args.seq, "train.batch_size": args.batch, "seed": args.seed,
-    }  # fmt: skip
+        "model.num_decoder_layers": args.layers,
+        "model.d_model": args.d_model,
+        "model.num_heads": args.heads,
+        "model.d_ff": args.d_ff or 4 * args.d_model,
+        "model.vocab_size": args.vocab,
+        "model.max_length": args.seq,
+        "model.embedding_dropout": 0.0,
+        "model.attention_dropout": 0.0,
+        "model.residual_dropout": 0.0,
+        "model.scan_layers": args.scan_layers,
+        "data.seq_len": args.seq,
+        "train.batch_size": args.batch,
+        "seed": args.seed,
+    }
     overrides |= extra or {}
     return load_config(None, [f"{key}={value}" for key, value in overrides.items()])
 
@@ -123,8 +130,9 @@ class OurStep:
     """The compiled train step and its state; ``run(k)`` takes ``k`` steps."""
 
     def __init__(self, cfg: TrainConfig, batch: dict[str, np.ndarray]):
-        tx, _ = make_optimizer(cfg.optimizer, total_steps=cfg.train.steps,
-                               d_model=cfg.model.d_model)  # fmt: skip
+        tx, _ = make_optimizer(
+            cfg.optimizer, total_steps=cfg.train.steps, d_model=cfg.model.d_model
+        )
         model, optimizer = make_train_state(cfg, tx)
         graphdef, self.state = nnx.split((model, optimizer))
         self.parameters = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
@@ -237,8 +245,11 @@ class StepMatmuls:
             a = rng.standard_normal(lhs).astype(lhs_dtype)
             b = rng.standard_normal(rhs).astype(rhs_dtype)
             a_device, b_device = jax.device_put(a), jax.device_put(b)
-            matmul = functools.partial(jax.lax.dot_general, dimension_numbers=dimension_numbers,
-                                       preferred_element_type=preferred)  # fmt: skip
+            matmul = functools.partial(
+                jax.lax.dot_general,
+                dimension_numbers=dimension_numbers,
+                preferred_element_type=preferred,
+            )
             compiled = jax.jit(matmul).lower(a_device, b_device).compile()
             self.xla.append((n, compiled, a_device, b_device))
             if torch is not None:
@@ -277,15 +288,29 @@ class PeerStep:
         torch.manual_seed(cfg.seed)
         m, o = cfg.model, cfg.optimizer
         config = transformers.GPT2Config(
-            vocab_size=m.vocab_size, n_positions=m.max_length, n_embd=m.d_model,
-            n_layer=m.num_decoder_layers, n_head=m.num_heads, n_inner=m.d_ff,
-            activation_function="gelu_new", layer_norm_epsilon=m.norm_eps, resid_pdrop=0.0,
-            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None,
-        )  # fmt: skip
+            vocab_size=m.vocab_size,
+            n_positions=m.max_length,
+            n_embd=m.d_model,
+            n_layer=m.num_decoder_layers,
+            n_head=m.num_heads,
+            n_inner=m.d_ff,
+            activation_function="gelu_new",
+            layer_norm_epsilon=m.norm_eps,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
         self.model = transformers.GPT2LMHeadModel(config).train()
         self.parameters = sum(p.numel() for p in self.model.parameters())
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=(o.b1, o.b2),
-                                           eps=o.eps, weight_decay=o.weight_decay)  # fmt: skip
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=o.lr,
+            betas=(o.b1, o.b2),
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+        )
         self.clip_norm = o.clip_norm
         self.input_ids = torch.from_numpy(batch["inputs"].astype(np.int64))
         self.losses: list[float] = []
@@ -321,12 +346,24 @@ def train_py_tokens_per_sec(args, text: pathlib.Path, run_dir: pathlib.Path) -> 
     """The tokens/s that a fresh run of train.py's loop on the benchmark's config logs over
     ``--steps`` steps, after a first window of as many that holds the compiling step."""
     steps = 2 * args.steps
-    cfg = train_config(args, {
-        "run_dir": run_dir, "data.source": "text", "data.path": text, "data.tokenizer": "word",
-        "data.vocab_size": args.vocab, "data.packing": False, "train.steps": steps,
-        "train.log_every": args.steps, "train.eval_every": steps, "train.eval_batches": 1,
-        "train.decode_examples": 0, "checkpoint.every": steps, "optimizer.warmup_steps": 1,
-    })  # fmt: skip
+    cfg = train_config(
+        args,
+        {
+            "run_dir": run_dir,
+            "data.source": "text",
+            "data.path": text,
+            "data.tokenizer": "word",
+            "data.vocab_size": args.vocab,
+            "data.packing": False,
+            "train.steps": steps,
+            "train.log_every": args.steps,
+            "train.eval_every": steps,
+            "train.eval_batches": 1,
+            "train.decode_examples": 0,
+            "checkpoint.every": steps,
+            "optimizer.warmup_steps": 1,
+        },
+    )
     loop.run(cfg, progress=False, log=lambda _: None)
     return read_metrics(cfg.run_dir)[-1]["tokens_per_sec"]
 
@@ -372,39 +409,64 @@ def run(args) -> dict:
     peak = max(peaks)
     tokens_per_sec = tokens_per_step / seconds
     summary = {
-        "jax": jax.__version__, "python": platform.python_version(),
-        "cpu_count": os.cpu_count(), "backend": jax.default_backend(),
-        "model": {k: getattr(cfg.model, k) for k in ("num_decoder_layers", "d_model", "num_heads",
-                                                     "d_ff", "vocab_size", "scan_layers")},
-        "seq_len": cfg.data.seq_len, "batch_size": cfg.train.batch_size,
-        "parameters": ours.parameters, "flops_per_token": flops_per_token,
-        "matmul_peak_flops": peak, "matmul_peaks_measured": peaks,
-        "steps_per_window": args.steps, "windows": args.windows,
-        "step_seconds": seconds, "window_step_seconds": window_seconds,
-        "page_faults_per_step": faults, "system_cpu_seconds_per_step": system,
-        "tokens_per_sec": tokens_per_sec, "mfu": flops_per_token * tokens_per_sec / peak,
-        "compile_seconds": ours.compile_seconds, "losses": ours.losses,
-        "peer_skipped": peer_skipped, "peer_tokens_per_sec": None, "ratio": None,
-        "matmuls_per_step": sum(matmuls.counts.values()), "matmul_flops_per_step": matmuls.flops,
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "backend": jax.default_backend(),
+        "model": {
+            k: getattr(cfg.model, k)
+            for k in (
+                "num_decoder_layers",
+                "d_model",
+                "num_heads",
+                "d_ff",
+                "vocab_size",
+                "scan_layers",
+            )
+        },
+        "seq_len": cfg.data.seq_len,
+        "batch_size": cfg.train.batch_size,
+        "parameters": ours.parameters,
+        "flops_per_token": flops_per_token,
+        "matmul_peak_flops": peak,
+        "matmul_peaks_measured": peaks,
+        "steps_per_window": args.steps,
+        "windows": args.windows,
+        "step_seconds": seconds,
+        "window_step_seconds": window_seconds,
+        "page_faults_per_step": faults,
+        "system_cpu_seconds_per_step": system,
+        "tokens_per_sec": tokens_per_sec,
+        "mfu": flops_per_token * tokens_per_sec / peak,
+        "compile_seconds": ours.compile_seconds,
+        "losses": ours.losses,
+        "peer_skipped": peer_skipped,
+        "peer_tokens_per_sec": None,
+        "ratio": None,
+        "matmuls_per_step": sum(matmuls.counts.values()),
+        "matmul_flops_per_step": matmuls.flops,
         "matmul_while_loops": matmuls.while_loops,
         "window_matmul_seconds": [xla for xla, _ in matmul_seconds],
         "matmul_seconds": statistics.median(xla for xla, _ in matmul_seconds),
-    }  # fmt: skip
+    }
     if peer is not None:
         peer_window_seconds, peer_seconds, peer_faults, peer_system = medians("peer")
         summary |= {
-            "torch": libraries[0].__version__, "transformers": libraries[1].__version__,
+            "torch": libraries[0].__version__,
+            "transformers": libraries[1].__version__,
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-            "peer_parameters": peer.parameters, "peer_step_seconds": peer_seconds,
+            "peer_parameters": peer.parameters,
+            "peer_step_seconds": peer_seconds,
             "peer_window_step_seconds": peer_window_seconds,
             "peer_page_faults_per_step": peer_faults,
             "peer_system_cpu_seconds_per_step": peer_system,
             "peer_tokens_per_sec": tokens_per_step / peer_seconds,
             "peer_mfu": flops_per_token * tokens_per_step / peer_seconds / peak,
-            "peer_losses": peer.losses, "ratio": peer_seconds / seconds,
+            "peer_losses": peer.losses,
+            "ratio": peer_seconds / seconds,
             "window_torch_matmul_seconds": [torch for _, torch in matmul_seconds],
             "torch_matmul_seconds": statistics.median(torch for _, torch in matmul_seconds),
-        }  # fmt: skip
+        }
     if args.train_py:
         # Paired windows: each of train.py's is compared with the step's windows right before
         # and after it, so that the shared machine's changes of speed, which last minutes, hit
@@ -417,36 +479,47 @@ def run(args) -> dict:
                 logged.append(train_py_tokens_per_sec(args, text, run_dir))
                 between.append(measured(ours.run, args.steps)[0] / args.steps)
                 shares.append(logged[-1] * (between[-2] + between[-1]) / 2 / tokens_per_step)
-                print(f"train.py window {window + 1}/{args.windows} done", file=sys.stderr,
-                      flush=True)  # fmt: skip
-        summary |= {"train_py_window_tokens_per_sec": logged,
-                    "train_py_tokens_per_sec": statistics.median(logged),
-                    "window_step_seconds_between_train_py": between,
-                    "train_py_window_shares": shares,
-                    "train_py_share": statistics.median(shares)}  # fmt: skip
+                print(
+                    f"train.py window {window + 1}/{args.windows} done", file=sys.stderr, flush=True
+                )
+        summary |= {
+            "train_py_window_tokens_per_sec": logged,
+            "train_py_tokens_per_sec": statistics.median(logged),
+            "window_step_seconds_between_train_py": between,
+            "train_py_window_shares": shares,
+            "train_py_share": statistics.median(shares),
+        }
     return summary
 
 
 def table(summary: dict) -> list[str]:
-    lines = ["| | tokens/s | ms/step | MFU | compile s | page faults/step | kernel CPU s/step |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
-    lines.append(f"| flaxformer_lite (JAX) | {summary['tokens_per_sec']:.0f} | "
-                 f"{1e3 * summary['step_seconds']:.1f} | {100 * summary['mfu']:.1f}% | "
-                 f"{summary['compile_seconds']:.1f} | {summary['page_faults_per_step']:.0f} | "
-                 f"{summary['system_cpu_seconds_per_step']:.3f} |")  # fmt: skip
+    lines = [
+        "| | tokens/s | ms/step | MFU | compile s | page faults/step | kernel CPU s/step |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lines.append(
+        f"| flaxformer_lite (JAX) | {summary['tokens_per_sec']:.0f} | "
+        f"{1e3 * summary['step_seconds']:.1f} | {100 * summary['mfu']:.1f}% | "
+        f"{summary['compile_seconds']:.1f} | {summary['page_faults_per_step']:.0f} | "
+        f"{summary['system_cpu_seconds_per_step']:.3f} |"
+    )
     if summary["peer_skipped"] is None:
-        lines.append(f"| Hugging Face GPT2LMHeadModel (PyTorch eager) | "
-                     f"{summary['peer_tokens_per_sec']:.0f} | "
-                     f"{1e3 * summary['peer_step_seconds']:.1f} | "
-                     f"{100 * summary['peer_mfu']:.1f}% | - | "
-                     f"{summary['peer_page_faults_per_step']:.0f} | "
-                     f"{summary['peer_system_cpu_seconds_per_step']:.3f} |")  # fmt: skip
+        lines.append(
+            f"| Hugging Face GPT2LMHeadModel (PyTorch eager) | "
+            f"{summary['peer_tokens_per_sec']:.0f} | "
+            f"{1e3 * summary['peer_step_seconds']:.1f} | "
+            f"{100 * summary['peer_mfu']:.1f}% | - | "
+            f"{summary['peer_page_faults_per_step']:.0f} | "
+            f"{summary['peer_system_cpu_seconds_per_step']:.3f} |"
+        )
     if "train_py_tokens_per_sec" in summary:
         tokens_per_sec = summary["train_py_tokens_per_sec"]
         seconds = summary["batch_size"] * summary["seq_len"] / tokens_per_sec
         mfu = summary["flops_per_token"] * tokens_per_sec / summary["matmul_peak_flops"]
-        lines.append(f"| train.py's logged steady state (JAX) | {tokens_per_sec:.0f} | "
-                     f"{1e3 * seconds:.1f} | {100 * mfu:.1f}% | - | - | - |")  # fmt: skip
+        lines.append(
+            f"| train.py's logged steady state (JAX) | {tokens_per_sec:.0f} | "
+            f"{1e3 * seconds:.1f} | {100 * mfu:.1f}% | - | - | - |"
+        )
     # The step as if it were only its matmuls, each at its best time alone.
     rows = [("our step's matmuls alone, XLA", "matmul_seconds")]
     if summary["peer_skipped"] is None:
@@ -454,8 +527,10 @@ def table(summary: dict) -> list[str]:
     for name, key in rows:
         tokens_per_sec = summary["batch_size"] * summary["seq_len"] / summary[key]
         mfu = summary["flops_per_token"] * tokens_per_sec / summary["matmul_peak_flops"]
-        lines.append(f"| {name} | {tokens_per_sec:.0f} | {1e3 * summary[key]:.1f} | "
-                     f"{100 * mfu:.1f}% | - | - | - |")  # fmt: skip
+        lines.append(
+            f"| {name} | {tokens_per_sec:.0f} | {1e3 * summary[key]:.1f} | "
+            f"{100 * mfu:.1f}% | - | - | - |"
+        )
     return lines
 
 
@@ -463,19 +538,23 @@ def matmul_line(summary: dict) -> str:
     """What our step's matmuls take alone, against both steps and the target's step time."""
     flops, seconds = summary["matmul_flops_per_step"], summary["matmul_seconds"]
     loops = summary["matmul_while_loops"]
-    line = (f"our step's {summary['matmuls_per_step']} matmuls ({flops / 1e9:.1f} GFLOP"
-            f"{f', {loops} while loops counted once' if loops else ''}), each at its best time "
-            f"alone: XLA {1e3 * seconds:.1f} ms ({flops / seconds / 1e9:.0f} GFLOP/s) = "
-            f"{seconds / summary['step_seconds']:.2f}x our step")  # fmt: skip
+    line = (
+        f"our step's {summary['matmuls_per_step']} matmuls ({flops / 1e9:.1f} GFLOP"
+        f"{f', {loops} while loops counted once' if loops else ''}), each at its best time "
+        f"alone: XLA {1e3 * seconds:.1f} ms ({flops / seconds / 1e9:.0f} GFLOP/s) = "
+        f"{seconds / summary['step_seconds']:.2f}x our step"
+    )
     if summary["peer_skipped"] is not None:
         return line
     torch_seconds = summary["torch_matmul_seconds"]
     target_seconds = summary["peer_step_seconds"] / RATIO_TARGET
-    return (f"{line}; PyTorch {1e3 * torch_seconds:.1f} ms ({flops / torch_seconds / 1e9:.0f} "
-            f"GFLOP/s) = {torch_seconds / summary['peer_step_seconds']:.2f}x Hugging Face's "
-            f"step; {RATIO_TARGET:g}x Hugging Face's tokens/s is a step of "
-            f"{1e3 * target_seconds:.1f} ms = {target_seconds / seconds:.2f}x XLA's "
-            "matmuls")  # fmt: skip
+    return (
+        f"{line}; PyTorch {1e3 * torch_seconds:.1f} ms ({flops / torch_seconds / 1e9:.0f} "
+        f"GFLOP/s) = {torch_seconds / summary['peer_step_seconds']:.2f}x Hugging Face's "
+        f"step; {RATIO_TARGET:g}x Hugging Face's tokens/s is a step of "
+        f"{1e3 * target_seconds:.1f} ms = {target_seconds / seconds:.2f}x XLA's "
+        "matmuls"
+    )
 
 
 def checks(summary: dict, default_size: bool) -> list[str]:
@@ -483,17 +562,23 @@ def checks(summary: dict, default_size: bool) -> list[str]:
     if "train_py_tokens_per_sec" in summary:
         share = summary["train_py_share"]
         ok = abs(share - 1) <= TRAIN_PY_TOLERANCE
-        lines.append(f"{'PASS' if ok else 'FAIL'}: train.py's logged tokens/s = {100 * share:.1f}%"
-                     f" of the step's (median over windows, each against the step timed right "
-                     f"before and after it), within {100 * TRAIN_PY_TOLERANCE:.0f}%")  # fmt: skip
+        lines.append(
+            f"{'PASS' if ok else 'FAIL'}: train.py's logged tokens/s = {100 * share:.1f}%"
+            f" of the step's (median over windows, each against the step timed right "
+            f"before and after it), within {100 * TRAIN_PY_TOLERANCE:.0f}%"
+        )
     if not default_size:
         return lines
-    lines += [f"{'PASS' if summary['mfu'] >= MFU_TARGET else 'FAIL'}: MFU = "
-             f"{100 * summary['mfu']:.1f}% >= {100 * MFU_TARGET:.0f}%"]  # fmt: skip
+    lines += [
+        f"{'PASS' if summary['mfu'] >= MFU_TARGET else 'FAIL'}: MFU = "
+        f"{100 * summary['mfu']:.1f}% >= {100 * MFU_TARGET:.0f}%"
+    ]
     if summary["ratio"] is not None:
         ok = summary["ratio"] >= RATIO_TARGET
-        lines.append(f"{'PASS' if ok else 'FAIL'}: tokens/s / Hugging Face = "
-                     f"{summary['ratio']:.2f}x >= {RATIO_TARGET:g}x")  # fmt: skip
+        lines.append(
+            f"{'PASS' if ok else 'FAIL'}: tokens/s / Hugging Face = "
+            f"{summary['ratio']:.2f}x >= {RATIO_TARGET:g}x"
+        )
     return lines
 
 
@@ -511,8 +596,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--windows", type=int, default=7, help="timed windows (median reported)")
     parser.add_argument("--no-hf", action="store_true", help="skip Hugging Face transformers")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--train-py", action="store_true",
-                        help="also time train.py's loop on the same config")  # fmt: skip
+    parser.add_argument(
+        "--train-py", action="store_true", help="also time train.py's loop on the same config"
+    )
     args = parser.parse_args(argv)
     if min(args.steps, args.windows) < 1:
         parser.error("--steps and --windows must be positive")
@@ -520,15 +606,23 @@ def main(argv=None) -> dict:
     summary = run(args)
     default_size = all(getattr(args, k) == v for k, v in DEFAULT_SIZE.items()) and not args.d_ff
     model = summary["model"]
-    print(f"jax {summary['jax']}, backend {summary['backend']}, {summary['cpu_count']} CPUs"
-          + (f"; torch {summary['torch']} (OMP_WAIT_POLICY={summary['omp_wait_policy']}), "
-             f"transformers {summary['transformers']}" if "torch" in summary else ""))  # fmt: skip
-    print(f"GPT-2-style: {model['num_decoder_layers']} layers, d_model {model['d_model']}, "
-          f"{model['num_heads']} heads, d_ff {model['d_ff']}, vocab {model['vocab_size']} "
-          f"({summary['parameters']:,} parameters), T {summary['seq_len']}, batch "
-          f"{summary['batch_size']}, float32; matmul peak "
-          f"{summary['matmul_peak_flops'] / 1e9:.0f} GFLOP/s; median of {summary['windows']} "
-          f"windows of {summary['steps_per_window']} steps")  # fmt: skip
+    print(
+        f"jax {summary['jax']}, backend {summary['backend']}, {summary['cpu_count']} CPUs"
+        + (
+            f"; torch {summary['torch']} (OMP_WAIT_POLICY={summary['omp_wait_policy']}), "
+            f"transformers {summary['transformers']}"
+            if "torch" in summary
+            else ""
+        )
+    )
+    print(
+        f"GPT-2-style: {model['num_decoder_layers']} layers, d_model {model['d_model']}, "
+        f"{model['num_heads']} heads, d_ff {model['d_ff']}, vocab {model['vocab_size']} "
+        f"({summary['parameters']:,} parameters), T {summary['seq_len']}, batch "
+        f"{summary['batch_size']}, float32; matmul peak "
+        f"{summary['matmul_peak_flops'] / 1e9:.0f} GFLOP/s; median of {summary['windows']} "
+        f"windows of {summary['steps_per_window']} steps"
+    )
     if summary["peer_skipped"] is not None:
         print(f"Hugging Face skipped: {summary['peer_skipped']}")
     print()

@@ -245,8 +245,14 @@ def plot_attention_maps(
         if head >= num_heads:
             ax.set_axis_off()
             continue
-        image = ax.imshow(weights[head], cmap="viridis", vmin=0.0, vmax=vmax, aspect="auto",
-                          interpolation="nearest")  # fmt: skip
+        image = ax.imshow(
+            weights[head],
+            cmap="viridis",
+            vmin=0.0,
+            vmax=vmax,
+            aspect="auto",
+            interpolation="nearest",
+        )
         ax.set_title(f"head {head}", fontsize=fontsize + 2)
         ax.set_xticks(range(k_len), list(col_tokens), fontsize=fontsize)
         for label in ax.get_xticklabels():  # characters read best upright; longer tokens overlap
@@ -264,9 +270,14 @@ def plot_attention_maps(
 
 
 def write_text_attention_maps(
-    model, tokenizer, text: str, out_dir: pathlib.Path | str, *, target: str | None = None,
+    model,
+    tokenizer,
+    text: str,
+    out_dir: pathlib.Path | str,
+    *,
+    target: str | None = None,
     note: str = "",
-) -> list[pathlib.Path]:  # fmt: skip
+) -> list[pathlib.Path]:
     """Plots the attention of ``model`` on ``text`` into ``out_dir``, one PNG per layer.
 
     Files: ``decoder_layer<i>.png`` (``DecoderLM``), ``encoder_layer<i>.png`` (``Encoder`` and

@@ -52,9 +52,10 @@ _NO_OPTIMIZATIONS = "jax_disable_most_optimizations"
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "fast_compile: compile the module's programs with XLA's backend optimizations "
-        "off (see tests/conftest.py)"
-    )  # fmt: skip
+        "markers",
+        "fast_compile: compile the module's programs with XLA's backend optimizations "
+        "off (see tests/conftest.py)",
+    )
 
 
 def pytest_unconfigure(config):

@@ -42,9 +42,11 @@ def bpe_tokenizer(vocab_size=300):
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
+        vocab_size=vocab_size,
+        special_tokens=[EOT],
+        show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )  # fmt: skip
+    )
     tok.train_from_iterator(CORPUS, trainer=trainer)
     return tok
 
@@ -57,9 +59,14 @@ def gpt2_dir(transformers, torch, path, *, n_positions=64):
         tokenizer_object=tok, bos_token=EOT, eos_token=EOT, unk_token=EOT
     ).save_pretrained(path)
     config = transformers.GPT2Config(
-        vocab_size=tok.get_vocab_size(), n_positions=n_positions, n_embd=32, n_layer=2, n_head=2,
-        bos_token_id=eot, eos_token_id=eot,
-    )  # fmt: skip
+        vocab_size=tok.get_vocab_size(),
+        n_positions=n_positions,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=eot,
+        eos_token_id=eot,
+    )
     torch.manual_seed(0)
     model = randomize(torch, transformers.GPT2LMHeadModel(config))
     model.save_pretrained(path)
@@ -87,10 +94,16 @@ def llama_dir(transformers, torch, path):
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     ).save_pretrained(path)
     config = transformers.LlamaConfig(
-        vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(0)
     model = randomize(torch, transformers.LlamaForCausalLM(config))
     model.save_pretrained(path)
@@ -103,9 +116,12 @@ def marian_dir(transformers, torch, sentencepiece, path):
     0, ``<unk>`` 1, the pieces, ``<pad>`` last) in ``path``; returns the HF model."""
     buffer = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(CORPUS), model_writer=buffer, vocab_size=60,
-        hard_vocab_limit=False, minloglevel=2,
-    )  # fmt: skip
+        sentence_iterator=iter(CORPUS),
+        model_writer=buffer,
+        vocab_size=60,
+        hard_vocab_limit=False,
+        minloglevel=2,
+    )
     spm_path = path / "spm.model"
     spm_path.write_bytes(buffer.getvalue())
     sp = sentencepiece.SentencePieceProcessor(model_proto=buffer.getvalue())
@@ -120,11 +136,20 @@ def marian_dir(transformers, torch, sentencepiece, path):
     vocab_path.unlink()
     pad = len(vocab) - 1
     config = transformers.MarianConfig(
-        vocab_size=len(vocab), d_model=32, encoder_layers=2, decoder_layers=2,
-        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
-        decoder_ffn_dim=64, max_position_embeddings=64, pad_token_id=pad,
-        decoder_start_token_id=pad, eos_token_id=0, forced_eos_token_id=None,
-    )  # fmt: skip
+        vocab_size=len(vocab),
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=64,
+        pad_token_id=pad,
+        decoder_start_token_id=pad,
+        eos_token_id=0,
+        forced_eos_token_id=None,
+    )
     torch.manual_seed(0)
     model = randomize(torch, transformers.MarianMTModel(config))
     model.save_pretrained(path)

@@ -18,7 +18,9 @@ def subprocess_env(devices: int, **extra: str) -> dict[str, str]:
     environ = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV}
     environ |= {
         "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-        "JAX_DISABLE_MOST_OPTIMIZATIONS": "1", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-        "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
-    }  # fmt: skip
+        "JAX_DISABLE_MOST_OPTIMIZATIONS": "1",
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONUNBUFFERED": "1",
+    }
     return environ | extra

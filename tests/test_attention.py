@@ -441,9 +441,13 @@ def test_query_blocks_match_naive_formula(monkeypatch, case, max_blocks):
 def test_query_blocks_keep_gradients_and_dropout(monkeypatch):
     q, k, v, inputs, flags = build_case(CASES["causal_window"] | dict(tq=13, tk=13))
     run = functools.partial(
-        ops.dot_product_attention, **inputs, **flags, dropout_rate=0.2,
-        dropout_rng=jax.random.key(1), implementation="xla",
-    )  # fmt: skip
+        ops.dot_product_attention,
+        **inputs,
+        **flags,
+        dropout_rate=0.2,
+        dropout_rng=jax.random.key(1),
+        implementation="xla",
+    )
 
     def grads():
         return jax.jit(jax.grad(lambda *qkv: jnp.sum(jnp.sin(run(*qkv))), argnums=(0, 1, 2)))(

@@ -68,8 +68,11 @@ def test_shapes_and_rows_summing_to_one(preset):
     if preset == "transformer-tiny":
         assert [len(maps[k]) for k in ("encoder", "decoder", "cross")] == [2, 2, 2]
         shapes = {k: {w.shape for w in ws} for k, ws in maps.items()}
-        assert shapes == {"encoder": {(B, 4, S, S)}, "decoder": {(B, 4, T, T)},
-                          "cross": {(B, 4, T, S)}}  # fmt: skip
+        assert shapes == {
+            "encoder": {(B, 4, S, S)},
+            "decoder": {(B, 4, T, T)},
+            "cross": {(B, 4, T, S)},
+        }
     else:
         assert len(maps) == 2 and {w.shape for w in maps} == {(B, 4, T, T)}
     for w in all_maps(maps):
@@ -142,8 +145,9 @@ def test_weights_are_the_ones_the_model_attends_with(preset, overrides):
 
     model = make(preset, attention_fn=spy, **overrides)
     if isinstance(model, EncoderDecoder):
-        maps = attention_maps(model, tokens((B, S), seed=1), tokens((B, T)),
-                              mask=lengths_mask([S, 4], S))  # fmt: skip
+        maps = attention_maps(
+            model, tokens((B, S), seed=1), tokens((B, T)), mask=lengths_mask([S, 4], S)
+        )
         # The order the layers run in: encoder layers, then per decoder layer self and cross.
         decoder = [w for pair in zip(maps["decoder"], maps["cross"], strict=True) for w in pair]
         ordered = maps["encoder"] + decoder
@@ -151,8 +155,9 @@ def test_weights_are_the_ones_the_model_attends_with(preset, overrides):
         ordered = attention_maps(model, tokens((B, T)), mask=lengths_mask([T, 5], T))
     assert len(calls) == len(ordered) > 0
     for weights, call in zip(ordered, calls, strict=True):
-        expected = naive_weights(call["q"], call["k"], call["bias"], call["mask"],
-                                 call["is_causal"])  # fmt: skip
+        expected = naive_weights(
+            call["q"], call["k"], call["bias"], call["mask"], call["is_causal"]
+        )
         np.testing.assert_allclose(weights, expected, atol=2e-6)
         v = np.repeat(np.asarray(call["v"]), weights.shape[1] // call["v"].shape[2], axis=2)
         out = np.einsum("bhqk,bkhd->bqhd", np.asarray(weights), v)
@@ -184,8 +189,10 @@ def copy_loop_into_scan(loop, scanned):
             nnx.update(getattr(scanned, name).layers.layers, stack_layer_states(per_layer))
             for part in ("relative_bias", "final_norm"):
                 if getattr(getattr(loop, name), part) is not None:
-                    nnx.update(getattr(getattr(scanned, name), part),
-                               nnx.state(getattr(getattr(loop, name), part)))  # fmt: skip
+                    nnx.update(
+                        getattr(getattr(scanned, name), part),
+                        nnx.state(getattr(getattr(loop, name), part)),
+                    )
     for part in ("embed", "src_embed", "tgt_embed", "head"):
         if hasattr(loop, part):
             nnx.update(getattr(scanned, part), nnx.state(getattr(loop, part), nnx.Param))
@@ -249,8 +256,7 @@ def test_text_inputs_follow_the_training_layout():
     ids = tok.encode("ab")
     lm, none = text_inputs(make("gpt2-tiny"), tok, "ab")
     assert lm.tolist() == [[tok.sos_id, *ids]] and none is None
-    assert text_inputs(make("bert-tiny"), tok, "ab")[0].tolist() == [[tok.sos_id, *ids,
-                                                                       tok.eos_id]]  # fmt: skip
+    assert text_inputs(make("bert-tiny"), tok, "ab")[0].tolist() == [[tok.sos_id, *ids, tok.eos_id]]
     src, tgt = text_inputs(make("transformer-tiny"), tok, "ab", "c")
     assert src.tolist() == [[*ids, tok.eos_id]] and tgt.tolist() == [[tok.sos_id, *tok.encode("c")]]
     with pytest.raises(ValueError, match="target text is for encoder-decoder"):
@@ -266,8 +272,9 @@ def test_token_labels_are_readable():
 def test_plot_writes_one_png_per_layer_with_a_grid_of_heads(tmp_path):
     weights = np.asarray(maps_of("llama-tiny")[0][0])  # [H, T, T]
     labels = [f"t{i}" for i in range(T)]
-    path = plot_attention_maps(weights, labels, labels, tmp_path / "sub" / "layer0.png",
-                               title="layer 0")  # fmt: skip
+    path = plot_attention_maps(
+        weights, labels, labels, tmp_path / "sub" / "layer0.png", title="layer 0"
+    )
     assert path.read_bytes()[:8] == PNG_MAGIC
     with pytest.raises(ValueError, match=r"\[heads, queries, keys\]"):
         plot_attention_maps(weights[None], labels, labels, tmp_path / "x.png")
@@ -282,10 +289,18 @@ def test_plot_writes_one_png_per_layer_with_a_grid_of_heads(tmp_path):
 def trained_seq2seq_run(tmp_path_factory):
     """A tiny encoder-decoder run (1 + 1 scanned layers, 2 steps) trained by train.py's loop."""
     path = tmp_path_factory.mktemp("maps") / "run"
-    overrides = [f"run_dir={path}", "model.num_encoder_layers=1", "model.num_decoder_layers=1",
-                 "model.scan_layers=true", "train.steps=2", "train.batch_size=8",
-                 "data.seq_len=32", "optimizer.warmup_steps=1", "train.eval_batches=1",
-                 "data.eval_size=8"]  # fmt: skip
+    overrides = [
+        f"run_dir={path}",
+        "model.num_encoder_layers=1",
+        "model.num_decoder_layers=1",
+        "model.scan_layers=true",
+        "train.steps=2",
+        "train.batch_size=8",
+        "data.seq_len=32",
+        "optimizer.warmup_steps=1",
+        "train.eval_batches=1",
+        "data.eval_size=8",
+    ]
     cfg = load_config(REPO / "configs" / "transformer_tiny.yaml", overrides)
     run(cfg, progress=False, log=lambda _: None)
     return path
@@ -293,8 +308,9 @@ def trained_seq2seq_run(tmp_path_factory):
 
 def untrained_run(run_dir, preset, *overrides):
     """A run directory as train.py lays it out (checkpoint, tokenizer), at initialization."""
-    cfg = load_config(None, [f"run_dir={run_dir}", f"model.preset={preset}",
-                             "model.vocab_size=260", *overrides])  # fmt: skip
+    cfg = load_config(
+        None, [f"run_dir={run_dir}", f"model.preset={preset}", "model.vocab_size=260", *overrides]
+    )
     tx, _ = make_optimizer(cfg.optimizer, total_steps=cfg.train.steps, d_model=cfg.model.d_model)
     state = nnx.split(make_train_state(cfg, tx))[1]
     with Checkpointer(run_dir / "checkpoints", keep=1) as checkpointer:
@@ -311,8 +327,15 @@ def written(capsys):
 
 def test_cli_plots_a_trained_encoder_decoder(trained_seq2seq_run, tmp_path, capsys):
     out = tmp_path / "maps"
-    argv = ["attention", "--run_dir", str(trained_seq2seq_run), "--text", "forty-two",
-            "--out", str(out)]  # fmt: skip
+    argv = [
+        "attention",
+        "--run_dir",
+        str(trained_seq2seq_run),
+        "--text",
+        "forty-two",
+        "--out",
+        str(out),
+    ]
     assert main([*argv, "--target", "42"]) == 0
     names = ["cross_layer0.png", "decoder_layer0.png", "encoder_layer0.png"]
     assert written(capsys) == names

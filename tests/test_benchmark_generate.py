@@ -15,8 +15,17 @@ TINY = ["--layers", "2", "--d-model", "32", "--heads", "4", "--vocab", "64", "--
 @pytest.mark.slow
 def test_generate_benchmark_at_a_tiny_size(capsys):
     benchmark = load_benchmark("generate")
-    argv = [*TINY, "--prompt-length", "6", "--new-tokens", "10", "--batch-sizes", "3",
-            "--repeats", "2"]  # fmt: skip
+    argv = [
+        *TINY,
+        "--prompt-length",
+        "6",
+        "--new-tokens",
+        "10",
+        "--batch-sizes",
+        "3",
+        "--repeats",
+        "2",
+    ]
     if not hf_available():
         argv.append("--no-hf")
     summary = benchmark.main(argv)
@@ -61,8 +70,9 @@ def test_no_cache_path_equals_generate():
     from flaxformer_lite.decode import generate
 
     benchmark = load_benchmark("generate")
-    args = benchmark.argparse.Namespace(layers=2, d_model=32, heads=4, d_ff=0, vocab=64,
-                                        max_length=32)  # fmt: skip
+    args = benchmark.argparse.Namespace(
+        layers=2, d_model=32, heads=4, d_ff=0, vocab=64, max_length=32
+    )
     model = benchmark.build_model(benchmark.model_config(args), rngs=nnx.Rngs(1))
     model.eval()
     nnx.update(model, jax.tree.map(lambda x: x * 3, nnx.state(model, nnx.Param)))

@@ -14,8 +14,24 @@ from benchmark_scripts import hf_available, load_benchmark
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 
 # Batch 8: train.py's loop (--train-py) splits it over conftest.py's 8 simulated devices.
-TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--seq", "16", "--batch", "8",
-        "--vocab", "64", "--steps", "3", "--windows", "2"]  # fmt: skip
+TINY = [
+    "--layers",
+    "1",
+    "--d-model",
+    "32",
+    "--heads",
+    "2",
+    "--seq",
+    "16",
+    "--batch",
+    "8",
+    "--vocab",
+    "64",
+    "--steps",
+    "3",
+    "--windows",
+    "2",
+]
 
 
 @pytest.mark.slow
@@ -42,8 +58,9 @@ def test_train_step_benchmark_at_a_tiny_size(capsys):
     assert summary["page_faults_per_step"] >= 0 and summary["system_cpu_seconds_per_step"] >= 0
     table = [line for line in out if line.startswith("|")]
     assert table[2].startswith("| flaxformer_lite (JAX) | " + f"{summary['tokens_per_sec']:.0f}")
-    assert table[2].endswith(f"| {summary['page_faults_per_step']:.0f} | "
-                             f"{summary['system_cpu_seconds_per_step']:.3f} |")  # fmt: skip
+    assert table[2].endswith(
+        f"| {summary['page_faults_per_step']:.0f} | {summary['system_cpu_seconds_per_step']:.3f} |"
+    )
     # Two runs of train.py's loop, each paired with the step's windows right before and after it
     # (the last main window, then one after each run).
     logged = summary["train_py_window_tokens_per_sec"]
@@ -83,8 +100,17 @@ def test_train_step_benchmark_at_a_tiny_size(capsys):
 
 def test_the_timed_config_is_the_requested_gpt2():
     benchmark = load_benchmark("train_step")
-    args = benchmark.argparse.Namespace(layers=12, d_model=768, heads=12, d_ff=0, seq=128,
-                                        batch=4, vocab=50304, scan_layers=True, seed=0)  # fmt: skip
+    args = benchmark.argparse.Namespace(
+        layers=12,
+        d_model=768,
+        heads=12,
+        d_ff=0,
+        seq=128,
+        batch=4,
+        vocab=50304,
+        scan_layers=True,
+        seed=0,
+    )
     cfg = benchmark.train_config(args)
     m = cfg.model
     assert (m.num_decoder_layers, m.d_model, m.num_heads, m.d_ff) == (12, 768, 12, 3072)
@@ -109,8 +135,9 @@ def test_the_matmuls_counted_are_the_steps_own():
     """The tiny GPT's step: 7 products forward (QKV, logits, weights x values, output
     projection, MLP in and out, the tied vocabulary projection), each with 2 in the backward."""
     benchmark = load_benchmark("train_step")
-    args = benchmark.argparse.Namespace(layers=1, d_model=32, heads=2, d_ff=0, seq=16, batch=8,
-                                        vocab=64, scan_layers=False, seed=0)  # fmt: skip
+    args = benchmark.argparse.Namespace(
+        layers=1, d_model=32, heads=2, d_ff=0, seq=16, batch=8, vocab=64, scan_layers=False, seed=0
+    )
     cfg = benchmark.train_config(args)
     ours = benchmark.OurStep(cfg, benchmark.random_batch(cfg, 0))
     matmuls = benchmark.StepMatmuls(ours.jaxpr)
@@ -144,9 +171,16 @@ def test_step_matmuls_counts_scan_bodies_the_cheaper_branch_and_loops_once():
 
 def test_matmul_line_sets_the_matmuls_against_both_steps_and_the_target():
     benchmark = load_benchmark("train_step")
-    summary = {"matmuls_per_step": 99, "matmul_flops_per_step": 80e9, "matmul_while_loops": 0,
-               "matmul_seconds": 0.8, "step_seconds": 1.0, "peer_skipped": None,
-               "torch_matmul_seconds": 0.5, "peer_step_seconds": 1.25}  # fmt: skip
+    summary = {
+        "matmuls_per_step": 99,
+        "matmul_flops_per_step": 80e9,
+        "matmul_while_loops": 0,
+        "matmul_seconds": 0.8,
+        "step_seconds": 1.0,
+        "peer_skipped": None,
+        "torch_matmul_seconds": 0.5,
+        "peer_step_seconds": 1.25,
+    }
     assert benchmark.matmul_line(summary) == (
         "our step's 99 matmuls (80.0 GFLOP), each at its best time alone: XLA 800.0 ms "
         "(100 GFLOP/s) = 0.80x our step; PyTorch 500.0 ms (160 GFLOP/s) = 0.40x Hugging "
@@ -161,11 +195,13 @@ def test_matmul_line_sets_the_matmuls_against_both_steps_and_the_target():
 
 @pytest.mark.parametrize(
     "lhs, rhs, dims",
-    [((4, 5), (5, 6), (((1,), (0,)), ((), ()))),
-     ((5, 4), (5, 6), (((0,), (0,)), ((), ()))),
-     ((2, 3, 4, 5), (2, 4, 6, 5), (((3,), (3,)), ((0, 2), (0, 1)))),
-     ((2, 7, 4), (7, 2, 4, 3), (((1, 2), (0, 2)), ((0,), (1,))))],
-)  # fmt: skip
+    [
+        ((4, 5), (5, 6), (((1,), (0,)), ((), ()))),
+        ((5, 4), (5, 6), (((0,), (0,)), ((), ()))),
+        ((2, 3, 4, 5), (2, 4, 6, 5), (((3,), (3,)), ((0, 2), (0, 1)))),
+        ((2, 7, 4), (7, 2, 4, 3), (((1, 2), (0, 2)), ((0,), (1,)))),
+    ],
+)
 def test_einsum_spec_computes_the_dot_general(lhs, rhs, dims):
     benchmark = load_benchmark("train_step")
     rng = np.random.default_rng(0)

@@ -61,8 +61,9 @@ def assert_trees_equal(actual, expected):
 def save_steps(ckpt, steps, losses=None):
     for i, step in enumerate(steps):
         metrics = None if losses is None else {"eval_loss": losses[i]}
-        assert ckpt.save(step, make_state(step), data_state={"pos": step}, config=CONFIG,
-                         metrics=metrics)  # fmt: skip
+        assert ckpt.save(
+            step, make_state(step), data_state={"pos": step}, config=CONFIG, metrics=metrics
+        )
     ckpt.wait()
 
 
@@ -271,8 +272,11 @@ def test_kill_9_during_async_save_keeps_last_finished_checkpoint(tmp_path):
     log = open(tmp_path / "child.log", "w")  # noqa: SIM115
     child = subprocess.Popen(
         [sys.executable, "-c", KILLED_RUN, str(tmp_path / "ckpt")],
-        stdout=subprocess.PIPE, stderr=log, text=True, env=env,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        env=env,
+    )
     watchdog = threading.Timer(120, child.kill)
     watchdog.start()
     try:

@@ -26,8 +26,16 @@ from flaxformer_lite.models import ModelConfig, build_model
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 
 VOCAB = 64
-SMALL = dict(d_model=32, num_heads=4, d_ff=64, vocab_size=VOCAB, max_length=32,
-             embedding_dropout=0.0, attention_dropout=0.0, residual_dropout=0.0)  # fmt: skip
+SMALL = dict(
+    d_model=32,
+    num_heads=4,
+    d_ff=64,
+    vocab_size=VOCAB,
+    max_length=32,
+    embedding_dropout=0.0,
+    attention_dropout=0.0,
+    residual_dropout=0.0,
+)
 PROMPTS = np.random.default_rng(0).integers(3, VOCAB, (3, 6)).astype(np.int32)
 PROMPT_LENGTHS = np.array([6, 2, 4])
 NEW = 7
@@ -88,8 +96,9 @@ LM_CONFIGS = {
 def lm_case(request):
     preset, overrides = LM_CONFIGS[request.param]
     model = make(preset, **overrides)
-    references = [greedy_reference(model, PROMPTS[b, :n], NEW)
-                  for b, n in enumerate(PROMPT_LENGTHS)]  # fmt: skip
+    references = [
+        greedy_reference(model, PROMPTS[b, :n], NEW) for b, n in enumerate(PROMPT_LENGTHS)
+    ]
     return model, references
 
 
@@ -105,8 +114,7 @@ def test_cached_greedy_equals_full_forward_argmax(lm_case):
 def test_eos_stops_rows_independently(lm_case):
     model, references = lm_case
     eos_id = int(references[0][PROMPT_LENGTHS[0] + 2])  # row 0 stops after 3 new tokens
-    out = generate(model, PROMPTS, max_new_tokens=NEW, prompt_lengths=PROMPT_LENGTHS,
-                   eos_id=eos_id)  # fmt: skip
+    out = generate(model, PROMPTS, max_new_tokens=NEW, prompt_lengths=PROMPT_LENGTHS, eos_id=eos_id)
     expected = expected_rows(references, PROMPT_LENGTHS, PROMPTS.shape[1] + NEW, eos_id)
     np.testing.assert_array_equal(np.asarray(out), expected)
     assert (np.asarray(out)[0, PROMPT_LENGTHS[0] + 3 :] == 0).all()
@@ -133,8 +141,15 @@ def test_top_k_1_and_tiny_top_p_equal_greedy():
     model = make("gpt2-tiny")
     greedy = generate(model, PROMPTS, max_new_tokens=NEW, prompt_lengths=PROMPT_LENGTHS)
     for sampling in (dict(top_k=1), dict(top_p=1e-6)):
-        sampled = generate(model, PROMPTS, max_new_tokens=NEW, prompt_lengths=PROMPT_LENGTHS,
-                           temperature=1.5, rng=jax.random.key(3), **sampling)  # fmt: skip
+        sampled = generate(
+            model,
+            PROMPTS,
+            max_new_tokens=NEW,
+            prompt_lengths=PROMPT_LENGTHS,
+            temperature=1.5,
+            rng=jax.random.key(3),
+            **sampling,
+        )
         np.testing.assert_array_equal(np.asarray(sampled), np.asarray(greedy))
 
 
@@ -142,8 +157,9 @@ def test_sampling_is_reproducible_and_depends_on_the_key():
     model = make("gpt2-tiny")
 
     def run(seed):
-        return np.asarray(generate(model, PROMPTS, max_new_tokens=NEW, temperature=2.0,
-                                   rng=jax.random.key(seed)))  # fmt: skip
+        return np.asarray(
+            generate(model, PROMPTS, max_new_tokens=NEW, temperature=2.0, rng=jax.random.key(seed))
+        )
 
     np.testing.assert_array_equal(run(0), run(0))
     assert (run(0) != run(1)).any()
@@ -236,24 +252,29 @@ def seq2seq_case(request):
     # Pre-LN: the post-LN tiny model's greedy output repeats one token (a weak check); the
     # decode path is the same for both (tests/test_models.py covers post-LN decoding).
     model = make("transformer-tiny", norm_position="pre", scan_layers=request.param == "scan")
-    references = [seq2seq_reference(model, SOURCES[b, :n], NEW)
-                  for b, n in enumerate(SOURCE_LENGTHS)]  # fmt: skip
+    references = [
+        seq2seq_reference(model, SOURCES[b, :n], NEW) for b, n in enumerate(SOURCE_LENGTHS)
+    ]
     return model, np.stack(references)
 
 
 def test_seq2seq_greedy_equals_full_forward_argmax(seq2seq_case):
     model, references = seq2seq_case
     assert len(set(references.ravel().tolist())) >= 4, "degenerate reference"
-    out = seq2seq_generate(model, SOURCES, max_new_tokens=NEW, src_lengths=SOURCE_LENGTHS,
-                           eos_id=None)  # fmt: skip
+    out = seq2seq_generate(
+        model, SOURCES, max_new_tokens=NEW, src_lengths=SOURCE_LENGTHS, eos_id=None
+    )
     np.testing.assert_array_equal(np.asarray(out), references)
 
 
 def test_seq2seq_eos_and_sampling(seq2seq_case):
     model, references = seq2seq_case
     eos_id = int(references[1, 1])
-    out = np.asarray(seq2seq_generate(model, SOURCES, max_new_tokens=NEW,
-                                      src_lengths=SOURCE_LENGTHS, eos_id=eos_id))  # fmt: skip
+    out = np.asarray(
+        seq2seq_generate(
+            model, SOURCES, max_new_tokens=NEW, src_lengths=SOURCE_LENGTHS, eos_id=eos_id
+        )
+    )
     for row, reference in zip(out, references, strict=True):
         new = list(reference)
         if eos_id in new:
@@ -274,8 +295,15 @@ def test_seq2seq_eos_and_sampling(seq2seq_case):
 
 def test_beam_size_1_equals_greedy(seq2seq_case):
     model, references = seq2seq_case
-    tokens, scores = beam_search(model, SOURCES, max_new_tokens=NEW, src_lengths=SOURCE_LENGTHS,
-                                 beam_size=1, alpha=0.0, eos_id=None)  # fmt: skip
+    tokens, scores = beam_search(
+        model,
+        SOURCES,
+        max_new_tokens=NEW,
+        src_lengths=SOURCE_LENGTHS,
+        beam_size=1,
+        alpha=0.0,
+        eos_id=None,
+    )
     assert tokens.shape == (3, 1, NEW) and scores.shape == (3, 1)
     np.testing.assert_array_equal(np.asarray(tokens)[:, 0], references)
 
@@ -284,8 +312,15 @@ def test_beams_are_sorted_and_scored_by_their_length_normalized_log_prob(seq2seq
     model, references = seq2seq_case
     eos_id = int(references[0, 2])
     alpha = 0.6
-    tokens, scores = beam_search(model, SOURCES, max_new_tokens=NEW, src_lengths=SOURCE_LENGTHS,
-                                 beam_size=4, alpha=alpha, eos_id=eos_id)  # fmt: skip
+    tokens, scores = beam_search(
+        model,
+        SOURCES,
+        max_new_tokens=NEW,
+        src_lengths=SOURCE_LENGTHS,
+        beam_size=4,
+        alpha=alpha,
+        eos_id=eos_id,
+    )
     tokens, scores = np.asarray(tokens), np.asarray(scores)
     assert tokens.shape == (3, 4, NEW)
     assert (np.diff(scores, axis=1) <= 1e-6).all(), scores

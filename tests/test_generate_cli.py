@@ -23,9 +23,17 @@ from flaxformer_lite.train.restore import load_run
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-QUICK = ["train.batch_size=8", "optimizer.warmup_steps=0", "optimizer.schedule=constant",
-         "train.log_every=10", "train.eval_every=20", "train.eval_batches=2",
-         "data.eval_size=16", "train.decode_examples=6", "train.log_samples=2"]  # fmt: skip
+QUICK = [
+    "train.batch_size=8",
+    "optimizer.warmup_steps=0",
+    "optimizer.schedule=constant",
+    "train.log_every=10",
+    "train.eval_every=20",
+    "train.eval_batches=2",
+    "data.eval_size=16",
+    "train.decode_examples=6",
+    "train.log_samples=2",
+]
 
 
 def metrics(run_dir):
@@ -37,8 +45,10 @@ def metrics(run_dir):
 def lm_run(tmp_path_factory):
     """The embedded default (arithmetic, gpt2-tiny), 40 steps."""
     run_dir = tmp_path_factory.mktemp("lm") / "run"
-    cfg = load_config(None, [f"run_dir={run_dir}", "data.seq_len=32", "train.steps=40",
-                             "optimizer.lr=0.003", *QUICK])  # fmt: skip
+    cfg = load_config(
+        None,
+        [f"run_dir={run_dir}", "data.seq_len=32", "train.steps=40", "optimizer.lr=0.003", *QUICK],
+    )
     logs = []
     run(cfg, progress=False, log=logs.append)
     return run_dir, logs
@@ -52,10 +62,17 @@ def translation_run(tmp_path_factory):
     task = synthetic.make_task("number_words", split="train", seed=0, size=300)
     lines = [f"{task[i]['source']}\t{task[i]['target']}" for i in range(len(task))]
     (root / "pairs.tsv").write_text("\n".join(lines) + "\n")
-    cfg = load_config(REPO / "configs" / "transformer_tiny.yaml", [
-        f"run_dir={root / 'run'}", "data.source=parallel", f"data.path={root / 'pairs.tsv'}",
-        "data.seq_len=40", "train.steps=40", *QUICK,
-    ])  # fmt: skip
+    cfg = load_config(
+        REPO / "configs" / "transformer_tiny.yaml",
+        [
+            f"run_dir={root / 'run'}",
+            "data.source=parallel",
+            f"data.path={root / 'pairs.tsv'}",
+            "data.seq_len=40",
+            "train.steps=40",
+            *QUICK,
+        ],
+    )
     logs = []
     run(cfg, progress=False, log=logs.append)
     return root / "run", logs
@@ -80,16 +97,18 @@ def test_decode_eval_scores_agree_with_its_samples(lm_run):
     loaded = load_run(run_dir)
     examples = synthetic.make_task("arithmetic", split="validation", seed=0, size=16)
     max_length = loaded.model.config.max_length
-    values, samples = decode_eval(loaded.model, loaded.tokenizer, examples, task="lm",
-                                  num_examples=10, max_length=max_length)  # fmt: skip
+    values, samples = decode_eval(
+        loaded.model, loaded.tokenizer, examples, task="lm", num_examples=10, max_length=max_length
+    )
     assert len(samples) == 10
     hits = [s.prediction.strip() == s.reference for s in samples]
     assert values["eval_exact_match"] == pytest.approx(np.mean(hits))
     # The samples are what generate() writes for the same prompts.
     prompts = [[SOS_ID, *loaded.tokenizer.encode(s.input)] for s in samples]
     batch, lengths = right_pad(prompts)
-    out = np.asarray(generate(loaded.model, batch, max_new_tokens=12, prompt_lengths=lengths,
-                              eos_id=EOS_ID))  # fmt: skip
+    out = np.asarray(
+        generate(loaded.model, batch, max_new_tokens=12, prompt_lengths=lengths, eos_id=EOS_ID)
+    )
     for sample, row, n in zip(samples, out, lengths, strict=True):
         assert loaded.tokenizer.decode(until_eos(row[n:], EOS_ID)) == sample.prediction
 
@@ -109,8 +128,9 @@ def test_generate_command_continues_prompts(lm_run, capsys):
     assert len(lines) == 2
     loaded = load_run(run_dir)
     batch, lengths = right_pad([[SOS_ID, *loaded.tokenizer.encode(p)] for p in prompts])
-    out = np.asarray(generate(loaded.model, batch, max_new_tokens=8, prompt_lengths=lengths,
-                              eos_id=EOS_ID))  # fmt: skip
+    out = np.asarray(
+        generate(loaded.model, batch, max_new_tokens=8, prompt_lengths=lengths, eos_id=EOS_ID)
+    )
     for prompt, line, row, n in zip(prompts, lines, out, lengths, strict=True):
         assert line == prompt + loaded.tokenizer.decode(until_eos(row[n:], EOS_ID))
 
@@ -123,8 +143,11 @@ def test_generate_command_continues_prompts(lm_run, capsys):
 
 def test_sample_py_entry_point(lm_run, capsys, monkeypatch):
     run_dir, _ = lm_run
-    monkeypatch.setattr(sys, "argv", ["sample.py", "--run_dir", str(run_dir), "--prompt", "3+4=",
-                                      "--max_new_tokens", "4"])  # fmt: skip
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["sample.py", "--run_dir", str(run_dir), "--prompt", "3+4=", "--max_new_tokens", "4"],
+    )
     with pytest.raises(SystemExit) as exit_info:
         runpy.run_path(str(REPO / "sample.py"), run_name="__main__")
     assert exit_info.value.code == 0
@@ -142,8 +165,19 @@ def test_translation_eval_reports_bleu(translation_run):
 
 def test_generate_command_translates_with_beam_search(translation_run, capsys):
     run_dir, _ = translation_run
-    argv = ["generate", "--run_dir", str(run_dir), "--prompt", "forty-two", "--max_new_tokens",
-            "6", "--beam_size", "4", "--n_best", "3"]  # fmt: skip
+    argv = [
+        "generate",
+        "--run_dir",
+        str(run_dir),
+        "--prompt",
+        "forty-two",
+        "--max_new_tokens",
+        "6",
+        "--beam_size",
+        "4",
+        "--n_best",
+        "3",
+    ]
     assert main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "forty-two" and len(lines) == 4
@@ -154,8 +188,20 @@ def test_generate_command_translates_with_beam_search(translation_run, capsys):
     tokens, expected = beam_search(loaded.model, src, max_new_tokens=6, beam_size=4)
     np.testing.assert_allclose(scores, np.asarray(expected)[0, :3], atol=1e-4)
 
-    assert main(["generate", "--run_dir", str(run_dir), "--prompt", "forty-two",
-                 "--max_new_tokens", "6"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "generate",
+                "--run_dir",
+                str(run_dir),
+                "--prompt",
+                "forty-two",
+                "--max_new_tokens",
+                "6",
+            ]
+        )
+        == 0
+    )
     greedy = capsys.readouterr().out.strip()
     # The library's greedy decode of the same source (after 40 steps it may be empty).
     ids = np.asarray(seq2seq_generate(loaded.model, src, max_new_tokens=6))[0]

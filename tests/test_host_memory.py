@@ -39,8 +39,13 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5)
 
 def faults_per_call(mode: str) -> float:
     env = os.environ | {"JAX_PLATFORMS": "cpu"}
-    done = subprocess.run([sys.executable, "-c", FAULTS_PER_CALL, mode], capture_output=True,
-                          text=True, check=True, env=env)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", FAULTS_PER_CALL, mode],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+    )
     return float(done.stdout.split()[-1])
 
 

@@ -37,12 +37,22 @@ def finetuned(gpt2, tmp_path_factory):
     root = tmp_path_factory.mktemp("finetune")
     (root / "corpus.txt").write_text("\n".join(hf_checkpoints.CORPUS) + "\n")
     overrides = [
-        f"init_from={gpt2[1]}", f"run_dir={root / 'run'}", "data.source=text",
-        f"data.path={root / 'corpus.txt'}", "data.seq_len=16", "data.packing=false",
-        "train.batch_size=8", f"train.steps={STEPS}", "train.log_every=1",
-        f"train.eval_every={STEPS}", "train.eval_batches=1", "optimizer.lr=1e-2",
-        "optimizer.warmup_steps=0", "optimizer.schedule=constant", *NO_DROPOUT,
-    ]  # fmt: skip
+        f"init_from={gpt2[1]}",
+        f"run_dir={root / 'run'}",
+        "data.source=text",
+        f"data.path={root / 'corpus.txt'}",
+        "data.seq_len=16",
+        "data.packing=false",
+        "train.batch_size=8",
+        f"train.steps={STEPS}",
+        "train.log_every=1",
+        f"train.eval_every={STEPS}",
+        "train.eval_batches=1",
+        "optimizer.lr=1e-2",
+        "optimizer.warmup_steps=0",
+        "optimizer.schedule=constant",
+        *NO_DROPOUT,
+    ]
     logs = []
     run(load_config(None, overrides), progress=False, log=logs.append)
     return root, overrides, logs
@@ -71,8 +81,14 @@ def test_first_step_loss_is_the_hf_loss_and_it_falls(hf, gpt2, finetuned, tmp_pa
     root, overrides, _ = finetuned
     cfg = load_config(None, overrides)
     tokenizer = load_hf_tokenizer(gpt2[1])
-    data = build_data(cfg.data, task="lm", seed=cfg.seed, batch_size=cfg.train.batch_size,
-                      directory=tmp_path, tokenizer=tokenizer)  # fmt: skip
+    data = build_data(
+        cfg.data,
+        task="lm",
+        seed=cfg.seed,
+        batch_size=cfg.train.batch_size,
+        directory=tmp_path,
+        tokenizer=tokenizer,
+    )
     batch = next(data.train)
     eot = tokenizer.eos_id
     assert (batch["inputs"][:, 0] == eot).all()  # every row starts with <|endoftext|>
@@ -85,8 +101,9 @@ def test_first_step_loss_is_the_hf_loss_and_it_falls(hf, gpt2, finetuned, tmp_pa
         logits = gpt2[0](torch.as_tensor(batch["inputs"], dtype=torch.long)).logits
         nll = torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.shape[-1]),
-            torch.as_tensor(batch["targets"].reshape(-1), dtype=torch.long), reduction="none",
-        ).numpy()  # fmt: skip
+            torch.as_tensor(batch["targets"].reshape(-1), dtype=torch.long),
+            reduction="none",
+        ).numpy()
     weights = batch["weights"].reshape(-1)
     expected = float((nll * weights).sum() / weights.sum())
     recorded = losses(root / "run")
@@ -97,8 +114,9 @@ def test_first_step_loss_is_the_hf_loss_and_it_falls(hf, gpt2, finetuned, tmp_pa
 def test_resume_continues_from_the_checkpoint(finetuned):
     root, overrides, _ = finetuned
     logs = []
-    run(load_config(None, [*overrides, f"train.steps={STEPS + 4}"]), progress=False,
-        log=logs.append)  # fmt: skip
+    run(
+        load_config(None, [*overrides, f"train.steps={STEPS + 4}"]), progress=False, log=logs.append
+    )
     text = "\n".join(logs)
     assert f"resumed from step {STEPS}" in text and "initialized the model" not in text
     recorded = losses(root / "run")
@@ -110,10 +128,23 @@ def test_the_finetuned_run_generates(finetuned, capsys):
     run_dir = finetuned[0] / "run"
     loaded = load_run(run_dir)
     assert isinstance(loaded.tokenizer, HfTokenizer)
-    [new] = sample.continue_prompts(loaded.model, loaded.tokenizer, ["the quick"], add_bos=True,
-                                    max_new_tokens=8)  # fmt: skip
-    assert main(["generate", "--run_dir", str(run_dir), "--prompt", "the quick",
-                 "--max_new_tokens", "8"]) == 0  # fmt: skip
+    [new] = sample.continue_prompts(
+        loaded.model, loaded.tokenizer, ["the quick"], add_bos=True, max_new_tokens=8
+    )
+    assert (
+        main(
+            [
+                "generate",
+                "--run_dir",
+                str(run_dir),
+                "--prompt",
+                "the quick",
+                "--max_new_tokens",
+                "8",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert out == f"the quick{loaded.tokenizer.decode(new)}\n"
     assert "brown fox" in out  # learnt from the corpus
@@ -152,8 +183,17 @@ def test_bad_init_from_settings_name_the_key(gpt2, tmp_path, capsys):
     # A checkpoint without a tokenizer: exit 2 naming the directory and the files looked for.
     (tmp_path / "bare").mkdir()
     (tmp_path / "bare" / "config.json").write_text((path / "config.json").read_text())
-    assert train_main([f"init_from={tmp_path / 'bare'}", f"run_dir={tmp_path}/r",
-                       "train.steps=1", "--no-progress"]) == 2  # fmt: skip
+    assert (
+        train_main(
+            [
+                f"init_from={tmp_path / 'bare'}",
+                f"run_dir={tmp_path}/r",
+                "train.steps=1",
+                "--no-progress",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert str(tmp_path / "bare") in err and "tokenizer.json" in err
 
@@ -167,7 +207,13 @@ def test_a_saved_tokenizer_of_another_checkpoint_is_refused(gpt2, tmp_path, caps
     load_hf_tokenizer(other).save(tmp_path / "run" / "tokenizer")
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(hf_checkpoints.CORPUS) + "\n")
-    argv = [f"init_from={gpt2[1]}", f"run_dir={tmp_path / 'run'}", "data.source=text",
-            f"data.path={corpus}", "train.steps=1", "--no-progress"]  # fmt: skip
+    argv = [
+        f"init_from={gpt2[1]}",
+        f"run_dir={tmp_path / 'run'}",
+        "data.source=text",
+        f"data.path={corpus}",
+        "train.steps=1",
+        "--no-progress",
+    ]
     assert train_main(argv) == 2
     assert "another checkpoint's tokenizer" in capsys.readouterr().err

@@ -79,9 +79,15 @@ GPT2_VARIANTS = {
 def gpt2(request, hf, tmp_path_factory):
     """A saved random tiny GPT-2: ``(hf_model, path)``."""
     config = hf.transformers.GPT2Config(
-        n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64, bos_token_id=0,
-        eos_token_id=0, **GPT2_VARIANTS[request.param],
-    )  # fmt: skip
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        vocab_size=VOCAB,
+        n_positions=64,
+        bos_token_id=0,
+        eos_token_id=0,
+        **GPT2_VARIANTS[request.param],
+    )
     model = randomize(hf.torch, hf.transformers.GPT2LMHeadModel(config))
     path = tmp_path_factory.mktemp(f"gpt2-{request.param}")
     model.save_pretrained(path)
@@ -94,8 +100,12 @@ def test_gpt2_load_matches_hf(hf, gpt2, ids, tmp_path):
     hf_model.save_pretrained(tmp_path, max_shard_size="20KB")  # sharded, with an index
     assert os.path.isfile(tmp_path / "model.safetensors.index.json")
     assert check_load(hf, hf_model, tmp_path, ids)[1] == cfg
-    assert (cfg.positions, cfg.norm, cfg.fused_qkv, cfg.max_length) == ("learned", "layernorm",
-                                                                         True, 64)  # fmt: skip
+    assert (cfg.positions, cfg.norm, cfg.fused_qkv, cfg.max_length) == (
+        "learned",
+        "layernorm",
+        True,
+        64,
+    )
     assert cfg.tie_embeddings == hf_model.config.tie_word_embeddings
 
 
@@ -107,14 +117,17 @@ def test_gpt2_save_round_trip(hf, gpt2, ids, tmp_path):
 
 # --------------------------------------------------------------------------- Llama
 LLAMA3 = {
-    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64,
-}  # fmt: skip
+}
 LLAMA_VARIANTS = {
     # GQA (4 query heads share 2 key/value heads), llama3 rope scaling, separate head.
     "gqa-llama3-untied": dict(
         num_key_value_heads=2, rope_scaling=LLAMA3, rope_theta=5e5, tie_word_embeddings=False
-    ),  # fmt: skip
+    ),
     # MQA, plain RoPE, a tied head, biases everywhere and head_dim != hidden_size / heads.
     "mqa-biases-tied": dict(
         num_key_value_heads=1,
@@ -122,12 +135,12 @@ LLAMA_VARIANTS = {
         tie_word_embeddings=True,
         attention_bias=True,
         mlp_bias=True,
-    ),  # fmt: skip
+    ),
     "linear-rope": dict(
         num_key_value_heads=4,
         rope_scaling={"rope_type": "linear", "factor": 2.0},
         tie_word_embeddings=False,
-    ),  # fmt: skip
+    ),
 }
 
 
@@ -135,10 +148,15 @@ LLAMA_VARIANTS = {
 def llama(request, hf, tmp_path_factory):
     """A saved random tiny Llama: ``(hf_model, path)``."""
     config = hf.transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=256, rms_norm_eps=1e-5,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
         **LLAMA_VARIANTS[request.param],
-    )  # fmt: skip
+    )
     model = randomize(hf.torch, hf.transformers.LlamaForCausalLM(config))
     path = tmp_path_factory.mktemp(f"llama-{request.param}")
     model.save_pretrained(path)
@@ -294,7 +312,7 @@ def test_unsupported_gpt2_settings_are_named(tiny_gpt2_dir, changes, message):
         (
             dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
             "rope type 'dynamic'",
-        ),  # fmt: skip
+        ),
         (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "beta": 1.0}), "beta"),
     ],
 )
@@ -352,8 +370,9 @@ def randomize_marian(hf, model, seed=0):
     model = randomize(hf.torch, model, seed)
     generator = hf.torch.Generator().manual_seed(seed + 1)
     with hf.torch.no_grad():
-        model.final_logits_bias.add_(hf.torch.randn(model.final_logits_bias.shape,
-                                                    generator=generator))  # fmt: skip
+        model.final_logits_bias.add_(
+            hf.torch.randn(model.final_logits_bias.shape, generator=generator)
+        )
     return model
 
 
@@ -368,11 +387,20 @@ def marian_logits(hf, model, src_tgt):
 def marian(request, hf, tmp_path_factory):
     """A saved random tiny Marian: ``(hf_model, path)``."""
     config = hf.transformers.MarianConfig(
-        vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2,
-        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
-        decoder_ffn_dim=128, max_position_embeddings=64, pad_token_id=VOCAB - 1,
-        decoder_start_token_id=VOCAB - 1, eos_token_id=0, **MARIAN_VARIANTS[request.param],
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        d_model=64,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=128,
+        decoder_ffn_dim=128,
+        max_position_embeddings=64,
+        pad_token_id=VOCAB - 1,
+        decoder_start_token_id=VOCAB - 1,
+        eos_token_id=0,
+        **MARIAN_VARIANTS[request.param],
+    )
     model = randomize_marian(hf, hf.transformers.MarianMTModel(config))
     path = tmp_path_factory.mktemp(f"marian-{request.param}")
     model.save_pretrained(path)
@@ -398,8 +426,11 @@ def test_marian_load_matches_hf(hf, marian, src_tgt, tmp_path):
     _, cfg = check_marian_load(hf, hf_model, path, src_tgt)
     hf_config = hf_model.config
     assert (cfg.kind, cfg.norm_position, cfg.positions, cfg.sinusoidal_layout) == (
-        "encoder_decoder", "post", "sinusoidal", "concat"
-    )  # fmt: skip
+        "encoder_decoder",
+        "post",
+        "sinusoidal",
+        "concat",
+    )
     assert cfg.output_bias and not cfg.embed_norm
     assert cfg.scale_embeddings == hf_config.scale_embedding
     assert cfg.tie_embeddings == hf_config.tie_word_embeddings
@@ -450,9 +481,14 @@ def test_save_hf_of_our_marian(hf, src_tgt, tmp_path, tied):
     """Our paper Transformer with Marian's settings (a scanned stack, so both towers' layers are
     split back out) is a Marian; also with one table for both sides and a separate head."""
     marian_like = dict(
-        sinusoidal_layout="concat", norm_eps=1e-5, output_bias=True, activation="silu",
-        vocab_size=VOCAB, scan_layers=True, tie_embeddings=tied,
-    )  # fmt: skip
+        sinusoidal_layout="concat",
+        norm_eps=1e-5,
+        output_bias=True,
+        activation="silu",
+        vocab_size=VOCAB,
+        scan_layers=True,
+        tie_embeddings=tied,
+    )
     cfg = ModelConfig.from_preset("transformer-tiny", **marian_like)
     model = build_model(cfg, rngs=nnx.Rngs(1))
     model.eval()

@@ -86,7 +86,7 @@ BERT_VARIANTS = {
     "mlm-untied-gelu_new": (
         "BertForMaskedLM",
         dict(tie_word_embeddings=False, hidden_act="gelu_new", type_vocab_size=3),
-    ),  # fmt: skip
+    ),
     "classifier-3": ("BertForSequenceClassification", dict(num_labels=3)),
     "regression-relu": ("BertForSequenceClassification", dict(num_labels=1, hidden_act="relu")),
 }
@@ -97,9 +97,14 @@ def bert_dir(request, hf, tmp_path_factory):
     """A saved random tiny BERT: ``(hf_model, path)``."""
     architecture, overrides = BERT_VARIANTS[request.param]
     config = hf.transformers.BertConfig(
-        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=96, max_position_embeddings=64, **overrides,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=96,
+        max_position_embeddings=64,
+        **overrides,
+    )
     model = randomize(hf.torch, getattr(hf.transformers, architecture)(config))
     path = tmp_path_factory.mktemp(f"bert-{request.param}")
     model.save_pretrained(path)
@@ -114,8 +119,11 @@ def check_load(hf, hf_model, path, inputs):
     assert logit_diff(logits, hf_logits(hf, hf_model, inputs), inputs) < TOL
     as_jax = call(model, inputs, to=lambda x: jnp.asarray(x, jnp.int32))
     assert max_diff(as_jax, logits) == 0.0
-    ours = model(inputs["input_ids"], token_types=inputs["token_type_ids"],
-                 mask=inputs["attention_mask"] == 1)  # fmt: skip
+    ours = model(
+        inputs["input_ids"],
+        token_types=inputs["token_type_ids"],
+        mask=inputs["attention_mask"] == 1,
+    )
     assert max_diff(ours, logits) == 0.0
     return model, cfg
 
@@ -125,8 +133,11 @@ def test_bert_load_matches_hf(hf, bert_dir, inputs):
     model, cfg = check_load(hf, hf_model, path, inputs)
     hf_config = hf_model.config
     assert (cfg.kind, cfg.norm_position, cfg.positions, cfg.embed_norm) == (
-        "encoder", "post", "learned", True
-    )  # fmt: skip
+        "encoder",
+        "post",
+        "learned",
+        True,
+    )
     assert cfg.type_vocab_size == hf_config.type_vocab_size
     if type(hf_model).__name__ == "BertForSequenceClassification":
         # No masked-LM head in the checkpoint: none in our model (the tied table is not one).
@@ -145,8 +156,11 @@ def check_save(hf, model, cfg, path, inputs):
     save_hf(model, cfg, path)
     assert sorted(os.listdir(path)) == ["config.json", "model.safetensors"]
     architecture = "BertForSequenceClassification" if cfg.num_classes else "BertForMaskedLM"
-    auto = (hf.transformers.AutoModelForSequenceClassification if cfg.num_classes
-            else hf.transformers.AutoModelForMaskedLM)  # fmt: skip
+    auto = (
+        hf.transformers.AutoModelForSequenceClassification
+        if cfg.num_classes
+        else hf.transformers.AutoModelForMaskedLM
+    )
     hf_model, info = auto.from_pretrained(path, output_loading_info=True)
     assert type(hf_model).__name__ == architecture
     assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
@@ -175,20 +189,24 @@ def test_bert_loads_pretraining_conversions(hf, bert_dir, inputs, tmp_path):
     hf_model, path = bert_dir
     tensors = load_file(path / "model.safetensors")
     rng = np.random.default_rng(0)
-    tensors.update({
-        "bert.pooler.dense.weight": rng.normal(size=(64, 64)).astype(np.float32),
-        "bert.pooler.dense.bias": np.zeros(64, np.float32),
-        "cls.seq_relationship.weight": rng.normal(size=(2, 64)).astype(np.float32),
-        "cls.seq_relationship.bias": np.zeros(2, np.float32),
-        "bert.embeddings.position_ids": np.arange(64)[None],
-        "cls.predictions.decoder.weight": tensors["bert.embeddings.word_embeddings.weight"],
-    })  # fmt: skip
+    tensors.update(
+        {
+            "bert.pooler.dense.weight": rng.normal(size=(64, 64)).astype(np.float32),
+            "bert.pooler.dense.bias": np.zeros(64, np.float32),
+            "cls.seq_relationship.weight": rng.normal(size=(2, 64)).astype(np.float32),
+            "cls.seq_relationship.bias": np.zeros(2, np.float32),
+            "bert.embeddings.position_ids": np.arange(64)[None],
+            "cls.predictions.decoder.weight": tensors["bert.embeddings.word_embeddings.weight"],
+        }
+    )
     renamed = {
-        name.removesuffix(".weight") + ".gamma" if "LayerNorm.weight" in name
-        else name.removesuffix(".bias") + ".beta" if "LayerNorm.bias" in name
+        name.removesuffix(".weight") + ".gamma"
+        if "LayerNorm.weight" in name
+        else name.removesuffix(".bias") + ".beta"
+        if "LayerNorm.bias" in name
         else name: x
         for name, x in tensors.items()
-    }  # fmt: skip
+    }
     assert "bert.embeddings.LayerNorm.gamma" in renamed
     save_file(renamed, tmp_path / "model.safetensors", metadata={"format": "pt"})
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
@@ -247,7 +265,7 @@ def tiny_bert_dir(tmp_path):
             dict(architectures=["BertForSequenceClassification"], id2label={}, num_labels=0),
             "num_labels=0",
         ),
-    ],  # fmt: skip
+    ],
 )
 def test_unsupported_bert_settings_are_named(tiny_bert_dir, changes, message):
     edit_config(tiny_bert_dir, **changes)
@@ -323,8 +341,9 @@ def test_encoder_takes_hugging_face_arguments(inputs):
     classifier.eval()
     logits = classifier(ids, token_type_ids=segments, attention_mask=attention)
     assert logits.shape == (2, 3)
-    assert max_diff(classifier.classify(ids, token_types=segments, mask=attention == 1),
-                    logits) == 0.0  # fmt: skip
+    assert (
+        max_diff(classifier.classify(ids, token_types=segments, mask=attention == 1), logits) == 0.0
+    )
 
     no_types = build_model(cfg.replace(type_vocab_size=0), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="type_vocab_size > 0"):

@@ -101,8 +101,10 @@ def test_saved_tokenizer_reads_back_alike(name, request, tmp_path):
     again = load_tokenizer(tmp_path)
     assert isinstance(again, HfTokenizer)
     assert (again.specials, again.add_bos, again.vocab_size) == (
-        ours.specials, ours.add_bos, ours.vocab_size,
-    )  # fmt: skip
+        ours.specials,
+        ours.add_bos,
+        ours.vocab_size,
+    )
     for text in TEXTS:
         assert again.encode(text) == ours.encode(text)
         assert again.decode(ours.encode(text)) == ours.decode(ours.encode(text))
@@ -131,8 +133,13 @@ def hf_greedy(hf, model, input_ids, max_new_tokens, eos_id, pad_id):
     """HF ``generate(do_sample=False)``'s new tokens for one input, cut before its first eos."""
     torch = hf.torch
     with torch.no_grad():
-        out = model.generate(torch.tensor([input_ids]), do_sample=False, num_beams=1,
-                             max_new_tokens=max_new_tokens, pad_token_id=pad_id)  # fmt: skip
+        out = model.generate(
+            torch.tensor([input_ids]),
+            do_sample=False,
+            num_beams=1,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=pad_id,
+        )
     new = out[0].tolist()
     new = new[1:] if model.config.is_encoder_decoder else new[len(input_ids) :]
     return new[: new.index(eos_id)] if eos_id in new else new
@@ -142,12 +149,14 @@ def hf_greedy(hf, model, input_ids, max_new_tokens, eos_id, pad_id):
 def test_generate_continues_like_hf_greedy(name, request, hf):
     hf_model, path = request.getfixturevalue(name)
     model, tokenizer = sample.load_hf_checkpoint(path)
-    ours = sample.continue_prompts(model, tokenizer, PROMPTS, add_bos=tokenizer.add_bos,
-                                   max_new_tokens=20)  # fmt: skip
+    ours = sample.continue_prompts(
+        model, tokenizer, PROMPTS, add_bos=tokenizer.add_bos, max_new_tokens=20
+    )
     reference = hf.transformers.AutoTokenizer.from_pretrained(path)
     for prompt, new in zip(PROMPTS, ours, strict=True):
-        expected = hf_greedy(hf, hf_model, reference(prompt).input_ids, 20, tokenizer.eos_id,
-                             tokenizer.pad_id)  # fmt: skip
+        expected = hf_greedy(
+            hf, hf_model, reference(prompt).input_ids, 20, tokenizer.eos_id, tokenizer.pad_id
+        )
         assert new == expected, prompt
         assert len(new) > 3
 
@@ -158,21 +167,46 @@ def test_translate_decodes_like_hf_greedy(hf, marian):
     ours = sample.translate(model, tokenizer, PROMPTS, max_new_tokens=20)
     reference = hf.transformers.MarianTokenizer.from_pretrained(path)
     for prompt, new in zip(PROMPTS, ours, strict=True):
-        expected = hf_greedy(hf, hf_model, reference(prompt).input_ids, 20, tokenizer.eos_id,
-                             tokenizer.pad_id)  # fmt: skip
+        expected = hf_greedy(
+            hf, hf_model, reference(prompt).input_ids, 20, tokenizer.eos_id, tokenizer.pad_id
+        )
         assert new == expected, prompt
         assert len(new) > 3
 
 
 def test_generate_command_on_hf_dirs(gpt2, marian, capsys, tmp_path):
-    assert main(["generate", "--hf_dir", str(gpt2[1]), "--prompt", "hello world",
-                 "--max_new_tokens", "6"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "generate",
+                "--hf_dir",
+                str(gpt2[1]),
+                "--prompt",
+                "hello world",
+                "--max_new_tokens",
+                "6",
+            ]
+        )
+        == 0
+    )
     model, tokenizer = sample.load_hf_checkpoint(gpt2[1])
-    [new] = sample.continue_prompts(model, tokenizer, ["hello world"], add_bos=False,
-                                    max_new_tokens=6)  # fmt: skip
+    [new] = sample.continue_prompts(
+        model, tokenizer, ["hello world"], add_bos=False, max_new_tokens=6
+    )
     assert capsys.readouterr().out == f"hello world{tokenizer.decode(new)}\n"
-    argv = ["generate", "--hf_dir", str(marian[1]), "--prompt", "the dog", "--beam_size", "3",
-            "--n_best", "2", "--max_new_tokens", "8"]  # fmt: skip
+    argv = [
+        "generate",
+        "--hf_dir",
+        str(marian[1]),
+        "--prompt",
+        "the dog",
+        "--beam_size",
+        "3",
+        "--n_best",
+        "2",
+        "--max_new_tokens",
+        "8",
+    ]
     assert main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "the dog" and len(lines) == 3
@@ -186,8 +220,13 @@ def test_generate_command_on_hf_dirs(gpt2, marian, capsys, tmp_path):
 
 
 def test_generate_names_an_encoder_only_checkpoint(hf, tmp_path, capsys):
-    config = hf.transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1,
-                                        num_attention_heads=2, intermediate_size=64)  # fmt: skip
+    config = hf.transformers.BertConfig(
+        vocab_size=50,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+    )
     config.save_pretrained(tmp_path)  # no tokenizer either: the model kind is named first
     assert main(["generate", "--hf_dir", str(tmp_path), "--prompt", "x"]) == 2
     err = capsys.readouterr().err
@@ -204,9 +243,13 @@ def test_attention_labels_use_the_checkpoint_special_ids(gpt2):
     assert "".join(labels[4:]) == "hello"
 
 
-GERMAN = ["der schnelle braune fuchs springt", "hallo welt, hallo da!",
-          "taten sagen mehr als worte", "der fruehe vogel faengt den wurm",
-          "besser spaet als nie, sagen sie"] * 6  # fmt: skip
+GERMAN = [
+    "der schnelle braune fuchs springt",
+    "hallo welt, hallo da!",
+    "taten sagen mehr als worte",
+    "der fruehe vogel faengt den wurm",
+    "besser spaet als nie, sagen sie",
+] * 6
 
 
 def test_marian_sides_have_their_own_sentencepiece_models(hf, tmp_path):
@@ -218,9 +261,12 @@ def test_marian_sides_have_their_own_sentencepiece_models(hf, tmp_path):
     for corpus in (hf_checkpoints.CORPUS, GERMAN):
         buffer = io.BytesIO()
         sentencepiece.SentencePieceTrainer.train(
-            sentence_iterator=iter(corpus), model_writer=buffer, vocab_size=60,
-            hard_vocab_limit=False, minloglevel=2,
-        )  # fmt: skip
+            sentence_iterator=iter(corpus),
+            model_writer=buffer,
+            vocab_size=60,
+            hard_vocab_limit=False,
+            minloglevel=2,
+        )
         models.append(buffer.getvalue())
     pieces = []
     for model in models:
@@ -236,9 +282,10 @@ def test_marian_sides_have_their_own_sentencepiece_models(hf, tmp_path):
     (files / "t.model").write_bytes(models[1])
     (files / "v.json").write_text(json.dumps({p: i for i, p in enumerate(vocab)}))
     reference = hf.transformers.MarianTokenizer(
-        source_spm=str(files / "s.model"), target_spm=str(files / "t.model"),
+        source_spm=str(files / "s.model"),
+        target_spm=str(files / "t.model"),
         vocab=str(files / "v.json"),
-    )  # fmt: skip
+    )
     path = tmp_path / "checkpoint"
     reference.save_pretrained(path)
     for name in ("tokenizer_config.json", "special_tokens_map.json"):  # no unk_token named

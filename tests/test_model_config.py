@@ -74,9 +74,12 @@ def test_presets_carry_the_published_choices():
     assert llama.kv_heads < llama.num_heads
     assert not (llama.qkv_bias or llama.mlp_bias or llama.attention_out_bias)
     assert llama.rope_scaling == ops.RopeScaling(
-        kind="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        kind="llama3",
+        factor=32.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
         original_max_position_embeddings=8192,
-    )  # fmt: skip
+    )
     for name in ("transformer", "gpt2", "bert", "llama"):
         assert f"{name}-tiny" in PRESETS
 
@@ -154,9 +157,15 @@ def test_flops_per_token_agree_with_xla_for_bidirectional_attention():
     """XLA counts every multiply-add of the compiled program; ours counts the matmuls only, so
     the two agree up to the elementwise work (softmax, norms, activations)."""
     cfg = ModelConfig.from_preset(
-        "bert-tiny", d_model=256, d_ff=1024, vocab_size=512, attention_implementation="xla",
-        embedding_dropout=0.0, attention_dropout=0.0, residual_dropout=0.0,
-    )  # fmt: skip
+        "bert-tiny",
+        d_model=256,
+        d_ff=1024,
+        vocab_size=512,
+        attention_implementation="xla",
+        embedding_dropout=0.0,
+        attention_dropout=0.0,
+        residual_dropout=0.0,
+    )
     forward, train = _compiled_flops(cfg, seq_len=128)
     ours = training_flops_per_token(cfg, 128)
     assert 1.0 <= forward / (ours / 3) < 1.12

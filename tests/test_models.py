@@ -172,8 +172,11 @@ def train_step_for(loss_fn):
 
 
 lm_train_step = train_step_for(lm_loss)
-MSE_STEPS = {"decoder": train_step_for(lm_mse), "encoder": train_step_for(lm_mse),
-             "encoder_decoder": train_step_for(ed_mse)}  # fmt: skip
+MSE_STEPS = {
+    "decoder": train_step_for(lm_mse),
+    "encoder": train_step_for(lm_mse),
+    "encoder_decoder": train_step_for(ed_mse),
+}
 
 
 @jit_nodes
@@ -411,9 +414,13 @@ def test_encoder_ignores_padding(positions):
 )
 def test_variant_trains(norm_position, positions, activation, parallel):
     cfg = tiny(
-        "gpt2-tiny", norm_position=norm_position, positions=positions, activation=activation,
-        parallel_block=parallel, num_decoder_layers=1,
-    )  # fmt: skip
+        "gpt2-tiny",
+        norm_position=norm_position,
+        positions=positions,
+        activation=activation,
+        parallel_block=parallel,
+        num_decoder_layers=1,
+    )
     model = make(cfg)
     optimizer = adam(model)
     toks = tokens((B, T + 1))
@@ -425,8 +432,7 @@ def test_variant_trains(norm_position, positions, activation, parallel):
 def test_each_choice_changes_the_outputs():
     # Position schemes without parameters (sinusoidal, rope, alibi) get exactly the parameters
     # of the "none" base from the same rngs: only the scheme itself can change the logits.
-    base = dict(norm_position="pre", activation="gelu_tanh", positions="none",
-                num_decoder_layers=1)  # fmt: skip
+    base = dict(norm_position="pre", activation="gelu_tanh", positions="none", num_decoder_layers=1)
     x = tokens((B, T))
     reference = lm_forward(make(tiny("gpt2-tiny", **base)), x)
     changes = [
@@ -489,9 +495,12 @@ def layer_and_reference(layer, x):
 def test_layer_norm_placement(norm_position, parallel):
     cfg = tiny("gpt2-tiny", norm_position=norm_position, parallel_block=parallel)
     layer = TransformerLayer(
-        cfg, num_layers=2, causal=True, cross_attention=False,
+        cfg,
+        num_layers=2,
+        causal=True,
+        cross_attention=False,
         rngs=nnx.Rngs(jax.random.key(0, impl="rbg")),
-    )  # fmt: skip
+    )
     layer.eval()
     assert (layer.mlp_norm is None) == parallel
     # Norm scales and biases away from (1, 0), so a norm in the wrong place shows.
@@ -610,8 +619,11 @@ def series(batch, length, seed=0):
 
 @pytest.mark.parametrize("preset", ["gpt2-tiny", "bert-tiny", "transformer-tiny"])
 def test_continuous_inputs_and_regression_head(preset):
-    layers = {k: min(v, 1) for k, v in ModelConfig.from_preset(preset).to_dict().items()
-              if k in ("num_encoder_layers", "num_decoder_layers")}  # fmt: skip
+    layers = {
+        k: min(v, 1)
+        for k, v in ModelConfig.from_preset(preset).to_dict().items()
+        if k in ("num_encoder_layers", "num_decoder_layers")
+    }
     cfg = tiny(preset, input_dim=3, output_dim=2, tie_embeddings=False, output_bias=False, **layers)
     model = make(cfg)
     x, y = series(B, T)

@@ -36,10 +36,18 @@ REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "train.py"
 # A small, fast run (one decoder layer compiles quickly); a constant learning rate so that a run
 # resumed with a larger train.steps follows the same schedule as one started with it.
-QUICK = ["train.batch_size=8", "data.seq_len=32", "optimizer.warmup_steps=0",
-         "optimizer.schedule=constant", "model.num_decoder_layers=1", "train.log_every=5",
-         "train.eval_every=10", "train.eval_batches=2", "data.eval_size=16",
-         "checkpoint.every=5"]  # fmt: skip
+QUICK = [
+    "train.batch_size=8",
+    "data.seq_len=32",
+    "optimizer.warmup_steps=0",
+    "optimizer.schedule=constant",
+    "model.num_decoder_layers=1",
+    "train.log_every=5",
+    "train.eval_every=10",
+    "train.eval_batches=2",
+    "data.eval_size=16",
+    "checkpoint.every=5",
+]
 RUN_TIMEOUT = 420  # seconds for runs started together, on a loaded machine; normally < 60
 COMPILED = "compiled the train step"  # process 0's line after the first step
 
@@ -64,9 +72,11 @@ class Job:
         return self.stderr.read_text(errors="replace") if self.stderr.exists() else ""
 
     def report(self, chars: int = 2500) -> str:
-        return (f"\n=== {self.name}: exit status {self.returncode} ===\n"
-                f"--- stdout (tail) ---\n{self.out()[-chars:]}\n"
-                f"--- stderr (tail) ---\n{self.err()[-chars:]}")  # fmt: skip
+        return (
+            f"\n=== {self.name}: exit status {self.returncode} ===\n"
+            f"--- stdout (tail) ---\n{self.out()[-chars:]}\n"
+            f"--- stderr (tail) ---\n{self.err()[-chars:]}"
+        )
 
     def kill(self) -> None:
         if self.process.poll() is None:
@@ -112,9 +122,12 @@ def launch():
             with stdout.open("w") as out, stderr.open("w") as err:
                 process = subprocess.Popen(
                     [sys.executable, str(TRAIN), "--no-progress", *map(str, args)],
-                    stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=environ,
+                    stdout=out,
+                    stderr=err,
+                    stdin=subprocess.DEVNULL,
+                    env=environ,
                     cwd=directory,
-                )  # fmt: skip
+                )
             jobs.append(Job(name, process, stdout, stderr))
             return jobs[-1]
 
@@ -124,11 +137,17 @@ def launch():
 def start_pair(launch, name: str, directory: Path, args, *, extra=()) -> list[Job]:
     """Processes 0 and 1 of a two-process run (2 devices each), set up by ``distributed.*``."""
     (port,) = free_ports(1)
-    common = [*args, f"distributed.coordinator_address=127.0.0.1:{port}",
-              "distributed.num_processes=2", "distributed.initialization_timeout=120",
-              *extra]  # fmt: skip
-    return [launch(f"{name}.p{i}", directory, [*common, f"distributed.process_id={i}"])
-            for i in range(2)]  # fmt: skip
+    common = [
+        *args,
+        f"distributed.coordinator_address=127.0.0.1:{port}",
+        "distributed.num_processes=2",
+        "distributed.initialization_timeout=120",
+        *extra,
+    ]
+    return [
+        launch(f"{name}.p{i}", directory, [*common, f"distributed.process_id={i}"])
+        for i in range(2)
+    ]
 
 
 def finish(jobs, timeout: float = RUN_TIMEOUT) -> None:
@@ -175,16 +194,21 @@ def assert_losses_close(run_dir: Path, reference_dir: Path, context: str) -> Non
     got = {(r["step"], k): r[k] for r in records(run_dir) for k in keys if k in r}
     want = {(r["step"], k): r[k] for r in records(reference_dir) for k in keys if k in r}
     assert got.keys() == want.keys(), f"{sorted(got)} != {sorted(want)}{context}"
-    np.testing.assert_allclose([got[k] for k in sorted(want)], [want[k] for k in sorted(want)],
-                               rtol=1e-5, err_msg=f"{got} vs {want}{context}")  # fmt: skip
+    np.testing.assert_allclose(
+        [got[k] for k in sorted(want)],
+        [want[k] for k in sorted(want)],
+        rtol=1e-5,
+        err_msg=f"{got} vs {want}{context}",
+    )
 
 
 @pytest.mark.slow
 def test_two_processes_train_resume_and_match_one_process(tmp_path, launch):
     two, reshard, reference = tmp_path / "two", tmp_path / "reshard", tmp_path / "reference"
     # The one-process reference on the same 4 devices runs alongside.
-    one = launch("reference", tmp_path, [f"run_dir={reference}", *QUICK, "train.steps=15"],
-                 devices=4)  # fmt: skip
+    one = launch(
+        "reference", tmp_path, [f"run_dir={reference}", *QUICK, "train.steps=15"], devices=4
+    )
 
     # 1. Two processes train 10 steps: process 0 alone logs and writes the run's files.
     first = start_pair(launch, "first", tmp_path, [f"run_dir={two}", *QUICK, "train.steps=10"])
@@ -219,8 +243,10 @@ def test_two_processes_train_resume_and_match_one_process(tmp_path, launch):
         assert checkpoint_steps(run_dir)[-1] == 15, context
         assert_losses_close(run_dir, reference, context)
     assert "resuming on mesh" not in resumed[0].out(), reports(resumed)
-    assert ("resuming on mesh data 2 x fsdp 1 x tensor 2; the checkpoint was written on "
-            "data 4 x fsdp 1 x tensor 1") in resharded[0].out(), reports(resharded)  # fmt: skip
+    assert (
+        "resuming on mesh data 2 x fsdp 1 x tensor 2; the checkpoint was written on "
+        "data 4 x fsdp 1 x tensor 1"
+    ) in resharded[0].out(), reports(resharded)
 
 
 @pytest.mark.slow
@@ -229,10 +255,17 @@ def test_a_dead_process_stops_the_other_instead_of_hanging(tmp_path, launch):
     coordinator, process 0, in the middle of training."""
     pairs = {}
     for victim in (1, 0):
-        args = [f"run_dir={tmp_path / f'run{victim}'}", *QUICK, "train.steps=2000",
-                "checkpoint.every=1000", "train.eval_every=1000", "train.log_every=50"]  # fmt: skip
-        pairs[victim] = start_pair(launch, f"kill{victim}", tmp_path, args,
-                                   extra=["distributed.heartbeat_timeout=5"])  # fmt: skip
+        args = [
+            f"run_dir={tmp_path / f'run{victim}'}",
+            *QUICK,
+            "train.steps=2000",
+            "checkpoint.every=1000",
+            "train.eval_every=1000",
+            "train.log_every=50",
+        ]
+        pairs[victim] = start_pair(
+            launch, f"kill{victim}", tmp_path, args, extra=["distributed.heartbeat_timeout=5"]
+        )
     for jobs in pairs.values():
         wait_for_text(jobs[0], COMPILED, jobs)  # both processes are in the training loop
     time.sleep(1)
@@ -245,9 +278,11 @@ def test_a_dead_process_stops_the_other_instead_of_hanging(tmp_path, launch):
             if victim not in exited and jobs[1 - victim].returncode is not None:
                 exited[victim] = time.monotonic() - killed
         time.sleep(0.1)
-    outcomes = [f"SIGKILL to process {victim}: process {1 - victim} exited with status "
-                f"{jobs[1 - victim].returncode} after {exited.get(victim, 90):.1f} s"
-                for victim, jobs in pairs.items()]  # fmt: skip
+    outcomes = [
+        f"SIGKILL to process {victim}: process {1 - victim} exited with status "
+        f"{jobs[1 - victim].returncode} after {exited.get(victim, 90):.1f} s"
+        for victim, jobs in pairs.items()
+    ]
     for victim, jobs in pairs.items():
         assert victim in exited, f"{outcomes} (not stopped: a hang)" + reports(jobs)
         assert jobs[1 - victim].returncode != 0, str(outcomes) + reports(jobs)
@@ -259,8 +294,14 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path, launch):
     """The signal reaches process 1 only; the processes agree to stop after the same step, save
     that step together and both exit 128 + SIGTERM (a process saving alone would hang)."""
     run_dir = tmp_path / "run"
-    args = [f"run_dir={run_dir}", *QUICK, "train.steps=2000", "checkpoint.every=1000",
-            "train.eval_every=1000", "train.log_every=50"]  # fmt: skip
+    args = [
+        f"run_dir={run_dir}",
+        *QUICK,
+        "train.steps=2000",
+        "checkpoint.every=1000",
+        "train.eval_every=1000",
+        "train.log_every=50",
+    ]
     jobs = start_pair(launch, "term", tmp_path, args)
     wait_for_text(jobs[0], COMPILED, jobs)
     time.sleep(1)
@@ -275,21 +316,36 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path, launch):
 @pytest.mark.slow
 def test_bad_distributed_settings_exit_2_with_a_clear_message(tmp_path, launch):
     cases = [  # (overrides, environment, what the one-line error says)
-        ([], {"JAX_NUM_PROCESSES": "abc"},
-         "environment variable JAX_NUM_PROCESSES must be an integer, got 'abc'"),
-        (["distributed.coordinator_address=127.0.0.1:1", "distributed.num_processes=2",
-          "distributed.process_id=2"], {}, "process_id < num_processes"),
-        (["distributed.num_processes=2", "distributed.process_id=0"], {},
-         "coordinator_address should be defined. (set distributed.coordinator_address"),
-    ]  # fmt: skip
-    jobs = [launch(f"bad{i}", tmp_path, [f"run_dir={tmp_path / f'run{i}'}", *overrides], env=env)
-            for i, (overrides, env, _) in enumerate(cases)]  # fmt: skip
+        (
+            [],
+            {"JAX_NUM_PROCESSES": "abc"},
+            "environment variable JAX_NUM_PROCESSES must be an integer, got 'abc'",
+        ),
+        (
+            [
+                "distributed.coordinator_address=127.0.0.1:1",
+                "distributed.num_processes=2",
+                "distributed.process_id=2",
+            ],
+            {},
+            "process_id < num_processes",
+        ),
+        (
+            ["distributed.num_processes=2", "distributed.process_id=0"],
+            {},
+            "coordinator_address should be defined. (set distributed.coordinator_address",
+        ),
+    ]
+    jobs = [
+        launch(f"bad{i}", tmp_path, [f"run_dir={tmp_path / f'run{i}'}", *overrides], env=env)
+        for i, (overrides, env, _) in enumerate(cases)
+    ]
     finish(jobs, timeout=240)
     problems = [
         f"{overrides} {env}: expected exit status 2 and 'error: ...{message}'" + job.report()
         for job, (overrides, env, message) in zip(jobs, cases, strict=True)
         if job.returncode != 2 or not job.err().startswith("error: ") or message not in job.err()
-    ]  # fmt: skip
+    ]
     assert not problems, "\n".join(problems)
     assert not any((tmp_path / f"run{i}").exists() for i in range(len(cases)))
 
@@ -297,18 +353,28 @@ def test_bad_distributed_settings_exit_2_with_a_clear_message(tmp_path, launch):
 @pytest.mark.parametrize(
     "overrides, env, message",
     [
-        ([], {"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "first"},
-         "environment variable JAX_PROCESS_ID must be an integer, got 'first'"),
+        (
+            [],
+            {"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "first"},
+            "environment variable JAX_PROCESS_ID must be an integer, got 'first'",
+        ),
         (["distributed.num_processes=abc"], {}, "distributed.num_processes must be an integer"),
         (["distributed.process_id=1.5"], {}, "distributed.process_id must be an integer"),
-        (["distributed.heartbeat_timeout=0"], {},
-         "distributed: heartbeat_timeout must be a positive int, got 0"),
-        (["distributed.initialization_timeout=-3"], {},
-         "distributed: initialization_timeout must be a positive int, got -3"),
+        (
+            ["distributed.heartbeat_timeout=0"],
+            {},
+            "distributed: heartbeat_timeout must be a positive int, got 0",
+        ),
+        (
+            ["distributed.initialization_timeout=-3"],
+            {},
+            "distributed: initialization_timeout must be a positive int, got -3",
+        ),
     ],
-)  # fmt: skip
-def test_bad_distributed_settings_in_process(tmp_path, monkeypatch, capsys, overrides, env,
-                                             message):  # fmt: skip
+)
+def test_bad_distributed_settings_in_process(
+    tmp_path, monkeypatch, capsys, overrides, env, message
+):
     """More of them without a subprocess: they fail before ``jax.distributed`` is touched."""
     from flaxformer_lite.train.cli import train_main
 

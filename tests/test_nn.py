@@ -533,26 +533,44 @@ def test_attention_fn_is_used_with_dropout_arguments():
 
     def zeros_attention(q, k, v, bias, mask, *, is_causal, dropout_rate, dropout_rng):
         calls.append(
-            dict(q=q.shape, k=k.shape, v=v.shape, is_causal=is_causal, rate=dropout_rate,
-                 rng=dropout_rng is not None, mask=mask is not None)
-        )  # fmt: skip
+            dict(
+                q=q.shape,
+                k=k.shape,
+                v=v.shape,
+                is_causal=is_causal,
+                rate=dropout_rate,
+                rng=dropout_rng is not None,
+                mask=mask is not None,
+            )
+        )
         return jnp.zeros(q.shape[:3] + v.shape[-1:], q.dtype)
 
     mha = _build(
         lambda: MultiHeadAttention(
-            D, H, num_kv_heads=2, dropout_rate=0.25, attention_fn=zeros_attention,
+            D,
+            H,
+            num_kv_heads=2,
+            dropout_rate=0.25,
+            attention_fn=zeros_attention,
             rngs=nnx.Rngs(0),
         ),
         1,
-    )  # fmt: skip
+    )
     mask = jnp.ones((B, 1, 1, T), bool)
     y = mha(_f32(_normal(2, (B, T, D))), mask=mask, is_causal=True)
     # The heads are zero, so only the output bias remains.
     np.testing.assert_allclose(y, np.broadcast_to(_f64(mha.out.bias[...]), (B, T, D)), **TOL)
     assert calls == [
-        dict(q=(B, T, H, DH), k=(B, T, 2, DH), v=(B, T, 2, DH), is_causal=True, rate=0.25,
-             rng=True, mask=True)
-    ]  # fmt: skip
+        dict(
+            q=(B, T, H, DH),
+            k=(B, T, 2, DH),
+            v=(B, T, 2, DH),
+            is_causal=True,
+            rate=0.25,
+            rng=True,
+            mask=True,
+        )
+    ]
     mha.eval()
     mha(_f32(_normal(2, (B, T, D))))
     assert calls[-1]["rate"] == 0.0 and not calls[-1]["rng"] and not calls[-1]["is_causal"]
@@ -656,9 +674,14 @@ def _residual_mlp_ref(state, x):
 
 def _tiny_encoder_layer(rngs):
     cfg = ModelConfig.from_preset(
-        "bert-tiny", d_model=D, num_heads=H, d_ff=64, embedding_dropout=0.0,
-        residual_dropout=0.0, attention_dropout=0.0,
-    )  # fmt: skip
+        "bert-tiny",
+        d_model=D,
+        num_heads=H,
+        d_ff=64,
+        embedding_dropout=0.0,
+        residual_dropout=0.0,
+        attention_dropout=0.0,
+    )
     return EncoderLayer(cfg, num_layers=2, rngs=rngs)
 
 

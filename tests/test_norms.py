@@ -207,8 +207,9 @@ def test_layer_norm_grad_without_scale_or_bias_matches_autodiff_of_the_formula(d
         return centered * jax.lax.rsqrt(jnp.mean(centered**2, -1, keepdims=True) + 1e-5)
 
     expected = jax.grad(lambda x: jnp.sum(g * formula(x)))(x)
-    np.testing.assert_allclose(jax.grad(lambda x: jnp.sum(g * layer_norm(x)))(x), expected,
-                               atol=1e-5)  # fmt: skip
+    np.testing.assert_allclose(
+        jax.grad(lambda x: jnp.sum(g * layer_norm(x)))(x), expected, atol=1e-5
+    )
     dx, dbias = jax.grad(lambda x, b: jnp.sum(g * layer_norm(x, bias=b)), argnums=(0, 1))(
         x, jnp.zeros(SHAPE[-1])
     )

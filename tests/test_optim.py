@@ -37,8 +37,9 @@ def test_warmup_then_cosine():
 def test_warmup_then_linear_and_constant():
     linear = make_schedule(
         OptimizerConfig(lr=1.0, schedule="linear", warmup_steps=4, end_lr_ratio=0.0),
-        total_steps=12, d_model=64,
-    )  # fmt: skip
+        total_steps=12,
+        d_model=64,
+    )
     np.testing.assert_allclose(
         values(linear, [0, 2, 4, 8, 12]), [0.0, 0.5, 1.0, 0.5, 0.0], atol=1e-6
     )
@@ -79,8 +80,9 @@ def test_weight_decay_applies_to_kernels_only_by_default():
     # One AdamW step with zero gradients: only the masked parameters shrink, by lr * wd.
     tx, _ = make_optimizer(
         OptimizerConfig(lr=0.1, schedule="constant", warmup_steps=0, weight_decay=0.5),
-        total_steps=10, d_model=cfg.d_model,
-    )  # fmt: skip
+        total_steps=10,
+        d_model=cfg.d_model,
+    )
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     before = jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
     optimizer.update(model, jax.tree.map(jnp.zeros_like, nnx.state(model, nnx.Param)))

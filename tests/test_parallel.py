@@ -169,24 +169,37 @@ def test_logical_spec_precedence_and_unmapped_names():
         ("data", "fsdp"), None
     )
     assert rule_pairs({"a": (), "b": ("x",), "c": ("x", "y")}) == (
-        ("a", None), ("b", "x"), ("c", ("x", "y"))
-    )  # fmt: skip
+        ("a", None),
+        ("b", "x"),
+        ("c", ("x", "y")),
+    )
 
 
 def test_mesh_rules_from_yaml_and_command_line_are_laid_over_the_defaults(tmp_path):
     path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump({
-        "mesh": {"data": 2, "tensor": 4,
-                 "rules": {"mlp": [], "batch": ["data"], "vocab": "tensor", "length": None}},
-    }))  # fmt: skip
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "mesh": {
+                    "data": 2,
+                    "tensor": 4,
+                    "rules": {"mlp": [], "batch": ["data"], "vocab": "tensor", "length": None},
+                },
+            }
+        )
+    )
     cfg = load_config(path)
     assert (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor) == (2, 1, 4)
     assert cfg.mesh.rules == {**DEFAULT_RULES, "mlp": (), "batch": ("data",), "length": ()}
     # The defaults keep their order (precedence); new names come after them.
     assert list(cfg.mesh.rules) == [*DEFAULT_RULES, "length"]
 
-    overrides = ["mesh.rules.mlp=none", "mesh.rules.batch=data,fsdp", "mesh.rules.heads=",
-                 "mesh.rules.activation_embed=tensor"]  # fmt: skip
+    overrides = [
+        "mesh.rules.mlp=none",
+        "mesh.rules.batch=data,fsdp",
+        "mesh.rules.heads=",
+        "mesh.rules.activation_embed=tensor",
+    ]
     cfg = load_config(path, overrides)
     assert cfg.mesh.rules["mlp"] == ()
     assert cfg.mesh.rules["batch"] == ("data", "fsdp")
@@ -203,12 +216,14 @@ def test_mesh_rules_from_yaml_and_command_line_are_laid_over_the_defaults(tmp_pa
 
 @pytest.mark.parametrize(
     "overrides, message",
-    [(["mesh.rules.mlp=model"], r"mesh.rules.mlp names mesh axis 'model'"),
-     (["mesh.rules.batch=data,tensor,pipeline"], r"mesh.rules.batch names mesh axis 'pipeline'"),
-     (["mesh.rules.batch=data,data"], r"mesh.rules.batch names a mesh axis twice"),
-     (["mesh.data=0"], r"mesh.data must be a positive int or -1"),
-     (["mesh.data=-1", "mesh.tensor=-1"], r"at most one mesh axis may be -1")],
-)  # fmt: skip
+    [
+        (["mesh.rules.mlp=model"], r"mesh.rules.mlp names mesh axis 'model'"),
+        (["mesh.rules.batch=data,tensor,pipeline"], r"mesh.rules.batch names mesh axis 'pipeline'"),
+        (["mesh.rules.batch=data,data"], r"mesh.rules.batch names a mesh axis twice"),
+        (["mesh.data=0"], r"mesh.data must be a positive int or -1"),
+        (["mesh.data=-1", "mesh.tensor=-1"], r"at most one mesh axis may be -1"),
+    ],
+)
 def test_bad_mesh_config_is_a_config_error(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
@@ -222,11 +237,20 @@ def test_unknown_mesh_axis_in_a_yaml_file_is_a_config_error(tmp_path):
 
 
 def test_config_with_mesh_and_distributed_round_trips_through_json_and_yaml(tmp_path):
-    cfg = load_config(None, [
-        "mesh.data=2", "mesh.tensor=4", "mesh.rules.mlp=none", "mesh.rules.batch=data,fsdp",
-        "mesh.rules.length=tensor", "distributed.num_processes=2", "distributed.process_id=1",
-        "distributed.coordinator_address=10.0.0.1:1234", "distributed.enabled=true",
-    ])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            "mesh.data=2",
+            "mesh.tensor=4",
+            "mesh.rules.mlp=none",
+            "mesh.rules.batch=data,fsdp",
+            "mesh.rules.length=tensor",
+            "distributed.num_processes=2",
+            "distributed.process_id=1",
+            "distributed.coordinator_address=10.0.0.1:1234",
+            "distributed.enabled=true",
+        ],
+    )
     assert cfg.distributed == DistributedConfig(
         enabled=True, coordinator_address="10.0.0.1:1234", num_processes=2, process_id=1
     )
@@ -279,8 +303,9 @@ def test_fsdp_8_stores_an_eighth_of_every_embed_parameter_per_device():
         array, names = variable.get_value(), names_of(variable)
         assert array.sharding == placed[path].get_value(), path
         # Only "embed" maps to fsdp (the other mapped names go to the tensor axis of size 1).
-        shard_shape = tuple(s // 8 if n == "embed" else s for s, n in
-                            zip(array.shape, names, strict=True))  # fmt: skip
+        shard_shape = tuple(
+            s // 8 if n == "embed" else s for s, n in zip(array.shape, names, strict=True)
+        )
         if "embed" in names:
             sharded += 1
             assert array.shape != shard_shape
@@ -294,11 +319,13 @@ def test_fsdp_8_stores_an_eighth_of_every_embed_parameter_per_device():
         assert shard_bytes(array.shape, array.dtype, array.sharding) == nbytes
         total += array.size * 4
         expected += nbytes
-        device0 += next(s.data.nbytes for s in array.addressable_shards
-                        if s.device == mesh.devices.flat[0])  # fmt: skip
+        device0 += next(
+            s.data.nbytes for s in array.addressable_shards if s.device == mesh.devices.flat[0]
+        )
     assert sharded >= 12  # token/position tables, and every layer's kernels and out biases
-    replicated = sum(v.get_value().size * 4 for v in flat(params).values()
-                     if "embed" not in names_of(v))  # fmt: skip
+    replicated = sum(
+        v.get_value().size * 4 for v in flat(params).values() if "embed" not in names_of(v)
+    )
     assert expected == (total - replicated) // 8 + replicated
     assert device_bytes(params, param_shardings) == expected == device0
     assert device_bytes(params, param_shardings) < total / 4
@@ -317,8 +344,10 @@ def test_tensor_4_splits_heads_mlp_and_vocab_by_4():
     expected = 0
     for path, variable in flat(params).items():
         array, names = variable.get_value(), names_of(variable)
-        shard_shape = tuple(s // 4 if n in ("heads", "mlp", "vocab") else s for s, n in
-                            zip(array.shape, names, strict=True))  # fmt: skip
+        shard_shape = tuple(
+            s // 4 if n in ("heads", "mlp", "vocab") else s
+            for s, n in zip(array.shape, names, strict=True)
+        )
         split.update(n for n in names if n in ("heads", "mlp", "vocab"))
         for shard in array.addressable_shards:
             assert shard.data.shape == shard_shape, path
@@ -332,16 +361,33 @@ def test_tensor_4_splits_heads_mlp_and_vocab_by_4():
 
 @pytest.mark.parametrize(
     "preset, overrides, mesh, pattern",
-    [("gpt2-tiny", {}, (1, 1, 8), r"dimension 'heads' of size 4 \(model.num_heads = 4\) is not "
-                                  r"divisible by mesh axes tensor of size 8.*mesh.rules.heads"),
-     ("llama-tiny", {}, (2, 1, 4), r"'kv_heads' of size 2 \(model.num_kv_heads = 2\)"),
-     ("gpt2-tiny", dict(num_heads=8, vocab_size=260), (1, 1, 8),
-      r"embed.tokens.embedding: dimension 'vocab' of size 260 \(model.vocab_size = 260\)"),
-     ("gpt2-tiny", dict(d_model=60, num_heads=4), (1, 8, 1),
-      r"'embed' of size 60 \(model.d_model = 60\) is not divisible by mesh axes fsdp of size 8")],
-)  # fmt: skip
-def test_indivisible_dimension_names_parameter_axis_and_config_field(preset, overrides, mesh,
-                                                                     pattern):  # fmt: skip
+    [
+        (
+            "gpt2-tiny",
+            {},
+            (1, 1, 8),
+            r"dimension 'heads' of size 4 \(model.num_heads = 4\) is not "
+            r"divisible by mesh axes tensor of size 8.*mesh.rules.heads",
+        ),
+        ("llama-tiny", {}, (2, 1, 4), r"'kv_heads' of size 2 \(model.num_kv_heads = 2\)"),
+        (
+            "gpt2-tiny",
+            dict(num_heads=8, vocab_size=260),
+            (1, 1, 8),
+            r"embed.tokens.embedding: dimension 'vocab' of size 260 \(model.vocab_size = 260\)",
+        ),
+        (
+            "gpt2-tiny",
+            dict(d_model=60, num_heads=4),
+            (1, 8, 1),
+            r"'embed' of size 60 \(model.d_model = 60\) "
+            r"is not divisible by mesh axes fsdp of size 8",
+        ),
+    ],
+)
+def test_indivisible_dimension_names_parameter_axis_and_config_field(
+    preset, overrides, mesh, pattern
+):
     cfg = ModelConfig.from_preset(preset, **{**TINY, **overrides})
 
     def create():
@@ -423,8 +469,11 @@ def test_create_sharded_equals_an_unsharded_eager_init_and_abstract_sharded_allo
     assert eager_graphdef == graphdef
     sharded_values, eager_values = key_free(state), key_free(eager)
     assert jax.tree.structure(sharded_values) == jax.tree.structure(eager_values)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-6),
-                 sharded_values, eager_values)  # fmt: skip
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-6),
+        sharded_values,
+        eager_values,
+    )
     # Not trivially equal: the layers' kernels differ from each other.
     layers = sharded_values[0]["decoder"]["layers"]["layers"]
     assert not np.allclose(layers[0]["mlp"]["wi"]["kernel"], layers[1]["mlp"]["wi"]["kernel"])
@@ -446,11 +495,21 @@ def test_create_sharded_equals_an_unsharded_eager_init_and_abstract_sharded_allo
 # tokenizer's 260 ids divide by the tensor sizes 4 and 2 used here (not by 8: tensor=8 would
 # need mesh.rules.vocab=none), and its 4 heads, d_ff 256 and d_model 64 divide over every mesh
 # below. Constant learning rate: a run's losses do not depend on train.steps.
-E2E = ["model.num_decoder_layers=1", "train.batch_size=8", "data.seq_len=32",
-       "optimizer.warmup_steps=0", "optimizer.schedule=constant", "train.log_every=5",
-       "train.eval_every=1000", "train.eval_batches=1", "data.eval_size=16"]  # fmt: skip
-PER_DEVICE = re.compile(r"^per device: parameters ([\d.]+) MiB of ([\d.]+) MiB, "
-                        r"optimizer state ([\d.]+) MiB of ([\d.]+) MiB$")  # fmt: skip
+E2E = [
+    "model.num_decoder_layers=1",
+    "train.batch_size=8",
+    "data.seq_len=32",
+    "optimizer.warmup_steps=0",
+    "optimizer.schedule=constant",
+    "train.log_every=5",
+    "train.eval_every=1000",
+    "train.eval_batches=1",
+    "data.eval_size=16",
+]
+PER_DEVICE = re.compile(
+    r"^per device: parameters ([\d.]+) MiB of ([\d.]+) MiB, "
+    r"optimizer state ([\d.]+) MiB of ([\d.]+) MiB$"
+)
 
 
 def metrics_of(run_dir):
@@ -490,10 +549,20 @@ def one_device_baseline(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("one_device") / "run"
     env = subprocess_env(1, JAX_DEFAULT_MATMUL_PRECISION="highest")
     process = subprocess.Popen(
-        [sys.executable, str(REPO / "train.py"), "--no-progress", f"run_dir={run_dir}", *E2E,
-         "train.steps=20"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(REPO / "train.py"),
+            "--no-progress",
+            f"run_dir={run_dir}",
+            *E2E,
+            "train.steps=20",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=REPO,
+    )
     yield process, run_dir
     if process.poll() is None:
         process.kill()
@@ -514,8 +583,9 @@ def mesh_2x4_run(tmp_path_factory):
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not done.exists():
             shutil.rmtree(run_dir, ignore_errors=True)
-            messages = train_in_process(run_dir, "train.steps=20", "checkpoint.every=10",
-                                        "mesh.data=2", "mesh.tensor=4")  # fmt: skip
+            messages = train_in_process(
+                run_dir, "train.steps=20", "checkpoint.every=10", "mesh.data=2", "mesh.tensor=4"
+            )
             done.write_text(json.dumps(messages))
         messages = json.loads(done.read_text())
     return run_dir, messages
@@ -543,8 +613,10 @@ def test_every_mesh_logs_the_losses_of_one_device(tmp_path, one_device_baseline,
         assert relative_close(losses_of(run_dir, "eval_loss")[20], one_eval[20]), name
 
     # The start-up summary of each mesh.
-    lines = {name: [m for m in messages if m.startswith("mesh: ")]
-             for name, (_, messages) in runs.items()}  # fmt: skip
+    lines = {
+        name: [m for m in messages if m.startswith("mesh: ")]
+        for name, (_, messages) in runs.items()
+    }
     assert lines == {
         "data 2 x tensor 4": ["mesh: data 2 x fsdp 1 x tensor 4 (8 cpu devices, 1 process)"],
         "data 8": ["mesh: data 8 x fsdp 1 x tensor 1 (8 cpu devices, 1 process)"],
@@ -583,8 +655,11 @@ def test_a_checkpoint_restores_onto_other_meshes_bit_for_bit(tmp_path):
         _, metrics = step(state, put_batch(next_batch, place, B))
     reference = float(metrics["loss"])
 
-    targets = {"data 4 x tensor 2": make_mesh(4, 1, 2), "data 8": make_mesh(8, 1, 1),
-               "one device": make_mesh(1, 1, 1, devices=jax.devices()[:1])}  # fmt: skip
+    targets = {
+        "data 4 x tensor 2": make_mesh(4, 1, 2),
+        "data 8": make_mesh(8, 1, 1),
+        "one device": make_mesh(1, 1, 1, devices=jax.devices()[:1]),
+    }
     with Checkpointer(tmp_path / "checkpoints", keep=2) as checkpointer:
         for name, mesh in targets.items():
             target_graphdef, abstract, target_shardings = abstract_sharded(create, mesh, rules)
@@ -597,10 +672,10 @@ def test_a_checkpoint_restores_onto_other_meshes_bit_for_bit(tmp_path):
                 assert isinstance(array, jax.Array), (name, path)
                 assert array.sharding == placed[path].get_value(), (name, path)
                 assert {d for d in array.devices()} == set(mesh.devices.flat), (name, path)
-            jax.tree.map(np.testing.assert_array_equal, key_free(to_savable(restored_state)),
-                         saved)  # fmt: skip
-            target_step = make_train_step(target_graphdef, task="lm",
-                                          state_shardings=target_shardings)  # fmt: skip
+            jax.tree.map(np.testing.assert_array_equal, key_free(to_savable(restored_state)), saved)
+            target_step = make_train_step(
+                target_graphdef, task="lm", state_shardings=target_shardings
+            )
             with jax.set_mesh(mesh), nnx.logical_axis_rules(rule_pairs(rules)):
                 batch = put_batch(next_batch, batch_sharding(mesh, rules), B)
                 _, metrics = target_step(restored_state, batch)
@@ -619,8 +694,9 @@ def test_a_run_resumes_on_another_mesh_as_if_uninterrupted(tmp_path, mesh_2x4_ru
     with Checkpointer(run_dir / "checkpoints", keep=3) as checkpointer:
         assert checkpointer.all_steps() == [10]
     # mesh.* are runtime keys: no --force needed.
-    messages = train_in_process(run_dir, "train.steps=15", "checkpoint.every=10", "mesh.data=4",
-                                "mesh.tensor=2")  # fmt: skip
+    messages = train_in_process(
+        run_dir, "train.steps=15", "checkpoint.every=10", "mesh.data=4", "mesh.tensor=2"
+    )
     assert (
         "resuming on mesh data 4 x fsdp 1 x tensor 2; the checkpoint was written on "
         "data 2 x fsdp 1 x tensor 4: arrays are resharded as they are restored"
@@ -640,8 +716,10 @@ def test_process_batch_shard_and_put_batch_on_one_process():
     for mesh in (make_mesh(2, 2, 2), make_mesh(1, 1, 1, devices=jax.devices()[:1])):
         sharding = batch_sharding(mesh, DEFAULT_RULES)
         assert process_batch_shard(sharding, 8) == (0, 1)
-        batch = {"inputs": np.arange(8 * 5, dtype=np.int32).reshape(8, 5),
-                 "weights": np.linspace(0, 1, 8 * 5, dtype=np.float32).reshape(8, 5)}  # fmt: skip
+        batch = {
+            "inputs": np.arange(8 * 5, dtype=np.int32).reshape(8, 5),
+            "weights": np.linspace(0, 1, 8 * 5, dtype=np.float32).reshape(8, 5),
+        }
         placed = put_batch(batch, sharding, 8)
         assert placed.keys() == batch.keys()
         for key, array in placed.items():
@@ -667,15 +745,22 @@ def test_initialize_connects_only_when_asked(monkeypatch):
     monkeypatch.setattr(jax.distributed, "initialize", connect)
     assert initialize(DistributedConfig(), environ={}) is False
     assert initialize(DistributedConfig(), environ={"JAX_NUM_PROCESSES": "1"}) is False
-    assert initialize(DistributedConfig(enabled=False),
-                      environ={"JAX_COORDINATOR_ADDRESS": "host:1"}) is False  # fmt: skip
+    assert (
+        initialize(DistributedConfig(enabled=False), environ={"JAX_COORDINATOR_ADDRESS": "host:1"})
+        is False
+    )
     assert calls == []
     # The environment a launcher sets, and the config taking precedence over it.
-    environ = {"JAX_COORDINATOR_ADDRESS": "host:1234", "JAX_NUM_PROCESSES": "4",
-               "JAX_PROCESS_ID": "3"}  # fmt: skip
+    environ = {
+        "JAX_COORDINATOR_ADDRESS": "host:1234",
+        "JAX_NUM_PROCESSES": "4",
+        "JAX_PROCESS_ID": "3",
+    }
     assert initialize(DistributedConfig(heartbeat_timeout=7), environ=environ) is True
-    assert initialize(DistributedConfig(process_id=2, initialization_timeout=9),
-                      environ=environ) is True  # fmt: skip
+    assert (
+        initialize(DistributedConfig(process_id=2, initialization_timeout=9), environ=environ)
+        is True
+    )
     assert initialize(DistributedConfig(enabled=True), environ={}) is True
     assert [(c["coordinator_address"], c["num_processes"], c["process_id"]) for c in calls] == [
         ("host:1234", 4, 3),
@@ -691,12 +776,15 @@ def test_initialize_rejects_a_non_integer_environment_before_connecting(monkeypa
         raise AssertionError("jax.distributed.initialize must not be called")
 
     monkeypatch.setattr(jax.distributed, "initialize", connect)
-    with pytest.raises(ValueError, match="environment variable JAX_NUM_PROCESSES must be an "
-                                         "integer, got 'abc'"):  # fmt: skip
+    with pytest.raises(
+        ValueError, match="environment variable JAX_NUM_PROCESSES must be an integer, got 'abc'"
+    ):
         initialize(DistributedConfig(), environ={"JAX_NUM_PROCESSES": "abc"})
     with pytest.raises(ValueError, match="JAX_PROCESS_ID"):
-        initialize(DistributedConfig(), environ={"JAX_COORDINATOR_ADDRESS": "h:1",
-                                                 "JAX_PROCESS_ID": "first"})  # fmt: skip
+        initialize(
+            DistributedConfig(),
+            environ={"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_PROCESS_ID": "first"},
+        )
     for bad in (0, -1, True, 1.5):
         with pytest.raises(ValueError, match="heartbeat_timeout must be a positive"):
             DistributedConfig(heartbeat_timeout=bad)
@@ -726,15 +814,21 @@ def test_constrain_is_a_no_op_without_a_mesh_and_rules():
 
 @pytest.mark.parametrize(
     "mesh_sizes, rules, spec",
-    [((2, 4, 1), DEFAULT_RULES, P(("data", "fsdp"), None, None)),
-     ((2, 1, 4), {**DEFAULT_RULES, "activation_embed": ("tensor",)},
-      P(("data", "fsdp"), None, "tensor")),
-     ((1, 1, 8), {**DEFAULT_RULES, "length": ("tensor",), "batch": ()}, P(None, "tensor", None))],
-)  # fmt: skip
+    [
+        ((2, 4, 1), DEFAULT_RULES, P(("data", "fsdp"), None, None)),
+        (
+            (2, 1, 4),
+            {**DEFAULT_RULES, "activation_embed": ("tensor",)},
+            P(("data", "fsdp"), None, "tensor"),
+        ),
+        ((1, 1, 8), {**DEFAULT_RULES, "length": ("tensor",), "batch": ()}, P(None, "tensor", None)),
+    ],
+)
 def test_constrain_applies_the_rules_inside_a_mesh(mesh_sizes, rules, spec):
     mesh = make_mesh(*mesh_sizes)
-    x = jax.device_put(np.arange(8 * 8 * 16, dtype=np.float32).reshape(8, 8, 16),
-                       NamedSharding(mesh, P()))  # fmt: skip
+    x = jax.device_put(
+        np.arange(8 * 8 * 16, dtype=np.float32).reshape(8, 8, 16), NamedSharding(mesh, P())
+    )
     names = ("batch", "length", "activation_embed")
     with jax.set_mesh(mesh), nnx.logical_axis_rules(rule_pairs(rules)):
         out = jax.jit(lambda x: constrain(x * 2.0, names))(x)

@@ -412,6 +412,11 @@ def test_bpe_is_trained_on_jsonl_text_and_saved(tmp_path):
 def test_packing_by_default_for_language_modelling_only(tmp_path):
     lm = build_data(DataConfig(), task="lm", seed=0, batch_size=4, directory=tmp_path / "a")
     assert "segment_ids" in next(lm.train)
-    seq2seq = build_data(DataConfig(task="number_words"), task="seq2seq", seed=0, batch_size=4,
-                         directory=tmp_path / "b")  # fmt: skip
+    seq2seq = build_data(
+        DataConfig(task="number_words"),
+        task="seq2seq",
+        seed=0,
+        batch_size=4,
+        directory=tmp_path / "b",
+    )
     assert "segment_ids" not in next(seq2seq.train)

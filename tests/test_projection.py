@@ -44,9 +44,11 @@ def test_value_and_gradients_match_float64_formulas(x_shape, kernel_shape, n):
     out_axes = list(range(cotangent.ndim - (kernel.ndim - n), cotangent.ndim))
     np.testing.assert_allclose(y, np.tensordot(x, kernel, axes=n), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(
-        dx, np.tensordot(cotangent, kernel, axes=(out_axes, list(range(n, kernel.ndim)))),
-        rtol=1e-5, atol=1e-5,
-    )  # fmt: skip
+        dx,
+        np.tensordot(cotangent, kernel, axes=(out_axes, list(range(n, kernel.ndim)))),
+        rtol=1e-5,
+        atol=1e-5,
+    )
     np.testing.assert_allclose(
         dkernel, np.tensordot(x, cotangent, axes=(tokens, tokens)), rtol=1e-5, atol=1e-5
     )
@@ -83,9 +85,11 @@ def test_bfloat16_gradients_keep_their_dtypes():
     dx, dkernel = vjp(cotangent)
     assert y.dtype == dx.dtype == dkernel.dtype == jnp.bfloat16
     np.testing.assert_allclose(
-        _f64(dkernel), np.tensordot(_f64(x), _f64(cotangent), axes=([0, 1], [0, 1])),
-        rtol=3e-2, atol=3e-1,
-    )  # fmt: skip
+        _f64(dkernel),
+        np.tensordot(_f64(x), _f64(cotangent), axes=([0, 1], [0, 1])),
+        rtol=3e-2,
+        atol=3e-1,
+    )
 
 
 def test_mismatched_shapes_raise_naming_them():

@@ -20,10 +20,19 @@ from flaxformer_lite.train.restore import LoadedRun, load_run, to_savable
 # A tiny one-layer GPT-2-style run: 3 steps, checkpoints at steps 2 and 3, on all 8 devices.
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 
-TINY_RUN = ["model.num_decoder_layers=1", "train.steps=3", "checkpoint.every=2",
-            "train.batch_size=8", "data.seq_len=32", "optimizer.warmup_steps=0",
-            "optimizer.schedule=constant", "train.log_every=1", "train.eval_every=3",
-            "train.eval_batches=1", "data.eval_size=8"]  # fmt: skip
+TINY_RUN = [
+    "model.num_decoder_layers=1",
+    "train.steps=3",
+    "checkpoint.every=2",
+    "train.batch_size=8",
+    "data.seq_len=32",
+    "optimizer.warmup_steps=0",
+    "optimizer.schedule=constant",
+    "train.log_every=1",
+    "train.eval_every=3",
+    "train.eval_batches=1",
+    "data.eval_size=8",
+]
 TOKENS = jnp.asarray([[1, *ByteTokenizer().encode("12+34=46")]])
 
 
@@ -42,8 +51,9 @@ def checkpointed_model(run_dir, step):
     tx, _ = make_optimizer(cfg.optimizer, total_steps=cfg.train.steps, d_model=cfg.model.d_model)
     savable = to_savable(nnx.split((model, nnx.Optimizer(model, tx, wrt=nnx.Param)))[1])
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
-                            savable)  # fmt: skip
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), savable
+    )
     with Checkpointer(run_dir / "checkpoints", keep=3) as checkpointer:
         saved = checkpointer.restore(abstract, step=step).state[0]
     params = nnx.state(model, nnx.Param)

@@ -21,17 +21,27 @@ from flaxformer_lite.train.config import (
 def test_defaults_and_typed_overrides():
     cfg = load_config(
         None,
-        ["train.steps=200", "model.num_heads=2", "optimizer.lr=1e-3", "run_dir=runs/x",
-         "optimizer.clip_norm=none", "model.scan_layers=true", "mesh.data=2", "seed=7"],
-    )  # fmt: skip
+        [
+            "train.steps=200",
+            "model.num_heads=2",
+            "optimizer.lr=1e-3",
+            "run_dir=runs/x",
+            "optimizer.clip_norm=none",
+            "model.scan_layers=true",
+            "mesh.data=2",
+            "seed=7",
+        ],
+    )
     default = TrainConfig()
     assert cfg == dataclasses.replace(
-        default, run_dir="runs/x", seed=7,
+        default,
+        run_dir="runs/x",
+        seed=7,
         model=ModelConfig.from_preset("gpt2-tiny", num_heads=2, scan_layers=True),
         optimizer=dataclasses.replace(default.optimizer, lr=1e-3, clip_norm=None),
         train=dataclasses.replace(default.train, steps=200),
         mesh=dataclasses.replace(default.mesh, data=2),
-    )  # fmt: skip
+    )
     assert isinstance(cfg.optimizer.lr, float) and isinstance(cfg.run_dir, str)
 
 
@@ -40,8 +50,18 @@ def test_the_embedded_default_is_configs_default_yaml():
     assert load_config(repo / "configs" / "default.yaml") == TrainConfig()
 
 
-@pytest.mark.parametrize("name", ["default", "transformer_tiny", "transformer_base", "gpt2_small",
-                                  "bert_base", "bert_tiny", "llama_style"])  # fmt: skip
+@pytest.mark.parametrize(
+    "name",
+    [
+        "default",
+        "transformer_tiny",
+        "transformer_base",
+        "gpt2_small",
+        "bert_base",
+        "bert_tiny",
+        "llama_style",
+    ],
+)
 def test_every_preset_file_loads(name):
     repo = pathlib.Path(__file__).resolve().parents[1]
     cfg = load_config(repo / "configs" / f"{name}.yaml")
@@ -128,9 +148,7 @@ def test_diff_and_runtime_keys():
     old = load_config(None, [])
     new = load_config(None, ["train.steps=5000", "mesh.data=2", "model.num_heads=2"])
     diff = config_diff(old, new)
-    assert diff == {
-        "mesh.data": (-1, 2), "model.num_heads": (4, 2), "train.steps": (1500, 5000)
-    }  # fmt: skip
+    assert diff == {"mesh.data": (-1, 2), "model.num_heads": (4, 2), "train.steps": (1500, 5000)}
     assert [key for key in diff if not is_runtime_key(key)] == ["model.num_heads"]
     assert is_runtime_key("checkpoint.every") and is_runtime_key("run_dir")
     assert not is_runtime_key("optimizer.lr") and not is_runtime_key("train.batch_size")
@@ -154,4 +172,4 @@ def test_valid_keys_cover_every_section():
         "model.num_heads",
         "optimizer.lr",
     ):
-        assert key in keys  # fmt: skip
+        assert key in keys

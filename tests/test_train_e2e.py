@@ -26,9 +26,16 @@ pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: confte
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # A small, fast run: 8 rows of 32 tokens, no warmup surprises, quiet.
-QUICK = ["train.batch_size=8", "data.seq_len=32", "optimizer.warmup_steps=0",
-         "optimizer.schedule=constant", "train.log_every=5", "train.eval_every=10",
-         "train.eval_batches=2", "data.eval_size=16"]  # fmt: skip
+QUICK = [
+    "train.batch_size=8",
+    "data.seq_len=32",
+    "optimizer.warmup_steps=0",
+    "optimizer.schedule=constant",
+    "train.log_every=5",
+    "train.eval_every=10",
+    "train.eval_batches=2",
+    "data.eval_size=16",
+]
 
 
 def config(run_dir, *overrides):
@@ -83,8 +90,13 @@ def test_logged_tokens_per_sec_times_the_training_steps_alone(tmp_path, monkeypa
     )
     monkeypatch.setattr(loop, "evaluate", taking(1000.0, loop.evaluate))
     monkeypatch.setattr(loop, "to_savable", taking(1000.0, loop.to_savable))
-    cfg = config(tmp_path / "run", "train.steps=12", "train.log_every=3", "train.eval_every=6",
-                 "checkpoint.every=4")  # fmt: skip
+    cfg = config(
+        tmp_path / "run",
+        "train.steps=12",
+        "train.log_every=3",
+        "train.eval_every=6",
+        "checkpoint.every=4",
+    )
     run(cfg, progress=False, log=quiet)
     logged = {r["step"]: r["tokens_per_sec"] for r in records(tmp_path / "run")}
     assert sorted(logged) == [3, 6, 9, 12]
@@ -107,8 +119,11 @@ def test_interrupted_and_resumed_equals_uninterrupted(tmp_path):
     run(straight, progress=False, log=quiet)
     first = config(tmp_path / "resumed", "train.steps=20", "checkpoint.every=10")
     run(first, progress=False, log=quiet)
-    run(config(tmp_path / "resumed", "train.steps=30", "checkpoint.every=10"), progress=False,
-        log=quiet)  # fmt: skip
+    run(
+        config(tmp_path / "resumed", "train.steps=30", "checkpoint.every=10"),
+        progress=False,
+        log=quiet,
+    )
     assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
 
     def final_state(run_dir):
@@ -131,10 +146,15 @@ def test_interrupted_and_resumed_equals_uninterrupted(tmp_path):
         assert restored.step == 30
         return restored.state
 
-    jax.tree.map(np.testing.assert_array_equal, final_state(tmp_path / "resumed"),
-                 final_state(tmp_path / "straight"))  # fmt: skip
-    evals = [[r.get("eval_loss") for r in records(tmp_path / name) if "eval_loss" in r]
-             for name in ("straight", "resumed")]  # fmt: skip
+    jax.tree.map(
+        np.testing.assert_array_equal,
+        final_state(tmp_path / "resumed"),
+        final_state(tmp_path / "straight"),
+    )
+    evals = [
+        [r.get("eval_loss") for r in records(tmp_path / name) if "eval_loss" in r]
+        for name in ("straight", "resumed")
+    ]
     assert evals[0] == evals[1]
 
 
@@ -144,25 +164,40 @@ def test_changed_config_is_refused_unless_forced_and_fresh_moves_the_run_aside(t
     with pytest.raises(ConfigError, match="model.num_heads: 4 -> 2"):
         run(config(run_dir, "train.steps=12", "model.num_heads=2"), progress=False, log=quiet)
     messages = []
-    run(config(run_dir, "train.steps=12", "optimizer.lr=0.002"), force=True, progress=False,
-        log=messages.append)  # fmt: skip
+    run(
+        config(run_dir, "train.steps=12", "optimizer.lr=0.002"),
+        force=True,
+        progress=False,
+        log=messages.append,
+    )
     assert any("optimizer.lr" in m for m in messages)
-    run(config(run_dir, "train.steps=5", "model.num_heads=2"), fresh=True, progress=False,
-        log=quiet)  # fmt: skip
+    run(
+        config(run_dir, "train.steps=5", "model.num_heads=2"), fresh=True, progress=False, log=quiet
+    )
     assert (tmp_path / "run.old1" / "checkpoints").exists()
     assert max(losses(run_dir)) == 5
 
 
 def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
-    cfg = config(run_dir, "train.steps=40", "checkpoint.every=1", "optimizer.lr=1e30",
-                 "optimizer.clip_norm=none")  # fmt: skip
+    cfg = config(
+        run_dir,
+        "train.steps=40",
+        "checkpoint.every=1",
+        "optimizer.lr=1e30",
+        "optimizer.clip_norm=none",
+    )
     with pytest.raises(TrainingError, match="not finite.*last good checkpoint: step"):
         run(cfg, progress=False, log=quiet)
     with Checkpointer(run_dir / "checkpoints", keep=3) as checkpointer:
         assert checkpointer.latest_step() is not None
-    skipping = config(tmp_path / "skip", "train.steps=6", "optimizer.lr=1e30",
-                      "optimizer.clip_norm=none", "train.skip_nonfinite=true")  # fmt: skip
+    skipping = config(
+        tmp_path / "skip",
+        "train.steps=6",
+        "optimizer.lr=1e30",
+        "optimizer.clip_norm=none",
+        "train.skip_nonfinite=true",
+    )
     messages = []
     run(skipping, progress=False, log=messages.append)
     assert any("not finite" in m and "skipped" in m for m in messages)
@@ -195,11 +230,20 @@ def test_plot_subcommand(tmp_path, capsys):
 def start_training(run_dir, *overrides):
     """``train.py`` on one CPU device in a subprocess."""
     return subprocess.Popen(
-        [sys.executable, str(REPO / "train.py"), "--no-progress", f"run_dir={run_dir}", *QUICK,
-         *overrides],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(1),
+        [
+            sys.executable,
+            str(REPO / "train.py"),
+            "--no-progress",
+            f"run_dir={run_dir}",
+            *QUICK,
+            *overrides,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(1),
         cwd=REPO,
-    )  # fmt: skip
+    )
 
 
 def wait_for(condition, process, timeout=300):
@@ -217,8 +261,12 @@ def wait_for(condition, process, timeout=300):
 def test_sigterm_saves_a_checkpoint_and_exits(tmp_path):
     run_dir = tmp_path / "run"
     process = start_training(run_dir, "train.steps=100000", "checkpoint.every=100000")
-    wait_for(lambda: (run_dir / "metrics.jsonl").exists()
-             and (run_dir / "metrics.jsonl").read_text().strip(), process)  # fmt: skip
+    wait_for(
+        lambda: (
+            (run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").read_text().strip()
+        ),
+        process,
+    )
     process.send_signal(signal.SIGTERM)
     _, err = process.communicate(timeout=300)
     assert process.returncode == 128 + signal.SIGTERM, err
@@ -235,8 +283,10 @@ def test_kill_9_resumes_from_the_last_finished_checkpoint(tmp_path):
     checkpoints = run_dir / "checkpoints"
 
     def two_checkpoints():
-        return checkpoints.exists() and len([p for p in checkpoints.iterdir()
-                                             if p.name.isdigit()]) >= 2  # fmt: skip
+        return (
+            checkpoints.exists()
+            and len([p for p in checkpoints.iterdir() if p.name.isdigit()]) >= 2
+        )
 
     wait_for(two_checkpoints, process)
     process.kill()
@@ -244,8 +294,11 @@ def test_kill_9_resumes_from_the_last_finished_checkpoint(tmp_path):
     with Checkpointer(checkpoints, keep=3) as checkpointer:
         last = checkpointer.latest_step()
     messages = []
-    run(config(run_dir, f"train.steps={last + 2}", "checkpoint.every=3"), progress=False,
-        log=messages.append)  # fmt: skip
+    run(
+        config(run_dir, f"train.steps={last + 2}", "checkpoint.every=3"),
+        progress=False,
+        log=messages.append,
+    )
     assert f"resumed from step {last} of {checkpoints}" in messages
     assert max(losses(run_dir)) == last + 2
     assert np.all(np.diff(sorted(losses(run_dir))) > 0)
@@ -258,19 +311,25 @@ def test_kill_9_resumes_from_the_last_finished_checkpoint(tmp_path):
     [
         ("transformer_tiny", 150, "eval_accuracy", 0.25, 0.7),
         ("bert_tiny", 300, "eval_accuracy", 0.42, 0.9),
-    ],  # fmt: skip
+    ],
 )
-def test_tiny_presets_learn_their_tasks(tmp_path, full_optimization, preset, steps, metric, target,
-                                       loss_ratio):  # fmt: skip
+def test_tiny_presets_learn_their_tasks(
+    tmp_path, full_optimization, preset, steps, metric, target, loss_ratio
+):
     """The CPU presets of the encoder-decoder (number words -> digits) and the encoder
     (3-way sentiment with negation), shortened; their full runs go further. Hundreds of steps:
     compiled with XLA's optimizations, which pay here. The encoder-decoder is well past its
     target by step 100 (eval accuracy about 0.5 there, 0.6 at 150); the encoder needs 300."""
     cfg = load_config(
         REPO / "configs" / f"{preset}.yaml",
-        [f"run_dir={tmp_path / 'run'}", f"train.steps={steps}", "train.eval_every=100",
-         "data.eval_size=64", "train.log_every=10"],
-    )  # fmt: skip
+        [
+            f"run_dir={tmp_path / 'run'}",
+            f"train.steps={steps}",
+            "train.eval_every=100",
+            "data.eval_size=64",
+            "train.log_every=10",
+        ],
+    )
     run(cfg, progress=False, log=quiet)
     evals = [r[metric] for r in records(tmp_path / "run") if metric in r]
     assert evals[-1] > target, evals

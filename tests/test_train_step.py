@@ -13,8 +13,16 @@ from flaxformer_lite.train.step import make_eval_step, make_train_step, model_lo
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 
-SMALL = dict(d_model=32, num_heads=4, d_ff=64, vocab_size=32, max_length=16,
-             embedding_dropout=0.0, attention_dropout=0.0, residual_dropout=0.0)  # fmt: skip
+SMALL = dict(
+    d_model=32,
+    num_heads=4,
+    d_ff=64,
+    vocab_size=32,
+    max_length=16,
+    embedding_dropout=0.0,
+    attention_dropout=0.0,
+    residual_dropout=0.0,
+)
 B, T = 4, 8
 
 
@@ -22,9 +30,10 @@ def setup(preset, **overrides):
     cfg = ModelConfig.from_preset(preset, **{**SMALL, **overrides})
     model = build_model(cfg, rngs=nnx.Rngs(0))
     tx, _ = make_optimizer(
-        OptimizerConfig(lr=1e-2, schedule="constant", warmup_steps=0), total_steps=100,
+        OptimizerConfig(lr=1e-2, schedule="constant", warmup_steps=0),
+        total_steps=100,
         d_model=cfg.d_model,
-    )  # fmt: skip
+    )
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     return cfg, model, optimizer
 
@@ -49,21 +58,25 @@ def make_batch(task, seed=0):
     if task == "lm":
         return dict(inputs=ids[:, :-1], targets=ids[:, 1:], weights=weights)
     if task == "seq2seq":
-        return dict(src=ids[:, 1:], src_mask=mask, inputs=ids[:, :-1], targets=ids[:, 1:],
-                    weights=weights)  # fmt: skip
+        return dict(
+            src=ids[:, 1:], src_mask=mask, inputs=ids[:, :-1], targets=ids[:, 1:], weights=weights
+        )
     if task == "mlm":
         masked = ids[:, :-1].copy()
         masked[:, ::3] = 1
-        return dict(inputs=masked, targets=ids[:, :-1], weights=(masked == 1) * weights,
-                    mask=mask)  # fmt: skip
+        return dict(inputs=masked, targets=ids[:, :-1], weights=(masked == 1) * weights, mask=mask)
     return dict(inputs=ids[:, :-1], mask=mask, labels=(ids[:, 0] % 2).astype(np.int32))
 
 
 @pytest.mark.parametrize(
     "preset, overrides",
-    [("gpt2-tiny", {}), ("transformer-tiny", {}), ("bert-tiny", {}),
-     ("bert-tiny", dict(num_classes=2))],
-)  # fmt: skip
+    [
+        ("gpt2-tiny", {}),
+        ("transformer-tiny", {}),
+        ("bert-tiny", {}),
+        ("bert-tiny", dict(num_classes=2)),
+    ],
+)
 def test_each_task_learns_its_batch(preset, overrides):
     cfg, model, optimizer = setup(preset, **overrides)
     task = task_of(cfg)
@@ -81,8 +94,9 @@ def test_each_task_learns_its_batch(preset, overrides):
 
 
 def test_tasks_follow_the_model_kind():
-    assert [task_of(ModelConfig.from_preset(p)) for p in ("gpt2-tiny", "transformer-tiny",
-            "bert-tiny")] == ["lm", "seq2seq", "mlm"]  # fmt: skip
+    assert [
+        task_of(ModelConfig.from_preset(p)) for p in ("gpt2-tiny", "transformer-tiny", "bert-tiny")
+    ] == ["lm", "seq2seq", "mlm"]
     assert task_of(ModelConfig.from_preset("bert-tiny", num_classes=3)) == "classify"
 
 
@@ -100,8 +114,11 @@ def test_gradient_accumulation_equals_the_whole_batch():
     parts, parts_metrics = make_train_step(graphdef, task="lm", grad_accum_steps=2)(copy, batch)
     for key in ("loss", "accuracy", "num_tokens", "grad_norm"):
         np.testing.assert_allclose(parts_metrics[key], whole_metrics[key], rtol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
-                 snapshot(parts), snapshot(whole))  # fmt: skip
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+        snapshot(parts),
+        snapshot(whole),
+    )
     with pytest.raises(ValueError, match="not divisible by grad_accum_steps=3"):
         make_train_step(graphdef, task="lm", grad_accum_steps=3)(parts, batch)
 

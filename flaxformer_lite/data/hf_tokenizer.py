@@ -81,8 +81,9 @@ class HfTokenizer(Tokenizer):
             import sentencepiece
 
             self._json = None
-            self._source, self._target = (_sentencepiece(files, side, sentencepiece)
-                                          for side in ("source.spm", "target.spm"))  # fmt: skip
+            self._source, self._target = (
+                _sentencepiece(files, side, sentencepiece) for side in ("source.spm", "target.spm")
+            )
             try:
                 self._vocab = json.loads(files["vocab.json"].decode("utf-8"))
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -95,8 +96,9 @@ class HfTokenizer(Tokenizer):
             self._vocab_size = max(self._vocab.values(), default=-1) + 1
         for name, value in specials.items():
             if value is not None and not 0 <= value < self._vocab_size:
-                raise ValueError(f"{name} id {value} is outside the vocabulary [0, "
-                                 f"{self._vocab_size})")  # fmt: skip
+                raise ValueError(
+                    f"{name} id {value} is outside the vocabulary [0, {self._vocab_size})"
+                )
         self.specials = dict(specials)
         self.pad_id, self.sos_id = specials["pad"], specials["sos"]
         self.eos_id, self.unk_id = specials["eos"], specials["unk"]
@@ -141,8 +143,7 @@ class HfTokenizer(Tokenizer):
         pieces = code + model.encode(text, out_type=str)
         missing = [p for p in pieces if p not in self._vocab]
         if missing and self.unk_id is None:
-            raise ValueError(f"vocab.json has no {missing[0]!r} and no <unk> token to stand "
-                             "for it")  # fmt: skip
+            raise ValueError(f"vocab.json has no {missing[0]!r} and no <unk> token to stand for it")
         return [self._vocab.get(piece, self.unk_id) for piece in pieces]
 
     def decode(self, ids) -> str:
@@ -191,16 +192,20 @@ def load_hf_tokenizer(directory: Path | str) -> HfTokenizer:
     directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"{directory}: no such Hugging Face checkpoint directory")
-    token_files = {n: _read_json_object(directory / n) for n in _TOKEN_FILES
-                   if (directory / n).is_file()}  # fmt: skip
-    model_files = {n: _read_json_object(directory / n) for n in _MODEL_FILES
-                   if (directory / n).is_file()}  # fmt: skip
+    token_files = {
+        n: _read_json_object(directory / n) for n in _TOKEN_FILES if (directory / n).is_file()
+    }
+    model_files = {
+        n: _read_json_object(directory / n) for n in _MODEL_FILES if (directory / n).is_file()
+    }
     if (directory / JSON_FILE).is_file():
         files = {JSON_FILE: _read_bytes(directory / JSON_FILE)}
     elif all((directory / name).is_file() for name in MARIAN_FILES):
         if token_files.get("tokenizer_config.json", {}).get("separate_vocabs"):
-            raise ValueError(f"{directory / 'tokenizer_config.json'}: Marian tokenizers with "
-                             "separate_vocabs are not supported")  # fmt: skip
+            raise ValueError(
+                f"{directory / 'tokenizer_config.json'}: Marian tokenizers with "
+                "separate_vocabs are not supported"
+            )
         files = {name: _read_bytes(directory / name) for name in MARIAN_FILES}
     else:
         raise FileNotFoundError(
@@ -217,8 +222,9 @@ def load_hf_tokenizer(directory: Path | str) -> HfTokenizer:
             if isinstance(token, str):
                 found = plain.token_id(token)
                 if found is None:
-                    raise ValueError(f"{directory / file}: {name}_token {token!r} is not in the "
-                                     "vocabulary")  # fmt: skip
+                    raise ValueError(
+                        f"{directory / file}: {name}_token {token!r} is not in the vocabulary"
+                    )
                 return found
         return None
 

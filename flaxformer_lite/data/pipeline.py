@@ -318,11 +318,15 @@ def _tokenizer(
         tokenizer = tokenizers.load_tokenizer(directory)
         if tokenizer.kind != kind:
             wanted = f"data.tokenizer={kind!r}" if given is None else f"a {kind!r} tokenizer"
-            raise ValueError(f"{directory}: holds a saved {tokenizer.kind!r} tokenizer, but "
-                             f"this run uses {wanted}")  # fmt: skip
+            raise ValueError(
+                f"{directory}: holds a saved {tokenizer.kind!r} tokenizer, but "
+                f"this run uses {wanted}"
+            )
         if given is not None and not tokenizer.same_as(given):
-            raise ValueError(f"{directory}: holds another checkpoint's tokenizer than the one "
-                             "this run starts from (init_from)")  # fmt: skip
+            raise ValueError(
+                f"{directory}: holds another checkpoint's tokenizer than the one "
+                "this run starts from (init_from)"
+            )
         return tokenizer
     if given is not None:
         if save:

@@ -65,14 +65,21 @@ def generate(
     check_sampling(temperature, top_k, top_p, rng)
     graphdef, state = nnx.split(model)
     return _generate(
-        graphdef, state, prompt_tokens.astype(jnp.int32), jnp.asarray(lengths, jnp.int32),
-        jax.random.key(0) if rng is None else rng, max_new_tokens=max_new_tokens,
-        sampling=(float(temperature), top_k, top_p), eos_id=eos_id, pad_id=pad_id,
-    )  # fmt: skip
+        graphdef,
+        state,
+        prompt_tokens.astype(jnp.int32),
+        jnp.asarray(lengths, jnp.int32),
+        jax.random.key(0) if rng is None else rng,
+        max_new_tokens=max_new_tokens,
+        sampling=(float(temperature), top_k, top_p),
+        eos_id=eos_id,
+        pad_id=pad_id,
+    )
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "sampling", "eos_id",
-                                             "pad_id"))  # fmt: skip
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "max_new_tokens", "sampling", "eos_id", "pad_id")
+)
 def _generate(graphdef, state, prompt, lengths, rng, *, max_new_tokens, sampling, eos_id, pad_id):
     batch, length = prompt.shape
     shift = length - lengths  # padding slots before each right-aligned prompt
@@ -93,8 +100,16 @@ def _generate(graphdef, state, prompt, lengths, rng, *, max_new_tokens, sampling
         logits = step_model(tokens[:, None], positions=(lengths + step)[:, None], decode=True)
         return (nnx.state(step_model, nnx.Cache), state[1]), logits[:, 0]
 
-    new_tokens = sampling_loop(forward, (cache, rest), logits, rng, max_new_tokens=max_new_tokens,
-                               sampling=sampling, eos_id=eos_id, pad_id=pad_id)  # fmt: skip
+    new_tokens = sampling_loop(
+        forward,
+        (cache, rest),
+        logits,
+        rng,
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        eos_id=eos_id,
+        pad_id=pad_id,
+    )
     # Back to left-aligned rows: prompt, new tokens, padding.
     joined = jnp.concatenate([aligned, new_tokens], axis=1)
     source = jnp.arange(length + max_new_tokens)[None, :] + shift[:, None]
@@ -133,8 +148,9 @@ def sampling_loop(
     def one_step(carry):
         step, state, logits, tokens, done, rng = carry
         rng, key = jax.random.split(rng)
-        token = jnp.where(done, pad_id, next_token(key, logits, temperature=temperature,
-                                                   top_k=top_k, top_p=top_p))  # fmt: skip
+        token = jnp.where(
+            done, pad_id, next_token(key, logits, temperature=temperature, top_k=top_k, top_p=top_p)
+        )
         tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, step))
         if eos_id is not None:
             done = done | (token == eos_id)

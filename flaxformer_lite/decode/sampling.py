@@ -22,8 +22,9 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None, r
         raise ValueError("sampling (temperature > 0) needs rng=jax.random.key(...)")
 
 
-def filter_logits(logits: jax.Array, *, top_k: int | None = None,
-                  top_p: float | None = None) -> jax.Array:  # fmt: skip
+def filter_logits(
+    logits: jax.Array, *, top_k: int | None = None, top_p: float | None = None
+) -> jax.Array:
     """``logits [..., V]`` with the tokens outside the top-k / top-p set at ``-inf``.
 
     ``top_p`` keeps, in order of probability, every token whose preceding tokens' probabilities
@@ -43,8 +44,14 @@ def filter_logits(logits: jax.Array, *, top_k: int | None = None,
     return logits
 
 
-def next_token(rng, logits: jax.Array, *, temperature: float = 0.0, top_k: int | None = None,
-               top_p: float | None = None) -> jax.Array:  # fmt: skip
+def next_token(
+    rng,
+    logits: jax.Array,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+) -> jax.Array:
     """``logits [B, V]`` -> int32 ``[B]``: the argmax when ``temperature == 0``, else a sample
     from ``softmax(filter_logits(logits / temperature))`` drawn with ``rng``."""
     if temperature == 0:

@@ -58,21 +58,40 @@ def seq2seq_generate(
     check_sampling(temperature, top_k, top_p, rng)
     graphdef, state = nnx.split(model)
     return _seq2seq_generate(
-        graphdef, state, src, src_mask, jax.random.key(0) if rng is None else rng,
-        max_new_tokens=max_new_tokens, sampling=(float(temperature), top_k, top_p),
-        sos_id=sos_id, eos_id=eos_id, pad_id=pad_id,
-    )  # fmt: skip
+        graphdef,
+        state,
+        src,
+        src_mask,
+        jax.random.key(0) if rng is None else rng,
+        max_new_tokens=max_new_tokens,
+        sampling=(float(temperature), top_k, top_p),
+        sos_id=sos_id,
+        eos_id=eos_id,
+        pad_id=pad_id,
+    )
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "sampling", "sos_id",
-                                             "eos_id", "pad_id"))  # fmt: skip
-def _seq2seq_generate(graphdef, state, src, src_mask, rng, *, max_new_tokens, sampling, sos_id,
-                      eos_id, pad_id):  # fmt: skip
+@functools.partial(
+    jax.jit,
+    static_argnames=("graphdef", "max_new_tokens", "sampling", "sos_id", "eos_id", "pad_id"),
+)
+def _seq2seq_generate(
+    graphdef, state, src, src_mask, rng, *, max_new_tokens, sampling, sos_id, eos_id, pad_id
+):
     batch = src.shape[0]
-    cache, logits, forward = _start_decoding(graphdef, state, src, src_mask, batch, max_new_tokens,
-                                             sos_id)  # fmt: skip
-    return sampling_loop(forward, cache, logits, rng, max_new_tokens=max_new_tokens,
-                         sampling=sampling, eos_id=eos_id, pad_id=pad_id)  # fmt: skip
+    cache, logits, forward = _start_decoding(
+        graphdef, state, src, src_mask, batch, max_new_tokens, sos_id
+    )
+    return sampling_loop(
+        forward,
+        cache,
+        logits,
+        rng,
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        eos_id=eos_id,
+        pad_id=pad_id,
+    )
 
 
 def beam_search(
@@ -114,15 +133,48 @@ def beam_search(
     if alpha < 0:
         raise ValueError(f"alpha must be >= 0, got {alpha}")
     graphdef, state = nnx.split(model)
-    return _beam_search(graphdef, state, src, src_mask, max_new_tokens=max_new_tokens,
-                        beam_size=beam_size, alpha=float(alpha), sos_id=sos_id, eos_id=eos_id,
-                        pad_id=pad_id, scanned=model.config.scan_layers)  # fmt: skip
+    return _beam_search(
+        graphdef,
+        state,
+        src,
+        src_mask,
+        max_new_tokens=max_new_tokens,
+        beam_size=beam_size,
+        alpha=float(alpha),
+        sos_id=sos_id,
+        eos_id=eos_id,
+        pad_id=pad_id,
+        scanned=model.config.scan_layers,
+    )
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "beam_size", "alpha",
-                                             "sos_id", "eos_id", "pad_id", "scanned"))  # fmt: skip
-def _beam_search(graphdef, state, src, src_mask, *, max_new_tokens, beam_size, alpha, sos_id,
-                 eos_id, pad_id, scanned):  # fmt: skip
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "graphdef",
+        "max_new_tokens",
+        "beam_size",
+        "alpha",
+        "sos_id",
+        "eos_id",
+        "pad_id",
+        "scanned",
+    ),
+)
+def _beam_search(
+    graphdef,
+    state,
+    src,
+    src_mask,
+    *,
+    max_new_tokens,
+    beam_size,
+    alpha,
+    sos_id,
+    eos_id,
+    pad_id,
+    scanned,
+):
     batch, k, n = src.shape[0], beam_size, max_new_tokens
     # Every source is repeated K times: row b * K + j is beam j of source b.
     src = jnp.repeat(src, k, axis=0)
@@ -152,8 +204,9 @@ def _beam_search(graphdef, state, src, src_mask, *, max_new_tokens, beam_size, a
         new_scores = jnp.where(ended, top_logp / penalty(step + 1), -jnp.inf)
         finished, finished_scores = _best(
             jnp.concatenate([finished, seqs], axis=1),
-            jnp.concatenate([finished_scores, new_scores], axis=1), k,
-        )  # fmt: skip
+            jnp.concatenate([finished_scores, new_scores], axis=1),
+            k,
+        )
         alive_logp, keep = jax.lax.top_k(jnp.where(ended, -jnp.inf, top_logp), k)
         alive = jnp.take_along_axis(seqs, keep[:, :, None], axis=1)
         rows = (jnp.arange(batch)[:, None] * k + jnp.take_along_axis(parent, keep, 1)).reshape(-1)
@@ -171,8 +224,9 @@ def _beam_search(graphdef, state, src, src_mask, *, max_new_tokens, beam_size, a
     )
     return _best(
         jnp.concatenate([finished, alive], axis=1),
-        jnp.concatenate([finished_scores, alive_logp / penalty(step)], axis=1), k,
-    )  # fmt: skip
+        jnp.concatenate([finished_scores, alive_logp / penalty(step)], axis=1),
+        k,
+    )
 
 
 def _best(seqs, scores, k):
@@ -224,8 +278,10 @@ def _source(src, src_lengths):
     """``src`` as an array and its padding mask ``[B, S]`` from ``src_lengths``."""
     src = jnp.asarray(src)
     if src.ndim not in (2, 3):
-        raise ValueError(f"src must be [batch, length] tokens or [batch, length, features], "
-                         f"got {src.dtype}{src.shape}")  # fmt: skip
+        raise ValueError(
+            f"src must be [batch, length] tokens or [batch, length, features], "
+            f"got {src.dtype}{src.shape}"
+        )
     batch, length = src.shape[:2]
     lengths = check_lengths(src_lengths, batch, length, "src")
     return src, jnp.arange(length)[None, :] < jnp.asarray(lengths)[:, None]

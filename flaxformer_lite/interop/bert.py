@@ -74,17 +74,21 @@ def _layer_rules() -> list[Rule]:
     hf, ours = "bert.encoder.layer.{i}.", "encoder.layers.layers.{i}."
     attention, ours_attention = hf + "attention.", ours + "self_attention."
     return [
-        *(Rule(f"{attention}self.{n}.weight", f"{ours_attention}{n}.kernel", "out_in", 1)
-          for n in _ATTENTION),
-        *(Rule(f"{attention}self.{n}.bias", f"{ours_attention}{n}.bias", "flat")
-          for n in _ATTENTION),
+        *(
+            Rule(f"{attention}self.{n}.weight", f"{ours_attention}{n}.kernel", "out_in", 1)
+            for n in _ATTENTION
+        ),
+        *(
+            Rule(f"{attention}self.{n}.bias", f"{ours_attention}{n}.bias", "flat")
+            for n in _ATTENTION
+        ),
         Rule(attention + "output.dense.weight", ours_attention + "out.kernel", "out_in", 2),
         Rule(attention + "output.dense.bias", ours_attention + "out.bias"),
         *_norm_rules(attention + "output.LayerNorm.", ours + "self_attention_norm."),
         *_dense_rules(hf + "intermediate.dense.", ours + "mlp.wi."),
         *_dense_rules(hf + "output.dense.", ours + "mlp.wo."),
         *_norm_rules(hf + "output.LayerNorm.", ours + "mlp_norm."),
-    ]  # fmt: skip
+    ]
 
 
 LAYER_RULES = tuple(_layer_rules())
@@ -121,8 +125,10 @@ def rules(cfg: ModelConfig) -> list[Rule]:
     if cfg.num_classes is not None:
         heads = CLASSIFIER_RULES
     else:
-        heads = (*MLM_TRANSFORM_RULES,
-                 *(TIED_DECODER_RULES if cfg.tie_embeddings else UNTIED_DECODER_RULES))  # fmt: skip
+        heads = (
+            *MLM_TRANSFORM_RULES,
+            *(TIED_DECODER_RULES if cfg.tie_embeddings else UNTIED_DECODER_RULES),
+        )
     return [*EMBEDDING_RULES, *layer_rules(LAYER_RULES, cfg.num_encoder_layers), *heads]
 
 
@@ -270,10 +276,20 @@ def mismatches(cfg: ModelConfig) -> list[str]:
     """The settings of ``cfg`` that a BERT cannot have (empty: it is a BERT, a masked LM
     without ``num_classes`` and a sequence classifier with)."""
     want = dict(
-        kind="encoder", norm="layernorm", norm_position="post", positions="learned",
-        embed_norm=True, scale_embeddings=False, parallel_block=False, fused_qkv=False,
-        qkv_bias=True, attention_out_bias=True, mlp_bias=True, input_dim=None, output_dim=None,
-    )  # fmt: skip
+        kind="encoder",
+        norm="layernorm",
+        norm_position="post",
+        positions="learned",
+        embed_norm=True,
+        scale_embeddings=False,
+        parallel_block=False,
+        fused_qkv=False,
+        qkv_bias=True,
+        attention_out_bias=True,
+        mlp_bias=True,
+        input_dim=None,
+        output_dim=None,
+    )
     if cfg.num_classes is None:  # BertForMaskedLM's head
         want.update(mlm_transform=True, output_bias=True)
     else:  # BertForSequenceClassification's

@@ -201,9 +201,10 @@ def tensors_to_params(
     used = {rule.hf for rule in all_rules}
     patterns = [re.compile(p) for p in ignore]
     unused = sorted(
-        name for name in tensors
+        name
+        for name in tensors
         if name not in used and not any(p.fullmatch(name) for p in patterns)
-    )  # fmt: skip
+    )
     if unused:
         raise ValueError(
             f"the checkpoint has tensors this model does not use (a feature the config does not "

@@ -155,9 +155,20 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 def mismatches(cfg: ModelConfig) -> list[str]:
     """The settings of ``cfg`` that a GPT-2 cannot have (empty: it is a GPT-2)."""
     want = dict(
-        kind="decoder", norm="layernorm", norm_position="pre", positions="learned",
-        embed_norm=False, scale_embeddings=False, parallel_block=False, fused_qkv=True,
-        qkv_bias=True, attention_out_bias=True, mlp_bias=True, output_bias=False,
-        input_dim=None, output_dim=None, mlm_transform=False,
-    )  # fmt: skip
+        kind="decoder",
+        norm="layernorm",
+        norm_position="pre",
+        positions="learned",
+        embed_norm=False,
+        scale_embeddings=False,
+        parallel_block=False,
+        fused_qkv=True,
+        qkv_bias=True,
+        attention_out_bias=True,
+        mlp_bias=True,
+        output_bias=False,
+        input_dim=None,
+        output_dim=None,
+        mlm_transform=False,
+    )
     return multi_head_mismatches(cfg, "GPT-2", want, _ACTIVATION_NAMES)

@@ -104,9 +104,11 @@ def load_hf(path: str | os.PathLike, *, dtype=None) -> tuple[Model, ModelConfig]
         family.rules(cfg), tensors, shapes, ignore=family.ignored(cfg), dtype=jnp.dtype(dtype)
     )
     filled = nnx.from_flat_state(
-        [(p, v.replace(jnp.asarray(params[_dotted(p)]))) for p, v in
-         nnx.to_flat_state(abstract_params)]
-    )  # fmt: skip
+        [
+            (p, v.replace(jnp.asarray(params[_dotted(p)])))
+            for p, v in nnx.to_flat_state(abstract_params)
+        ]
+    )
     model = nnx.merge(graphdef, filled, others)
     model.eval()
     return model, cfg
@@ -131,8 +133,9 @@ def save_hf(model: Model, config: ModelConfig, path: str | os.PathLike) -> None:
     unwritten = family.unwritten(config) if hasattr(family, "unwritten") else ()
     tensors = common.params_to_tensors(family.rules(config), params, ignore=unwritten)
     if family is gpt2:  # what GPT2LMHeadModel itself writes
-        tensors = {("transformer." + n if n != "lm_head.weight" else n): x
-                   for n, x in tensors.items()}  # fmt: skip
+        tensors = {
+            ("transformer." + n if n != "lm_head.weight" else n): x for n, x in tensors.items()
+        }
     common.write_checkpoint(path, hf_config, tensors)
 
 

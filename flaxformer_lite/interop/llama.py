@@ -35,16 +35,20 @@ def rules(cfg: ModelConfig) -> list[Rule]:
     hf, ours = "model.layers.{i}.", _LAYER
     layer = [
         Rule(hf + "input_layernorm.weight", ours + "self_attention_norm.scale"),
-        *(Rule(hf + f"self_attn.{a}.weight", ours + f"self_attention.{b}.kernel", "out_in", 1)
-          for a, b in _ATTENTION),
+        *(
+            Rule(hf + f"self_attn.{a}.weight", ours + f"self_attention.{b}.kernel", "out_in", 1)
+            for a, b in _ATTENTION
+        ),
         Rule(hf + "self_attn.o_proj.weight", ours + "self_attention.out.kernel", "out_in", 2),
         Rule(hf + "post_attention_layernorm.weight", ours + "mlp_norm.scale"),
         *(Rule(hf + f"mlp.{a}.weight", ours + f"mlp.{b}.kernel", "out_in", 1) for a, b in _MLP),
         Rule(hf + "mlp.down_proj.weight", ours + "mlp.wo.kernel", "out_in", 1),
-    ]  # fmt: skip
+    ]
     if cfg.qkv_bias:  # HF's `attention_bias` adds all four biases; config_from_hf sets both
-        layer += [Rule(hf + f"self_attn.{a}.bias", ours + f"self_attention.{b}.bias", "flat")
-                  for a, b in _ATTENTION]  # fmt: skip
+        layer += [
+            Rule(hf + f"self_attn.{a}.bias", ours + f"self_attention.{b}.bias", "flat")
+            for a, b in _ATTENTION
+        ]
     if cfg.attention_out_bias:
         layer.append(Rule(hf + "self_attn.o_proj.bias", ours + "self_attention.out.bias"))
     if cfg.mlp_bias:
@@ -152,10 +156,18 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     if scaling is not None and scaling.kind == "linear":
         rope_scaling = {"rope_type": "linear", "factor": scaling.factor}
     elif scaling is not None:
-        rope_scaling = {"rope_type": "llama3", **{
-            name: getattr(scaling, name) for name in (
-                "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"
-            )}}  # fmt: skip
+        rope_scaling = {
+            "rope_type": "llama3",
+            **{
+                name: getattr(scaling, name)
+                for name in (
+                    "factor",
+                    "low_freq_factor",
+                    "high_freq_factor",
+                    "original_max_position_embeddings",
+                )
+            },
+        }
     return {
         "architectures": [ARCHITECTURE],
         "model_type": MODEL_TYPE,
@@ -185,11 +197,23 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 def mismatches(cfg: ModelConfig) -> list[str]:
     """The settings of ``cfg`` that a Llama cannot have (empty: it is a Llama)."""
     want = dict(
-        kind="decoder", norm="rmsnorm", norm_position="pre", positions="rope", rope_layout="half",
-        activation="swiglu", embed_norm=False, scale_embeddings=False, parallel_block=False,
-        fused_qkv=False, output_bias=False, input_dim=None, output_dim=None, mlm_transform=False,
-        embedding_dropout=0.0, residual_dropout=0.0,
-    )  # fmt: skip
+        kind="decoder",
+        norm="rmsnorm",
+        norm_position="pre",
+        positions="rope",
+        rope_layout="half",
+        activation="swiglu",
+        embed_norm=False,
+        scale_embeddings=False,
+        parallel_block=False,
+        fused_qkv=False,
+        output_bias=False,
+        input_dim=None,
+        output_dim=None,
+        mlm_transform=False,
+        embedding_dropout=0.0,
+        residual_dropout=0.0,
+    )
     problems = [
         f"{name}={getattr(cfg, name)!r} (Llama has {value!r})"
         for name, value in want.items()

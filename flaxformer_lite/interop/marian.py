@@ -108,8 +108,9 @@ def rules(cfg: ModelConfig) -> list[Rule]:
         shared = tgt_table if cfg.tie_embeddings else "src_embed.tokens.embedding"
         model = [Rule("model.shared.weight", shared)]
         if not cfg.tie_embeddings:  # transformers 5.x then reads untied copies (module doc)
-            model += [Rule(f"model.{side}.embed_tokens.weight", shared)
-                      for side in ("encoder", "decoder")]  # fmt: skip
+            model += [
+                Rule(f"model.{side}.embed_tokens.weight", shared) for side in ("encoder", "decoder")
+            ]
     else:
         model = [
             Rule("model.encoder.embed_tokens.weight", "src_embed.tokens.embedding"),
@@ -253,11 +254,23 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 def mismatches(cfg: ModelConfig) -> list[str]:
     """The settings of ``cfg`` that a Marian cannot have (empty: it is a Marian)."""
     want = dict(
-        kind="encoder_decoder", norm="layernorm", norm_eps=NORM_EPS, norm_position="post",
-        positions="sinusoidal", sinusoidal_layout="concat", embed_norm=False,
-        parallel_block=False, fused_qkv=False, qkv_bias=True, attention_out_bias=True,
-        mlp_bias=True, output_bias=True, input_dim=None, output_dim=None, mlm_transform=False,
-    )  # fmt: skip
+        kind="encoder_decoder",
+        norm="layernorm",
+        norm_eps=NORM_EPS,
+        norm_position="post",
+        positions="sinusoidal",
+        sinusoidal_layout="concat",
+        embed_norm=False,
+        parallel_block=False,
+        fused_qkv=False,
+        qkv_bias=True,
+        attention_out_bias=True,
+        mlp_bias=True,
+        output_bias=True,
+        input_dim=None,
+        output_dim=None,
+        mlm_transform=False,
+    )
     problems = multi_head_mismatches(cfg, "Marian", want, _ACTIVATION_NAMES)
     if cfg.embedding_dropout != cfg.residual_dropout:
         problems.append(

@@ -18,10 +18,15 @@ _EMBEDDING_TABLES = ("tokens", "positions", "token_types")
 
 # Dense peak FLOP/s per chip for bf16 matmuls, by jax's device_kind; other devices: n/a.
 PEAK_FLOPS = {
-    "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H200": 989e12, "NVIDIA A100-SXM4-80GB": 312e12,
-    "NVIDIA A100-SXM4-40GB": 312e12, "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5": 459e12,
+    "NVIDIA H100 80GB HBM3": 989e12,
+    "NVIDIA H200": 989e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-SXM4-40GB": 312e12,
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5": 459e12,
     "TPU v6 lite": 918e12,
-}  # fmt: skip
+}
 
 
 def parameter_counts(model_or_config) -> dict[str, int]:

@@ -89,8 +89,10 @@ class ModelConfig:
     def from_preset(cls, name: str, **overrides: Any) -> ModelConfig:
         """A preset by name (see ``PRESETS``), with fields overridden by keyword."""
         if name not in PRESETS:
-            raise ValueError(f"unknown model preset {name!r}{_suggest(name, PRESETS)}; "
-                             f"presets: {', '.join(sorted(PRESETS))}")  # fmt: skip
+            raise ValueError(
+                f"unknown model preset {name!r}{_suggest(name, PRESETS)}; "
+                f"presets: {', '.join(sorted(PRESETS))}"
+            )
         return cls.from_dict({**PRESETS[name], **overrides})
 
     @classmethod
@@ -246,38 +248,109 @@ def _suggest(name: str, options) -> str:
 
 # --------------------------------------------------------------------------- presets
 _TRANSFORMER_BASE = dict(
-    vocab_size=37000, d_model=512, num_heads=8, d_ff=2048, num_encoder_layers=6,
-    num_decoder_layers=6, max_length=1024, embedding_dropout=0.1, residual_dropout=0.1,
-    norm="layernorm", norm_eps=1e-6, norm_position="post", positions="sinusoidal",
-    activation="relu", tie_embeddings=True, share_src_tgt_embeddings=True, scale_embeddings=True,
+    vocab_size=37000,
+    d_model=512,
+    num_heads=8,
+    d_ff=2048,
+    num_encoder_layers=6,
+    num_decoder_layers=6,
+    max_length=1024,
+    embedding_dropout=0.1,
+    residual_dropout=0.1,
+    norm="layernorm",
+    norm_eps=1e-6,
+    norm_position="post",
+    positions="sinusoidal",
+    activation="relu",
+    tie_embeddings=True,
+    share_src_tgt_embeddings=True,
+    scale_embeddings=True,
     init="xavier",
-)  # fmt: skip
+)
 _GPT2_SMALL = dict(
-    vocab_size=50257, d_model=768, num_heads=12, d_ff=3072, num_encoder_layers=0,
-    num_decoder_layers=12, max_length=1024, embedding_dropout=0.1, attention_dropout=0.1,
-    residual_dropout=0.1, norm="layernorm", norm_eps=1e-5, norm_position="pre",
-    positions="learned", activation="gelu_tanh", tie_embeddings=True, scale_embeddings=False,
-    fused_qkv=True, init="normal", init_std=0.02, scale_residual_init=True,
-)  # fmt: skip
+    vocab_size=50257,
+    d_model=768,
+    num_heads=12,
+    d_ff=3072,
+    num_encoder_layers=0,
+    num_decoder_layers=12,
+    max_length=1024,
+    embedding_dropout=0.1,
+    attention_dropout=0.1,
+    residual_dropout=0.1,
+    norm="layernorm",
+    norm_eps=1e-5,
+    norm_position="pre",
+    positions="learned",
+    activation="gelu_tanh",
+    tie_embeddings=True,
+    scale_embeddings=False,
+    fused_qkv=True,
+    init="normal",
+    init_std=0.02,
+    scale_residual_init=True,
+)
 _BERT_BASE = dict(
-    vocab_size=30522, d_model=768, num_heads=12, d_ff=3072, num_encoder_layers=12,
-    num_decoder_layers=0, max_length=512, embedding_dropout=0.1, attention_dropout=0.1,
-    residual_dropout=0.1, norm="layernorm", norm_eps=1e-12, norm_position="post", embed_norm=True,
-    positions="learned", activation="gelu", tie_embeddings=True, scale_embeddings=False,
-    output_bias=True, type_vocab_size=2, mlm_transform=True, pooler_dense=True, pooling="first",
-    init="normal", init_std=0.02,
-)  # fmt: skip
+    vocab_size=30522,
+    d_model=768,
+    num_heads=12,
+    d_ff=3072,
+    num_encoder_layers=12,
+    num_decoder_layers=0,
+    max_length=512,
+    embedding_dropout=0.1,
+    attention_dropout=0.1,
+    residual_dropout=0.1,
+    norm="layernorm",
+    norm_eps=1e-12,
+    norm_position="post",
+    embed_norm=True,
+    positions="learned",
+    activation="gelu",
+    tie_embeddings=True,
+    scale_embeddings=False,
+    output_bias=True,
+    type_vocab_size=2,
+    mlm_transform=True,
+    pooler_dense=True,
+    pooling="first",
+    init="normal",
+    init_std=0.02,
+)
 # Llama 3.2 1B's shape: RMSNorm, RoPE (theta 500000, llama3 scaling), SwiGLU, GQA, no biases.
 _LLAMA_STYLE = dict(
-    vocab_size=128256, d_model=2048, num_heads=32, num_kv_heads=8, d_ff=8192,
-    num_encoder_layers=0, num_decoder_layers=16, max_length=8192, embedding_dropout=0.0,
-    attention_dropout=0.0, residual_dropout=0.0, norm="rmsnorm", norm_eps=1e-5,
-    norm_position="pre", positions="rope", rope_base=500000.0,
-    rope_scaling=dict(kind="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                      original_max_position_embeddings=8192),
-    activation="swiglu", tie_embeddings=True, scale_embeddings=False, qkv_bias=False,
-    attention_out_bias=False, mlp_bias=False, init="normal", init_std=0.02,
-)  # fmt: skip
+    vocab_size=128256,
+    d_model=2048,
+    num_heads=32,
+    num_kv_heads=8,
+    d_ff=8192,
+    num_encoder_layers=0,
+    num_decoder_layers=16,
+    max_length=8192,
+    embedding_dropout=0.0,
+    attention_dropout=0.0,
+    residual_dropout=0.0,
+    norm="rmsnorm",
+    norm_eps=1e-5,
+    norm_position="pre",
+    positions="rope",
+    rope_base=500000.0,
+    rope_scaling=dict(
+        kind="llama3",
+        factor=32.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    ),
+    activation="swiglu",
+    tie_embeddings=True,
+    scale_embeddings=False,
+    qkv_bias=False,
+    attention_out_bias=False,
+    mlp_bias=False,
+    init="normal",
+    init_std=0.02,
+)
 # CPU-sized variants: byte vocabulary, d_model 64, 2 layers per stack.
 _TINY = dict(vocab_size=256, d_model=64, num_heads=4, d_ff=256, max_length=256)
 
@@ -290,7 +363,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "d_ff": 4096,
         "embedding_dropout": 0.3,
         "residual_dropout": 0.3,
-    },  # fmt: skip
+    },
     "gpt2-small": _GPT2_SMALL,
     "gpt2-medium": {
         **_GPT2_SMALL,
@@ -298,7 +371,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_heads": 16,
         "d_ff": 4096,
         "num_decoder_layers": 24,
-    },  # fmt: skip
+    },
     "bert-base": _BERT_BASE,
     "llama-style": _LLAMA_STYLE,
     "transformer-tiny": {
@@ -306,7 +379,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         **_TINY,
         "num_encoder_layers": 2,
         "num_decoder_layers": 2,
-    },  # fmt: skip
+    },
     "gpt2-tiny": {**_GPT2_SMALL, **_TINY, "num_decoder_layers": 2},
     "bert-tiny": {**_BERT_BASE, **_TINY, "num_encoder_layers": 2},
     "llama-tiny": {
@@ -317,7 +390,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "d_ff": 192,
         "rope_base": 10000.0,
         "rope_scaling": None,
-    },  # fmt: skip
+    },
 }
 
 

@@ -37,9 +37,13 @@ class DecoderLM(nnx.Module):
         tokens = None if cfg.input_dim is not None else token_embedding(cfg, rngs)
         self.embed = InputEmbedding(cfg, tokens=tokens, input_dim=cfg.input_dim, rngs=rngs)
         self.decoder = Tower(
-            cfg, num_layers=cfg.num_decoder_layers, causal=True, cross_attention=False,
-            rngs=rngs, attention_fn=attention_fn,
-        )  # fmt: skip
+            cfg,
+            num_layers=cfg.num_decoder_layers,
+            causal=True,
+            cross_attention=False,
+            rngs=rngs,
+            attention_fn=attention_fn,
+        )
         self.head = OutputHead(cfg, tokens=tokens, rngs=rngs)
         self.decode_state = nnx.data(None)  # a DecodeState after init_cache
 
@@ -89,8 +93,9 @@ class DecoderLM(nnx.Module):
         if positions is None:
             positions = default_positions(length, 0 if cache_index is None else cache_index)
         x = self.embed(inputs, positions)
-        x = self.decoder(x, mask=mask, positions=positions, cache_index=cache_index,
-                         kv_length=kv_length)  # fmt: skip
+        x = self.decoder(
+            x, mask=mask, positions=positions, cache_index=cache_index, kv_length=kv_length
+        )
         logits = self.head(x)
         return logits if overflow is None else poison_if(overflow, logits)
 

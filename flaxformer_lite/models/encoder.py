@@ -49,12 +49,17 @@ class Encoder(nnx.Module):
         tokens = None if cfg.input_dim is not None else token_embedding(cfg, rngs)
         self.embed = InputEmbedding(cfg, tokens=tokens, input_dim=cfg.input_dim, rngs=rngs)
         self.encoder = Tower(
-            cfg, num_layers=cfg.num_encoder_layers, causal=False, cross_attention=False,
-            rngs=rngs, attention_fn=attention_fn,
-        )  # fmt: skip
+            cfg,
+            num_layers=cfg.num_encoder_layers,
+            causal=False,
+            cross_attention=False,
+            rngs=rngs,
+            attention_fn=attention_fn,
+        )
         self.head = OutputHead(cfg, tokens=tokens, rngs=rngs)
-        common = dict(init=cfg.kernel_init, dtype=cfg.compute_dtype, param_dtype=cfg.storage_dtype,
-                      rngs=rngs)  # fmt: skip
+        common = dict(
+            init=cfg.kernel_init, dtype=cfg.compute_dtype, param_dtype=cfg.storage_dtype, rngs=rngs
+        )
         with_classifier = cfg.num_classes is not None
         self.pooler = (
             Dense(cfg.d_model, cfg.d_model, names=("embed", "embed_out"), **common)

@@ -48,18 +48,31 @@ class EncoderDecoder(nnx.Module):
         self.src_embed = InputEmbedding(cfg, tokens=src_tokens, input_dim=cfg.input_dim, rngs=rngs)
         self.tgt_embed = InputEmbedding(cfg, tokens=tgt_tokens, input_dim=cfg.output_dim, rngs=rngs)
         self.encoder = Tower(
-            cfg, num_layers=cfg.num_encoder_layers, causal=False, cross_attention=False,
-            rngs=rngs, attention_fn=attention_fn,
-        )  # fmt: skip
+            cfg,
+            num_layers=cfg.num_encoder_layers,
+            causal=False,
+            cross_attention=False,
+            rngs=rngs,
+            attention_fn=attention_fn,
+        )
         self.decoder = Tower(
-            cfg, num_layers=cfg.num_decoder_layers, causal=True, cross_attention=True,
-            rngs=rngs, attention_fn=attention_fn,
-        )  # fmt: skip
+            cfg,
+            num_layers=cfg.num_decoder_layers,
+            causal=True,
+            cross_attention=True,
+            rngs=rngs,
+            attention_fn=attention_fn,
+        )
         self.head = OutputHead(cfg, tokens=tgt_tokens, rngs=rngs)
         self.decode_state = nnx.data(None)  # a DecodeState after init_cache
 
-    def encode(self, src: jax.Array, *, src_mask: jax.Array | None = None,
-               src_positions: jax.Array | None = None) -> jax.Array:  # fmt: skip
+    def encode(
+        self,
+        src: jax.Array,
+        *,
+        src_mask: jax.Array | None = None,
+        src_positions: jax.Array | None = None,
+    ) -> jax.Array:
         """``src`` int ``[B, S]`` (or float ``[B, S, input_dim]``), ``src_mask`` bool ``[B, S]``
         (False at padding; outputs there are meaningless) -> ``[B, S, D]``."""
         length = src.shape[1]
@@ -99,24 +112,42 @@ class EncoderDecoder(nnx.Module):
         if tgt_positions is None:
             tgt_positions = default_positions(length, 0 if cache_index is None else cache_index)
         x = self.tgt_embed(tgt, tgt_positions)
-        x = self.decoder(x, encoded, mask=mask, context_mask=key_mask(src_mask),
-                         positions=tgt_positions, cache_index=cache_index,
-                         kv_length=kv_length)  # fmt: skip
+        x = self.decoder(
+            x,
+            encoded,
+            mask=mask,
+            context_mask=key_mask(src_mask),
+            positions=tgt_positions,
+            cache_index=cache_index,
+            kv_length=kv_length,
+        )
         outputs = self.head(x)
         return outputs if overflow is None else poison_if(overflow, outputs)
 
-    def __call__(self, src: jax.Array, tgt: jax.Array, *, src_mask: jax.Array | None = None,
-                 src_positions=None, tgt_positions=None) -> jax.Array:  # fmt: skip
+    def __call__(
+        self,
+        src: jax.Array,
+        tgt: jax.Array,
+        *,
+        src_mask: jax.Array | None = None,
+        src_positions=None,
+        tgt_positions=None,
+    ) -> jax.Array:
         """Teacher-forced logits ``[B, T, V]`` (``[B, T, output_dim]`` for regression)."""
         encoded = self.encode(src, src_mask=src_mask, src_positions=src_positions)
         return self.decode(tgt, encoded, src_mask=src_mask, tgt_positions=tgt_positions)
 
-    def init_cache(self, batch_size: int, max_length: int | None = None, *,
-                   source_length: int | None = None, dtype=None) -> None:  # fmt: skip
+    def init_cache(
+        self,
+        batch_size: int,
+        max_length: int | None = None,
+        *,
+        source_length: int | None = None,
+        dtype=None,
+    ) -> None:
         """Empties the decoder's KV cache for ``batch_size`` rows of up to ``max_length`` target
         tokens; with ``source_length`` also the cross-attention cache of the encoder output."""
         max_length = max_length or self.config.max_length
         check_length(self.config, max_length, "the cache")
         self.decode_state = DecodeState(batch_size, max_length)
-        self.decoder.init_cache(batch_size, max_length, context_length=source_length,
-                                dtype=dtype)  # fmt: skip
+        self.decoder.init_cache(batch_size, max_length, context_length=source_length, dtype=dtype)

@@ -19,8 +19,14 @@ from flaxformer_lite.nn.stack import LayerStack
 
 def token_embedding(cfg: ModelConfig, rngs: nnx.Rngs) -> Embed:
     """The ``[vocab, D]`` token table."""
-    return Embed(cfg.vocab_size, cfg.d_model, init=cfg.kernel_init, dtype=cfg.compute_dtype,
-                 param_dtype=cfg.storage_dtype, rngs=rngs)  # fmt: skip
+    return Embed(
+        cfg.vocab_size,
+        cfg.d_model,
+        init=cfg.kernel_init,
+        dtype=cfg.compute_dtype,
+        param_dtype=cfg.storage_dtype,
+        rngs=rngs,
+    )
 
 
 def key_mask(valid: jax.Array | None) -> jax.Array | None:
@@ -48,13 +54,20 @@ class InputEmbedding(nnx.Module):
       input_dim: the feature count F, for continuous inputs (instead of ``tokens``).
     """
 
-    def __init__(self, cfg: ModelConfig, *, tokens: Embed | None = None,
-                 input_dim: int | None = None, rngs: nnx.Rngs):  # fmt: skip
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        tokens: Embed | None = None,
+        input_dim: int | None = None,
+        rngs: nnx.Rngs,
+    ):
         if (tokens is None) == (input_dim is None):
             raise ValueError("InputEmbedding takes either a token table or an input_dim")
         self.cfg, self.tokens, self.input_dim = cfg, tokens, input_dim
-        common = dict(init=cfg.kernel_init, dtype=cfg.compute_dtype, param_dtype=cfg.storage_dtype,
-                      rngs=rngs)  # fmt: skip
+        common = dict(
+            init=cfg.kernel_init, dtype=cfg.compute_dtype, param_dtype=cfg.storage_dtype, rngs=rngs
+        )
         self.features = (
             Dense(input_dim, cfg.d_model, names=("features", "embed"), **common)
             if input_dim is not None
@@ -73,8 +86,9 @@ class InputEmbedding(nnx.Module):
         self.norm = make_layer_norm(cfg, rngs) if cfg.embed_norm else None
         self.dropout = nnx.Dropout(cfg.embedding_dropout, rngs=rngs)
 
-    def __call__(self, inputs: jax.Array, positions: jax.Array,
-                 token_types: jax.Array | None = None) -> jax.Array:  # fmt: skip
+    def __call__(
+        self, inputs: jax.Array, positions: jax.Array, token_types: jax.Array | None = None
+    ) -> jax.Array:
         """``inputs`` int ``[B, T]`` (or float ``[B, T, input_dim]``), ``positions`` ``[T]`` or
         ``[B, T]`` -> ``[B, T, D]`` in the compute dtype."""
         cfg = self.cfg
@@ -101,8 +115,9 @@ class InputEmbedding(nnx.Module):
         elif self.positions is not None:
             x = x + self.positions(positions)
         if self.token_types is not None:
-            x = x + self.token_types(jnp.zeros(x.shape[:2], jnp.int32) if token_types is None
-                                     else token_types)  # fmt: skip
+            x = x + self.token_types(
+                jnp.zeros(x.shape[:2], jnp.int32) if token_types is None else token_types
+            )
         if self.norm is not None:
             x = self.norm(x)
         return self.dropout(x)
@@ -111,8 +126,16 @@ class InputEmbedding(nnx.Module):
 class Tower(nnx.Module):
     """A stack of layers with its position bias (relative / ALiBi) and, for pre-LN, final norm."""
 
-    def __init__(self, cfg: ModelConfig, *, num_layers: int, causal: bool, cross_attention: bool,
-                 rngs: nnx.Rngs, attention_fn=None):  # fmt: skip
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        num_layers: int,
+        causal: bool,
+        cross_attention: bool,
+        rngs: nnx.Rngs,
+        attention_fn=None,
+    ):
         self.num_heads, self.positions = cfg.num_heads, cfg.positions
         self.relative_bias = (
             RelativePositionBias(
@@ -123,24 +146,40 @@ class Tower(nnx.Module):
                 init=cfg.kernel_init,
                 param_dtype=cfg.storage_dtype,
                 rngs=rngs,
-            )  # fmt: skip
+            )
             if cfg.positions == "relative"
             else None
         )
 
         def make_layer(layer_rngs):
             if not causal:
-                return EncoderLayer(cfg, num_layers=num_layers, rngs=layer_rngs,
-                                    attention_fn=attention_fn)  # fmt: skip
-            return DecoderLayer(cfg, num_layers=num_layers, cross_attention=cross_attention,
-                                rngs=layer_rngs, attention_fn=attention_fn)  # fmt: skip
+                return EncoderLayer(
+                    cfg, num_layers=num_layers, rngs=layer_rngs, attention_fn=attention_fn
+                )
+            return DecoderLayer(
+                cfg,
+                num_layers=num_layers,
+                cross_attention=cross_attention,
+                rngs=layer_rngs,
+                attention_fn=attention_fn,
+            )
 
-        self.layers = LayerStack(num_layers, make_layer, scan=cfg.scan_layers, remat=cfg.remat,
-                                 rngs=rngs)  # fmt: skip
+        self.layers = LayerStack(
+            num_layers, make_layer, scan=cfg.scan_layers, remat=cfg.remat, rngs=rngs
+        )
         self.final_norm = make_layer_norm(cfg, rngs) if cfg.norm_position == "pre" else None
 
-    def __call__(self, x, context=None, *, mask=None, context_mask=None, positions=None,
-                 cache_index=None, kv_length=None):  # fmt: skip
+    def __call__(
+        self,
+        x,
+        context=None,
+        *,
+        mask=None,
+        context_mask=None,
+        positions=None,
+        cache_index=None,
+        kv_length=None,
+    ):
         """``x [B, T, D]`` -> ``[B, T, D]``.
 
         ``kv_length`` is the self-attention key count (the cache length when decoding; T
@@ -154,14 +193,21 @@ class Tower(nnx.Module):
             bias = self.relative_bias(start + jnp.arange(length), jnp.arange(kv_length))
         elif self.positions == "alibi":
             bias = alibi(self.num_heads, length, kv_length, cache_index)
-        x = self.layers(x, context, mask=mask, bias=bias, context_mask=context_mask,
-                        positions=positions, cache_index=cache_index)  # fmt: skip
+        x = self.layers(
+            x,
+            context,
+            mask=mask,
+            bias=bias,
+            context_mask=context_mask,
+            positions=positions,
+            cache_index=cache_index,
+        )
         return x if self.final_norm is None else self.final_norm(x)
 
-    def init_cache(self, batch_size: int, max_length: int, *, context_length: int | None = None,
-                   dtype=None) -> None:  # fmt: skip
-        self.layers.init_cache(batch_size, max_length, context_length=context_length,
-                               dtype=dtype)  # fmt: skip
+    def init_cache(
+        self, batch_size: int, max_length: int, *, context_length: int | None = None, dtype=None
+    ) -> None:
+        self.layers.init_cache(batch_size, max_length, context_length=context_length, dtype=dtype)
 
 
 class OutputHead(nnx.Module):
@@ -169,8 +215,9 @@ class OutputHead(nnx.Module):
     ``[B, T, output_dim]``; BERT's MLM transform (dense, activation, norm) first if configured."""
 
     def __init__(self, cfg: ModelConfig, *, tokens: Embed | None, rngs: nnx.Rngs):
-        common = dict(init=cfg.kernel_init, dtype=cfg.compute_dtype, param_dtype=cfg.storage_dtype,
-                      rngs=rngs)  # fmt: skip
+        common = dict(
+            init=cfg.kernel_init, dtype=cfg.compute_dtype, param_dtype=cfg.storage_dtype, rngs=rngs
+        )
         self.nonlinearity = nonlinearity_of(cfg.activation)
         if cfg.mlm_transform and cfg.output_dim is None:
             self.transform = Dense(cfg.d_model, cfg.d_model, names=("embed", "embed_out"), **common)
@@ -183,8 +230,13 @@ class OutputHead(nnx.Module):
                 cfg.d_model, cfg.output_dim, names=("embed", "outputs"), **common
             )
         elif self.tokens is None:
-            self.projection = Dense(cfg.d_model, cfg.vocab_size, names=("embed", "vocab"),
-                                    use_bias=cfg.output_bias, **common)  # fmt: skip
+            self.projection = Dense(
+                cfg.d_model,
+                cfg.vocab_size,
+                names=("embed", "vocab"),
+                use_bias=cfg.output_bias,
+                **common,
+            )
         else:
             self.projection = None
         self.bias = (
@@ -233,8 +285,10 @@ class DecodeState(nnx.Module):
 def check_length(cfg: ModelConfig, length: int, what: str) -> None:
     """Learned position tables have ``max_length`` rows: longer inputs are an error."""
     if cfg.positions == "learned" and length > cfg.max_length:
-        raise ValueError(f"{what} of length {length} exceeds max_length={cfg.max_length} "
-                         "(the learned position table)")  # fmt: skip
+        raise ValueError(
+            f"{what} of length {length} exceeds max_length={cfg.max_length} "
+            "(the learned position table)"
+        )
 
 
 def poison_if(overflow: jax.Array, outputs: jax.Array) -> jax.Array:

@@ -91,14 +91,21 @@ class MultiHeadAttention(nnx.Module):
         context_features = context_features or d_model
         if fused_qkv:
             self.qkv = Dense(
-                d_model, (3, num_heads, head_dim), names=("embed", "qkv", "heads", "head_dim"),
-                use_bias=qkv_bias, fused_axes=(1,), **common,
-            )  # fmt: skip
+                d_model,
+                (3, num_heads, head_dim),
+                names=("embed", "qkv", "heads", "head_dim"),
+                use_bias=qkv_bias,
+                fused_axes=(1,),
+                **common,
+            )
         else:
             self.query = Dense(
-                d_model, (num_heads, head_dim), names=("embed", "heads", "head_dim"),
-                use_bias=qkv_bias, **common,
-            )  # fmt: skip
+                d_model,
+                (num_heads, head_dim),
+                names=("embed", "heads", "head_dim"),
+                use_bias=qkv_bias,
+                **common,
+            )
             kv_names = ("embed", "kv_heads", "head_dim")
             self.key = Dense(
                 context_features,
@@ -116,9 +123,12 @@ class MultiHeadAttention(nnx.Module):
             )
         self.fused_qkv = fused_qkv
         self.out = Dense(
-            (num_heads, head_dim), d_model, names=("heads", "head_dim", "embed"), use_bias=out_bias,
+            (num_heads, head_dim),
+            d_model,
+            names=("heads", "head_dim", "embed"),
+            use_bias=out_bias,
             **{**common, "init": out_init or init},
-        )  # fmt: skip
+        )
         self.dropout_rngs = rngs["dropout"].fork() if dropout_rate > 0 else None
         self.deterministic = False
         # nnx.Cache arrays after init_cache.
@@ -209,9 +219,15 @@ class MultiHeadAttention(nnx.Module):
         )
         if self.attention_fn is None:
             out = ops.dot_product_attention(
-                q, k, v, bias, mask, is_causal=is_causal, implementation=self.implementation,
+                q,
+                k,
+                v,
+                bias,
+                mask,
+                is_causal=is_causal,
+                implementation=self.implementation,
                 **dropout,
-            )  # fmt: skip
+            )
         else:
             out = self.attention_fn(q, k, v, bias, mask, is_causal=is_causal, **dropout)
         return self.out(out)

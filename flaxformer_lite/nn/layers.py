@@ -18,9 +18,13 @@ from flaxformer_lite.nn.norms import make_norm
 def make_layer_norm(cfg, rngs: nnx.Rngs):
     """The norm ``cfg`` asks for (``layernorm`` or ``rmsnorm``), size ``d_model``."""
     return make_norm(
-        cfg.norm, cfg.d_model, eps=cfg.norm_eps, dtype=cfg.compute_dtype,
-        param_dtype=cfg.storage_dtype, rngs=rngs,
-    )  # fmt: skip
+        cfg.norm,
+        cfg.d_model,
+        eps=cfg.norm_eps,
+        dtype=cfg.compute_dtype,
+        param_dtype=cfg.storage_dtype,
+        rngs=rngs,
+    )
 
 
 def residual_init(cfg, num_layers: int) -> KernelInit:
@@ -71,8 +75,16 @@ class TransformerLayer(nnx.Module):
       attention_fn: overrides ``ops.dot_product_attention`` in every attention.
     """
 
-    def __init__(self, cfg, *, num_layers: int, causal: bool, cross_attention: bool,
-                 rngs: nnx.Rngs, attention_fn=None):  # fmt: skip
+    def __init__(
+        self,
+        cfg,
+        *,
+        num_layers: int,
+        causal: bool,
+        cross_attention: bool,
+        rngs: nnx.Rngs,
+        attention_fn=None,
+    ):
         self.causal, self.pre_norm = causal, cfg.norm_position == "pre"
         self.parallel = cfg.parallel_block
         self.self_attention = make_attention(
@@ -87,10 +99,16 @@ class TransformerLayer(nnx.Module):
         else:
             self.cross_attention = self.cross_attention_norm = None
         self.mlp = MLP(
-            cfg.d_model, cfg.d_ff, activation=cfg.activation, use_bias=cfg.mlp_bias,
-            init=cfg.kernel_init, out_init=residual_init(cfg, num_layers),
-            dtype=cfg.compute_dtype, param_dtype=cfg.storage_dtype, rngs=rngs,
-        )  # fmt: skip
+            cfg.d_model,
+            cfg.d_ff,
+            activation=cfg.activation,
+            use_bias=cfg.mlp_bias,
+            init=cfg.kernel_init,
+            out_init=residual_init(cfg, num_layers),
+            dtype=cfg.compute_dtype,
+            param_dtype=cfg.storage_dtype,
+            rngs=rngs,
+        )
         # A parallel block normalizes once for both branches.
         self.mlp_norm = None if self.parallel else make_layer_norm(cfg, rngs)
         self.dropout = nnx.Dropout(cfg.residual_dropout, rngs=rngs)
@@ -125,14 +143,19 @@ class TransformerLayer(nnx.Module):
 
         def self_attention(h):
             return self.self_attention(
-                h, mask=mask, bias=bias, positions=positions, is_causal=self.causal,
+                h,
+                mask=mask,
+                bias=bias,
+                positions=positions,
+                is_causal=self.causal,
                 cache_index=cache_index,
-            )  # fmt: skip
+            )
 
         cross_attention = (
-            None if self.cross_attention is None
+            None
+            if self.cross_attention is None
             else self._cross(context, context_mask, cache_index)
-        )  # fmt: skip
+        )
         if self.parallel:
             h = self.self_attention_norm(x) if self.pre_norm else x
             branches = self.dropout(self_attention(h)) + self.dropout(self.mlp(h))
@@ -149,8 +172,9 @@ class TransformerLayer(nnx.Module):
         cached = cache_index is not None and self.cross_attention.cached_key is not None
         if context is None and not cached:
             raise ValueError("a layer with cross-attention needs the encoder output (context)")
-        return lambda h: self.cross_attention(h, context, mask=context_mask,
-                                              cache_index=cache_index)  # fmt: skip
+        return lambda h: self.cross_attention(
+            h, context, mask=context_mask, cache_index=cache_index
+        )
 
     def _sublayer(self, x, norm, fn):
         if self.pre_norm:
@@ -162,14 +186,27 @@ class EncoderLayer(TransformerLayer):
     """Bidirectional self-attention and MLP (the paper's encoder layer, BERT's layer)."""
 
     def __init__(self, cfg, *, num_layers: int, rngs: nnx.Rngs, attention_fn=None):
-        super().__init__(cfg, num_layers=num_layers, causal=False, cross_attention=False,
-                         rngs=rngs, attention_fn=attention_fn)  # fmt: skip
+        super().__init__(
+            cfg,
+            num_layers=num_layers,
+            causal=False,
+            cross_attention=False,
+            rngs=rngs,
+            attention_fn=attention_fn,
+        )
 
 
 class DecoderLayer(TransformerLayer):
     """Causal self-attention, cross-attention to the encoder (if ``cross_attention``) and MLP."""
 
-    def __init__(self, cfg, *, num_layers: int, cross_attention: bool, rngs: nnx.Rngs,
-                 attention_fn=None):  # fmt: skip
-        super().__init__(cfg, num_layers=num_layers, causal=True, cross_attention=cross_attention,
-                         rngs=rngs, attention_fn=attention_fn)  # fmt: skip
+    def __init__(
+        self, cfg, *, num_layers: int, cross_attention: bool, rngs: nnx.Rngs, attention_fn=None
+    ):
+        super().__init__(
+            cfg,
+            num_layers=num_layers,
+            causal=True,
+            cross_attention=cross_attention,
+            rngs=rngs,
+            attention_fn=attention_fn,
+        )

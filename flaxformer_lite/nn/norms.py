@@ -20,8 +20,16 @@ class LayerNorm(nnx.Module):
       dtype: output dtype; statistics are float32 whatever it is.
     """
 
-    def __init__(self, features: int, *, eps: float = 1e-5, use_bias: bool = True,
-                 dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):  # fmt: skip
+    def __init__(
+        self,
+        features: int,
+        *,
+        eps: float = 1e-5,
+        use_bias: bool = True,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        rngs: nnx.Rngs,
+    ):
         self.eps, self.dtype = eps, dtype
         self.scale = param(rngs, nnx.initializers.ones, (features,), ("norm",), param_dtype)
         self.bias = (
@@ -45,8 +53,15 @@ class RMSNorm(nnx.Module):
       dtype: output dtype; the statistic is float32 whatever it is.
     """
 
-    def __init__(self, features: int, *, eps: float = 1e-6, dtype=jnp.float32,
-                 param_dtype=jnp.float32, rngs: nnx.Rngs):  # fmt: skip
+    def __init__(
+        self,
+        features: int,
+        *,
+        eps: float = 1e-6,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        rngs: nnx.Rngs,
+    ):
         self.eps, self.dtype = eps, dtype
         self.scale = param(rngs, nnx.initializers.ones, (features,), ("norm",), param_dtype)
 

@@ -21,23 +21,39 @@ class RelativePositionBias(nnx.Module):
       bidirectional: True for encoders, False for causal decoders.
     """
 
-    def __init__(self, num_heads: int, *, num_buckets: int = 32, max_distance: int = 128,
-                 bidirectional: bool, init: KernelInit = XAVIER, param_dtype=jnp.float32,
-                 rngs: nnx.Rngs):  # fmt: skip
+    def __init__(
+        self,
+        num_heads: int,
+        *,
+        num_buckets: int = 32,
+        max_distance: int = 128,
+        bidirectional: bool,
+        init: KernelInit = XAVIER,
+        param_dtype=jnp.float32,
+        rngs: nnx.Rngs,
+    ):
         self.num_buckets, self.max_distance = num_buckets, max_distance
         self.bidirectional = bidirectional
         self.table = Embed(
-            num_buckets, num_heads, names=("relpos_buckets", "heads"), init=init,
-            dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs,
-        )  # fmt: skip
+            num_buckets,
+            num_heads,
+            names=("relpos_buckets", "heads"),
+            init=init,
+            dtype=jnp.float32,
+            param_dtype=param_dtype,
+            rngs=rngs,
+        )
 
     def __call__(self, q_positions: jax.Array, k_positions: jax.Array) -> jax.Array:
         """``[Tq]`` / ``[B, Tq]`` and ``[Tk]`` / ``[B, Tk]`` positions -> bias
         ``[1 or B, H, Tq, Tk]`` float32."""
         buckets = ops.relative_position_buckets(
-            q_positions, k_positions, bidirectional=self.bidirectional,
-            num_buckets=self.num_buckets, max_distance=self.max_distance,
-        )  # fmt: skip
+            q_positions,
+            k_positions,
+            bidirectional=self.bidirectional,
+            num_buckets=self.num_buckets,
+            max_distance=self.max_distance,
+        )
         bias = jnp.moveaxis(self.table(buckets), -1, -3)  # [..., Tq, Tk, H] -> [..., H, Tq, Tk]
         return bias if bias.ndim == 4 else bias[None]
 

@@ -36,8 +36,15 @@ class LayerStack(nnx.Module):
         ``"dots_with_no_batch_dims_saveable"``. It changes memory and time, never values.
     """
 
-    def __init__(self, num_layers: int, make_layer: Callable[[nnx.Rngs], nnx.Module], *,
-                 scan: bool = False, remat: str = "none", rngs: nnx.Rngs):  # fmt: skip
+    def __init__(
+        self,
+        num_layers: int,
+        make_layer: Callable[[nnx.Rngs], nnx.Module],
+        *,
+        scan: bool = False,
+        remat: str = "none",
+        rngs: nnx.Rngs,
+    ):
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat must be one of {tuple(REMAT_POLICIES)}, got {remat!r}")
         self.num_layers, self.scan, self.remat = num_layers, scan, remat
@@ -56,8 +63,9 @@ class LayerStack(nnx.Module):
         """``x [B, T, D] -> [B, T, D]``; ``args`` and ``kwargs`` go unchanged to every layer."""
 
         def apply(layer, x):
-            return constrain(layer(constrain(x, ACTIVATION_NAMES), *args, **kwargs),
-                             ACTIVATION_NAMES)  # fmt: skip
+            return constrain(
+                layer(constrain(x, ACTIVATION_NAMES), *args, **kwargs), ACTIVATION_NAMES
+            )
 
         if self.remat != "none":
             # Inside a scan, the loop already keeps XLA from merging the recomputation away
@@ -78,18 +86,21 @@ class LayerStack(nnx.Module):
             x = apply(layer, x)
         return x
 
-    def init_cache(self, batch_size: int, max_length: int, *, context_length: int | None = None,
-                   dtype=None) -> None:  # fmt: skip
+    def init_cache(
+        self, batch_size: int, max_length: int, *, context_length: int | None = None, dtype=None
+    ) -> None:
         """Allocates every layer's self-attention KV cache of ``max_length`` slots and, with
         ``context_length``, the cross-attention caches of the context's keys/values."""
         layers = [self.layers] if self.scan else list(self.layers)
         num_layers = self.num_layers if self.scan else None
         for layer in layers:
-            layer.self_attention.init_cache(batch_size, max_length, dtype=dtype,
-                                            num_layers=num_layers)  # fmt: skip
+            layer.self_attention.init_cache(
+                batch_size, max_length, dtype=dtype, num_layers=num_layers
+            )
             if context_length is not None and layer.cross_attention is not None:
-                layer.cross_attention.init_cache(batch_size, context_length, dtype=dtype,
-                                                 num_layers=num_layers)  # fmt: skip
+                layer.cross_attention.init_cache(
+                    batch_size, context_length, dtype=dtype, num_layers=num_layers
+                )
 
 
 def stack_layer_states(layer_states: list) -> nnx.State:

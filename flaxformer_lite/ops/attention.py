@@ -109,18 +109,30 @@ def dot_product_attention(
     dropout = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng)
     if implementation is None:
         implementation = select_implementation(
-            query, key, value, bias, mask,
-            is_causal=is_causal, local_window=local_window, dropout_rate=dropout_rate,
-        )  # fmt: skip
+            query,
+            key,
+            value,
+            bias,
+            mask,
+            is_causal=is_causal,
+            local_window=local_window,
+            dropout_rate=dropout_rate,
+        )
     if implementation == "xla":
         return xla_attention(query, key, value, bias, mask, **geometry, **dropout)
     if implementation == "chunked":
         return chunked_attention(query, key, value, bias, mask, **geometry, **dropout)
     if implementation == "cudnn":
         reason = cudnn_unsupported_reason(
-            query, key, value, bias, mask,
-            is_causal=is_causal, local_window=local_window, dropout_rate=dropout_rate,
-        )  # fmt: skip
+            query,
+            key,
+            value,
+            bias,
+            mask,
+            is_causal=is_causal,
+            local_window=local_window,
+            dropout_rate=dropout_rate,
+        )
         if reason:
             raise ValueError(f'implementation="cudnn" cannot run these inputs: {reason}')
         return jax_nn_attention(query, key, value, bias, mask, **geometry, implementation="cudnn")
@@ -374,9 +386,15 @@ def select_implementation(
 ) -> str:
     """The automatic choice: cuDNN where it runs, else "chunked" for large logits, else "xla"."""
     reason = cudnn_unsupported_reason(
-        query, key, value, bias, mask,
-        is_causal=is_causal, local_window=local_window, dropout_rate=dropout_rate,
-    )  # fmt: skip
+        query,
+        key,
+        value,
+        bias,
+        mask,
+        is_causal=is_causal,
+        local_window=local_window,
+        dropout_rate=dropout_rate,
+    )
     if not reason:
         logger.debug("attention: cudnn")
         return "cudnn"

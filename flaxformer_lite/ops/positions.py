@@ -47,8 +47,9 @@ def sinusoidal_positions(
             ``positions`` is a scalar array, or ``layout`` is unknown.
     """
     if layout not in SINUSOIDAL_LAYOUTS:
-        raise ValueError(f"sinusoidal_positions layout must be one of {SINUSOIDAL_LAYOUTS}, "
-                         f"got {layout!r}")  # fmt: skip
+        raise ValueError(
+            f"sinusoidal_positions layout must be one of {SINUSOIDAL_LAYOUTS}, got {layout!r}"
+        )
     if isinstance(dim, bool) or not isinstance(dim, int) or dim < 2 or dim % 2:
         raise ValueError(f"sinusoidal_positions dim must be a positive even int, got {dim!r}")
     if isinstance(positions, int | np.integer):

@@ -19,8 +19,10 @@ from jax.sharding import NamedSharding
 
 # The variables a launcher sets for every process (the first is also read by JAX itself).
 ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = (
-    "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
-)  # fmt: skip
+    "JAX_COORDINATOR_ADDRESS",
+    "JAX_NUM_PROCESSES",
+    "JAX_PROCESS_ID",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,16 +72,17 @@ def initialize(cfg: DistributedConfig, environ: Mapping[str, str] = os.environ) 
         cfg.num_processes if cfg.num_processes is not None else _env_int(environ, ENV_NUM_PROCESSES)
     )
     index = cfg.process_id if cfg.process_id is not None else _env_int(environ, ENV_PROCESS_ID)
-    wanted = cfg.enabled if cfg.enabled is not None else (address is not None or
-                                                          (count or 1) > 1)  # fmt: skip
+    wanted = cfg.enabled if cfg.enabled is not None else (address is not None or (count or 1) > 1)
     if not wanted:
         return False
     try:
         jax.distributed.initialize(
-            coordinator_address=address, num_processes=count, process_id=index,
+            coordinator_address=address,
+            num_processes=count,
+            process_id=index,
             initialization_timeout=cfg.initialization_timeout,
             heartbeat_timeout_seconds=cfg.heartbeat_timeout,
-        )  # fmt: skip
+        )
     except (ValueError, TypeError) as error:  # JAX's wording names its own arguments
         raise ValueError(
             f"cannot join the multi-process run: {error} (set distributed.coordinator_address, "

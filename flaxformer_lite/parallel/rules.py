@@ -40,17 +40,23 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
 
 # The model config field behind each logical name, for error messages.
 CONFIG_FIELDS = {
-    "vocab": "model.vocab_size", "embed": "model.d_model", "heads": "model.num_heads",
-    "kv_heads": "model.num_kv_heads", "mlp": "model.d_ff", "head_dim": "model.head_dim",
-    "layers": "the number of layers", "length": "model.max_length",
-}  # fmt: skip
+    "vocab": "model.vocab_size",
+    "embed": "model.d_model",
+    "heads": "model.num_heads",
+    "kv_heads": "model.num_kv_heads",
+    "mlp": "model.d_ff",
+    "head_dim": "model.head_dim",
+    "layers": "the number of layers",
+    "length": "model.max_length",
+}
 
 
 def rule_pairs(rules: Rules) -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
     """``rules`` in Flax's form, ``((name, mesh axis or axes or None), ...)``, for
     ``nnx.logical_axis_rules`` and ``flax.linen.logical_to_mesh_axes``."""
-    return tuple((name, axes[0] if len(axes) == 1 else tuple(axes) or None)
-                 for name, axes in rules.items())  # fmt: skip
+    return tuple(
+        (name, axes[0] if len(axes) == 1 else tuple(axes) or None) for name, axes in rules.items()
+    )
 
 
 def logical_spec(names: Sequence[str | None], rules: Rules) -> PartitionSpec:

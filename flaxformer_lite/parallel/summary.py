@@ -50,8 +50,12 @@ def device_bytes(state: nnx.State, shardings: nnx.State) -> int:
     return sum(layout.device_bytes for layout in array_layouts(state, shardings))
 
 
-def replicated_warnings(params: nnx.State, shardings: nnx.State, mesh: jax.sharding.Mesh,
-                        share: float = REPLICATED_WARNING_SHARE) -> list[str]:  # fmt: skip
+def replicated_warnings(
+    params: nnx.State,
+    shardings: nnx.State,
+    mesh: jax.sharding.Mesh,
+    share: float = REPLICATED_WARNING_SHARE,
+) -> list[str]:
     """A line for every parameter of at least ``share`` of all parameter bytes that every device
     stores whole although the mesh has devices to shard it over (an ``fsdp`` or ``tensor`` axis
     larger than 1; pure data parallelism replicates parameters by design)."""

@@ -229,8 +229,11 @@ class Checkpointer:
             except Exception as error:  # orbax and TensorStore raise many types
                 logger.warning(
                     "checkpoint step %d in %s cannot be restored, trying the previous one: %s: %s",
-                    candidate, self.directory, type(error).__name__, error,
-                )  # fmt: skip
+                    candidate,
+                    self.directory,
+                    type(error).__name__,
+                    error,
+                )
                 unreadable.append((candidate, error))
                 continue
             self._set_aside([bad for bad, _ in unreadable])

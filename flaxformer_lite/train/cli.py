@@ -66,13 +66,18 @@ def generate_main(argv: list[str] | None = None, prog: str = "flaxformer-lite ge
 
 def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=pathlib.Path, help="a YAML preset (see configs/)")
-    parser.add_argument("--fresh", action="store_true",
-                        help="move an existing run directory aside and start over")  # fmt: skip
-    parser.add_argument("--force", action="store_true",
-                        help="resume even if the model/optimizer/data config changed")  # fmt: skip
+    parser.add_argument(
+        "--fresh", action="store_true", help="move an existing run directory aside and start over"
+    )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="resume even if the model/optimizer/data config changed",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="dotted overrides, e.g. train.steps=200")  # fmt: skip
+    parser.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.steps=200"
+    )
 
 
 def _train(args) -> int:
@@ -85,8 +90,7 @@ def _train(args) -> int:
 
     def train():
         cfg = load_config(args.config, args.overrides)
-        last = run(cfg, fresh=args.fresh, force=args.force, progress=not args.no_progress,
-                   log=_say)  # fmt: skip
+        last = run(cfg, fresh=args.fresh, force=args.force, progress=not args.no_progress, log=_say)
         summary = ", ".join(f"{k} {v:.4g}" for k, v in last.items() if v is not None)
         if jax.process_index() == 0:  # a multi-process run reports once
             _say(f"done: {cfg.run_dir} ({summary})")
@@ -117,12 +121,14 @@ def _attention_parser() -> argparse.ArgumentParser:
         "(a grid of heads; queries on rows, keys on columns)",
     )
     parser.add_argument("--run_dir", type=pathlib.Path, required=True, help="a trained run")
-    parser.add_argument("--text", required=True,
-                        help="the input (an encoder-decoder's source)")  # fmt: skip
-    parser.add_argument("--out", type=pathlib.Path,
-                        help="where the PNGs go (default: RUN_DIR/plots/attention)")  # fmt: skip
-    parser.add_argument("--target", help="an encoder-decoder's target text: adds the decoder's "
-                        "self- and cross-attention")  # fmt: skip
+    parser.add_argument("--text", required=True, help="the input (an encoder-decoder's source)")
+    parser.add_argument(
+        "--out", type=pathlib.Path, help="where the PNGs go (default: RUN_DIR/plots/attention)"
+    )
+    parser.add_argument(
+        "--target",
+        help="an encoder-decoder's target text: adds the decoder's self- and cross-attention",
+    )
     parser.add_argument("--step", type=int, help="the checkpoint (default: the newest)")
     return parser
 
@@ -133,8 +139,9 @@ def _attention(args) -> int:
 
     run = load_run(args.run_dir, step=args.step)
     out = args.out if args.out is not None else args.run_dir / "plots" / "attention"
-    paths = write_text_attention_maps(run.model, run.tokenizer, args.text, out,
-                                      target=args.target, note=f"step {run.step}")  # fmt: skip
+    paths = write_text_attention_maps(
+        run.model, run.tokenizer, args.text, out, target=args.target, note=f"step {run.step}"
+    )
     for path in paths:
         _say(f"wrote {path}")
     return 0

@@ -36,8 +36,14 @@ class ConfigError(ValueError):
 
 # The model keys that may be set with init_from: they change how the checkpoint's architecture
 # computes or regularizes, not its parameters.
-INIT_FROM_MODEL_KEYS = ("embedding_dropout", "attention_dropout", "residual_dropout", "dtype",
-                        "remat", "attention_implementation")  # fmt: skip
+INIT_FROM_MODEL_KEYS = (
+    "embedding_dropout",
+    "attention_dropout",
+    "residual_dropout",
+    "dtype",
+    "remat",
+    "attention_implementation",
+)
 _TOKENIZER_KEYS = ("tokenizer", "tokenizer_path", "vocab_size")
 
 
@@ -68,8 +74,14 @@ class LoopConfig:
                 f"train.batch_size ({self.batch_size}) must be a multiple of "
                 f"train.grad_accum_steps ({self.grad_accum_steps})"
             )
-        names = ("steps", "batch_size", "grad_accum_steps", "log_every", "eval_every",
-                 "eval_batches")  # fmt: skip
+        names = (
+            "steps",
+            "batch_size",
+            "grad_accum_steps",
+            "log_every",
+            "eval_every",
+            "eval_batches",
+        )
         for name in names:
             _check_positive(f"train.{name}", getattr(self, name))
         if not 0.0 <= self.label_smoothing < 1.0:
@@ -157,9 +169,18 @@ class TrainConfig:
 
 
 # Keys that may change when a run resumes: they do not change what is being trained.
-RUNTIME_KEYS = ("run_dir", "train.steps", "train.log_every", "train.eval_every",
-                "train.eval_batches", "train.decode_examples", "train.log_samples", "checkpoint.",
-                "mesh.", "distributed.")  # fmt: skip
+RUNTIME_KEYS = (
+    "run_dir",
+    "train.steps",
+    "train.log_every",
+    "train.eval_every",
+    "train.eval_batches",
+    "train.decode_examples",
+    "train.log_samples",
+    "checkpoint.",
+    "mesh.",
+    "distributed.",
+)
 
 
 def load_config(
@@ -252,8 +273,10 @@ def _checkpoint_model(path: str, values: Mapping[str, Any]) -> dict[str, Any]:
     for key in _TOKENIZER_KEYS:
         # A run's resolved config.yaml repeats the (unused) defaults.
         if key in data and _plain_json(data[key]) != _plain_json(getattr(DataConfig(), key)):
-            raise ConfigError(f"data.{key} cannot be set with init_from: the data are encoded "
-                              f"by the tokenizer of {path}")  # fmt: skip
+            raise ConfigError(
+                f"data.{key} cannot be set with init_from: the data are encoded "
+                f"by the tokenizer of {path}"
+            )
     try:
         hf_config = read_config(path)
         cfg = family_of(hf_config).config_from_hf(hf_config, dtype="float32")
@@ -262,8 +285,10 @@ def _checkpoint_model(path: str, values: Mapping[str, Any]) -> dict[str, Any]:
     except KeyError as error:
         raise ConfigError(f"init_from={path}: config.json lacks the key {error}") from None
     if cfg.kind not in ("decoder", "encoder_decoder"):
-        raise ConfigError(f"init_from={path}: fine-tuning supports decoder LMs and "
-                          f"encoder-decoders, not {cfg.kind!r} models")  # fmt: skip
+        raise ConfigError(
+            f"init_from={path}: fine-tuning supports decoder LMs and "
+            f"encoder-decoders, not {cfg.kind!r} models"
+        )
     checkpoint = dataclasses.asdict(cfg)
     for key, value in model.items():
         # ... and the checkpoint's model values: those are no change.
@@ -271,8 +296,10 @@ def _checkpoint_model(path: str, values: Mapping[str, Any]) -> dict[str, Any]:
             checkpoint.get(key, _MISSING)
         ):
             allowed = ", ".join(f"model.{k}" for k in INIT_FROM_MODEL_KEYS)
-            raise ConfigError(f"model.{key} cannot be set with init_from: the architecture comes "
-                              f"from {path}/config.json (settable: {allowed})")  # fmt: skip
+            raise ConfigError(
+                f"model.{key} cannot be set with init_from: the architecture comes "
+                f"from {path}/config.json (settable: {allowed})"
+            )
     return {**checkpoint, **model}
 
 

@@ -76,14 +76,27 @@ def decode_eval(
     budget = max_length - batch.shape[1] if task == "lm" else max_length - 1
     max_new_tokens = max(1, min(max(len(r) for r in references) + 2, budget))
     if task == "lm":
-        out = generate(model, batch, max_new_tokens=max_new_tokens, prompt_lengths=lengths,
-                       eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)  # fmt: skip
-        outputs = [row[n : n + max_new_tokens] for row, n in zip(np.asarray(out), lengths,
-                                                                 strict=True)]  # fmt: skip
+        out = generate(
+            model,
+            batch,
+            max_new_tokens=max_new_tokens,
+            prompt_lengths=lengths,
+            eos_id=tokenizer.eos_id,
+            pad_id=tokenizer.pad_id,
+        )
+        outputs = [
+            row[n : n + max_new_tokens] for row, n in zip(np.asarray(out), lengths, strict=True)
+        ]
     else:
-        out = seq2seq_generate(model, batch, max_new_tokens=max_new_tokens, src_lengths=lengths,
-                               sos_id=tokenizer.sos_id, eos_id=tokenizer.eos_id,
-                               pad_id=tokenizer.pad_id)  # fmt: skip
+        out = seq2seq_generate(
+            model,
+            batch,
+            max_new_tokens=max_new_tokens,
+            src_lengths=lengths,
+            sos_id=tokenizer.sos_id,
+            eos_id=tokenizer.eos_id,
+            pad_id=tokenizer.pad_id,
+        )
         outputs = list(np.asarray(out))
     predictions = [tokenizer.decode(until_eos(ids, tokenizer.eos_id)) for ids in outputs]
     samples = [

@@ -58,8 +58,9 @@ class Interrupted(RuntimeError):  # noqa: N818 - raised on a signal, not an erro
         self.signum, self.step = signum, step
 
 
-def run(cfg: TrainConfig, *, fresh: bool = False, force: bool = False, progress: bool = True,
-        log=print) -> dict[str, float]:  # fmt: skip
+def run(
+    cfg: TrainConfig, *, fresh: bool = False, force: bool = False, progress: bool = True, log=print
+) -> dict[str, float]:
     """Trains ``cfg`` in ``cfg.run_dir``, resuming from its newest checkpoint; returns the last
     logged metrics.
 
@@ -91,29 +92,41 @@ def run(cfg: TrainConfig, *, fresh: bool = False, force: bool = False, progress:
 
     mesh = parallel.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     data_size, fsdp_size, tensor_size = mesh.shape.values()
-    cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(
-        cfg.mesh, data=data_size, fsdp=fsdp_size, tensor=tensor_size))  # fmt: skip
+    cfg = dataclasses.replace(
+        cfg, mesh=dataclasses.replace(cfg.mesh, data=data_size, fsdp=fsdp_size, tensor=tensor_size)
+    )
     batch_sharding = parallel.batch_sharding(mesh, cfg.mesh.rules)
-    parallel.check_batch_size(cfg.train.batch_size, mesh, cfg.mesh.rules,
-                              cfg.train.grad_accum_steps)  # fmt: skip
+    parallel.check_batch_size(
+        cfg.train.batch_size, mesh, cfg.mesh.rules, cfg.train.grad_accum_steps
+    )
     shard_index, shard_count = parallel.process_batch_shard(batch_sharding, cfg.train.batch_size)
     task = task_of(cfg.model)
     # init_from: the checkpoint's tokenizer, with its ids (a resumed run reads the saved copy).
     tokenizer = None if cfg.init_from is None else load_hf_tokenizer(cfg.init_from)
-    data = build_data(cfg.data, task=task, seed=cfg.seed, batch_size=cfg.train.batch_size,
-                      directory=run_dir / "tokenizer", process_index=shard_index,
-                      process_count=shard_count, save_tokenizer=main,
-                      tokenizer=tokenizer)  # fmt: skip
+    data = build_data(
+        cfg.data,
+        task=task,
+        seed=cfg.seed,
+        batch_size=cfg.train.batch_size,
+        directory=run_dir / "tokenizer",
+        process_index=shard_index,
+        process_count=shard_count,
+        save_tokenizer=main,
+        tokenizer=tokenizer,
+    )
     if cfg.init_from is not None:  # the embedding table may have more rows than ids
         if data.vocab_size > cfg.model.vocab_size:
-            raise ConfigError(f"init_from={cfg.init_from}: the tokenizer has {data.vocab_size} "
-                              f"ids, the model {cfg.model.vocab_size} rows")  # fmt: skip
+            raise ConfigError(
+                f"init_from={cfg.init_from}: the tokenizer has {data.vocab_size} "
+                f"ids, the model {cfg.model.vocab_size} rows"
+            )
     elif cfg.model.vocab_size != data.vocab_size:
         log(f"model.vocab_size set to the tokenizer's {data.vocab_size}")
         cfg = dataclasses.replace(cfg, model=cfg.model.replace(vocab_size=data.vocab_size))
 
-    checkpointer = Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep,
-                                every=cfg.checkpoint.every)  # fmt: skip
+    checkpointer = Checkpointer(
+        run_dir / "checkpoints", keep=cfg.checkpoint.keep, every=cfg.checkpoint.every
+    )
     with contextlib.closing(checkpointer):
         if checkpointer.latest_step() is not None:
             saved = config_from_dict(checkpointer.restore_config())
@@ -130,8 +143,9 @@ def run(cfg: TrainConfig, *, fresh: bool = False, force: bool = False, progress:
 
 def _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log):
     run_dir, rules = pathlib.Path(cfg.run_dir), cfg.mesh.rules
-    tx, schedule = make_optimizer(cfg.optimizer, total_steps=cfg.train.steps,
-                                  d_model=cfg.model.d_model)  # fmt: skip
+    tx, schedule = make_optimizer(
+        cfg.optimizer, total_steps=cfg.train.steps, d_model=cfg.model.d_model
+    )
 
     create = functools.partial(make_train_state, cfg, tx)
     resuming = checkpointer.latest_step() is not None
@@ -151,9 +165,13 @@ def _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log):
         log(f"resumed from step {step} of {checkpointer.directory}")
 
     train_step = make_train_step(
-        graphdef, task=task, label_smoothing=cfg.train.label_smoothing, z_loss=cfg.train.z_loss,
-        grad_accum_steps=cfg.train.grad_accum_steps, state_shardings=shardings,
-    )  # fmt: skip
+        graphdef,
+        task=task,
+        label_smoothing=cfg.train.label_smoothing,
+        z_loss=cfg.train.z_loss,
+        grad_accum_steps=cfg.train.grad_accum_steps,
+        state_shardings=shardings,
+    )
     eval_step = make_eval_step(eval_graphdef, task=task)
     batch_size = cfg.train.batch_size
 
@@ -169,19 +187,28 @@ def _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log):
     last: dict[str, float] = {}
     window_start, window_steps = None, 0
     # The steps are traced under the mesh and rules: the layers pin their activations' layout.
-    with (_stop_on_signals() as stop, contextlib.closing(writer), contextlib.closing(bar),
-          jax.set_mesh(mesh), nnx.logical_axis_rules(parallel.rule_pairs(rules))):  # fmt: skip
+    with (
+        _stop_on_signals() as stop,
+        contextlib.closing(writer),
+        contextlib.closing(bar),
+        jax.set_mesh(mesh),
+        nnx.logical_axis_rules(parallel.rule_pairs(rules)),
+    ):
         while step < cfg.train.steps:
             batch = place(next(data.train))
             started = time.perf_counter()
             state, metrics = train_step(state, batch)
             step += 1
             if not bool(metrics["finite"]):
-                message = (f"step {step}: the loss or a gradient is not finite (loss "
-                           f"{float(metrics['loss'])}); the update was skipped")  # fmt: skip
+                message = (
+                    f"step {step}: the loss or a gradient is not finite (loss "
+                    f"{float(metrics['loss'])}); the update was skipped"
+                )
                 if not cfg.train.skip_nonfinite:
-                    raise TrainingError(f"{message} and the run stopped; last good checkpoint: "
-                                        f"step {checkpointer.latest_step()}")  # fmt: skip
+                    raise TrainingError(
+                        f"{message} and the run stopped; last good checkpoint: "
+                        f"step {checkpointer.latest_step()}"
+                    )
                 log(message)
             if window_start is None:  # the first step compiled: time the steady state after it
                 log(f"compiled the train step in {time.perf_counter() - started:.1f} s")
@@ -196,8 +223,9 @@ def _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log):
                 values = {k: float(metrics[k]) for k in ("loss", "accuracy", "grad_norm")}
                 values["learning_rate"] = float(schedule(step - 1))
                 values["tokens_per_sec"] = tokens_per_sec
-                values["mfu"] = (flops_per_token * tokens_per_sec / peak
-                                 if peak and tokens_per_sec else None)  # fmt: skip
+                values["mfu"] = (
+                    flops_per_token * tokens_per_sec / peak if peak and tokens_per_sec else None
+                )
             if step % cfg.train.eval_every == 0 or step == cfg.train.steps:
                 batches = map(place, data.eval_batches())
                 values |= evaluate(eval_step, state, batches, cfg.train.eval_batches)
@@ -213,10 +241,13 @@ def _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log):
             saving = final or step % cfg.checkpoint.every == 0
             if saving:  # no state conversion on other steps
                 checkpointer.save(
-                    step, to_savable(state), data_state=data.train.get_state(),
-                    config=cfg.to_dict(), force=final,
+                    step,
+                    to_savable(state),
+                    data_state=data.train.get_state(),
+                    config=cfg.to_dict(),
+                    force=final,
                     metrics={"eval_loss": values["eval_loss"]} if "eval_loss" in values else None,
-                )  # fmt: skip
+                )
             if signum is not None:
                 checkpointer.wait()
                 raise Interrupted(signum, step)
@@ -251,12 +282,15 @@ def _decoded_eval(cfg, data, task, model, log) -> dict[str, float]:
     # One batch of prompts on whatever devices hold the parameters: no activation layout rules.
     with nnx.logical_axis_rules(()):
         values, samples = decode_eval(
-            model, data.tokenizer, data.eval_examples, task=task,
-            num_examples=cfg.train.decode_examples, max_length=cfg.model.max_length,
-        )  # fmt: skip
+            model,
+            data.tokenizer,
+            data.eval_examples,
+            task=task,
+            num_examples=cfg.train.decode_examples,
+            max_length=cfg.model.max_length,
+        )
     for sample in samples[: cfg.train.log_samples]:
-        log(f"  sample {sample.input!r} -> {sample.prediction!r} "
-            f"(reference {sample.reference!r})")  # fmt: skip
+        log(f"  sample {sample.input!r} -> {sample.prediction!r} (reference {sample.reference!r})")
     return values
 
 
@@ -333,8 +367,10 @@ def _check_resumable(saved: TrainConfig, cfg: TrainConfig, force: bool, log) -> 
     changed = {k: v for k, v in diff.items() if not is_runtime_key(k)}
     lines = [f"  {key}: {old!r} -> {new!r}" for key, (old, new) in changed.items()]
     if changed and not force:
-        raise ConfigError("the config differs from the checkpoint's; pass --force to resume "
-                          "anyway or --fresh to start over:\n" + "\n".join(lines))  # fmt: skip
+        raise ConfigError(
+            "the config differs from the checkpoint's; pass --force to resume "
+            "anyway or --fresh to start over:\n" + "\n".join(lines)
+        )
     if changed:
         log("resuming with a changed config (--force):\n" + "\n".join(lines))
 

@@ -23,8 +23,11 @@ class MetricsWriter:
 
         self.path = run_dir / METRICS_FILE
         if self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= resume_step]  # fmt: skip
+            kept = [
+                line
+                for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line)["step"] <= resume_step
+            ]
             self.path.write_text("".join(line + "\n" for line in kept))
         self._file = self.path.open("a")
         self._tensorboard = SummaryWriter(str(run_dir / "tb"), purge_step=resume_step + 1)

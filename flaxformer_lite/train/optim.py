@@ -130,9 +130,13 @@ def make_optimizer(
     """``(transformation, schedule)``: clipping, then AdamW with the decay mask."""
     schedule = make_schedule(cfg, total_steps=total_steps, d_model=d_model)
     adamw = optax.adamw(
-        schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+        schedule,
+        b1=cfg.b1,
+        b2=cfg.b2,
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
         mask=lambda params: weight_decay_mask(params, decay_embeddings=cfg.decay_embeddings),
-    )  # fmt: skip
+    )
     if cfg.clip_norm is None:
         return adamw, schedule
     return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw), schedule

@@ -49,8 +49,9 @@ class LoadedRun:
     step: int
 
 
-def load_run(run_dir: pathlib.Path | str, *, step: int | None = None,
-             mesh: Mesh | None = None) -> LoadedRun:  # fmt: skip
+def load_run(
+    run_dir: pathlib.Path | str, *, step: int | None = None, mesh: Mesh | None = None
+) -> LoadedRun:
     """Restores the model of ``run_dir/checkpoints`` at ``step`` (default: the newest).
 
     The directory is only read: an unreadable checkpoint is reported, never moved aside (a
@@ -88,8 +89,9 @@ def load_run(run_dir: pathlib.Path | str, *, step: int | None = None,
             raise ValueError(f"{directory}: no checkpoint for step {step}; it has steps {steps}")
         try:
             cfg = config_from_dict(checkpointer.restore_config(step))
-            tx, _ = make_optimizer(cfg.optimizer, total_steps=cfg.train.steps,
-                                   d_model=cfg.model.d_model)  # fmt: skip
+            tx, _ = make_optimizer(
+                cfg.optimizer, total_steps=cfg.train.steps, d_model=cfg.model.d_model
+            )
             # The optimizer state is restored too (and dropped): the checkpoint holds one
             # pytree, and restoring a part of it would need orbax placeholders.
             create = functools.partial(make_train_state, cfg, tx)
@@ -127,11 +129,15 @@ def load_hf_weights(state, path: pathlib.Path | str):
     shapes = {k: tuple(v.shape) for k, v in loaded.items()}
     wanted = {k: tuple(v.shape) for k, v in like.items()}
     if shapes != wanted:
-        differing = [f"{'.'.join(map(str, k))}: {shapes.get(k)} vs {wanted.get(k)}"
-                     for k in sorted(shapes.keys() | wanted.keys(), key=str)
-                     if shapes.get(k) != wanted.get(k)]  # fmt: skip
-        raise ValueError(f"{path}: the checkpoint's parameters do not fit the configured model "
-                         f"(checkpoint vs model): {'; '.join(differing[:3])}")  # fmt: skip
+        differing = [
+            f"{'.'.join(map(str, k))}: {shapes.get(k)} vs {wanted.get(k)}"
+            for k in sorted(shapes.keys() | wanted.keys(), key=str)
+            if shapes.get(k) != wanted.get(k)
+        ]
+        raise ValueError(
+            f"{path}: the checkpoint's parameters do not fit the configured model "
+            f"(checkpoint vs model): {'; '.join(differing[:3])}"
+        )
 
     def place(name):
         value = np.asarray(loaded[name], like[name].dtype)

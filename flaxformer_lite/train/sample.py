@@ -34,24 +34,36 @@ def parser(prog: str = "flaxformer-lite generate") -> argparse.ArgumentParser:
     )
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--run_dir", type=pathlib.Path, help="a train.py run directory")
-    source.add_argument("--hf_dir", type=pathlib.Path,
-                        help="a Hugging Face checkpoint directory (GPT-2, Llama or Marian: "
-                        "config.json, safetensors and tokenizer.json, or Marian's source.spm + "
-                        "target.spm + vocab.json)")  # fmt: skip
-    p.add_argument("--prompt", action="append", required=True,
-                   help="text to continue or translate (repeat for several)")  # fmt: skip
+    source.add_argument(
+        "--hf_dir",
+        type=pathlib.Path,
+        help="a Hugging Face checkpoint directory (GPT-2, Llama or Marian: "
+        "config.json, safetensors and tokenizer.json, or Marian's source.spm + "
+        "target.spm + vocab.json)",
+    )
+    p.add_argument(
+        "--prompt",
+        action="append",
+        required=True,
+        help="text to continue or translate (repeat for several)",
+    )
     p.add_argument("--max_new_tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
     p.add_argument("--top_k", type=int, default=None)
     p.add_argument("--top_p", type=float, default=None)
     p.add_argument("--num_samples", type=int, default=1, help="samples per prompt")
     p.add_argument("--seed", type=int, default=0, help="the sampling key")
-    p.add_argument("--beam_size", type=int, default=1,
-                   help="encoder-decoders: beam search with this many beams")  # fmt: skip
+    p.add_argument(
+        "--beam_size",
+        type=int,
+        default=1,
+        help="encoder-decoders: beam search with this many beams",
+    )
     p.add_argument("--alpha", type=float, default=0.6, help="beam search length penalty")
     p.add_argument("--n_best", type=int, default=1, help="beam search: hypotheses to print")
-    p.add_argument("--step", type=int, default=None,
-                   help="--run_dir's checkpoint step (default: newest)")  # fmt: skip
+    p.add_argument(
+        "--step", type=int, default=None, help="--run_dir's checkpoint step (default: newest)"
+    )
     return p
 
 
@@ -72,14 +84,21 @@ def run(args: argparse.Namespace, say=print) -> int:
         loaded = load_run(args.run_dir, step=args.step)
         model, tokenizer, add_bos, source = loaded.model, loaded.tokenizer, True, args.run_dir
     if not isinstance(model, DecoderLM | EncoderDecoder):
-        raise ValueError(f"{source} holds a {type(model).__name__}; generate needs a "
-                         "DecoderLM or EncoderDecoder")  # fmt: skip
+        raise ValueError(
+            f"{source} holds a {type(model).__name__}; generate needs a DecoderLM or EncoderDecoder"
+        )
     prompts = [p for p in args.prompt for _ in range(args.num_samples)]
     rng = jax.random.key(args.seed) if args.temperature > 0 else None
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, rng=rng)
     if isinstance(model, DecoderLM):
-        outputs = continue_prompts(model, tokenizer, prompts, add_bos=add_bos,
-                                   max_new_tokens=args.max_new_tokens, **sampling)  # fmt: skip
+        outputs = continue_prompts(
+            model,
+            tokenizer,
+            prompts,
+            add_bos=add_bos,
+            max_new_tokens=args.max_new_tokens,
+            **sampling,
+        )
         for prompt, ids in zip(prompts, outputs, strict=True):
             say(f"{prompt}{tokenizer.decode(ids)}")
         return 0
@@ -115,14 +134,18 @@ def load_hf_checkpoint(directory: pathlib.Path) -> tuple[DecoderLM | EncoderDeco
     hf_config = read_config(directory)
     architecture = family_of(hf_config).config_from_hf(hf_config)
     if architecture.kind == "encoder":  # before the tokenizer, whose errors would mislead
-        raise ValueError(f"{directory} holds an encoder-only model "
-                         f"({', '.join(hf_config.get('architectures') or ['bert'])}); generate "
-                         "needs a decoder LM or an encoder-decoder")  # fmt: skip
+        raise ValueError(
+            f"{directory} holds an encoder-only model "
+            f"({', '.join(hf_config.get('architectures') or ['bert'])}); generate "
+            "needs a decoder LM or an encoder-decoder"
+        )
     tokenizer = load_hf_tokenizer(directory)
     model, _ = load_hf(directory)
     if tokenizer.vocab_size > model.config.vocab_size:
-        raise ValueError(f"{directory}: the tokenizer has {tokenizer.vocab_size} ids, the model "
-                         f"only {model.config.vocab_size} embedding rows")  # fmt: skip
+        raise ValueError(
+            f"{directory}: the tokenizer has {tokenizer.vocab_size} ids, the model "
+            f"only {model.config.vocab_size} embedding rows"
+        )
     return model, tokenizer
 
 
@@ -150,8 +173,9 @@ def continue_prompts(
     max_length = model.config.max_length
     new = min(max_new_tokens, max_length - batch.shape[1])
     if new < 1:
-        raise ValueError(f"a prompt of {batch.shape[1]} tokens leaves no room below "
-                         f"max_length={max_length}")  # fmt: skip
+        raise ValueError(
+            f"a prompt of {batch.shape[1]} tokens leaves no room below max_length={max_length}"
+        )
     out = np.asarray(
         generate(
             model,
@@ -182,8 +206,14 @@ def _sources(model: EncoderDecoder, tokenizer: Tokenizer, texts: list[str], max_
     return batch, common
 
 
-def translate(model: EncoderDecoder, tokenizer: Tokenizer, texts: list[str], *,
-              max_new_tokens: int, **sampling) -> list[list[int]]:  # fmt: skip
+def translate(
+    model: EncoderDecoder,
+    tokenizer: Tokenizer,
+    texts: list[str],
+    *,
+    max_new_tokens: int,
+    **sampling,
+) -> list[list[int]]:
     """Greedy (or sampled) targets of ``texts``, decoding from ``sos_id``, each up to (not
     including) its first ``eos_id``."""
     batch, common = _sources(model, tokenizer, texts, max_new_tokens)
@@ -191,8 +221,15 @@ def translate(model: EncoderDecoder, tokenizer: Tokenizer, texts: list[str], *,
     return [until_eos(row, tokenizer.eos_id) for row in out]
 
 
-def translate_beam(model: EncoderDecoder, tokenizer: Tokenizer, texts: list[str], *,
-                   beam_size: int, alpha: float, max_new_tokens: int):  # fmt: skip
+def translate_beam(
+    model: EncoderDecoder,
+    tokenizer: Tokenizer,
+    texts: list[str],
+    *,
+    beam_size: int,
+    alpha: float,
+    max_new_tokens: int,
+):
     """Beam search: per text, ``beam_size`` hypotheses (best first, each up to its ``eos_id``)
     and their length-penalized scores."""
     batch, common = _sources(model, tokenizer, texts, max_new_tokens)

@@ -32,8 +32,9 @@ def task_of(cfg: ModelConfig) -> str:
     return "classify" if cfg.num_classes is not None else "mlm"
 
 
-def model_loss(model, batch: dict, *, task: str, label_smoothing: float = 0.0,
-               z_loss: float = 0.0) -> tuple[jax.Array, dict[str, jax.Array]]:  # fmt: skip
+def model_loss(
+    model, batch: dict, *, task: str, label_smoothing: float = 0.0, z_loss: float = 0.0
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """``ops.cross_entropy`` of the model's predictions for ``batch``.
 
     Batches (int32 unless noted; weights float32, 0 at padding):
@@ -47,24 +48,42 @@ def model_loss(model, batch: dict, *, task: str, label_smoothing: float = 0.0,
         ``weights`` ``[B]`` (0 for the padding rows of a last eval batch).
     """
     if task == "lm":
-        logits = model(batch["inputs"], positions=batch.get("positions"),
-                       segment_ids=batch.get("segment_ids"))  # fmt: skip
+        logits = model(
+            batch["inputs"], positions=batch.get("positions"), segment_ids=batch.get("segment_ids")
+        )
     elif task == "seq2seq":
         logits = model(batch["src"], batch["inputs"], src_mask=batch["src_mask"])
     elif task == "mlm":
         logits = model(batch["inputs"], mask=batch["mask"])
     elif task == "classify":
         logits = model.classify(batch["inputs"], mask=batch["mask"])
-        return ops.cross_entropy(logits, batch["labels"], weights=batch.get("weights"),
-                                 label_smoothing=label_smoothing, z_loss=z_loss)  # fmt: skip
+        return ops.cross_entropy(
+            logits,
+            batch["labels"],
+            weights=batch.get("weights"),
+            label_smoothing=label_smoothing,
+            z_loss=z_loss,
+        )
     else:
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
-    return ops.cross_entropy(logits, batch["targets"], weights=batch["weights"],
-                             label_smoothing=label_smoothing, z_loss=z_loss)  # fmt: skip
+    return ops.cross_entropy(
+        logits,
+        batch["targets"],
+        weights=batch["weights"],
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+    )
 
 
-def make_train_step(graphdef, *, task: str, label_smoothing: float = 0.0, z_loss: float = 0.0,
-                    grad_accum_steps: int = 1, state_shardings=None):  # fmt: skip
+def make_train_step(
+    graphdef,
+    *,
+    task: str,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    grad_accum_steps: int = 1,
+    state_shardings=None,
+):
     """``step(state, batch) -> (state, metrics)``, jitted with ``state`` donated.
 
     ``graphdef, state = nnx.split((model, optimizer))``; ``optimizer`` an ``nnx.Optimizer`` over
@@ -101,8 +120,9 @@ def make_train_step(graphdef, *, task: str, label_smoothing: float = 0.0, z_loss
 
             grads, (metrics, rest) = jax.grad(token_sum, has_aux=True)(params)
             count = metrics["num_tokens"]
-            totals = {k: totals[k] + metrics[k] * (1 if k == "num_tokens" else count)
-                      for k in totals}  # fmt: skip
+            totals = {
+                k: totals[k] + metrics[k] * (1 if k == "num_tokens" else count) for k in totals
+            }
             return (jax.tree.map(jnp.add, grads_sum, grads), rest, totals), None
 
         batch_size = jax.tree.leaves(batch)[0].shape[0]
