@@ -335,11 +335,17 @@ def test_beams_are_sorted_and_scored_by_their_length_normalized_log_prob(seq2seq
                 saw_eos = True
                 assert (beam[beam.tolist().index(eos_id) + 1 :] == 0).all()
     assert saw_eos
-    # The best beam is at least as good as the greedy hypothesis.
+    # The best beam is at least as good as the greedy hypothesis. Both are scored by the same
+    # full pass: the search's own (cached) score sums in another order, and when the best beam
+    # is the greedy hypothesis the two differ in the last bits, by a CPU-dependent sign.
+    def full_pass_score(src, target):
+        log_prob, length = sequence_log_prob(model, src, target, eos_id)
+        return log_prob / ((5 + length) / 6) ** alpha
+
     for b, n in enumerate(SOURCE_LENGTHS):
-        log_prob, length = sequence_log_prob(model, SOURCES[b, :n], references[b], eos_id)
-        greedy_score = log_prob / ((5 + length) / 6) ** alpha
-        assert scores[b, 0] >= greedy_score - 1e-4 * abs(greedy_score)  # float32 sums, as above
+        best = full_pass_score(SOURCES[b, :n], tokens[b, 0])
+        greedy = full_pass_score(SOURCES[b, :n], references[b])
+        assert best >= greedy - 1e-3 * abs(greedy), (best, greedy)  # as rtol above
 
 
 def test_seq2seq_bad_arguments():
