@@ -26,7 +26,11 @@ Conventions:
   not go through them; reverse mode, ``jit`` and ``vmap`` do.
 """
 
-from flaxformer_lite.ops.attention import attention_weights, dot_product_attention
+from flaxformer_lite.ops.attention import (
+    attention_weights,
+    dot_product_attention,
+    reference_attention,
+)
 from flaxformer_lite.ops.chunked_attention import chunked_attention
 from flaxformer_lite.ops.losses import cross_entropy
 from flaxformer_lite.ops.masks import (
@@ -61,6 +65,7 @@ __all__ = [
     "local_window_mask",
     "padding_mask",
     "project",
+    "reference_attention",
     "relative_position_buckets",
     "rms_norm",
     "rope_frequencies",
