@@ -48,9 +48,9 @@ logger = logging.getLogger(__name__)
 
 IMPLEMENTATIONS = ("xla", "chunked", "cudnn")
 
-# From this many float32 logits per call (B·H·T·S; 128 MiB of them) the automatic choice on
-# CPU/TPU is "chunked": past this size the O(T·S) buffers of "xla" cost more than the extra
-# time that "chunked", whose memory stays O(T), takes.
+# From this many float32 logits per call (B·H·T·S, 128 MiB of them) the automatic choice on
+# CPU/TPU is "chunked": its memory stays O(T) for a little more time, where the O(T·S) buffers
+# of "xla" would grow past hundreds of MiB.
 CHUNKED_MIN_LOGITS = 8 * 2048 * 2048
 
 # With a causal or windowed mask, "xla" splits more queries than this into blocks of this many
@@ -86,9 +86,8 @@ def reference_attention(
     logits = logits * default_scale(query, scale)
     if bias is not None:
         logits = logits + bias.astype(jnp.float32)
-    mask = combine_masks(
-        mask, structural_mask(query.shape[1], key.shape[1], is_causal, local_window)
-    )
+    structural = structural_mask(query.shape[1], key.shape[1], is_causal, local_window)
+    mask = combine_masks(mask, structural)  # bool, broadcastable to [B, H, T, S]
     if mask is not None:
         logits = jnp.where(mask, logits, MASK_VALUE)  # finite: a fully masked row stays NaN-free
     weights = jax.nn.softmax(logits, axis=-1)  # float32 [B, H, T, S]

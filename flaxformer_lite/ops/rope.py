@@ -46,7 +46,7 @@ class RopeScaling:
 
     Attributes:
         kind: ``"linear"`` (position interpolation: every frequency divided by ``factor``),
-            ``"ntk"`` (NTK-aware static scaling of the base by ``factor ** (d / (d - 2))``) or
+            ``"ntk"`` (NTK-aware static scaling of the base by ``factor ** (Dh / (Dh - 2))``) or
             ``"llama3"`` (Llama 3.1: only the low frequencies are divided by ``factor``).
         factor: The context-length multiplier, e.g. 8.0 for Llama 3.1.
         low_freq_factor: llama3 only. Wavelengths longer than
