@@ -145,32 +145,15 @@ def dot_product_attention(
     )
     geometry = dict(scale=scale, is_causal=is_causal, local_window=local_window)
     dropout = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+    features = dict(is_causal=is_causal, local_window=local_window, dropout_rate=dropout_rate)
     if implementation is None:
-        implementation = select_implementation(
-            query,
-            key,
-            value,
-            bias,
-            mask,
-            is_causal=is_causal,
-            local_window=local_window,
-            dropout_rate=dropout_rate,
-        )
+        implementation = select_implementation(query, key, value, bias, mask, **features)
     if implementation == "xla":
         return xla_attention(query, key, value, bias, mask, **geometry, **dropout)
     if implementation == "chunked":
         return chunked_attention(query, key, value, bias, mask, **geometry, **dropout)
     if implementation == "cudnn":
-        reason = cudnn_unsupported_reason(
-            query,
-            key,
-            value,
-            bias,
-            mask,
-            is_causal=is_causal,
-            local_window=local_window,
-            dropout_rate=dropout_rate,
-        )
+        reason = cudnn_unsupported_reason(query, key, value, bias, mask, **features)
         if reason:
             raise ValueError(f'implementation="cudnn" cannot run these inputs: {reason}')
         return jax_nn_attention(query, key, value, bias, mask, **geometry, implementation="cudnn")
@@ -430,16 +413,8 @@ def select_implementation(
     query, key, value, bias=None, mask=None, *, is_causal, local_window, dropout_rate
 ) -> str:
     """The automatic choice: cuDNN where it runs, else "chunked" for large logits, else "xla"."""
-    reason = cudnn_unsupported_reason(
-        query,
-        key,
-        value,
-        bias,
-        mask,
-        is_causal=is_causal,
-        local_window=local_window,
-        dropout_rate=dropout_rate,
-    )
+    features = dict(is_causal=is_causal, local_window=local_window, dropout_rate=dropout_rate)
+    reason = cudnn_unsupported_reason(query, key, value, bias, mask, **features)
     if not reason:
         logger.debug("attention: cudnn")
         return "cudnn"
