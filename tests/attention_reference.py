@@ -1,10 +1,14 @@
-"""A deliberately naive float64 NumPy attention, independent of the library's code."""
+"""A deliberately naive float64 NumPy attention, independent of the library's code.
+
+It checks ``ops.reference_attention`` itself (test_attention_reference.py), against which the
+implementations are then tested, and the ``nn`` modules (test_nn.py).
+"""
 
 import numpy as np
 
 
 def naive_attention_probs(q, k, bias=None, mask=None, *, scale=None, causal=False, window=None):
-    """Softmax probabilities ``[B, Hq, Tq, Tk]`` computed element by element in float64."""
+    """Softmax probabilities ``[B, H, T, S]`` computed element by element in float64."""
     q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
     b, tq, hq, d = q.shape
     tk, hk = k.shape[1], k.shape[2]
@@ -42,11 +46,11 @@ def naive_attention_probs(q, k, bias=None, mask=None, *, scale=None, causal=Fals
 
 
 def naive_attention(q, k, v, bias=None, mask=None, *, keep=None, dropout_rate=0.0, **kwargs):
-    """``[B, Tq, Hq, Dv]`` float64; ``keep`` is an explicit ``[B, Hq, Tq, Tk]`` dropout mask."""
+    """``[B, T, H, Dv]`` float64; ``keep`` is an explicit ``[B, H, T, S]`` dropout mask."""
     probs = naive_attention_probs(q, k, bias, mask, **kwargs)
     if keep is not None:
         probs = np.where(keep, probs / (1.0 - dropout_rate), 0.0)
     v = np.asarray(v, np.float64)
     group = q.shape[2] // v.shape[2]
-    v_per_query_head = np.repeat(v, group, axis=2)  # [B, Tk, Hq, Dv]
+    v_per_query_head = np.repeat(v, group, axis=2)  # [B, S, H, Dv]
     return np.einsum("bhqk,bkhd->bqhd", probs, v_per_query_head)

@@ -55,7 +55,8 @@ def data():
 def test_layer_norm_zero_mean_unit_variance(data):
     x, _, _ = data
     y = np.asarray(layer_norm(x, eps=0.0), np.float64)
-    np.testing.assert_allclose(y.mean(-1), 0.0, atol=1e-6)
+    # The float32 mean of 16 features near 2 carries round-off of ~1e-6 in any summation order.
+    np.testing.assert_allclose(y.mean(-1), 0.0, atol=1e-5)
     np.testing.assert_allclose(y.var(-1), 1.0, rtol=1e-5)
     np.testing.assert_allclose(y, _layer_norm_ref(x, eps=0.0), atol=1e-5)
 
@@ -158,12 +159,14 @@ def test_param_shape_mismatch_raises(data, fn, name, shape):
 
 
 def test_jit_and_vmap_match_eager(data):
+    # Other programs may sum the 16 features in another order: statistics ~16 * 2**-24 apart in
+    # relative terms, outputs of up to ~5 about 5e-6 at most.
     x, scale, bias = data
     for fn, args in [(layer_norm, (scale, bias)), (rms_norm, (scale,))]:
         eager = fn(x, *args)
-        np.testing.assert_allclose(jax.jit(fn)(x, *args), eager, atol=1e-6)
+        np.testing.assert_allclose(jax.jit(fn)(x, *args), eager, atol=1e-5)
         np.testing.assert_allclose(
-            jax.vmap(fn, in_axes=(0,) + (None,) * len(args))(x, *args), eager, atol=1e-6
+            jax.vmap(fn, in_axes=(0,) + (None,) * len(args))(x, *args), eager, atol=1e-5
         )
 
 
@@ -218,14 +221,17 @@ def test_layer_norm_grad_without_scale_or_bias_matches_autodiff_of_the_formula(d
 
 
 def test_layer_norm_grad_large_mean_and_under_vmap(data):
-    """The backward pass reuses the forward's two-pass statistics: a mean of 1000 costs no
-    digits; and it batches under vmap."""
+    """The backward pass reuses the forward's two-pass statistics: a mean of 1000 costs only the
+    float32 rounding of that mean; and it batches under vmap."""
     _, scale, bias = data
     x = jnp.asarray(1000.0 + _normal(0), jnp.float32)
     g = jnp.asarray(_normal(6), jnp.float32)
     grad = jax.grad(lambda x, g: jnp.sum(g * layer_norm(x, scale, bias)))
-    np.testing.assert_allclose(grad(x, g), _layer_norm_dx_ref(x, scale, g), atol=1e-4)
-    np.testing.assert_allclose(jax.vmap(grad)(x, g), grad(x, g), atol=1e-6)
+    # The float32 mean of 16 values near 1000 (partial sums up to 16000, spaced 2**-10) is off by
+    # up to ~1e-4 depending on summation order, and dx with it; one-pass or bfloat16 statistics
+    # would be off by tenths.
+    np.testing.assert_allclose(grad(x, g), _layer_norm_dx_ref(x, scale, g), atol=1e-3)
+    np.testing.assert_allclose(jax.vmap(grad)(x, g), grad(x, g), atol=1e-3)
 
 
 def test_layer_norm_bf16_grad_dtypes_follow_their_inputs(data):

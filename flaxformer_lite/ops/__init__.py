@@ -1,10 +1,36 @@
-"""Pure, jit-/vmap-/grad-safe functions: the math of the library, written once.
+"""Pure, jit-, vmap- and grad-safe functions: the math of the library, written once.
 
-Arrays use the ``[batch, length, heads, head_dim]`` layout of ``jax.nn.dot_product_attention``;
-every docstring states shapes and dtypes. Masks are boolean, True = may attend.
+Shape letters, used in every docstring and tensor name (shapes are written ``[B, T, H, Dh]``):
+
+  B    batch
+  T    sequence length; the query length where queries and keys differ (alias Tq)
+  S    key/value length (alias Tk)
+  D    d_model, the model width (never the head dimension)
+  H    query heads (alias Hq)
+  Hk   key/value heads; H is a multiple of Hk (grouped-query attention when Hk < H)
+  Dh   head dimension
+  Dv   value head dimension, where it may differ from Dh (attention only)
+  F    MLP width (d_ff)
+  V    vocabulary size
+  L    layers
+
+Conventions:
+
+* Queries, keys and values are laid out ``[B, T, H, Dh]``, as in ``jax.nn.dot_product_attention``.
+* Masks are boolean, True = may attend, broadcastable to ``[B, H, T, S]``. A query row whose keys
+  are all masked yields zeros, never NaN.
+* Softmax, normalization statistics and the loss compute in float32 whatever the input dtype;
+  results come back in the input dtype (the loss as float32).
+* ``project``, ``layer_norm`` and ``chunked_attention`` (so also ``dot_product_attention`` when it
+  runs "chunked") have custom VJPs, so forward-mode autodiff (``jax.jvp``, ``jax.jacfwd``) does
+  not go through them; reverse mode, ``jit`` and ``vmap`` do.
 """
 
-from flaxformer_lite.ops.attention import attention_weights, dot_product_attention
+from flaxformer_lite.ops.attention import (
+    attention_weights,
+    dot_product_attention,
+    reference_attention,
+)
 from flaxformer_lite.ops.chunked_attention import chunked_attention
 from flaxformer_lite.ops.losses import cross_entropy
 from flaxformer_lite.ops.masks import (
@@ -39,6 +65,7 @@ __all__ = [
     "local_window_mask",
     "padding_mask",
     "project",
+    "reference_attention",
     "relative_position_buckets",
     "rms_norm",
     "rope_frequencies",

@@ -1,23 +1,27 @@
 """Scaled dot-product attention, softmax(q kᵀ · scale + bias) v, with masks and three backends.
 
-Shapes (same layout as ``jax.nn.dot_product_attention``):
-  query ``[B, Tq, Hq, D]``, key ``[B, Tk, Hk, D]``, value ``[B, Tk, Hk, Dv]``, output
-  ``[B, Tq, Hq, Dv]``. ``bias`` (additive, float) and ``mask`` (bool, True = may attend) broadcast
-  to ``[B, Hq, Tq, Tk]``. Grouped-query attention: ``Hq`` is a multiple of ``Hk`` and query head
-  ``n`` uses key/value head ``n // (Hq // Hk)``; ``Hk == 1`` is multi-query attention.
+:func:`reference_attention` is the definition, written as the formula reads. The implementations
+of :func:`dot_product_attention` compute the same values faster or in less memory, and the tests
+hold each of them equal to it:
 
-Numerics: logits, softmax and accumulation are float32 whatever the input dtype; the output has
-the query's dtype. A query row whose keys are all masked returns zeros, never NaN.
-
-Implementations:
-  ``"xla"``      the reference: two einsums around a float32 softmax; O(Tq·Tk) memory. Causal
-                 and windowed masks are applied per block of queries against only the keys
-                 the block can see (``QUERY_BLOCK_ROWS``).
-  ``"chunked"``  memory-efficient online-softmax attention (see ``chunked_attention``); O(T)
+  ``"xla"``      the reference optimised (:func:`xla_attention`): blocks of queries against only
+                 the keys they can see, query heads grouped under their key/value head instead of
+                 repeated keys and values, and the softmax normalised after the value product;
+                 O(T·S) memory.
+  ``"chunked"``  memory-efficient online-softmax attention (:func:`chunked_attention`); O(T)
                  memory in the forward and backward pass.
   ``"cudnn"``    cuDNN flash attention through ``jax.nn.dot_product_attention`` (GPU only).
   ``None``       the best one that supports the backend, shapes and features; the reason for
                  the choice is logged (logger ``flaxformer_lite.ops.attention``, at trace time).
+
+Shapes (letters as in :mod:`flaxformer_lite.ops`): query ``[B, T, H, Dh]``, key ``[B, S, Hk, Dh]``,
+value ``[B, S, Hk, Dv]``, output ``[B, T, H, Dv]``. ``bias`` (additive, float) and ``mask`` (bool,
+True = may attend) broadcast to ``[B, H, T, S]``. Grouped-query attention: ``H`` is a multiple of
+``Hk`` and query head ``n`` uses key/value head ``n // G``, ``G = H // Hk``; ``Hk == 1`` is
+multi-query attention.
+
+Numerics: logits, softmax and accumulation are float32 whatever the input dtype; the output has
+the query's dtype. A query row whose keys are all masked returns zeros, never NaN.
 """
 
 from __future__ import annotations
@@ -44,48 +48,82 @@ logger = logging.getLogger(__name__)
 
 IMPLEMENTATIONS = ("xla", "chunked", "cudnn")
 
-# Above this many float32 logits per call ([B, Hq, Tq, Tk] elements) the automatic choice on
-# CPU/TPU is "chunked": the O(T²) buffers of "xla" grow past hundreds of MiB, while "chunked"
-# stays O(T) for a little more time (benchmarks/attention.py, forward and backward: 1.26x
-# "xla"'s time at T = 2048, 1.15x at 8192).
+# From this many float32 logits per call (B·H·T·S, 128 MiB of them) the automatic choice on
+# CPU/TPU is "chunked": its memory stays O(T) for a little more time, where the O(T·S) buffers
+# of "xla" would grow past hundreds of MiB.
 CHUNKED_MIN_LOGITS = 8 * 2048 * 2048
 
-# "xla" computes causal or windowed attention over more queries than this in blocks of this many
-# query rows, each against only the keys its rows can see, skipping the hidden part of the
-# logits (a quarter of them for a causal mask at T = 256, nearly half at T = 1024). One pre-LN
-# layer's forward and backward on CPU: 1.2x faster at T = 256, 1.35x at T = 1024; blocks of 64
-# rows were slower at T = 256, 256 rows no better at T = 1024 (benchmarks/train_step.py for the
-# whole step). Longer queries use larger blocks, at most MAX_QUERY_BLOCKS of them, so that the
-# program (each block is its own pair of matmuls) stays small.
+# With a causal or windowed mask, "xla" splits more queries than this into blocks of this many
+# rows, each against only the keys its rows can see, and so skips most hidden logits. Longer
+# queries use larger blocks, at most MAX_QUERY_BLOCKS, as each block is its own pair of matmuls.
 QUERY_BLOCK_ROWS = 128
 MAX_QUERY_BLOCKS = 8
 
 
+def reference_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    local_window: tuple[int, int] | None = None,
+) -> jax.Array:
+    """Attention as the formula reads: the definition the implementations are tested against.
+
+    Arguments, shapes and result as :func:`dot_product_attention`, without dropout. Memory is
+    O(B·H·T·S): for reading, testing and small inputs.
+    """
+    query, key, value, bias, mask = validated_attention_inputs(
+        query, key, value, bias, mask, local_window, 0.0, None
+    )
+    group = query.shape[2] // key.shape[2]  # G query heads share each key/value head
+    key = jnp.repeat(key, group, axis=2)  # [B, S, H, Dh]
+    value = jnp.repeat(value, group, axis=2)  # [B, S, H, Dv]
+    logits = jnp.einsum("bthd,bshd->bhts", query, key, preferred_element_type=jnp.float32)
+    logits = logits * default_scale(query, scale)
+    if bias is not None:
+        logits = logits + bias.astype(jnp.float32)
+    structural = structural_mask(query.shape[1], key.shape[1], is_causal, local_window)
+    mask = combine_masks(mask, structural)  # bool, broadcastable to [B, H, T, S]
+    if mask is not None:
+        logits = jnp.where(mask, logits, MASK_VALUE)  # finite: a fully masked row stays NaN-free
+    weights = jax.nn.softmax(logits, axis=-1)  # float32 [B, H, T, S]
+    if mask is not None:
+        weights = jnp.where(mask, weights, 0.0)  # rows without a visible key become zeros
+    out = jnp.einsum(
+        "bhts,bshd->bthd", weights.astype(value.dtype), value, preferred_element_type=jnp.float32
+    )
+    return out.astype(query.dtype)
+
+
 def dot_product_attention(
-    query,
-    key,
-    value,
-    bias=None,
-    mask=None,
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
     *,
     scale: float | None = None,
     is_causal: bool = False,
     local_window: tuple[int, int] | None = None,
     dropout_rate: float = 0.0,
-    dropout_rng=None,
+    dropout_rng: jax.Array | None = None,
     implementation: str | None = None,
-):
+) -> jax.Array:
     """Multi-head scaled dot-product attention.
 
     Args:
-      query: ``[B, Tq, Hq, D]``.
-      key: ``[B, Tk, Hk, D]`` with ``Hq % Hk == 0``.
-      value: ``[B, Tk, Hk, Dv]``.
-      bias: optional additive float bias broadcastable to ``[B, Hq, Tq, Tk]`` (relative
+      query: ``[B, T, H, Dh]``.
+      key: ``[B, S, Hk, Dh]`` with ``H % Hk == 0``.
+      value: ``[B, S, Hk, Dv]``.
+      bias: optional additive float bias broadcastable to ``[B, H, T, S]`` (relative
         positions, ALiBi). Use ``mask`` rather than ``-inf`` biases to forbid positions.
-      mask: optional bool, broadcastable to ``[B, Hq, Tq, Tk]``, True = may attend.
-      scale: multiplier of the logits; defaults to ``1 / sqrt(D)``.
-      is_causal: query ``i`` attends keys ``j <= i + (Tk - Tq)``: with ``Tq != Tk`` the last
+      mask: optional bool, broadcastable to ``[B, H, T, S]``, True = may attend.
+      scale: multiplier of the logits; defaults to ``1 / sqrt(Dh)``.
+      is_causal: query ``i`` attends keys ``j <= i + (S - T)``: with ``T != S`` the last
         query is aligned with the last key, as when decoding against a KV cache.
       local_window: ``(left, right)``: each query attends only keys at most ``left`` positions
         before and ``right`` after its own position (positions aligned as for ``is_causal``).
@@ -93,13 +131,13 @@ def dot_product_attention(
       dropout_rng: PRNG key, required when ``dropout_rate > 0``.
       implementation: ``"xla"``, ``"chunked"``, ``"cudnn"`` or ``None`` (automatic). The
         dropout keep-mask drawn from one ``dropout_rng`` differs between implementations.
-        "chunked" has a custom VJP: forward-mode autodiff (``jax.jvp``) needs "xla".
+        "chunked" has a custom VJP (see the conventions in :mod:`flaxformer_lite.ops`).
 
     Returns:
-      ``[B, Tq, Hq, Dv]`` in the query's dtype.
+      ``[B, T, H, Dv]`` in the query's dtype.
 
     Raises:
-      ValueError: on wrong ranks, mismatched shapes, ``Hq % Hk != 0``, masks or biases that do
+      ValueError: on wrong ranks, mismatched shapes, ``H % Hk != 0``, masks or biases that do
         not broadcast, a non-boolean mask, or an implementation that cannot run these inputs.
     """
     query, key, value, bias, mask = validated_attention_inputs(
@@ -107,32 +145,15 @@ def dot_product_attention(
     )
     geometry = dict(scale=scale, is_causal=is_causal, local_window=local_window)
     dropout = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+    features = dict(is_causal=is_causal, local_window=local_window, dropout_rate=dropout_rate)
     if implementation is None:
-        implementation = select_implementation(
-            query,
-            key,
-            value,
-            bias,
-            mask,
-            is_causal=is_causal,
-            local_window=local_window,
-            dropout_rate=dropout_rate,
-        )
+        implementation = select_implementation(query, key, value, bias, mask, **features)
     if implementation == "xla":
         return xla_attention(query, key, value, bias, mask, **geometry, **dropout)
     if implementation == "chunked":
         return chunked_attention(query, key, value, bias, mask, **geometry, **dropout)
     if implementation == "cudnn":
-        reason = cudnn_unsupported_reason(
-            query,
-            key,
-            value,
-            bias,
-            mask,
-            is_causal=is_causal,
-            local_window=local_window,
-            dropout_rate=dropout_rate,
-        )
+        reason = cudnn_unsupported_reason(query, key, value, bias, mask, **features)
         if reason:
             raise ValueError(f'implementation="cudnn" cannot run these inputs: {reason}')
         return jax_nn_attention(query, key, value, bias, mask, **geometry, implementation="cudnn")
@@ -142,21 +163,21 @@ def dot_product_attention(
 
 
 def attention_weights(
-    query,
-    key,
-    bias=None,
-    mask=None,
+    query: jax.Array,
+    key: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
     *,
     scale: float | None = None,
     is_causal: bool = False,
     local_window: tuple[int, int] | None = None,
-):
+) -> jax.Array:
     """The attention probabilities softmax(q kᵀ · scale + bias), for inspection and plots.
 
-    Args: as :func:`dot_product_attention` (query ``[B, Tq, Hq, D]``, key ``[B, Tk, Hk, D]``).
+    Args: as :func:`dot_product_attention` (query ``[B, T, H, Dh]``, key ``[B, S, Hk, Dh]``).
 
     Returns:
-      float32 ``[B, Hq, Tq, Tk]``; each row sums to 1, or is all zeros if fully masked.
+      float32 ``[B, H, T, S]``; each row sums to 1, or is all zeros if fully masked.
     """
     query, key, _, bias, mask = validated_attention_inputs(
         query, key, key, bias, mask, local_window, 0.0, None
@@ -174,14 +195,21 @@ def attention_weights(
 def xla_attention(
     query, key, value, bias, mask, *, scale, is_causal, local_window, dropout_rate, dropout_rng
 ):
-    """The einsum reference implementation; inputs already validated. See module docstring."""
-    b, q_len, num_heads, _ = query.shape
-    kv_len = key.shape[1]
+    """:func:`reference_attention` optimised, on validated inputs, with dropout.
+
+    The same values in another order of operations: causal or windowed masks split the queries
+    into blocks, each against only the keys it can see (:func:`_query_blocks`); the G query heads
+    of each key/value head are vmapped over rather than the keys and values repeated G times
+    (:func:`_per_query_group`); and the softmax is divided out after the value product, on
+    ``[.., T, Dv]`` instead of the ``[.., T, S]`` weights (:func:`_unnormalized_softmax`).
+    """
+    b, t, h, _ = query.shape
+    s = key.shape[1]
     bias = as_rank4("bias", bias, attention_logits_shape(query, key))
     full_mask = _full_mask(query, key, mask, is_causal, local_window)
     keep = None
     if dropout_rate > 0.0:
-        keep = dropout_keep(dropout_rng, dropout_rate, (b, num_heads, q_len, kv_len))
+        keep = dropout_keep(dropout_rng, dropout_rate, (b, h, t, s))
     scale = default_scale(query, scale)
 
     def attend(q, bias, mask, keep, *, key, value):
@@ -189,7 +217,7 @@ def xla_attention(
         if keep is not None:
             weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
         out = jnp.einsum(
-            "bhqk,bhkd->bhqd",
+            "bhts,bhsd->bhtd",
             weights.astype(value.dtype),
             value.swapaxes(1, 2),
             preferred_element_type=jnp.float32,
@@ -197,40 +225,40 @@ def xla_attention(
         return (out / normalizer).swapaxes(1, 2)
 
     outs = []
-    for (q0, q1), (k0, k1) in _query_blocks(q_len, kv_len, is_causal, local_window):
+    for (q0, q1), (k0, k1) in _query_blocks(t, s, is_causal, local_window):
         logit_blocks = [_logit_block(x, q0, q1, k0, k1) for x in (bias, full_mask, keep)]
         attend_block = functools.partial(attend, key=key[:, k0:k1], value=value[:, k0:k1])
         outs.append(_per_query_group(attend_block, query[:, q0:q1], key.shape[2], 3, *logit_blocks))
     out = jnp.concatenate(outs, axis=1)
     # Only a user mask, or a causal/window mask with more queries than keys, can leave a row
     # without any visible key. Such rows are zeroed on the output, which is cheaper than on the
-    # [Tq, Tk] weights and blocks their gradient just the same.
-    if full_mask is not None and (mask is not None or q_len > kv_len):
-        row_has_key = jnp.moveaxis(jnp.any(full_mask, axis=-1), 1, 2)[..., None]  # [b, Tq, h, 1]
+    # [T, S] weights and blocks their gradient just the same.
+    if full_mask is not None and (mask is not None or t > s):
+        row_has_key = jnp.moveaxis(jnp.any(full_mask, axis=-1), 1, 2)[..., None]  # [B, T, H, 1]
         out = jnp.where(row_has_key, out, 0.0)
     return out.astype(query.dtype)
 
 
-def _query_blocks(q_len, kv_len, is_causal, local_window):
+def _query_blocks(t, s, is_causal, local_window):
     """``[((q0, q1), (k0, k1)), ...]``: blocks of query rows and the range of keys each can see.
 
-    One block (all queries, all keys) unless a causal or sliding-window mask hides keys and
+    One block (all T queries, all S keys) unless a causal or sliding-window mask hides keys and
     there are more than ``QUERY_BLOCK_ROWS`` queries; else blocks of ``QUERY_BLOCK_ROWS`` rows, or
     ``MAX_QUERY_BLOCKS`` equal blocks if that makes them larger. Positions are aligned as in
-    :func:`structural_mask`: query ``i`` sits at ``i + kv_len - q_len``.
+    :func:`structural_mask`: query ``i`` sits at ``i + S - T``.
     """
     left, right = local_window if local_window is not None else (None, None)
     if is_causal:
         right = 0
-    if (left is None and right is None) or q_len <= QUERY_BLOCK_ROWS:
-        return [((0, q_len), (0, kv_len))]
-    offset = kv_len - q_len
-    rows = max(QUERY_BLOCK_ROWS, -(-q_len // MAX_QUERY_BLOCKS))
+    if (left is None and right is None) or t <= QUERY_BLOCK_ROWS:
+        return [((0, t), (0, s))]
+    offset = s - t
+    rows = max(QUERY_BLOCK_ROWS, -(-t // MAX_QUERY_BLOCKS))
     blocks = []
-    for q0 in range(0, q_len, rows):
-        q1 = min(q0 + rows, q_len)
+    for q0 in range(0, t, rows):
+        q1 = min(q0 + rows, t)
         k0 = 0 if left is None else max(q0 + offset - left, 0)
-        k1 = kv_len if right is None else min(q1 + offset + right, kv_len)
+        k1 = s if right is None else min(q1 + offset + right, s)
         # With more queries than keys a block may see no key at all: it keeps one (masked) and
         # its rows are zeroed like every row without a key.
         blocks.append(((q0, q1), (k0, max(k1, k0 + 1))))
@@ -254,15 +282,15 @@ def _full_mask(query, key, mask, is_causal, local_window):
 
 
 def _logits(query, key, bias, mask, scale):
-    """float32 masked logits q kᵀ · scale + bias ``[B, Hk, Tq, Tk]`` for query ``[B, Tq, Hk, D]``.
+    """float32 masked logits q kᵀ · scale + bias ``[B, Hk, T, S]`` for query ``[B, T, Hk, Dh]``.
 
     Masked logits get a finite fill, so a fully masked row is uniform rather than NaN; callers
     zero such rows.
     """
-    # Heads moved ahead of positions: every (b, h) product is then a contiguous GEMM, which on
-    # CPU runs the attention forward and backward about 17% faster than strided "bqhd" operands.
+    # Heads moved ahead of positions, so that every (b, h) product is a GEMM on contiguous
+    # operands rather than on strided ones.
     logits = jnp.einsum(
-        "bhqd,bhkd->bhqk",
+        "bhtd,bhsd->bhts",
         query.swapaxes(1, 2),
         key.swapaxes(1, 2),
         preferred_element_type=jnp.float32,
@@ -276,17 +304,17 @@ def _logits(query, key, bias, mask, scale):
 
 
 def _softmax(query, key, bias, mask, scale):
-    """float32 softmax of :func:`_logits` ``[B, Hk, Tq, Tk]``."""
+    """float32 softmax of :func:`_logits` ``[B, Hk, T, S]``."""
     return jax.nn.softmax(_logits(query, key, bias, mask, scale), axis=-1)
 
 
 def _unnormalized_softmax(query, key, bias, mask, scale):
-    """``(exp(logits - max), sum)``: the softmax before its division, ``[B, Hk, Tq, Tk]``, and
-    its row sums ``[B, Hk, Tq, 1]``.
+    """``(exp(logits - max), sum)``: the softmax before its division, ``[B, Hk, T, S]``, and
+    its row sums ``[B, Hk, T, 1]``.
 
-    Dividing the ``[.., Tq, Dv]`` attention output by the sums instead of the ``[.., Tq, Tk]``
+    Dividing the ``[.., T, Dv]`` attention output by the sums instead of the ``[.., T, S]``
     weights saves a pass over the weights, and in the backward pass the broadcast quotient that
-    autodiff of ``jax.nn.softmax`` materializes at ``[B, Hk, Tq, Tk]``.
+    autodiff of ``jax.nn.softmax`` materializes at ``[B, Hk, T, S]``.
     """
     logits = _logits(query, key, bias, mask, scale)
     weights = jnp.exp(logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True)))
@@ -296,17 +324,17 @@ def _unnormalized_softmax(query, key, bias, mask, scale):
 def _per_query_group(fn, query, num_kv_heads, out_axis, *logit_shaped):
     """Runs ``fn`` once per query head of each key/value group (vmap), merging the results.
 
-    ``fn(q [B, Tq, Hk, D], *xs)`` receives one of the G = Hq / Hk query heads of every key/value
-    head and the matching slice of each ``[b, h, tq, tk]`` array in ``logit_shaped`` (arrays with
-    ``h == 1`` and ``None`` are passed whole). Its head axis ``out_axis`` (of size Hk) becomes the
-    Hq axis of the result. Measured on CPU this beats both a 5-D grouped einsum and repeating the
-    keys and values G times.
+    ``fn(q [B, T, Hk, Dh], *xs)`` receives one of the G = H / Hk query heads of every key/value
+    head and the matching slice of each ``[B, H, T, S]`` array in ``logit_shaped`` (arrays with
+    one head and ``None`` are passed whole). Its head axis ``out_axis`` (of size Hk) becomes the
+    H axis of the result. Chosen over a 5-D grouped einsum and over repeating the keys and
+    values G times, both slower on CPU.
     """
-    b, q_len, num_heads, head_dim = query.shape
-    group = num_heads // num_kv_heads
+    b, t, h, dh = query.shape
+    group = h // num_kv_heads
     if group == 1:
         return fn(query, *logit_shaped)
-    args, in_axes = [query.reshape(b, q_len, num_kv_heads, group, head_dim)], [3]
+    args, in_axes = [query.reshape(b, t, num_kv_heads, group, dh)], [3]
     for x in logit_shaped:
         if x is None or x.shape[1] == 1:
             args.append(x)
@@ -324,9 +352,9 @@ def jax_nn_attention(
 ):
     """Delegates to ``jax.nn.dot_product_attention`` with our conventions.
 
-    ``jax.nn`` aligns causal and window masks top-left; callers pass ``Tq == Tk`` for those
+    ``jax.nn`` aligns causal and window masks top-left; callers pass ``T == S`` for those
     (see :func:`cudnn_unsupported_reason`). cuDNN takes biases and masks only at full
-    ``[.., Tq, Tk]`` size and the bias in the input dtype, so both are broadcast and cast here.
+    ``[.., T, S]`` size and the bias in the input dtype, so both are broadcast and cast here.
     Rows whose keys are all masked are zeroed, since cuDNN leaves them undefined.
     """
     target = attention_logits_shape(query, key)
@@ -373,11 +401,11 @@ def cudnn_unsupported_reason(
     if dropout_rate > 0.0:
         return "attention dropout is not supported"
     if (is_causal or local_window is not None) and query.shape[1] != key.shape[1]:
-        return "causal or windowed masks with Tq != Tk align differently in cuDNN"
+        return "causal or windowed masks with T != S align differently in cuDNN"
     if local_window is not None and local_window[1] != 0 and not is_causal:
         return f"a right window needs is_causal, got local_window={local_window}"
     if (bias is not None or mask is not None) and (query.shape[1] % 2 or key.shape[1] % 2):
-        return f"a bias or mask needs even lengths, got Tq={query.shape[1]}, Tk={key.shape[1]}"
+        return f"a bias or mask needs even lengths, got T={query.shape[1]}, S={key.shape[1]}"
     return ""
 
 
@@ -385,23 +413,15 @@ def select_implementation(
     query, key, value, bias=None, mask=None, *, is_causal, local_window, dropout_rate
 ) -> str:
     """The automatic choice: cuDNN where it runs, else "chunked" for large logits, else "xla"."""
-    reason = cudnn_unsupported_reason(
-        query,
-        key,
-        value,
-        bias,
-        mask,
-        is_causal=is_causal,
-        local_window=local_window,
-        dropout_rate=dropout_rate,
-    )
+    features = dict(is_causal=is_causal, local_window=local_window, dropout_rate=dropout_rate)
+    reason = cudnn_unsupported_reason(query, key, value, bias, mask, **features)
     if not reason:
         logger.debug("attention: cudnn")
         return "cudnn"
     if jax.default_backend() == "gpu":
         logger.info("attention: cuDNN not used (%s)", reason)
-    b, tq, hq, _ = query.shape
-    num_logits = b * hq * tq * key.shape[1]
+    b, t, h, _ = query.shape
+    num_logits = b * h * t * key.shape[1]
     if num_logits >= CHUNKED_MIN_LOGITS:
         logger.debug("attention: chunked (%d logits >= %d)", num_logits, CHUNKED_MIN_LOGITS)
         return "chunked"

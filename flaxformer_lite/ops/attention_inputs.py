@@ -1,8 +1,8 @@
 """Shape checks and layout helpers shared by the attention implementations.
 
-Every implementation sees the same validated inputs: ``query [B, Tq, Hq, D]``,
-``key [B, Tk, Hk, D]``, ``value [B, Tk, Hk, Dv]`` with ``Hq % Hk == 0``, and ``bias`` / ``mask``
-broadcastable to ``[B, Hq, Tq, Tk]``. Errors name the offending shapes at trace time, before XLA
+Every implementation sees the same validated inputs: ``query [B, T, H, Dh]``,
+``key [B, S, Hk, Dh]``, ``value [B, S, Hk, Dv]`` with ``H % Hk == 0``, and ``bias`` / ``mask``
+broadcastable to ``[B, H, T, S]``. Errors name the offending shapes at trace time, before XLA
 reports something less readable.
 """
 
@@ -39,12 +39,12 @@ def validated_attention_inputs(
             raise ValueError(
                 f"{name} must be [batch, length, heads, head_dim], got shape {tuple(x.shape)}"
             )
-    (b, _, hq, d), (bk, tk, hk, dk), (bv, tv, hv, _) = query.shape, key.shape, value.shape
+    (b, _, h, dh), (bk, s, hk, dhk), (bv, sv, hv, _) = query.shape, key.shape, value.shape
     if not b == bk == bv:
         raise ValueError(
             f"batch sizes differ: query {query.shape}, key {key.shape}, value {value.shape}"
         )
-    if 0 in (query.shape[1], tk, hk, d):
+    if 0 in (query.shape[1], s, hk, dh):
         raise ValueError(
             "query and key need at least one position, head and feature: "
             f"query {query.shape}, key {key.shape}"
@@ -52,15 +52,15 @@ def validated_attention_inputs(
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise ValueError(f"{name} must be a floating-point array, got dtype {x.dtype}")
-    if d != dk:
+    if dh != dhk:
         raise ValueError(f"query and key head_dim differ: query {query.shape}, key {key.shape}")
-    if (tk, hk) != (tv, hv):
+    if (s, hk) != (sv, hv):
         raise ValueError(
             f"key and value must agree in length and heads: key {key.shape}, value {value.shape}"
         )
-    if hq % hk:
+    if h % hk:
         raise ValueError(
-            f"query heads ({hq}) must be a multiple of key/value heads ({hk}) for grouped-query "
+            f"query heads ({h}) must be a multiple of key/value heads ({hk}) for grouped-query "
             f"attention: query {query.shape}, key {key.shape}"
         )
     if mask is not None and mask.dtype != jnp.bool_:
@@ -93,7 +93,7 @@ def check_dropout(rate, rng):
 
 
 def attention_logits_shape(query, key) -> tuple[int, int, int, int]:
-    """``(B, Hq, Tq, Tk)``: the shape that masks and biases broadcast to."""
+    """``(B, H, T, S)``: the shape that masks and biases broadcast to."""
     return query.shape[0], query.shape[2], query.shape[1], key.shape[1]
 
 
@@ -115,23 +115,23 @@ def as_rank4(name: str, x, target: tuple[int, ...]):
 
 
 def group_heads(x, num_kv_heads: int):
-    """``[b, h, tq, tk]`` with h in {1, Hq} -> ``[b, Hk, G, tq, tk]`` (size 1 kept where h == 1).
+    """``[B, H, T, S]`` (any axis may be 1) -> ``[B, Hk, G, T, S]`` (both 1 where H is 1).
 
-    Query head ``n`` belongs to key/value head ``n // G``, G = Hq / Hk, so a plain reshape of
+    Query head ``n`` belongs to key/value head ``n // G``, G = H / Hk, so a plain reshape of
     the head axis into ``(Hk, G)`` puts each query head under its key/value head.
     """
     if x is None:
         return None
-    b, h, tq, tk = x.shape
+    b, h, t, s = x.shape
     if h == 1:
-        return x.reshape(b, 1, 1, tq, tk)
-    return x.reshape(b, num_kv_heads, h // num_kv_heads, tq, tk)
+        return x.reshape(b, 1, 1, t, s)
+    return x.reshape(b, num_kv_heads, h // num_kv_heads, t, s)
 
 
 def structural_mask(q_len: int, kv_len: int, is_causal: bool, local_window):
-    """The causal / sliding-window mask ``[1, 1, Tq, Tk]``, or ``None`` if neither applies.
+    """The causal / sliding-window mask ``[1, 1, T, S]``, or ``None`` if neither applies.
 
-    The last query is aligned with the last key (``offset = Tk - Tq``), as when decoding
+    The last query is aligned with the last key (``offset = S - T``), as when decoding
     against a KV cache.
     """
     offset = kv_len - q_len
@@ -144,7 +144,7 @@ def structural_mask(q_len: int, kv_len: int, is_causal: bool, local_window):
 
 
 def default_scale(query, scale):
-    """``scale`` or 1/sqrt(head_dim)."""
+    """``scale`` or ``1 / sqrt(Dh)``."""
     return 1.0 / float(query.shape[-1]) ** 0.5 if scale is None else scale
 
 

@@ -4,7 +4,7 @@ The forward pass walks over query blocks and, for each, over the key/value block
 keeping a running row max, row sum and output accumulator (Rabe & Staats 2021,
 "Self-attention Does Not Need O(n²) Memory"; Dao et al. 2022, FlashAttention). It saves only the
 output and the row log-sum-exp, so the backward pass (FlashAttention-2, Dao 2023) recomputes each
-block's probabilities instead of storing the ``[Tq, Tk]`` matrix: memory is O(T) both ways.
+block's probabilities instead of storing the ``[T, S]`` matrix: memory is O(T) both ways.
 
 Blocks that a causal or sliding-window mask hides entirely are skipped: each query block loops
 only over the key blocks in its visible band (and each key block over its query band in the
@@ -12,9 +12,8 @@ backward pass). Lengths need not divide by the block sizes; the tails are padded
 Attention dropout draws its keep-mask per block from ``fold_in(fold_in(rng, q_block), k_block)``
 and redraws the same mask in the backward pass.
 
-Shapes and conventions are those of :func:`flaxformer_lite.ops.dot_product_attention`.
-Forward-mode differentiation (``jax.jvp``, ``jax.jacfwd``) is not defined for the custom VJP;
-use the "xla" implementation for it.
+Shapes are those of :func:`flaxformer_lite.ops.dot_product_attention`; for what the custom VJP
+means to callers see the conventions in :mod:`flaxformer_lite.ops`.
 """
 
 from __future__ import annotations
@@ -44,8 +43,9 @@ DEFAULT_BLOCK_K = 512
 class _Geometry:
     """Static facts of one call: lengths, blocks, and the visible band of keys per query.
 
-    Query row ``i`` sits at position ``i + kv_len - q_len``, key ``j`` at ``j``; the query may
-    see key ``j`` iff ``position - left <= j <= position + right`` (and ``j < kv_len``).
+    Query row ``i`` sits at position ``i + S - T`` (``T = q_len``, ``S = kv_len``), key ``j`` at
+    ``j``; the query may see key ``j`` iff ``position - left <= j <= position + right`` and
+    ``j < S``.
     """
 
     q_len: int
@@ -90,46 +90,47 @@ def _block_range(lo, hi, block):
 
 
 def chunked_attention(
-    query,
-    key,
-    value,
-    bias=None,
-    mask=None,
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
     *,
     scale: float | None = None,
     is_causal: bool = False,
     local_window: tuple[int, int] | None = None,
     dropout_rate: float = 0.0,
-    dropout_rng=None,
+    dropout_rng: jax.Array | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
-):
-    """Memory-efficient attention: the "xla" reference's result and gradients in O(T) memory.
+) -> jax.Array:
+    """Memory-efficient attention: :func:`flaxformer_lite.ops.reference_attention`'s result and
+    gradients in O(T) memory.
 
     Dropout draws its keep-mask per block, so for the same ``dropout_rng`` the dropped weights
     differ from the "xla" implementation's (and depend on the block sizes); both are exact
     dropout with rate ``dropout_rate``.
 
     Args:
-      query: ``[B, Tq, Hq, D]``.
-      key: ``[B, Tk, Hk, D]``.
-      value: ``[B, Tk, Hk, Dv]``.
-      bias: optional float, broadcastable to ``[B, Hq, Tq, Tk]``; differentiable.
-      mask: optional bool, broadcastable to ``[B, Hq, Tq, Tk]``, True = may attend.
+      query: ``[B, T, H, Dh]``.
+      key: ``[B, S, Hk, Dh]``.
+      value: ``[B, S, Hk, Dv]``.
+      bias: optional float, broadcastable to ``[B, H, T, S]``; differentiable.
+      mask: optional bool, broadcastable to ``[B, H, T, S]``, True = may attend.
       scale, is_causal, local_window, dropout_rate, dropout_rng: as in
         :func:`flaxformer_lite.ops.dot_product_attention`.
-      block_q: query rows per block, a Python int (clipped to Tq).
-      block_k: keys per block, a Python int (clipped to Tk).
+      block_q: query rows per block, a Python int (clipped to T).
+      block_k: keys per block, a Python int (clipped to S).
 
     Returns:
-      ``[B, Tq, Hq, Dv]`` in the query's dtype.
+      ``[B, T, H, Dv]`` in the query's dtype.
     """
     query, key, value, bias, mask = validated_attention_inputs(
         query, key, value, bias, mask, local_window, dropout_rate, dropout_rng
     )
     if not all(isinstance(size, int) and size > 0 for size in (block_q, block_k)):
         raise ValueError(f"block sizes must be positive ints, got {block_q=}, {block_k=}")
-    b, q_len, hq, d = query.shape
+    b, q_len, h, dh = query.shape
     kv_len, hk = key.shape[1], key.shape[2]
     unlimited = q_len + kv_len
     left, right = local_window if local_window is not None else (unlimited, unlimited)
@@ -146,15 +147,15 @@ def chunked_attention(
     kv_pad = -kv_len % geometry.block_k
     target = attention_logits_shape(query, key)
     # Scaling q outside the custom VJP lets autodiff supply the gradient of a traced scale
-    # (a learned temperature), and costs O(T·D) instead of O(T²) multiplies.
+    # (a learned temperature), and costs O(T·Dh) instead of O(T·S) multiplies.
     scaled = (query.astype(jnp.float32) * default_scale(query, scale)).astype(query.dtype)
-    q = _pad_axis(scaled, 1, q_pad).reshape(b, q_len + q_pad, hk, hq // hk, d)
+    q = _pad_axis(scaled, 1, q_pad).reshape(b, q_len + q_pad, hk, h // hk, dh)
     k = _pad_axis(key, 1, kv_pad)
     v = _pad_axis(value, 1, kv_pad)
     bias = _pad_logit_axes(group_heads(as_rank4("bias", bias, target), hk), q_pad, kv_pad)
     mask = _pad_logit_axes(group_heads(as_rank4("mask", mask, target), hk), q_pad, kv_pad)
     out = _attention(geometry, q, k, v, bias, mask, dropout_rng)
-    return out[:, :q_len].reshape(b, q_len, hq, value.shape[-1]).astype(query.dtype)
+    return out[:, :q_len].reshape(b, q_len, h, value.shape[-1]).astype(query.dtype)
 
 
 def _pad_axis(x, axis, amount):
@@ -166,7 +167,7 @@ def _pad_axis(x, axis, amount):
 
 
 def _pad_logit_axes(x, q_pad, kv_pad):
-    """Pads the Tq and Tk axes of a ``[b, h, g, tq, tk]`` bias or mask where they are full size."""
+    """Pads the T and S axes of a ``[B, Hk, G, T, S]`` bias or mask where they are full size."""
     if x is None:
         return None
     x = x if x.shape[3] == 1 else _pad_axis(x, 3, q_pad)
@@ -174,7 +175,7 @@ def _pad_logit_axes(x, q_pad, kv_pad):
 
 
 def _slice_block(x, first_row, first_col, geometry):
-    """The ``[b, h, g, block_q, block_k]`` block (size-1 axes kept) of a bias or mask."""
+    """The ``[B, Hk, G, block_q, block_k]`` block (size-1 axes kept) of a bias or mask."""
     if x is None:
         return None
     if x.shape[3] > 1:
@@ -216,9 +217,9 @@ def _dropout_keep(geometry, rng, q_block, k_block, shape):
 
 
 def _forward(geometry, q, k, v, bias, mask, rng):
-    """float32 output ``[B, Tq', Hk, G, Dv]`` and row log-sum-exp ``[B, Hk, G, Tq']``.
+    """float32 output ``[B, T', Hk, G, Dv]`` and row log-sum-exp ``[B, Hk, G, T']``.
 
-    ``Tq'`` is the padded query length.
+    ``T'`` is the padded query length.
     """
     b, q_len_padded, hk, g, _ = q.shape
     bq, bk, dv = geometry.block_q, geometry.block_k, v.shape[-1]
@@ -256,7 +257,7 @@ def _forward(geometry, q, k, v, bias, mask, rng):
         return acc / safe_sum[..., None], row_max + jnp.log(safe_sum)
 
     out, lse = lax.map(one_query_block, jnp.arange(q_len_padded // bq))
-    # out: [nq, B, Hk, G, bq, Dv] -> [B, Tq', Hk, G, Dv]; lse: [nq, B, Hk, G, bq] -> [B, Hk, G, Tq']
+    # out: [nq, B, Hk, G, bq, Dv] -> [B, T', Hk, G, Dv]; lse: [nq, B, Hk, G, bq] -> [B, Hk, G, T']
     out = jnp.moveaxis(out, (0, 4), (1, 2)).reshape(b, q_len_padded, hk, g, dv)
     lse = jnp.moveaxis(lse, 0, 3).reshape(b, hk, g, q_len_padded)
     return out, lse
@@ -274,11 +275,11 @@ def _attention_fwd(geometry, q, k, v, bias, mask, rng):
 
 def _attention_bwd(geometry, residuals, d_out):
     q, k, v, bias, mask, rng, out, lse = residuals
-    b, q_len_padded, hk, g, d = q.shape
+    b, q_len_padded, hk, g, dh = q.shape
     bq, bk, rate = geometry.block_q, geometry.block_k, geometry.dropout_rate
     compute_dtype = q.dtype
     # delta_i = sum_d dO_i · O_i = rowsum(P ∘ dP), also with dropout (FlashAttention-2, eq. 4).
-    delta = jnp.moveaxis(jnp.sum(d_out * out, axis=-1), 1, 3)  # [B, Hk, G, Tq']
+    delta = jnp.moveaxis(jnp.sum(d_out * out, axis=-1), 1, 3)  # [B, Hk, G, T']
     d_out = d_out.astype(compute_dtype)
 
     def one_key_block(carry, j):

@@ -1,7 +1,7 @@
 """Token-level cross-entropy with label smoothing, z-loss and padding weights.
 
 Everything is computed in float32 whatever the logits dtype. The smoothed loss is evaluated in
-closed form from `logsumexp`, the target logit and the mean logit, so no `[..., V]` one-hot or
+closed form from ``logsumexp``, the target logit and the mean logit, so no ``[..., V]`` one-hot or
 smoothed-label array is ever built: with a 256k vocabulary that array would be as large as the
 logits themselves.
 """
@@ -34,16 +34,14 @@ def _check_inputs(
 
 
 def _target_is_argmax(logits: jax.Array, targets: jax.Array, target_logit: jax.Array) -> jax.Array:
-    """`jnp.argmax(logits, -1) == targets` for `[..., V]` logits: the target is a class (`0 <= t
-    < V`, where `take_along_axis` would wrap a negative one) that holds the maximum, and no
-    earlier class does (argmax returns the first maximum). A row with a NaN never counts as
-    correct, where argmax would point at its first NaN.
+    """``jnp.argmax(logits, -1) == targets`` for ``[..., V]`` logits: the target is a class
+    (``0 <= t < V``, where ``take_along_axis`` would wrap a negative one) that holds the maximum,
+    and no earlier class does (argmax returns the first maximum). A row with a NaN never counts
+    as correct, where argmax would point at its first NaN.
 
-    Written with a max and a boolean any-reduce because XLA lowers `argmax` to a reduction over
-    (value, index) pairs that its CPU backend does not vectorize: for `[2048, 8192]` float32
-    logits, their logsumexp and argmax took 41.8 ms, their logsumexp and this 9.5 ms (the
-    logsumexp alone 9.0); the argmax was about 6% of the 4-layer training step of
-    benchmarks/train_step.py.
+    Written with a max and a boolean any-reduce because XLA lowers ``argmax`` to a reduction
+    over (value, index) pairs that its CPU backend does not vectorize, while these two reductions
+    vectorize like the logsumexp beside them.
     """
     targets = targets.astype(jnp.int32)  # int8/uint8 ids would wrap when compared with positions
     max_logit = jnp.max(logits, axis=-1, keepdims=True)
@@ -63,41 +61,42 @@ def cross_entropy(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Weighted mean softmax cross-entropy over tokens, with label smoothing and z-loss.
 
-    Per token, with `lse = logsumexp(logits)` and `α = label_smoothing`:
+    Per token, with ``lse = logsumexp(logits)`` and ``α = label_smoothing``:
 
         ce = lse - [(1 - α) * logits[target] + α * mean_v(logits[v])]
         z  = z_loss * lse**2
 
-    `ce` is exactly the cross-entropy against the smoothed distribution
-    `(1 - α) * onehot(target) + α / V` (the `optax.smooth_labels` convention), so its gradient with
-    respect to the logits is `softmax(logits) - smoothed`. `z` is the auxiliary z-loss of PaLM and
-    T5X, which pulls `lse` towards 0 to keep the softmax normalizer from drifting.
+    ``ce`` is exactly the cross-entropy against the smoothed distribution
+    ``(1 - α) * onehot(target) + α / V`` (the ``optax.smooth_labels`` convention), so its
+    gradient with respect to the logits is ``softmax(logits) - smoothed``. ``z`` is the auxiliary
+    z-loss of PaLM and T5X, which pulls ``lse`` towards 0 to keep the softmax normalizer from
+    drifting.
 
-    Tokens are averaged with `weights`; the denominator is `max(sum(weights), 1e-8)` so a batch that
-    is all padding gives a loss of 0 (not NaN) and a zero gradient. Positions with weight 0 are
-    excluded entirely: their logits and targets (even out-of-range padding ids such as -100) do not
-    affect the loss or the metrics.
+    Tokens are averaged with ``weights``; the denominator is ``max(sum(weights), 1e-8)`` so a
+    batch that is all padding gives a loss of 0 (not NaN) and a zero gradient. Positions with
+    weight 0 are excluded entirely: their logits and targets (even out-of-range padding ids such
+    as -100) do not affect the loss or the metrics.
 
     Args:
-      logits: `[..., V]` unnormalized scores, any float dtype (cast to float32).
-      targets: `[...]` integer class ids in `[0, V)` wherever the weight is non-zero.
-      weights: optional `[...]` float or bool per-token weights; None means all ones. Padding
+      logits: ``[..., V]`` unnormalized scores, any float dtype (cast to float32).
+      targets: ``[...]`` integer class ids in ``[0, V)`` wherever the weight is non-zero.
+      weights: optional ``[...]`` float or bool per-token weights; None means all ones. Padding
         positions should have weight 0.
-      label_smoothing: Python float `α` in `[0, 1)`.
+      label_smoothing: Python float ``α`` in ``[0, 1)``.
       z_loss: Python float coefficient of the z-loss term; 0 disables it.
 
     Returns:
-      A pair `(loss, metrics)`. `loss` is a float32 scalar: the weighted mean of `ce + z`, the value
-      to differentiate. `metrics` maps to float32 scalars:
-        - `"loss"`: weighted mean of `ce` alone (comparable across z-loss settings),
-        - `"z_loss"`: weighted mean of `z`,
-        - `"accuracy"`: weighted fraction of tokens whose argmax equals the target,
-        - `"num_tokens"`: `sum(weights)`.
+      A pair ``(loss, metrics)``. ``loss`` is a float32 scalar: the weighted mean of ``ce + z``,
+      the value to differentiate. ``metrics`` maps to float32 scalars:
+        - ``"loss"``: weighted mean of ``ce`` alone (comparable across z-loss settings),
+        - ``"z_loss"``: weighted mean of ``z``,
+        - ``"accuracy"``: weighted fraction of tokens whose argmax equals the target,
+        - ``"num_tokens"``: ``sum(weights)``.
 
     Raises:
-      ValueError: if the shapes of `logits`, `targets` and `weights` disagree, or
-        `label_smoothing` is outside `[0, 1)`.
-      TypeError: if `targets` is not an integer array.
+      ValueError: if the shapes of ``logits``, ``targets`` and ``weights`` disagree, or
+        ``label_smoothing`` is outside ``[0, 1)``.
+      TypeError: if ``targets`` is not an integer array.
     """
     logits = jnp.asarray(logits)
     targets = jnp.asarray(targets)
@@ -119,7 +118,7 @@ def cross_entropy(
     num_tokens = jnp.sum(w)
     denominator = jnp.maximum(num_tokens, 1e-8)
     # An out-of-range padding target gathers NaN (JAX's default "fill" mode), and NaN * 0 is NaN, so
-    # weight-0 positions are selected away rather than multiplied away. `where` also gives them an
+    # weight-0 positions are selected away rather than multiplied away. ``where`` also gives them an
     # exact zero gradient.
     keep = w != 0
 

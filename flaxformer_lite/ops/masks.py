@@ -1,17 +1,18 @@
 """Boolean attention masks.
 
 Convention (shared with ``jax.nn.dot_product_attention``): ``True`` means *may attend*. Every
-constructor returns a rank-4 boolean array broadcastable to ``[batch, heads, q_len, kv_len]``, so
-masks combine with ``&`` (or :func:`combine_masks`) and pass straight to ``dot_product_attention``.
+constructor returns a rank-4 boolean array broadcastable to ``[B, H, T, S]``, so masks combine
+with ``&`` (or :func:`combine_masks`) and pass straight to ``dot_product_attention``.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 
-def causal_mask(q_len: int, kv_len: int | None = None, offset=0) -> jnp.ndarray:
+def causal_mask(q_len: int, kv_len: int | None = None, offset: int | jax.Array = 0) -> jax.Array:
     """Mask that lets query ``i`` see keys ``j <= i + offset``.
 
     Query ``i`` sits at absolute position ``offset + i`` and key ``j`` at position ``j``. With
@@ -19,13 +20,13 @@ def causal_mask(q_len: int, kv_len: int | None = None, offset=0) -> jnp.ndarray:
     against a KV cache needs (``dot_product_attention(is_causal=True)`` does exactly that).
 
     Args:
-      q_len: number of queries Tq.
-      kv_len: number of keys Tk; defaults to ``q_len``.
+      q_len: number of queries T.
+      kv_len: number of keys S; defaults to ``q_len``.
       offset: position of the first query, a Python int, a scalar array or a ``[B]`` array
         (one cache index per batch row). May be traced.
 
     Returns:
-      bool ``[1, 1, Tq, Tk]``, or ``[B, 1, Tq, Tk]`` for a per-row ``offset``.
+      bool ``[1, 1, T, S]``, or ``[B, 1, T, S]`` for a per-row ``offset``.
     """
     kv_len = q_len if kv_len is None else kv_len
     offset = _check_offset(offset)
@@ -35,21 +36,24 @@ def causal_mask(q_len: int, kv_len: int | None = None, offset=0) -> jnp.ndarray:
 
 
 def local_window_mask(
-    q_len: int, kv_len: int | None = None, window: tuple[int, int] = (0, 0), offset=0
-) -> jnp.ndarray:
+    q_len: int,
+    kv_len: int | None = None,
+    window: tuple[int, int] = (0, 0),
+    offset: int | jax.Array = 0,
+) -> jax.Array:
     """Sliding-window mask: query at position ``p`` sees keys in ``[p - left, p + right]``.
 
     Positions follow :func:`causal_mask`: query ``i`` is at ``offset + i``, key ``j`` at ``j``.
     ``window=(left, 0)`` combined with causality is Mistral/Longformer-style local attention.
 
     Args:
-      q_len: number of queries Tq.
-      kv_len: number of keys Tk; defaults to ``q_len``.
+      q_len: number of queries T.
+      kv_len: number of keys S; defaults to ``q_len``.
       window: ``(left, right)`` non-negative ints, how far each query looks back and ahead.
       offset: position of the first query (int, scalar or ``[B]`` array).
 
     Returns:
-      bool ``[1, 1, Tq, Tk]`` (``[B, 1, Tq, Tk]`` for a per-row ``offset``).
+      bool ``[1, 1, T, S]`` (``[B, 1, T, S]`` for a per-row ``offset``).
     """
     left, right = check_local_window(window)
     kv_len = q_len if kv_len is None else kv_len
@@ -59,19 +63,26 @@ def local_window_mask(
     return (k_pos >= q_pos - left) & (k_pos <= q_pos + right)
 
 
-def padding_mask(q_valid, kv_valid=None, *, q_len: int | None = None, kv_len: int | None = None):
+def padding_mask(
+    q_valid: jax.Array,
+    kv_valid: jax.Array | None = None,
+    *,
+    q_len: int | None = None,
+    kv_len: int | None = None,
+) -> jax.Array:
     """Mask that keeps only real (non-padding) queries and keys.
 
     Args:
-      q_valid: bool ``[B, Tq]`` (True = real token) or int ``[B]`` lengths (then ``q_len`` is
+      q_valid: bool ``[B, T]`` (True = real token) or int ``[B]`` lengths (then ``q_len`` is
         required; the first ``length`` positions are real).
-      kv_valid: the same for keys; defaults to ``q_valid`` (self-attention).
-      q_len: Tq, required when ``q_valid`` holds lengths.
-      kv_len: Tk, required when ``kv_valid`` holds lengths (defaults to ``q_len`` for
+      kv_valid: the same for keys, ``[B, S]`` or ``[B]``; defaults to ``q_valid``
+        (self-attention).
+      q_len: T, required when ``q_valid`` holds lengths.
+      kv_len: S, required when ``kv_valid`` holds lengths (defaults to ``q_len`` for
         self-attention).
 
     Returns:
-      bool ``[B, 1, Tq, Tk]``: True where both the query and the key are real. Padded query rows
+      bool ``[B, 1, T, S]``: True where both the query and the key are real. Padded query rows
       are fully masked, so attention returns zeros there.
     """
     if kv_valid is None:
@@ -83,18 +94,18 @@ def padding_mask(q_valid, kv_valid=None, *, q_len: int | None = None, kv_len: in
     return q[:, None, :, None] & k[:, None, None, :]
 
 
-def segment_mask(q_segment_ids, kv_segment_ids=None) -> jnp.ndarray:
+def segment_mask(q_segment_ids: jax.Array, kv_segment_ids: jax.Array | None = None) -> jax.Array:
     """Mask for packed sequences: a query sees only keys of its own segment.
 
     Segment ids are compared for equality only; combine with :func:`padding_mask` (or the
     ``segment_ids != 0`` convention of your data pipeline) to also drop padding.
 
     Args:
-      q_segment_ids: int ``[B, Tq]``.
-      kv_segment_ids: int ``[B, Tk]``; defaults to ``q_segment_ids``.
+      q_segment_ids: int ``[B, T]``.
+      kv_segment_ids: int ``[B, S]``; defaults to ``q_segment_ids``.
 
     Returns:
-      bool ``[B, 1, Tq, Tk]``.
+      bool ``[B, 1, T, S]``.
     """
     kv_segment_ids = q_segment_ids if kv_segment_ids is None else kv_segment_ids
     q, k = jnp.asarray(q_segment_ids), jnp.asarray(kv_segment_ids)
@@ -105,7 +116,7 @@ def segment_mask(q_segment_ids, kv_segment_ids=None) -> jnp.ndarray:
     return q[:, None, :, None] == k[:, None, None, :]
 
 
-def combine_masks(*masks):
+def combine_masks(*masks: jax.Array | None) -> jax.Array | None:
     """Logical AND of masks, skipping ``None``; returns ``None`` when all are ``None``.
 
     Raises:

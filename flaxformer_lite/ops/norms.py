@@ -3,7 +3,7 @@
 Both compute their statistics in float32 whatever the input dtype: a bfloat16 mean or variance
 loses most of its digits (8 mantissa bits), which matters most exactly when activations are large.
 The result is cast back to the input dtype so the surrounding computation keeps its precision
-policy. Parameters (`scale`, `bias`) are applied in float32 before that cast.
+policy. Parameters (``scale``, ``bias``) are applied in float32 before that cast.
 """
 
 import functools
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 
 def _check_feature_param(name: str, param: jax.Array, x: jax.Array) -> None:
-    """Raises ValueError unless `param` has shape `[x.shape[-1]]`."""
+    """Raises ValueError unless ``param`` has shape ``[x.shape[-1]]``."""
     if jnp.shape(param) != (x.shape[-1],):
         raise ValueError(
             f"{name} must have shape ({x.shape[-1]},) to match the last axis of x "
@@ -30,22 +30,22 @@ def layer_norm(
 ) -> jax.Array:
     """Layer normalization (Ba et al., 2016) over the last axis.
 
-    `y = (x - mean) / sqrt(var + eps) * scale + bias`, with mean and (biased) variance taken over
-    the last axis in float32. The gradient is the closed form (`_layer_norm_backward`), a custom
-    VJP: reverse mode, `jit` and `vmap` work; forward mode (`jax.jvp`) does not.
+    ``y = (x - mean) / sqrt(var + eps) * scale + bias``, with mean and (biased) variance taken
+    over the last axis in float32. The gradient is the closed form (``_layer_norm_backward``), a
+    custom VJP (see the conventions in :mod:`flaxformer_lite.ops`).
 
     Args:
-      x: `[..., D]` input, any float dtype.
-      scale: optional `[D]` multiplicative parameter (any float dtype); omitted means 1.
-      bias: optional `[D]` additive parameter (any float dtype); omitted means 0.
+      x: ``[..., D]`` input, any float dtype.
+      scale: optional ``[D]`` multiplicative parameter (any float dtype); omitted means 1.
+      bias: optional ``[D]`` additive parameter (any float dtype); omitted means 0.
       eps: small constant added to the variance; keeps constant rows finite (they map to 0, or to
-        `bias`).
+        ``bias``).
 
     Returns:
-      `[..., D]` array with the dtype of `x`.
+      ``[..., D]`` array with the dtype of ``x``.
 
     Raises:
-      ValueError: if `scale` or `bias` is not of shape `[D]`.
+      ValueError: if ``scale`` or ``bias`` is not of shape ``[D]``.
     """
     x = jnp.asarray(x)
     if scale is not None:
@@ -63,8 +63,8 @@ def _layer_norm_forward(x, scale, bias, eps):
     x32 = x.astype(jnp.float32)
     mean = jnp.mean(x32, axis=-1, keepdims=True)
     centered = x32 - mean
-    # Two-pass variance, E[(x - mean)^2]: the one-pass E[x^2] - mean^2 cancels catastrophically when
-    # |mean| >> std (e.g. 1000 + noise loses every digit of the variance in float32).
+    # Two-pass variance, E[(x - mean)^2]: the one-pass E[x^2] - mean^2 cancels catastrophically
+    # when |mean| >> std (1000 + noise loses every digit of the variance in float32).
     rstd = jax.lax.rsqrt(jnp.mean(jnp.square(centered), axis=-1, keepdims=True) + eps)
     y = centered * rstd
     if scale is not None:
@@ -84,12 +84,10 @@ def _layer_norm_backward(eps, residuals, g):
 
         dx = rstd * (ĝ - mean(ĝ) - x̂ * mean(ĝ * x̂)),  dscale = Σ g * x̂,  dbias = Σ g.
 
-    Autodiff of the forward pass reaches the same values through the two-pass variance's
-    chain of means and differences; XLA does not materialize a pre-LN Transformer's residual
-    gradient but recomputes it inside each of its consumers, each time with every later layer's
-    LayerNorm backward in it, so the shorter formula is paid for many times over. The 12-layer
-    training step of benchmarks/train_step.py on a 2-core CPU: 0.92x the time of autodiff's
-    (alternated windows in one process, 0.86x-0.97x each); the 4-layer one: within noise.
+    Autodiff reaches the same values through the two-pass variance's chain of means and
+    differences. XLA recomputes a pre-LN Transformer's residual gradient inside each consumer,
+    with every later layer's LayerNorm backward in it, so the shorter formula's saving counts many
+    times over.
     """
     x, mean, rstd, scale, bias = residuals
     g32 = g.astype(jnp.float32)
@@ -117,23 +115,22 @@ def rms_norm(
 ) -> jax.Array:
     """Root-mean-square normalization (Zhang & Sennrich, 2019), as in T5 and LLaMA.
 
-    `y = x / sqrt(mean(x^2) + eps) * scale`, with no mean subtraction and no bias.
+    ``y = x / sqrt(mean(x^2) + eps) * scale``, with no mean subtraction and no bias.
 
-    Precision: the statistic, the division and the multiplication by `scale` all happen in float32
-    and only the final result is cast to `x.dtype`. Hugging Face's `LlamaRMSNorm` instead casts the
-    normalized activations back to the input dtype first and multiplies by the weight afterwards;
-    for bfloat16 inputs the two differ by one bfloat16 rounding (about 2^-8 relative).
+    Precision: the statistic, the division and the multiplication by ``scale`` happen in float32
+    and only the result is cast to ``x.dtype``. Hugging Face's ``LlamaRMSNorm`` casts before the
+    multiplication by the weight: for bfloat16 the two differ by one rounding (2^-8 relative).
 
     Args:
-      x: `[..., D]` input, any float dtype.
-      scale: optional `[D]` multiplicative parameter (any float dtype); omitted means 1.
+      x: ``[..., D]`` input, any float dtype.
+      scale: optional ``[D]`` multiplicative parameter (any float dtype); omitted means 1.
       eps: small constant added to the mean square; keeps all-zero rows finite (they map to 0).
 
     Returns:
-      `[..., D]` array with the dtype of `x`.
+      ``[..., D]`` array with the dtype of ``x``.
 
     Raises:
-      ValueError: if `scale` is not of shape `[D]`.
+      ValueError: if ``scale`` is not of shape ``[D]``.
     """
     x = jnp.asarray(x)
     if scale is not None:

@@ -34,7 +34,7 @@ def sinusoidal_positions(
         positions: A Python int ``T`` (positions ``0 .. T - 1``; static under jit) or an int or
             float array ``[T]`` or ``[B, T]`` (e.g. offsets when decoding; differentiable if
             float).
-        dim: The model dimension (static, positive, even).
+        dim: The model width D (static, positive, even).
         max_wavelength: The paper's 10000 (static): the longest wavelength is
             ``2 * pi * max_wavelength``.
         layout: ``"interleaved"`` (the paper's formula) or ``"concat"`` (static).
@@ -87,16 +87,15 @@ def relative_position_buckets(
     longer distance shares the last bucket.
 
     Args:
-        q_positions: ``[Tq]`` or ``[B, Tq]`` int query positions.
-        k_positions: ``[Tk]`` or ``[B, Tk]`` int key positions.
+        q_positions: ``[T]`` or ``[B, T]`` int query positions.
+        k_positions: ``[S]`` or ``[B, S]`` int key positions.
         bidirectional: True for encoders (keys after the query get their own buckets); False for
             causal decoders (all keys after the query share bucket 0 with the query itself).
         num_buckets: Total number of buckets (static).
         max_distance: Distance from which all offsets share the last bucket (static).
 
     Returns:
-        ``[Tq, Tk]``, or ``[B, Tq, Tk]`` if either input is batched, int32 in
-        ``[0, num_buckets)``.
+        ``[T, S]``, or ``[B, T, S]`` if either input is batched, int32 in ``[0, num_buckets)``.
 
     Raises:
         ValueError: Positions of rank other than 1 or 2, batch sizes that differ, or too few
@@ -156,7 +155,7 @@ def alibi_slopes(num_heads: int) -> jax.Array:
         num_heads: Number of attention heads (static, positive).
 
     Returns:
-        ``[num_heads]`` float32, decreasing.
+        ``[H]`` float32, decreasing (``H = num_heads``).
 
     Raises:
         ValueError: num_heads is not a positive int.
@@ -177,7 +176,9 @@ def _alibi_slopes_numpy(num_heads: int) -> np.ndarray:
     return np.concatenate([geometric_slopes(power_of_two), extra]).astype(np.float32)
 
 
-def alibi_bias(num_heads: int, q_len: int, kv_len: int, offset=None) -> jax.Array:
+def alibi_bias(
+    num_heads: int, q_len: int, kv_len: int, offset: int | jax.Array | None = None
+) -> jax.Array:
     """ALiBi's additive attention-logit bias ``-slope_h * |query position - key position|``.
 
     Query ``i`` sits at position ``offset + i`` and key ``j`` at ``j``; by default the queries
@@ -188,20 +189,20 @@ def alibi_bias(num_heads: int, q_len: int, kv_len: int, offset=None) -> jax.Arra
     encoders. The bias is only a function of distance; combine it with the mask separately.
 
     Args:
-        num_heads: Number of attention heads (static).
-        q_len: Number of queries (static).
-        kv_len: Number of keys (static).
+        num_heads: Number of attention heads H (static).
+        q_len: Number of queries T (static).
+        kv_len: Number of keys S (static).
         offset: Position of the first query: an int or a scalar int array (may be traced).
 
     Returns:
-        ``[num_heads, q_len, kv_len]`` float32, <= 0; broadcast it over the batch.
+        ``[H, T, S]`` float32, <= 0; broadcast it over the batch.
 
     Raises:
         ValueError: num_heads is not a positive int or a length is negative.
     """
     if q_len < 0 or kv_len < 0:
         raise ValueError(f"alibi_bias lengths must be >= 0, got q_len={q_len}, kv_len={kv_len}")
-    # Built from iotas rather than as a numpy table: under jit a [H, Tq, Tk] constant would be
+    # Built from iotas rather than as a numpy table: under jit a [H, T, S] constant would be
     # embedded in the program, while this fuses into whatever consumes the bias.
     offset = kv_len - q_len if offset is None else offset
     query_positions = jnp.arange(q_len) + offset

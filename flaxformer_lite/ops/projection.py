@@ -1,26 +1,15 @@
 """The linear projection every module uses, with a backward pass laid out for fast GEMMs.
 
 ``project(x, kernel, num_in_axes)`` is ``jnp.tensordot(x, kernel, num_in_axes)``: the same
-forward and the same gradients, computed by a custom VJP that chooses how the kernel gradient
-``dW = x^T g`` is formed.
+forward and the same gradients, computed by a custom VJP (conventions in
+:mod:`flaxformer_lite.ops`) that chooses how the kernel gradient ``dW = xᵀ g`` (``g`` the output
+gradient) is formed.
 
-Why: the kernel gradient contracts the tokens ``[..., T]``, the *leading* axes of both ``x
-[T, in]`` and the output gradient ``g [T, out]``. A GEMM library wants one operand with its
-contracted axis last, so XLA's CPU backend copies one of them transposed first. The transpose
-rule of ``dot_general`` that autodiff uses builds ``g^T x``, so the copy is always of ``g``. In a
-pre-LN Transformer ``g`` is often the residual stream's gradient, which XLA does not materialize:
-it re-derives the chain of residual adds and LayerNorm-backward terms inside each consumer, so
-each of these copies re-runs that chain with strided reads. On the 4-layer benchmark
-(``benchmarks/train_step.py``, 2-core x86 CPUs) these copies took about a fifth of the step.
-Copying the narrower of the two operands instead (for a tied output embedding, ``x [T, D]``
-rather than the logits' gradient ``[T, V]``) is the same arithmetic with less data moved, and
-on backends whose GEMMs read transposed operands natively (cuBLAS, the TPU's MXU) it costs
-nothing either way. The whole 4-layer step with it, against autodiff of ``tensordot``
-(alternated in one process): 0.92x-0.96x the time on an AMD EPYC with AVX2, about 0.8x on an
-Intel Xeon with AVX-512.
-
-Forward-mode differentiation (``jax.jvp``, ``jax.jacfwd``) is not defined through a custom VJP;
-reverse mode, ``jit`` and ``vmap`` are.
+Why: ``dW`` contracts the leading (token) axes of both operands, so a CPU GEMM first copies one
+of them transposed. Autodiff always copies ``g``, in a pre-LN Transformer often the residual
+gradient that XLA re-derives inside each copy; copying the narrower operand (``x [T, D]`` rather
+than a tied embedding's ``[T, V]`` logit gradient) moves less data, and GPU and TPU GEMMs, which
+read transposed operands natively, lose nothing.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ the attention logit <rope(q, m), rope(k, n)> depends on the positions only throu
 
 Two feature layouts are in use and checkpoints are tied to one of them:
 
-* ``"half"``: feature ``i`` pairs with ``i + head_dim // 2`` (GPT-NeoX, Hugging Face Llama's
+* ``"half"``: feature ``i`` pairs with ``i + Dh // 2`` (GPT-NeoX, Hugging Face Llama's
   ``rotate_half``).
 * ``"interleaved"``: features ``2i`` and ``2i + 1`` form a pair (RoFormer, the original Meta Llama).
 
@@ -27,8 +27,8 @@ ROPE_SCALING_KINDS = ("linear", "ntk", "llama3")
 ROPE_LAYOUTS = ("half", "interleaved")
 
 _LLAMA3_FIELDS = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-# Hugging Face `rope_scaling` / `rope_parameters` keys that `RopeScaling.from_dict` understands.
-# "rope_theta" (transformers 5.x) is the base, which callers pass to `apply_rope` separately.
+# Hugging Face ``rope_scaling`` / ``rope_parameters`` keys that ``RopeScaling.from_dict`` reads.
+# "rope_theta" (transformers 5.x) is the base, which callers pass to ``apply_rope`` separately.
 _HF_KEYS = frozenset({"rope_type", "type", "factor", "rope_theta", *_LLAMA3_FIELDS})
 
 
@@ -46,7 +46,7 @@ class RopeScaling:
 
     Attributes:
         kind: ``"linear"`` (position interpolation: every frequency divided by ``factor``),
-            ``"ntk"`` (NTK-aware static scaling of the base by ``factor ** (d / (d - 2))``) or
+            ``"ntk"`` (NTK-aware static scaling of the base by ``factor ** (Dh / (Dh - 2))``) or
             ``"llama3"`` (Llama 3.1: only the low frequencies are divided by ``factor``).
         factor: The context-length multiplier, e.g. 8.0 for Llama 3.1.
         low_freq_factor: llama3 only. Wavelengths longer than
@@ -127,18 +127,18 @@ class RopeScaling:
 def rope_frequencies(
     head_dim: int, *, base: float = 10000.0, scaling: RopeScaling | None = None
 ) -> jax.Array:
-    """Inverse frequencies ``base ** (-2i / head_dim)`` of RoPE, optionally scaled.
+    """Inverse frequencies ``base ** (-2i / Dh)`` of RoPE, optionally scaled.
 
     All arguments are static configuration, so the table is computed once at trace time in
     float64 numpy and becomes a compile-time constant.
 
     Args:
-        head_dim: Features per head (static, even).
+        head_dim: Features per head, Dh (static, even).
         base: The RoPE base ("theta"), a Python float: 10000 in the paper, 500000 in Llama 3.
         scaling: Optional context-extension scaling.
 
     Returns:
-        ``[head_dim // 2]`` float32, the angle per position step of each feature pair, from
+        ``[Dh // 2]`` float32, the angle per position step of each feature pair, from
         highest (index 0, always 1 before scaling) to lowest frequency.
 
     Raises:
@@ -149,7 +149,7 @@ def rope_frequencies(
     if scaling is not None and scaling.kind == "ntk":
         if head_dim == 2:
             raise ValueError("NTK RoPE scaling needs head_dim >= 4 (its exponent is d / (d - 2))")
-        # Chosen so the lowest frequency is divided by exactly `factor` while the highest stays 1.
+        # Chosen so the lowest frequency is divided by exactly ``factor`` while the highest stays 1.
         base = base * scaling.factor ** (head_dim / (head_dim - 2))
     inv_freq = float(base) ** (-np.arange(0, head_dim, 2) / head_dim)
     if scaling is not None and scaling.kind == "linear":
@@ -160,7 +160,7 @@ def rope_frequencies(
 
 
 def _llama3_scale(inv_freq: np.ndarray, scaling: RopeScaling) -> np.ndarray:
-    """Llama 3.1 scaling, following Hugging Face's `_compute_llama3_parameters` step by step."""
+    """Llama 3.1 scaling, following Hugging Face's ``_compute_llama3_parameters`` step by step."""
     context = scaling.original_max_position_embeddings
     low_freq_wavelen = context / scaling.low_freq_factor
     high_freq_wavelen = context / scaling.high_freq_factor
@@ -187,11 +187,11 @@ def apply_rope(
     """Rotates queries or keys by their positions.
 
     Args:
-        x: ``[batch, length, heads, head_dim]`` queries or keys, any float dtype.
-        positions: ``[length]`` (shared by the batch) or ``[batch, length]`` (e.g. per-row offsets
-            when decoding with a cache), int or float. A batch of 1 broadcasts.
+        x: ``[B, T, H, Dh]`` queries or keys (or ``Hk`` heads), any float dtype.
+        positions: ``[T]`` (shared by the batch) or ``[B, T]`` (e.g. per-row offsets when
+            decoding with a cache), int or float. A batch of 1 broadcasts.
         base: The RoPE base ("theta"), a Python float (static).
-        layout: ``"half"`` (pairs ``i, i + head_dim // 2``; HF Llama, GPT-NeoX) or
+        layout: ``"half"`` (pairs ``i, i + Dh // 2``; HF Llama, GPT-NeoX) or
             ``"interleaved"`` (pairs ``2i, 2i + 1``; RoFormer). Static.
         scaling: Optional context-extension scaling. Static.
 
@@ -199,7 +199,7 @@ def apply_rope(
         Same shape and dtype as ``x``. The rotation is computed in float32.
 
     Raises:
-        ValueError: Wrong ranks, positions that do not match x, an odd head_dim or an unknown
+        ValueError: Wrong ranks, positions that do not match x, an odd Dh or an unknown
             layout.
     """
     if layout not in ROPE_LAYOUTS:
@@ -218,8 +218,8 @@ def apply_rope(
         )
 
     inv_freq = rope_frequencies(head_dim, base=base, scaling=scaling)
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [(batch,) length, head_dim/2]
-    # A heads axis to broadcast over; [length, ...] angles broadcast over the batch by themselves.
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [(B,) T, Dh / 2]
+    # A heads axis to broadcast over; [T, ...] angles broadcast over the batch by themselves.
     angles = angles[..., None, :]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
 
