@@ -40,7 +40,7 @@ COMMAND = re.compile(
 )
 SHELL_BLOCK = re.compile(r"^```(?:bash|sh)\n(.*?)^```", re.M | re.S)
 FENCED_BLOCK = re.compile(r"^```.*?^```", re.M | re.S)
-CODE_SPAN = re.compile(r"`([^`]+)`")
+CODE_SPAN = re.compile(r"(?<!`)(`+)(?!`)(.+?)(?<!`)\1(?!`)", re.S)  # `x`, ``` ``x`` ```
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
@@ -54,7 +54,8 @@ def shell_lines(text: str) -> list[str]:
 
 def code_spans(text: str) -> list[str]:
     """The inline code of ``text`` (outside its fenced blocks), line breaks made spaces."""
-    return [" ".join(span.split()) for span in CODE_SPAN.findall(FENCED_BLOCK.sub("", text))]
+    spans = CODE_SPAN.findall(FENCED_BLOCK.sub("", text))
+    return [" ".join(span.split()) for _, span in spans]
 
 
 def commands(text: str) -> list[str]:
