@@ -1,49 +1,193 @@
-"""Every train.py / sample.py / flaxformer-lite command in README.md parses (and a training
-command names a valid config).
+"""The commands and links of the documentation stay true.
 
-The set-up command itself (install + the default run) is what CI's .ci/run executes."""
+Every ``train.py`` / ``sample.py`` / ``flaxformer-lite`` command in README.md and
+benchmarks/README.md parses with that command's own parser, and a training command loads a valid
+config; every ``benchmarks/NAME.py`` command parses with that benchmark's parser. README.md stays
+within 250 lines and points at nothing outside the repository; every relative link and every
+file path the docs name exists.
+
+The set-up line (install + the default run) and the test line are what CI's .ci/run executes.
+"""
 
 import argparse
+import contextlib
+import io
+import json
 import pathlib
 import re
 import shlex
 
 import pytest
+from benchmark_scripts import load_benchmark
 
-from flaxformer_lite.train import sample
-from flaxformer_lite.train.cli import _add_train_arguments, _attention_parser
+from flaxformer_lite.cli import generate
+from flaxformer_lite.cli.attention import attention_parser
+from flaxformer_lite.cli.train import add_train_arguments
 from flaxformer_lite.train.config import load_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-README = (REPO / "README.md").read_text()
-COMMANDS = re.findall(
-    r"^\.venv/bin/(?:python train\.py|python sample\.py|flaxformer-lite) ?.*$", README, re.M
+DOCS = {name: (REPO / name).read_text() for name in ("README.md", "benchmarks/README.md")}
+README = DOCS["README.md"]
+CONTRIBUTOR_DOCS = {**DOCS, "docs/design.md": (REPO / "docs" / "design.md").read_text()}
+MAX_README_LINES = 250
+
+SETUP = re.compile(r"^python3 -m venv .*$", re.M)
+TESTS = re.compile(r"^\.venv/bin/python -m pytest.*$", re.M)
+# A command the tests check, after any VAR=value environment assignments.
+COMMAND = re.compile(
+    r"^(?:[A-Z_]+=\S* )*(\.venv/bin/(?:python (?:train|sample)\.py|flaxformer-lite|"
+    r"python benchmarks/\w+\.py)(?: .*)?)$"
 )
+SHELL_BLOCK = re.compile(r"^```(?:bash|sh)\n(.*?)^```", re.M | re.S)
+FENCED_BLOCK = re.compile(r"^```.*?^```", re.M | re.S)
+CODE_SPAN = re.compile(r"(?<!`)(`+)(?!`)(.+?)(?<!`)\1(?!`)", re.S)  # `x`, ``` ``x`` ```
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def shell_lines(text: str) -> list[str]:
+    """The lines of the shell blocks of ``text``, comments and blank lines left out."""
+    lines = []
+    for block in SHELL_BLOCK.findall(text):
+        lines += [line for line in block.splitlines() if line.strip() and line[0] != "#"]
+    return lines
+
+
+def code_spans(text: str) -> list[str]:
+    """The inline code of ``text`` (outside its fenced blocks), line breaks made spaces."""
+    spans = CODE_SPAN.findall(FENCED_BLOCK.sub("", text))
+    return [" ".join(span.split()) for _, span in spans]
+
+
+def commands(text: str) -> list[str]:
+    """The checked commands of ``text``: in its shell blocks and in its inline code."""
+    found = [COMMAND.match(line) for line in shell_lines(text) + code_spans(text)]
+    return [match.group(1) for match in found if match]
+
+
+COMMANDS = [(name, command) for name, text in DOCS.items() for command in commands(text)]
 
 
 def test_the_readme_has_commands_and_ci_runs_the_setup_line():
-    assert len(COMMANDS) >= 4
-    setup = re.search(r"^python3 -m venv .*$", README, re.M).group(0)
-    test = re.search(r"^\.venv/bin/python -m pytest.*$", README, re.M).group(0)
-    ci = (REPO / ".ci" / "run").read_text()
-    assert setup in ci and test in ci
+    assert len([c for name, c in COMMANDS if name == "README.md"]) >= 10
+    setup, tests = SETUP.search(README).group(0), TESTS.search(README).group(0)
+    ci = (REPO / ".ci" / "run").read_text().splitlines()
+    assert setup in ci and tests in ci
 
 
-@pytest.mark.parametrize("command", COMMANDS)
-def test_readme_command_is_valid(command, tmp_path, monkeypatch):
-    argv = shlex.split(command.split("#")[0])
-    if argv[1:2] in (["sample.py"], ["generate"]):
-        sample.parser().parse_args(argv[2:])
-        return
-    if argv[1:2] == ["attention"]:
-        _attention_parser().parse_args(argv[2:])
-        return
-    if "flaxformer-lite" in argv[0]:
-        assert argv[1] in ("train", "plot")
-        return
-    parser = argparse.ArgumentParser()
-    _add_train_arguments(parser)
-    args = parser.parse_intermixed_args(argv[2:])
-    monkeypatch.chdir(REPO)
-    cfg = load_config(args.config, args.overrides)
+@pytest.mark.parametrize("name", DOCS)
+def test_every_shell_line_is_a_checked_command(name):
+    """A new kind of command in a shell block needs a check here first."""
+    unchecked = [
+        line
+        for line in shell_lines(DOCS[name])
+        if not (COMMAND.match(line) or SETUP.match(line) or TESTS.match(line))
+    ]
+    assert not unchecked, f"{name}: commands that no test checks: {unchecked}"
+
+
+def test_every_benchmark_has_a_command_in_benchmarks_readme():
+    scripts = {path.stem for path in (REPO / "benchmarks").glob("*.py")}
+    documented = {
+        re.search(r"benchmarks/(\w+)\.py", command).group(1)
+        for name, command in COMMANDS
+        if name == "benchmarks/README.md" and "benchmarks/" in command
+    }
+    assert scripts <= documented, f"benchmarks without a command: {sorted(scripts - documented)}"
+
+
+def _parse(parse, argv: list[str], command: str) -> argparse.Namespace:
+    """``parse(argv)``, failing the test with argparse's message instead of exiting."""
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            return parse(argv)
+    except SystemExit:
+        pytest.fail(f"{command!r} does not parse:\n{stderr.getvalue()}")
+
+
+def _gpt2_config(directory: pathlib.Path) -> None:
+    """A GPT-2 ``config.json`` (tiny; no weights) where a command's ``init_from`` points."""
+    directory.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": 300,
+        "n_positions": 1024,
+        "n_embd": 32,
+        "n_layer": 2,
+        "n_head": 2,
+        "activation_function": "gelu_new",
+    }
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+def _check_training_command(argv, command, tmp_path, monkeypatch):
+    parser = argparse.ArgumentParser(prog="train.py")
+    add_train_arguments(parser)
+    args = _parse(parser.parse_intermixed_args, argv, command)
+    for override in args.overrides:
+        key, _, value = override.partition("=")
+        if key == "init_from":
+            _gpt2_config(tmp_path / value)
+    config = None if args.config is None else REPO / args.config
+    monkeypatch.chdir(tmp_path)  # relative paths of overrides resolve here
+    cfg = load_config(config, args.overrides)
     assert cfg.train.steps > 0
+
+
+@pytest.mark.parametrize(("name", "command"), COMMANDS)
+def test_documented_command_is_valid(name, command, tmp_path, monkeypatch):
+    argv = shlex.split(command, comments=True)
+    program, rest = argv[0], argv[1:]
+    if program.endswith("flaxformer-lite"):
+        subcommand, rest = rest[0], rest[1:]
+        if subcommand == "train":
+            _check_training_command(rest, command, tmp_path, monkeypatch)
+        elif subcommand == "generate":
+            _parse(generate.parser().parse_args, rest, command)
+        elif subcommand == "attention":
+            _parse(attention_parser().parse_args, rest, command)
+        elif subcommand == "plot":
+            assert len(rest) == 1 and not rest[0].startswith("-"), command  # plot RUN_DIR
+        else:
+            pytest.fail(f"{name}: unknown subcommand in {command!r}")
+        return
+    script, rest = rest[0], rest[1:]
+    if script == "train.py":
+        _check_training_command(rest, command, tmp_path, monkeypatch)
+    elif script == "sample.py":
+        _parse(generate.parser(prog="sample.py").parse_args, rest, command)
+    else:
+        benchmark = pathlib.Path(script).stem
+        _parse(load_benchmark(benchmark).parser().parse_args, rest, command)
+
+
+def test_readme_length():
+    lines = len(README.splitlines())
+    assert lines <= MAX_README_LINES, f"README.md has {lines} lines (at most {MAX_README_LINES})"
+
+
+def test_readme_points_at_nothing_outside_the_repository():
+    assert "../" not in README
+
+
+@pytest.mark.parametrize("name", CONTRIBUTOR_DOCS)
+def test_relative_links_point_at_files_of_the_repository(name):
+    doc = REPO / name
+    for target in LINK.findall(CONTRIBUTOR_DOCS[name]):
+        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            continue  # a web address or an anchor of this page
+        path = (doc.parent / target.split("#")[0]).resolve()
+        assert path.is_relative_to(REPO), f"{name} links {target}, outside the repository"
+        assert path.exists(), f"{name} links {target}, which does not exist"
+
+
+@pytest.mark.parametrize("name", CONTRIBUTOR_DOCS)
+def test_named_source_files_exist(name):
+    """A file path in code (``train/step.py``, ``configs/default.yaml``) names a file of the
+    repository, from its root or from the package's."""
+    for span in code_spans(CONTRIBUTOR_DOCS[name]):
+        if re.fullmatch(r"[\w.-]+(?:/[\w.-]+)+\.(?:py|yaml|md)", span):
+            assert (REPO / span).exists() or (REPO / "flaxformer_lite" / span).exists(), (
+                f"{name} names {span}, which does not exist"
+            )
