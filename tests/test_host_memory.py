@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
+from flaxformer_lite.cli import train_main
 from flaxformer_lite.train import host_memory
-from flaxformer_lite.train.cli import train_main
 
 # A jitted function whose temporaries (4 MiB each, and the matmuls' own) XLA's worker threads
 # allocate and free on every call; prints the minor page faults per call once warm. With
@@ -18,7 +18,7 @@ from flaxformer_lite.train.cli import train_main
 FAULTS_PER_CALL = """
 import resource, sys
 if sys.argv[1] == "reuse":
-    import flaxformer_lite.train.cli
+    import flaxformer_lite.cli
     from flaxformer_lite.train.host_memory import reuse_freed_host_memory
     assert reuse_freed_host_memory()
 import jax, jax.numpy as jnp

@@ -2,7 +2,7 @@
 from the newest checkpoint, run the jitted steps, log, evaluate, checkpoint, and stop cleanly on
 SIGTERM/SIGINT or on a non-finite step.
 
-Nothing here parses command lines; :mod:`flaxformer_lite.train.cli` does.
+Nothing here parses command lines; :mod:`flaxformer_lite.cli` does.
 """
 
 from __future__ import annotations

@@ -58,10 +58,10 @@ def main(argv: list[str] | None = None) -> int:
 def generate_main(argv: list[str] | None = None, prog: str = "flaxformer-lite generate") -> int:
     """``flaxformer-lite generate`` / ``sample.py``: continue or translate prompts with a run or a
     Hugging Face checkpoint directory."""
-    from flaxformer_lite.train import sample
+    from flaxformer_lite.cli import generate
 
-    args = sample.parser(prog).parse_args(argv)
-    return _guarded(lambda: sample.run(args, say=_say))
+    args = generate.parser(prog).parse_args(argv)
+    return _guarded(lambda: generate.run(args, say=_say))
 
 
 def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
