@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from flaxformer_lite.cli import train_main
+from flaxformer_lite.cli.train import train_main
 from flaxformer_lite.train import host_memory
 
 # A jitted function whose temporaries (4 MiB each, and the matmuls' own) XLA's worker threads
@@ -18,7 +18,7 @@ from flaxformer_lite.train import host_memory
 FAULTS_PER_CALL = """
 import resource, sys
 if sys.argv[1] == "reuse":
-    import flaxformer_lite.cli
+    import flaxformer_lite.cli.train
     from flaxformer_lite.train.host_memory import reuse_freed_host_memory
     assert reuse_freed_host_memory()
 import jax, jax.numpy as jnp

@@ -11,7 +11,8 @@ import hf_checkpoints
 import numpy as np
 import pytest
 
-from flaxformer_lite.cli import generate, main, train_main
+from flaxformer_lite.cli import generate, main
+from flaxformer_lite.cli.train import train_main
 from flaxformer_lite.data.hf_tokenizer import HfTokenizer, load_hf_tokenizer
 from flaxformer_lite.data.pipeline import build_data
 from flaxformer_lite.train.config import ConfigError, load_config
