@@ -69,11 +69,11 @@ import numpy as np
 from flax import nnx
 from jax.extend import core as jax_core
 
-from flaxformer_lite.models.accounting import matmul_peak_flops, training_flops_per_token
+from flaxformer_lite.models.accounting import training_flops_per_token
 from flaxformer_lite.train import loop
 from flaxformer_lite.train.config import TrainConfig, load_config
 from flaxformer_lite.train.host_memory import reuse_freed_host_memory
-from flaxformer_lite.train.metrics import read_metrics
+from flaxformer_lite.train.metrics import matmul_peak_flops, read_metrics
 from flaxformer_lite.train.optim import make_optimizer
 from flaxformer_lite.train.restore import make_train_state
 from flaxformer_lite.train.step import make_train_step

@@ -24,7 +24,7 @@ from flax import nnx
 from flaxformer_lite import parallel
 from flaxformer_lite.data.hf_tokenizer import load_hf_tokenizer
 from flaxformer_lite.data.pipeline import build_data
-from flaxformer_lite.models import peak_flops, training_flops_per_token
+from flaxformer_lite.models import training_flops_per_token
 from flaxformer_lite.train.checkpoint import Checkpointer
 from flaxformer_lite.train.config import (
     ConfigError,
@@ -34,7 +34,7 @@ from flaxformer_lite.train.config import (
     is_runtime_key,
 )
 from flaxformer_lite.train.decode_eval import decodable, decode_eval
-from flaxformer_lite.train.metrics import MetricsWriter, plot_run
+from flaxformer_lite.train.metrics import MetricsWriter, peak_flops, plot_run
 from flaxformer_lite.train.optim import make_optimizer
 from flaxformer_lite.train.restore import (
     from_savable,
