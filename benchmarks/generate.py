@@ -4,7 +4,7 @@
     python benchmarks/generate.py --new-tokens 64 --batch-sizes 1 --repeats 3 --no-hf
 
 The model is GPT-2-shaped (the ``gpt2-small`` preset: pre-LN, learned positions, gelu_tanh,
-fused QKV, tied embeddings) scaled down so that the run takes minutes on a 2-core CPU: by default
+fused QKV, tied embeddings) scaled down so that the run takes minutes on a small CPU: by default
 4 layers, d_model 256, 4 heads, d_ff 1024, an 8192-token vocabulary and a position table of 1024
 (5.5M parameters, float32, dropout off). Its random weights are multiplied by
 ``--weight-scale`` (3, as in tests/test_decode.py) so that greedy tokens vary from step to step
@@ -127,8 +127,9 @@ def _greedy_no_cache(graphdef, state, buffer, *, prompt_length):
 
 
 def compile_no_cache(model, batch: int, prompt_length: int, new_tokens: int):
-    """``(run, compile seconds)``: ``run(prompt [B, P]) -> int32 [B, P + N]``, the prompt and N
-    greedy tokens without a cache, compiled ahead of time (no warm-up run needed)."""
+    """``(run, compile seconds)``: ``run(prompt)`` maps int32 prompts ``[B, prompt_length]`` to
+    ``[B, prompt_length + new_tokens]``, the prompts and their greedy tokens without a cache,
+    compiled ahead of time (no warm-up run needed)."""
     graphdef, state = nnx.split(model)
     buffer = jax.ShapeDtypeStruct((batch, prompt_length + new_tokens), jnp.int32)
     start = time.perf_counter()

@@ -23,9 +23,9 @@ the median window gives the seconds per step. MFU is training FLOPs per token
 (``training_flops_per_token``: 6 x matmul parameters + attention, as train.py logs it) x tokens/s
 over the float32 peak of a 2048^3 matmul measured by XLA in the same run (before the first window
 and after each; the best of them). Each window also counts the process's minor page faults and
-kernel CPU seconds per step (``getrusage``): memory the allocator maps afresh every step is zeroed
-by the kernel page by page, a cost that is not the frameworks' arithmetic and, unlike the clock,
-hardly depends on the machine's load. Run as a script, it first makes glibc keep freed memory for
+kernel CPU seconds per step (``getrusage``): memory mapped afresh every step is zeroed by the
+kernel page by page, a cost outside the frameworks' arithmetic that hardly depends on the
+machine's load. Run as a script, it first makes glibc keep freed memory for
 reuse, as ``train.py`` does (:mod:`flaxformer_lite.train.host_memory`): a setting of the whole
 process, so the peer runs under it too. After each window, every matmul of our step is timed
 alone in XLA and in PyTorch (``matmuls.py``): what our step would take if it were only its
@@ -77,6 +77,8 @@ DEFAULT_SIZE = dict(layers=4, d_model=256, heads=4, seq=256, batch=8, vocab=8192
 RATIO_TARGET = 1.25  # our tokens/s over Hugging Face's, at the default size
 TRAIN_PY_TOLERANCE = 0.05  # train.py's logged tokens/s within 5% of the timed step's
 MFU_TARGET = 0.65
+# The model settings the summary reports.
+MODEL_KEYS = ("num_decoder_layers", "d_model", "num_heads", "d_ff", "vocab_size", "scan_layers")
 
 
 def train_config(args, extra: dict | None = None) -> TrainConfig:
@@ -232,17 +234,7 @@ def run(args) -> dict:
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
         "backend": jax.default_backend(),
-        "model": {
-            k: getattr(cfg.model, k)
-            for k in (
-                "num_decoder_layers",
-                "d_model",
-                "num_heads",
-                "d_ff",
-                "vocab_size",
-                "scan_layers",
-            )
-        },
+        "model": {k: getattr(cfg.model, k) for k in MODEL_KEYS},
         "seq_len": cfg.data.seq_len,
         "batch_size": cfg.train.batch_size,
         "parameters": ours.parameters,
