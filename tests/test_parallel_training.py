@@ -52,10 +52,9 @@ def relative_close(a, b, rtol=1e-5):
 
 
 # --------------------------------------------------------------------------- same losses
-# The default run's gpt2-tiny with one layer (half the compile time), dropout on. The byte
-# tokenizer's 260 ids divide by the tensor sizes 4 and 2 used here (not by 8: tensor=8 would
-# need mesh.rules.vocab=none), and its 4 heads, d_ff 256 and d_model 64 divide over every mesh
-# below. Constant learning rate: a run's losses do not depend on train.steps.
+# The default run's gpt2-tiny with one layer, dropout on: the byte tokenizer's 260 ids divide by
+# the tensor sizes 4 and 2 (not 8), and its heads, d_ff and d_model divide over every mesh
+# below. A constant learning rate: a run's losses do not depend on train.steps.
 E2E = [
     "model.num_decoder_layers=1",
     "train.batch_size=8",
