@@ -190,12 +190,14 @@ def test_check_batch_size():
 def test_replicated_warnings():
     _, create = tiny()
     no_vocab = {**DEFAULT_RULES, "vocab": (), "embed": ()}
+
+    def parameters(mesh, rules):
+        """The abstract parameters on ``mesh`` and their shardings."""
+        _, state, shardings = abstract_sharded(create, mesh, rules)
+        return nnx.filter_state(state[0], nnx.Param), nnx.filter_state(shardings[0], nnx.Param)
+
     for mesh in (make_mesh(1, 1, 4, devices=jax.devices()[:4]), make_mesh(2, 1, 4)):
-        _, state, shardings = abstract_sharded(create, mesh, no_vocab)
-        params, placed = (
-            nnx.filter_state(state[0], nnx.Param),
-            nnx.filter_state(shardings[0], nnx.Param),
-        )
+        params, placed = parameters(mesh, no_vocab)
         warnings = replicated_warnings(params, placed, mesh)
         flagged = {w.split()[1] for w in warnings}
         assert "embed.tokens.embedding" in flagged, warnings
@@ -206,19 +208,10 @@ def test_replicated_warnings():
         assert replicated_warnings(params, placed, mesh, share=1.0) == []
     # Pure data parallelism replicates by design.
     mesh = make_mesh(8, 1, 1)
-    _, state, shardings = abstract_sharded(create, mesh, no_vocab)
-    params, placed = (
-        nnx.filter_state(state[0], nnx.Param),
-        nnx.filter_state(shardings[0], nnx.Param),
-    )
-    assert replicated_warnings(params, placed, mesh, share=0.0) == []
+    assert replicated_warnings(*parameters(mesh, no_vocab), mesh, share=0.0) == []
     # The default rules on fsdp shard every large parameter.
     mesh = make_mesh(1, 8, 1)
-    _, state, shardings = abstract_sharded(create, mesh, DEFAULT_RULES)
-    params, placed = (
-        nnx.filter_state(state[0], nnx.Param),
-        nnx.filter_state(shardings[0], nnx.Param),
-    )
+    params, placed = parameters(mesh, DEFAULT_RULES)
     assert replicated_warnings(params, placed, mesh) == []
     layouts = array_layouts(params, placed)
     assert all(not layout.replicated for layout in layouts if "embed" in layout.names)
