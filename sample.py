@@ -10,7 +10,7 @@ Same options as ``flaxformer-lite generate`` (``--help`` lists them).
 
 import sys
 
-from flaxformer_lite.train.cli import generate_main
+from flaxformer_lite.cli.generate import generate_main
 
 if __name__ == "__main__":
     sys.exit(generate_main(prog="sample.py"))

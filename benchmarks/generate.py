@@ -4,7 +4,7 @@
     python benchmarks/generate.py --new-tokens 64 --batch-sizes 1 --repeats 3 --no-hf
 
 The model is GPT-2-shaped (the ``gpt2-small`` preset: pre-LN, learned positions, gelu_tanh,
-fused QKV, tied embeddings) scaled down so that the run takes minutes on a 2-core CPU: by default
+fused QKV, tied embeddings) scaled down so that the run takes minutes on a small CPU: by default
 4 layers, d_model 256, 4 heads, d_ff 1024, an 8192-token vocabulary and a position table of 1024
 (5.5M parameters, float32, dropout off). Its random weights are multiplied by
 ``--weight-scale`` (3, as in tests/test_decode.py) so that greedy tokens vary from step to step
@@ -23,12 +23,8 @@ reading the prompt. The three ways:
   therefore costs a full-length forward pass; a buffer growing with the text would do about half
   the work on average (at the price of a program per length);
 * ``hf``: Hugging Face transformers' ``GPT2LMHeadModel`` (PyTorch, CPU, eager) of the same
-  shape with its own random weights, ``model.generate(..., do_sample=False, use_cache=True)``,
-  with ``torch.set_num_threads(os.cpu_count())`` (XLA's CPU backend uses every core too) and
-  ``OMP_WAIT_POLICY=PASSIVE`` unless the environment sets it: on a shared machine, torch's
-  OpenMP threads spinning at barriers while another process holds a core made its 2-thread
-  generation 5-10x slower than its 1-thread one (measured here); passive waiting removes that
-  and costs little on a quiet machine. It is skipped, with a line saying so, when torch or
+  shape with its own random weights, ``model.generate(..., do_sample=False, use_cache=True)``
+  on every core (``hf_gpt2.py``). It is skipped, with a line saying so, when torch or
   transformers cannot be imported, or with ``--no-hf``.
 
 Before timing, the cached program is compiled by a warm-up call (its compile time read from
@@ -60,6 +56,8 @@ from flax import nnx
 
 from flaxformer_lite.decode import generate
 from flaxformer_lite.models import ModelConfig, build_model
+
+import hf_gpt2
 
 NO_CACHE_TARGET = 10.0  # cache tokens/s over no-cache tokens/s, at 256 new tokens
 HF_TARGET = 2.0  # our (cached) tokens/s over Hugging Face's
@@ -129,8 +127,9 @@ def _greedy_no_cache(graphdef, state, buffer, *, prompt_length):
 
 
 def compile_no_cache(model, batch: int, prompt_length: int, new_tokens: int):
-    """``(run, compile seconds)``: ``run(prompt [B, P]) -> int32 [B, P + N]``, the prompt and N
-    greedy tokens without a cache, compiled ahead of time (no warm-up run needed)."""
+    """``(run, compile seconds)``: ``run(prompt)`` maps int32 prompts ``[B, prompt_length]`` to
+    ``[B, prompt_length + new_tokens]``, the prompts and their greedy tokens without a cache,
+    compiled ahead of time (no warm-up run needed)."""
     graphdef, state = nnx.split(model)
     buffer = jax.ShapeDtypeStruct((batch, prompt_length + new_tokens), jnp.int32)
     start = time.perf_counter()
@@ -164,62 +163,6 @@ def first_difference(model, cached, uncached, prompt_length: int) -> dict:
     }
 
 
-# ----------------------------------------------------------------------------- Hugging Face
-def load_torch():
-    """``(torch, transformers)``, or the reason they cannot be used."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when torch loads OpenMP
-    try:
-        import torch
-        import transformers
-    except ImportError as error:
-        return None, f"{error}"
-    return (torch, transformers), None
-
-
-def hf_model(libraries, cfg: ModelConfig, seed: int):
-    torch, transformers = libraries
-    torch.set_num_threads(os.cpu_count())
-    torch.manual_seed(seed)
-    config = transformers.GPT2Config(
-        vocab_size=cfg.vocab_size,
-        n_positions=cfg.max_length,
-        n_embd=cfg.d_model,
-        n_layer=cfg.num_decoder_layers,
-        n_head=cfg.num_heads,
-        n_inner=cfg.d_ff,
-        activation_function="gelu_new",
-        layer_norm_epsilon=cfg.norm_eps,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    return transformers.GPT2LMHeadModel(config).eval()
-
-
-def hf_generate(libraries, model, prompt: np.ndarray, new_tokens: int):
-    torch, _ = libraries
-    input_ids = torch.from_numpy(prompt.astype(np.int64))
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-            use_cache=True,
-            pad_token_id=0,
-        )
-    if out.shape != (prompt.shape[0], prompt.shape[1] + new_tokens):
-        raise RuntimeError(
-            f"Hugging Face generated {tuple(out.shape)}, expected "
-            f"{(prompt.shape[0], prompt.shape[1] + new_tokens)}"
-        )
-    return out
-
-
 # ----------------------------------------------------------------------------- the benchmark
 def run(args) -> dict:
     cfg = model_config(args)
@@ -233,8 +176,12 @@ def run(args) -> dict:
     if args.weight_scale != 1:  # as tests/test_decode.py does: tokens vary from step to step
         params = nnx.state(model, nnx.Param)
         nnx.update(model, jax.tree.map(lambda x: x * args.weight_scale, params))
-    libraries, hf_skipped = (None, "--no-hf") if args.no_hf else load_torch()
-    hf = None if libraries is None else hf_model(libraries, cfg, args.seed)
+    libraries, hf_skipped = (None, "--no-hf") if args.no_hf else hf_gpt2.load_torch()
+    hf = (
+        None
+        if libraries is None
+        else hf_gpt2.gpt2_model(libraries, cfg, args.seed, pad_token_id=0).eval()
+    )
     rng = np.random.default_rng(args.seed)
     prompts = {
         b: rng.integers(1, cfg.vocab_size, (b, args.prompt_length)).astype(np.int32)
@@ -254,8 +201,10 @@ def run(args) -> dict:
         )
         calls[b, "no_cache"] = functools.partial(run_no_cache, prompt)
         if hf is not None:
-            hf_generate(libraries, hf, prompt, min(args.new_tokens, 8))
-            calls[b, "hf"] = functools.partial(hf_generate, libraries, hf, prompt, args.new_tokens)
+            hf_gpt2.generate(libraries, hf, prompt, min(args.new_tokens, 8))
+            calls[b, "hf"] = functools.partial(
+                hf_gpt2.generate, libraries, hf, prompt, args.new_tokens
+            )
         print(
             f"[batch {b}] compiled: cache {row['cache_compile_s']:.1f} s, no cache "
             f"{row['no_cache_compile_s']:.1f} s",

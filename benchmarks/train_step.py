@@ -11,11 +11,10 @@ gelu_tanh, fused QKV, tied embeddings) at the size given, float32, dropout off.
 
 The peer is Hugging Face transformers' ``GPT2LMHeadModel`` of the same shape (its default
 attention, ``sdpa``) with ``torch.optim.AdamW`` (same learning rate, betas, eps and weight decay)
-and ``clip_grad_norm_`` when ours clips, in eager mode, ``torch.set_num_threads`` = the CPUs XLA
-uses and ``OMP_WAIT_POLICY=PASSIVE`` unless the environment sets it (see benchmarks/generate.py
-for why). It is skipped, with a line saying so, when torch or transformers cannot be imported, or
-with ``--no-hf``. Its loss covers ``T - 1`` targets per row (labels shifted inside the model),
-ours ``T``; both are counted as ``B * T`` tokens.
+and ``clip_grad_norm_`` when ours clips, in eager mode (``hf_gpt2.py``). It is skipped, with a
+line saying so, when torch or transformers cannot be imported, or with ``--no-hf``. Its loss
+covers ``T - 1`` targets per row (labels shifted inside the model), ours ``T``; both are counted
+as ``B * T`` tokens.
 
 Ours is compiled ahead of time (``.lower().compile()``, timed: ``compile_seconds``); ours, the peer
 and the step's matmuls then run one untimed window. Then ``--windows`` rounds each time ``--steps``
@@ -24,18 +23,15 @@ the median window gives the seconds per step. MFU is training FLOPs per token
 (``training_flops_per_token``: 6 x matmul parameters + attention, as train.py logs it) x tokens/s
 over the float32 peak of a 2048^3 matmul measured by XLA in the same run (before the first window
 and after each; the best of them). Each window also counts the process's minor page faults and
-kernel CPU seconds per step (``getrusage``): memory the allocator maps afresh every step is zeroed
-by the kernel page by page, a cost that is not the frameworks' arithmetic and, unlike the clock,
-hardly depends on the machine's load. Run as a script, it first makes glibc keep freed memory for
+kernel CPU seconds per step (``getrusage``): memory mapped afresh every step is zeroed by the
+kernel page by page, a cost outside the frameworks' arithmetic that hardly depends on the
+machine's load. Run as a script, it first makes glibc keep freed memory for
 reuse, as ``train.py`` does (:mod:`flaxformer_lite.train.host_memory`): a setting of the whole
-process, so the peer runs under it too. After each window, every matmul of our step (the
-``dot_general`` equations of its jaxpr, forward and backward: :func:`step_matmuls`) is compiled by
-XLA and timed alone, its best of ``MATMUL_REPEATS`` calls on warm inputs, and so is the same
-product in PyTorch (``torch.einsum``; these are our step's products, not the ones Hugging Face's
-step runs, which fuses its attention): what our step would take if it were only its matmuls, at
-either framework's matmul speed, an optimistic floor set against both steps and the target. The
-output is a table, PASS/FAIL lines for the targets at the default size (ratio >= 1.25, MFU >= 65%)
-and, as the last line, one JSON object.
+process, so the peer runs under it too. After each window, every matmul of our step is timed
+alone in XLA and in PyTorch (``matmuls.py``): what our step would take if it were only its
+matmuls, an optimistic floor set against both steps and the target. The output is a table,
+PASS/FAIL lines for the targets at the default size (ratio >= 1.25, MFU >= 65%) and, as the last
+line, one JSON object.
 
 ``--train-py`` then alternates ``--windows`` fresh runs of ``train.py``'s loop
 (``flaxformer_lite.train.loop.run``) on the same config, on full rows of random words whose word
@@ -44,22 +40,19 @@ tokenizer has exactly the benchmark's vocabulary, with windows of the step: each
 compiling step), which is divided by the step's tokens/s over the windows right before and after
 it. The median of these shares must be within 5% of 1: the loop (data pipeline, host
 transfers, the per-step finite check, metrics) costs the run next to nothing. Pairing the
-windows matters on a shared machine whose speed changes by 10-20% over minutes. The loop uses
-every device, as train.py does: run it on one.
+windows matters on a shared machine whose speed drifts over minutes. The loop uses every
+device, as train.py does: run it on one.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
-import functools
 import json
 import os
 import pathlib
 import platform
 import resource
 import statistics
-import string
 import sys
 import tempfile
 import time
@@ -67,21 +60,25 @@ import time
 import jax
 import numpy as np
 from flax import nnx
-from jax.extend import core as jax_core
 
-from flaxformer_lite.models.accounting import matmul_peak_flops, training_flops_per_token
+from flaxformer_lite.models.accounting import training_flops_per_token
 from flaxformer_lite.train import loop
 from flaxformer_lite.train.config import TrainConfig, load_config
 from flaxformer_lite.train.host_memory import reuse_freed_host_memory
-from flaxformer_lite.train.metrics import read_metrics
+from flaxformer_lite.train.metrics import matmul_peak_flops, read_metrics
 from flaxformer_lite.train.optim import make_optimizer
 from flaxformer_lite.train.restore import make_train_state
 from flaxformer_lite.train.step import make_train_step
+
+import hf_gpt2
+from matmuls import StepMatmuls
 
 DEFAULT_SIZE = dict(layers=4, d_model=256, heads=4, seq=256, batch=8, vocab=8192)
 RATIO_TARGET = 1.25  # our tokens/s over Hugging Face's, at the default size
 TRAIN_PY_TOLERANCE = 0.05  # train.py's logged tokens/s within 5% of the timed step's
 MFU_TARGET = 0.65
+# The model settings the summary reports.
+MODEL_KEYS = ("num_decoder_layers", "d_model", "num_heads", "d_ff", "vocab_size", "scan_layers")
 
 
 def train_config(args, extra: dict | None = None) -> TrainConfig:
@@ -151,181 +148,6 @@ class OurStep:
         self.losses.append(float(metrics["loss"]))  # waits for the last step
 
 
-# ----------------------------------------------------------------------------- the step's matmuls
-MATMUL_REPEATS = 3  # each matmul's best of this many calls, once per window
-
-
-def step_matmuls(jaxpr) -> tuple[collections.Counter, int]:
-    """How many times a step runs each matmul: ``{(lhs shape, rhs shape, lhs dtype, rhs dtype,
-    dimension_numbers, preferred_element_type): count}`` over the ``dot_general`` equations of
-    its jaxpr (``jax.extend.core.Jaxpr``), and the number of while loops that hold matmuls.
-
-    A scan's body counts ``length`` times; of a cond's branches, the one with the fewest matmul
-    FLOPs (so the sum never counts work that may not run); a while loop's body once, its trip
-    count not being in the jaxpr (chunked attention's ``fori_loop`` over key blocks), so that
-    with loops the counts are a floor.
-    """
-    counts, loops = collections.Counter(), 0
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        if name == "dot_general":
-            lhs, rhs = (var.aval for var in eqn.invars)
-            dims, preferred = eqn.params["dimension_numbers"], eqn.params["preferred_element_type"]
-            counts[(lhs.shape, rhs.shape, lhs.dtype.name, rhs.dtype.name, dims, preferred)] += 1
-            continue
-        if name == "cond":
-            branches = [step_matmuls(branch.jaxpr) for branch in eqn.params["branches"]]
-            branch_counts, branch_loops = min(branches, key=lambda branch: matmul_flops(branch[0]))
-            counts.update(branch_counts)
-            loops += branch_loops
-            continue
-        repeat = eqn.params["length"] if name == "scan" else 1
-        inner = collections.Counter()
-        for sub in jax_core.jaxprs_in_params(eqn.params):
-            sub_counts, sub_loops = step_matmuls(sub)
-            inner.update(sub_counts)
-            loops += sub_loops
-        counts.update({key: repeat * n for key, n in inner.items()})
-        if name == "while" and inner:
-            loops += 1
-    return counts, loops
-
-
-def matmul_flops(counts: collections.Counter) -> int:
-    """The FLOPs of ``counts`` (:func:`step_matmuls`): 2 x the lhs's elements x the rhs's free
-    elements, per matmul."""
-    total = 0
-    for (lhs, rhs, _, _, ((_, rhs_contracting), (_, rhs_batch)), _), n in counts.items():
-        shared = rhs_contracting + rhs_batch
-        rhs_free = [size for axis, size in enumerate(rhs) if axis not in shared]
-        total += n * 2 * int(np.prod(lhs)) * int(np.prod(rhs_free))
-    return total
-
-
-def einsum_spec(lhs_rank: int, rhs_rank: int, dimension_numbers) -> str:
-    """The ``einsum`` equation of a ``dot_general``: output axes are batch, lhs free, rhs free."""
-    (lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch) = dimension_numbers
-    letters = iter(string.ascii_letters)
-    lhs = [next(letters) for _ in range(lhs_rank)]
-    rhs = [None] * rhs_rank
-    for i, j in zip(lhs_contracting + lhs_batch, rhs_contracting + rhs_batch, strict=True):
-        rhs[j] = lhs[i]  # contracted and batch axes share a letter
-    rhs = [letter or next(letters) for letter in rhs]
-    lhs_shared, rhs_shared = lhs_contracting + lhs_batch, rhs_contracting + rhs_batch
-    out = [lhs[i] for i in lhs_batch] + [x for i, x in enumerate(lhs) if i not in lhs_shared]
-    out += [x for j, x in enumerate(rhs) if j not in rhs_shared]
-    return f"{''.join(lhs)},{''.join(rhs)}->{''.join(out)}"
-
-
-def best_seconds(call, *args) -> float:
-    """The fastest of ``MATMUL_REPEATS`` calls of ``call(*args)`` (waiting for its result),
-    after one untimed call."""
-    jax.block_until_ready(call(*args))
-    best = float("inf")
-    for _ in range(MATMUL_REPEATS):
-        start = time.perf_counter()
-        jax.block_until_ready(call(*args))
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-class StepMatmuls:
-    """The step's matmuls (:func:`step_matmuls`), each compiled by XLA and timed alone, and the
-    same products in PyTorch (``torch.einsum``) when ``torch`` is given: the time the step's
-    arithmetic takes at each framework's matmul speed, with nothing else running."""
-
-    def __init__(self, jaxpr, torch=None):
-        self.counts, self.while_loops = step_matmuls(jaxpr)
-        self.flops = matmul_flops(self.counts)
-        self.torch = torch
-        rng = np.random.default_rng(0)
-        self.xla, self.torch_products = [], []  # (count, compiled or equation, lhs, rhs)
-        for key, n in self.counts.items():
-            lhs, rhs, lhs_dtype, rhs_dtype, dimension_numbers, preferred = key
-            a = rng.standard_normal(lhs).astype(lhs_dtype)
-            b = rng.standard_normal(rhs).astype(rhs_dtype)
-            a_device, b_device = jax.device_put(a), jax.device_put(b)
-            matmul = functools.partial(
-                jax.lax.dot_general,
-                dimension_numbers=dimension_numbers,
-                preferred_element_type=preferred,
-            )
-            compiled = jax.jit(matmul).lower(a_device, b_device).compile()
-            self.xla.append((n, compiled, a_device, b_device))
-            if torch is not None:
-                spec = einsum_spec(len(lhs), len(rhs), dimension_numbers)
-                self.torch_products.append((n, spec, torch.from_numpy(a), torch.from_numpy(b)))
-
-    def seconds(self) -> tuple[float, float | None]:
-        """Seconds per step of the step's matmuls in XLA and in PyTorch (``None`` without it):
-        each matmul's best of ``MATMUL_REPEATS`` calls times the times the step runs it."""
-        xla = sum(n * best_seconds(compiled, a, b) for n, compiled, a, b in self.xla)
-        if self.torch is None:
-            return xla, None
-        einsum = self.torch.einsum
-        return xla, sum(n * best_seconds(einsum, *args) for n, *args in self.torch_products)
-
-
-# ----------------------------------------------------------------------------- Hugging Face
-def load_torch():
-    """``(torch, transformers)``, or the reason they cannot be used."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when torch loads OpenMP
-    try:
-        import torch
-        import transformers
-    except ImportError as error:
-        return None, f"{error}"
-    return (torch, transformers), None
-
-
-class PeerStep:
-    """``GPT2LMHeadModel`` + ``torch.optim.AdamW`` on the same batch; ``run(k)`` takes k steps."""
-
-    def __init__(self, libraries, cfg: TrainConfig, batch: dict[str, np.ndarray]):
-        torch, transformers = libraries
-        self.torch = torch
-        torch.set_num_threads(os.cpu_count())
-        torch.manual_seed(cfg.seed)
-        m, o = cfg.model, cfg.optimizer
-        config = transformers.GPT2Config(
-            vocab_size=m.vocab_size,
-            n_positions=m.max_length,
-            n_embd=m.d_model,
-            n_layer=m.num_decoder_layers,
-            n_head=m.num_heads,
-            n_inner=m.d_ff,
-            activation_function="gelu_new",
-            layer_norm_epsilon=m.norm_eps,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            bos_token_id=None,
-            eos_token_id=None,
-        )
-        self.model = transformers.GPT2LMHeadModel(config).train()
-        self.parameters = sum(p.numel() for p in self.model.parameters())
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=o.lr,
-            betas=(o.b1, o.b2),
-            eps=o.eps,
-            weight_decay=o.weight_decay,
-        )
-        self.clip_norm = o.clip_norm
-        self.input_ids = torch.from_numpy(batch["inputs"].astype(np.int64))
-        self.losses: list[float] = []
-
-    def run(self, steps: int) -> None:
-        for _ in range(steps):
-            self.optimizer.zero_grad(set_to_none=True)
-            loss = self.model(self.input_ids, labels=self.input_ids).loss
-            loss.backward()
-            if self.clip_norm is not None:
-                self.torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_norm)
-            self.optimizer.step()
-        self.losses.append(loss.item())
-
-
 # ----------------------------------------------------------------------------- train.py
 def write_words(args, directory: str) -> pathlib.Path:
     """A text file for train.py: lines of ``--seq`` random words ``w0 w1 ...``, each filling a
@@ -379,12 +201,11 @@ def run(args) -> dict:
 
     ours = OurStep(cfg, batch)
     print(f"compiled in {ours.compile_seconds:.1f} s", file=sys.stderr, flush=True)
-    libraries, peer_skipped = (None, "--no-hf") if args.no_hf else load_torch()
-    peer = None if libraries is None else PeerStep(libraries, cfg, batch)
+    libraries, peer_skipped = (None, "--no-hf") if args.no_hf else hf_gpt2.load_torch()
+    peer = None if libraries is None else hf_gpt2.TrainStep(libraries, cfg, batch)
     matmuls = StepMatmuls(ours.jaxpr, None if peer is None else libraries[0])
-    # One untimed window of everything first. Our first timed window can still take up to 1.8x
-    # the later ones (953 against about 530 ms in one run, with or without this warm-up; the
-    # cause is not known): the median of the windows is what is reported.
+    # One untimed window of everything first. Our first timed window can still be slower than
+    # the later ones (the cause is not known): the median of the windows is what is reported.
     for step in (ours, peer):
         if step is not None:
             step.run(args.steps)
@@ -413,17 +234,7 @@ def run(args) -> dict:
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
         "backend": jax.default_backend(),
-        "model": {
-            k: getattr(cfg.model, k)
-            for k in (
-                "num_decoder_layers",
-                "d_model",
-                "num_heads",
-                "d_ff",
-                "vocab_size",
-                "scan_layers",
-            )
-        },
+        "model": {k: getattr(cfg.model, k) for k in MODEL_KEYS},
         "seq_len": cfg.data.seq_len,
         "batch_size": cfg.train.batch_size,
         "parameters": ours.parameters,

@@ -16,11 +16,11 @@ from flaxformer_lite.attention_maps import (
     text_inputs,
     token_labels,
 )
+from flaxformer_lite.cli import main
 from flaxformer_lite.data.tokenizers import ByteTokenizer
 from flaxformer_lite.models import EncoderDecoder, ModelConfig, build_model
 from flaxformer_lite.nn.stack import stack_layer_states, unstack_layer_state
 from flaxformer_lite.train.checkpoint import Checkpointer
-from flaxformer_lite.train.cli import main
 from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.loop import run
 from flaxformer_lite.train.optim import make_optimizer

@@ -140,7 +140,7 @@ def test_the_matmuls_counted_are_the_steps_own():
     )
     cfg = benchmark.train_config(args)
     ours = benchmark.OurStep(cfg, benchmark.random_batch(cfg, 0))
-    matmuls = benchmark.StepMatmuls(ours.jaxpr)
+    matmuls = load_benchmark("matmuls").StepMatmuls(ours.jaxpr)
     tokens, d, ff, heads, t, vocab = 8 * 16, 32, 128, 2, 16, 64
     forward = 2 * tokens * d * (3 * d + d + 2 * ff + vocab) + 2 * 2 * 8 * heads * t * t * (d // 2)
     assert sum(matmuls.counts.values()) == 21 and matmuls.flops == 3 * forward
@@ -148,7 +148,7 @@ def test_the_matmuls_counted_are_the_steps_own():
 
 
 def test_step_matmuls_counts_scan_bodies_the_cheaper_branch_and_loops_once():
-    benchmark = load_benchmark("train_step")
+    matmuls = load_benchmark("matmuls")
     w, v = jnp.ones((5, 6)), jnp.ones((6, 5))
 
     def f(x):
@@ -156,16 +156,16 @@ def test_step_matmuls_counts_scan_bodies_the_cheaper_branch_and_loops_once():
         return jax.lax.cond(y.sum() > 0, lambda y: y @ w @ v, lambda y: y, y)
 
     x = jnp.ones((4, 5))
-    counts, loops = benchmark.step_matmuls(jax.make_jaxpr(f)(x).jaxpr)
+    counts, loops = matmuls.step_matmuls(jax.make_jaxpr(f)(x).jaxpr)
     assert sum(counts.values()) == 6 and loops == 0  # two per scan step; the branch without
-    assert benchmark.matmul_flops(counts) == 3 * (2 * 4 * 5 * 6 + 2 * 4 * 6 * 5)
-    grad_counts, _ = benchmark.step_matmuls(jax.make_jaxpr(jax.grad(lambda x: f(x).sum()))(x).jaxpr)
+    assert matmuls.matmul_flops(counts) == 3 * (2 * 4 * 5 * 6 + 2 * 4 * 6 * 5)
+    grad_counts, _ = matmuls.step_matmuls(jax.make_jaxpr(jax.grad(lambda x: f(x).sum()))(x).jaxpr)
     assert sum(grad_counts.values()) == 6 + 3 * 2  # the backward of each product, x's side only
 
     def loop(x, n):  # a trip count known only at run time, as in chunked attention
         return jax.lax.fori_loop(0, n, lambda i, c: c @ w @ v, x)
 
-    counts, loops = benchmark.step_matmuls(jax.make_jaxpr(loop)(x, 3).jaxpr)
+    counts, loops = matmuls.step_matmuls(jax.make_jaxpr(loop)(x, 3).jaxpr)
     assert sum(counts.values()) == 2 and loops == 1
 
 
@@ -203,9 +203,10 @@ def test_matmul_line_sets_the_matmuls_against_both_steps_and_the_target():
     ],
 )
 def test_einsum_spec_computes_the_dot_general(lhs, rhs, dims):
-    benchmark = load_benchmark("train_step")
+    matmuls = load_benchmark("matmuls")
+    # Small integers: every product and sum is exact in float32, whatever the summation order.
     rng = np.random.default_rng(0)
-    a, b = rng.standard_normal(lhs), rng.standard_normal(rhs)
-    expected = jax.lax.dot_general(a, b, dims, precision="highest")
-    spec = benchmark.einsum_spec(len(lhs), len(rhs), dims)
-    np.testing.assert_allclose(np.einsum(spec, a, b), expected, rtol=1e-5)
+    a, b = rng.integers(-4, 5, lhs).astype(np.float32), rng.integers(-4, 5, rhs).astype(np.float32)
+    expected = jax.lax.dot_general(a, b, dims)
+    spec = matmuls.einsum_spec(len(lhs), len(rhs), dims)
+    np.testing.assert_array_equal(np.einsum(spec, a, b), expected)

@@ -11,10 +11,10 @@ import sys
 import numpy as np
 import pytest
 
+from flaxformer_lite.cli import main
 from flaxformer_lite.data import synthetic
 from flaxformer_lite.data.tokenizers import EOS_ID, SOS_ID
 from flaxformer_lite.decode import beam_search, generate, right_pad, seq2seq_generate, until_eos
-from flaxformer_lite.train.cli import main
 from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.decode_eval import decode_eval, token_accuracy
 from flaxformer_lite.train.loop import run

@@ -8,17 +8,16 @@ import sys
 
 import pytest
 
+from flaxformer_lite.cli.train import train_main
 from flaxformer_lite.train import host_memory
-from flaxformer_lite.train.cli import train_main
 
-# A jitted function whose temporaries (4 MiB each, and the matmuls' own) XLA's worker threads
-# allocate and free on every call; prints the minor page faults per call once warm. With
-# "reuse", the setting is made where train.py makes it: after the CLI module (and with it jax)
-# is imported, before JAX starts its backend.
+# A jitted function whose temporaries (4 MiB each) XLA's worker threads allocate and free on
+# every call; it prints the minor page faults per call once warm. "reuse" makes the setting
+# where train.py does: after the CLI module (and jax) is imported, before JAX's backend starts.
 FAULTS_PER_CALL = """
 import resource, sys
 if sys.argv[1] == "reuse":
-    import flaxformer_lite.train.cli
+    import flaxformer_lite.cli.train
     from flaxformer_lite.train.host_memory import reuse_freed_host_memory
     assert reuse_freed_host_memory()
 import jax, jax.numpy as jnp

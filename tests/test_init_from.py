@@ -11,10 +11,10 @@ import hf_checkpoints
 import numpy as np
 import pytest
 
+from flaxformer_lite.cli import generate, main
+from flaxformer_lite.cli.train import train_main
 from flaxformer_lite.data.hf_tokenizer import HfTokenizer, load_hf_tokenizer
 from flaxformer_lite.data.pipeline import build_data
-from flaxformer_lite.train import sample
-from flaxformer_lite.train.cli import main, train_main
 from flaxformer_lite.train.config import ConfigError, load_config
 from flaxformer_lite.train.loop import run
 from flaxformer_lite.train.restore import load_run
@@ -128,7 +128,7 @@ def test_the_finetuned_run_generates(finetuned, capsys):
     run_dir = finetuned[0] / "run"
     loaded = load_run(run_dir)
     assert isinstance(loaded.tokenizer, HfTokenizer)
-    [new] = sample.continue_prompts(
+    [new] = generate.continue_prompts(
         loaded.model, loaded.tokenizer, ["the quick"], add_bos=True, max_new_tokens=8
     )
     assert (

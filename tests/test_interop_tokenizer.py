@@ -13,10 +13,9 @@ import numpy as np
 import pytest
 
 from flaxformer_lite.attention_maps import token_labels
+from flaxformer_lite.cli import generate, main
 from flaxformer_lite.data.hf_tokenizer import HfTokenizer, load_hf_tokenizer
 from flaxformer_lite.data.tokenizers import load_tokenizer
-from flaxformer_lite.train import sample
-from flaxformer_lite.train.cli import main
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 
@@ -148,8 +147,8 @@ def hf_greedy(hf, model, input_ids, max_new_tokens, eos_id, pad_id):
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_generate_continues_like_hf_greedy(name, request, hf):
     hf_model, path = request.getfixturevalue(name)
-    model, tokenizer = sample.load_hf_checkpoint(path)
-    ours = sample.continue_prompts(
+    model, tokenizer = generate.load_hf_checkpoint(path)
+    ours = generate.continue_prompts(
         model, tokenizer, PROMPTS, add_bos=tokenizer.add_bos, max_new_tokens=20
     )
     reference = hf.transformers.AutoTokenizer.from_pretrained(path)
@@ -163,8 +162,8 @@ def test_generate_continues_like_hf_greedy(name, request, hf):
 
 def test_translate_decodes_like_hf_greedy(hf, marian):
     hf_model, path = marian
-    model, tokenizer = sample.load_hf_checkpoint(path)
-    ours = sample.translate(model, tokenizer, PROMPTS, max_new_tokens=20)
+    model, tokenizer = generate.load_hf_checkpoint(path)
+    ours = generate.translate(model, tokenizer, PROMPTS, max_new_tokens=20)
     reference = hf.transformers.MarianTokenizer.from_pretrained(path)
     for prompt, new in zip(PROMPTS, ours, strict=True):
         expected = hf_greedy(
@@ -189,8 +188,8 @@ def test_generate_command_on_hf_dirs(gpt2, marian, capsys, tmp_path):
         )
         == 0
     )
-    model, tokenizer = sample.load_hf_checkpoint(gpt2[1])
-    [new] = sample.continue_prompts(
+    model, tokenizer = generate.load_hf_checkpoint(gpt2[1])
+    [new] = generate.continue_prompts(
         model, tokenizer, ["hello world"], add_bos=False, max_new_tokens=6
     )
     assert capsys.readouterr().out == f"hello world{tokenizer.decode(new)}\n"

@@ -376,7 +376,7 @@ def test_bad_distributed_settings_in_process(
     tmp_path, monkeypatch, capsys, overrides, env, message
 ):
     """More of them without a subprocess: they fail before ``jax.distributed`` is touched."""
-    from flaxformer_lite.train.cli import train_main
+    from flaxformer_lite.cli.train import train_main
 
     for name in DISTRIBUTED_ENV:
         monkeypatch.delenv(name, raising=False)

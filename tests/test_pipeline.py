@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from flaxformer_lite.data import synthetic
-from flaxformer_lite.data.pipeline import MASK_ID, DataConfig, build_data
+from flaxformer_lite.data.features import MASK_ID
+from flaxformer_lite.data.pipeline import DataConfig, build_data
 from flaxformer_lite.data.sources import jsonl_records, parallel_records, text_records
 from flaxformer_lite.data.tokenizers import EOS_ID, SOS_ID, UNK_ID, ByteTokenizer
 

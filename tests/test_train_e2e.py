@@ -14,9 +14,10 @@ import pytest
 from flax import nnx
 from subprocess_env import subprocess_env
 
+from flaxformer_lite.cli import main
+from flaxformer_lite.cli.train import train_main
 from flaxformer_lite.models import build_model
 from flaxformer_lite.train.checkpoint import Checkpointer
-from flaxformer_lite.train.cli import main, train_main
 from flaxformer_lite.train.config import ConfigError, load_config
 from flaxformer_lite.train.loop import TrainingError, run, to_savable
 from flaxformer_lite.train.metrics import MetricsWriter, read_metrics

@@ -136,10 +136,9 @@ def test_a_non_finite_step_leaves_the_state_unchanged():
 
 
 def test_the_update_overwrites_the_donated_state_in_place():
-    # Parameters dominate this model's memory (a 4096 x 128 table, 32 tokens). Its step needs
-    # about 2.1x the parameters' bytes of temporary memory (the gradients, the tied table's two
-    # gradient terms, the activations); choosing between an updated copy of the state and the
-    # old one after the update, as the step once did, needed 3.0x.
+    # Parameters dominate this model's memory (a 4096 x 128 table, 32 tokens). The bound lies
+    # between what the in-place update needs (gradients, the tied table's two gradient terms,
+    # activations) and what choosing between an updated copy and the old state needed.
     _, model, optimizer = setup("gpt2-tiny", d_model=128, d_ff=512, vocab_size=4096)
     graphdef, state = nnx.split((model, optimizer))
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
@@ -171,7 +170,7 @@ def step_program_ops(num_layers, scan_layers):
 
 
 def test_a_scanned_stack_is_one_program_whatever_its_depth():
-    # What XLA compiles does not grow with depth, so neither does compile time: benchmarks/
-    # train_step.py --scan-layers measures 24 layers compiling as fast as 2.
+    # What XLA compiles does not grow with depth, so neither does compile time
+    # (benchmarks/train_step.py --scan-layers reports it).
     assert step_program_ops(24, scan_layers=True) == step_program_ops(2, scan_layers=True)
     assert step_program_ops(6, scan_layers=False) > 2 * step_program_ops(2, scan_layers=False)

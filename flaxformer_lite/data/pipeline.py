@@ -10,24 +10,8 @@ Batches are dicts of numpy arrays ``[B, T]`` with ``B = batch_size // process_co
 padding; padding ids are ``<pad> = 0``), the formats ``train.step.model_loss`` reads (``<sos>`` and
 ``<eos>`` are the tokenizer's ``sos_id`` and ``eos_id``: a Hugging Face checkpoint's tokenizer has
 its own, and padding, marked by weights and masks, stays id 0 even where 0 is a real token, so no
-pad token is needed: GPT-2 has none, and its ``<eos>`` targets keep weight 1):
-
-- ``lm``: ``inputs = <sos> + tokens``, ``targets = tokens + <eos>``, ``weights``. With ``packing``
-  also ``segment_ids`` (1, 2, ... per example in a row, 0 at padding) and ``positions`` (from 0 in
-  every segment).
-- ``seq2seq``: ``src = source tokens + <eos>`` and ``src_mask``; ``inputs = <sos> + target``,
-  ``targets = target + <eos>``, ``weights``.
-- ``mlm``: ``<sos> tokens <eos>`` (``<sos>`` doubles as BERT's [CLS], ``<eos>`` as [SEP]); BERT
-  masking picks ``max(1, round(mlm_probability * n))`` of the ``n`` regular tokens, of which 80%
-  become :data:`MASK_ID`, 10% a random regular token and 10% stay; ``inputs`` (masked),
-  ``targets`` (the original tokens), ``weights`` (1 at the picked tokens), ``mask``. The draw is a
-  pure function of ``(seed, position in the example stream)``, so a resumed run masks alike.
-- ``classify``: ``inputs`` (``<sos> tokens <eos>``), ``mask``, ``labels`` ``[B]`` and ``weights``
-  float32 ``[B]`` (1 for real rows, 0 for the padding rows of the last eval batch).
-
-Longer examples are truncated to ``seq_len``: for ``lm`` and the target side of ``seq2seq`` the
-sequence ``<sos> tokens <eos>`` is cut to ``seq_len + 1`` tokens before the shift (a cut example
-has no ``<eos>``); ``src``, ``mlm`` and ``classify`` rows keep their closing ``<eos>``.
+pad token is needed: GPT-2 has none, and its ``<eos>`` targets keep weight 1). Each task's
+arrays are listed in :mod:`flaxformer_lite.data.features`.
 
 Training data is one endless stream, the records shuffled by ``seed`` and reshuffled every epoch
 (``MapDataset.shuffle(seed).repeat()``); each global batch takes the next ``batch_size`` examples
@@ -50,14 +34,12 @@ import numpy as np
 from grain.experimental import FirstFitPackIterDataset
 
 from flaxformer_lite.data import sources, synthetic, tokenizers
-from flaxformer_lite.data.tokenizers import NUM_SPECIAL, UNK_ID, Tokenizer
+from flaxformer_lite.data.features import featurize, pad
+from flaxformer_lite.data.tokenizers import NUM_SPECIAL, Tokenizer
 
 SOURCES = ("synthetic", "text", "jsonl", "parallel")
 TOKENIZERS = ("byte", "char", "word", "bpe", "sentencepiece")
 TASKS = ("lm", "seq2seq", "mlm", "classify")  # as train.step.TASKS (data may not import train)
-# The shared id layout has no mask token; <unk> is free in byte and byte-level BPE vocabularies
-# and rare in fitted ones, so MLM uses it rather than shifting every tokenizer's ids.
-MASK_ID = UNK_ID
 # Fitted tokenizers see all training records of a file source, or this many synthetic examples.
 FIT_EXAMPLES = 20_000
 _READ_OPTIONS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=16)
@@ -253,23 +235,30 @@ def build_data(
     tokenizer = _tokenizer(cfg, train_records, Path(directory), save=save, given=tokenizer)
 
     shard, local_size = (process_index, process_count), batch_size // process_count
-    featurize = functools.partial(_featurize, task=task, tokenizer=tokenizer, cfg=cfg, seed=seed)
+    featurize_example = functools.partial(
+        featurize,
+        task=task,
+        tokenizer=tokenizer,
+        seq_len=cfg.seq_len,
+        mlm_probability=cfg.mlm_probability,
+        seed=seed,
+    )
     stream = (
         grain.MapDataset.source(train_records)
         .shuffle(seed=seed)
         .repeat()
-        .map_with_index(functools.partial(featurize, stream=_TRAIN_STREAM))
+        .map_with_index(functools.partial(featurize_example, stream=_TRAIN_STREAM))
     )
     if packing:
         rows = slice(process_index * local_size, (process_index + 1) * local_size)
         train = _packed(stream, cfg.seq_len, batch_size, rows)
     else:
-        train = stream.map(functools.partial(_pad, seq_len=cfg.seq_len))
+        train = stream.map(functools.partial(pad, seq_len=cfg.seq_len))
         train = train.batch(local_size)[process_index::process_count]
         train = train.to_iter_dataset(_READ_OPTIONS)
     pipeline = dict(task=task, packing=packing, seq_len=cfg.seq_len, seed=seed)
     pipeline.update(batch_size=batch_size, train_examples=len(train_records))
-    eval_featurize = functools.partial(featurize, stream=_EVAL_STREAM)
+    eval_featurize = functools.partial(featurize_example, stream=_EVAL_STREAM)
     return Data(
         tokenizer=tokenizer,
         train=TrainIterator(train, pipeline),
@@ -343,68 +332,6 @@ def _tokenizer(
     return tokenizer
 
 
-def _featurize(
-    index: int,
-    record: dict,
-    *,
-    task: str,
-    tokenizer: Tokenizer,
-    cfg: DataConfig,
-    seed: int,
-    stream: int,
-) -> dict[str, np.ndarray]:
-    """One example's unpadded arrays; ``index`` is its position in its stream."""
-    if task == "lm":
-        return _shifted(tokenizer.encode(record["text"]), cfg.seq_len, tokenizer)
-    if task == "seq2seq":
-        src = [*tokenizer.encode(record["source"])[: cfg.seq_len - 1], tokenizer.eos_id]
-        return {
-            "src": np.array(src, np.int32),
-            "src_mask": np.ones(len(src), bool),
-            **_shifted(tokenizer.encode_target(record["target"]), cfg.seq_len, tokenizer),
-        }
-    text_ids = tokenizer.encode(record["text"])[: cfg.seq_len - 2]
-    tokens = np.array([tokenizer.sos_id, *text_ids, tokenizer.eos_id])
-    tokens = tokens.astype(np.int32)
-    if task == "classify":
-        label, weight = np.int32(record["label"]), np.float32(1)
-        return dict(inputs=tokens, mask=np.ones(len(tokens), bool), labels=label, weights=weight)
-    rng = np.random.default_rng([seed, stream, index])
-    return _mask_tokens(tokens, rng, cfg.mlm_probability, tokenizer.vocab_size)
-
-
-def _shifted(ids: list[int], seq_len: int, tokenizer: Tokenizer) -> dict[str, np.ndarray]:
-    """``<sos> ids <eos>`` cut to ``seq_len + 1`` tokens, shifted into inputs and targets."""
-    sequence = [tokenizer.sos_id, *ids[:seq_len], tokenizer.eos_id][: seq_len + 1]
-    sequence = np.array(sequence, np.int32)
-    weights = np.ones(len(sequence) - 1, np.float32)
-    return {"inputs": sequence[:-1], "targets": sequence[1:], "weights": weights}
-
-
-def _mask_tokens(
-    tokens: np.ndarray, rng: np.random.Generator, probability: float, vocab_size: int
-) -> dict[str, np.ndarray]:
-    """BERT masking of the regular tokens ``tokens[1:-1]`` (the first and last are specials)."""
-    inputs, weights = tokens.copy(), np.zeros(len(tokens), np.float32)
-    candidates = np.arange(1, len(tokens) - 1)
-    if candidates.size:
-        chosen = rng.choice(candidates, max(1, round(probability * candidates.size)), False)
-        action = rng.random(chosen.size)
-        random_ids = rng.integers(NUM_SPECIAL, vocab_size, chosen.size)
-        replaced = np.where(action < 0.9, random_ids, tokens[chosen])
-        inputs[chosen] = np.where(action < 0.8, MASK_ID, replaced)
-        weights[chosen] = 1.0
-    return dict(inputs=inputs, targets=tokens, weights=weights, mask=np.ones(len(tokens), bool))
-
-
-def _pad(example: dict[str, np.ndarray], seq_len: int) -> dict[str, np.ndarray]:
-    """Zero-pads every ``[L]`` array to ``[seq_len]`` (ids ``<pad>``, weights 0, masks False)."""
-    return {
-        key: np.pad(value, (0, seq_len - len(value))) if value.ndim == 1 else value
-        for key, value in example.items()
-    }
-
-
 def _packed(
     stream: grain.MapDataset, seq_len: int, batch_size: int, rows: slice
 ) -> grain.IterDataset:
@@ -437,10 +364,10 @@ def _eval_dataset(
 ) -> grain.MapDataset:
     """The validation records in order, padded with empty examples to whole global batches."""
     count = len(records)
-    empty = {k: np.zeros_like(v) for k, v in _pad(featurize(0, records[0]), seq_len).items()}
+    empty = {k: np.zeros_like(v) for k, v in pad(featurize(0, records[0]), seq_len).items()}
 
     def example(index: int) -> dict[str, np.ndarray]:
-        return _pad(featurize(index, records[index]), seq_len) if index < count else empty
+        return pad(featurize(index, records[index]), seq_len) if index < count else empty
 
     total = -(-count // batch_size) * batch_size
     process_index, process_count = shard

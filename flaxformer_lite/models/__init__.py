@@ -1,10 +1,7 @@
 """The three architectures, their configuration and presets, and parameter/FLOP accounting."""
 
 from flaxformer_lite.models.accounting import (
-    PEAK_FLOPS,
-    matmul_peak_flops,
     parameter_counts,
-    peak_flops,
     training_flops_per_token,
 )
 from flaxformer_lite.models.build import abstract_model, build_model
@@ -14,7 +11,6 @@ from flaxformer_lite.models.encoder import Encoder
 from flaxformer_lite.models.encoder_decoder import EncoderDecoder
 
 __all__ = [
-    "PEAK_FLOPS",
     "PRESETS",
     "DecoderLM",
     "Encoder",
@@ -22,8 +18,6 @@ __all__ = [
     "ModelConfig",
     "abstract_model",
     "build_model",
-    "matmul_peak_flops",
     "parameter_counts",
-    "peak_flops",
     "training_flops_per_token",
 ]

@@ -1,12 +1,8 @@
-"""Counting a model's parameters and its training FLOPs per token, and the devices' peak FLOP/s:
-the two halves of MFU."""
+"""Counting a model's parameters and its training FLOPs per token, for MFU (whose denominator,
+the devices' peak FLOP/s, is in ``flaxformer_lite.train.metrics``)."""
 
 from __future__ import annotations
 
-import time
-
-import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -15,18 +11,6 @@ from flaxformer_lite.models.config import ModelConfig
 
 # Tables looked up rather than multiplied: "non-embedding" parameter counts leave them out.
 _EMBEDDING_TABLES = ("tokens", "positions", "token_types")
-
-# Dense peak FLOP/s per chip for bf16 matmuls, by jax's device_kind; other devices: n/a.
-PEAK_FLOPS = {
-    "NVIDIA H100 80GB HBM3": 989e12,
-    "NVIDIA H200": 989e12,
-    "NVIDIA A100-SXM4-80GB": 312e12,
-    "NVIDIA A100-SXM4-40GB": 312e12,
-    "TPU v4": 275e12,
-    "TPU v5 lite": 197e12,
-    "TPU v5": 459e12,
-    "TPU v6 lite": 918e12,
-}
 
 
 def parameter_counts(model_or_config) -> dict[str, int]:
@@ -74,31 +58,3 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
         matmul_params += d * d
     attention_flops = 12 * hq * dh * seq_len * (enc + dec * (0.5 + (1 if enc else 0)))
     return float(6 * matmul_params + attention_flops)
-
-
-def matmul_peak_flops(n: int = 2048, repeats: int = 5) -> float:
-    """float32 FLOP/s of XLA's ``n x n x n`` matmul on the default device, the best of ``repeats``.
-
-    A CPU has no datasheet number to look up: this measured peak is what MFU is taken against
-    there, by ``train.py`` and ``benchmarks/train_step.py`` alike.
-    """
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    matmul = jax.jit(jnp.matmul).lower(a, a).compile()
-    matmul(a, a).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        matmul(a, a).block_until_ready()
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best
-
-
-def peak_flops() -> float | None:
-    """Peak FLOP/s of all devices: :data:`PEAK_FLOPS` for accelerators (``None`` for a kind not
-    in the table); on CPU :func:`matmul_peak_flops`, once per host (simulated CPU devices share the
-    same cores), all hosts taken to be alike."""
-    devices = jax.devices()
-    if devices[0].platform != "cpu":
-        peak = PEAK_FLOPS.get(devices[0].device_kind)
-        return peak * len(devices) if peak else None
-    return matmul_peak_flops() * jax.process_count()

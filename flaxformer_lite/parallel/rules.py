@@ -23,10 +23,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 Rules = Mapping[str, tuple[str, ...]]
 
-# Data parallelism over `data`, ZeRO-3 style parameter sharding over `fsdp` (the batch is split
-# over it too, so each fsdp shard computes on its own rows), Megatron-style tensor parallelism
-# over `tensor` (attention heads and the MLP's hidden units; the vocabulary for the embedding
-# and the output projection). Activations between layers are split by batch only.
+# Data parallelism over "data"; ZeRO-3 parameter sharding over "fsdp", which splits the batch
+# too; Megatron tensor parallelism over "tensor" (attention heads, MLP units, the vocabulary).
+# Activations between layers are split by batch only.
 DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "batch": ("data", "fsdp"),
     "embed": ("fsdp",),

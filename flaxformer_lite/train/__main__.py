@@ -2,7 +2,7 @@
 
 import sys
 
-from flaxformer_lite.train.cli import train_main
+from flaxformer_lite.cli.train import train_main
 
 if __name__ == "__main__":
     sys.exit(train_main())

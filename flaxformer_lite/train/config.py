@@ -17,7 +17,6 @@ import dataclasses
 import difflib
 import json
 import pathlib
-import types
 import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -25,14 +24,10 @@ from typing import Any
 import yaml
 
 from flaxformer_lite.data.pipeline import DataConfig
-from flaxformer_lite.models.config import PRESETS, ModelConfig
+from flaxformer_lite.models.config import ModelConfig
 from flaxformer_lite.parallel import DEFAULT_RULES, MESH_AXES, DistributedConfig, check_rules
 from flaxformer_lite.train.optim import OptimizerConfig
-
-
-class ConfigError(ValueError):
-    """A configuration the user wrote is wrong; the message names the key or the file."""
-
+from flaxformer_lite.train.schema import ConfigError, OverrideText, UnknownKeyError, build
 
 # The model keys that may be set with init_from: they change how the checkpoint's architecture
 # computes or regularizes, not its parameters.
@@ -210,9 +205,9 @@ def load_config(
         key, sep, raw = override.partition("=")
         if not sep or not key:
             raise ConfigError(f"overrides are key=value, got {override!r}")
-        _set_dotted(values, key.strip(), _OverrideText(raw))
+        _set_dotted(values, key.strip(), OverrideText(raw))
     init_from = values.get("init_from")
-    if isinstance(init_from, _OverrideText) and init_from.strip().lower() in ("", "none", "null"):
+    if isinstance(init_from, OverrideText) and init_from.strip().lower() in ("", "none", "null"):
         init_from = values["init_from"] = None
     if init_from is not None:
         values["model"] = _checkpoint_model(str(init_from), values)
@@ -221,7 +216,12 @@ def load_config(
 
 def config_from_dict(values: Mapping[str, Any]) -> TrainConfig:
     """A :class:`TrainConfig` from nested plain values, checked key by key."""
-    return _build(TrainConfig, values, "")
+    try:
+        return build(TrainConfig, values, "")
+    except UnknownKeyError as error:
+        close = difflib.get_close_matches(error.key, valid_keys(), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"{error}{hint}") from None
 
 
 def config_diff(old: TrainConfig, new: TrainConfig) -> dict[str, tuple[Any, Any]]:
@@ -248,10 +248,6 @@ def valid_keys(cls=TrainConfig, prefix: str = "") -> list[str]:
         if dataclasses.is_dataclass(hints[field.name]):
             keys += valid_keys(hints[field.name], key + ".")
     return keys + ([prefix + "preset"] if cls is ModelConfig else [])
-
-
-class _OverrideText(str):
-    """A value typed on the command line: parsed according to the field it lands in."""
 
 
 def _checkpoint_model(path: str, values: Mapping[str, Any]) -> dict[str, Any]:
@@ -313,126 +309,6 @@ def _plain_json(value):
         return json.loads(json.dumps(value))
     except TypeError:
         return value
-
-
-def _build(cls, values: Any, where: str, base: Mapping[str, Any] | None = None):
-    """``cls`` from ``values`` laid over ``base`` (the defaults of the enclosing config), or
-    over a model preset when ``values`` name one."""
-    if isinstance(values, cls):
-        return values
-    if not isinstance(values, Mapping):
-        raise ConfigError(f"{where.rstrip('.') or 'the config'} must be a mapping, got {values!r}")
-    values = dict(values)
-    if cls is ModelConfig and "preset" in values:
-        name = values.pop("preset")
-        if name not in PRESETS:
-            close = difflib.get_close_matches(str(name), PRESETS, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"unknown model preset {where}preset={name!r}{hint}")
-        base = PRESETS[name]
-    hints = typing.get_type_hints(cls)
-    fields = {field.name: field for field in dataclasses.fields(cls)}
-    for key in values:
-        if key not in fields:
-            close = difflib.get_close_matches(where + str(key), valid_keys(), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"unknown config key {where + str(key)!r}{hint}")
-    kwargs = {}
-    for key, value in {**(base or {}), **values}.items():
-        section_base = None
-        if key in values:  # a section given in part is laid over its preset or default
-            inherited = (base or {}).get(key)
-            section_base = (
-                inherited if isinstance(inherited, Mapping) else _default_dict(fields[key])
-            )
-        kwargs[key] = _coerce(hints[key], value, where + key, section_base)
-    try:
-        return cls(**kwargs)
-    except ConfigError:
-        raise
-    except (ValueError, TypeError) as error:
-        raise ConfigError(f"{where.rstrip('.') or 'config'}: {error}") from None
-
-
-def _default_dict(field: dataclasses.Field) -> dict[str, Any] | None:
-    """The default of a section (or mapping) field as plain values (None for other leaves)."""
-    default = field.default
-    if field.default_factory is not dataclasses.MISSING:
-        default = field.default_factory()
-    if dataclasses.is_dataclass(default):
-        return dataclasses.asdict(default)
-    return dict(default) if isinstance(default, Mapping) else None
-
-
-def _coerce(annotation, value, key: str, base: Mapping[str, Any] | None = None):
-    """``value`` as the type ``annotation`` names, or a ConfigError naming ``key``."""
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(annotation)
-        if isinstance(value, _OverrideText) and value.strip().lower() in ("none", "null", "~"):
-            value = None
-        if value is None and type(None) in options:
-            return None
-        errors = []
-        for option in (o for o in options if o is not type(None)):
-            try:
-                return _coerce(option, value, key, base)
-            except ConfigError as error:
-                errors.append(str(error))
-        raise ConfigError(
-            errors[0] if len(errors) == 1 else f"{key}: {value!r} fits none of {options}"
-        )
-    if dataclasses.is_dataclass(annotation):
-        if isinstance(value, _OverrideText):
-            raise ConfigError(f"{key} is a section; set its keys, e.g. {key}.<name>=...")
-        return _build(annotation, value, key + ".", base)
-    if origin is dict:  # entries laid over the default mapping, one by one
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{key} is a mapping; set its entries, e.g. {key}.<name>=...")
-        _, value_type = typing.get_args(annotation)
-        merged = {**(base or {}), **value}
-        return {str(k): _coerce(value_type, v, f"{key}.{k}") for k, v in merged.items()}
-    if origin is tuple:  # tuple[item, ...]: a list, one item, none, or "a,b" on the command line
-        item_type = typing.get_args(annotation)[0]
-        if isinstance(value, _OverrideText):
-            text = value.strip()
-            value = [] if text.lower() in ("", "none", "null", "~") else text.split(",")
-            value = [_OverrideText(item.strip()) for item in value]
-        if value is None or isinstance(value, str):
-            value = [] if value is None else [value]
-        if not isinstance(value, list | tuple):
-            raise ConfigError(f"{key} must be a list, got {type(value).__name__} {value!r}")
-        return tuple(_coerce(item_type, item, key) for item in value)
-    if isinstance(value, _OverrideText):
-        value = str(value) if annotation is str else _parse_text(value, annotation, key)
-    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if annotation in (int, float, bool, str):
-        if type(value) is not annotation:
-            raise ConfigError(
-                f"{key} must be {annotation.__name__}, got {type(value).__name__} {value!r}"
-            )
-        return value
-    raise ConfigError(f"{key}: unsupported type {annotation}")
-
-
-def _parse_text(text: str, annotation, key: str):
-    text = text.strip()
-    if annotation is bool:
-        lowered = text.lower()
-        if lowered in ("true", "yes", "1"):
-            return True
-        if lowered in ("false", "no", "0"):
-            return False
-        raise ConfigError(f"{key} must be true or false, got {text!r}")
-    try:
-        return annotation(text)
-    except ValueError:
-        if annotation is float:
-            raise ConfigError(f"{key} must be a number, got {text!r}") from None
-        if annotation is int:
-            raise ConfigError(f"{key} must be an integer, got {text!r}") from None
-        raise
 
 
 def _check_positive(key: str, value) -> None:

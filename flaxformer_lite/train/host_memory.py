@@ -1,11 +1,11 @@
 """Host memory that XLA frees stays with the process, for the next step to reuse.
 
-XLA's CPU runtime allocates each step's temporary buffer (activations and gradients: 415 MiB for
-the training benchmark's default GPT) with ``malloc`` and frees it when the step ends. glibc
-serves a block that large with a fresh ``mmap`` and unmaps it on ``free``, so every step the
-kernel maps and zeroes each of its pages again: 111k page faults and about 0.2 s of kernel CPU
-per step there, where the step takes 0.4 s. With large blocks served from glibc's heap and the
-heap never given back, the next step reuses the same pages (no faults after the first steps).
+XLA's CPU runtime allocates each step's temporary buffer (activations and gradients) with
+``malloc`` and frees it when the step ends. glibc serves a block that large with a fresh ``mmap``
+and unmaps it on ``free``, so every step the kernel maps and zeroes each of its pages again, a
+cost in kernel CPU time that grows with the buffer. With large blocks served from glibc's heap
+and the heap never given back, the next step reuses the same pages (no faults after the first
+steps).
 
 A thread's own malloc arena maps a block larger than its 64 MiB heap whatever the settings, so
 every thread must share the main arena; a thread takes its arena when it first allocates and

@@ -2,7 +2,7 @@
 from the newest checkpoint, run the jitted steps, log, evaluate, checkpoint, and stop cleanly on
 SIGTERM/SIGINT or on a non-finite step.
 
-Nothing here parses command lines; :mod:`flaxformer_lite.train.cli` does.
+Nothing here parses command lines; :mod:`flaxformer_lite.cli` does.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from flax import nnx
 from flaxformer_lite import parallel
 from flaxformer_lite.data.hf_tokenizer import load_hf_tokenizer
 from flaxformer_lite.data.pipeline import build_data
-from flaxformer_lite.models import peak_flops, training_flops_per_token
+from flaxformer_lite.models import training_flops_per_token
 from flaxformer_lite.train.checkpoint import Checkpointer
 from flaxformer_lite.train.config import (
     ConfigError,
@@ -34,7 +34,7 @@ from flaxformer_lite.train.config import (
     is_runtime_key,
 )
 from flaxformer_lite.train.decode_eval import decodable, decode_eval
-from flaxformer_lite.train.metrics import MetricsWriter, plot_run
+from flaxformer_lite.train.metrics import MetricsWriter, peak_flops, plot_run
 from flaxformer_lite.train.optim import make_optimizer
 from flaxformer_lite.train.restore import (
     from_savable,

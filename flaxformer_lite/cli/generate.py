@@ -21,9 +21,17 @@ import pathlib
 import jax
 import numpy as np
 
+from flaxformer_lite.cli.errors import guarded, say
 from flaxformer_lite.data.tokenizers import Tokenizer
 from flaxformer_lite.decode import beam_search, generate, right_pad, seq2seq_generate, until_eos
 from flaxformer_lite.models import DecoderLM, EncoderDecoder
+
+
+def generate_main(argv: list[str] | None = None, prog: str = "flaxformer-lite generate") -> int:
+    """``flaxformer-lite generate`` / ``sample.py``: continue or translate prompts with a run or a
+    Hugging Face checkpoint directory."""
+    args = parser(prog).parse_args(argv)
+    return guarded(lambda: run(args, say=say))
 
 
 def parser(prog: str = "flaxformer-lite generate") -> argparse.ArgumentParser:

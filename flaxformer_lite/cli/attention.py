@@ -1,0 +1,52 @@
+"""``flaxformer-lite attention``: a trained run's attention weights on a text, one PNG per layer
+(:mod:`flaxformer_lite.attention_maps` draws them).
+
+    flaxformer-lite attention --run_dir runs/default --text "12+34=" --out maps
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+
+from flaxformer_lite.cli.errors import guarded, say
+
+
+def attention_parser() -> argparse.ArgumentParser:
+    """The ``attention`` command's flags."""
+    parser = argparse.ArgumentParser(
+        prog="flaxformer-lite attention",
+        description="plot a trained run's attention weights on a text, one PNG per layer "
+        "(a grid of heads; queries on rows, keys on columns)",
+    )
+    parser.add_argument("--run_dir", type=pathlib.Path, required=True, help="a trained run")
+    parser.add_argument("--text", required=True, help="the input (an encoder-decoder's source)")
+    parser.add_argument(
+        "--out", type=pathlib.Path, help="where the PNGs go (default: RUN_DIR/plots/attention)"
+    )
+    parser.add_argument(
+        "--target",
+        help="an encoder-decoder's target text: adds the decoder's self- and cross-attention",
+    )
+    parser.add_argument("--step", type=int, help="the checkpoint (default: the newest)")
+    return parser
+
+
+def attention_main(argv: list[str] | None = None) -> int:
+    """Writes the PNGs and prints their paths."""
+    args = attention_parser().parse_args(argv)
+    return guarded(lambda: _attention(args))
+
+
+def _attention(args) -> int:
+    from flaxformer_lite.attention_maps import write_text_attention_maps
+    from flaxformer_lite.train.restore import load_run
+
+    run = load_run(args.run_dir, step=args.step)
+    out = args.out if args.out is not None else args.run_dir / "plots" / "attention"
+    paths = write_text_attention_maps(
+        run.model, run.tokenizer, args.text, out, target=args.target, note=f"step {run.step}"
+    )
+    for path in paths:
+        say(f"wrote {path}")
+    return 0

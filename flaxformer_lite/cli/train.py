@@ -1,0 +1,70 @@
+"""``python train.py``, ``flaxformer-lite train`` and ``python -m flaxformer_lite.train``: train
+(or resume) the configured run.
+
+    python train.py                                   # the embedded default
+    python train.py --config configs/gpt2_small.yaml train.steps=200 optimizer.lr=3e-4
+
+A user error exits 2 (:mod:`flaxformer_lite.cli.errors`); a run stopped by a non-finite step
+exits 1; SIGTERM/SIGINT save a checkpoint and exit 128 + signal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+from flaxformer_lite.cli.errors import guarded, say
+from flaxformer_lite.train.config import load_config
+
+
+def train_main(argv: list[str] | None = None) -> int:
+    """``train.py``: train (or resume) the configured run."""
+    parser = argparse.ArgumentParser(
+        prog="train.py", description="Train a flaxformer_lite model; re-running resumes."
+    )
+    add_train_arguments(parser)
+    return _train(parser.parse_intermixed_args(argv))
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    """``train.py``'s flags and its ``key=value`` overrides."""
+    parser.add_argument("--config", type=pathlib.Path, help="a YAML preset (see configs/)")
+    parser.add_argument(
+        "--fresh", action="store_true", help="move an existing run directory aside and start over"
+    )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="resume even if the model/optimizer/data config changed",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.steps=200"
+    )
+
+
+def _train(args) -> int:
+    from flaxformer_lite.train.host_memory import reuse_freed_host_memory
+
+    reuse_freed_host_memory()  # before JAX starts its backend's threads
+    import jax
+
+    from flaxformer_lite.train.loop import Interrupted, TrainingError, run
+
+    def train():
+        cfg = load_config(args.config, args.overrides)
+        last = run(cfg, fresh=args.fresh, force=args.force, progress=not args.no_progress, log=say)
+        summary = ", ".join(f"{k} {v:.4g}" for k, v in last.items() if v is not None)
+        if jax.process_index() == 0:  # a multi-process run reports once
+            say(f"done: {cfg.run_dir} ({summary})")
+        return 0
+
+    try:
+        return guarded(train)
+    except TrainingError as error:
+        say(f"error: {error}", stream=sys.stderr)
+        return 1
+    except Interrupted as error:
+        say(str(error), stream=sys.stderr)
+        return 128 + error.signum
