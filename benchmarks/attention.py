@@ -65,11 +65,19 @@ def measure(length, mode, repeats, names):
     return {name: (temp[name], statistics.median(times[name])) for name in names}
 
 
+def parser() -> argparse.ArgumentParser:
+    """The command line of this benchmark (tests/test_readme.py parses the documented commands)."""
+    command_line = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    command_line.add_argument(
+        "--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192]
+    )
+    command_line.add_argument("--repeats", type=int, default=0, help="timing rounds (0: by length)")
+    return command_line
+
+
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
-    parser.add_argument("--repeats", type=int, default=0, help="timing rounds (0: by length)")
-    args = parser.parse_args()
+    command_line = parser()
+    args = command_line.parse_args()
     names = list(IMPLEMENTATIONS)
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.devices()[0].device_kind}")
     print("batch 1, 8 heads, head_dim 64, causal, float32; temp MiB / median ms\n")

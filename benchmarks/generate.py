@@ -330,29 +330,37 @@ def checks(summary: dict) -> list[str]:
     return lines
 
 
-def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--repeats", type=int, default=5, help="timed rounds (median reported)")
-    parser.add_argument("--prompt-length", type=int, default=32)
-    parser.add_argument("--no-hf", action="store_true", help="skip Hugging Face transformers")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--d-model", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--d-ff", type=int, default=0, help="0: 4 * d_model")
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--max-length", type=int, default=1024, help="position table size")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
+def parser() -> argparse.ArgumentParser:
+    """The command line of this benchmark (tests/test_readme.py parses the documented commands)."""
+    command_line = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    command_line.add_argument("--new-tokens", type=int, default=256)
+    command_line.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    command_line.add_argument(
+        "--repeats", type=int, default=5, help="timed rounds (median reported)"
+    )
+    command_line.add_argument("--prompt-length", type=int, default=32)
+    command_line.add_argument("--no-hf", action="store_true", help="skip Hugging Face transformers")
+    command_line.add_argument("--layers", type=int, default=4)
+    command_line.add_argument("--d-model", type=int, default=256)
+    command_line.add_argument("--heads", type=int, default=4)
+    command_line.add_argument("--d-ff", type=int, default=0, help="0: 4 * d_model")
+    command_line.add_argument("--vocab", type=int, default=8192)
+    command_line.add_argument("--max-length", type=int, default=1024, help="position table size")
+    command_line.add_argument("--seed", type=int, default=0)
+    command_line.add_argument(
         "--weight-scale",
         type=float,
         default=3.0,
         help="multiply our random weights (varied greedy tokens)",
     )
-    args = parser.parse_args(argv)
+    return command_line
+
+
+def main(argv=None) -> dict:
+    command_line = parser()
+    args = command_line.parse_args(argv)
     if args.new_tokens < 1 or args.prompt_length < 1 or args.repeats < 1:
-        parser.error("--new-tokens, --prompt-length and --repeats must be positive")
+        command_line.error("--new-tokens, --prompt-length and --repeats must be positive")
 
     summary = run(args)
     model = summary["model"]

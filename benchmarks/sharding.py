@@ -355,27 +355,33 @@ def checks(rows: list[dict]) -> list[str]:
     return lines
 
 
-def main(argv=None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--preset", default="gpt2-small")
-    parser.add_argument("--batch", type=int, default=8, help="global batch (rows)")
-    parser.add_argument("--seq", type=int, default=1024, help="sequence length")
-    parser.add_argument(
+def parser() -> argparse.ArgumentParser:
+    """The command line of this benchmark (tests/test_readme.py parses the documented commands)."""
+    command_line = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    command_line.add_argument("--preset", default="gpt2-small")
+    command_line.add_argument("--batch", type=int, default=8, help="global batch (rows)")
+    command_line.add_argument("--seq", type=int, default=1024, help="sequence length")
+    command_line.add_argument(
         "--layouts", nargs="+", default=LAYOUTS, help="e.g. data=2,tensor=4 or tensor=8,heads=none"
     )
-    parser.add_argument(
+    command_line.add_argument(
         "--vocab-multiple",
         type=int,
         default=64,
         help="pad the vocabulary to a multiple of this (nanoGPT: 50257 -> 50304)",
     )
-    parser.add_argument(
+    command_line.add_argument(
         "--scan-layers",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="override the preset's scan_layers",
     )
-    args = parser.parse_args(argv)
+    return command_line
+
+
+def main(argv=None) -> list[dict]:
+    command_line = parser()
+    args = command_line.parse_args(argv)
 
     devices = jax.devices("cpu")
     if len(devices) < DEVICES:

@@ -393,26 +393,34 @@ def checks(summary: dict, default_size: bool) -> list[str]:
     return lines
 
 
-def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=DEFAULT_SIZE["layers"])
-    parser.add_argument("--d-model", type=int, default=DEFAULT_SIZE["d_model"])
-    parser.add_argument("--heads", type=int, default=DEFAULT_SIZE["heads"])
-    parser.add_argument("--d-ff", type=int, default=0, help="0: 4 * d_model")
-    parser.add_argument("--seq", type=int, default=DEFAULT_SIZE["seq"])
-    parser.add_argument("--batch", type=int, default=DEFAULT_SIZE["batch"])
-    parser.add_argument("--vocab", type=int, default=DEFAULT_SIZE["vocab"])
-    parser.add_argument("--scan-layers", action="store_true", help="model.scan_layers=true")
-    parser.add_argument("--steps", type=int, default=5, help="steps per timed window")
-    parser.add_argument("--windows", type=int, default=7, help="timed windows (median reported)")
-    parser.add_argument("--no-hf", action="store_true", help="skip Hugging Face transformers")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
+def parser() -> argparse.ArgumentParser:
+    """The command line of this benchmark (tests/test_readme.py parses the documented commands)."""
+    command_line = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    command_line.add_argument("--layers", type=int, default=DEFAULT_SIZE["layers"])
+    command_line.add_argument("--d-model", type=int, default=DEFAULT_SIZE["d_model"])
+    command_line.add_argument("--heads", type=int, default=DEFAULT_SIZE["heads"])
+    command_line.add_argument("--d-ff", type=int, default=0, help="0: 4 * d_model")
+    command_line.add_argument("--seq", type=int, default=DEFAULT_SIZE["seq"])
+    command_line.add_argument("--batch", type=int, default=DEFAULT_SIZE["batch"])
+    command_line.add_argument("--vocab", type=int, default=DEFAULT_SIZE["vocab"])
+    command_line.add_argument("--scan-layers", action="store_true", help="model.scan_layers=true")
+    command_line.add_argument("--steps", type=int, default=5, help="steps per timed window")
+    command_line.add_argument(
+        "--windows", type=int, default=7, help="timed windows (median reported)"
+    )
+    command_line.add_argument("--no-hf", action="store_true", help="skip Hugging Face transformers")
+    command_line.add_argument("--seed", type=int, default=0)
+    command_line.add_argument(
         "--train-py", action="store_true", help="also time train.py's loop on the same config"
     )
-    args = parser.parse_args(argv)
+    return command_line
+
+
+def main(argv=None) -> dict:
+    command_line = parser()
+    args = command_line.parse_args(argv)
     if min(args.steps, args.windows) < 1:
-        parser.error("--steps and --windows must be positive")
+        command_line.error("--steps and --windows must be positive")
 
     summary = run(args)
     default_size = all(getattr(args, k) == v for k, v in DEFAULT_SIZE.items()) and not args.d_ff
