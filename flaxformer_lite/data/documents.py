@@ -1,0 +1,96 @@
+"""Tokenized documents, concatenated: the one form every training source reaches before batching.
+
+A corpus of ``N`` documents keeps, per field (``"text"``, or ``"source"`` and ``"target"`` for
+parallel data), all token ids end to end in one flat array and the ``N + 1`` offsets where each
+document starts: document ``i`` is ``tokens[offsets[i]:offsets[i + 1]]``. Arrays are numpy,
+in memory (synthetic tasks) or memory-mapped from a prepared store on disk
+(:mod:`flaxformer_lite.data.store`), so any document or window is a slice, read in O(1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+
+import numpy as np
+
+FIELDS = {"lm": ("text",), "seq2seq": ("source", "target")}
+
+
+@dataclasses.dataclass(frozen=True)
+class Documents:
+    """``N`` tokenized documents.
+
+    Attributes:
+      tokens: field name -> every document's ids end to end, unsigned ints ``[n_tokens]``.
+      offsets: field name -> int64 ``[N + 1]``, ``offsets[0] == 0``, non-decreasing.
+      digests: uint64 ``[N]``, a hash of each document's text: :func:`split_documents` holds out
+        the documents of least digest, so the split depends on content, not on order or seed.
+      labels: int32 ``[N]`` class indices of a classification corpus, else None.
+    """
+
+    tokens: Mapping[str, np.ndarray]
+    offsets: Mapping[str, np.ndarray]
+    digests: np.ndarray
+    labels: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.digests)
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return tuple(self.tokens)
+
+    def document(self, field: str, index: int) -> np.ndarray:
+        """The ids of document ``index`` of ``field``, a view ``[n]``."""
+        start, stop = self.offsets[field][index : index + 2]
+        return self.tokens[field][start:stop]
+
+    def lengths(self, field: str) -> np.ndarray:
+        """int64 ``[N]``: every document's number of ids."""
+        return np.diff(self.offsets[field])
+
+
+def text_digest(texts: Sequence[str]) -> int:
+    """The digest of one document from its field texts (one, or source and target)."""
+    data = "\t".join(texts).encode("utf-8", errors="surrogatepass")
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def from_ids(
+    fields: Mapping[str, Iterable[Sequence[int]]],
+    digests: Sequence[int],
+    labels: Sequence[int] | None = None,
+    dtype: np.dtype | str = np.uint32,
+) -> Documents:
+    """In-memory :class:`Documents` from per-document id lists (one iterable per field)."""
+    tokens, offsets = {}, {}
+    for name, documents in fields.items():
+        documents = [np.asarray(d, dtype) for d in documents]
+        lengths = np.fromiter((len(d) for d in documents), np.int64, len(documents))
+        offsets[name] = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        tokens[name] = np.concatenate(documents) if documents else np.zeros(0, dtype)
+    labels = None if labels is None else np.asarray(labels, np.int32)
+    return Documents(tokens, offsets, np.asarray(digests, np.uint64), labels)
+
+
+def split_documents(
+    digests: np.ndarray, fraction: float, where: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(train ids, validation ids)``, each ascending: the ``round(fraction * N)`` documents of
+    least digest (ties by index) are held out.
+
+    Raises:
+      ValueError: naming ``where`` (the data path) if either part would be empty.
+    """
+    count = round(fraction * len(digests))
+    if not 0 < count < len(digests):
+        raise ValueError(
+            f"{where}: {len(digests)} documents cannot be split by data.validation_fraction="
+            f"{fraction} into non-empty training and validation sets"
+        )
+    order = np.argsort(digests, kind="stable")  # stable: equal digests stay in index order
+    held_out = np.zeros(len(digests), bool)
+    held_out[order[:count]] = True
+    return np.flatnonzero(~held_out), np.flatnonzero(held_out)
