@@ -335,6 +335,7 @@ def test_beams_are_sorted_and_scored_by_their_length_normalized_log_prob(seq2seq
                 saw_eos = True
                 assert (beam[beam.tolist().index(eos_id) + 1 :] == 0).all()
     assert saw_eos
+
     # The best beam is at least as good as the greedy hypothesis. Both are scored by the same
     # full pass: the search's own (cached) score sums in another order, and when the best beam
     # is the greedy hypothesis the two differ in the last bits, by a CPU-dependent sign.

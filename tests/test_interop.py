@@ -171,9 +171,9 @@ def test_llama_load_matches_hf(hf, llama, ids, tmp_path):
     assert check_load(hf, hf_model, tmp_path, ids)[1] == cfg
     hf_config = hf_model.config
     assert (cfg.norm, cfg.positions, cfg.activation) == ("rmsnorm", "rope", "swiglu")
-    assert cfg.kv_heads == hf_config.num_key_value_heads
+    assert cfg.num_kv_heads == hf_config.num_key_value_heads
     assert cfg.tie_embeddings == hf_config.tie_word_embeddings
-    assert cfg.head_size == hf_config.head_dim
+    assert cfg.head_dim == hf_config.head_dim
     if "llama3" in path.name:  # the scaling is read, not dropped
         assert cfg.rope_scaling == ops.RopeScaling.from_dict(LLAMA3) and cfg.rope_base == 5e5
 

@@ -301,7 +301,7 @@ ALL_CHECKS = ("cache", "ragged", "packing")
 def test_decoder_lm_causality_cache_and_packing(preset, overrides, checks):
     cfg = tiny(preset, **overrides)
     if preset == "llama-tiny":
-        assert cfg.kv_heads < cfg.num_heads
+        assert cfg.num_kv_heads < cfg.num_heads
     model = make(cfg)
     x = tokens((B, T))
     full = lm_forward(model, x)

@@ -57,7 +57,7 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     self-attention, whose upper triangle need not be computed. For an encoder-decoder, per target
     token with source and target both ``seq_len`` long.
     """
-    d, hq, hk, dh, f = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_size, cfg.d_ff
+    d, hq, hk, dh, f = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.d_ff
     attention = d * hq * dh * 2 + d * hk * dh * 2  # q and out; k and v
     gated = cfg.activation in ("swiglu", "geglu")
     mlp = d * f * (3 if gated else 2)

@@ -57,9 +57,7 @@ class Encoder(nnx.Module):
             attention_fn=attention_fn,
         )
         self.head = OutputHead(cfg, tokens=tokens, rngs=rngs)
-        common = dict(
-            init=cfg.kernel_init, dtype=cfg.compute_dtype, param_dtype=cfg.storage_dtype, rngs=rngs
-        )
+        common = dict(init=cfg.kernel_init, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
         with_classifier = cfg.num_classes is not None
         self.pooler = (
             Dense(cfg.d_model, cfg.d_model, names=("embed", "embed_out"), **common)

@@ -21,8 +21,8 @@ def make_layer_norm(cfg, rngs: nnx.Rngs):
         cfg.norm,
         cfg.d_model,
         eps=cfg.norm_eps,
-        dtype=cfg.compute_dtype,
-        param_dtype=cfg.storage_dtype,
+        dtype=cfg.dtype,
+        param_dtype=cfg.param_dtype,
         rngs=rngs,
     )
 
@@ -52,8 +52,8 @@ def make_attention(cfg, *, num_layers: int, cross: bool, rngs: nnx.Rngs, attenti
         implementation=cfg.attention_implementation,
         init=cfg.kernel_init,
         out_init=residual_init(cfg, num_layers),
-        dtype=cfg.compute_dtype,
-        param_dtype=cfg.storage_dtype,
+        dtype=cfg.dtype,
+        param_dtype=cfg.param_dtype,
         rngs=rngs,
     )
 
@@ -105,8 +105,8 @@ class TransformerLayer(nnx.Module):
             use_bias=cfg.mlp_bias,
             init=cfg.kernel_init,
             out_init=residual_init(cfg, num_layers),
-            dtype=cfg.compute_dtype,
-            param_dtype=cfg.storage_dtype,
+            dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
             rngs=rngs,
         )
         # A parallel block normalizes once for both branches.

@@ -289,11 +289,13 @@ def _checkpoint_model(path: str, values: Mapping[str, Any]) -> dict[str, Any]:
             f"init_from={path}: fine-tuning supports decoder LMs and "
             f"encoder-decoders, not {cfg.kind!r} models"
         )
-    checkpoint = dataclasses.asdict(cfg)
+    checkpoint, underived = cfg.to_dict(), cfg.to_dict(derived=False)
     for key, value in model.items():
-        # ... and the checkpoint's model values: those are no change.
-        if key not in INIT_FROM_MODEL_KEYS and _plain_json(value) != _plain_json(
-            checkpoint.get(key, _MISSING)
+        # ... and the checkpoint's model values (a derived default as its value or None, as
+        # config.yaml of older runs has it): those are no change.
+        if key not in INIT_FROM_MODEL_KEYS and _plain_json(value) not in (
+            _plain_json(checkpoint.get(key, _MISSING)),
+            _plain_json(underived.get(key, _MISSING)),
         ):
             allowed = ", ".join(f"model.{k}" for k in INIT_FROM_MODEL_KEYS)
             raise ConfigError(
@@ -359,6 +361,8 @@ def _default_dict(field: dataclasses.Field) -> dict[str, Any] | None:
     default = field.default
     if field.default_factory is not dataclasses.MISSING:
         default = field.default_factory()
+    if isinstance(default, ModelConfig):  # derived defaults follow the values laid over them
+        return default.to_dict(derived=False)
     if dataclasses.is_dataclass(default):
         return dataclasses.asdict(default)
     return dict(default) if isinstance(default, Mapping) else None
