@@ -38,7 +38,7 @@ from flaxformer_lite.nn.attention import MultiHeadAttention
 from flaxformer_lite.nn.stack import LayerStack, unstack_layer_state
 
 
-def attention_maps(model, inputs, target=None, *, mask=None, **kwargs):
+def attention_maps(model, inputs, target=None, **kwargs):
     """The attention weights of every layer and head of ``model`` for one batch.
 
     Args:
@@ -47,10 +47,9 @@ def attention_maps(model, inputs, target=None, *, mask=None, **kwargs):
         model's input, the source ``[B, S]`` of an ``EncoderDecoder``.
       target: ``EncoderDecoder`` only: the decoder's input ``[B, T]`` (``<sos>`` + target, as in
         training); without it only the encoder's maps are computed.
-      mask: bool ``[B, T]`` (``[B, S]``), False at padding: ``DecoderLM``'s ``attention_mask``,
-        ``Encoder``'s ``mask``, ``EncoderDecoder``'s ``src_mask``.
-      **kwargs: further keyword arguments of the model call: ``positions``, ``segment_ids``
-        (``DecoderLM``); ``token_types``, ``positions``, ``segment_ids`` (``Encoder.encode``);
+      **kwargs: keyword arguments of the model call: ``padding_mask`` (bool ``[B, T]``, or the
+        source's ``[B, S]``, False at padding); ``positions``, ``segment_ids`` (``DecoderLM``);
+        ``token_types``, ``positions``, ``segment_ids`` (``Encoder.encode``);
         ``src_positions``, ``tgt_positions`` (``EncoderDecoder``).
 
     Returns:
@@ -73,13 +72,11 @@ def attention_maps(model, inputs, target=None, *, mask=None, **kwargs):
     copy.eval()
     records = {name: _recorded_tower(getattr(copy, name)) for name in _TOWERS[type(model)]}
     if isinstance(copy, DecoderLM):
-        copy(inputs, attention_mask=mask, **kwargs)
-    elif isinstance(copy, Encoder):
-        copy.encode(inputs, mask=mask, **kwargs)
-    elif target is None:
-        copy.encode(inputs, src_mask=mask, **kwargs)
+        copy(inputs, **kwargs)
+    elif isinstance(copy, Encoder) or target is None:
+        copy.encode(inputs, **kwargs)
     else:
-        copy(inputs, target, src_mask=mask, **kwargs)
+        copy(inputs, target, **kwargs)
 
     def collect(tower: str, kind: str) -> list[jax.Array]:
         # One entry per layer, or none where the layer was not run (no target).

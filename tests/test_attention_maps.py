@@ -52,11 +52,13 @@ def all_maps(maps):
     return [w for ws in maps.values() for w in ws] if isinstance(maps, dict) else maps
 
 
-def maps_of(preset, mask=None, **overrides):
+def maps_of(preset, padding_mask=None, **overrides):
     model = make(preset, **overrides)
     if isinstance(model, EncoderDecoder):
-        return attention_maps(model, tokens((B, S), seed=1), tokens((B, T)), mask=mask)
-    return attention_maps(model, tokens((B, T)), mask=mask)
+        return attention_maps(
+            model, tokens((B, S), seed=1), tokens((B, T)), padding_mask=padding_mask
+        )
+    return attention_maps(model, tokens((B, T)), padding_mask=padding_mask)
 
 
 # ------------------------------------------------------------------ what the weights are
@@ -95,7 +97,7 @@ def test_causal_self_attention_has_no_weight_above_the_diagonal(preset):
 @pytest.mark.parametrize("preset", ["gpt2-tiny", "bert-tiny", "transformer-tiny"])
 def test_padding_keys_get_zero_weight(preset):
     length = S if preset == "transformer-tiny" else T
-    maps = maps_of(preset, mask=lengths_mask([length, 4], length))
+    maps = maps_of(preset, padding_mask=lengths_mask([length, 4], length))
     padded = maps["encoder"] + maps["cross"] if isinstance(maps, dict) else maps
     for w in padded:
         w = np.asarray(w)
@@ -146,13 +148,13 @@ def test_weights_are_the_ones_the_model_attends_with(preset, overrides):
     model = make(preset, attention_fn=spy, **overrides)
     if isinstance(model, EncoderDecoder):
         maps = attention_maps(
-            model, tokens((B, S), seed=1), tokens((B, T)), mask=lengths_mask([S, 4], S)
+            model, tokens((B, S), seed=1), tokens((B, T)), padding_mask=lengths_mask([S, 4], S)
         )
         # The order the layers run in: encoder layers, then per decoder layer self and cross.
         decoder = [w for pair in zip(maps["decoder"], maps["cross"], strict=True) for w in pair]
         ordered = maps["encoder"] + decoder
     else:
-        ordered = attention_maps(model, tokens((B, T)), mask=lengths_mask([T, 5], T))
+        ordered = attention_maps(model, tokens((B, T)), padding_mask=lengths_mask([T, 5], T))
     assert len(calls) == len(ordered) > 0
     for weights, call in zip(ordered, calls, strict=True):
         expected = naive_weights(

@@ -355,7 +355,7 @@ MARIAN_POSITIONS = r"model\.(encoder|decoder)\.embed_positions\.weight"
 
 @pytest.fixture(scope="module")
 def src_tgt():
-    """``(src [2, 11], tgt [2, 7], src_mask [2, 11])``: int64 ids, the second source padded
+    """``(src [2, 11], tgt [2, 7], padding_mask [2, 11])``: int64 ids, the second source padded
     (pad id 127) after 7 tokens; the mask is bool, False at padding."""
     rng = np.random.default_rng(1)
     src, tgt = rng.integers(0, VOCAB - 1, (2, 11)), rng.integers(0, VOCAB - 1, (2, 7))
@@ -413,10 +413,10 @@ def check_marian_load(hf, hf_model, path, src_tgt):
     model, cfg = load_hf(path)
     src, tgt, mask = src_tgt
     expected = marian_logits(hf, hf_model, src_tgt)
-    logits = model(src, tgt, src_mask=mask)
+    logits = model(src, tgt, padding_mask=mask)
     assert logits.shape == (*tgt.shape, cfg.vocab_size)
     assert max_diff(logits, expected) < TOL
-    as_jax = model(jnp.asarray(src, jnp.int32), jnp.asarray(tgt, jnp.int32), src_mask=mask)
+    as_jax = model(jnp.asarray(src, jnp.int32), jnp.asarray(tgt, jnp.int32), padding_mask=mask)
     assert max_diff(as_jax, logits) == 0.0  # jax ints too
     return model, cfg
 
@@ -473,7 +473,7 @@ def check_marian_save(hf, model, cfg, path, src_tgt):
     assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
     src, tgt, mask = src_tgt
     expected = marian_logits(hf, hf_model.float().eval(), src_tgt)
-    assert max_diff(model(src, tgt, src_mask=mask), expected) < TOL
+    assert max_diff(model(src, tgt, padding_mask=mask), expected) < TOL
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -497,7 +497,7 @@ def test_save_hf_of_our_marian(hf, src_tgt, tmp_path, tied):
     check_marian_save(hf, model, cfg, tmp_path, src_tgt)
     src, tgt, mask = src_tgt
     loaded, _ = load_hf(tmp_path)
-    assert max_diff(loaded(src, tgt, src_mask=mask), model(src, tgt, src_mask=mask)) < TOL
+    assert max_diff(loaded(src, tgt, padding_mask=mask), model(src, tgt, padding_mask=mask)) < TOL
     with pytest.raises(ValueError, match="sinusoidal_layout='interleaved'"):
         save_hf(model, cfg.replace(sinusoidal_layout="interleaved"), tmp_path)
 

@@ -111,40 +111,41 @@ def jit_nodes(fn=None, *, num_nodes=1):
 
 
 @jit_nodes
-def lm_forward(model, inputs, positions=None, segment_ids=None, attention_mask=None):
-    return model(
-        inputs, positions=positions, segment_ids=segment_ids, attention_mask=attention_mask
+def lm_forward(model, inputs, positions=None, segment_ids=None, padding_mask=None):
+    return model(inputs, positions=positions, segment_ids=segment_ids, padding_mask=padding_mask)
+
+
+@jit_nodes
+def lm_decode(model, inputs, positions=None, padding_mask=None):
+    return model(inputs, positions=positions, padding_mask=padding_mask, decode=True)
+
+
+@jit_nodes
+def enc_forward(model, inputs, padding_mask=None):
+    return model(inputs, padding_mask=padding_mask)
+
+
+@jit_nodes
+def enc_classify_and_encode(model, inputs, padding_mask=None):
+    return (
+        model.classify(inputs, padding_mask=padding_mask),
+        model.encode(inputs, padding_mask=padding_mask),
     )
 
 
 @jit_nodes
-def lm_decode(model, inputs, positions=None, attention_mask=None):
-    return model(inputs, positions=positions, attention_mask=attention_mask, decode=True)
+def ed_forward(model, src, tgt, padding_mask=None):
+    return model(src, tgt, padding_mask=padding_mask)
 
 
 @jit_nodes
-def enc_forward(model, inputs, mask=None):
-    return model(inputs, mask=mask)
+def ed_encode(model, src, padding_mask=None):
+    return model.encode(src, padding_mask=padding_mask)
 
 
 @jit_nodes
-def enc_classify_and_encode(model, inputs, mask=None):
-    return model.classify(inputs, mask=mask), model.encode(inputs, mask=mask)
-
-
-@jit_nodes
-def ed_forward(model, src, tgt, src_mask=None):
-    return model(src, tgt, src_mask=src_mask)
-
-
-@jit_nodes
-def ed_encode(model, src, src_mask=None):
-    return model.encode(src, src_mask=src_mask)
-
-
-@jit_nodes
-def ed_decode_step(model, tgt, encoded, src_mask=None):
-    return model.decode(tgt, encoded, src_mask=src_mask, decode=True)
+def ed_decode_step(model, tgt, encoded, padding_mask=None):
+    return model.decode(tgt, encoded, padding_mask=padding_mask, decode=True)
 
 
 def lm_loss(model, toks):
@@ -227,7 +228,7 @@ def check_incremental_decoding(model, x, full, prefix=4):
 
 
 def check_ragged_decoding(model, x, full, prompt_lengths=(5, 2), width=5):
-    """Left-padded prompts with an attention mask and per-row positions, then per-row steps:
+    """Left-padded prompts with a padding mask and per-row positions, then per-row steps:
     each row's logits equal its own unpadded forward pass (``full``, row ``r`` from position 0;
     causality keeps the tokens after a row's end out of its logits)."""
     lengths = np.asarray(prompt_lengths)
