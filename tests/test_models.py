@@ -25,8 +25,13 @@ import pytest
 from flax import nnx
 
 from flaxformer_lite import ops
-from flaxformer_lite.models import Encoder, EncoderDecoder, ModelConfig, build_model
-from flaxformer_lite.nn.layers import TransformerLayer
+from flaxformer_lite.models import (
+    Encoder,
+    EncoderDecoder,
+    ModelConfig,
+    TransformerLayer,
+    build_model,
+)
 from flaxformer_lite.nn.mlp import MLP
 from flaxformer_lite.nn.stack import stack_layer_states
 

@@ -20,12 +20,11 @@ import pytest
 from attention_reference import naive_attention
 from flax import nnx
 
-from flaxformer_lite.models import ModelConfig
+from flaxformer_lite.models import EncoderLayer, ModelConfig
 from flaxformer_lite.nn import (
     MLP,
     Dense,
     Embed,
-    EncoderLayer,
     KernelInit,
     LayerNorm,
     LayerStack,

@@ -9,9 +9,9 @@ from flax import nnx
 
 from flaxformer_lite import ops
 from flaxformer_lite.models.config import ModelConfig, sqrt_d_model
+from flaxformer_lite.models.layers import DecoderLayer, EncoderLayer, make_layer_norm
 from flaxformer_lite.nn.dense import Dense, param
 from flaxformer_lite.nn.embed import Embed
-from flaxformer_lite.nn.layers import DecoderLayer, EncoderLayer, make_layer_norm
 from flaxformer_lite.nn.mlp import nonlinearity_of
 from flaxformer_lite.nn.positions import RelativePositionBias, alibi
 from flaxformer_lite.nn.stack import LayerStack

@@ -89,18 +89,19 @@ class LayerStack(nnx.Module):
     def init_cache(
         self, batch_size: int, max_length: int, *, context_length: int | None = None, dtype=None
     ) -> None:
-        """Allocates every layer's self-attention KV cache of ``max_length`` slots and, with
-        ``context_length``, the cross-attention caches of the context's keys/values."""
+        """Calls every layer's ``init_cache(batch_size, max_length, context_length=...,
+        dtype=..., num_layers=...)``: the layers of a scanned stack are one module whose caches
+        get a leading layer axis of ``num_layers``."""
         layers = [self.layers] if self.scan else list(self.layers)
         num_layers = self.num_layers if self.scan else None
         for layer in layers:
-            layer.self_attention.init_cache(
-                batch_size, max_length, dtype=dtype, num_layers=num_layers
+            layer.init_cache(
+                batch_size,
+                max_length,
+                context_length=context_length,
+                dtype=dtype,
+                num_layers=num_layers,
             )
-            if context_length is not None and layer.cross_attention is not None:
-                layer.cross_attention.init_cache(
-                    batch_size, context_length, dtype=dtype, num_layers=num_layers
-                )
 
 
 def stack_layer_states(layer_states: list) -> nnx.State:
