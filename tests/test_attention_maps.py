@@ -18,7 +18,8 @@ from flaxformer_lite.attention_maps import (
 )
 from flaxformer_lite.data.tokenizers import ByteTokenizer
 from flaxformer_lite.models import EncoderDecoder, ModelConfig, build_model
-from flaxformer_lite.nn.stack import stack_layer_states, unstack_layer_state
+from flaxformer_lite.nn.attention import MultiHeadAttention
+from flaxformer_lite.nn.stack import stack_layer_states
 from flaxformer_lite.train.checkpoint import Checkpointer
 from flaxformer_lite.train.cli import main
 from flaxformer_lite.train.config import load_config
@@ -200,8 +201,14 @@ def copy_loop_into_scan(loop, scanned):
             nnx.update(getattr(scanned, part), nnx.state(getattr(loop, part), nnx.Param))
 
 
+def sow_flags(model):
+    return {m.sow_weights for _, m in nnx.iter_modules(model) if isinstance(m, MultiHeadAttention)}
+
+
 @pytest.mark.parametrize("preset", ["gpt2-tiny", "transformer-tiny"])
 def test_scanned_and_looped_stacks_give_the_same_maps(preset):
+    """A scanned stack sows inside nnx.scan: its maps come out one per layer, equal to those of
+    the loop stack with the same parameters (remat on makes no difference)."""
     overrides = {"positions": "relative"}
     loop = make(preset, **overrides)
     scanned = make(preset, scan_layers=True, remat="full", seed=1, **overrides)
@@ -209,24 +216,29 @@ def test_scanned_and_looped_stacks_give_the_same_maps(preset):
     src, tgt = tokens((B, S), seed=1), tokens((B, T))
     args = (src, tgt) if preset == "transformer-tiny" else (tgt,)
     expected, got = attention_maps(loop, *args), attention_maps(scanned, *args)
+    assert (
+        len(all_maps(got)) == len(all_maps(expected)) == (6 if preset == "transformer-tiny" else 2)
+    )
     for a, b in zip(all_maps(expected), all_maps(got), strict=True):
         np.testing.assert_allclose(b, a, atol=1e-6)
-    # The caller's model is left as it was: still scanned, no hooks.
+    # The caller's model is left as it was: still scanned, remat on, the flag off, nothing sown.
     stack = scanned.decoder.layers
     assert stack.scan and stack.remat == "full"
-    assert stack.layers.self_attention.attention_fn is None
+    assert sow_flags(scanned) == {False} and not nnx.state(scanned, nnx.Intermediate)
 
 
-def test_unstack_layer_state_inverts_stack_layer_states():
-    stacked = nnx.state(make("gpt2-tiny", scan_layers=True).decoder.layers.layers, nnx.Param)
-    layers = [unstack_layer_state(stacked, i) for i in range(2)]
-    kernel = layers[1]["mlp"]["wi"]["kernel"]
-    assert kernel.shape == (64, 256) and kernel.get_metadata()["out_sharding"] == ("embed", "mlp")
-    again = stack_layer_states(layers)
-    jax.tree.map(np.testing.assert_array_equal, again, stacked)
-    assert [v.get_metadata() for _, v in nnx.to_flat_state(again)] == [
-        v.get_metadata() for _, v in nnx.to_flat_state(stacked)
-    ]
+def test_the_flag_off_sows_nothing_and_on_sows_each_call():
+    model = make("llama-tiny")
+    x = tokens((B, T))
+    _, sown = nnx.capture(lambda m: m(x), nnx.Intermediate)(model)
+    assert not jax.tree.leaves(sown)  # the flag is off by default
+    model.set_attributes(sow_weights=True)
+    _, sown = nnx.capture(lambda m: m(x), nnx.Intermediate)(model)
+    model.set_attributes(sow_weights=False)
+    weights = [v.get_value() for _, v in nnx.to_flat_state(sown)]
+    assert len(weights) == 2 and all(len(w) == 1 for w in weights)  # one call, one map a layer
+    for w, expected in zip(weights, attention_maps(model, x), strict=True):
+        np.testing.assert_array_equal(w[0], expected)
 
 
 def test_the_model_is_not_modified_and_jit_works():
@@ -234,11 +246,22 @@ def test_the_model_is_not_modified_and_jit_works():
     x = tokens((B, T))
     before = model(x)
     eager = attention_maps(model, x)
-    assert all(layer.self_attention.attention_fn is None for layer in model.decoder.layers.layers)
+    assert sow_flags(model) == {False} and not nnx.state(model, nnx.Intermediate)
     np.testing.assert_array_equal(model(x), before)
     jitted = nnx.jit(attention_maps)(model, x)
     for a, b in zip(eager, jitted, strict=True):
         np.testing.assert_allclose(b, a, atol=1e-6)
+    # A model in training mode gets its dropout-free maps, and stays in training mode.
+    dropping = make("llama-tiny", attention_dropout=0.5, residual_dropout=0.5)
+    dropping.train()
+    counts = jax.tree.map(np.asarray, nnx.state(dropping, nnx.RngCount))
+    in_training = attention_maps(dropping, x)
+    modes = {m.deterministic for _, m in nnx.iter_modules(dropping) if hasattr(m, "deterministic")}
+    assert modes == {False}
+    jax.tree.map(np.testing.assert_array_equal, nnx.state(dropping, nnx.RngCount), counts)
+    dropping.eval()
+    for a, b in zip(attention_maps(dropping, x), in_training, strict=True):
+        np.testing.assert_array_equal(b, a)
 
 
 def test_encoder_decoder_without_target_gives_the_encoder_only():

@@ -50,6 +50,10 @@ class MultiHeadAttention(nnx.Module):
       implementation: passed to the default ``attention_fn`` (None = chosen per input).
       init, out_init: initializers of the input and output projections.
       dtype, param_dtype: compute and storage dtypes.
+      sow_weights: at every call, sow the attention weights ``[B, H, T, S]`` (float32, those
+        of ``ops.attention_weights``) as the ``nnx.Intermediate`` ``attention_weights``, for
+        ``nnx.capture`` to collect. An attribute: ``model.set_attributes(sow_weights=True)``
+        switches it on in a built model (``flaxformer_lite.attention_maps`` does).
     """
 
     def __init__(
@@ -72,6 +76,7 @@ class MultiHeadAttention(nnx.Module):
         out_init: KernelInit | None = None,
         dtype=jnp.float32,
         param_dtype=jnp.float32,
+        sow_weights: bool = False,
         rngs: nnx.Rngs,
     ):
         num_kv_heads = num_kv_heads or num_heads
@@ -130,7 +135,7 @@ class MultiHeadAttention(nnx.Module):
             **{**common, "init": out_init or init},
         )
         self.dropout_rngs = rngs["dropout"].fork() if dropout_rate > 0 else None
-        self.deterministic = False
+        self.deterministic, self.sow_weights = False, sow_weights
         # nnx.Cache arrays after init_cache.
         self.cached_key = nnx.data(None)
         self.cached_value = nnx.data(None)
@@ -212,6 +217,9 @@ class MultiHeadAttention(nnx.Module):
                 mask = causal if mask is None else ops.combine_masks(mask, causal)
                 is_causal = False
 
+        if self.sow_weights:
+            weights = ops.attention_weights(q, k, bias, mask, is_causal=is_causal)
+            self.sow(nnx.Intermediate, "attention_weights", weights)
         dropout_rate = 0.0 if self.deterministic else self.dropout_rate
         dropout = dict(
             dropout_rate=dropout_rate,

@@ -117,15 +117,3 @@ def stack_layer_states(layer_states: list) -> nnx.State:
         if names:
             variable.set_metadata("out_sharding", ("layers", *names))
     return stacked
-
-
-def unstack_layer_state(stacked: nnx.State, index: int) -> nnx.State:
-    """Layer ``index`` of the state of a scanned stack (its leading ``"layers"`` axis sliced off
-    the arrays and the logical axis names): the inverse of
-    :func:`stack_layer_states`."""
-    layer = jax.tree.map(lambda x: x[index], stacked)  # new Variables: ``stacked`` is untouched
-    for _, variable in nnx.to_flat_state(layer):
-        names = variable.get_metadata().get("out_sharding")
-        if names and names[0] == "layers":
-            variable.set_metadata("out_sharding", tuple(names[1:]))
-    return layer
