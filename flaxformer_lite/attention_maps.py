@@ -104,7 +104,7 @@ def _switched(model, **attributes):
 
 
 def _layer_maps(model, sown: nnx.State, tower: str, attention: str) -> list[jax.Array]:
-    """The ``[B, H, Tq, Tk]`` weights that ``attention`` (``self_attention`` or
+    """The ``[B, H, T, S]`` weights that ``attention`` (``self_attention`` or
     ``cross_attention``) sowed in each layer of ``tower``; none where it did not run."""
     stack = getattr(model, tower).layers
     layers = sown.get(tower, {}).get("layers", {}).get("layers", {})
@@ -183,9 +183,9 @@ def plot_attention_maps(
     """Writes a PNG of one layer's attention: a grid of heatmaps, one per head.
 
     Args:
-      weights: ``[H, Tq, Tk]`` weights of one example (``attention_maps(...)[layer][b]``).
-      row_tokens: ``Tq`` labels of the queries (rows, y axis).
-      col_tokens: ``Tk`` labels of the keys (columns, x axis).
+      weights: ``[H, T, S]`` weights of one example (``attention_maps(...)[layer][b]``).
+      row_tokens: ``T`` labels of the queries (rows, y axis).
+      col_tokens: ``S`` labels of the keys (columns, x axis).
       path: the PNG to write (parent directories are created).
       title: a title above the grid.
 
@@ -193,7 +193,7 @@ def plot_attention_maps(
       ``path``.
 
     Raises:
-      ValueError: ``weights`` is not ``[H, Tq, Tk]`` or the label counts do not match.
+      ValueError: ``weights`` is not ``[H, T, S]`` or the label counts do not match.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure

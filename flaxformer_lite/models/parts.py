@@ -30,7 +30,7 @@ def token_embedding(cfg: ModelConfig, rngs: nnx.Rngs) -> Embed:
 
 
 def key_mask(valid: jax.Array | None) -> jax.Array | None:
-    """``[B, Tk]`` bool (True = real key) -> an attention mask ``[B, 1, 1, Tk]``."""
+    """``[B, S]`` bool (True = real key) -> an attention mask ``[B, 1, 1, S]``."""
     if valid is None:
         return None
     valid = jnp.asarray(valid)
@@ -51,7 +51,7 @@ class InputEmbedding(nnx.Module):
     Args:
       cfg: the model configuration.
       tokens: the token table, for token inputs.
-      input_dim: the feature count F, for continuous inputs (instead of ``tokens``).
+      input_dim: the feature count of continuous inputs (instead of ``tokens``).
     """
 
     def __init__(

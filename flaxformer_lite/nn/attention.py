@@ -144,12 +144,11 @@ class MultiHeadAttention(nnx.Module):
         """Allocates an empty KV cache ``[B, Hk, max_length, Dh]`` for incremental decoding.
 
         Heads come before positions so that the attention's batched matmuls (batch ``B, Hk``)
-        read the cache as it lies; in the ``[B, S, Hk, Dh]`` layout of the keys XLA copied the
-        whole cache into that order at every step (measured: 6.0 -> 4.6 ms per generated token
-        at batch 8 in benchmarks/generate.py). For cross-attention ``max_length`` is the
-        context length S: the first decoding call with a context stores its keys/values, later
-        calls without one reuse them. ``num_layers`` prefixes a layer axis, for the stacked
-        attention of scanned layers.
+        read the cache as it lies; in the ``[B, S, Hk, Dh]`` layout of the keys XLA would copy
+        the whole cache into that order at every step. For cross-attention ``max_length`` is
+        the context length S: the first decoding call with a context stores its keys/values,
+        later calls without one reuse them. ``num_layers`` prefixes a layer axis, for the
+        stacked attention of scanned layers.
         """
         shape = (batch_size, self.num_kv_heads, max_length, self.head_dim)
         if num_layers is not None:
@@ -172,7 +171,7 @@ class MultiHeadAttention(nnx.Module):
 
         Args:
           x: ``[B, T, D]`` queries (and keys/values for self-attention).
-          context: ``[B, S, Dc]`` keys/values for cross-attention.
+          context: ``[B, S, context_features]`` keys/values for cross-attention.
           mask: bool, broadcastable to ``[B, H, T, S]`` (``S`` = the cache length when decoding).
           bias: float, broadcastable to the same logits shape (relative positions, ALiBi).
           positions: ``[T]`` or ``[B, T]`` positions of ``x`` for RoPE (default ``arange(T)``, or
