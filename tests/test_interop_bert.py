@@ -17,16 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from hf_checkpoints import randomize
+from hf_checkpoints import TOL, VOCAB, edit_config, max_diff, randomize
 from safetensors.numpy import load_file, save_file
 
 from flaxformer_lite.interop import SUPPORTED, bert, hf_arguments, load_hf, save_hf
 from flaxformer_lite.models import ModelConfig, build_model
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
-
-TOL = 1e-4  # float32, absolute
-VOCAB = 128
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +53,6 @@ def call(method, inputs, to=np.asarray):
     return method(**hf_arguments(**{k: to(inputs[k]) for k in INPUT_NAMES}))
 
 
-def max_diff(a, b):
-    return float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
-
-
 def logit_diff(ours, theirs, inputs):
     """The largest difference, over the real tokens for masked-LM logits ``[B, T, V]``, over
     all for class logits ``[B, C]``."""
@@ -69,12 +62,6 @@ def logit_diff(ours, theirs, inputs):
         real = inputs["attention_mask"] == 1
         ours, theirs = ours[real], theirs[real]
     return max_diff(ours, theirs)
-
-
-def edit_config(path, **changes):
-    config = json.loads((path / "config.json").read_text())
-    config.update(changes)
-    (path / "config.json").write_text(json.dumps(config))
 
 
 # --------------------------------------------------------------------------- HF checkpoints
