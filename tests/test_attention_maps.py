@@ -31,6 +31,9 @@ B, T, S = 2, 7, 9
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# Maps of one model from two programs (scan and loop, eager and jit), which may sum in other
+# orders: weights in [0, 1] agree to float32 round-off of the logits behind them.
+MAPS_ATOL = 1e-5
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -220,7 +223,7 @@ def test_scanned_and_looped_stacks_give_the_same_maps(preset):
         len(all_maps(got)) == len(all_maps(expected)) == (6 if preset == "transformer-tiny" else 2)
     )
     for a, b in zip(all_maps(expected), all_maps(got), strict=True):
-        np.testing.assert_allclose(b, a, atol=1e-6)
+        np.testing.assert_allclose(b, a, atol=MAPS_ATOL)
     # The caller's model is left as it was: still scanned, remat on, the flag off, nothing sown.
     stack = scanned.decoder.layers
     assert stack.scan and stack.remat == "full"
@@ -250,7 +253,7 @@ def test_the_model_is_not_modified_and_jit_works():
     np.testing.assert_array_equal(model(x), before)
     jitted = nnx.jit(attention_maps)(model, x)
     for a, b in zip(eager, jitted, strict=True):
-        np.testing.assert_allclose(b, a, atol=1e-6)
+        np.testing.assert_allclose(b, a, atol=MAPS_ATOL)
     # A model in training mode gets its dropout-free maps, and stays in training mode.
     dropping = make("llama-tiny", attention_dropout=0.5, residual_dropout=0.5)
     dropping.train()

@@ -197,12 +197,14 @@ def test_remat_changes_nothing():
     }
     logits, loss, grads = results["none"]
     assert max(np.abs(g).max() for g in jax.tree.leaves(grads)) > 0
+    # Remat recomputes the forward pass inside the backward one: another program, which may sum
+    # in another order, so the values agree to float32 round-off (assert_close's default).
     for remat in ("full", "dots_saveable"):
         other_logits, other_loss, other_grads = results[remat]
-        assert_close(other_logits, logits, atol=1e-6)
-        assert_close(other_loss, loss, atol=1e-6)
+        assert_close(other_logits, logits)
+        assert_close(other_loss, loss)
         assert jax.tree.structure(other_grads) == jax.tree.structure(grads)
-        jax.tree.map(lambda a, b: assert_close(a, b, atol=1e-6), other_grads, grads)
+        jax.tree.map(assert_close, other_grads, grads)
 
 
 # ------------------------------------------------------------------ bf16
