@@ -5,24 +5,22 @@ heatmaps of them.
     maps = attention_maps(model, src, tgt)           # {"encoder", "decoder", "cross"} lists
     plot_attention_maps(maps[0][0], labels, labels, "layer0.png")
 
-The weights are the ones the model uses, not a re-implementation of it: on a copy of the model
-every ``MultiHeadAttention`` gets an ``attention_fn`` that passes the ``q, k, bias, mask,
-is_causal`` it receives (queries and keys from the layer's own projections, after RoPE; the
-padding, causal and segment masks and the relative / ALiBi biases the model builds) to
-``ops.attention_weights``, keeps the result, and returns the output of the module's own
-attention function, so every later layer sees exactly what it sees in the model.
+The weights are the ones the model uses, not a re-implementation of it: every
+``MultiHeadAttention`` has a ``sow_weights`` flag, and with it on the module sows
+``ops.attention_weights`` of the very ``q, k, bias, mask, is_causal`` it attends with (queries
+and keys from its own projections, after RoPE; the padding, causal and segment masks and the
+relative / ALiBi biases the model builds). :func:`attention_maps` switches the flag on and
+dropout off, runs the model under ``nnx.capture``, and switches both back: the model is neither
+copied nor rewired. A scanned layer stack (``scan_layers=True``) sows inside ``nnx.scan``, which
+stacks what its layers sow along the scan axis: one map per layer, as from a loop stack.
 
-A scanned layer stack (``scan_layers=True``) runs inside ``nnx.scan``, where kept values would be
-tracers of the scan; the copy's stack is unrolled instead, one layer per slice of the stacked
-parameters (the inverse of ``nn.stack.stack_layer_states``). Remat is switched off on the copy:
-it changes memory and time, never values. Dropout is off (``eval()``).
-
-The weights are those of ``ops.dot_product_attention`` (the default ``attention_fn``): a model
-built with another ``attention_fn`` still runs it, but its weights are not known here.
+The weights follow ``ops.dot_product_attention``'s formula: a model built with another
+``attention_fn`` still runs it, and its maps are the softmax of the same queries and keys.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import pathlib
 from collections.abc import Sequence
@@ -31,26 +29,22 @@ import jax
 import numpy as np
 from flax import nnx
 
-from flaxformer_lite import ops
 from flaxformer_lite.data.tokenizers import NUM_SPECIAL
 from flaxformer_lite.models import DecoderLM, Encoder, EncoderDecoder
-from flaxformer_lite.nn.attention import MultiHeadAttention
-from flaxformer_lite.nn.stack import LayerStack, unstack_layer_state
 
 
-def attention_maps(model, inputs, target=None, *, mask=None, **kwargs):
+def attention_maps(model, inputs, target=None, **kwargs):
     """The attention weights of every layer and head of ``model`` for one batch.
 
     Args:
-      model: a ``DecoderLM``, ``Encoder`` or ``EncoderDecoder``; it is not modified.
+      model: a ``DecoderLM``, ``Encoder`` or ``EncoderDecoder``; it is left as it was.
       inputs: int ``[B, T]`` tokens (float ``[B, T, input_dim]`` for continuous inputs): the
         model's input, the source ``[B, S]`` of an ``EncoderDecoder``.
       target: ``EncoderDecoder`` only: the decoder's input ``[B, T]`` (``<sos>`` + target, as in
         training); without it only the encoder's maps are computed.
-      mask: bool ``[B, T]`` (``[B, S]``), False at padding: ``DecoderLM``'s ``attention_mask``,
-        ``Encoder``'s ``mask``, ``EncoderDecoder``'s ``src_mask``.
-      **kwargs: further keyword arguments of the model call: ``positions``, ``segment_ids``
-        (``DecoderLM``); ``token_types``, ``positions``, ``segment_ids`` (``Encoder.encode``);
+      **kwargs: keyword arguments of the model call: ``padding_mask`` (bool ``[B, T]``, or the
+        source's ``[B, S]``, False at padding); ``positions``, ``segment_ids`` (``DecoderLM``);
+        ``token_types``, ``positions``, ``segment_ids`` (``Encoder.encode``);
         ``src_positions``, ``tgt_positions`` (``EncoderDecoder``).
 
     Returns:
@@ -69,76 +63,60 @@ def attention_maps(model, inputs, target=None, *, mask=None, **kwargs):
         )
     if target is not None and not isinstance(model, EncoderDecoder):
         raise ValueError(f"target is for an EncoderDecoder; this is a {type(model).__name__}")
-    copy = nnx.clone(model)  # new modules and Variables (sharing the arrays): safe to rewire
-    copy.eval()
-    records = {name: _recorded_tower(getattr(copy, name)) for name in _TOWERS[type(model)]}
-    if isinstance(copy, DecoderLM):
-        copy(inputs, attention_mask=mask, **kwargs)
-    elif isinstance(copy, Encoder):
-        copy.encode(inputs, mask=mask, **kwargs)
-    elif target is None:
-        copy.encode(inputs, src_mask=mask, **kwargs)
-    else:
-        copy(inputs, target, src_mask=mask, **kwargs)
-
-    def collect(tower: str, kind: str) -> list[jax.Array]:
-        # One entry per layer, or none where the layer was not run (no target).
-        return [layer[kind][0] for layer in records[tower] if layer[kind]]
-
+    with _switched(model, sow_weights=True, deterministic=True):
+        _, sown = nnx.capture(_forward, nnx.Intermediate)(model, inputs, target, kwargs)
     if isinstance(model, EncoderDecoder):
         return {
-            "encoder": collect("encoder", "self"),
-            "decoder": collect("decoder", "self"),
-            "cross": collect("decoder", "cross"),
+            "encoder": _layer_maps(model, sown, "encoder", "self_attention"),
+            "decoder": _layer_maps(model, sown, "decoder", "self_attention"),
+            "cross": _layer_maps(model, sown, "decoder", "cross_attention"),
         }
-    return collect(_TOWERS[type(model)][0], "self")
+    tower = "decoder" if isinstance(model, DecoderLM) else "encoder"
+    return _layer_maps(model, sown, tower, "self_attention")
 
 
-_TOWERS = {DecoderLM: ("decoder",), Encoder: ("encoder",), EncoderDecoder: ("encoder", "decoder")}
+def _forward(model, inputs, target, kwargs) -> None:
+    """The model's forward pass on one batch: both towers of an ``EncoderDecoder`` with a
+    target, the encoder alone without."""
+    if isinstance(model, DecoderLM):
+        model(inputs, **kwargs)
+    elif target is None:
+        model.encode(inputs, **kwargs)
+    else:
+        model(inputs, target, **kwargs)
 
 
-def _recorded_tower(tower) -> list[dict[str, list[jax.Array]]]:
-    """Rewires the attention of every layer of ``tower`` (a copy) to record its weights.
-
-    Returns, per layer, ``{"self": [], "cross": []}`` lists that the forward pass fills.
-    """
-    stack: LayerStack = tower.layers
-    if stack.scan:
-        graphdef, stacked = nnx.split(stack.layers)
-        stack.layers = nnx.List(
-            [nnx.merge(graphdef, unstack_layer_state(stacked, i)) for i in range(stack.num_layers)]
-        )
-        stack.scan = False
-    stack.remat = "none"  # nnx.remat would trace the layer too
-    records = []
-    for layer in stack.layers:
-        record = {"self": [], "cross": []}
-        layer.self_attention.attention_fn = _recording_attention(
-            layer.self_attention, record["self"]
-        )
-        if layer.cross_attention is not None:
-            layer.cross_attention.attention_fn = _recording_attention(
-                layer.cross_attention, record["cross"]
-            )
-        records.append(record)
-    return records
+@contextlib.contextmanager
+def _switched(model, **attributes):
+    """Sets ``attributes`` on every submodule of ``model`` that has them, and restores each
+    module's own values on exit."""
+    before = [
+        (module, {name: getattr(module, name) for name in attributes if hasattr(module, name)})
+        for _, module in nnx.iter_modules(model)
+    ]
+    model.set_attributes(**attributes, raise_if_not_found=False)
+    try:
+        yield
+    finally:
+        for module, values in before:
+            for name, value in values.items():
+                setattr(module, name, value)
 
 
-def _recording_attention(module: MultiHeadAttention, sink: list):
-    """An ``attention_fn`` for ``module`` that appends ``[B, H, Tq, Tk]`` weights to ``sink`` and
-    returns what the module's own attention function returns."""
-    inner, implementation = module.attention_fn, module.implementation
-
-    def attention_fn(q, k, v, bias, mask, *, is_causal, dropout_rate, dropout_rng):
-        sink.append(ops.attention_weights(q, k, bias, mask, is_causal=is_causal))
-        dropout = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng)
-        if inner is None:
-            return ops.dot_product_attention(
-                q, k, v, bias, mask, is_causal=is_causal, implementation=implementation, **dropout
-            )
-        return inner(q, k, v, bias, mask, is_causal=is_causal, **dropout)
-
-    return attention_fn
+def _layer_maps(model, sown: nnx.State, tower: str, attention: str) -> list[jax.Array]:
+    """The ``[B, H, T, S]`` weights that ``attention`` (``self_attention`` or
+    ``cross_attention``) sowed in each layer of ``tower``; none where it did not run."""
+    stack = getattr(model, tower).layers
+    layers = sown.get(tower, {}).get("layers", {}).get("layers", {})
+    if stack.scan:  # one module in nnx.scan: its sown weights have a leading layer axis
+        found = layers.get(attention, {}).get("attention_weights")
+        return [] if found is None else list(found.get_value()[0])
+    maps = []
+    for i in range(stack.num_layers):
+        found = layers.get(i, {}).get(attention, {}).get("attention_weights")
+        if found is not None:
+            maps.append(found.get_value()[0])
+    return maps
 
 
 # ------------------------------------------------------------------------------ text and plots
@@ -205,9 +183,9 @@ def plot_attention_maps(
     """Writes a PNG of one layer's attention: a grid of heatmaps, one per head.
 
     Args:
-      weights: ``[H, Tq, Tk]`` weights of one example (``attention_maps(...)[layer][b]``).
-      row_tokens: ``Tq`` labels of the queries (rows, y axis).
-      col_tokens: ``Tk`` labels of the keys (columns, x axis).
+      weights: ``[H, T, S]`` weights of one example (``attention_maps(...)[layer][b]``).
+      row_tokens: ``T`` labels of the queries (rows, y axis).
+      col_tokens: ``S`` labels of the keys (columns, x axis).
       path: the PNG to write (parent directories are created).
       title: a title above the grid.
 
@@ -215,7 +193,7 @@ def plot_attention_maps(
       ``path``.
 
     Raises:
-      ValueError: ``weights`` is not ``[H, Tq, Tk]`` or the label counts do not match.
+      ValueError: ``weights`` is not ``[H, T, S]`` or the label counts do not match.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure

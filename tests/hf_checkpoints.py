@@ -2,12 +2,18 @@
 Llama and Marian models saved with ``save_pretrained``, next to tokenizers trained on
 :data:`CORPUS` with ``tokenizers`` / ``sentencepiece`` and saved as ``transformers`` saves them.
 
-Shared by ``test_interop_tokenizer.py`` and ``test_init_from.py``; needs ``transformers``,
-``torch``, ``tokenizers`` (and ``sentencepiece`` for Marian).
+Shared by the ``test_interop*.py`` files and ``test_init_from.py``, with the comparison and
+config edits of the interop tests; the directories need ``transformers``, ``torch``,
+``tokenizers`` (and ``sentencepiece`` for Marian).
 """
 
 import io
 import json
+
+import numpy as np
+
+TOL = 1e-4  # float32 logits against transformers', absolute
+VOCAB = 128  # of the random tiny models of the interop tests
 
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",
@@ -20,6 +26,17 @@ CORPUS = [
     "better late than never, they say",
 ] * 4
 EOT = "<|endoftext|>"
+
+
+def max_diff(a, b) -> float:
+    return float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
+
+
+def edit_config(path, **changes) -> None:
+    """Sets ``changes`` in the ``config.json`` of the checkpoint directory ``path``."""
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    (path / "config.json").write_text(json.dumps(config))
 
 
 def randomize(torch, model, seed=0):

@@ -19,7 +19,8 @@ from flaxformer_lite.attention_maps import (
 from flaxformer_lite.cli import main
 from flaxformer_lite.data.tokenizers import ByteTokenizer
 from flaxformer_lite.models import EncoderDecoder, ModelConfig, build_model
-from flaxformer_lite.nn.stack import stack_layer_states, unstack_layer_state
+from flaxformer_lite.nn.attention import MultiHeadAttention
+from flaxformer_lite.nn.stack import stack_layer_states
 from flaxformer_lite.train.checkpoint import Checkpointer
 from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.loop import run
@@ -30,6 +31,9 @@ B, T, S = 2, 7, 9
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# Maps of one model from two programs (scan and loop, eager and jit), which may sum in other
+# orders: weights in [0, 1] agree to float32 round-off of the logits behind them.
+MAPS_ATOL = 1e-5
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -52,11 +56,13 @@ def all_maps(maps):
     return [w for ws in maps.values() for w in ws] if isinstance(maps, dict) else maps
 
 
-def maps_of(preset, mask=None, **overrides):
+def maps_of(preset, padding_mask=None, **overrides):
     model = make(preset, **overrides)
     if isinstance(model, EncoderDecoder):
-        return attention_maps(model, tokens((B, S), seed=1), tokens((B, T)), mask=mask)
-    return attention_maps(model, tokens((B, T)), mask=mask)
+        return attention_maps(
+            model, tokens((B, S), seed=1), tokens((B, T)), padding_mask=padding_mask
+        )
+    return attention_maps(model, tokens((B, T)), padding_mask=padding_mask)
 
 
 # ------------------------------------------------------------------ what the weights are
@@ -95,7 +101,7 @@ def test_causal_self_attention_has_no_weight_above_the_diagonal(preset):
 @pytest.mark.parametrize("preset", ["gpt2-tiny", "bert-tiny", "transformer-tiny"])
 def test_padding_keys_get_zero_weight(preset):
     length = S if preset == "transformer-tiny" else T
-    maps = maps_of(preset, mask=lengths_mask([length, 4], length))
+    maps = maps_of(preset, padding_mask=lengths_mask([length, 4], length))
     padded = maps["encoder"] + maps["cross"] if isinstance(maps, dict) else maps
     for w in padded:
         w = np.asarray(w)
@@ -146,13 +152,13 @@ def test_weights_are_the_ones_the_model_attends_with(preset, overrides):
     model = make(preset, attention_fn=spy, **overrides)
     if isinstance(model, EncoderDecoder):
         maps = attention_maps(
-            model, tokens((B, S), seed=1), tokens((B, T)), mask=lengths_mask([S, 4], S)
+            model, tokens((B, S), seed=1), tokens((B, T)), padding_mask=lengths_mask([S, 4], S)
         )
         # The order the layers run in: encoder layers, then per decoder layer self and cross.
         decoder = [w for pair in zip(maps["decoder"], maps["cross"], strict=True) for w in pair]
         ordered = maps["encoder"] + decoder
     else:
-        ordered = attention_maps(model, tokens((B, T)), mask=lengths_mask([T, 5], T))
+        ordered = attention_maps(model, tokens((B, T)), padding_mask=lengths_mask([T, 5], T))
     assert len(calls) == len(ordered) > 0
     for weights, call in zip(ordered, calls, strict=True):
         expected = naive_weights(
@@ -198,8 +204,14 @@ def copy_loop_into_scan(loop, scanned):
             nnx.update(getattr(scanned, part), nnx.state(getattr(loop, part), nnx.Param))
 
 
+def sow_flags(model):
+    return {m.sow_weights for _, m in nnx.iter_modules(model) if isinstance(m, MultiHeadAttention)}
+
+
 @pytest.mark.parametrize("preset", ["gpt2-tiny", "transformer-tiny"])
 def test_scanned_and_looped_stacks_give_the_same_maps(preset):
+    """A scanned stack sows inside nnx.scan: its maps come out one per layer, equal to those of
+    the loop stack with the same parameters (remat on makes no difference)."""
     overrides = {"positions": "relative"}
     loop = make(preset, **overrides)
     scanned = make(preset, scan_layers=True, remat="full", seed=1, **overrides)
@@ -207,24 +219,29 @@ def test_scanned_and_looped_stacks_give_the_same_maps(preset):
     src, tgt = tokens((B, S), seed=1), tokens((B, T))
     args = (src, tgt) if preset == "transformer-tiny" else (tgt,)
     expected, got = attention_maps(loop, *args), attention_maps(scanned, *args)
+    assert (
+        len(all_maps(got)) == len(all_maps(expected)) == (6 if preset == "transformer-tiny" else 2)
+    )
     for a, b in zip(all_maps(expected), all_maps(got), strict=True):
-        np.testing.assert_allclose(b, a, atol=1e-6)
-    # The caller's model is left as it was: still scanned, no hooks.
+        np.testing.assert_allclose(b, a, atol=MAPS_ATOL)
+    # The caller's model is left as it was: still scanned, remat on, the flag off, nothing sown.
     stack = scanned.decoder.layers
     assert stack.scan and stack.remat == "full"
-    assert stack.layers.self_attention.attention_fn is None
+    assert sow_flags(scanned) == {False} and not nnx.state(scanned, nnx.Intermediate)
 
 
-def test_unstack_layer_state_inverts_stack_layer_states():
-    stacked = nnx.state(make("gpt2-tiny", scan_layers=True).decoder.layers.layers, nnx.Param)
-    layers = [unstack_layer_state(stacked, i) for i in range(2)]
-    kernel = layers[1]["mlp"]["wi"]["kernel"]
-    assert kernel.shape == (64, 256) and kernel.get_metadata()["out_sharding"] == ("embed", "mlp")
-    again = stack_layer_states(layers)
-    jax.tree.map(np.testing.assert_array_equal, again, stacked)
-    assert [v.get_metadata() for _, v in nnx.to_flat_state(again)] == [
-        v.get_metadata() for _, v in nnx.to_flat_state(stacked)
-    ]
+def test_the_flag_off_sows_nothing_and_on_sows_each_call():
+    model = make("llama-tiny")
+    x = tokens((B, T))
+    _, sown = nnx.capture(lambda m: m(x), nnx.Intermediate)(model)
+    assert not jax.tree.leaves(sown)  # the flag is off by default
+    model.set_attributes(sow_weights=True)
+    _, sown = nnx.capture(lambda m: m(x), nnx.Intermediate)(model)
+    model.set_attributes(sow_weights=False)
+    weights = [v.get_value() for _, v in nnx.to_flat_state(sown)]
+    assert len(weights) == 2 and all(len(w) == 1 for w in weights)  # one call, one map a layer
+    for w, expected in zip(weights, attention_maps(model, x), strict=True):
+        np.testing.assert_array_equal(w[0], expected)
 
 
 def test_the_model_is_not_modified_and_jit_works():
@@ -232,11 +249,22 @@ def test_the_model_is_not_modified_and_jit_works():
     x = tokens((B, T))
     before = model(x)
     eager = attention_maps(model, x)
-    assert all(layer.self_attention.attention_fn is None for layer in model.decoder.layers.layers)
+    assert sow_flags(model) == {False} and not nnx.state(model, nnx.Intermediate)
     np.testing.assert_array_equal(model(x), before)
     jitted = nnx.jit(attention_maps)(model, x)
     for a, b in zip(eager, jitted, strict=True):
-        np.testing.assert_allclose(b, a, atol=1e-6)
+        np.testing.assert_allclose(b, a, atol=MAPS_ATOL)
+    # A model in training mode gets its dropout-free maps, and stays in training mode.
+    dropping = make("llama-tiny", attention_dropout=0.5, residual_dropout=0.5)
+    dropping.train()
+    counts = jax.tree.map(np.asarray, nnx.state(dropping, nnx.RngCount))
+    in_training = attention_maps(dropping, x)
+    modes = {m.deterministic for _, m in nnx.iter_modules(dropping) if hasattr(m, "deterministic")}
+    assert modes == {False}
+    jax.tree.map(np.testing.assert_array_equal, nnx.state(dropping, nnx.RngCount), counts)
+    dropping.eval()
+    for a, b in zip(attention_maps(dropping, x), in_training, strict=True):
+        np.testing.assert_array_equal(b, a)
 
 
 def test_encoder_decoder_without_target_gives_the_encoder_only():

@@ -5,6 +5,7 @@ loss falls, a resumed run continues from its checkpoint (not from the checkpoint
 fine-tuned run generates, and bad settings exit 2 naming the key."""
 
 import json
+import re
 import shutil
 
 import hf_checkpoints
@@ -156,6 +157,10 @@ def test_the_run_config_yaml_loads_back(finetuned, tmp_path):
     saved = finetuned[0] / "run" / "config.yaml"
     cfg = load_config(saved, ["train.steps=3"])
     assert cfg.model == load_config(None, finetuned[1]).model and cfg.train.steps == 3
+    older = tmp_path / "older.yaml"  # as runs before derived values were resolved wrote it
+    older.write_text(re.sub(r"(num_kv_heads|head_dim): \d+", r"\1: null", saved.read_text()))
+    assert "num_kv_heads: null" in older.read_text()
+    assert load_config(older, []).model == cfg.model
     changed = tmp_path / "changed.yaml"
     changed.write_text(saved.read_text().replace("num_heads: 2", "num_heads: 4"))
     with pytest.raises(ConfigError, match=r"model\.num_heads cannot be set with init_from"):

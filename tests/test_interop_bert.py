@@ -17,16 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from hf_checkpoints import randomize
+from hf_checkpoints import TOL, VOCAB, edit_config, max_diff, randomize
 from safetensors.numpy import load_file, save_file
 
-from flaxformer_lite.interop import SUPPORTED, bert, load_hf, save_hf
+from flaxformer_lite.interop import SUPPORTED, bert, hf_arguments, load_hf, save_hf
 from flaxformer_lite.models import ModelConfig, build_model
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
-
-TOL = 1e-4  # float32, absolute
-VOCAB = 128
 
 
 @pytest.fixture(scope="module")
@@ -51,14 +48,9 @@ def hf_logits(hf, model, inputs):
 
 
 def call(method, inputs, to=np.asarray):
-    """``method(input_ids, token_type_ids=..., attention_mask=...)``, HF's call convention, with
-    each array passed through ``to``."""
-    ids, segments, attention = (to(inputs[k]) for k in INPUT_NAMES)
-    return method(ids, token_type_ids=segments, attention_mask=attention)
-
-
-def max_diff(a, b):
-    return float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
+    """``method`` called with HF's arguments (``input_ids``, ``token_type_ids``,
+    ``attention_mask``) as ours, each array passed through ``to``."""
+    return method(**hf_arguments(**{k: to(inputs[k]) for k in INPUT_NAMES}))
 
 
 def logit_diff(ours, theirs, inputs):
@@ -70,12 +62,6 @@ def logit_diff(ours, theirs, inputs):
         real = inputs["attention_mask"] == 1
         ours, theirs = ours[real], theirs[real]
     return max_diff(ours, theirs)
-
-
-def edit_config(path, **changes):
-    config = json.loads((path / "config.json").read_text())
-    config.update(changes)
-    (path / "config.json").write_text(json.dumps(config))
 
 
 # --------------------------------------------------------------------------- HF checkpoints
@@ -112,8 +98,8 @@ def bert_dir(request, hf, tmp_path_factory):
 
 
 def check_load(hf, hf_model, path, inputs):
-    """``load_hf(path)`` gives ``hf_model``'s logits in HF's call convention, for numpy and jax
-    ints and for our own argument names alike; returns our model and config."""
+    """``load_hf(path)`` gives ``hf_model``'s logits for HF's arguments, for numpy and jax ints
+    and for our own arguments alike; returns our model and config."""
     model, cfg = load_hf(path)
     logits = call(model, inputs)
     assert logit_diff(logits, hf_logits(hf, hf_model, inputs), inputs) < TOL
@@ -122,7 +108,7 @@ def check_load(hf, hf_model, path, inputs):
     ours = model(
         inputs["input_ids"],
         token_types=inputs["token_type_ids"],
-        mask=inputs["attention_mask"] == 1,
+        padding_mask=inputs["attention_mask"] == 1,
     )
     assert max_diff(ours, logits) == 0.0
     return model, cfg
@@ -314,37 +300,44 @@ def test_save_hf_names_what_bert_cannot_represent(tmp_path, overrides, message):
 
 
 # --------------------------------------------------------------------------- call convention
-def test_encoder_takes_hugging_face_arguments(inputs):
-    """``attention_mask`` (int 0/1 or bool) is our bool ``mask``, ``token_type_ids`` our
-    ``token_types``; a classifier's call is ``classify``."""
+def test_hf_arguments_are_ours(inputs):
+    """``attention_mask`` (int 0/1 or bool) is our bool ``padding_mask``, ``token_type_ids`` our
+    ``token_types``; the models take only our names; a classifier's call is ``classify``."""
     cfg = ModelConfig.from_preset("bert-tiny", num_encoder_layers=1)
     model = build_model(cfg, rngs=nnx.Rngs(0))
     model.eval()
     ids, segments, attention = (inputs[k] for k in INPUT_NAMES)
-    ours = model(ids, token_types=segments, mask=attention == 1)
-    assert max_diff(model(ids, token_type_ids=segments, attention_mask=attention), ours) == 0.0
-    assert max_diff(model(ids, token_type_ids=segments, attention_mask=attention == 1), ours) == 0.0
-    assert max_diff(model(ids, token_type_ids=segments), ours) > 1e-3  # the mask counts
-    assert max_diff(model(ids, attention_mask=attention), ours) > 1e-3  # the types count
-    with pytest.raises(ValueError, match="mask or attention_mask"):
-        model(ids, mask=attention == 1, attention_mask=attention)
-    with pytest.raises(ValueError, match="token_types or token_type_ids"):
-        model(ids, token_types=segments, token_type_ids=segments)
+    arguments = hf_arguments(ids, attention_mask=attention, token_type_ids=segments)
+    assert sorted(arguments) == ["inputs", "padding_mask", "token_types"]
+    np.testing.assert_array_equal(arguments["padding_mask"], attention == 1)
+    ours = model(ids, token_types=segments, padding_mask=attention == 1)
+    assert max_diff(model(**arguments), ours) == 0.0
+    as_bool = hf_arguments(ids, attention_mask=attention == 1, token_type_ids=segments)
+    assert max_diff(model(**as_bool), ours) == 0.0
+    assert max_diff(model(**hf_arguments(ids, token_type_ids=segments)), ours) > 1e-3  # mask
+    assert max_diff(model(**hf_arguments(ids, attention_mask=attention)), ours) > 1e-3  # types
+    assert sorted(hf_arguments(ids)) == ["inputs"]
     with pytest.raises(ValueError, match=r"attention_mask must be .*\[2, 13\].*\(2, 12\)"):
-        model(ids, attention_mask=attention[:, 1:])
+        hf_arguments(ids, attention_mask=attention[:, 1:])
     with pytest.raises(ValueError, match=r"attention_mask must be .*float32"):
-        model(ids, attention_mask=attention.astype(np.float32))
+        hf_arguments(ids, attention_mask=attention.astype(np.float32))
     with pytest.raises(ValueError, match=r"token types must be int \[2, 13\]"):
-        model(ids, token_type_ids=segments[:1])
+        model(**hf_arguments(ids, token_type_ids=segments[:1]))
+    for name in ("attention_mask", "token_type_ids", "mask"):  # no other names
+        with pytest.raises(TypeError, match=name):
+            model(ids, **{name: attention})
 
     classifier = build_model(cfg.replace(num_classes=3), rngs=nnx.Rngs(0))
     classifier.eval()
-    logits = classifier(ids, token_type_ids=segments, attention_mask=attention)
+    logits = classifier(**arguments)
     assert logits.shape == (2, 3)
     assert (
-        max_diff(classifier.classify(ids, token_types=segments, mask=attention == 1), logits) == 0.0
+        max_diff(
+            classifier.classify(ids, token_types=segments, padding_mask=attention == 1), logits
+        )
+        == 0.0
     )
 
     no_types = build_model(cfg.replace(type_vocab_size=0), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="type_vocab_size > 0"):
-        no_types(ids, token_type_ids=segments)
+        no_types(ids, token_types=segments)

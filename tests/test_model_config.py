@@ -68,7 +68,7 @@ def test_presets_carry_the_published_choices():
     assert (big.d_model, big.num_heads, big.d_ff, big.residual_dropout) == (1024, 16, 4096, 0.3)
     llama = ModelConfig.from_preset("llama-style")
     assert (llama.norm, llama.positions, llama.activation) == ("rmsnorm", "rope", "swiglu")
-    assert llama.kv_heads < llama.num_heads
+    assert llama.num_kv_heads < llama.num_heads
     assert not (llama.qkv_bias or llama.mlp_bias or llama.attention_out_bias)
     assert llama.rope_scaling == ops.RopeScaling(
         kind="llama3",
@@ -89,6 +89,36 @@ def test_overrides_and_dict_round_trip():
     assert ModelConfig.from_dict(scaled.to_dict()) == scaled  # nested RopeScaling
     assert cfg.replace(d_model=128).d_model == 128
     hash(cfg)  # frozen and hashable: usable as a static jit argument
+
+
+def test_derived_defaults_are_resolved_once_and_follow_replace():
+    gpt2 = ModelConfig.from_preset("gpt2-tiny")  # num_kv_heads and head_dim left unset
+    assert (gpt2.num_kv_heads, gpt2.head_dim) == (4, 16)
+    assert gpt2.to_dict()["num_kv_heads"] == 4 and gpt2.to_dict()["head_dim"] == 16
+    assert ModelConfig.from_dict({**gpt2.to_dict(), "num_kv_heads": None}) == gpt2
+    underived = gpt2.to_dict(derived=False)
+    assert (underived["num_kv_heads"], underived["head_dim"]) == (None, None)
+    # A value at its derived default follows what it derives from; a chosen one stays.
+    assert (gpt2.replace(num_heads=8).num_kv_heads, gpt2.replace(num_heads=8).head_dim) == (8, 8)
+    assert gpt2.replace(d_model=128).head_dim == 32
+    assert gpt2.replace(num_heads=2, num_kv_heads=1, fused_qkv=False).num_kv_heads == 1
+    llama = ModelConfig.from_preset("llama-tiny")  # num_kv_heads=2 of 4 heads
+    assert llama.replace(num_heads=8).num_kv_heads == 2
+    assert ModelConfig.from_preset("gpt2-tiny", head_dim=8).replace(d_model=128).head_dim == 8
+
+
+def test_configs_saved_with_null_derived_values_resolve_alike():
+    """config.yaml and checkpoints of older runs hold ``num_kv_heads: null`` and
+    ``head_dim: null``: they load as the resolved values, and a run resumed from them sees no
+    change of config."""
+    from flaxformer_lite.train.config import TrainConfig, config_diff, config_from_dict
+
+    current = config_from_dict({"model": {"preset": "gpt2-tiny"}})
+    older = TrainConfig().to_dict()
+    older["model"].update(num_kv_heads=None, head_dim=None)
+    saved = config_from_dict(older)
+    assert saved.model.num_kv_heads == 4 and saved.model.head_dim == 16
+    assert saved == current and config_diff(saved, current) == {}
 
 
 @pytest.mark.parametrize(
@@ -202,5 +232,5 @@ def test_causal_attention_counts_half_and_gqa_counts_fewer_projections():
     assert training_flops_per_token(gpt, t) == 6 * n + 6 * layers * d * t
     mha = ModelConfig.from_preset("llama-tiny", num_kv_heads=4)
     gqa = ModelConfig.from_preset("llama-tiny", num_kv_heads=1)
-    saved = 6 * mha.num_decoder_layers * 2 * mha.d_model * 3 * mha.head_size
+    saved = 6 * mha.num_decoder_layers * 2 * mha.d_model * 3 * mha.head_dim
     assert training_flops_per_token(mha, t) - training_flops_per_token(gqa, t) == saved

@@ -92,7 +92,7 @@ def _generate(graphdef, state, prompt, lengths, rng, *, max_new_tokens, sampling
     model.eval()
     model.init_cache(batch, length + max_new_tokens)
     positions = jnp.maximum(slots - shift[:, None], 0)
-    logits = model(aligned, positions=positions, attention_mask=valid, decode=True)[:, -1]
+    logits = model(aligned, positions=positions, padding_mask=valid, decode=True)[:, -1]
     cache_graph, cache, rest = nnx.split(model, nnx.Cache, ...)
 
     def forward(state, tokens, step):

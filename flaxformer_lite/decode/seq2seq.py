@@ -259,16 +259,16 @@ def _start_decoding(graphdef, state, src, src_mask, batch, max_new_tokens, sos_i
     """
     model = nnx.merge(graphdef, state)
     model.eval()
-    encoded = model.encode(src, src_mask=src_mask)
+    encoded = model.encode(src, padding_mask=src_mask)
     # sos, then one slot per new token (the last one is fed but never read).
     model.init_cache(batch, max_new_tokens + 1, source_length=src.shape[1])
     start = jnp.full((batch, 1), sos_id, jnp.int32)
-    logits = model.decode(start, encoded, src_mask=src_mask, decode=True)[:, 0]
+    logits = model.decode(start, encoded, padding_mask=src_mask, decode=True)[:, 0]
     cache_graph, cache, rest = nnx.split(model, nnx.Cache, ...)
 
     def forward(state, tokens, step):
         step_model = nnx.merge(cache_graph, *state)
-        logits = step_model.decode(tokens[:, None], None, src_mask=src_mask, decode=True)
+        logits = step_model.decode(tokens[:, None], None, padding_mask=src_mask, decode=True)
         return (nnx.state(step_model, nnx.Cache), state[1]), logits[:, 0]
 
     return (cache, rest), logits, forward

@@ -27,8 +27,10 @@ and any other as ``BertForMaskedLM``. A classifier's masked-LM head, when its co
 (``bert-tiny`` with ``num_classes``), is left out (:func:`unwritten`): the HF class has no place
 for it, and it plays no part in the class logits.
 
-Both take HF's call convention: ``model(input_ids, token_type_ids=None, attention_mask=None)``
-with an int 0/1 ``attention_mask``, 0 at padding (see ``Encoder``). Not represented:
+HF's call arguments, ``model(input_ids, token_type_ids=None, attention_mask=None)`` with an
+int 0/1 ``attention_mask`` (0 at padding), are ours through
+:func:`~flaxformer_lite.interop.hf_arguments`: ``model(**hf_arguments(input_ids, ...))``. Not
+represented:
 ``classifier_dropout`` (training only; our classifier's dropout is ``hidden_dropout_prob``) and
 ``pad_token_id`` (it only freezes the padding row's gradient in HF).
 """

@@ -254,11 +254,11 @@ def multi_head_mismatches(cfg, family: str, want: dict, activations) -> list[str
         for name, value in want.items()
         if getattr(cfg, name) != value
     ]
-    if cfg.kv_heads != cfg.num_heads:
+    if cfg.num_kv_heads != cfg.num_heads:
         problems.append(
             f"num_kv_heads={cfg.num_kv_heads} ({family} has no grouped-query attention)"
         )
-    if cfg.head_size * cfg.num_heads != cfg.d_model:
+    if cfg.head_dim * cfg.num_heads != cfg.d_model:
         problems.append(f"head_dim={cfg.head_dim} ({family} has d_model // num_heads)")
     if cfg.activation not in activations:
         problems.append(f"activation={cfg.activation!r} (supported: {sorted(activations)})")

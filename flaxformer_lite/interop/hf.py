@@ -80,11 +80,12 @@ def load_hf(path: str | os.PathLike, *, dtype=None) -> tuple[Model, ModelConfig]
     Returns:
       ``(model, config)``: the model and its ``ModelConfig``. Inputs are numpy or jax ints:
       a ``DecoderLM`` (GPT-2, Llama): ``model(input_ids [B, T]) -> logits [B, T, V]``;
-      an ``Encoder`` (BERT): ``model(input_ids [B, T], token_type_ids=None,
-      attention_mask=None)`` (the mask int 0/1 as HF's, 0 at padding) -> masked-LM logits
-      ``[B, T, V]``, or class logits ``[B, num_labels]`` for ``BertForSequenceClassification``;
-      an ``EncoderDecoder`` (Marian): ``model(src [B, S], tgt [B, T], src_mask=bool [B, S])
-      -> logits [B, T, V]``.
+      an ``Encoder`` (BERT): ``model(input_ids [B, T], token_types=None, padding_mask=None)``
+      (the mask bool, False at padding) -> masked-LM logits ``[B, T, V]``, or class logits
+      ``[B, num_labels]`` for ``BertForSequenceClassification``; an ``EncoderDecoder``
+      (Marian): ``model(src [B, S], tgt [B, T], padding_mask=bool [B, S]) -> logits
+      [B, T, V]``. :func:`~flaxformer_lite.interop.hf_arguments` turns HF's call arguments
+      (``attention_mask``, ``token_type_ids``) into these.
 
     Raises:
       FileNotFoundError: the directory, ``config.json`` or the weights are missing.

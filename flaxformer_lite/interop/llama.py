@@ -105,16 +105,14 @@ def config_from_hf(hf: dict[str, Any], *, dtype: str = "float32") -> ModelConfig
         problems.append(f"hidden_act={hf['hidden_act']!r} (Llama's SwiGLU needs 'silu')")
     require(problems, "unsupported Llama config")
     theta, scaling = rope_from_hf(hf)
-    d_model, num_heads = hf["hidden_size"], hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or d_model // num_heads
     bias = hf.get("attention_bias", False)
     return ModelConfig(
         vocab_size=hf["vocab_size"],
-        d_model=d_model,
-        num_heads=num_heads,
-        num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-        # Left unset when it is the default, so the config reads as a plain one.
-        head_dim=None if head_dim * num_heads == d_model else head_dim,
+        d_model=hf["hidden_size"],
+        num_heads=hf["num_attention_heads"],
+        # Absent, null or 0 in config.json: the default, which ModelConfig derives.
+        num_kv_heads=hf.get("num_key_value_heads") or None,
+        head_dim=hf.get("head_dim") or None,
         d_ff=hf["intermediate_size"],
         num_encoder_layers=0,
         num_decoder_layers=hf["num_hidden_layers"],
@@ -176,8 +174,8 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "intermediate_size": cfg.d_ff,
         "num_hidden_layers": cfg.num_decoder_layers,
         "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.kv_heads,
-        "head_dim": cfg.head_size,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": cfg.max_length,
         "rms_norm_eps": cfg.norm_eps,

@@ -1,4 +1,5 @@
-"""The three architectures, their configuration and presets, and parameter/FLOP accounting."""
+"""The three architectures, their layers, configuration and presets, and parameter/FLOP
+accounting."""
 
 from flaxformer_lite.models.accounting import (
     parameter_counts,
@@ -9,13 +10,17 @@ from flaxformer_lite.models.config import PRESETS, ModelConfig
 from flaxformer_lite.models.decoder_lm import DecoderLM
 from flaxformer_lite.models.encoder import Encoder
 from flaxformer_lite.models.encoder_decoder import EncoderDecoder
+from flaxformer_lite.models.layers import DecoderLayer, EncoderLayer, TransformerLayer
 
 __all__ = [
     "PRESETS",
     "DecoderLM",
+    "DecoderLayer",
     "Encoder",
     "EncoderDecoder",
+    "EncoderLayer",
     "ModelConfig",
+    "TransformerLayer",
     "abstract_model",
     "build_model",
     "parameter_counts",

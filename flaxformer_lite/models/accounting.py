@@ -41,8 +41,8 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     self-attention, whose upper triangle need not be computed. For an encoder-decoder, per target
     token with source and target both ``seq_len`` long.
     """
-    d, hq, hk, dh, f = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_size, cfg.d_ff
-    attention = d * hq * dh * 2 + d * hk * dh * 2  # q and out; k and v
+    d, h, hk, dh, f = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.d_ff
+    attention = d * h * dh * 2 + d * hk * dh * 2  # q and out; k and v
     gated = cfg.activation in ("swiglu", "geglu")
     mlp = d * f * (3 if gated else 2)
     enc, dec = cfg.num_encoder_layers, cfg.num_decoder_layers
@@ -56,5 +56,5 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
         matmul_params += d * (cfg.output_dim or 0)
     if cfg.mlm_transform and cfg.output_dim is None:
         matmul_params += d * d
-    attention_flops = 12 * hq * dh * seq_len * (enc + dec * (0.5 + (1 if enc else 0)))
+    attention_flops = 12 * h * dh * seq_len * (enc + dec * (0.5 + (1 if enc else 0)))
     return float(6 * matmul_params + attention_flops)

@@ -7,8 +7,6 @@ import difflib
 import math
 from typing import Any
 
-import jax.numpy as jnp
-
 from flaxformer_lite import ops
 from flaxformer_lite.nn.attention import Rope
 from flaxformer_lite.nn.dense import INIT_SCHEMES, KernelInit
@@ -34,8 +32,10 @@ class ModelConfig:
     vocab_size: int = 37000
     d_model: int = 512
     num_heads: int = 8
-    num_kv_heads: int | None = None  # None: = num_heads; fewer is GQA, 1 is MQA
-    head_dim: int | None = None  # None: d_model // num_heads
+    # None: derived in __post_init__ (the instance holds ints): num_kv_heads = num_heads,
+    # head_dim = d_model // num_heads. Fewer key/value heads is GQA, 1 is MQA.
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
     d_ff: int = 2048
     num_encoder_layers: int = 6
     num_decoder_layers: int = 6
@@ -107,30 +107,27 @@ class ModelConfig:
             values["rope_scaling"] = ops.RopeScaling(**values["rope_scaling"])
         return cls(**values)
 
-    def to_dict(self) -> dict[str, Any]:
-        """Plain values (YAML/JSON-ready); ``from_dict(to_dict())`` is the same config."""
-        return dataclasses.asdict(self)
+    def to_dict(self, *, derived: bool = True) -> dict[str, Any]:
+        """Plain values (YAML/JSON-ready); ``from_dict(to_dict())`` is the same config.
+
+        ``derived=False`` gives None for a value still at its derived default
+        (``num_kv_heads == num_heads``, ``head_dim == d_model // num_heads``): values laid over
+        that dict (:meth:`replace`, a partial ``model`` section of a run config) derive it anew.
+        """
+        values = dataclasses.asdict(self)
+        if not derived:
+            if self.num_kv_heads == self.num_heads:
+                values["num_kv_heads"] = None
+            if self.head_dim * self.num_heads == self.d_model:
+                values["head_dim"] = None
+        return values
 
     def replace(self, **changes: Any) -> ModelConfig:
-        return self.from_dict({**self.to_dict(), **changes})
+        """This config with ``changes``; a value at its derived default follows the fields it
+        derives from (``replace(num_heads=16)`` keeps ``num_kv_heads == num_heads``)."""
+        return self.from_dict({**self.to_dict(derived=False), **changes})
 
     # ----------------------------------------------------------------------- derived
-    @property
-    def kv_heads(self) -> int:
-        return self.num_kv_heads or self.num_heads
-
-    @property
-    def head_size(self) -> int:
-        return self.head_dim or self.d_model // self.num_heads
-
-    @property
-    def compute_dtype(self):
-        return jnp.dtype(self.dtype)
-
-    @property
-    def storage_dtype(self):
-        return jnp.dtype(self.param_dtype)
-
     @property
     def kernel_init(self) -> KernelInit:
         return KernelInit(self.init, self.init_std)
@@ -161,6 +158,16 @@ class ModelConfig:
         for name in ("num_kv_heads", "head_dim", "num_classes", "input_dim", "output_dim"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
+        if self.head_dim is None and self.d_model % self.num_heads:
+            raise ValueError(
+                f"d_model ({self.d_model}) is not divisible by num_heads ({self.num_heads}); "
+                "set head_dim explicitly"
+            )
+        # The defaults derived from other fields, resolved once: every reader sees ints.
+        if self.num_kv_heads is None:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.d_model // self.num_heads)
         if not (self.num_encoder_layers or self.num_decoder_layers):
             raise ValueError("a model needs num_encoder_layers > 0 or num_decoder_layers > 0")
         _check_choice("norm", self.norm, tuple(NORMS))
@@ -181,21 +188,16 @@ class ModelConfig:
             rate = getattr(self, name)
             if not isinstance(rate, int | float) or not 0.0 <= rate < 1.0:
                 raise ValueError(f"{name} must be a float in [0, 1), got {rate!r}")
-        if self.num_heads % self.kv_heads:
+        if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                 f"({self.num_kv_heads})"
             )
-        if self.head_dim is None and self.d_model % self.num_heads:
-            raise ValueError(
-                f"d_model ({self.d_model}) is not divisible by num_heads ({self.num_heads}); "
-                "set head_dim explicitly"
-            )
-        if self.positions == "rope" and self.head_size % 2:
-            raise ValueError(f"rope needs an even head_dim, got {self.head_size}")
+        if self.positions == "rope" and self.head_dim % 2:
+            raise ValueError(f"rope needs an even head_dim, got {self.head_dim}")
         if self.positions == "sinusoidal" and self.d_model % 2:
             raise ValueError(f"sinusoidal positions need an even d_model, got {self.d_model}")
-        if self.fused_qkv and self.kv_heads != self.num_heads:
+        if self.fused_qkv and self.num_kv_heads != self.num_heads:
             raise ValueError(
                 f"fused_qkv needs num_kv_heads == num_heads, got {self.num_kv_heads} and "
                 f"{self.num_heads}"

@@ -53,7 +53,7 @@ class DecoderLM(nnx.Module):
         *,
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
-        attention_mask: jax.Array | None = None,
+        padding_mask: jax.Array | None = None,
         decode: bool = False,
     ) -> jax.Array:
         """Next-token logits.
@@ -63,7 +63,8 @@ class DecoderLM(nnx.Module):
           positions: ``[T]`` or ``[B, T]`` (packed sequences restart at 0 in each segment);
             default ``arange(T)``, or continuing from the cache when decoding.
           segment_ids: int ``[B, T]``: tokens attend only within their segment (packing).
-          attention_mask: bool ``[B, T]``, False for padding keys (ragged prompts).
+          padding_mask: bool ``[B, T]``, True at real tokens, False at padding: no token
+            attends to padding (ragged prompts).
           decode: run incrementally through the KV cache set up by :meth:`init_cache`; the
             tokens are appended after those of earlier calls. Tokens beyond the cache's
             ``max_length`` get NaN logits.
@@ -78,16 +79,14 @@ class DecoderLM(nnx.Module):
                 raise ValueError("decode=True needs model.init_cache(batch_size, max_length) first")
             if segment_ids is not None:
                 raise ValueError("segment_ids (packing) are not supported when decoding")
-            valid = (
-                jnp.ones((batch, length), jnp.bool_) if attention_mask is None else attention_mask
-            )
+            valid = jnp.ones((batch, length), jnp.bool_) if padding_mask is None else padding_mask
             cache_index, mask, overflow = self.decode_state.append(valid)
             kv_length = self.decode_state.max_length
         else:
             check_length(self.config, length, "input")
             mask = ops.combine_masks(
                 None if segment_ids is None else ops.segment_mask(segment_ids),
-                key_mask(attention_mask),
+                key_mask(padding_mask),
             )
             cache_index, kv_length, overflow = None, length, None
         if positions is None:

@@ -32,9 +32,7 @@ class Encoder(nnx.Module):
     ``output_dim``). A classifier's masked-LM head, if its config has one, stays reachable as
     ``model.head(model.encode(...))``.
 
-    Every method takes Hugging Face's call convention, ``model(input_ids,
-    token_type_ids=None, attention_mask=None)`` with an int 0/1 (or bool) ``attention_mask``,
-    as well as our names ``token_types=`` and a bool ``mask=``; numpy or jax arrays.
+    Hugging Face's call arguments become ours with ``flaxformer_lite.interop.hf_arguments``.
 
     Args:
       cfg: a config with ``num_encoder_layers > 0`` (decoder layers are ignored).
@@ -57,9 +55,7 @@ class Encoder(nnx.Module):
             attention_fn=attention_fn,
         )
         self.head = OutputHead(cfg, tokens=tokens, rngs=rngs)
-        common = dict(
-            init=cfg.kernel_init, dtype=cfg.compute_dtype, param_dtype=cfg.storage_dtype, rngs=rngs
-        )
+        common = dict(init=cfg.kernel_init, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
         with_classifier = cfg.num_classes is not None
         self.pooler = (
             Dense(cfg.d_model, cfg.d_model, names=("embed", "embed_out"), **common)
@@ -77,36 +73,30 @@ class Encoder(nnx.Module):
         self,
         inputs: jax.Array,
         *,
-        mask: jax.Array | None = None,
+        padding_mask: jax.Array | None = None,
         token_types: jax.Array | None = None,
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
-        attention_mask: jax.Array | None = None,
-        token_type_ids: jax.Array | None = None,
     ) -> jax.Array:
         """Contextual representations ``[B, T, D]``.
 
         Args:
           inputs: int ``[B, T]`` tokens (float ``[B, T, input_dim]`` with ``input_dim``).
-          mask: bool ``[B, T]``, False at padding: no position attends to padding (the outputs
-            at padded positions are meaningless).
+          padding_mask: bool ``[B, T]``, True at real tokens, False at padding: no position
+            attends to padding (the outputs at padded positions are meaningless).
           token_types: int ``[B, T]`` segment A/B ids (``type_vocab_size > 0``); default 0.
           positions: ``[T]`` or ``[B, T]``; default ``arange(T)``.
           segment_ids: int ``[B, T]`` for packed sequences.
-          attention_mask: Hugging Face's form of ``mask``: int ``[B, T]``, 1 at real tokens
-            and 0 at padding (bool works too); give one of the two.
-          token_type_ids: Hugging Face's name for ``token_types``; give one of the two.
 
         Raises:
-          ValueError: both names of one input, a mask or token types not ``[B, T]``, or token
-            types for a model without token-type embeddings.
+          ValueError: a mask or token types not ``[B, T]``, or token types for a model without
+            token-type embeddings.
         """
-        mask = _padding_mask(inputs, mask, attention_mask)
-        token_types = self._token_types(inputs, token_types, token_type_ids)
+        token_types = self._token_types(inputs, token_types)
         length = inputs.shape[1]
         check_length(self.config, length, "input")
         pair_mask = ops.combine_masks(
-            key_mask(mask),
+            key_mask(padding_mask),
             None if segment_ids is None else ops.segment_mask(segment_ids),
         )
         positions = default_positions(length) if positions is None else positions
@@ -116,33 +106,26 @@ class Encoder(nnx.Module):
     def __call__(self, inputs: jax.Array, **kwargs) -> jax.Array:
         """With ``num_classes``, the class logits ``[B, num_classes]`` of :meth:`classify`;
         otherwise masked-LM logits ``[B, T, vocab_size]`` (``[B, T, output_dim]`` for
-        regression). ``inputs`` and keyword arguments as :meth:`encode`:
-        ``model(input_ids, token_type_ids=..., attention_mask=...)`` as in Hugging Face."""
+        regression). ``inputs`` and keyword arguments as :meth:`encode`."""
         if self.classifier is not None:
             return self.classify(inputs, **kwargs)
         return self.head(self.encode(inputs, **kwargs))
 
     def classify(
-        self,
-        inputs: jax.Array,
-        *,
-        mask: jax.Array | None = None,
-        attention_mask: jax.Array | None = None,
-        **kwargs,
+        self, inputs: jax.Array, *, padding_mask: jax.Array | None = None, **kwargs
     ) -> jax.Array:
-        """Sequence logits ``[B, num_classes]``; arguments as :meth:`encode` (the mask also
-        limits mean pooling to the real tokens)."""
+        """Sequence logits ``[B, num_classes]``; arguments as :meth:`encode` (the padding mask
+        also limits mean pooling to the real tokens)."""
         if self.classifier is None:
             raise ValueError("classify needs a config with num_classes")
-        mask = _padding_mask(inputs, mask, attention_mask)
-        hidden = self.encode(inputs, mask=mask, **kwargs)
+        hidden = self.encode(inputs, padding_mask=padding_mask, **kwargs)
         if self.config.pooling == "first":
             pooled = hidden[:, 0]
         else:
             weights = (
                 jnp.ones(hidden.shape[:2], hidden.dtype)
-                if mask is None
-                else mask.astype(hidden.dtype)
+                if padding_mask is None
+                else jnp.asarray(padding_mask).astype(hidden.dtype)
             )
             pooled = jnp.einsum("btd,bt->bd", hidden, weights) / jnp.maximum(
                 weights.sum(axis=1, keepdims=True), 1
@@ -151,15 +134,8 @@ class Encoder(nnx.Module):
             pooled = jnp.tanh(self.pooler(pooled))
         return self.classifier(self.classifier_dropout(pooled))
 
-    def _token_types(self, inputs, token_types, token_type_ids) -> jax.Array | None:
-        """``token_types`` or HF's ``token_type_ids`` (at most one given), checked: int
-        ``[B, T]``, for a model with token-type embeddings."""
-        if token_type_ids is not None:
-            if token_types is not None:
-                raise ValueError(
-                    "give token_types or token_type_ids (its Hugging Face name), not both"
-                )
-            token_types = token_type_ids
+    def _token_types(self, inputs, token_types) -> jax.Array | None:
+        """``token_types`` checked: int ``[B, T]``, for a model with token-type embeddings."""
         if token_types is None:
             return None
         if not self.config.type_vocab_size:
@@ -173,23 +149,3 @@ class Encoder(nnx.Module):
                 f"token types must be int {list(inputs.shape[:2])} like the inputs, got {got}"
             )
         return token_types
-
-
-def _padding_mask(inputs, mask, attention_mask) -> jax.Array | None:
-    """The bool ``[B, T]`` padding mask from ``mask`` or Hugging Face's ``attention_mask``
-    (int 0/1 or bool ``[B, T]``, nonzero at real tokens); None when neither is given."""
-    if attention_mask is None:
-        return mask
-    if mask is not None:
-        raise ValueError("give mask or attention_mask (its Hugging Face form), not both")
-    attention_mask = jnp.asarray(attention_mask)
-    valid_dtype = attention_mask.dtype == jnp.bool_ or jnp.issubdtype(
-        attention_mask.dtype, jnp.integer
-    )
-    if attention_mask.shape != inputs.shape[:2] or not valid_dtype:
-        got = f"{attention_mask.dtype}{attention_mask.shape}"
-        raise ValueError(
-            f"attention_mask must be int 0/1 or bool {list(inputs.shape[:2])} like the inputs, "
-            f"got {got}"
-        )
-    return attention_mask != 0

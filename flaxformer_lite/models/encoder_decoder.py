@@ -70,27 +70,29 @@ class EncoderDecoder(nnx.Module):
         self,
         src: jax.Array,
         *,
-        src_mask: jax.Array | None = None,
+        padding_mask: jax.Array | None = None,
         src_positions: jax.Array | None = None,
     ) -> jax.Array:
-        """``src`` int ``[B, S]`` (or float ``[B, S, input_dim]``), ``src_mask`` bool ``[B, S]``
-        (False at padding; outputs there are meaningless) -> ``[B, S, D]``."""
+        """``src`` int ``[B, S]`` (or float ``[B, S, input_dim]``), ``padding_mask`` bool
+        ``[B, S]`` (True at real tokens, False at padding; outputs there are meaningless) ->
+        ``[B, S, D]``."""
         length = src.shape[1]
         check_length(self.config, length, "source")
         positions = default_positions(length) if src_positions is None else src_positions
         x = self.src_embed(src, positions)
-        return self.encoder(x, mask=key_mask(src_mask), positions=positions)
+        return self.encoder(x, mask=key_mask(padding_mask), positions=positions)
 
     def decode(
         self,
         tgt: jax.Array,
         encoded: jax.Array | None,
         *,
-        src_mask: jax.Array | None = None,
+        padding_mask: jax.Array | None = None,
         tgt_positions: jax.Array | None = None,
         decode: bool = False,
     ) -> jax.Array:
-        """Logits ``[B, T, V]`` for the shifted target ``tgt`` given ``encoded [B, S, D]``.
+        """Logits ``[B, T, V]`` for the shifted target ``tgt`` given ``encoded [B, S, D]``, whose
+        source padding ``padding_mask`` (bool ``[B, S]``) the cross-attention leaves out.
 
         ``tgt`` is int ``[B, T]``, or float ``[B, T, output_dim]`` with a regression head (then
         the outputs are ``[B, T, output_dim]``). With ``decode=True`` the target is appended to
@@ -116,7 +118,7 @@ class EncoderDecoder(nnx.Module):
             x,
             encoded,
             mask=mask,
-            context_mask=key_mask(src_mask),
+            context_mask=key_mask(padding_mask),
             positions=tgt_positions,
             cache_index=cache_index,
             kv_length=kv_length,
@@ -129,13 +131,14 @@ class EncoderDecoder(nnx.Module):
         src: jax.Array,
         tgt: jax.Array,
         *,
-        src_mask: jax.Array | None = None,
+        padding_mask: jax.Array | None = None,
         src_positions=None,
         tgt_positions=None,
     ) -> jax.Array:
-        """Teacher-forced logits ``[B, T, V]`` (``[B, T, output_dim]`` for regression)."""
-        encoded = self.encode(src, src_mask=src_mask, src_positions=src_positions)
-        return self.decode(tgt, encoded, src_mask=src_mask, tgt_positions=tgt_positions)
+        """Teacher-forced logits ``[B, T, V]`` (``[B, T, output_dim]`` for regression);
+        ``padding_mask`` is the source's, bool ``[B, S]``."""
+        encoded = self.encode(src, padding_mask=padding_mask, src_positions=src_positions)
+        return self.decode(tgt, encoded, padding_mask=padding_mask, tgt_positions=tgt_positions)
 
     def init_cache(
         self,

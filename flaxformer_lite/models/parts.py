@@ -9,9 +9,9 @@ from flax import nnx
 
 from flaxformer_lite import ops
 from flaxformer_lite.models.config import ModelConfig, sqrt_d_model
+from flaxformer_lite.models.layers import DecoderLayer, EncoderLayer, make_layer_norm
 from flaxformer_lite.nn.dense import Dense, param
 from flaxformer_lite.nn.embed import Embed
-from flaxformer_lite.nn.layers import DecoderLayer, EncoderLayer, make_layer_norm
 from flaxformer_lite.nn.mlp import nonlinearity_of
 from flaxformer_lite.nn.positions import RelativePositionBias, alibi
 from flaxformer_lite.nn.stack import LayerStack
@@ -23,14 +23,14 @@ def token_embedding(cfg: ModelConfig, rngs: nnx.Rngs) -> Embed:
         cfg.vocab_size,
         cfg.d_model,
         init=cfg.kernel_init,
-        dtype=cfg.compute_dtype,
-        param_dtype=cfg.storage_dtype,
+        dtype=cfg.dtype,
+        param_dtype=cfg.param_dtype,
         rngs=rngs,
     )
 
 
 def key_mask(valid: jax.Array | None) -> jax.Array | None:
-    """``[B, Tk]`` bool (True = real key) -> an attention mask ``[B, 1, 1, Tk]``."""
+    """``[B, S]`` bool (True = real key) -> an attention mask ``[B, 1, 1, S]``."""
     if valid is None:
         return None
     valid = jnp.asarray(valid)
@@ -51,7 +51,7 @@ class InputEmbedding(nnx.Module):
     Args:
       cfg: the model configuration.
       tokens: the token table, for token inputs.
-      input_dim: the feature count F, for continuous inputs (instead of ``tokens``).
+      input_dim: the feature count of continuous inputs (instead of ``tokens``).
     """
 
     def __init__(
@@ -65,9 +65,7 @@ class InputEmbedding(nnx.Module):
         if (tokens is None) == (input_dim is None):
             raise ValueError("InputEmbedding takes either a token table or an input_dim")
         self.cfg, self.tokens, self.input_dim = cfg, tokens, input_dim
-        common = dict(
-            init=cfg.kernel_init, dtype=cfg.compute_dtype, param_dtype=cfg.storage_dtype, rngs=rngs
-        )
+        common = dict(init=cfg.kernel_init, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
         self.features = (
             Dense(input_dim, cfg.d_model, names=("features", "embed"), **common)
             if input_dim is not None
@@ -108,7 +106,7 @@ class InputEmbedding(nnx.Module):
             if inputs.ndim != 2 or not jnp.issubdtype(inputs.dtype, jnp.integer):
                 got = f"{inputs.dtype}{inputs.shape}"
                 raise ValueError(f"this model takes token ids int [batch, length], got {got}")
-            x = self.tokens(inputs) * jnp.asarray(sqrt_d_model(cfg), cfg.compute_dtype)
+            x = self.tokens(inputs) * jnp.asarray(sqrt_d_model(cfg), cfg.dtype)
         if cfg.positions == "sinusoidal":
             table = ops.sinusoidal_positions(positions, cfg.d_model, layout=cfg.sinusoidal_layout)
             x = x + table.astype(x.dtype)
@@ -144,7 +142,7 @@ class Tower(nnx.Module):
                 max_distance=cfg.relative_max_distance,
                 bidirectional=not causal,
                 init=cfg.kernel_init,
-                param_dtype=cfg.storage_dtype,
+                param_dtype=cfg.param_dtype,
                 rngs=rngs,
             )
             if cfg.positions == "relative"
@@ -215,9 +213,7 @@ class OutputHead(nnx.Module):
     ``[B, T, output_dim]``; BERT's MLM transform (dense, activation, norm) first if configured."""
 
     def __init__(self, cfg: ModelConfig, *, tokens: Embed | None, rngs: nnx.Rngs):
-        common = dict(
-            init=cfg.kernel_init, dtype=cfg.compute_dtype, param_dtype=cfg.storage_dtype, rngs=rngs
-        )
+        common = dict(init=cfg.kernel_init, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
         self.nonlinearity = nonlinearity_of(cfg.activation)
         if cfg.mlm_transform and cfg.output_dim is None:
             self.transform = Dense(cfg.d_model, cfg.d_model, names=("embed", "embed_out"), **common)
@@ -240,7 +236,7 @@ class OutputHead(nnx.Module):
         else:
             self.projection = None
         self.bias = (
-            param(rngs, nnx.initializers.zeros, (cfg.vocab_size,), ("vocab",), cfg.storage_dtype)
+            param(rngs, nnx.initializers.zeros, (cfg.vocab_size,), ("vocab",), cfg.param_dtype)
             if self.tokens is not None and cfg.output_bias
             else None
         )

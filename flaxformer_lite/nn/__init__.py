@@ -3,7 +3,6 @@
 from flaxformer_lite.nn.attention import MultiHeadAttention, Rope
 from flaxformer_lite.nn.dense import Dense, KernelInit
 from flaxformer_lite.nn.embed import Embed
-from flaxformer_lite.nn.layers import DecoderLayer, EncoderLayer, TransformerLayer
 from flaxformer_lite.nn.mlp import ACTIVATIONS, MLP
 from flaxformer_lite.nn.norms import LayerNorm, RMSNorm
 from flaxformer_lite.nn.positions import RelativePositionBias
@@ -15,10 +14,8 @@ __all__ = [
     "ACTIVATIONS",
     "MLP",
     "REMAT_POLICIES",
-    "DecoderLayer",
     "Dense",
     "Embed",
-    "EncoderLayer",
     "KernelInit",
     "LayerNorm",
     "LayerStack",
@@ -26,7 +23,6 @@ __all__ = [
     "RMSNorm",
     "RelativePositionBias",
     "Rope",
-    "TransformerLayer",
     "constrain",
     "stack_layer_states",
 ]

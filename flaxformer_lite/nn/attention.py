@@ -50,6 +50,10 @@ class MultiHeadAttention(nnx.Module):
       implementation: passed to the default ``attention_fn`` (None = chosen per input).
       init, out_init: initializers of the input and output projections.
       dtype, param_dtype: compute and storage dtypes.
+      sow_weights: at every call, sow the attention weights ``[B, H, T, S]`` (float32, those
+        of ``ops.attention_weights``) as the ``nnx.Intermediate`` ``attention_weights``, for
+        ``nnx.capture`` to collect. An attribute: ``model.set_attributes(sow_weights=True)``
+        switches it on in a built model (``flaxformer_lite.attention_maps`` does).
     """
 
     def __init__(
@@ -72,6 +76,7 @@ class MultiHeadAttention(nnx.Module):
         out_init: KernelInit | None = None,
         dtype=jnp.float32,
         param_dtype=jnp.float32,
+        sow_weights: bool = False,
         rngs: nnx.Rngs,
     ):
         num_kv_heads = num_kv_heads or num_heads
@@ -130,7 +135,7 @@ class MultiHeadAttention(nnx.Module):
             **{**common, "init": out_init or init},
         )
         self.dropout_rngs = rngs["dropout"].fork() if dropout_rate > 0 else None
-        self.deterministic = False
+        self.deterministic, self.sow_weights = False, sow_weights
         # nnx.Cache arrays after init_cache.
         self.cached_key = nnx.data(None)
         self.cached_value = nnx.data(None)
@@ -139,12 +144,11 @@ class MultiHeadAttention(nnx.Module):
         """Allocates an empty KV cache ``[B, Hk, max_length, Dh]`` for incremental decoding.
 
         Heads come before positions so that the attention's batched matmuls (batch ``B, Hk``)
-        read the cache as it lies; in the ``[B, S, Hk, Dh]`` layout of the keys XLA copied the
-        whole cache into that order at every step (measured: 6.0 -> 4.6 ms per generated token
-        at batch 8 in benchmarks/generate.py). For cross-attention ``max_length`` is the
-        context length S: the first decoding call with a context stores its keys/values, later
-        calls without one reuse them. ``num_layers`` prefixes a layer axis, for the stacked
-        attention of scanned layers.
+        read the cache as it lies; in the ``[B, S, Hk, Dh]`` layout of the keys XLA would copy
+        the whole cache into that order at every step. For cross-attention ``max_length`` is
+        the context length S: the first decoding call with a context stores its keys/values,
+        later calls without one reuse them. ``num_layers`` prefixes a layer axis, for the
+        stacked attention of scanned layers.
         """
         shape = (batch_size, self.num_kv_heads, max_length, self.head_dim)
         if num_layers is not None:
@@ -167,7 +171,7 @@ class MultiHeadAttention(nnx.Module):
 
         Args:
           x: ``[B, T, D]`` queries (and keys/values for self-attention).
-          context: ``[B, S, Dc]`` keys/values for cross-attention.
+          context: ``[B, S, context_features]`` keys/values for cross-attention.
           mask: bool, broadcastable to ``[B, H, T, S]`` (``S`` = the cache length when decoding).
           bias: float, broadcastable to the same logits shape (relative positions, ALiBi).
           positions: ``[T]`` or ``[B, T]`` positions of ``x`` for RoPE (default ``arange(T)``, or
@@ -212,6 +216,9 @@ class MultiHeadAttention(nnx.Module):
                 mask = causal if mask is None else ops.combine_masks(mask, causal)
                 is_causal = False
 
+        if self.sow_weights:
+            weights = ops.attention_weights(q, k, bias, mask, is_causal=is_causal)
+            self.sow(nnx.Intermediate, "attention_weights", weights)
         dropout_rate = 0.0 if self.deterministic else self.dropout_rate
         dropout = dict(
             dropout_rate=dropout_rate,

@@ -45,8 +45,8 @@ class RelativePositionBias(nnx.Module):
         )
 
     def __call__(self, q_positions: jax.Array, k_positions: jax.Array) -> jax.Array:
-        """``[Tq]`` / ``[B, Tq]`` and ``[Tk]`` / ``[B, Tk]`` positions -> bias
-        ``[1 or B, H, Tq, Tk]`` float32."""
+        """Query positions ``[T]`` / ``[B, T]`` and key positions ``[S]`` / ``[B, S]`` -> bias
+        ``[1 or B, H, T, S]`` float32."""
         buckets = ops.relative_position_buckets(
             q_positions,
             k_positions,
@@ -54,11 +54,12 @@ class RelativePositionBias(nnx.Module):
             num_buckets=self.num_buckets,
             max_distance=self.max_distance,
         )
-        bias = jnp.moveaxis(self.table(buckets), -1, -3)  # [..., Tq, Tk, H] -> [..., H, Tq, Tk]
+        bias = jnp.moveaxis(self.table(buckets), -1, -3)  # [..., T, S, H] -> [..., H, T, S]
         return bias if bias.ndim == 4 else bias[None]
 
 
 def alibi(num_heads: int, q_len: int, kv_len: int, offset=None) -> jax.Array:
-    """ALiBi's bias ``[1, H, Tq, Tk]``; ``offset``: position of the first query (the cache index
-    when decoding), by default ``kv_len - q_len`` (see ``ops.alibi_bias``)."""
+    """ALiBi's bias ``[1, H, T, S]`` for ``T = q_len`` queries and ``S = kv_len`` keys;
+    ``offset``: position of the first query (the cache index when decoding), by default
+    ``kv_len - q_len`` (see ``ops.alibi_bias``)."""
     return ops.alibi_bias(num_heads, q_len, kv_len, offset)[None]

@@ -89,18 +89,19 @@ class LayerStack(nnx.Module):
     def init_cache(
         self, batch_size: int, max_length: int, *, context_length: int | None = None, dtype=None
     ) -> None:
-        """Allocates every layer's self-attention KV cache of ``max_length`` slots and, with
-        ``context_length``, the cross-attention caches of the context's keys/values."""
+        """Calls every layer's ``init_cache(batch_size, max_length, context_length=...,
+        dtype=..., num_layers=...)``: the layers of a scanned stack are one module whose caches
+        get a leading layer axis of ``num_layers``."""
         layers = [self.layers] if self.scan else list(self.layers)
         num_layers = self.num_layers if self.scan else None
         for layer in layers:
-            layer.self_attention.init_cache(
-                batch_size, max_length, dtype=dtype, num_layers=num_layers
+            layer.init_cache(
+                batch_size,
+                max_length,
+                context_length=context_length,
+                dtype=dtype,
+                num_layers=num_layers,
             )
-            if context_length is not None and layer.cross_attention is not None:
-                layer.cross_attention.init_cache(
-                    batch_size, context_length, dtype=dtype, num_layers=num_layers
-                )
 
 
 def stack_layer_states(layer_states: list) -> nnx.State:
@@ -116,15 +117,3 @@ def stack_layer_states(layer_states: list) -> nnx.State:
         if names:
             variable.set_metadata("out_sharding", ("layers", *names))
     return stacked
-
-
-def unstack_layer_state(stacked: nnx.State, index: int) -> nnx.State:
-    """Layer ``index`` of the state of a scanned stack (its leading ``"layers"`` axis sliced off
-    the arrays and the logical axis names): the inverse of
-    :func:`stack_layer_states`."""
-    layer = jax.tree.map(lambda x: x[index], stacked)  # new Variables: ``stacked`` is untouched
-    for _, variable in nnx.to_flat_state(layer):
-        names = variable.get_metadata().get("out_sharding")
-        if names and names[0] == "layers":
-            variable.set_metadata("out_sharding", tuple(names[1:]))
-    return layer

@@ -285,11 +285,13 @@ def _checkpoint_model(path: str, values: Mapping[str, Any]) -> dict[str, Any]:
             f"init_from={path}: fine-tuning supports decoder LMs and "
             f"encoder-decoders, not {cfg.kind!r} models"
         )
-    checkpoint = dataclasses.asdict(cfg)
+    checkpoint, underived = cfg.to_dict(), cfg.to_dict(derived=False)
     for key, value in model.items():
-        # ... and the checkpoint's model values: those are no change.
-        if key not in INIT_FROM_MODEL_KEYS and _plain_json(value) != _plain_json(
-            checkpoint.get(key, _MISSING)
+        # ... and the checkpoint's model values (a derived default as its value or None, as
+        # config.yaml of older runs has it): those are no change.
+        if key not in INIT_FROM_MODEL_KEYS and _plain_json(value) not in (
+            _plain_json(checkpoint.get(key, _MISSING)),
+            _plain_json(underived.get(key, _MISSING)),
         ):
             allowed = ", ".join(f"model.{k}" for k in INIT_FROM_MODEL_KEYS)
             raise ConfigError(

@@ -74,6 +74,8 @@ def _default_dict(field: dataclasses.Field) -> dict[str, Any] | None:
     default = field.default
     if field.default_factory is not dataclasses.MISSING:
         default = field.default_factory()
+    if isinstance(default, ModelConfig):  # derived defaults follow the values laid over them
+        return default.to_dict(derived=False)
     if dataclasses.is_dataclass(default):
         return dataclasses.asdict(default)
     return dict(default) if isinstance(default, Mapping) else None

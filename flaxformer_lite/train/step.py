@@ -52,11 +52,11 @@ def model_loss(
             batch["inputs"], positions=batch.get("positions"), segment_ids=batch.get("segment_ids")
         )
     elif task == "seq2seq":
-        logits = model(batch["src"], batch["inputs"], src_mask=batch["src_mask"])
+        logits = model(batch["src"], batch["inputs"], padding_mask=batch["src_mask"])
     elif task == "mlm":
-        logits = model(batch["inputs"], mask=batch["mask"])
+        logits = model(batch["inputs"], padding_mask=batch["mask"])
     elif task == "classify":
-        logits = model.classify(batch["inputs"], mask=batch["mask"])
+        logits = model.classify(batch["inputs"], padding_mask=batch["mask"])
         return ops.cross_entropy(
             logits,
             batch["labels"],

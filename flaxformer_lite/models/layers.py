@@ -1,7 +1,8 @@
 """Transformer layers: self-attention, optional cross-attention and the MLP, each a residual
 sublayer with its norm before (pre-LN) or after (post-LN, the paper) the residual sum.
 
-The layers read their hyper-parameters from a ``flaxformer_lite.models.ModelConfig`` (``cfg``).
+The layers and their parts are built from a :class:`ModelConfig`; the modules they are made of
+(``nn``) take explicit arguments.
 """
 
 from __future__ import annotations
@@ -9,25 +10,26 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
+from flaxformer_lite.models.config import ModelConfig
 from flaxformer_lite.nn.attention import MultiHeadAttention
 from flaxformer_lite.nn.dense import KernelInit, residual_scale
 from flaxformer_lite.nn.mlp import MLP
 from flaxformer_lite.nn.norms import make_norm
 
 
-def make_layer_norm(cfg, rngs: nnx.Rngs):
-    """The norm ``cfg`` asks for (``layernorm`` or ``rmsnorm``), size ``d_model``."""
+def make_layer_norm(cfg: ModelConfig, rngs: nnx.Rngs):
+    """The norm ``cfg`` asks for (``layernorm`` or ``rmsnorm``) over D = ``d_model``."""
     return make_norm(
         cfg.norm,
         cfg.d_model,
         eps=cfg.norm_eps,
-        dtype=cfg.compute_dtype,
-        param_dtype=cfg.storage_dtype,
+        dtype=cfg.dtype,
+        param_dtype=cfg.param_dtype,
         rngs=rngs,
     )
 
 
-def residual_init(cfg, num_layers: int) -> KernelInit:
+def residual_init(cfg: ModelConfig, num_layers: int) -> KernelInit:
     """The initializer of projections that write into the residual stream (attention and MLP
     outputs): GPT-2 scales it by ``1 / sqrt(2 * num_layers)`` (``scale_residual_init``)."""
     if cfg.scale_residual_init:
@@ -35,7 +37,9 @@ def residual_init(cfg, num_layers: int) -> KernelInit:
     return cfg.kernel_init
 
 
-def make_attention(cfg, *, num_layers: int, cross: bool, rngs: nnx.Rngs, attention_fn=None):
+def make_attention(
+    cfg: ModelConfig, *, num_layers: int, cross: bool, rngs: nnx.Rngs, attention_fn=None
+) -> MultiHeadAttention:
     """A ``MultiHeadAttention`` configured by ``cfg`` (self- or cross-attention)."""
     return MultiHeadAttention(
         cfg.d_model,
@@ -52,8 +56,8 @@ def make_attention(cfg, *, num_layers: int, cross: bool, rngs: nnx.Rngs, attenti
         implementation=cfg.attention_implementation,
         init=cfg.kernel_init,
         out_init=residual_init(cfg, num_layers),
-        dtype=cfg.compute_dtype,
-        param_dtype=cfg.storage_dtype,
+        dtype=cfg.dtype,
+        param_dtype=cfg.param_dtype,
         rngs=rngs,
     )
 
@@ -77,7 +81,7 @@ class TransformerLayer(nnx.Module):
 
     def __init__(
         self,
-        cfg,
+        cfg: ModelConfig,
         *,
         num_layers: int,
         causal: bool,
@@ -105,8 +109,8 @@ class TransformerLayer(nnx.Module):
             use_bias=cfg.mlp_bias,
             init=cfg.kernel_init,
             out_init=residual_init(cfg, num_layers),
-            dtype=cfg.compute_dtype,
-            param_dtype=cfg.storage_dtype,
+            dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
             rngs=rngs,
         )
         # A parallel block normalizes once for both branches.
@@ -168,6 +172,24 @@ class TransformerLayer(nnx.Module):
             x = self._sublayer(x, self.cross_attention_norm, cross_attention)
         return self._sublayer(x, self.mlp_norm, self.mlp)
 
+    def init_cache(
+        self,
+        batch_size: int,
+        max_length: int,
+        *,
+        context_length: int | None = None,
+        dtype=None,
+        num_layers: int | None = None,
+    ) -> None:
+        """Allocates the self-attention KV cache of ``max_length`` slots and, with
+        ``context_length``, the cross-attention cache of the context's keys/values;
+        ``num_layers`` prefixes a layer axis (the stacked layer of a scanned stack)."""
+        self.self_attention.init_cache(batch_size, max_length, dtype=dtype, num_layers=num_layers)
+        if context_length is not None and self.cross_attention is not None:
+            self.cross_attention.init_cache(
+                batch_size, context_length, dtype=dtype, num_layers=num_layers
+            )
+
     def _cross(self, context, context_mask, cache_index):
         cached = cache_index is not None and self.cross_attention.cached_key is not None
         if context is None and not cached:
@@ -185,7 +207,7 @@ class TransformerLayer(nnx.Module):
 class EncoderLayer(TransformerLayer):
     """Bidirectional self-attention and MLP (the paper's encoder layer, BERT's layer)."""
 
-    def __init__(self, cfg, *, num_layers: int, rngs: nnx.Rngs, attention_fn=None):
+    def __init__(self, cfg: ModelConfig, *, num_layers: int, rngs: nnx.Rngs, attention_fn=None):
         super().__init__(
             cfg,
             num_layers=num_layers,
@@ -200,7 +222,13 @@ class DecoderLayer(TransformerLayer):
     """Causal self-attention, cross-attention to the encoder (if ``cross_attention``) and MLP."""
 
     def __init__(
-        self, cfg, *, num_layers: int, cross_attention: bool, rngs: nnx.Rngs, attention_fn=None
+        self,
+        cfg: ModelConfig,
+        *,
+        num_layers: int,
+        cross_attention: bool,
+        rngs: nnx.Rngs,
+        attention_fn=None,
     ):
         super().__init__(
             cfg,

@@ -1,0 +1,154 @@
+"""Hugging Face interop errors and checkpoint layouts: what ``load_hf`` cannot read and what
+``save_hf`` cannot write is named (the missing file, tensor or setting), and checkpoints in older
+layouts load. These tests write their checkpoints with ``save_hf``: no ``torch`` needed.
+"""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hf_checkpoints import VOCAB, edit_config, max_diff
+from safetensors.numpy import load_file, save_file
+
+from flaxformer_lite.interop import SUPPORTED, load_hf, save_hf
+from flaxformer_lite.models import ModelConfig, build_model
+
+pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
+
+
+@pytest.fixture(scope="module")
+def ids():
+    """Random token ids ``[2, 13]``, int64 numpy (as a tokenizer gives them)."""
+    return np.random.default_rng(0).integers(0, VOCAB, (2, 13))
+
+
+@pytest.fixture
+def tiny_gpt2_dir(tmp_path):
+    """A checkpoint written by ``save_hf`` (no torch needed)."""
+    cfg = ModelConfig.from_preset("gpt2-tiny")
+    save_hf(build_model(cfg, rngs=nnx.Rngs(0)), cfg, tmp_path)
+    return tmp_path
+
+
+def test_unknown_architecture_lists_supported(tiny_gpt2_dir):
+    edit_config(tiny_gpt2_dir, architectures=["BertForTokenClassification"], model_type="bert")
+    with pytest.raises(ValueError, match="BertForTokenClassification") as error:
+        load_hf(tiny_gpt2_dir)
+    assert all(name in str(error.value) for name in SUPPORTED)
+
+
+def test_missing_files_are_named(tiny_gpt2_dir, tmp_path_factory):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_hf(tiny_gpt2_dir / "nowhere")
+    empty = tmp_path_factory.mktemp("empty")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_hf(empty)
+    (empty / "config.json").write_text((tiny_gpt2_dir / "config.json").read_text())
+    (empty / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="model.safetensors.*pytorch_model.bin"):
+        load_hf(empty)
+
+
+def test_missing_shard_is_named(tiny_gpt2_dir):
+    names = load_file(tiny_gpt2_dir / "model.safetensors")
+    index = {"weight_map": {name: "model-00001-of-00002.safetensors" for name in names}}
+    (tiny_gpt2_dir / "model.safetensors").unlink()
+    (tiny_gpt2_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(FileNotFoundError, match="model-00001-of-00002"):
+        load_hf(tiny_gpt2_dir)
+
+
+def test_missing_and_extra_tensors_are_named(tiny_gpt2_dir):
+    file = tiny_gpt2_dir / "model.safetensors"
+    tensors = load_file(file)
+    save_file({k: v for k, v in tensors.items() if k != "transformer.h.1.mlp.c_fc.bias"}, file)
+    with pytest.raises(ValueError, match=r"lacks.*h\.1\.mlp\.c_fc\.bias"):
+        load_hf(tiny_gpt2_dir)
+    save_file({**tensors, "transformer.h.0.extra.weight": np.zeros(3, np.float32)}, file)
+    with pytest.raises(ValueError, match=r"does not use.*h\.0\.extra\.weight"):
+        load_hf(tiny_gpt2_dir)
+    edit_config(tiny_gpt2_dir, n_embd=32)
+    save_file(tensors, file)
+    with pytest.raises(ValueError, match="shape"):
+        load_hf(tiny_gpt2_dir)
+
+
+def test_gpt2_bare_names_and_buffers(tiny_gpt2_dir, ids):
+    """Original OpenAI conversions name tensors without ``transformer.`` and may carry the causal
+    mask buffers ``h.{i}.attn.bias``: both load to the same model."""
+    expected = load_hf(tiny_gpt2_dir)[0](ids)
+    file = tiny_gpt2_dir / "model.safetensors"
+    tensors = {k.removeprefix("transformer."): v for k, v in load_file(file).items()}
+    tensors["h.0.attn.bias"] = np.tril(np.ones((1, 1, 8, 8), np.float32))
+    save_file(tensors, file)
+    assert max_diff(load_hf(tiny_gpt2_dir)[0](ids), expected) == 0.0
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(activation_function="gelu_10"), "activation_function='gelu_10'"),
+        (dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
+    ],
+)
+def test_unsupported_gpt2_settings_are_named(tiny_gpt2_dir, changes, message):
+    edit_config(tiny_gpt2_dir, **changes)
+    with pytest.raises(ValueError, match=message):
+        load_hf(tiny_gpt2_dir)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+        (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope type 'yarn'"),
+        (
+            dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
+            "rope type 'dynamic'",
+        ),
+        (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "beta": 1.0}), "beta"),
+    ],
+)
+def test_unsupported_llama_settings_are_named(tmp_path, changes, message):
+    cfg = ModelConfig.from_preset("llama-tiny")
+    save_hf(build_model(cfg, rngs=nnx.Rngs(0)), cfg, tmp_path)
+    edit_config(tmp_path, **changes)
+    with pytest.raises(ValueError, match=message):
+        load_hf(tmp_path)
+
+
+def test_save_hf_rejects_other_architectures(tmp_path):
+    cfg = ModelConfig.from_preset("llama-tiny", rope_layout="interleaved")
+    with pytest.raises(ValueError, match="rope_layout='interleaved'"):
+        save_hf(build_model(cfg, rngs=nnx.Rngs(0)), cfg, tmp_path)
+    cfg = ModelConfig.from_preset("transformer-tiny")
+    with pytest.raises(ValueError, match="save_hf writes only"):
+        save_hf(build_model(cfg, rngs=nnx.Rngs(0)), cfg, tmp_path)
+
+
+def test_load_hf_dtype(tiny_gpt2_dir):
+    model, cfg = load_hf(tiny_gpt2_dir, dtype="bfloat16")
+    assert cfg.dtype == cfg.param_dtype == "bfloat16"
+    assert model.embed.tokens.embedding[...].dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match="dtype"):
+        load_hf(tiny_gpt2_dir, dtype="int8")
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(activation_function="gelu_10"), "activation_function='gelu_10'"),
+        (dict(decoder_attention_heads=2), "encoder_attention_heads=4 != decoder_attention_heads"),
+        (dict(decoder_vocab_size=64), "decoder_vocab_size=64"),
+    ],
+)
+def test_unsupported_marian_settings_are_named(tmp_path, changes, message):
+    cfg = ModelConfig.from_preset(
+        "transformer-tiny", sinusoidal_layout="concat", norm_eps=1e-5, output_bias=True
+    )
+    save_hf(build_model(cfg, rngs=nnx.Rngs(0)), cfg, tmp_path)
+    edit_config(tmp_path, **changes)
+    with pytest.raises(ValueError, match=message):
+        load_hf(tmp_path)
