@@ -18,6 +18,17 @@ from flaxformer_lite.models import ModelConfig
 from flaxformer_lite.train.config import TrainConfig
 
 
+def versions_line(summary: dict) -> str:
+    """The first line of a benchmark's table: JAX's and (when it ran) the peer's versions."""
+    line = f"jax {summary['jax']}, backend {summary['backend']}, {summary['cpu_count']} CPUs"
+    if "torch" in summary:
+        line += (
+            f"; torch {summary['torch']} (OMP_WAIT_POLICY={summary['omp_wait_policy']}), "
+            f"transformers {summary['transformers']}"
+        )
+    return line
+
+
 def load_torch():
     """``((torch, transformers), None)``, or ``(None, the reason they cannot be used)``."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when torch loads OpenMP

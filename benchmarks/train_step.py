@@ -425,15 +425,7 @@ def main(argv=None) -> dict:
     summary = run(args)
     default_size = all(getattr(args, k) == v for k, v in DEFAULT_SIZE.items()) and not args.d_ff
     model = summary["model"]
-    print(
-        f"jax {summary['jax']}, backend {summary['backend']}, {summary['cpu_count']} CPUs"
-        + (
-            f"; torch {summary['torch']} (OMP_WAIT_POLICY={summary['omp_wait_policy']}), "
-            f"transformers {summary['transformers']}"
-            if "torch" in summary
-            else ""
-        )
-    )
+    print(hf_gpt2.versions_line(summary))
     print(
         f"GPT-2-style: {model['num_decoder_layers']} layers, d_model {model['d_model']}, "
         f"{model['num_heads']} heads, d_ff {model['d_ff']}, vocab {model['vocab_size']} "
