@@ -98,8 +98,14 @@ def test_derived_defaults_are_resolved_once_and_follow_replace():
     assert ModelConfig.from_dict({**gpt2.to_dict(), "num_kv_heads": None}) == gpt2
     underived = gpt2.to_dict(derived=False)
     assert (underived["num_kv_heads"], underived["head_dim"]) == (None, None)
-    # A value at its derived default follows what it derives from; a chosen one stays.
+    # A derived value follows what it derives from; a chosen one stays, even one equal to it.
     assert (gpt2.replace(num_heads=8).num_kv_heads, gpt2.replace(num_heads=8).head_dim) == (8, 8)
+    chosen = ModelConfig.from_preset("llama-tiny", num_kv_heads=4, head_dim=16)
+    assert chosen.to_dict(derived=False)["num_kv_heads"] == 4
+    assert (chosen.replace(num_heads=8).num_kv_heads, chosen.replace(d_model=128).head_dim) == (
+        4,
+        16,
+    )
     assert gpt2.replace(d_model=128).head_dim == 32
     assert gpt2.replace(num_heads=2, num_kv_heads=1, fused_qkv=False).num_kv_heads == 1
     llama = ModelConfig.from_preset("llama-tiny")  # num_kv_heads=2 of 4 heads

@@ -110,16 +110,13 @@ class ModelConfig:
     def to_dict(self, *, derived: bool = True) -> dict[str, Any]:
         """Plain values (YAML/JSON-ready); ``from_dict(to_dict())`` is the same config.
 
-        ``derived=False`` gives None for a value still at its derived default
-        (``num_kv_heads == num_heads``, ``head_dim == d_model // num_heads``): values laid over
-        that dict (:meth:`replace`, a partial ``model`` section of a run config) derive it anew.
+        ``derived=False`` gives None for a value that was derived (``num_kv_heads`` and
+        ``head_dim`` left unset): values laid over that dict (:meth:`replace`, a partial ``model``
+        section of a run config, a saved ``config.yaml``) derive it anew.
         """
         values = dataclasses.asdict(self)
         if not derived:
-            if self.num_kv_heads == self.num_heads:
-                values["num_kv_heads"] = None
-            if self.head_dim * self.num_heads == self.d_model:
-                values["head_dim"] = None
+            values.update(dict.fromkeys(self._derived))
         return values
 
     def replace(self, **changes: Any) -> ModelConfig:
@@ -163,7 +160,10 @@ class ModelConfig:
                 f"d_model ({self.d_model}) is not divisible by num_heads ({self.num_heads}); "
                 "set head_dim explicitly"
             )
-        # The defaults derived from other fields, resolved once: every reader sees ints.
+        # The defaults derived from other fields, resolved once: every reader sees ints. Which
+        # ones were derived is kept (not a field: equality and asdict ignore it) for to_dict.
+        derived = frozenset(n for n in ("num_kv_heads", "head_dim") if getattr(self, n) is None)
+        object.__setattr__(self, "_derived", derived)
         if self.num_kv_heads is None:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
         if self.head_dim is None:

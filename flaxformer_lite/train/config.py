@@ -160,7 +160,9 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain values (lists for tuples), ready for YAML and JSON;
         ``config_from_dict(cfg.to_dict()) == cfg``."""
-        return _plain(dataclasses.asdict(self))
+        values = dataclasses.asdict(self)
+        values["model"] = self.model.to_dict(derived=False)  # derived values stay derived
+        return _plain(values)
 
 
 # Keys that may change when a run resumes: they do not change what is being trained.
