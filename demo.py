@@ -17,10 +17,10 @@ from flaxformer_lite.models import PRESETS, ModelConfig, build_model, parameter_
 
 def main():
     rng = np.random.default_rng(0)
-    batch, length, heads, kv_heads, head_dim = 2, 256, 8, 2, 32
+    batch, length, heads, num_kv_heads, head_dim = 2, 256, 8, 2, 32
     q = jnp.asarray(rng.standard_normal((batch, length, heads, head_dim)), jnp.float32)
     k, v = (
-        jnp.asarray(rng.standard_normal((batch, length, kv_heads, head_dim)), jnp.float32)
+        jnp.asarray(rng.standard_normal((batch, length, num_kv_heads, head_dim)), jnp.float32)
         for _ in range(2)
     )
     lengths = jnp.array([length, length - 100])
@@ -33,7 +33,7 @@ def main():
         name: attend(q, k, v, mask=mask, is_causal=True, implementation=name)
         for name in ("xla", "chunked")
     }
-    expanded = [jnp.repeat(x, heads // kv_heads, axis=2) for x in (k, v)]
+    expanded = [jnp.repeat(x, heads // num_kv_heads, axis=2) for x in (k, v)]
     reference = jax.nn.dot_product_attention(q, *expanded, mask=mask, is_causal=True)
     real = np.asarray(jnp.arange(length)[None, :, None, None] < lengths[:, None, None, None])
     for name, out in outputs.items():

@@ -1,7 +1,7 @@
 """A deliberately naive float64 NumPy attention, independent of the library's code.
 
 It checks ``ops.reference_attention`` itself (test_attention_reference.py), against which the
-implementations are then tested, and the ``nn`` modules (test_nn.py).
+implementations are then tested, and the ``nn`` modules (test_nn_attention.py).
 """
 
 import numpy as np

@@ -110,7 +110,7 @@ def test_padding_keys_get_zero_weight(preset):
 
 
 def naive_weights(q, k, bias, mask, is_causal):
-    """softmax(q kᵀ / sqrt(D) + bias) in float64 numpy, query head n on key head n // G."""
+    """softmax(q kᵀ / sqrt(Dh) + bias) in float64 numpy, query head n on key head n // G."""
     q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
     k = np.repeat(k, q.shape[2] // k.shape[2], axis=2)
     logits = np.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])

@@ -259,7 +259,7 @@ def sequence_log_prob(model, src, target, eos_id):
 @pytest.fixture(scope="module", params=["loop", "scan"])
 def seq2seq_case(request):
     # Pre-LN: the post-LN tiny model's greedy output repeats one token (a weak check); the
-    # decode path is the same for both (tests/test_models.py covers post-LN decoding).
+    # decode path is the same for both (tests/test_models_variants.py covers post-LN decoding).
     model = make("transformer-tiny", norm_position="pre", scan_layers=request.param == "scan")
     references = [
         seq2seq_reference(model, SOURCES[b, :n], NEW) for b, n in enumerate(SOURCE_LENGTHS)
@@ -345,9 +345,8 @@ def test_beams_are_sorted_and_scored_by_their_length_normalized_log_prob(seq2seq
                 assert (beam[beam.tolist().index(eos_id) + 1 :] == 0).all()
     assert saw_eos
 
-    # The best beam is at least as good as the greedy hypothesis. Both are scored by the same
-    # full pass: the search's own (cached) score sums in another order, and when the best beam
-    # is the greedy hypothesis the two differ in the last bits, by a CPU-dependent sign.
+    # The best beam is at least as good as the greedy hypothesis, both scored by the same full
+    # pass: the search's own (cached) score sums in another order, by a CPU-dependent amount.
     def full_pass_score(src, target):
         log_prob, length = sequence_log_prob(model, src, target, eos_id)
         return log_prob / ((5 + length) / 6) ** alpha
@@ -355,7 +354,9 @@ def test_beams_are_sorted_and_scored_by_their_length_normalized_log_prob(seq2seq
     for b, n in enumerate(SOURCE_LENGTHS):
         best = full_pass_score(SOURCES[b, :n], tokens[b, 0])
         greedy = full_pass_score(SOURCES[b, :n], references[b])
-        assert best >= greedy - 1e-3 * abs(greedy), (best, greedy)  # as rtol above
+        # Equal when the best beam is the greedy hypothesis; otherwise the search ranked it
+        # higher, and two nearly tied hypotheses may swap within float32 round-off.
+        assert best >= greedy - 1e-5 * abs(greedy), (best, greedy)
 
 
 def test_seq2seq_bad_arguments():

@@ -48,7 +48,7 @@ QUICK = [
     "data.eval_size=16",
     "checkpoint.every=5",
 ]
-RUN_TIMEOUT = 420  # seconds for runs started together, on a loaded machine; normally < 60
+RUN_TIMEOUT = 420  # seconds for runs started together, on a loaded machine
 COMPILED = "compiled the train step"  # process 0's line after the first step
 
 

@@ -58,7 +58,7 @@ def reference_t5_bucket(relative_position, bidirectional, num_buckets, max_dista
 
 
 def reference_bloom_slopes(num_heads):
-    """HF BLOOM's `build_alibi_tensor` slope formula."""
+    """HF BLOOM's ``build_alibi_tensor`` slope formula."""
     closest_power_of_2 = 2 ** math.floor(math.log2(num_heads))
     base = 2 ** (-(2 ** -(math.log2(closest_power_of_2) - 3)))
     slopes = [base**power for power in range(1, 1 + closest_power_of_2)]

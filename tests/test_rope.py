@@ -47,9 +47,9 @@ def reference_llama3(inv_freq, factor, low_freq_factor, high_freq_factor, old_co
 
 
 def reference_rope_half(x, positions, inv_freq):
-    """Port of Hugging Face Llama's `apply_rotary_pos_emb` with `rotate_half`."""
+    """Port of Hugging Face Llama's ``apply_rotary_pos_emb`` with ``rotate_half``."""
     x = np.asarray(x, np.float64)
-    freqs = np.asarray(positions, np.float64)[..., None] * inv_freq  # [(B,) T, D/2]
+    freqs = np.asarray(positions, np.float64)[..., None] * inv_freq  # [(B,) T, Dh/2]
     emb = np.concatenate([freqs, freqs], axis=-1)[..., None, :]  # heads axis
     half = x.shape[-1] // 2
     rotate_half = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)

@@ -50,7 +50,7 @@ def generate(
       pad_id: written after a row's last token.
 
     Returns:
-      int32 ``[B, T + N]``: row ``b`` is its prompt, its new tokens, then ``pad_id``.
+      int32 ``[B, T + max_new_tokens]``: row ``b`` is its prompt, its new tokens, then ``pad_id``.
     """
     check_model(model, DecoderLM, "generate")
     prompt_tokens = jnp.asarray(prompt_tokens)

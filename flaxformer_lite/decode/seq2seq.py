@@ -50,7 +50,7 @@ def seq2seq_generate(
       pad_id: written after a row's last token.
 
     Returns:
-      int32 ``[B, N]``: the targets (without ``sos_id``), ``pad_id`` after ``eos_id``.
+      int32 ``[B, max_new_tokens]``: the targets (without ``sos_id``), ``pad_id`` after ``eos_id``.
     """
     check_model(model, EncoderDecoder, "seq2seq_generate")
     src, src_mask = _source(src, src_lengths)
@@ -122,8 +122,8 @@ def beam_search(
       alpha: the length penalty exponent, >= 0 (0 ranks by log-probability).
 
     Returns:
-      ``(tokens, scores)``: int32 ``[B, K, N]`` targets (``pad_id`` after ``eos_id``) and float32
-      ``[B, K]`` scores, best first.
+      ``(tokens, scores)``: int32 ``[B, beam_size, max_new_tokens]`` targets (``pad_id`` after
+      ``eos_id``) and float32 ``[B, beam_size]`` scores, best first.
     """
     check_model(model, EncoderDecoder, "beam_search")
     src, src_mask = _source(src, src_lengths)
@@ -230,16 +230,17 @@ def _beam_search(
 
 
 def _best(seqs, scores, k):
-    """The ``k`` highest-scoring of ``seqs [B, M, N]`` / ``scores [B, M]``, best first."""
+    """The ``k`` highest-scoring of ``seqs [B, candidates, length]`` / ``scores [B, candidates]``,
+    best first."""
     scores, index = jax.lax.top_k(scores, k)
     return jnp.take_along_axis(seqs, index[:, :, None], axis=1), scores
 
 
 def _reorder_cache(cache, rows, scanned: bool):
-    """Gathers the cache's batch rows (``rows [B*K]``: the parent beam of each new beam).
+    """Gathers the cache's batch rows (``rows [B * beam_size]``: the parent beam of each new beam).
 
-    Attention caches are ``[B*K, L, Hk, Dh]`` (``[layers, B*K, ...]`` for scanned layers), the
-    decode state's slot mask ``[B*K, L]``; its scalar index is shared.
+    Attention caches are ``[B * beam_size, Hk, S, Dh]`` (``[L, B * beam_size, ...]`` for scanned
+    layers), the decode state's slot mask ``[B * beam_size, S]``; its scalar index is shared.
     """
 
     def gather(path, x):

@@ -70,7 +70,7 @@ class DecoderLM(nnx.Module):
             ``max_length`` get NaN logits.
 
         Returns:
-          ``[B, T, vocab_size]`` logits (``[B, T, output_dim]`` with a regression head) in the
+          ``[B, T, V]`` logits (``[B, T, output_dim]`` with a regression head) in the
           compute dtype.
         """
         batch, length = inputs.shape[:2]

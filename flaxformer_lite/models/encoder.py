@@ -105,7 +105,7 @@ class Encoder(nnx.Module):
 
     def __call__(self, inputs: jax.Array, **kwargs) -> jax.Array:
         """With ``num_classes``, the class logits ``[B, num_classes]`` of :meth:`classify`;
-        otherwise masked-LM logits ``[B, T, vocab_size]`` (``[B, T, output_dim]`` for
+        otherwise masked-LM logits ``[B, T, V]`` (``[B, T, output_dim]`` for
         regression). ``inputs`` and keyword arguments as :meth:`encode`."""
         if self.classifier is not None:
             return self.classify(inputs, **kwargs)

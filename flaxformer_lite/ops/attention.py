@@ -48,17 +48,6 @@ logger = logging.getLogger(__name__)
 
 IMPLEMENTATIONS = ("xla", "chunked", "cudnn")
 
-# From this many float32 logits per call (B·H·T·S, 128 MiB of them) the automatic choice on
-# CPU/TPU is "chunked": its memory stays O(T) for a little more time, where the O(T·S) buffers
-# of "xla" would grow past hundreds of MiB.
-CHUNKED_MIN_LOGITS = 8 * 2048 * 2048
-
-# With a causal or windowed mask, "xla" splits more queries than this into blocks of this many
-# rows, each against only the keys its rows can see, and so skips most hidden logits. Longer
-# queries use larger blocks, at most MAX_QUERY_BLOCKS, as each block is its own pair of matmuls.
-QUERY_BLOCK_ROWS = 128
-MAX_QUERY_BLOCKS = 8
-
 
 def reference_attention(
     query: jax.Array,
@@ -97,6 +86,18 @@ def reference_attention(
         "bhts,bshd->bthd", weights.astype(value.dtype), value, preferred_element_type=jnp.float32
     )
     return out.astype(query.dtype)
+
+
+# From this many float32 logits per call (B·H·T·S, 128 MiB of them) the automatic choice on
+# CPU/TPU is "chunked": its memory stays O(T) for a little more time, where the O(T·S) buffers
+# of "xla" would grow past hundreds of MiB.
+CHUNKED_MIN_LOGITS = 8 * 2048 * 2048
+
+# With a causal or windowed mask, "xla" splits more queries than this into blocks of this many
+# rows, each against only the keys its rows can see, and so skips most hidden logits. Longer
+# queries use larger blocks, at most MAX_QUERY_BLOCKS, as each block is its own pair of matmuls.
+QUERY_BLOCK_ROWS = 128
+MAX_QUERY_BLOCKS = 8
 
 
 def dot_product_attention(

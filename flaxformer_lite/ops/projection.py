@@ -5,11 +5,9 @@ forward and the same gradients, computed by a custom VJP (conventions in
 :mod:`flaxformer_lite.ops`) that chooses how the kernel gradient ``dW = xᵀ g`` (``g`` the output
 gradient) is formed.
 
-Why: ``dW`` contracts the leading (token) axes of both operands, so a CPU GEMM first copies one
-of them transposed. Autodiff always copies ``g``, in a pre-LN Transformer often the residual
-gradient that XLA re-derives inside each copy; copying the narrower operand (``x [T, D]`` rather
-than a tied embedding's ``[T, V]`` logit gradient) moves less data, and GPU and TPU GEMMs, which
-read transposed operands natively, lose nothing.
+Why: ``dW`` contracts the token axes of both operands, so a CPU GEMM first copies one of them
+transposed. Autodiff always copies ``g`` (often a residual gradient XLA re-derives in each copy);
+this copies the narrower operand. GPU and TPU GEMMs read transposed operands and lose nothing.
 """
 
 from __future__ import annotations
