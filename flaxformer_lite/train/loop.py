@@ -185,7 +185,31 @@ def _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log):
     writer = MetricsWriter(run_dir, resume_step=step) if main else _NoMetrics()
     bar = _progress_bar(cfg.train.steps, step, progress)
     last: dict[str, float] = {}
-    window_start, window_steps = None, 0
+    total = cfg.train.steps
+
+    def check_finite(at: int, metrics) -> None:
+        """Stops the run (or logs, with ``train.skip_nonfinite``) if step ``at`` was not finite;
+        waits for that step to finish."""
+        if bool(metrics["finite"]):
+            return
+        message = (
+            f"step {at}: the loss or a gradient is not finite (loss "
+            f"{float(metrics['loss'])}); the update was skipped"
+        )
+        if not cfg.train.skip_nonfinite:
+            checkpointer.wait()  # a save in flight is good: name it as the last one
+            raise TrainingError(
+                f"{message} and the run stopped; last good checkpoint: "
+                f"step {checkpointer.latest_step()}"
+            )
+        log(message)
+
+    # The host runs one step ahead of the devices: it dispatches step s, takes and places batch
+    # s + 1 while s runs, and reads a step's results only when they are due (logging, eval, a
+    # checkpoint) or, for its finite flag, one step late, once the next step is dispatched.
+    batch = place(next(data.train)) if step < total else None
+    unchecked = None  # (step, metrics) of the step whose finite flag is not read yet
+    window_start, window_step = None, step  # tokens/s: steady-state training steps only
     # The steps are traced under the mesh and rules: the layers pin their activations' layout.
     with (
         _stop_on_signals() as stop,
@@ -194,39 +218,43 @@ def _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log):
         jax.set_mesh(mesh),
         nnx.logical_axis_rules(parallel.rule_pairs(rules)),
     ):
-        while step < cfg.train.steps:
-            batch = place(next(data.train))
+        while step < total:
             started = time.perf_counter()
             state, metrics = train_step(state, batch)
             step += 1
-            if not bool(metrics["finite"]):
-                message = (
-                    f"step {step}: the loss or a gradient is not finite (loss "
-                    f"{float(metrics['loss'])}); the update was skipped"
-                )
-                if not cfg.train.skip_nonfinite:
-                    raise TrainingError(
-                        f"{message} and the run stopped; last good checkpoint: "
-                        f"step {checkpointer.latest_step()}"
-                    )
-                log(message)
+            bar.update(1)
+            # The state a checkpoint at this step saves: the batches handed out so far.
+            data_state = data.train.get_state()
+            if step < total:
+                batch = place(next(data.train))
+            if unchecked is not None:  # the previous step: its successor is queued already
+                check_finite(*unchecked)
+            unchecked = (step, metrics)
+            signum = _agreed_signal(stop.signum)
+            final = step == total or signum is not None
+            log_due = step % cfg.train.log_every == 0 or step == total
+            eval_due = step % cfg.train.eval_every == 0 or step == total
+            saving = final or step % cfg.checkpoint.every == 0
+            if window_start is not None and not (log_due or eval_due or saving):
+                continue
+            # Due: wait for this step; a checkpoint is written only after its flag is read.
+            check_finite(*unchecked)
+            unchecked = None
             if window_start is None:  # the first step compiled: time the steady state after it
                 log(f"compiled the train step in {time.perf_counter() - started:.1f} s")
-                window_start, window_steps = time.perf_counter(), 0
-            else:
-                window_steps += 1
-            bar.update(1)
+                window_start, window_step = time.perf_counter(), step
             values = {}
-            if step % cfg.train.log_every == 0 or step == cfg.train.steps:
+            if log_due:
                 elapsed = time.perf_counter() - window_start
-                tokens_per_sec = window_steps * tokens_per_step / elapsed if window_steps else None
+                steps_timed = step - window_step
+                tokens_per_sec = steps_timed * tokens_per_step / elapsed if steps_timed else None
                 values = {k: float(metrics[k]) for k in ("loss", "accuracy", "grad_norm")}
                 values["learning_rate"] = float(schedule(step - 1))
                 values["tokens_per_sec"] = tokens_per_sec
                 values["mfu"] = (
                     flops_per_token * tokens_per_sec / peak if peak and tokens_per_sec else None
                 )
-            if step % cfg.train.eval_every == 0 or step == cfg.train.steps:
+            if eval_due:
                 batches = map(place, data.eval_batches())
                 values |= evaluate(eval_step, state, batches, cfg.train.eval_batches)
                 if task in ("lm", "seq2seq"):
@@ -236,14 +264,11 @@ def _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log):
                 writer.write(step, values)
                 last = values
                 bar.set_postfix({k: f"{v:.4g}" for k, v in values.items() if v is not None})
-            signum = _agreed_signal(stop.signum)
-            final = step == cfg.train.steps or signum is not None
-            saving = final or step % cfg.checkpoint.every == 0
             if saving:  # no state conversion on other steps
                 checkpointer.save(
                     step,
                     to_savable(state),
-                    data_state=data.train.get_state(),
+                    data_state=data_state,
                     config=cfg.to_dict(),
                     force=final,
                     metrics={"eval_loss": values["eval_loss"]} if "eval_loss" in values else None,
@@ -252,7 +277,7 @@ def _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log):
                 checkpointer.wait()
                 raise Interrupted(signum, step)
             if values or saving:  # tokens/s times training steps alone, not evals or saves
-                window_start, window_steps = time.perf_counter(), 0
+                window_start, window_step = time.perf_counter(), step
         checkpointer.wait()
     if main:
         plot_run(run_dir)
