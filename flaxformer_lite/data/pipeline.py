@@ -83,7 +83,6 @@ class DataConfig:
       mlm_probability: share of an ``mlm`` example's tokens to predict.
       train_size: at most this many training examples (None: all; synthetic: 1,000,000).
       eval_size: at most this many validation examples (None: all; synthetic: 1,000).
-      prefetch: training batches made ahead in a background thread (0: made on demand).
     """
 
     source: str = "synthetic"
@@ -100,7 +99,6 @@ class DataConfig:
     mlm_probability: float = 0.15
     train_size: int | None = None
     eval_size: int | None = None
-    prefetch: int = 4
 
     def __post_init__(self):
         _check_choice("source", self.source, SOURCES)
@@ -126,7 +124,6 @@ class DataConfig:
                 "data.lm_rows='windows' packs documents into rows: it needs data.packing true "
                 "or null"
             )
-        _check_int("prefetch", self.prefetch, 0)
         if not 0 < self.validation_fraction < 1:
             raise ValueError(
                 f"data.validation_fraction must be in (0, 1), got {self.validation_fraction!r}"
@@ -189,6 +186,7 @@ def build_data(
     process_count: int = 1,
     save_tokenizer: bool | None = None,
     tokenizer: Tokenizer | None = None,
+    prefetch: int = 4,
 ) -> Data:
     """Reads the data ``cfg`` names, prepares its tokenizer and builds the train/eval pipelines.
 
@@ -205,6 +203,8 @@ def build_data(
         0``); exactly one process of those sharing a file system should.
       tokenizer: use this tokenizer (e.g. a Hugging Face checkpoint's, with its own ids) instead
         of the one ``cfg.tokenizer`` names; it is saved in ``directory`` like a fitted one.
+      prefetch: training batches made ahead in a background thread (0: each made by the
+        ``next()`` that returns it).
 
     Raises:
       ValueError: the source does not fit ``task``, an unusable batch size or process, a saved
@@ -220,6 +220,8 @@ def build_data(
             f"the global batch size {batch_size} must be a positive multiple of the process "
             f"count {process_count}"
         )
+    if prefetch < 0:
+        raise ValueError(f"prefetch must be >= 0, got {prefetch}")
     if (cfg.packing or cfg.lm_rows != "documents") and task != "lm":
         raise ValueError(
             f"data.packing=true and data.lm_rows apply to task 'lm' only, not {task!r}"
@@ -247,7 +249,7 @@ def build_data(
     pipeline["train_tokens"] = sum(int(documents.lengths(f)[ids].sum()) for f in documents.fields)
     return Data(
         tokenizer=tokenizer,
-        train=TrainIterator(TrainBatches(documents, ids, layout), pipeline, cfg.prefetch),
+        train=TrainIterator(TrainBatches(documents, ids, layout), pipeline, prefetch),
         eval_examples=corpus.eval_examples,
         labels=corpus.labels if task == "classify" else None,
         make_eval_batches=functools.partial(eval_batches, *corpus.validation, layout),

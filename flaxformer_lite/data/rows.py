@@ -6,7 +6,9 @@ A document of ``L`` ids has ``L + 1`` *positions* ``p = 0 .. L``: its input is `
 :mod:`flaxformer_lite.data.features`). A row of ``T`` columns holds *pieces*: runs of one
 document's positions, side by side from column 0. Each piece is a segment of its row
 (``segment_ids`` 1, 2, ... from the left, 0 at padding) with ``positions`` counting from 0 in it,
-so attention never crosses documents.
+so attention never crosses documents. A piece that goes on with a document begun in an earlier
+row starts at position 0 too, as in Grain's ``ConcatThenSplitIterDataset``: positions stay below
+``T``, which every model's position table covers, and the piece sees nothing of its beginning.
 
 Training rows come in epochs: epoch ``e`` visits the training documents in an order shuffled by
 ``(seed, e)``. :class:`Windows` cuts that order's positions, end to end, into rows of ``T``: no
