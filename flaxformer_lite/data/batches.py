@@ -163,10 +163,10 @@ class TrainIterator:
     """
 
     def __init__(self, make, pipeline: dict[str, Any], prefetch: int = 4):
+        self._worker: _Prefetch | None = None
         self._make, self._prefetch = make, prefetch
         self._pipeline = json.loads(json.dumps(pipeline))  # a copy, and proof it serializes
         self._step = 0
-        self._worker: _Prefetch | None = None
         self._closed = False
 
     def __iter__(self) -> TrainIterator:

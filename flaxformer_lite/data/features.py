@@ -54,7 +54,7 @@ def document_rows(
     ``indices[r]`` of stream ``stream`` (which of the splits: their MLM draws differ)."""
     if task in ("lm", "seq2seq"):
         field = "text" if task == "lm" else "target"
-        sizes = np.minimum(documents.lengths(field)[docs] + 1, seq_len)
+        sizes = np.minimum(_lengths(documents, field, docs) + 1, seq_len)
         batch = rows.assemble(
             documents,
             len(docs),
@@ -98,7 +98,7 @@ def framed(
     cut so that the row fits ``T``; without ``<sos>`` if ``sos_id`` is None."""
     head = 0 if sos_id is None else 1
     starts = documents.offsets[field][docs]
-    kept = np.minimum(documents.lengths(field)[docs], seq_len - 1 - head)
+    kept = np.minimum(_lengths(documents, field, docs), seq_len - 1 - head)
     columns = np.arange(seq_len)
     body = (columns >= head) & (columns < (head + kept)[:, None])
     out = np.zeros((len(docs), seq_len), np.int32)
@@ -122,3 +122,9 @@ def mask_tokens(
     random_ids = rng.integers(NUM_SPECIAL, vocab_size, chosen.size)
     replaced = np.where(action < 0.9, random_ids, tokens[chosen])
     return chosen, np.where(action < 0.8, MASK_ID, replaced)
+
+
+def _lengths(documents: Documents, field: str, docs: np.ndarray) -> np.ndarray:
+    """The lengths of ``docs`` alone (not all ``N``: a batch reads only its own documents)."""
+    offsets = documents.offsets[field]
+    return offsets[docs + 1] - offsets[docs]
