@@ -4,7 +4,7 @@
 *rendered* from parts side by side: each part is a byte matrix ``[n, W]`` and per-text lengths
 ``[n]`` (the first ``length`` bytes of a row are the part's text for that row): words looked up in
 a table, literals, decimal numbers. :func:`stable_hash` gives each text a 64-bit hash that is the
-same on every machine and in every process.
+same on every machine and in every process. :class:`Drawn` holds a synthetic task's examples.
 """
 
 from __future__ import annotations
@@ -63,6 +63,49 @@ class ByteTexts:
         owner, within = ranges(lengths)
         data = self.data[self.offsets[indices][owner] + within]
         return ByteTexts(data, np.concatenate([[0], np.cumsum(lengths)]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Drawn:
+    """A synthetic task's examples: texts per record field, the input that decides each one's
+    split (the first ``key_lengths`` bytes of field ``key_field``), its hash and class labels,
+    if any."""
+
+    fields: dict[str, ByteTexts]
+    key_field: str
+    key_lengths: np.ndarray
+    labels: np.ndarray | None = None
+    hashes: np.ndarray | None = None  # uint64 [n], stable_hash of the keys
+
+    def __post_init__(self):
+        if self.hashes is None:
+            hashes = stable_hash(self.fields[self.key_field], self.key_lengths)
+            object.__setattr__(self, "hashes", hashes)
+
+    def __len__(self) -> int:
+        return len(self.key_lengths)
+
+    def take(self, indices: np.ndarray) -> Drawn:
+        return Drawn(
+            {name: texts.take(indices) for name, texts in self.fields.items()},
+            self.key_field,
+            self.key_lengths[indices],
+            None if self.labels is None else self.labels[indices],
+            self.hashes[indices],
+        )
+
+    @staticmethod
+    def concatenate(parts: Sequence[Drawn]) -> Drawn:
+        if len(parts) == 1:
+            return parts[0]
+        first = parts[0]
+        return Drawn(
+            {name: ByteTexts.concatenate([p.fields[name] for p in parts]) for name in first.fields},
+            first.key_field,
+            np.concatenate([p.key_lengths for p in parts]),
+            None if first.labels is None else np.concatenate([p.labels for p in parts]),
+            np.concatenate([p.hashes for p in parts]),
+        )
 
 
 def render(parts: Sequence[Part]) -> ByteTexts:

@@ -40,6 +40,7 @@ import numpy as np
 
 from flaxformer_lite.data.byte_texts import (
     ByteTexts,
+    Drawn,
     Part,
     decimal,
     literal,
@@ -77,9 +78,9 @@ _CHUNKS: collections.OrderedDict[tuple, Drawn] = collections.OrderedDict()  # th
 def split_of(key: str) -> str:
     """The split that owns an example input ``key`` (a prompt, source or sentence).
 
-    A hash of the UTF-8 bytes (:func:`~flaxformer_lite.data.byte_texts.stable_hash`, FNV-1a
-    then fmix64) rather than ``hash()``, which Python salts per process; vectorised, it costs
-    nanoseconds per candidate.
+    A hash of the UTF-8 bytes (:func:`~flaxformer_lite.data.byte_texts.stable_hash`) rather
+    than ``hash()``, which Python salts per process; the same hash, vectorised, sorts every
+    drawn candidate.
     """
     hashes = stable_hash(ByteTexts.from_strings([key]))
     return "validation" if hashes[0] < _VALIDATION_BELOW else "train"
@@ -111,48 +112,6 @@ def _sample_numbers(rng: np.random.Generator, count: int, max_value: int) -> np.
     digits = rng.integers(1, len(str(max_value)) + 1, count)
     low = np.where(digits == 1, 0, 10 ** (digits - 1))
     return rng.integers(low, np.minimum(10**digits - 1, max_value) + 1)
-
-
-@dataclasses.dataclass(frozen=True)
-class Drawn:
-    """Examples: texts per record field, the input that decides each one's split (the first
-    ``key_lengths`` bytes of field ``key_field``), its hash and class labels, if any."""
-
-    fields: dict[str, ByteTexts]
-    key_field: str
-    key_lengths: np.ndarray
-    labels: np.ndarray | None = None
-    hashes: np.ndarray | None = None  # uint64 [n], stable_hash of the keys
-
-    def __post_init__(self):
-        if self.hashes is None:
-            hashes = stable_hash(self.fields[self.key_field], self.key_lengths)
-            object.__setattr__(self, "hashes", hashes)
-
-    def __len__(self) -> int:
-        return len(self.key_lengths)
-
-    def take(self, indices: np.ndarray) -> Drawn:
-        return Drawn(
-            {name: texts.take(indices) for name, texts in self.fields.items()},
-            self.key_field,
-            self.key_lengths[indices],
-            None if self.labels is None else self.labels[indices],
-            self.hashes[indices],
-        )
-
-    @staticmethod
-    def concatenate(parts: Sequence[Drawn]) -> Drawn:
-        if len(parts) == 1:
-            return parts[0]
-        first = parts[0]
-        return Drawn(
-            {name: ByteTexts.concatenate([p.fields[name] for p in parts]) for name in first.fields},
-            first.key_field,
-            np.concatenate([p.key_lengths for p in parts]),
-            None if first.labels is None else np.concatenate([p.labels for p in parts]),
-            np.concatenate([p.hashes for p in parts]),
-        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
