@@ -84,9 +84,12 @@ def test_lm_eval_decodes_and_scores(lm_run):
     assert [r["step"] for r in evals] == [20, 40]
     for record in evals:
         assert 0 <= record["eval_exact_match"] <= 1
-        assert 0 < record["eval_token_accuracy"] <= 1  # "<eos>" and digits are learnt early
+        assert 0 <= record["eval_token_accuracy"] <= 1
         assert record["eval_perplexity"] == pytest.approx(math.exp(record["eval_loss"]))
         assert "eval_bleu" not in record
+    # "<eos>" and digits are learnt early: by step 40 (at step 20 all 6 prompts may still get
+    # nothing right, depending on the draw of the data).
+    assert evals[-1]["eval_token_accuracy"] > 0
     samples = [line for line in logs if line.startswith("  sample ")]
     assert len(samples) == 2 * len(evals), logs
     assert "=" in samples[0] and "(reference " in samples[0]

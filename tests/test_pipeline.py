@@ -27,7 +27,11 @@ def corpus(tmp_path):
 
 
 def text_cfg(path, **kwargs):
-    return DataConfig(source="text", path=str(path), **{"packing": False, **kwargs})
+    """A text source's config; ``packing="windows"`` packs with ``lm_rows=windows``."""
+    kwargs = {"packing": False, **kwargs}
+    if kwargs["packing"] == "windows":
+        kwargs.update(packing=True, lm_rows="windows")
+    return DataConfig(source="text", path=str(path), **kwargs)
 
 
 def build(cfg, tmp_path, *, task="lm", seed=0, batch_size=4, directory=None, **kwargs):
@@ -153,6 +157,8 @@ def test_a_glob_without_matches_and_misaligned_parallel_files_are_errors(tmp_pat
         ({"validation_fraction": 1.0}, "data.validation_fraction"),
         ({"mlm_probability": 0.0}, "data.mlm_probability"),
         ({"train_size": 0}, "data.train_size"),
+        ({"lm_rows": "lines"}, "data.lm_rows"),
+        ({"lm_rows": "windows", "packing": False}, "data.lm_rows"),
     ],
 )
 def test_config_rejects_bad_values_naming_the_key(kwargs, key):
@@ -172,6 +178,7 @@ def test_config_rejects_bad_values_naming_the_key(kwargs, key):
         (DataConfig(packing=False, source="text", path="x.txt"), "classify", 4, "labelled text"),
         (DataConfig(packing=False, task="arithmetic"), "seq2seq", 4, "source/target pairs"),
         (DataConfig(task="sentiment", packing=True), "mlm", 4, "'lm' only"),
+        (DataConfig(task="sentiment", lm_rows="windows"), "classify", 4, "'lm' only"),
         (DataConfig(packing=False), "lm", 3, "positive multiple of the process count 2"),
         (DataConfig(packing=False), "translate", 4, "task must be one of"),
     ],
@@ -302,15 +309,19 @@ def test_packed_rows_hold_whole_examples_in_stream_order(corpus, tmp_path):
                 np.testing.assert_array_equal(positions[where], np.arange(where.sum()))
                 text = lm_row_text(BYTES, inputs[where], targets[where], weights[where])
                 segments.append(text)
+    # Next-fit keeps the order of the unpacked stream (the same shuffle of each epoch).
     unpacked = take(build(cfg, tmp_path).train, 20)
     stream = [BYTES.decode(row) for b in unpacked for row in b["inputs"]]
-    assert sorted(segments) == sorted(stream[: len(segments)])
+    assert segments == stream[: len(segments)]
 
 
 # --- determinism, resumption, sharding -------------------------------------------------------
 
 
-@pytest.mark.parametrize("task, packing", [("lm", False), ("lm", True), ("mlm", False)])
+ROWS = [("lm", False), ("lm", True), ("lm", "windows"), ("mlm", False)]
+
+
+@pytest.mark.parametrize("task, packing", ROWS)
 def test_same_seed_same_batches_other_seed_other_batches(corpus, tmp_path, task, packing):
     cfg = text_cfg(corpus, seq_len=48, packing=packing)
     first = take(build(cfg, tmp_path, task=task).train, 3)
@@ -319,7 +330,7 @@ def test_same_seed_same_batches_other_seed_other_batches(corpus, tmp_path, task,
     assert any((a["inputs"] != b["inputs"]).any() for a, b in zip(first, other, strict=True))
 
 
-@pytest.mark.parametrize("task, packing", [("lm", False), ("lm", True), ("mlm", False)])
+@pytest.mark.parametrize("task, packing", ROWS)
 def test_resume_from_saved_state_gives_the_next_batch(corpus, tmp_path, task, packing):
     cfg = text_cfg(corpus, seq_len=48, packing=packing)
     expected = take(build(cfg, tmp_path, task=task).train, 10)
@@ -335,11 +346,18 @@ def test_resume_from_saved_state_gives_the_next_batch(corpus, tmp_path, task, pa
 def test_a_state_from_another_pipeline_is_refused(corpus, tmp_path):
     packed = build(text_cfg(corpus, packing=True), tmp_path)
     next(packed.train)
-    with pytest.raises(ValueError, match="another pipeline"):
-        build(text_cfg(corpus), tmp_path).train.set_state(packed.train.get_state())
+    state = packed.train.get_state()
+    for other in (
+        build(text_cfg(corpus), tmp_path),
+        build(text_cfg(corpus, packing="windows"), tmp_path),
+        build(text_cfg(corpus, packing=True), tmp_path, seed=1),
+        build(text_cfg(corpus, packing=True, train_size=20), tmp_path),
+    ):
+        with pytest.raises(ValueError, match="another pipeline"):
+            other.train.set_state(state)
 
 
-@pytest.mark.parametrize("packing", [False, True])
+@pytest.mark.parametrize("packing", [False, True, "windows"])
 def test_process_shards_split_each_global_batch(corpus, tmp_path, packing):
     cfg = text_cfg(corpus, seq_len=48, packing=packing, validation_fraction=0.3)
     single = build(cfg, tmp_path)

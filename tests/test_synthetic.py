@@ -1,4 +1,5 @@
-"""Tests for the procedurally generated tasks: determinism, split disjointness, answers, scores."""
+"""Tests for the procedurally generated tasks: determinism, split disjointness, answers, scores,
+and all examples tokenized at once (``Task.documents``)."""
 
 import collections
 import re
@@ -7,6 +8,8 @@ import numpy as np
 import pytest
 
 import flaxformer_lite.data.synthetic as syn
+from flaxformer_lite.data.byte_texts import ByteTexts, stable_hash
+from flaxformer_lite.data.tokenizers import ByteTokenizer, make_tokenizer
 
 NAMES = sorted(syn.TASKS)
 
@@ -320,3 +323,44 @@ def test_grain_wraps_a_task_as_a_random_access_source():
     task = syn.make_task("number_words", size=8, seed=5)
     dataset = grain.MapDataset.source(task)
     assert len(dataset) == 8 and [dataset[i] for i in range(8)] == [task[i] for i in range(8)]
+
+
+# --- documents: every example tokenized at once ---------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_documents_hold_the_records_tokenized_across_chunks(name):
+    size = syn.CHUNK + 7  # two chunks
+    task = syn.make_task(name, seed=2, size=size)
+    documents = task.documents(ByteTokenizer())
+    assert len(documents) == size
+    tokenizer = ByteTokenizer()
+    for i in (0, 1, syn.CHUNK - 1, syn.CHUNK, size - 1):
+        record = task[i]
+        for field in documents.fields:
+            assert tokenizer.decode(documents.document(field, i)) == record[field]
+        if task.kind == "classification":
+            assert documents.labels[i] == record["label"]
+    # The digests are the hashes that assigned each input to this split.
+    keys = [_key(task, task[i]) for i in range(50)]
+    expected = stable_hash(ByteTexts.from_strings(keys))
+    np.testing.assert_array_equal(documents.digests[:50], expected)
+    assert syn.make_task(name, seed=2, size=2 * syn.CHUNK)[syn.CHUNK + 3] == task[syn.CHUNK + 3]
+
+
+def test_documents_with_a_fitted_tokenizer_encode_each_text():
+    task = syn.make_task("number_words", size=300)
+    tokenizer = make_tokenizer("word", texts=[task[i]["source"] for i in range(300)])
+    documents = task.documents(tokenizer)
+    assert documents.tokens["source"].dtype == np.uint16
+    for i in (0, 299):
+        assert documents.document("source", i).tolist() == tokenizer.encode(task[i]["source"])
+        assert documents.document("target", i).tolist() == tokenizer.encode(task[i]["target"])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_whole_chunks_of_validation_and_train_share_no_input(name):
+    train = syn.make_task(name, seed=0, size=2 * syn.CHUNK).documents(ByteTokenizer())
+    valid = syn.make_task(name, seed=1, split="validation").documents(ByteTokenizer())
+    assert not set(train.digests.tolist()) & set(valid.digests.tolist())
+    assert (valid.digests < np.uint64(int(syn.VALIDATION_FRACTION * 2**64))).all()

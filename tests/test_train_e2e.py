@@ -335,4 +335,6 @@ def test_tiny_presets_learn_their_tasks(
     evals = [r[metric] for r in records(tmp_path / "run") if metric in r]
     assert evals[-1] > target, evals
     logged = losses(tmp_path / "run")
-    assert logged[max(logged)] < loss_ratio * logged[min(logged)], logged
+    # One batch's loss is noisy (32 sentences): the last three logged, against the first.
+    last = np.mean([logged[step] for step in sorted(logged)[-3:]])
+    assert last < loss_ratio * logged[min(logged)], logged

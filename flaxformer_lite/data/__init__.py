@@ -1,2 +1,2 @@
 """Data: tokenizers, sources (text, JSONL, parallel files), built-in synthetic tasks and the
-Grain pipelines that turn them into deterministic, resumable, per-process batches."""
+pipelines that turn them into deterministic, resumable, per-process batches."""

@@ -1,24 +1,25 @@
-"""One example's arrays, per task: what a record becomes before the pipeline pads, packs and
-batches it (:mod:`flaxformer_lite.data.pipeline`).
+"""Rows of one document each, per task: what the pipeline batches when it does not pack.
 
 Every array is int32 unless noted; ``<sos>`` and ``<eos>`` are the tokenizer's ``sos_id`` and
-``eos_id``. Padded to ``[T]`` (``T = seq_len``), the batches hold, per task:
+``eos_id``; rows are ``[T]`` (``T = seq_len``), zero-padded (ids ``<pad> = 0``, weights 0, masks
+False). Per task, the rows hold:
 
-- ``lm``: ``inputs = <sos> + tokens``, ``targets = tokens + <eos>``, ``weights``. With ``packing``
-  also ``segment_ids`` (1, 2, ... per example in a row, 0 at padding) and ``positions`` (from 0 in
-  every segment).
+- ``lm``: ``inputs = <sos> + tokens``, ``targets = tokens + <eos>``, ``weights``. Packed rows
+  (:mod:`flaxformer_lite.data.rows`) also have ``segment_ids`` (1, 2, ... per document piece in
+  a row, 0 at padding) and ``positions`` (from 0 in every segment).
 - ``seq2seq``: ``src = source tokens + <eos>`` and ``src_mask``; ``inputs = <sos> + target``,
   ``targets = target + <eos>``, ``weights``.
 - ``mlm``: ``<sos> tokens <eos>`` (``<sos>`` doubles as BERT's [CLS], ``<eos>`` as [SEP]); BERT
   masking picks ``max(1, round(mlm_probability * n))`` of the ``n`` regular tokens, of which 80%
   become :data:`MASK_ID`, 10% a random regular token and 10% stay; ``inputs`` (masked),
   ``targets`` (the original tokens), ``weights`` (1 at the picked tokens), ``mask``. The draw is a
-  pure function of ``(seed, position in the example stream)``, so a resumed run masks alike.
+  pure function of ``(seed, stream, index of the example in its stream)``, so a resumed run masks
+  alike.
 - ``classify``: ``inputs`` (``<sos> tokens <eos>``), ``mask``, ``labels`` ``[B]`` and ``weights``
   float32 ``[B]`` (1 for real rows, 0 for the padding rows of the last eval batch).
 
-Longer examples are truncated to ``seq_len``: for ``lm`` and the target side of ``seq2seq`` the
-sequence ``<sos> tokens <eos>`` is cut to ``seq_len + 1`` tokens before the shift (a cut example
+Longer documents are truncated to ``seq_len``: for ``lm`` and the target side of ``seq2seq`` the
+sequence ``<sos> tokens <eos>`` is cut to ``seq_len + 1`` tokens before the shift (a cut document
 has no ``<eos>``); ``src``, ``mlm`` and ``classify`` rows keep their closing ``<eos>``.
 """
 
@@ -26,72 +27,104 @@ from __future__ import annotations
 
 import numpy as np
 
-from flaxformer_lite.data.tokenizers import NUM_SPECIAL, UNK_ID, Tokenizer
+from flaxformer_lite.data import rows
+from flaxformer_lite.data.documents import Documents
+from flaxformer_lite.data.tokenizers import NUM_SPECIAL, UNK_ID
 
 # The shared id layout has no mask token; <unk> is free in byte and byte-level BPE vocabularies
 # and rare in fitted ones, so MLM uses it rather than shifting every tokenizer's ids.
 MASK_ID = UNK_ID
 
 
-def featurize(
-    index: int,
-    record: dict,
-    *,
+def document_rows(
     task: str,
-    tokenizer: Tokenizer,
+    documents: Documents,
+    docs: np.ndarray,
+    indices: np.ndarray,
+    *,
     seq_len: int,
+    sos_id: int,
+    eos_id: int,
+    vocab_size: int,
     mlm_probability: float,
     seed: int,
     stream: int,
 ) -> dict[str, np.ndarray]:
-    """One example's unpadded arrays; ``index`` is its position in its stream (``stream``: which
-    of the splits, so that their MLM draws differ)."""
-    if task == "lm":
-        return shifted(tokenizer.encode(record["text"]), seq_len, tokenizer)
-    if task == "seq2seq":
-        src = [*tokenizer.encode(record["source"])[: seq_len - 1], tokenizer.eos_id]
-        return {
-            "src": np.array(src, np.int32),
-            "src_mask": np.ones(len(src), bool),
-            **shifted(tokenizer.encode_target(record["target"]), seq_len, tokenizer),
-        }
-    text_ids = tokenizer.encode(record["text"])[: seq_len - 2]
-    tokens = np.array([tokenizer.sos_id, *text_ids, tokenizer.eos_id])
-    tokens = tokens.astype(np.int32)
+    """Rows ``[len(docs), T]`` of ``task``, row ``r`` from document ``docs[r]``, the example at
+    ``indices[r]`` of stream ``stream`` (which of the splits: their MLM draws differ)."""
+    if task in ("lm", "seq2seq"):
+        field = "text" if task == "lm" else "target"
+        sizes = np.minimum(_lengths(documents, field, docs) + 1, seq_len)
+        batch = rows.assemble(
+            documents,
+            len(docs),
+            seq_len,
+            row=np.arange(len(docs)),
+            doc=docs,
+            start=np.zeros_like(sizes),
+            length=sizes,
+            sos_id=sos_id,
+            eos_id=eos_id,
+            field=field,
+        )
+        batch = {key: batch[key] for key in ("inputs", "targets", "weights")}
+        if task == "lm":
+            return batch
+        src, mask = framed(documents, "source", docs, seq_len, sos_id=None, eos_id=eos_id)
+        return {"src": src, "src_mask": mask, **batch}
+    tokens, mask = framed(documents, "text", docs, seq_len, sos_id=sos_id, eos_id=eos_id)
     if task == "classify":
-        label, weight = np.int32(record["label"]), np.float32(1)
-        return dict(inputs=tokens, mask=np.ones(len(tokens), bool), labels=label, weights=weight)
-    rng = np.random.default_rng([seed, stream, index])
-    return mask_tokens(tokens, rng, mlm_probability, tokenizer.vocab_size)
+        labels = documents.labels[docs].astype(np.int32)
+        weights = np.ones(len(docs), np.float32)
+        return {"inputs": tokens, "mask": mask, "labels": labels, "weights": weights}
+    inputs, weights = tokens.copy(), np.zeros(tokens.shape, np.float32)
+    for r, (index, n) in enumerate(zip(indices.tolist(), mask.sum(1).tolist(), strict=True)):
+        rng = np.random.default_rng([seed, stream, index])
+        picked, ids = mask_tokens(tokens[r, :n], rng, mlm_probability, vocab_size)
+        inputs[r, picked], weights[r, picked] = ids, 1.0
+    return {"inputs": inputs, "targets": tokens, "weights": weights, "mask": mask}
 
 
-def shifted(ids: list[int], seq_len: int, tokenizer: Tokenizer) -> dict[str, np.ndarray]:
-    """``<sos> ids <eos>`` cut to ``seq_len + 1`` tokens, shifted into inputs and targets."""
-    sequence = [tokenizer.sos_id, *ids[:seq_len], tokenizer.eos_id][: seq_len + 1]
-    sequence = np.array(sequence, np.int32)
-    weights = np.ones(len(sequence) - 1, np.float32)
-    return {"inputs": sequence[:-1], "targets": sequence[1:], "weights": weights}
+def framed(
+    documents: Documents,
+    field: str,
+    docs: np.ndarray,
+    seq_len: int,
+    *,
+    sos_id: int | None,
+    eos_id: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``([<sos>] tokens <eos>, mask)`` of each of ``docs``, ``[len(docs), T]`` each, the tokens
+    cut so that the row fits ``T``; without ``<sos>`` if ``sos_id`` is None."""
+    head = 0 if sos_id is None else 1
+    starts = documents.offsets[field][docs]
+    kept = np.minimum(_lengths(documents, field, docs), seq_len - 1 - head)
+    columns = np.arange(seq_len)
+    body = (columns >= head) & (columns < (head + kept)[:, None])
+    out = np.zeros((len(docs), seq_len), np.int32)
+    out[body] = documents.tokens[field][(starts[:, None] + columns - head)[body]]
+    if head:
+        out[:, 0] = sos_id
+    out[np.arange(len(docs)), head + kept] = eos_id
+    return out, columns < (head + kept + 1)[:, None]
 
 
 def mask_tokens(
     tokens: np.ndarray, rng: np.random.Generator, probability: float, vocab_size: int
-) -> dict[str, np.ndarray]:
-    """BERT masking of the regular tokens ``tokens[1:-1]`` (the first and last are specials)."""
-    inputs, weights = tokens.copy(), np.zeros(len(tokens), np.float32)
+) -> tuple[np.ndarray, np.ndarray]:
+    """BERT masking of the regular tokens ``tokens[1:-1]`` (the first and last are specials):
+    ``(picked positions, their new ids)``."""
     candidates = np.arange(1, len(tokens) - 1)
-    if candidates.size:
-        chosen = rng.choice(candidates, max(1, round(probability * candidates.size)), False)
-        action = rng.random(chosen.size)
-        random_ids = rng.integers(NUM_SPECIAL, vocab_size, chosen.size)
-        replaced = np.where(action < 0.9, random_ids, tokens[chosen])
-        inputs[chosen] = np.where(action < 0.8, MASK_ID, replaced)
-        weights[chosen] = 1.0
-    return dict(inputs=inputs, targets=tokens, weights=weights, mask=np.ones(len(tokens), bool))
+    if not candidates.size:
+        return candidates, candidates
+    chosen = rng.choice(candidates, max(1, round(probability * candidates.size)), False)
+    action = rng.random(chosen.size)
+    random_ids = rng.integers(NUM_SPECIAL, vocab_size, chosen.size)
+    replaced = np.where(action < 0.9, random_ids, tokens[chosen])
+    return chosen, np.where(action < 0.8, MASK_ID, replaced)
 
 
-def pad(example: dict[str, np.ndarray], seq_len: int) -> dict[str, np.ndarray]:
-    """Zero-pads every 1-D array to ``[seq_len]`` (ids ``<pad>``, weights 0, masks False)."""
-    return {
-        key: np.pad(value, (0, seq_len - len(value))) if value.ndim == 1 else value
-        for key, value in example.items()
-    }
+def _lengths(documents: Documents, field: str, docs: np.ndarray) -> np.ndarray:
+    """The lengths of ``docs`` alone (not all ``N``: a batch reads only its own documents)."""
+    offsets = documents.offsets[field]
+    return offsets[docs + 1] - offsets[docs]

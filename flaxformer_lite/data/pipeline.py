@@ -1,4 +1,4 @@
-"""Grain input pipelines: records -> tokens -> sharded, resumable numpy batches.
+"""Input pipelines: a source -> documents -> sharded, resumable numpy batches, made ahead.
 
     data = build_data(cfg, task="lm", seed=0, batch_size=32, directory=run_dir / "tokenizer")
     batch = next(data.train)          # this process's share of the next global batch
@@ -13,37 +13,39 @@ its own, and padding, marked by weights and masks, stays id 0 even where 0 is a 
 pad token is needed: GPT-2 has none, and its ``<eos>`` targets keep weight 1). Each task's
 arrays are listed in :mod:`flaxformer_lite.data.features`.
 
-Training data is one endless stream, the records shuffled by ``seed`` and reshuffled every epoch
-(``MapDataset.shuffle(seed).repeat()``); each global batch takes the next ``batch_size`` examples
-(or packed rows), and process ``i`` keeps rows ``[i * B, (i + 1) * B)``. The stream never depends
-on the process count, so the iterator state (it counts global batches) is the same on every
-process, and a run may resume on another number of processes.
+Every source first becomes tokenized :class:`~flaxformer_lite.data.documents.Documents` with a
+tokenizer and a validation split; one path then batches them
+(:mod:`flaxformer_lite.data.batches`). Training rows come in epochs, each a new shuffle of the
+training documents by ``(seed, epoch)``: packed (``lm`` with ``packing``: whole documents,
+next-fit, or with ``data.lm_rows=windows`` the documents end to end cut into rows), or one
+document per row. Global batch ``g`` is rows ``[g * batch_size, (g + 1) * batch_size)`` and
+process ``i`` makes only its rows ``[i * B, (i + 1) * B)``. The rows never depend on the process
+count, so the iterator state (it counts global batches) is the same on every process, and a run
+may resume on another number of processes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import grain
 import numpy as np
-from grain.experimental import FirstFitPackIterDataset
 
 from flaxformer_lite.data import sources, synthetic, tokenizers
-from flaxformer_lite.data.features import featurize, pad
+from flaxformer_lite.data.batches import Layout, TrainBatches, TrainIterator, eval_batches
+from flaxformer_lite.data.byte_texts import ByteTexts, tokenize
+from flaxformer_lite.data.documents import FIELDS, Documents, split_documents, text_digest
 from flaxformer_lite.data.tokenizers import NUM_SPECIAL, Tokenizer
 
 SOURCES = ("synthetic", "text", "jsonl", "parallel")
 TOKENIZERS = ("byte", "char", "word", "bpe", "sentencepiece")
 TASKS = ("lm", "seq2seq", "mlm", "classify")  # as train.step.TASKS (data may not import train)
+LM_ROWS = ("documents", "windows")
 # Fitted tokenizers see all training records of a file source, or this many synthetic examples.
 FIT_EXAMPLES = 20_000
-_READ_OPTIONS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=16)
-_TRAIN_STREAM, _EVAL_STREAM = 0, 1  # separate MLM masking draws for the two splits
 
 _TEXT = "text (data.source text or jsonl, or a synthetic lm task)"
 # The kinds of records each model task trains on, and how to say so.
@@ -71,8 +73,11 @@ class DataConfig:
       tokenizer_path: a SentencePiece ``.model`` file.
       vocab_size: the BPE target size (required, >= 260), or a cap on a word vocabulary.
       seq_len: tokens per row of every ``[B, seq_len]`` array; longer examples are truncated.
-      packing: first-fit pack several examples into each training row (``lm`` only); None (the
-        default) packs for ``lm`` and pads for the other tasks.
+      packing: pack several documents into each training row (``lm`` only); None (the default)
+        packs for ``lm`` and pads for the other tasks (one document per row).
+      lm_rows: how ``lm`` rows are packed: ``documents`` (whole documents, next-fit; longer ones
+        truncated) or ``windows`` (all documents end to end, cut into rows: no padding, no
+        truncation; a document may continue in the next row, as a new segment).
       validation_fraction: share of a file source's records held out for validation (synthetic
         tasks have their own validation split).
       mlm_probability: share of an ``mlm`` example's tokens to predict.
@@ -89,6 +94,7 @@ class DataConfig:
     vocab_size: int | None = None
     seq_len: int = 64
     packing: bool | None = None
+    lm_rows: str = "documents"
     validation_fraction: float = 0.1
     mlm_probability: float = 0.15
     train_size: int | None = None
@@ -96,6 +102,7 @@ class DataConfig:
 
     def __post_init__(self):
         _check_choice("source", self.source, SOURCES)
+        _check_choice("lm_rows", self.lm_rows, LM_ROWS)
         _check_choice("tokenizer", self.tokenizer, TOKENIZERS)
         if self.source == "synthetic":
             _check_choice("task", self.task, tuple(synthetic.TASKS))
@@ -112,6 +119,11 @@ class DataConfig:
                 _check_int(name, getattr(self, name), low)
         if self.packing is not None and not isinstance(self.packing, bool):
             raise ValueError(f"data.packing must be a bool or None, got {self.packing!r}")
+        if self.lm_rows == "windows" and self.packing is False:
+            raise ValueError(
+                "data.lm_rows='windows' packs documents into rows: it needs data.packing true "
+                "or null"
+            )
         if not 0 < self.validation_fraction < 1:
             raise ValueError(
                 f"data.validation_fraction must be in (0, 1), got {self.validation_fraction!r}"
@@ -120,58 +132,25 @@ class DataConfig:
             raise ValueError(f"data.mlm_probability must be in (0, 1], got {self.mlm_probability}")
 
 
-class TrainIterator:
-    """This process's training batches, endless, resumable from a JSON-able state.
-
-    ``get_state()`` is ``{"pipeline": {...}, "grain": <Grain iterator state>}``. Grain's states
-    here are dicts of ints; they pass through a JSON round trip (a copy, and proof that they
-    serialize), and the ``pipeline`` entry describes what the stream was built from, so
-    ``set_state`` refuses a state from a different pipeline instead of resuming wrongly. The state
-    counts global batches: it is the same on every process.
-    """
-
-    def __init__(self, dataset: grain.IterDataset, pipeline: dict[str, Any]):
-        self._pipeline = pipeline
-        self._iterator = iter(dataset)
-
-    def __iter__(self) -> TrainIterator:
-        return self
-
-    def __next__(self) -> dict[str, np.ndarray]:
-        return next(self._iterator)
-
-    def get_state(self) -> dict[str, Any]:
-        return json.loads(
-            json.dumps({"pipeline": self._pipeline, "grain": self._iterator.get_state()})
-        )
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        saved = state.get("pipeline") if isinstance(state, dict) else None
-        if saved != self._pipeline or "grain" not in state:
-            raise ValueError(
-                f"the data iterator state was saved by another pipeline ({saved}); "
-                f"this one is {self._pipeline}"
-            )
-        self._iterator.set_state(state["grain"])
-
-
 @dataclasses.dataclass(frozen=True)
 class Data:
     """What :func:`build_data` returns.
 
     Attributes:
       tokenizer: the tokenizer all batches were made with.
-      train: this process's training batches (:class:`TrainIterator`).
-      eval_examples: all validation records (every process sees all), for generation scores.
+      train: this process's training batches (:class:`~flaxformer_lite.data.batches
+        .TrainIterator`).
+      eval_examples: all validation records (every process sees all), for generation scores:
+        the synthetic validation ``Task``, or dicts with ``text`` or ``source`` and ``target``.
       labels: the class names of a ``classify`` task, else None.
-      eval_dataset: the Grain dataset behind :meth:`eval_batches`.
+      make_eval_batches: what :meth:`eval_batches` calls.
     """
 
     tokenizer: Tokenizer
     train: TrainIterator
     eval_examples: Sequence[dict[str, Any]]
     labels: tuple[str, ...] | None
-    eval_dataset: grain.MapDataset = dataclasses.field(repr=False)
+    make_eval_batches: Callable[[], Iterator[dict[str, np.ndarray]]] = dataclasses.field(repr=False)
 
     @property
     def vocab_size(self) -> int:
@@ -179,9 +158,21 @@ class Data:
 
     def eval_batches(self) -> Iterator[dict[str, np.ndarray]]:
         """A fresh pass over the validation split: ``ceil(N / batch_size)`` global batches in
-        record order, never packed; the last is filled up with padding rows (weights 0, masks
-        False) so every batch has one shape and every example counts once."""
-        return iter(self.eval_dataset.to_iter_dataset(_READ_OPTIONS))
+        document order, one document per row, never packed; the last is filled up with padding
+        rows (weights 0, masks False) so every batch has one shape and every example counts
+        once."""
+        return self.make_eval_batches()
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    """A source tokenized: training documents ``train[0]`` at ids ``train[1]``, validation
+    documents likewise, the validation records for generation scores, the class names."""
+
+    train: tuple[Documents, np.ndarray]
+    validation: tuple[Documents, np.ndarray]
+    eval_examples: Sequence[dict[str, Any]]
+    labels: tuple[str, ...] | None = None
 
 
 def build_data(
@@ -195,6 +186,7 @@ def build_data(
     process_count: int = 1,
     save_tokenizer: bool | None = None,
     tokenizer: Tokenizer | None = None,
+    prefetch: int = 4,
 ) -> Data:
     """Reads the data ``cfg`` names, prepares its tokenizer and builds the train/eval pipelines.
 
@@ -206,11 +198,13 @@ def build_data(
       directory: where the tokenizer is saved. A tokenizer already saved there is loaded
         instead of fitted again, so a resumed run sees the same ids. Nothing else is written.
       process_index, process_count: which of ``process_count`` equal blocks of rows of each
-        global batch this process loads (processes that feed the same devices' rows share one).
+        global batch this process makes (processes that feed the same devices' rows share one).
       save_tokenizer: whether this process writes the tokenizer (default: ``process_index ==
         0``); exactly one process of those sharing a file system should.
       tokenizer: use this tokenizer (e.g. a Hugging Face checkpoint's, with its own ids) instead
         of the one ``cfg.tokenizer`` names; it is saved in ``directory`` like a fitted one.
+      prefetch: training batches made ahead in a background thread (0: each made by the
+        ``next()`` that returns it).
 
     Raises:
       ValueError: the source does not fit ``task``, an unusable batch size or process, a saved
@@ -226,45 +220,39 @@ def build_data(
             f"the global batch size {batch_size} must be a positive multiple of the process "
             f"count {process_count}"
         )
-    if cfg.packing and task != "lm":
-        raise ValueError(f"data.packing=true applies to task 'lm' only, not {task!r}")
+    if prefetch < 0:
+        raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+    if (cfg.packing or cfg.lm_rows != "documents") and task != "lm":
+        raise ValueError(
+            f"data.packing=true and data.lm_rows apply to task 'lm' only, not {task!r}"
+        )
     packing = task == "lm" if cfg.packing is None else cfg.packing
     _check_fits(cfg, task)
-    train_records, eval_records, labels = _load_records(cfg, seed)
     save = process_index == 0 if save_tokenizer is None else save_tokenizer
-    tokenizer = _tokenizer(cfg, train_records, Path(directory), save=save, given=tokenizer)
-
-    shard, local_size = (process_index, process_count), batch_size // process_count
-    featurize_example = functools.partial(
-        featurize,
+    tokenizer, corpus = _load(cfg, seed, Path(directory), save=save, given=tokenizer)
+    layout = Layout(
         task=task,
-        tokenizer=tokenizer,
+        rows=cfg.lm_rows if packing else "single",
         seq_len=cfg.seq_len,
+        batch_size=batch_size,
+        process_index=process_index,
+        process_count=process_count,
+        sos_id=tokenizer.sos_id,
+        eos_id=tokenizer.eos_id,
+        vocab_size=tokenizer.vocab_size,
         mlm_probability=cfg.mlm_probability,
         seed=seed,
     )
-    stream = (
-        grain.MapDataset.source(train_records)
-        .shuffle(seed=seed)
-        .repeat()
-        .map_with_index(functools.partial(featurize_example, stream=_TRAIN_STREAM))
-    )
-    if packing:
-        rows = slice(process_index * local_size, (process_index + 1) * local_size)
-        train = _packed(stream, cfg.seq_len, batch_size, rows)
-    else:
-        train = stream.map(functools.partial(pad, seq_len=cfg.seq_len))
-        train = train.batch(local_size)[process_index::process_count]
-        train = train.to_iter_dataset(_READ_OPTIONS)
-    pipeline = dict(task=task, packing=packing, seq_len=cfg.seq_len, seed=seed)
-    pipeline.update(batch_size=batch_size, train_examples=len(train_records))
-    eval_featurize = functools.partial(featurize_example, stream=_EVAL_STREAM)
+    documents, ids = corpus.train
+    pipeline = dict(task=task, rows=layout.rows, seq_len=cfg.seq_len, seed=seed)
+    pipeline.update(batch_size=batch_size, train_documents=len(ids))
+    pipeline["train_tokens"] = sum(int(documents.lengths(f)[ids].sum()) for f in documents.fields)
     return Data(
         tokenizer=tokenizer,
-        train=TrainIterator(train, pipeline),
-        eval_examples=eval_records,
-        labels=labels if task == "classify" else None,
-        eval_dataset=_eval_dataset(eval_records, eval_featurize, cfg.seq_len, batch_size, shard),
+        train=TrainIterator(TrainBatches(documents, ids, layout), pipeline, prefetch),
+        eval_examples=corpus.eval_examples,
+        labels=corpus.labels if task == "classify" else None,
+        make_eval_batches=functools.partial(eval_batches, *corpus.validation, layout),
     )
 
 
@@ -280,20 +268,39 @@ def _check_fits(cfg: DataConfig, task: str) -> None:
         raise ValueError(f"task {task!r} cannot train on {given}: it needs {needs}")
 
 
-def _load_records(cfg: DataConfig, seed: int):
-    """``(train records, validation records, class names or None)``."""
+def _load(
+    cfg: DataConfig, seed: int, directory: Path, save: bool, given: Tokenizer | None
+) -> tuple[Tokenizer, Corpus]:
+    """The tokenizer and the source tokenized, with its validation split."""
     if cfg.source == "synthetic":
         train = synthetic.make_task(cfg.task, split="train", seed=seed, size=cfg.train_size)
         valid = synthetic.make_task(cfg.task, split="validation", seed=seed, size=cfg.eval_size)
-        return train, valid, getattr(train, "labels", None)
+        fit = [train[i] for i in range(min(len(train), FIT_EXAMPLES))]
+        tokenizer = _tokenizer(cfg, fit, directory, save=save, given=given)
+        corpus = Corpus(
+            (train.documents(tokenizer), np.arange(len(train))),
+            (valid.documents(tokenizer), np.arange(len(valid))),
+            valid,
+            getattr(train, "labels", None),
+        )
+        return tokenizer, corpus
     if cfg.source == "text":
         records = sources.text_records(cfg.path)
     elif cfg.source == "jsonl":
         records = sources.jsonl_records(cfg.path, cfg.field)
     else:
         records = sources.parallel_records(cfg.path)
-    train, valid = sources.split_records(records, cfg.validation_fraction, cfg.path)
-    return train[: cfg.train_size], valid[: cfg.eval_size], None
+    fields = FIELDS["seq2seq" if cfg.source == "parallel" else "lm"]
+    digests = [text_digest([r[f] for f in fields]) for r in records]
+    train, valid = split_documents(np.array(digests, np.uint64), cfg.validation_fraction, cfg.path)
+    train, valid = train[: cfg.train_size], valid[: cfg.eval_size]
+    tokenizer = _tokenizer(cfg, [records[i] for i in train], directory, save=save, given=given)
+    tokens, offsets = {}, {}
+    for field in fields:
+        texts = ByteTexts.from_strings([r[field] for r in records])
+        tokens[field], offsets[field] = tokenize(tokenizer, texts, target=field == "target")
+    documents = Documents(tokens, offsets, np.array(digests, np.uint64))
+    return tokenizer, Corpus((documents, train), (documents, valid), [records[i] for i in valid])
 
 
 def _tokenizer(
@@ -321,8 +328,6 @@ def _tokenizer(
         if save:
             given.save(directory)
         return given
-    if not isinstance(records, list):  # a synthetic task: its first FIT_EXAMPLES examples
-        records = [records[i] for i in range(min(len(records), FIT_EXAMPLES))]
     texts = (r[key] for r in records for key in ("text", "source", "target") if key in r)
     tokenizer = tokenizers.make_tokenizer(
         cfg.tokenizer, texts=texts, vocab_size=cfg.vocab_size, path=cfg.tokenizer_path
@@ -330,49 +335,6 @@ def _tokenizer(
     if save:
         tokenizer.save(directory)
     return tokenizer
-
-
-def _packed(
-    stream: grain.MapDataset, seq_len: int, batch_size: int, rows: slice
-) -> grain.IterDataset:
-    """Grain's first-fit packing with one bin per row of the global batch.
-
-    Examples fill the first of ``batch_size`` rows with room, in stream order; the first
-    example that fits no row closes the batch and opens the next one. Every process packs the
-    whole stream (so all agree on the rows) and keeps its own rows.
-    """
-    packed = FirstFitPackIterDataset(
-        stream.to_iter_dataset(_READ_OPTIONS),
-        length_struct=dict.fromkeys(("inputs", "targets", "weights"), seq_len),
-        num_packing_bins=batch_size,
-        shuffle_bins=False,
-        meta_features=("targets", "weights"),  # packed like inputs, without ids of their own
-    )
-    return packed.batch(batch_size).map(
-        lambda batch: {
-            "inputs": batch["inputs"][rows],
-            "targets": batch["targets"][rows],
-            "weights": batch["weights"][rows],
-            "segment_ids": batch["inputs_segment_ids"][rows],
-            "positions": batch["inputs_positions"][rows],
-        }
-    )
-
-
-def _eval_dataset(
-    records: Sequence[dict], featurize: Callable, seq_len: int, batch_size: int, shard: tuple
-) -> grain.MapDataset:
-    """The validation records in order, padded with empty examples to whole global batches."""
-    count = len(records)
-    empty = {k: np.zeros_like(v) for k, v in pad(featurize(0, records[0]), seq_len).items()}
-
-    def example(index: int) -> dict[str, np.ndarray]:
-        return pad(featurize(index, records[index]), seq_len) if index < count else empty
-
-    total = -(-count // batch_size) * batch_size
-    process_index, process_count = shard
-    local = grain.MapDataset.range(total).map(example).batch(batch_size // process_count)
-    return local[process_index::process_count]
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:

@@ -1,10 +1,13 @@
 """Procedurally generated tasks: training and evaluation data that needs nothing but this package.
 
-A task is a lazily generated, random-access sequence of plain-text examples. ``task[i]`` (the same
-as ``task.example(i)``) is a pure function of ``(seed, split, i)``: a resumed run sees exactly the
-examples it would have seen, call order does not matter, and ``grain.MapDataset.source(task)``
-wraps a task as it is. Records hold text, never token ids, so any tokenizer fits. Record keys by
-``Task.kind``:
+A task is a random-access sequence of plain-text examples, generated in NumPy many at a time.
+``task[i]`` (the same as ``task.example(i)``) is a pure function of ``(seed, split, i)``: example
+``i`` is number ``i % CHUNK`` of chunk ``i // CHUNK``, and a chunk is drawn from its own generator
+``numpy.random.default_rng([seed, split_id, chunk])``, so a resumed run sees exactly the examples
+it would have seen, call order does not matter, and ``grain.MapDataset.source(task)`` wraps a
+task as it is. Records hold text, never token ids, so any tokenizer fits; ``task.documents
+(tokenizer)`` tokenizes all of them at once (:class:`~flaxformer_lite.data.documents.Documents`).
+Record keys by ``Task.kind``:
 
 - ``"lm"`` (``arithmetic``, ``reverse``): ``{"text": "123+45=168"}``, a prompt ending at the first
   ``=`` followed by the answer (:func:`split_prompt`). A generator is prompted with ``"123+45="``
@@ -15,19 +18,19 @@ wraps a task as it is. Records hold text, never token ids, so any tokenizer fits
 
 ``task.score(predictions, examples)`` returns ``{"exact_match": ...}`` or ``{"accuracy": ...}``.
 
-Splits: example ``i`` draws from ``numpy.random.default_rng([seed, split_id, i])``, so the splits
-are separate streams. Streams alone still collide in small domains (one-digit sums), so every
-candidate is also assigned to one split by a stable hash of its input (prompt, source or sentence;
-never of the seed or options), about :data:`VALIDATION_FRACTION` of inputs to validation. A draw
-that lands in the other split's part is redrawn from the same generator. Validation inputs thus
-never occur in train, whatever the seeds. Within one split a small domain repeats examples.
+Splits: the splits draw from separate generators. Those still collide in small domains (one-digit
+sums), so every candidate is also assigned to one split by a stable hash of its input (prompt,
+source or sentence; never of the seed or options): :func:`split_of`, about
+:data:`VALIDATION_FRACTION` of inputs to validation. A chunk draws candidates until it holds
+``CHUNK`` of its own split's. Validation inputs thus never occur in train, whatever the seeds.
+Within one split a small domain repeats examples.
 """
 
 from __future__ import annotations
 
 import abc
+import collections
 import dataclasses
-import hashlib
 import operator
 import string
 from collections.abc import Sequence
@@ -35,24 +38,52 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from flaxformer_lite.data.byte_texts import (
+    ByteTexts,
+    Drawn,
+    Part,
+    decimal,
+    literal,
+    lookup,
+    render,
+    stable_hash,
+    table,
+    tokenize,
+)
+from flaxformer_lite.data.documents import Documents
+from flaxformer_lite.data.number_words import (  # number_to_words: part of this module's API
+    MAX_NUMBER,
+    below_thousand,
+    number_to_words,  # noqa: F401
+)
+from flaxformer_lite.data.tokenizers import Tokenizer
+
 SPLITS = ("train", "validation")
 VALIDATION_FRACTION = 0.1
 DEFAULT_SIZES = {"train": 1_000_000, "validation": 1_000}
 ANSWER_SEP = "="
-MAX_NUMBER = 10**9 - 1  # number_to_words knows "thousand" and "million"
+CHUNK = 4096  # examples drawn at a time
 
-# A validation draw succeeds with probability ~0.1, so this many misses in a row means the
-# options leave (almost) nothing for this split rather than bad luck.
+_VALIDATION_BELOW = np.uint64(int(VALIDATION_FRACTION * 2**64))
+# A split that takes fewer than one draw in this many is (almost) empty: the options leave
+# nothing for it rather than bad luck. A chunk gives up at once if the first _EMPTY_AFTER
+# draws hold none of its split's inputs.
 _MAX_DRAWS = 1_000
+_EMPTY_AFTER = 65_536
+_MAX_ROUND = 2**18  # candidates drawn at once
+_CACHED_CHUNKS = 16
+_CHUNKS: collections.OrderedDict[tuple, Drawn] = collections.OrderedDict()  # the last used
 
 
 def split_of(key: str) -> str:
     """The split that owns an example input ``key`` (a prompt, source or sentence).
 
-    blake2b rather than ``hash()``, which Python salts per process.
+    A hash of the UTF-8 bytes (:func:`~flaxformer_lite.data.byte_texts.stable_hash`) rather
+    than ``hash()``, which Python salts per process; the same hash, vectorised, sorts every
+    drawn candidate.
     """
-    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
-    return "validation" if int.from_bytes(digest) < VALIDATION_FRACTION * 2**64 else "train"
+    hashes = stable_hash(ByteTexts.from_strings([key]))
+    return "validation" if hashes[0] < _VALIDATION_BELOW else "train"
 
 
 def split_prompt(text: str) -> tuple[str, str]:
@@ -67,43 +98,6 @@ def _words(text: str) -> tuple[str, ...]:
     return tuple(text.split())
 
 
-_ONES = _words(
-    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
-    "fifteen sixteen seventeen eighteen nineteen"
-)
-_TENS = ("", "") + _words("twenty thirty forty fifty sixty seventy eighty ninety")  # by tens digit
-
-
-def _below_thousand(n: int) -> list[str]:
-    words = []
-    hundreds, rest = divmod(n, 100)
-    if hundreds:
-        words += [_ONES[hundreds], "hundred"]
-    if rest >= 20:
-        tens, ones = divmod(rest, 10)
-        words.append(_TENS[tens] + (f"-{_ONES[ones]}" if ones else ""))
-    elif rest:
-        words.append(_ONES[rest])
-    return words
-
-
-def number_to_words(n: int) -> str:
-    """American English words for ``0 <= n <= MAX_NUMBER``.
-
-    342 -> "three hundred forty-two": no "and" after "hundred", hyphenated tens, and empty
-    groups skipped (1_000_005 -> "one million five").
-    """
-    _check_int("n", n, 0, MAX_NUMBER)
-    if n == 0:
-        return "zero"
-    words = []
-    for scale, name in ((10**6, ["million"]), (10**3, ["thousand"]), (1, [])):
-        group, n = divmod(n, scale)
-        if group:
-            words += _below_thousand(group) + name
-    return " ".join(words)
-
-
 def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
     in_range = isinstance(value, int | np.integer) and not isinstance(value, bool)
     in_range = in_range and low <= value and (high is None or value <= high)
@@ -112,20 +106,17 @@ def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None
         raise ValueError(f"{name} must be an int {bound}, got {value!r}")
 
 
-def _pick(rng: np.random.Generator, items: Sequence[str]) -> str:
-    return items[int(rng.integers(len(items)))]
-
-
-def _sample_number(rng: np.random.Generator, max_value: int) -> int:
-    """A number in ``[0, max_value]`` whose digit count is uniform, so short ones are not rare."""
-    digits = int(rng.integers(1, len(str(max_value)) + 1))
-    low = 0 if digits == 1 else 10 ** (digits - 1)
-    return int(rng.integers(low, min(10**digits - 1, max_value) + 1))
+def _sample_numbers(rng: np.random.Generator, count: int, max_value: int) -> np.ndarray:
+    """``count`` numbers in ``[0, max_value]`` whose digit count is uniform, so short ones are
+    not rare."""
+    digits = rng.integers(1, len(str(max_value)) + 1, count)
+    low = np.where(digits == 1, 0, 10 ** (digits - 1))
+    return rng.integers(low, np.minimum(10**digits - 1, max_value) + 1)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Task(abc.ABC):
-    """Base of all tasks: a deterministic, lazily generated sequence of ``size`` examples.
+    """Base of all tasks: a deterministic sequence of ``size`` examples, drawn by chunks.
 
     Attributes:
       split: ``"train"`` or ``"validation"``.
@@ -156,8 +147,8 @@ class Task(abc.ABC):
         """Validates the subclass's own fields (raises ValueError naming the field)."""
 
     @abc.abstractmethod
-    def _draw(self, rng: np.random.Generator) -> tuple[dict[str, Any], str]:
-        """One candidate ``(record, key)``; ``key`` is the input that decides the split."""
+    def _draw(self, rng: np.random.Generator, count: int) -> Drawn:
+        """``count`` candidate examples."""
 
     def __len__(self) -> int:
         return self.size
@@ -170,12 +161,56 @@ class Task(abc.ABC):
         index = operator.index(index)
         if not 0 <= index < self.size:
             raise IndexError(f"{self.name} index {index} out of range [0, {self.size})")
-        rng = np.random.default_rng([self.seed, SPLITS.index(self.split), index])
-        for _ in range(_MAX_DRAWS):
-            record, key = self._draw(rng)
-            if split_of(key) == self.split:
-                return record
-        raise ValueError(f"{self}: (almost) no {self.split} examples here; widen the domain")
+        chunk = self._cached_chunk(index // CHUNK)
+        record = {name: texts.text(index % CHUNK) for name, texts in chunk.fields.items()}
+        if chunk.labels is not None:
+            record["label"] = int(chunk.labels[index % CHUNK])
+        return record
+
+    def documents(self, tokenizer: Tokenizer) -> Documents:
+        """All ``size`` examples tokenized, in order; ``digests`` are the inputs' hashes."""
+        chunks = [self.chunk(c) for c in range(-(-self.size // CHUNK))]
+        chunks[-1] = chunks[-1].take(np.arange(self.size - CHUNK * (len(chunks) - 1)))
+        drawn = Drawn.concatenate(chunks)
+        tokens, offsets = {}, {}
+        for name, texts in drawn.fields.items():
+            tokens[name], offsets[name] = tokenize(tokenizer, texts, target=name == "target")
+        labels = None if drawn.labels is None else drawn.labels.astype(np.int32)
+        return Documents(tokens, offsets, drawn.hashes, labels)
+
+    def chunk(self, number: int) -> Drawn:
+        """Examples ``[number * CHUNK, (number + 1) * CHUNK)`` (whatever ``size`` is)."""
+        rng = np.random.default_rng([self.seed, SPLITS.index(self.split), number])
+        validation = self.split == "validation"
+        share = VALIDATION_FRACTION if validation else 1 - VALIDATION_FRACTION
+        kept, count, drawn = [], 0, 0
+        while count < CHUNK:
+            if drawn >= _MAX_DRAWS * CHUNK or (not count and drawn >= _EMPTY_AFTER):
+                raise ValueError(
+                    f"{self}: (almost) no {self.split} examples here; widen the domain"
+                )
+            share = count / drawn if drawn else share
+            if share:
+                size = int((CHUNK - count) / max(share, 1 / _MAX_DRAWS) * 1.1) + 64
+                size = min(size, _MAX_ROUND)
+            else:  # none of this split's inputs yet: draw up to where the chunk gives up
+                size = _EMPTY_AFTER - drawn
+            candidates = self._draw(rng, size)
+            mine = np.flatnonzero((candidates.hashes < _VALIDATION_BELOW) == validation)
+            kept.append(candidates.take(mine[: CHUNK - count]))
+            count, drawn = count + len(kept[-1]), drawn + size
+        return Drawn.concatenate(kept)
+
+    def _cached_chunk(self, number: int) -> Drawn:
+        # Shared by equal tasks (whatever their size), so that building a task again is cheap.
+        fields = [f.name for f in dataclasses.fields(self) if f.name != "size"]
+        key = (self.name, number, *(getattr(self, name) for name in fields))
+        if key not in _CHUNKS:
+            if len(_CHUNKS) >= _CACHED_CHUNKS:
+                _CHUNKS.popitem(last=False)
+            _CHUNKS[key] = self.chunk(number)
+        _CHUNKS.move_to_end(key)
+        return _CHUNKS[key]
 
     def score(self, predictions: Sequence[Any], examples: Sequence[dict]) -> dict[str, float]:
         """Fraction of predictions that match their examples, as ``{task.metric: value}``.
@@ -201,6 +236,12 @@ class _LMTask(Task):
         return prediction.strip() == split_prompt(example["text"])[1]
 
 
+def _lm_drawn(parts: list[Part], prompt_parts: int) -> Drawn:
+    """An ``lm`` candidate text; its first ``prompt_parts`` parts are the prompt (the key)."""
+    key_lengths = sum(lengths for _, lengths in parts[:prompt_parts])
+    return Drawn({"text": render(parts)}, "text", key_lengths)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ArithmeticTask(_LMTask):
     """Multi-digit addition (and subtraction), ``{"text": "123+45=168"}``.
@@ -218,14 +259,17 @@ class ArithmeticTask(_LMTask):
         if not isinstance(self.subtraction, bool):
             raise ValueError(f"subtraction must be a bool, got {self.subtraction!r}")
 
-    def _draw(self, rng):
-        a, b = (_sample_number(rng, 10**self.max_digits - 1) for _ in range(2))
-        if self.subtraction and rng.random() < 0.5:
-            a, b = max(a, b), min(a, b)
-            prompt, answer = f"{a}-{b}{ANSWER_SEP}", a - b
-        else:
-            prompt, answer = f"{a}+{b}{ANSWER_SEP}", a + b
-        return {"text": f"{prompt}{answer}"}, prompt
+    def _draw(self, rng, count):
+        a, b = (_sample_numbers(rng, count, 10**self.max_digits - 1) for _ in range(2))
+        minus = rng.random(count) < 0.5 if self.subtraction else np.zeros(count, bool)
+        a, b = np.where(minus, np.maximum(a, b), a), np.where(minus, np.minimum(a, b), b)
+        sign = np.where(minus, ord("-"), ord("+")).astype(np.uint8)[:, None]
+        answer = np.where(minus, a - b, a + b)
+        parts = [decimal(a), (sign, np.ones(count, np.int64)), decimal(b)]
+        return _lm_drawn([*parts, literal(ANSWER_SEP, count), decimal(answer)], 4)
+
+
+_LETTERS = np.frombuffer(string.ascii_lowercase.encode(), np.uint8)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -238,10 +282,16 @@ class ReverseTask(_LMTask):
     def _check_options(self) -> None:
         _check_int("max_length", self.max_length, 1)
 
-    def _draw(self, rng):
-        length = int(rng.integers(1, self.max_length + 1))
-        word = "".join(_pick(rng, string.ascii_lowercase) for _ in range(length))
-        return {"text": f"{word}{ANSWER_SEP}{word[::-1]}"}, f"{word}{ANSWER_SEP}"
+    def _draw(self, rng, count):
+        lengths = rng.integers(1, self.max_length + 1, count)
+        word = _LETTERS[rng.integers(0, len(_LETTERS), (count, self.max_length))]
+        backwards = np.clip(lengths[:, None] - 1 - np.arange(self.max_length), 0, None)
+        reversed_word = np.take_along_axis(word, backwards, axis=1)
+        parts = [(word, lengths), literal(ANSWER_SEP, count), (reversed_word, lengths)]
+        return _lm_drawn(parts, 2)
+
+
+_BELOW_THOUSAND = table(["-"] + [" ".join(below_thousand(n)) for n in range(1, 1000)])
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -259,10 +309,22 @@ class NumberWordsTask(Task):
     def _check_options(self) -> None:
         _check_int("max_value", self.max_value, 0, MAX_NUMBER)
 
-    def _draw(self, rng):
-        n = _sample_number(rng, self.max_value)
-        source = number_to_words(n)
-        return {"source": source, "target": str(n)}, source
+    def _draw(self, rng, count):
+        numbers = _sample_numbers(rng, count, self.max_value)
+        millions, thousands, ones = numbers // 10**6, numbers // 1000 % 1000, numbers % 1000
+        parts = [
+            lookup(_BELOW_THOUSAND, millions, millions > 0),
+            literal(" million", count, millions > 0),
+            literal(" ", count, (millions > 0) & (thousands > 0)),
+            lookup(_BELOW_THOUSAND, thousands, thousands > 0),
+            literal(" thousand", count, thousands > 0),
+            literal(" ", count, (millions + thousands > 0) & (ones > 0)),
+            lookup(_BELOW_THOUSAND, ones, ones > 0),
+            literal("zero", count, numbers == 0),
+        ]
+        source = render(parts)
+        target = render([decimal(numbers)])
+        return Drawn({"source": source, "target": target}, "source", source.lengths)
 
     def _is_correct(self, prediction: str, example: dict[str, Any]) -> bool:
         return prediction.strip() == example["target"]
@@ -279,6 +341,13 @@ NEUTRAL_WORDS = _words("red blue green square round wooden metal tall wide plast
 NEGATIONS = ("not", "never")
 _NOUNS = _words("food movie service room book song hotel game show car table door")
 _INTENSIFIERS = ("very", "really", "quite")
+_ADJECTIVES = table(NEGATIVE_WORDS + NEUTRAL_WORDS + POSITIVE_WORDS)  # 10 of each, by label
+_CLAUSE_WORDS = {
+    "noun": table([f"the {noun} " for noun in _NOUNS]),
+    "verb": table(["was", "is"]),
+    "negation": table([f" {word}" for word in NEGATIONS]),
+    "intensifier": table([f" {word}" for word in _INTENSIFIERS]),
+}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -291,7 +360,7 @@ class SentimentTask(Task):
     class a neutral adjective (negated or not, still neutral). The other clauses are neutral,
     also negated half the time. So neither a negation nor any adjective alone gives the label
     away: a model has to tie each negation to its own adjective. Labels are drawn uniformly, so
-    classes are balanced in expectation.
+    classes are balanced in expectation; the class clause stands anywhere among the others.
     """
 
     name: ClassVar[str] = "sentiment"
@@ -303,35 +372,45 @@ class SentimentTask(Task):
     def _check_options(self) -> None:
         _check_int("max_clauses", self.max_clauses, 1, 8)
 
-    def _draw(self, rng):
-        label = int(rng.integers(len(LABELS)))
-        negated = bool(rng.integers(2))
-        if LABELS[label] == "neutral":
-            adjectives = NEUTRAL_WORDS
-        elif (LABELS[label] == "positive") != negated:  # negation flips the adjective's polarity
-            adjectives = POSITIVE_WORDS
-        else:
-            adjectives = NEGATIVE_WORDS
-        clauses = [_clause(rng, adjectives, negated)]
-        clauses += [
-            _clause(rng, NEUTRAL_WORDS, bool(rng.integers(2)))
-            for _ in range(int(rng.integers(self.max_clauses)))
-        ]
-        rng.shuffle(clauses)
-        text = " and ".join(clauses)
-        return {"text": text, "label": label}, text
+    def _draw(self, rng, count):
+        label = rng.integers(len(LABELS), size=count)
+        negated = rng.integers(2, size=(count, self.max_clauses)).astype(bool)
+        # The class clause's adjective: neutral for the neutral class, else of the polarity
+        # that its negation flips into the label's (indices into _ADJECTIVES, 10 per label).
+        polarity = np.where(negated[:, 0], 2 - label, label)
+        adjective = rng.integers(10, size=(count, self.max_clauses)) + 10  # neutral
+        adjective[:, 0] += 10 * (polarity - 1)
+        clauses = rng.integers(self.max_clauses, size=count) + 1
+        # Clause slot s shows clause (s - place) % clauses: the class clause (0) at ``place``.
+        place = rng.integers(0, clauses)
+        nouns = rng.integers(len(_NOUNS), size=(count, self.max_clauses))
+        verbs = rng.integers(2, size=(count, self.max_clauses))
+        negations = rng.integers(len(NEGATIONS), size=(count, self.max_clauses))
+        strong = rng.random((count, self.max_clauses)) < 0.5
+        intensifiers = rng.integers(len(_INTENSIFIERS), size=(count, self.max_clauses))
+        rows = np.arange(count)
+        parts = []
+        for slot in range(self.max_clauses):
+            shown = slot < clauses
+            c = (slot - place) % clauses
+            parts += [
+                literal(" and ", count, shown & (slot > 0)),
+                lookup(_CLAUSE_WORDS["noun"], nouns[rows, c], shown),
+                lookup(_CLAUSE_WORDS["verb"], verbs[rows, c], shown),
+                lookup(_CLAUSE_WORDS["negation"], negations[rows, c], shown & negated[rows, c]),
+                lookup(
+                    _CLAUSE_WORDS["intensifier"],
+                    intensifiers[rows, c],
+                    shown & strong[rows, c],
+                ),
+                literal(" ", count, shown),
+                lookup(_ADJECTIVES, adjective[rows, c], shown),
+            ]
+        text = render(parts)
+        return Drawn({"text": text}, "text", text.lengths, label)
 
     def _is_correct(self, prediction: int, example: dict[str, Any]) -> bool:
         return int(prediction) == example["label"]
-
-
-def _clause(rng: np.random.Generator, adjectives: Sequence[str], negated: bool) -> str:
-    words = ["the", _pick(rng, _NOUNS), _pick(rng, ("was", "is"))]
-    if negated:
-        words.append(_pick(rng, NEGATIONS))
-    if rng.random() < 0.5:
-        words.append(_pick(rng, _INTENSIFIERS))
-    return " ".join([*words, _pick(rng, adjectives)])
 
 
 TASKS: dict[str, type[Task]] = {

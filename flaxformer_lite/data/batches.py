@@ -1,0 +1,218 @@
+"""Batches from documents: this process's rows of each global batch, made ahead in a thread.
+
+Global batch ``g`` is global rows ``[g * batch_size, (g + 1) * batch_size)`` of the training rows
+(:mod:`flaxformer_lite.data.rows`); process ``k`` of ``n`` makes only its rows ``[k * b, (k + 1)
+* b)`` of it, ``b = batch_size // n``. Rows are pure functions of the row index, so the global
+batches are the same for any ``n`` and a process's work is its own rows, however many there
+are. :class:`TrainIterator` hands batches out in order; its state is the number of global
+batches handed out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from flaxformer_lite.data import rows
+from flaxformer_lite.data.documents import Documents
+from flaxformer_lite.data.features import document_rows
+
+ROWS = ("documents", "windows", "single")  # packed documents, windows, one document per row
+TRAIN_STREAM, EVAL_STREAM = 0, 1  # separate MLM masking draws for the two splits
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What every batch of a run shares.
+
+    Attributes:
+      task: ``lm``, ``seq2seq``, ``mlm`` or ``classify``.
+      rows: ``documents`` (packed), ``windows`` (both ``lm`` only) or ``single``.
+      seq_len: ``T``.
+      batch_size: the global batch size ``B``.
+      process_index, process_count: which of ``process_count`` equal blocks of each global
+        batch's rows this process makes.
+      sos_id, eos_id, vocab_size: the tokenizer's.
+      mlm_probability: share of an ``mlm`` example's tokens to predict.
+      seed: orders the epochs and draws the MLM masks.
+    """
+
+    task: str
+    rows: str
+    seq_len: int
+    batch_size: int
+    process_index: int
+    process_count: int
+    sos_id: int
+    eos_id: int
+    vocab_size: int
+    mlm_probability: float
+    seed: int
+
+    @property
+    def local_size(self) -> int:
+        return self.batch_size // self.process_count
+
+    def document_rows(self, documents: Documents, docs: np.ndarray, indices, stream: int):
+        return document_rows(
+            self.task,
+            documents,
+            docs,
+            indices,
+            seq_len=self.seq_len,
+            sos_id=self.sos_id,
+            eos_id=self.eos_id,
+            vocab_size=self.vocab_size,
+            mlm_probability=self.mlm_probability,
+            seed=self.seed,
+            stream=stream,
+        )
+
+
+class TrainBatches:
+    """This process's rows of global batch ``g``: ``batches(g)``, a pure function of ``g``."""
+
+    def __init__(self, documents: Documents, ids: np.ndarray, layout: Layout):
+        self.documents, self.layout = documents, layout
+        kind = {"documents": rows.Packed, "windows": rows.Windows}.get(layout.rows)
+        if kind is None:
+            self._rows = rows.Shuffled(ids, layout.seed)
+        else:
+            self._rows = kind(documents, ids, layout.seq_len, layout.seed)
+
+    def __call__(self, step: int) -> dict[str, np.ndarray]:
+        layout = self.layout
+        first = step * layout.batch_size + layout.process_index * layout.local_size
+        if layout.rows != "single":
+            return self._rows.rows(first, layout.local_size, layout.sos_id, layout.eos_id)
+        docs = self._rows.documents_of(first, layout.local_size)
+        indices = np.arange(first, first + layout.local_size)
+        return layout.document_rows(self.documents, docs, indices, TRAIN_STREAM)
+
+
+def eval_batches(documents: Documents, ids: np.ndarray, layout: Layout) -> Iterator[dict]:
+    """The documents ``ids`` in order, one per row, in ``ceil(len(ids) / B)`` global batches
+    (never packed); the last is filled up with padding rows (weights 0, masks False), so every
+    batch has one shape and every document counts once. Yields this process's rows."""
+    for step in range(-(-len(ids) // layout.batch_size)):
+        first = step * layout.batch_size + layout.process_index * layout.local_size
+        indices = np.arange(first, min(first + layout.local_size, len(ids)))
+        docs = np.asarray(ids, np.int64)[indices]
+        batch = layout.document_rows(documents, docs, indices, EVAL_STREAM)
+        padding = layout.local_size - len(indices)
+        yield {k: np.pad(v, [(0, padding)] + [(0, 0)] * (v.ndim - 1)) for k, v in batch.items()}
+
+
+class _Prefetch:
+    """A daemon thread that makes the batches of steps ``first``, ``first + 1``, ... into a
+    queue of ``size``; an exception it meets is queued in place of the batch."""
+
+    def __init__(self, make, first: int, size: int):
+        self._queue: queue.Queue = queue.Queue(maxsize=size)
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(make, first), name="flaxformer-lite-prefetch", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, make, step: int) -> None:
+        while not self._stopping.is_set():
+            try:
+                item = (make(step), None)
+            except BaseException as error:  # handed to the consumer, which raises it
+                self._queue.put((None, error))
+                return
+            self._queue.put(item)  # blocks while the queue is full; stop() makes room
+            step += 1
+
+    def get(self) -> dict[str, np.ndarray]:
+        batch, error = self._queue.get()
+        if error is not None:
+            self.stop()
+            raise error
+        return batch
+
+    def stop(self, wait: bool = True) -> None:
+        self._stopping.set()
+        while True:  # room for a put under way, so the thread sees the flag
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        if wait:
+            self._thread.join()
+
+
+class TrainIterator:
+    """This process's training batches, endless, resumable from a JSON-able state.
+
+    ``get_state()`` is ``{"pipeline": {...}, "step": global batches handed out}``: the same on
+    every process, so a run may resume on another number of processes. The ``pipeline`` entry
+    describes what the stream is made from, so ``set_state`` refuses a state from another
+    pipeline instead of resuming wrongly. ``make(step)`` makes a batch; up to ``prefetch`` are
+    made ahead in a background thread (a bounded queue, so ``next()`` does not wait while
+    ``make`` keeps up). The state counts the batches handed out, not those made, and an error
+    raised while making a batch is raised by the ``next()`` that would have returned it.
+    :meth:`close` stops the thread.
+    """
+
+    def __init__(self, make, pipeline: dict[str, Any], prefetch: int = 4):
+        self._worker: _Prefetch | None = None
+        self._make, self._prefetch = make, prefetch
+        self._pipeline = json.loads(json.dumps(pipeline))  # a copy, and proof it serializes
+        self._step = 0
+        self._closed = False
+
+    def __iter__(self) -> TrainIterator:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        if self._closed:
+            raise ValueError("the data iterator was closed")
+        if not self._prefetch:
+            batch = self._make(self._step)
+        else:
+            if self._worker is None:
+                self._worker = _Prefetch(self._make, self._step, self._prefetch)
+            try:
+                batch = self._worker.get()
+            except BaseException:
+                self._worker = None  # a later next() tries this batch again
+                raise
+        self._step += 1
+        return batch
+
+    def get_state(self) -> dict[str, Any]:
+        return {"pipeline": dict(self._pipeline), "step": self._step}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        saved = state.get("pipeline") if isinstance(state, dict) else None
+        step = state.get("step") if isinstance(state, dict) else None
+        if saved != self._pipeline or isinstance(step, bool) or not isinstance(step, int):
+            raise ValueError(
+                f"the data iterator state was saved by another pipeline ({saved}); "
+                f"this one is {self._pipeline}"
+            )
+        if step < 0:
+            raise ValueError(f"the data iterator state has a negative step {step}")
+        self._stop()
+        self._step = step
+
+    def close(self) -> None:
+        """Stops the prefetch thread; the iterator is not to be used after."""
+        self._stop()
+        self._closed = True
+
+    def _stop(self, wait: bool = True) -> None:
+        if self._worker is not None:
+            self._worker.stop(wait)
+            self._worker = None
+
+    def __del__(self):
+        self._stop(wait=False)  # joining may hang while the interpreter shuts down

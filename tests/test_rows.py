@@ -1,0 +1,136 @@
+"""LM rows from documents (data/rows.py): the batch contract, every epoch's coverage, windows
+and packed documents, and rows as pure functions of their global index."""
+
+import numpy as np
+import pytest
+
+from flaxformer_lite.data.documents import from_ids
+from flaxformer_lite.data.rows import Packed, Windows, epoch_order
+
+SOS, EOS, T = 1, 2, 16
+KINDS = {"windows": Windows, "documents": Packed}
+
+
+def corpus(count=60, longest=40, seed=0):
+    """Documents of 0 to ``longest`` random ids (some longer than T, one empty)."""
+    rng = np.random.default_rng(seed)
+    docs = [rng.integers(4, 300, rng.integers(1, longest + 1)) for _ in range(count)]
+    docs[3] = []
+    return from_ids({"text": docs}, np.arange(count), dtype=np.uint16)
+
+
+DOCUMENTS = corpus()
+TRAIN = np.arange(0, 60, 3)  # every third document is a training one
+
+
+def sequence(documents, doc):
+    """``(<sos> doc, doc <eos>)``: a document's inputs and targets, one per position."""
+    ids = documents.document("text", doc).astype(np.int32).tolist()
+    return [SOS, *ids], [*ids, EOS]
+
+
+def segments(batch):
+    """Each row's segments, left to right: ``(row, inputs, targets)``; checks the contract."""
+    found = []
+    for row, (inputs, targets, weights, ids, positions) in enumerate(
+        zip(
+            *(batch[k] for k in ("inputs", "targets", "weights", "segment_ids", "positions")),
+            strict=True,
+        )
+    ):
+        np.testing.assert_array_equal(weights > 0, ids > 0)
+        assert not (inputs[ids == 0].any() or targets[ids == 0].any() or positions[ids == 0].any())
+        filled = int((ids > 0).sum())
+        assert (ids[:filled] > 0).all()  # padding only at the end
+        np.testing.assert_array_equal(np.unique(ids[:filled]), np.arange(1, ids.max() + 1))
+        for segment in range(1, ids.max() + 1):
+            where = ids == segment
+            np.testing.assert_array_equal(positions[where], np.arange(where.sum()))
+            np.testing.assert_array_equal(inputs[where][1:], targets[where][:-1])  # the shift
+            found.append((row, inputs[where].tolist(), targets[where].tolist()))
+    return found
+
+
+def test_packed_rows_hold_every_training_document_once_per_epoch_in_its_order():
+    packed = Packed(DOCUMENTS, TRAIN, T, seed=5)
+    rows = packed.rows(0, 60, SOS, EOS)
+    epoch_of = np.array([packed.epoch_of(j) for j in range(60)])
+    assert epoch_of[-1] >= 3  # a few whole epochs
+    found = segments(rows)
+    orders = []
+    for epoch in range(3):
+        order = epoch_order(TRAIN, 5, epoch)
+        orders.append(order.tolist())
+        expected = []
+        for doc in order:  # cut to T positions before the shift, as features.shifted cuts
+            inputs, targets = sequence(DOCUMENTS, doc)
+            expected.append((inputs[:T], targets[:T]))
+        got = [(i, t) for row, i, t in found if epoch_of[row] == epoch]
+        assert got == expected
+        # Next-fit: a row ends where the epoch's next document does not fit it.
+        rows_of_epoch = np.flatnonzero(epoch_of == epoch)
+        for row in rows_of_epoch[:-1]:
+            fill = int(rows["weights"][row].sum())
+            nxt = next(i for r, i, _ in found if r == row + 1)
+            assert fill + len(nxt) > T
+    assert orders[0] != orders[1] and sorted(orders[0]) == sorted(orders[1]) == TRAIN.tolist()
+
+
+def test_windows_cut_each_epochs_stream_into_rows_and_pad_only_its_last_row():
+    windows = Windows(DOCUMENTS, TRAIN, T, seed=5)
+    per_epoch = windows.rows_per_epoch
+    lengths = DOCUMENTS.lengths("text")[TRAIN]
+    assert per_epoch == -(-int((lengths + 1).sum()) // T)
+    rows = windows.rows(0, 3 * per_epoch, SOS, EOS)
+    found = segments(rows)
+    for epoch in range(3):
+        stream_inputs, stream_targets = [], []
+        for doc in epoch_order(TRAIN, 5, epoch):
+            inputs, targets = sequence(DOCUMENTS, doc)
+            stream_inputs += inputs
+            stream_targets += targets
+        mine = [(i, t) for row, i, t in found if row // per_epoch == epoch]
+        assert sum((i for i, _ in mine), []) == stream_inputs
+        assert sum((t for _, t in mine), []) == stream_targets
+        weights = rows["weights"][epoch * per_epoch : (epoch + 1) * per_epoch]
+        assert weights[:-1].all() and weights[-1].sum() == len(stream_inputs) - T * (per_epoch - 1)
+    # A long document goes on in the next row, as a new segment from position 0.
+    assert any(row_ids[0] != SOS for row_ids in rows["inputs"][1:per_epoch])
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_rows_are_pure_functions_of_their_global_index(kind):
+    whole = KINDS[kind](DOCUMENTS, TRAIN, T, seed=1).rows(0, 90, SOS, EOS)
+    pieces = KINDS[kind](DOCUMENTS, TRAIN, T, seed=1)
+    parts = [pieces.rows(first, 7, SOS, EOS) for first in range(0, 84, 7)]
+    for key, value in whole.items():
+        np.testing.assert_array_equal(np.concatenate([p[key] for p in parts]), value[:84], key)
+    # A fresh builder asked for late rows first (a resumed run) makes the same rows.
+    late = KINDS[kind](DOCUMENTS, TRAIN, T, seed=1).rows(70, 20, SOS, EOS)
+    for key, value in late.items():
+        np.testing.assert_array_equal(value, whole[key][70:], key)
+    other = KINDS[kind](DOCUMENTS, TRAIN, T, seed=2).rows(0, 90, SOS, EOS)
+    assert (other["inputs"] != whole["inputs"]).any()
+
+
+def test_rows_have_the_batch_dtypes_and_shapes():
+    rows = Packed(DOCUMENTS, TRAIN, T, seed=0).rows(0, 4, SOS, EOS)
+    assert {k: (v.shape, v.dtype.name) for k, v in rows.items()} == {
+        **{k: ((4, T), "int32") for k in ("inputs", "targets", "segment_ids", "positions")},
+        "weights": ((4, T), "float32"),
+    }
+
+
+def test_an_empty_document_is_one_position_and_a_corpus_of_empty_documents_works():
+    empty = from_ids({"text": [[], [], []]}, np.arange(3))
+    for kind in KINDS.values():
+        rows = kind(empty, np.arange(3), 4, seed=0).rows(0, 2, SOS, EOS)
+        np.testing.assert_array_equal(rows["inputs"][0], [SOS, SOS, SOS, 0])
+        np.testing.assert_array_equal(rows["targets"][0], [EOS, EOS, EOS, 0])
+        np.testing.assert_array_equal(rows["segment_ids"][0], [1, 2, 3, 0])
+
+
+def test_ids_of_32_bit_stores_come_through():
+    big = from_ids({"text": [[70_000, 5], [100_000]]}, np.arange(2), dtype=np.uint32)
+    rows = Windows(big, np.arange(2), 8, seed=0).rows(0, 1, SOS, EOS)
+    assert sorted(rows["targets"][0][:5].tolist()) == sorted([70_000, 5, EOS, 100_000, EOS])
