@@ -98,14 +98,18 @@ class Tokenizer(abc.ABC):
         """Whether ``decode`` drops ``token_id``: one of the four special ids."""
         return token_id < NUM_SPECIAL
 
+    def files(self) -> dict[str, bytes]:
+        """File name -> contents of what :meth:`save` writes, the kind marker last."""
+        marker = (json.dumps({"kind": self.kind}) + "\n").encode()
+        return {**self._files(), KIND_FILE: marker}
+
     def save(self, directory: Path) -> None:
         """Writes this tokenizer's files and the kind marker into ``directory`` (created)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        for name, content in self._files().items():
-            (directory / name).write_bytes(content)
         # The marker goes last, so an interrupted save into a fresh directory is not loadable.
-        (directory / KIND_FILE).write_text(json.dumps({"kind": self.kind}) + "\n", encoding="utf-8")
+        for name, content in self.files().items():
+            (directory / name).write_bytes(content)
 
     @abc.abstractmethod
     def _decode_regular(self, ids: list[int]) -> str:
