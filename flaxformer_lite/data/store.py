@@ -341,12 +341,12 @@ def _existing_store(
             "another directory, or remove it"
         )
     store = open_store(out_dir)
-    made, wanted = store.manifest, request["source"]
-    wanted["files"] = [{"path": str(p), "size": p.stat().st_size} for p in files]
-    if [f["size"] for f in made["source"]["files"]] == [f["size"] for f in wanted["files"]]:
-        wanted["files"] = _hash_files(files, progress)
+    request["source"]["files"] = [{"path": str(p), "size": p.stat().st_size} for p in files]
     try:
-        why = _difference(made, request)
+        why = _difference(store.manifest, request)
+        if why is None:  # the same but for the files' contents, which only a hash tells
+            request["source"]["files"] = _hash_files(files, progress)
+            why = _difference(store.manifest, request)
     except (KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{out_dir / MANIFEST}: not a valid store manifest ({e!r})") from None
     if why:
@@ -358,14 +358,15 @@ def _existing_store(
 
 
 def _difference(made: dict[str, Any], request: dict[str, Any]) -> str | None:
-    """What differs between the inputs a manifest records and ``request``'s, or None."""
+    """What differs between the inputs a manifest records and ``request``'s, or None (files
+    not hashed yet are compared by size)."""
     source, wanted = made["source"], request["source"]
     if (source["kind"], source.get("field")) != (wanted["kind"], wanted["field"]):
         return f"source {source['kind']!r} field {source.get('field')!r}"
     if len(source["files"]) != len(wanted["files"]):
         return f"{len(source['files'])} source files, not {len(wanted['files'])}"
     for before, now in zip(source["files"], wanted["files"], strict=True):
-        if (before["size"], before["sha256"]) != (now["size"], now.get("sha256")):
+        if before["size"] != now["size"] or before["sha256"] != now.get("sha256", before["sha256"]):
             return f"{now['path']} differs from the file the store was made from"
     tokenizer, wanted = made["tokenizer"], request["tokenizer"]
     if tokenizer["kind"] != wanted["kind"]:
