@@ -19,6 +19,7 @@ import pytest
 import sentencepiece
 
 from flaxformer_lite.data import sources
+from flaxformer_lite.data import store as store_module
 from flaxformer_lite.data.documents import split_documents, text_digest
 from flaxformer_lite.data.store import check_tokenizer, open_store, prepare_store
 from flaxformer_lite.data.tokenizers import BpeTokenizer, ByteTokenizer, make_tokenizer
@@ -492,3 +493,25 @@ def test_progress_bars_count_every_pass_over_the_source_bytes(corpus, tmp_path, 
     )
     assert [b.desc for b in bars.bars] == ["hashing"]  # a no-op only checks the files
     assert capfd.readouterr() == ("", "")  # nothing printed
+
+
+def test_batches_hold_at_most_batch_size_texts_and_batch_chars_characters(
+    corpus, tmp_path, monkeypatch
+):
+    pattern, lines = corpus
+    monkeypatch.setattr(store_module, "BATCH_CHARS", 100)
+    batches = []
+    encode_batch = ByteTokenizer.encode_batch
+
+    def spy(self, texts):
+        batches.append(texts)
+        return encode_batch(self, texts)
+
+    monkeypatch.setattr(ByteTokenizer, "encode_batch", spy)
+    store = prepare_store(tmp_path / "store", source="text", path=pattern, batch_size=7)
+    check_documents(store, [(line,) for line in lines])
+    assert [t for batch in batches for t in batch] == lines
+    assert max(map(len, batches)) == 7
+    # A batch closes with the text that takes it to BATCH_CHARS or beyond.
+    assert all(sum(map(len, batch[:-1])) < 100 for batch in batches)
+    assert any(len(batch) < 7 for batch in batches[:-1])

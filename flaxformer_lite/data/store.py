@@ -52,6 +52,8 @@ MANIFEST, TOKENIZER_DIR, DIGESTS, LABELS = "manifest.json", "tokenizer", "digest
 FITTED_KINDS = ("char", "word", "bpe")
 # Texts per encode_batch call: enough for the batched encoders to keep every core busy.
 BATCH_SIZE = 8192
+# ... and at most this many characters of text, so that a batch of long documents stays small.
+BATCH_CHARS = 1 << 21
 _READ_BYTES = 1 << 20
 
 Progress = Callable[..., Any]
@@ -95,7 +97,7 @@ def prepare_store(
         from ``tokenizer_path``, or ``char``, ``word``, ``bpe`` fitted with ``vocab_size`` on
         the training documents: all but the ``validation_fraction`` that
         :func:`~flaxformer_lite.data.documents.split_documents` holds out).
-      batch_size: texts per ``encode_batch`` call.
+      batch_size: texts per ``encode_batch`` call (fewer if they are long: :data:`BATCH_CHARS`).
       progress: see :data:`Progress`; None shows nothing.
 
     Raises:
@@ -242,11 +244,19 @@ class _Passes:
         return ("source", "target") if self.source["kind"] == "parallel" else ("text",)
 
     def batches(self, desc: str) -> Iterator[dict[str, list[str]]]:
-        """Field name -> texts of the next ``batch_size`` records, to the end of the source."""
+        """Field name -> texts of the next ``batch_size`` records (fewer if they hold more than
+        :data:`BATCH_CHARS` characters), to the end of the source."""
         kind, path = self.source["kind"], self.source["path"]
         with _bar(self.progress, sum(f["size"] for f in self.source["files"]), desc) as update:
             records = sources.iter_records(kind, path, self.field, lambda _, d: update(len(d)))
-            while batch := list(itertools.islice(records, self.batch_size)):
+            batch, chars = [], 0
+            for record in records:
+                batch.append(record)
+                chars += sum(map(len, record.values()))
+                if len(batch) == self.batch_size or chars >= BATCH_CHARS:
+                    yield {name: [r[name] for r in batch] for name in self.fields}
+                    batch, chars = [], 0
+            if batch:
                 yield {name: [r[name] for r in batch] for name in self.fields}
 
 
