@@ -14,6 +14,7 @@ and any tool reads the files)::
                       65,536 ids, else uint32 (fields: text, or source and target)
     {field}.offsets   int64 [N + 1]: document i is tokens[offsets[i]:offsets[i + 1]]
     digests.u64       uint64 [N]: documents.text_digest of each document (decides the split)
+    labels.i32        int32 [N], optional: class indices (prepare_store writes none)
 
 The manifest names the format and version, the source (kind, path, field, each file's size and
 sha256), the tokenizer (kind, its files' sha256, what a fitted one was fitted with), the number
@@ -21,9 +22,9 @@ of documents, each field's number of tokens and dtype, and each data file's size
 
 :func:`prepare_store` writes into a sibling ``.NAME.partial-<pid>`` directory and renames it into
 place at the end: an interrupted prepare leaves nothing that opens, and its leftover directory
-is removed by the next prepare once its process is gone. Memory holds one batch of documents
-and 16 bytes per document (offsets and digests), never the corpus. Nothing here prints: a
-caller that wants a progress bar passes a tqdm-like factory.
+is removed by the next prepare once its process is gone. Memory holds a few batches of
+documents and 16 bytes per document (offsets and digests), never the corpus. Nothing here
+prints: a caller that wants a progress bar passes a tqdm-like factory.
 """
 
 from __future__ import annotations
@@ -467,6 +468,4 @@ def _remove_stale_partials(partial: Path) -> None:
 
 def _map(path: Path, dtype, count: int) -> np.ndarray:
     """The ``count`` values in ``path``, memory-mapped read-only (numpy cannot map 0 bytes)."""
-    if count == 0:
-        return np.zeros(0, dtype)
-    return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+    return np.memmap(path, dtype=dtype, mode="r", shape=(count,)) if count else np.zeros(0, dtype)

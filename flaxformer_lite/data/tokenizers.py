@@ -67,13 +67,11 @@ class Tokenizer(abc.ABC):
         return self.encode(text)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """``[self.encode(t) for t in texts]``; kinds with a batched (multi-threaded or
-        vectorised) encoder override it with one that gives the same ids, faster."""
+        """:meth:`encode` of each text; kinds with a batched encoder use it (the same ids)."""
         return [self.encode(text) for text in texts]
 
     def encode_target_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """:meth:`encode_target` of each of ``texts``: :meth:`encode_batch` unless the two
-        sides have their own models."""
+        """:meth:`encode_target` of each text, batched as :meth:`encode_batch`."""
         return self.encode_batch(texts)
 
     def decode(self, ids) -> str:
@@ -350,23 +348,21 @@ class SentencePieceTokenizer(Tokenizer):
         specials = {mid: ours for ours, mid in enumerate(model_specials) if mid >= 0}  # -1: absent
         # _to_model[i - NUM_SPECIAL] is the model id of our regular id i; _from_model inverts it.
         self._to_model = [mid for mid in range(self.sp.get_piece_size()) if mid not in specials]
-        self._from_model = specials | {m: NUM_SPECIAL + i for i, m in enumerate(self._to_model)}
-        self._from_model_table = np.array(
-            [self._from_model[m] for m in range(self.sp.get_piece_size())], np.int64
-        )
+        from_model = specials | {m: NUM_SPECIAL + i for i, m in enumerate(self._to_model)}
+        self._from_model = np.array([from_model[m] for m in range(self.sp.get_piece_size())])
 
     @property
     def vocab_size(self) -> int:
         return NUM_SPECIAL + len(self._to_model)
 
     def encode(self, text: str) -> list[int]:
-        return [self._from_model[mid] for mid in self.sp.encode(text)]
+        return self._from_model[self.sp.encode(text)].tolist()
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         # SentencePiece encodes a list on all cores; one table lookup maps all the ids.
         model_ids = self.sp.encode(list(texts), num_threads=os.cpu_count() or 1)
         flat = np.fromiter(itertools.chain.from_iterable(model_ids), np.int64)
-        ids = self._from_model_table[flat].tolist()
+        ids = self._from_model[flat].tolist()
         ends = itertools.accumulate(map(len, model_ids))
         return [ids[end - len(m) : end] for m, end in zip(model_ids, ends, strict=True)]
 
