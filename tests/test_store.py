@@ -445,3 +445,19 @@ def test_batches_hold_at_most_batch_size_texts_and_batch_chars_characters(
     # A batch closes with the text that takes it to BATCH_CHARS or beyond.
     assert all(sum(map(len, batch[:-1])) < 100 for batch in batches)
     assert any(len(batch) < 7 for batch in batches[:-1])
+
+
+def test_a_manifest_naming_other_files_is_refused(corpus, tmp_path):
+    pattern, _ = corpus
+    out = tmp_path / "store"
+    prepare_store(out, source="text", path=pattern)
+    manifest = json.loads((out / "manifest.json").read_text())
+    for change in (
+        {"fields": {"../text": manifest["fields"]["text"]}},
+        {"fields": {"text": {**manifest["fields"]["text"], "dtype": "object"}}},
+        {"tokenizer": {**manifest["tokenizer"], "files": {"../../a.txt": {}}}},
+        {"documents": "many"},
+    ):
+        (out / "manifest.json").write_text(json.dumps({**manifest, **change}))
+        with pytest.raises(ValueError, match="manifest.json: not a valid store manifest"):
+            open_store(out)

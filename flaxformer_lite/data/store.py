@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from flaxformer_lite.data import sources, tokenizers
-from flaxformer_lite.data.documents import Documents, split_documents
+from flaxformer_lite.data.documents import FIELDS, Documents, split_documents
 from flaxformer_lite.data.tokenizers import Tokenizer
 
 FORMAT, VERSION = "flaxformer-lite token store", 1
@@ -56,6 +56,7 @@ BATCH_SIZE = 8192
 # ... and at most this many characters of text, so that a batch of long documents stays small.
 BATCH_CHARS = 1 << 21
 _READ_BYTES = 1 << 20
+_DTYPES = (np.dtype(np.uint16), np.dtype(np.uint32))  # ids of vocabularies up to 2**16, 2**32
 
 Progress = Callable[..., Any]
 """A tqdm-like factory: ``progress(total=n_bytes, desc=name)`` gives a bar with ``update(n)``
@@ -181,6 +182,10 @@ def open_store(path: Path | str) -> Store:
         n_tokens = {name: int(info["tokens"]) for name, info in fields.items()}
         tokenizer_info = manifest["tokenizer"]
         tokenizer_files = dict(tokenizer_info["files"])
+        if tuple(fields) not in FIELDS.values() or {*dtypes.values()} - {*_DTYPES}:
+            raise ValueError(f"fields {fields}")
+        if any(Path(name).name != name for name in tokenizer_files):
+            raise ValueError(f"tokenizer files {list(tokenizer_files)}")
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"{where}: not a valid store manifest ({e!r})") from None
     expected = {DIGESTS: 8 * count}
@@ -276,7 +281,7 @@ def _fit(passes: _Passes, kind: str, vocab_size: int | None, validation_fraction
 def _write(directory: Path, passes: _Passes, tokenizer: Tokenizer) -> dict[str, Any]:
     """Encodes the source batch by batch into ``directory``'s files; returns the manifest."""
     tokenizer.save(directory / TOKENIZER_DIR)
-    dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
+    dtype = _DTYPES[0] if tokenizer.vocab_size <= 1 << 16 else _DTYPES[1]
     lengths, digests = {name: [] for name in passes.fields}, []
 
     def write(ids: dict[str, list[list[int]]]) -> None:
