@@ -21,7 +21,13 @@ from flaxformer_lite.data import sources
 from flaxformer_lite.data import store as store_module
 from flaxformer_lite.data.documents import split_documents, text_digest
 from flaxformer_lite.data.store import check_tokenizer, open_store, prepare_store
-from flaxformer_lite.data.tokenizers import BpeTokenizer, ByteTokenizer, make_tokenizer
+from flaxformer_lite.data.tokenizers import (
+    SPECIAL_TOKENS,
+    BpeTokenizer,
+    ByteTokenizer,
+    WordTokenizer,
+    make_tokenizer,
+)
 
 WORDS = (
     "the",
@@ -461,3 +467,15 @@ def test_a_manifest_naming_other_files_is_refused(corpus, tmp_path):
         (out / "manifest.json").write_text(json.dumps({**manifest, **change}))
         with pytest.raises(ValueError, match="manifest.json: not a valid store manifest"):
             open_store(out)
+
+
+def test_ids_of_a_vocabulary_over_65536_are_stored_as_uint32(tmp_path):
+    words = [f"w{i}" for i in range(70_000)]
+    tokenizer = WordTokenizer([*SPECIAL_TOKENS, *words])
+    (tmp_path / "a.txt").write_text("w69999 w1\nw65532 w65531 w0\n")
+    store = prepare_store(
+        tmp_path / "s", source="text", path=str(tmp_path / "a.txt"), tokenizer=tokenizer
+    )
+    assert store.documents.tokens["text"].dtype == np.uint32
+    assert store.documents.tokens["text"].tolist() == [70_003, 5, 65_536, 65_535, 4]
+    assert open_store(tmp_path / "s").manifest["fields"]["text"]["dtype"] == "uint32"
