@@ -479,3 +479,18 @@ def test_ids_of_a_vocabulary_over_65536_are_stored_as_uint32(tmp_path):
     assert store.documents.tokens["text"].dtype == np.uint32
     assert store.documents.tokens["text"].tolist() == [70_003, 5, 65_536, 65_535, 4]
     assert open_store(tmp_path / "s").manifest["fields"]["text"]["dtype"] == "uint32"
+
+
+def test_a_prepare_that_finishes_second_opens_the_first_ones_store(corpus, tmp_path, monkeypatch):
+    pattern, lines = corpus
+    first = prepare_store(tmp_path / "first", source="text", path=pattern)
+    rename = os.rename
+
+    def race(partial, out):  # another process renames its store into place just before
+        shutil.copytree(first.path, out)
+        rename(partial, out)
+
+    monkeypatch.setattr(store_module.os, "rename", race)
+    store = prepare_store(tmp_path / "store", source="text", path=pattern)
+    check_documents(store, [(line,) for line in lines])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.txt", "first", "store"]
