@@ -245,71 +245,38 @@ def test_bad_data_is_named_and_leaves_nothing(tmp_path):
         prepare_store(tmp_path / "store", source="text", path=str(tmp_path / "missing.txt"))
 
 
-def damage_truncate(store):
-    path = store / "text.tokens"
-    path.write_bytes(path.read_bytes()[:-2])
-    return path, "bytes, but the manifest says"
-
-
-def damage_manifest_missing(store):
-    (store / "manifest.json").unlink()
-    return store, r"not a prepared store \(no manifest.json\): an interrupted prepare\?"
-
-
-def damage_manifest_json(store):
-    (store / "manifest.json").write_text('{"format": ')
-    return store / "manifest.json", "not valid UTF-8 JSON"
-
-
-def damage_version(store):
-    manifest = json.loads((store / "manifest.json").read_text())
-    (store / "manifest.json").write_text(json.dumps({**manifest, "version": 99}))
-    return store / "manifest.json", "store format version 99"
-
-
-def damage_digests_missing(store):
-    (store / "digests.u64").unlink()
-    return store / "digests.u64", "missing from the store"
-
-
-def damage_offsets(store):
-    path = store / "text.offsets"
+def swap_offsets(path):
     offsets = np.fromfile(path, np.int64)
     offsets[5], offsets[6] = offsets[6], offsets[5]
     offsets.tofile(path)
-    return path, "corrupt"
 
 
-def damage_tokenizer(store):
-    path = store / "tokenizer" / "vocab.json"
-    path.write_text(path.read_text().replace("<unk>", "<UNK>"))
-    return path, "not the tokenizer file the store was made with"
-
-
-def damage_tokenizer_missing(store):
-    (store / "tokenizer" / "vocab.json").unlink()
-    return store / "tokenizer" / "vocab.json", "missing from the store"
+def edit_manifest(path, **values):
+    path.write_text(json.dumps({**json.loads(path.read_text()), **values}))
 
 
 @pytest.mark.parametrize(
-    "damage",
+    "name, damage, reason",
     [
-        damage_truncate,
-        damage_manifest_missing,
-        damage_manifest_json,
-        damage_version,
-        damage_digests_missing,
-        damage_offsets,
-        damage_tokenizer,
-        damage_tokenizer_missing,
+        ("text.tokens", lambda p: p.write_bytes(p.read_bytes()[:-2]), "bytes, but the manifest"),
+        ("manifest.json", Path.unlink, r"no manifest.json\): an interrupted prepare\?"),
+        ("manifest.json", lambda p: p.write_text('{"format": '), "not valid UTF-8 JSON"),
+        ("manifest.json", lambda p: edit_manifest(p, version=99), "store format version 99"),
+        ("digests.u64", Path.unlink, "missing from the store"),
+        ("text.offsets", swap_offsets, "corrupt"),
+        ("tokenizer/vocab.json", lambda p: p.write_text("{}"), "not the tokenizer file the store"),
+        ("tokenizer/vocab.json", Path.unlink, "missing from the store"),
     ],
 )
-def test_a_damaged_store_is_refused_naming_the_file(corpus, tmp_path, damage):
+def test_a_damaged_store_is_refused_naming_the_file(corpus, tmp_path, name, damage, reason):
     pattern, _ = corpus
     prepare_store(tmp_path / "store", source="text", path=pattern, tokenizer_kind="char")
-    named, reason = damage(tmp_path / "store")
+    damage(tmp_path / "store" / name)
     with pytest.raises(ValueError, match=reason) as info:
         open_store(tmp_path / "store")
+    named = tmp_path / "store" / name
+    if name == "manifest.json" and damage is Path.unlink:
+        named = named.parent  # no manifest: not a store at all
     assert str(info.value).startswith(f"{named}: ")
     with pytest.raises(ValueError):  # nor is it taken for a finished store, nor overwritten
         prepare_store(tmp_path / "store", source="text", path=pattern, tokenizer_kind="char")
