@@ -51,9 +51,9 @@ from flaxformer_lite.data.tokenizers import Tokenizer
 FORMAT, VERSION = "flaxformer-lite token store", 1
 MANIFEST, TOKENIZER_DIR, DIGESTS, LABELS = "manifest.json", "tokenizer", "digests.u64", "labels.i32"
 FITTED_KINDS = ("char", "word", "bpe")
-# Texts per encode_batch call: enough for the batched encoders to keep every core busy.
-BATCH_SIZE = 8192
-# ... and at most this many characters of text, so that a batch of long documents stays small.
+# Texts per encode_batch call: the batched encoders synchronise their threads once per call, so
+# batches are large; a cap on their characters keeps batches of long documents small too.
+BATCH_SIZE = 1 << 16
 BATCH_CHARS = 1 << 21
 _READ_BYTES = 1 << 20
 _DTYPES = (np.dtype(np.uint16), np.dtype(np.uint32))  # ids of vocabularies up to 2**16, 2**32
