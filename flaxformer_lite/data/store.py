@@ -54,7 +54,7 @@ FITTED_KINDS = ("char", "word", "bpe")
 # Texts per encode_batch call: the batched encoders synchronise their threads once per call, so
 # batches are large; a cap on their characters keeps batches of long documents small too.
 BATCH_SIZE = 1 << 16
-BATCH_CHARS = 1 << 21
+BATCH_CHARS = 1 << 19
 _READ_BYTES = 1 << 20
 _DTYPES = (np.dtype(np.uint16), np.dtype(np.uint32))  # ids of vocabularies up to 2**16, 2**32
 
