@@ -23,8 +23,8 @@ of documents, each field's number of tokens and dtype, and each data file's size
 :func:`prepare_store` writes into a sibling ``.NAME.partial-<pid>`` directory and renames it into
 place at the end: an interrupted prepare leaves nothing that opens, and its leftover directory
 is removed by the next prepare once its process is gone. Memory holds a few batches of
-documents and 16 bytes per document (offsets and digests), never the corpus. Nothing here
-prints: a caller that wants a progress bar passes a tqdm-like factory.
+documents, never the corpus (fitting a tokenizer on the training split holds each document's
+digest). Nothing here prints: a caller that wants a progress bar passes a tqdm-like factory.
 """
 
 from __future__ import annotations
@@ -282,36 +282,35 @@ def _write(directory: Path, passes: _Passes, tokenizer: Tokenizer) -> dict[str, 
     """Encodes the source batch by batch into ``directory``'s files; returns the manifest."""
     tokenizer.save(directory / TOKENIZER_DIR)
     dtype = _DTYPES[0] if tokenizer.vocab_size <= 1 << 16 else _DTYPES[1]
-    lengths, digests = {name: [] for name in passes.fields}, []
+    tokens, documents = dict.fromkeys(passes.fields, 0), 0  # written so far
 
     def write(ids: dict[str, list[list[int]]]) -> None:
         for name, field_ids in ids.items():
-            lengths[name].append(np.fromiter(map(len, field_ids), np.int64, len(field_ids)))
+            ends = np.cumsum(np.fromiter(map(len, field_ids), np.int64, len(field_ids)))
+            outputs[f"{name}.offsets"].write(memoryview(tokens[name] + ends))
+            tokens[name] += int(ends[-1])
             flat = np.array(list(itertools.chain.from_iterable(field_ids)), dtype)
-            outputs[name].write(memoryview(flat))
+            outputs[f"{name}.tokens"].write(memoryview(flat))
 
     # One batch is encoded (without the GIL, on all cores) while the next is read and hashed
-    # and the one before is written: at most three batches in memory.
+    # and the one before is written: at most three batches in memory, nothing per document.
     with contextlib.ExitStack() as stack:
-        files = {n: directory / f"{n}.tokens" for n in passes.fields}
-        outputs = {n: stack.enter_context(file.open("wb")) for n, file in files.items()}
+        names = [DIGESTS, *(f"{n}.{kind}" for n in passes.fields for kind in ("tokens", "offsets"))]
+        outputs = {name: stack.enter_context((directory / name).open("wb")) for name in names}
+        for name in passes.fields:
+            outputs[f"{name}.offsets"].write(memoryview(np.zeros(1, np.int64)))
         pool = stack.enter_context(concurrent.futures.ThreadPoolExecutor(1))
         pending = None
         for texts in passes.batches("encoding"):
             encoding = pool.submit(_encode, tokenizer, texts)
-            digests.append(_digests(texts))
+            outputs[DIGESTS].write(memoryview(_digests(texts)))
+            documents += len(next(iter(texts.values())))
             if pending is not None:
                 write(pending.result())
             pending = encoding
         if pending is not None:
             write(pending.result())
-    digests = np.concatenate(digests)
-    digests.tofile(directory / DIGESTS)
-    counts = {}
-    for name in passes.fields:
-        ends = np.cumsum(np.concatenate([np.zeros(1, np.int64), *lengths[name]]))
-        ends.tofile(directory / f"{name}.offsets")
-        counts[name] = {"tokens": int(ends[-1]), "dtype": dtype.name}
+    counts = {name: {"tokens": tokens[name], "dtype": dtype.name} for name in passes.fields}
     sha256, tokenizer_files = _files_sha256(tokenizer.files())
     return {
         "format": FORMAT,
@@ -322,7 +321,7 @@ def _write(directory: Path, passes: _Passes, tokenizer: Tokenizer) -> dict[str, 
             "sha256": sha256,
             "files": tokenizer_files,
         },
-        "documents": len(digests),
+        "documents": documents,
         "fields": counts,
         "files": {p.name: p.stat().st_size for p in sorted(directory.iterdir()) if p.is_file()},
     }
