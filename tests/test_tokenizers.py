@@ -361,3 +361,71 @@ def test_corrupt_vocab_is_named(tmp_path, kind, vocab, reason):
     (tmp_path / tk.VOCAB_FILE).write_text(json.dumps(vocab))
     with pytest.raises(ValueError, match=f"vocab.json: not a valid {kind} vocabulary .*{reason}"):
         tk.load_tokenizer(tmp_path)
+
+
+# --- batched encoding -------------------------------------------------------------------------
+
+BATCH = ["", "the quick brown fox.", " ", "héllo wörld ∑ 🎉", "", "日本語のテキスト", "a\tb  c\r"]
+
+
+def _hf_tokenizers(bpe, spm_default):
+    """A checkpoint tokenizer of each layout: tokenizer.json, and Marian's three files."""
+    from flaxformer_lite.data.hf_tokenizer import HfTokenizer
+
+    specials = {"pad": 0, "sos": 1, "eos": 2, "unk": 3, "bos": None}
+    json_tok = HfTokenizer({"tokenizer.json": bpe.hf_tokenizer.to_str().encode()}, specials, False)
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(spm_default))
+    vocab = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
+    model = spm_default.read_bytes()
+    files = {"source.spm": model, "target.spm": model, "vocab.json": json.dumps(vocab).encode()}
+    marian = HfTokenizer(files, {**specials, "pad": 1, "sos": 1, "unk": 0}, False)
+    return json_tok, marian
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_encode_batch_equals_encode_of_each(make, kind):
+    tok = make(kind)
+    texts = BATCH + CORPUS[:6]
+    assert tok.encode_batch(texts) == [tok.encode(t) for t in texts]
+    assert tok.encode_target_batch(texts) == [tok.encode_target(t) for t in texts]
+    assert tok.encode_batch([]) == []
+    assert tok.encode_batch(("", "")) == [[], []]  # any sequence, empty texts kept
+
+
+def test_hf_encode_batch_equals_encode_of_each(bpe, spm_default):
+    texts = BATCH + CORPUS[:6]
+    for tok in _hf_tokenizers(bpe, spm_default):
+        assert tok.encode_batch(texts) == [tok.encode(t) for t in texts]
+        assert tok.encode_target_batch(texts) == [tok.encode_target(t) for t in texts]
+        assert tok.encode_batch([]) == []
+
+
+def test_batched_encoders_are_the_libraries_batched_ones(make, monkeypatch):
+    """BPE and SentencePiece hand the whole list to their library's batched encoder once."""
+    calls = []
+    bpe, sp = make("bpe"), make("sentencepiece")
+    bpe_batch, sp_encode = bpe.hf_tokenizer.encode_batch, sp.sp.encode
+
+    class Spy:
+        def __init__(self, wrapped):
+            self.wrapped = wrapped
+
+        def __getattr__(self, name):
+            return getattr(self.wrapped, name)
+
+        def encode_batch(self, texts, **kwargs):
+            calls.append(("bpe", len(texts), kwargs))
+            return bpe_batch(texts, **kwargs)
+
+        encode_batch_fast = encode_batch  # the same ids, without offsets into the text
+
+        def encode(self, texts, **kwargs):
+            calls.append(("sp", len(texts), kwargs))
+            return sp_encode(texts, **kwargs)
+
+    monkeypatch.setattr(bpe, "hf_tokenizer", Spy(bpe.hf_tokenizer))
+    monkeypatch.setattr(sp, "sp", Spy(sp.sp))
+    bpe.encode_batch(BATCH)
+    sp.encode_batch(BATCH)
+    assert [call[:2] for call in calls] == [("bpe", len(BATCH)), ("sp", len(BATCH))]
+    assert calls[0][2] == {"add_special_tokens": False} and "num_threads" in calls[1][2]

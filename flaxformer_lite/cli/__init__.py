@@ -1,8 +1,10 @@
 """The user commands: ``python train.py``, ``python sample.py``, ``python -m
-flaxformer_lite.train`` and ``flaxformer-lite train|plot|generate|attention``, one module each.
+flaxformer_lite.train`` and ``flaxformer-lite train|prepare|plot|generate|attention``, one module
+each.
 
     python train.py                                   # the embedded default
     python train.py --config configs/gpt2_small.yaml train.steps=200 optimizer.lr=3e-4
+    flaxformer-lite prepare --out stores/lines data.source=text data.path=lines.txt
     flaxformer-lite plot runs/default
     flaxformer-lite generate --run_dir runs/default --prompt "12+34="
     flaxformer-lite attention --run_dir runs/default --text "12+34=" --out maps
@@ -19,17 +21,20 @@ import sys
 from flaxformer_lite.cli.attention import attention_main
 from flaxformer_lite.cli.generate import generate_main
 from flaxformer_lite.cli.plot import plot_main
+from flaxformer_lite.cli.prepare import prepare_main
 from flaxformer_lite.cli.train import train_main
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``flaxformer-lite``: the ``train`` (as ``train.py``), ``plot``, ``generate`` (as
-    ``sample.py``) and ``attention`` subcommands."""
+    """``flaxformer-lite``: the ``train`` (as ``train.py``), ``prepare``, ``plot``, ``generate``
+    (as ``sample.py``) and ``attention`` subcommands."""
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="flaxformer-lite")
-    parser.add_argument("command", choices=("train", "plot", "generate", "attention"))
+    parser.add_argument("command", choices=("train", "prepare", "plot", "generate", "attention"))
     if argv[:1] == ["train"]:
         return train_main(argv[1:])
+    if argv[:1] == ["prepare"]:
+        return prepare_main(argv[1:])
     if argv[:1] == ["plot"]:
         return plot_main(argv[1:])
     if argv[:1] == ["generate"]:

@@ -38,6 +38,7 @@ load_tokenizer` reads it back. Nothing is downloaded, pickled or executed.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -135,6 +136,20 @@ class HfTokenizer(Tokenizer):
         if self._json is not None:
             return self.encode(text)
         return self._marian_ids(text, self._target)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """:meth:`encode` of each of ``texts``; ``tokenizer.json`` encodes them on all cores."""
+        if self._json is not None:
+            encode = getattr(self._json, "encode_batch_fast", self._json.encode_batch)  # 0.20+
+            encodings = encode(list(texts), add_special_tokens=False)
+            return [encoding.ids for encoding in encodings]
+        return [self._marian_ids(text, self._source) for text in texts]
+
+    def encode_target_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """:meth:`encode_target` of each of ``texts``."""
+        if self._json is not None:
+            return self.encode_batch(texts)
+        return [self._marian_ids(text, self._target) for text in texts]
 
     def _marian_ids(self, text: str, model) -> list[int]:
         code = []

@@ -1,29 +1,41 @@
 """Readers of local training data: text files, JSONL fields and parallel (translation) text.
 
-Each reader returns a list of records, dicts of strings, in the shapes the synthetic tasks use:
-``{"text": ...}`` for :func:`text_records` and :func:`jsonl_records`, ``{"source": ...,
-"target": ...}`` for :func:`parallel_records`. Files are read whole into memory, which suits the
-small-to-medium corpora this library trains on; files are read in sorted path order, so the same
-files always give the same records. :func:`split_records` holds out a validation split.
+Records are dicts of strings, in the shapes the synthetic tasks use: ``{"text": ...}`` for text
+and JSONL files, ``{"source": ..., "target": ...}`` for parallel text. Each kind has a streaming
+reader, ``iter_text_records``, ``iter_jsonl_records`` and ``iter_parallel_records`` (or
+:func:`iter_records` by name), which reads the files in bounded chunks and yields one record at a
+time, so a corpus larger than memory can be tokenized (:mod:`flaxformer_lite.data.store`); the
+list readers :func:`text_records`, :func:`jsonl_records` and :func:`parallel_records` collect
+them. Files are read in sorted path order, so the same files always give the same records.
+:func:`split_records` holds out a validation split.
 
 One record per non-blank line (a line holding only whitespace is skipped; other lines are kept
 as they are, minus the line break). Line-per-record is the layout of lm1b and of most parallel
 corpora; documents longer than the pipeline's ``seq_len`` would be truncated anyway.
 
-Problems raise before any record is returned, naming the file (and line) and the reason:
-``FileNotFoundError`` for a missing path or a glob that matches no file, ``ValueError`` for an
-empty file, bytes that are not UTF-8, a malformed JSONL line or a missing field, and parallel
-files of different lengths.
+Problems raise naming the file (and line) and the reason: ``FileNotFoundError`` for a missing path
+or a glob that matches no file, ``ValueError`` for an empty file, bytes that are not UTF-8, a
+malformed JSONL line or a missing field, and parallel files of different lengths. The list
+readers raise before returning any record; the streaming readers when they reach the problem (an
+empty file or misaligned parallel files: at the end of the file).
 """
 
 from __future__ import annotations
 
 import glob
 import hashlib
+import itertools
 import json
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 _GLOB_CHARS = frozenset("*?[")
+# Bytes read at a time: what a streaming reader holds, with the longest line.
+CHUNK_BYTES = 1 << 20
+SOURCES = ("text", "jsonl", "parallel")
+
+OnRead = Callable[[Path, bytes], None]
+"""Called with each chunk of raw bytes as it is read from a file (e.g. to hash it)."""
 
 
 def expand_files(pattern: str) -> list[Path]:
@@ -44,56 +56,92 @@ def expand_files(pattern: str) -> list[Path]:
     return paths
 
 
-def read_lines(path: Path) -> list[str]:
-    """All lines of a UTF-8 file without their line breaks (``\\n`` or ``\\r\\n``).
+def source_files(source: str, path: str) -> list[Path]:
+    """The files the ``source`` reader (``text``, ``jsonl`` or ``parallel``) reads for ``path``,
+    in reading order.
+
+    Raises:
+      ValueError: an unknown ``source`` or a malformed parallel ``path``.
+      FileNotFoundError: as :func:`expand_files`.
+    """
+    if source not in SOURCES:
+        raise ValueError(f"unknown source {source!r}; valid sources: {', '.join(SOURCES)}")
+    return _parallel_files(path) if source == "parallel" else expand_files(path)
+
+
+def iter_lines(path: Path, on_read: OnRead | None = None) -> Iterator[str]:
+    """The lines of a UTF-8 file without their line breaks (``\\n`` or ``\\r\\n``), read in
+    chunks of :data:`CHUNK_BYTES`.
 
     Raises:
       FileNotFoundError: ``path`` does not exist.
-      ValueError: the file is empty (or only whitespace), or not valid UTF-8 (the message gives
-        the line and byte offset of the first bad byte).
+      ValueError: the file is not valid UTF-8 (the message gives the line and byte offset of the
+        first bad byte), or, at its end, it was empty (or only whitespace).
     """
     path = Path(path)
     try:
-        data = path.read_bytes()
+        file = path.open("rb")
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: file not found") from None
     except OSError as e:
         raise ValueError(f"{path}: cannot read ({e.strerror})") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        raise ValueError(
-            f"{path}: not valid UTF-8 at line {line}, byte offset {e.start} ({e.reason})"
-        ) from None
-    if not text.strip():
+    with file:
+        offset, number, blank = 0, 0, True  # offset and line number of the next complete part
+        pending: list[bytes] = []  # the start of a line whose break is not read yet
+        while True:
+            try:
+                data = file.read(CHUNK_BYTES)
+            except OSError as e:
+                raise ValueError(f"{path}: cannot read ({e.strerror})") from None
+            if data and on_read is not None:
+                on_read(path, data)
+            cut = data.rfind(b"\n") + 1
+            if data and not cut:
+                pending.append(data)
+                continue
+            part = b"".join([*pending, data[:cut]]) if data else b"".join(pending)
+            pending = [data[cut:]] if data else []
+            if not part:
+                break
+            text = _decode(part, path, offset, number)
+            blank = blank and not text.strip()
+            lines = text.split("\n")
+            if data:  # the part ends with a line break, which ends its last line
+                lines.pop()
+            if "\r" in text:
+                lines = [line.removesuffix("\r") for line in lines]
+            offset, number = offset + len(part), number + len(lines)
+            yield from lines
+            if not data:
+                break
+    if blank:
         raise ValueError(f"{path}: empty file (no non-blank line)")
-    lines = text.split("\n")
-    if lines[-1] == "":  # the final line break ends the last line, it does not start one
-        lines.pop()
-    return [line.removesuffix("\r") for line in lines]
 
 
-def text_records(pattern: str) -> list[dict[str, str]]:
+def read_lines(path: Path) -> list[str]:
+    """All lines of a UTF-8 file without their line breaks: :func:`iter_lines` as a list."""
+    return list(iter_lines(path))
+
+
+def iter_text_records(pattern: str, on_read: OnRead | None = None) -> Iterator[dict[str, str]]:
     """``{"text": line}`` for every non-blank line of the files ``pattern`` names."""
-    return [
-        {"text": line}
-        for path in expand_files(pattern)
-        for line in read_lines(path)
-        if line.strip()
-    ]
+    for path in expand_files(pattern):
+        for line in iter_lines(path, on_read):
+            if line.strip():
+                yield {"text": line}
 
 
-def jsonl_records(pattern: str, field: str = "text") -> list[dict[str, str]]:
+def iter_jsonl_records(
+    pattern: str, field: str = "text", on_read: OnRead | None = None
+) -> Iterator[dict[str, str]]:
     """``{"text": obj[field]}`` for every non-blank line (a JSON object) of the JSONL files.
 
     Raises:
       ValueError: a line that is not a JSON object, lacks ``field``, or whose ``field`` is not a
         string; the message names the file and line.
     """
-    records = []
     for path in expand_files(pattern):
-        for number, line in enumerate(read_lines(path), start=1):
+        for number, line in enumerate(iter_lines(path, on_read), start=1):
             if not line.strip():
                 continue
             where = f"{path}:{number}"
@@ -109,47 +157,76 @@ def jsonl_records(pattern: str, field: str = "text") -> list[dict[str, str]]:
             if not isinstance(obj[field], str):
                 kind = type(obj[field]).__name__
                 raise ValueError(f"{where}: field {field!r} must be a string, got {kind}")
-            records.append({"text": obj[field]})
-    return records
+            yield {"text": obj[field]}
 
 
-def parallel_records(path_or_pair: str) -> list[dict[str, str]]:
+def iter_parallel_records(
+    path_or_pair: str, on_read: OnRead | None = None
+) -> Iterator[dict[str, str]]:
     """``{"source": ..., "target": ...}`` pairs from a TSV file or two line-aligned files.
 
     Args:
       path_or_pair: either one file of ``source<TAB>target`` lines, or ``"src_file,tgt_file"``:
         two files whose line ``k`` are a pair (so paths may not contain a comma). Lines blank on
         both sides are skipped.
+      on_read: see :data:`OnRead`.
 
     Raises:
       ValueError: a TSV line without exactly one tab, or two files with different line counts
         (the message names both files and their counts).
     """
-    parts = path_or_pair.split(",")
-    if len(parts) > 2:
-        raise ValueError(f"{path_or_pair}: expected a TSV file or 'src_file,tgt_file'")
-    if len(parts) == 1:
-        pairs = []
-        path = expand_files(parts[0])[0]
-        for number, line in enumerate(read_lines(path), start=1):
+    files = _parallel_files(path_or_pair)
+    if len(files) == 1:
+        for number, line in enumerate(iter_lines(files[0], on_read), start=1):
             if not line.strip():
                 continue
             fields = line.split("\t")
             if len(fields) != 2:
                 raise ValueError(
-                    f"{path}:{number}: expected source<TAB>target, found {len(fields) - 1} tabs"
+                    f"{files[0]}:{number}: expected source<TAB>target, found {len(fields) - 1} tabs"
                 )
-            pairs.append(fields)
-    else:
-        src_path, tgt_path = (expand_files(part.strip())[0] for part in parts)
-        sources, targets = read_lines(src_path), read_lines(tgt_path)
-        if len(sources) != len(targets):
+            yield {"source": fields[0], "target": fields[1]}
+        return
+    src_path, tgt_path = files
+    sources, targets = iter_lines(src_path, on_read), iter_lines(tgt_path, on_read)
+    for count, (source, target) in enumerate(itertools.zip_longest(sources, targets)):
+        if source is None or target is None:  # one file ended: count the other's lines
+            rest = 1 + sum(1 for _ in (targets if source is None else sources))
+            counts = (count, count + rest) if source is None else (count + rest, count)
             raise ValueError(
-                f"{src_path} has {len(sources)} lines but {tgt_path} has {len(targets)}; "
+                f"{src_path} has {counts[0]} lines but {tgt_path} has {counts[1]}; "
                 "parallel files must be line-aligned"
             )
-        pairs = zip(sources, targets, strict=True)
-    return [{"source": s, "target": t} for s, t in pairs if s.strip() or t.strip()]
+        if source.strip() or target.strip():
+            yield {"source": source, "target": target}
+
+
+def iter_records(
+    source: str, path: str, field: str = "text", on_read: OnRead | None = None
+) -> Iterator[dict[str, str]]:
+    """The records of a ``text``, ``jsonl`` (text in ``field``) or ``parallel`` source."""
+    if source == "text":
+        return iter_text_records(path, on_read)
+    if source == "jsonl":
+        return iter_jsonl_records(path, field, on_read)
+    if source == "parallel":
+        return iter_parallel_records(path, on_read)
+    raise ValueError(f"unknown source {source!r}; valid sources: {', '.join(SOURCES)}")
+
+
+def text_records(pattern: str) -> list[dict[str, str]]:
+    """:func:`iter_text_records` as a list."""
+    return list(iter_text_records(pattern))
+
+
+def jsonl_records(pattern: str, field: str = "text") -> list[dict[str, str]]:
+    """:func:`iter_jsonl_records` as a list."""
+    return list(iter_jsonl_records(pattern, field))
+
+
+def parallel_records(path_or_pair: str) -> list[dict[str, str]]:
+    """:func:`iter_parallel_records` as a list."""
+    return list(iter_parallel_records(path_or_pair))
 
 
 def split_records(
@@ -178,3 +255,24 @@ def split_records(
     held_out = set(sorted(range(len(records)), key=lambda i: (digest(i), i))[:count])
     train = [r for i, r in enumerate(records) if i not in held_out]
     return train, [r for i, r in enumerate(records) if i in held_out]
+
+
+def _parallel_files(path_or_pair: str) -> list[Path]:
+    """The TSV file (the first a glob names), or the source and target files of a pair."""
+    parts = path_or_pair.split(",")
+    if len(parts) > 2:
+        raise ValueError(f"{path_or_pair}: expected a TSV file or 'src_file,tgt_file'")
+    if len(parts) == 1:
+        return [expand_files(parts[0])[0]]
+    return [expand_files(part.strip())[0] for part in parts]
+
+
+def _decode(data: bytes, path: Path, offset: int, number: int) -> str:
+    """``data`` decoded; it starts at byte ``offset`` of ``path``, after ``number`` lines."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = number + data.count(b"\n", 0, e.start) + 1
+        raise ValueError(
+            f"{path}: not valid UTF-8 at line {line}, byte offset {offset + e.start} ({e.reason})"
+        ) from None

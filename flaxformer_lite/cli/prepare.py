@@ -1,0 +1,103 @@
+"""``flaxformer-lite prepare``: tokenize a text, JSONL or parallel source once into a prepared token
+store (:mod:`flaxformer_lite.data.store`), with the data settings a training run would use.
+
+    flaxformer-lite prepare --out stores/lines data.source=text data.path='corpus/*.txt' \\
+        data.tokenizer=bpe data.vocab_size=8192
+    flaxformer-lite prepare --config configs/my_run.yaml --out stores/my_run
+
+Running it again on the same files and tokenizer settings does nothing; a directory holding
+anything else is refused, never overwritten. A user error exits 2 with one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import pathlib
+import time
+
+from flaxformer_lite.cli.errors import guarded, say
+
+EXAMPLE = (
+    "example: flaxformer-lite prepare --out stores/lines data.source=text "
+    "data.path='corpus/*.txt' data.tokenizer=bpe data.vocab_size=8192"
+)
+
+
+def prepare_parser() -> argparse.ArgumentParser:
+    """The ``prepare`` command's flags and its ``key=value`` overrides."""
+    parser = argparse.ArgumentParser(
+        prog="flaxformer-lite prepare",
+        description="Tokenize the configured text, jsonl or parallel source once into a store "
+        "of token ids (data.source, data.path, data.field, data.tokenizer, data.vocab_size, "
+        "data.tokenizer_path and data.validation_fraction, as train.py reads them; a fitted "
+        "tokenizer sees the training documents only). Running it again on the same inputs "
+        "does nothing.",
+        epilog=EXAMPLE,
+    )
+    parser.add_argument("--config", type=pathlib.Path, help="a YAML preset (see configs/)")
+    parser.add_argument(
+        "--out", type=pathlib.Path, required=True, help="the store directory to write"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="dotted overrides, e.g. data.path='corpus/*.txt' data.tokenizer=byte",
+    )
+    return parser
+
+
+def prepare_main(argv: list[str] | None = None) -> int:
+    """Prepares the store and prints one summary line."""
+    args = prepare_parser().parse_intermixed_args(argv)
+    return guarded(lambda: _prepare(args))
+
+
+def _prepare(args) -> int:
+    from flaxformer_lite.data.store import MANIFEST, prepare_store
+    from flaxformer_lite.train.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    data = cfg.data
+    if data.source not in ("text", "jsonl", "parallel"):
+        raise ValueError(
+            f"data.source={data.source!r}: prepare reads files (data.source text, jsonl or "
+            "parallel, with data.path)"
+        )
+    tokenizer = None
+    if cfg.init_from is not None:  # a fine-tuning run keeps the checkpoint's tokenizer
+        from flaxformer_lite.data.hf_tokenizer import load_hf_tokenizer
+
+        tokenizer = load_hf_tokenizer(cfg.init_from)
+    progress = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        progress = functools.partial(
+            tqdm, unit="B", unit_scale=True, unit_divisor=1024, dynamic_ncols=True, leave=False
+        )
+    existed = (args.out / MANIFEST).is_file()
+    start = time.perf_counter()
+    store = prepare_store(
+        args.out,
+        source=data.source,
+        path=data.path,
+        field=data.field,
+        tokenizer=tokenizer,
+        tokenizer_kind=data.tokenizer,
+        vocab_size=data.vocab_size,
+        tokenizer_path=data.tokenizer_path,
+        validation_fraction=data.validation_fraction,
+        progress=progress,
+    )
+    seconds = time.perf_counter() - start
+    documents = store.manifest["documents"]
+    tokens = sum(field["tokens"] for field in store.manifest["fields"].values())
+    counts = f"{documents:,} documents, {tokens:,} tokens"
+    if existed:
+        say(f"{store.path}: already prepared ({counts})")
+    else:
+        say(f"prepared {store.path}: {counts}, {tokens / max(seconds, 1e-9):,.0f} tokens/s")
+    return 0

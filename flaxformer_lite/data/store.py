@@ -1,0 +1,475 @@
+"""Prepared token stores: a corpus tokenized once into flat arrays on disk, memory-mapped to read.
+
+    store = prepare_store("stores/lines", source="text", path="data/*.txt",
+                          tokenizer_kind="bpe", vocab_size=8192)
+    store = open_store("stores/lines")            # checked against its manifest, read-only
+    ids = store.documents.document("text", 0)     # the first document's ids, a view
+
+A store is a directory (nanoGPT-style raw arrays: any document or window is a zero-copy slice,
+and any tool reads the files)::
+
+    manifest.json     written last, so its presence marks a complete store
+    tokenizer/        Tokenizer.save
+    {field}.tokens    every document's ids end to end: uint16 if the vocabulary has at most
+                      65,536 ids, else uint32 (fields: text, or source and target)
+    {field}.offsets   int64 [N + 1]: document i is tokens[offsets[i]:offsets[i + 1]]
+    digests.u64       uint64 [N]: documents.text_digest of each document (decides the split)
+    labels.i32        int32 [N], optional: class indices (prepare_store writes none)
+
+The manifest names the format and version, the source (kind, path, field, each file's size and
+sha256), the tokenizer (kind, its files' sha256, what a fitted one was fitted with), the number
+of documents, each field's number of tokens and dtype, and each data file's size.
+
+:func:`prepare_store` writes into a sibling ``.NAME.partial-<pid>`` directory and renames it into
+place at the end: an interrupted prepare leaves nothing that opens, and its leftover directory
+is removed by the next prepare once its process is gone. Memory holds a few batches of
+documents, never the corpus (fitting a tokenizer on the training split holds each document's
+digest). Nothing here prints: a caller that wants a progress bar passes a tqdm-like factory.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import errno
+import hashlib
+import itertools
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from flaxformer_lite.data import sources, tokenizers
+from flaxformer_lite.data.documents import FIELDS, Documents, split_documents
+from flaxformer_lite.data.tokenizers import Tokenizer
+
+FORMAT, VERSION = "flaxformer-lite token store", 1
+MANIFEST, TOKENIZER_DIR, DIGESTS, LABELS = "manifest.json", "tokenizer", "digests.u64", "labels.i32"
+FITTED_KINDS = ("char", "word", "bpe")
+# Texts per encode_batch call: the batched encoders synchronise their threads once per call, so
+# batches are large; a cap on their characters keeps batches of long documents small too.
+BATCH_SIZE = 1 << 16
+BATCH_CHARS = 1 << 19
+_READ_BYTES = 1 << 20
+_DTYPES = (np.dtype(np.uint16), np.dtype(np.uint32))  # ids of vocabularies up to 2**16, 2**32
+
+Progress = Callable[..., Any]
+"""A tqdm-like factory: ``progress(total=n_bytes, desc=name)`` gives a bar with ``update(n)``
+and ``close()``; one bar per pass over the source files."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Store:
+    """An opened store: its documents (read-only memory maps), tokenizer and manifest."""
+
+    path: Path
+    documents: Documents
+    tokenizer: Tokenizer
+    manifest: dict[str, Any]
+
+
+def prepare_store(
+    out_dir: Path | str,
+    *,
+    source: str,
+    path: str,
+    field: str = "text",
+    tokenizer: Tokenizer | None = None,
+    tokenizer_kind: str = "byte",
+    vocab_size: int | None = None,
+    tokenizer_path: Path | str | None = None,
+    validation_fraction: float = 0.1,
+    batch_size: int = BATCH_SIZE,
+    progress: Progress | None = None,
+) -> Store:
+    """Tokenizes a ``text``, ``jsonl`` or ``parallel`` source (``path``, as in
+    :mod:`~flaxformer_lite.data.sources`) into a store at ``out_dir``, or opens the store
+    already there if it was made from the same files (by size and sha256) and tokenizer.
+
+    Args:
+      out_dir: the store directory; it must not exist, be empty, or hold a store of these
+        inputs.
+      source, path, field: the source kind, its files, and the JSONL field holding the text.
+      tokenizer: use this tokenizer; otherwise ``tokenizer_kind`` (``byte``, ``sentencepiece``
+        from ``tokenizer_path``, or ``char``, ``word``, ``bpe`` fitted with ``vocab_size`` on
+        the training documents: all but the ``validation_fraction`` that
+        :func:`~flaxformer_lite.data.documents.split_documents` holds out).
+      batch_size: texts per ``encode_batch`` call (fewer if they are long: :data:`BATCH_CHARS`).
+      progress: see :data:`Progress`; None shows nothing.
+
+    Raises:
+      ValueError: bad settings or data (naming the file and line), a source file changed while
+        being prepared, or ``out_dir`` holding anything but a store of these inputs (named).
+      FileNotFoundError: a missing source or tokenizer file.
+    """
+    out_dir = Path(out_dir)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    files = sources.source_files(source, path)
+    fitted = None
+    if tokenizer is None and tokenizer_kind in FITTED_KINDS:
+        if tokenizer_kind == "bpe" and vocab_size is None:
+            raise ValueError("tokenizer kind 'bpe' needs vocab_size")
+        vocab_size = None if tokenizer_kind == "char" else vocab_size
+        fitted = {"vocab_size": vocab_size, "validation_fraction": validation_fraction}
+    elif tokenizer is None:
+        tokenizer = tokenizers.make_tokenizer(tokenizer_kind, path=tokenizer_path)
+    kind = tokenizer_kind if tokenizer is None else tokenizer.kind
+    request = {
+        "source": {"kind": source, "path": path, "field": field if source == "jsonl" else None},
+        "tokenizer": {"kind": kind, "fitted": fitted},
+    }
+    if tokenizer is not None:
+        request["tokenizer"]["sha256"] = _files_sha256(tokenizer.files())[0]
+    if out_dir.exists() and not (out_dir.is_dir() and not any(out_dir.iterdir())):
+        return _existing_store(out_dir, request, files, progress)  # an empty directory is filled
+
+    partial = out_dir.absolute().parent / f".{out_dir.absolute().name}.partial-{os.getpid()}"
+    _remove_stale_partials(partial)
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        stats = [(p, p.stat()) for p in files]
+        request["source"]["files"] = _hash_files(files, progress)
+        passes = _Passes(request["source"], field, batch_size, progress)
+        if fitted is not None:
+            tokenizer = _fit(passes, kind, **fitted)
+        manifest = _write(partial, passes, tokenizer)
+        manifest["tokenizer"] = {**request["tokenizer"], **manifest["tokenizer"]}
+        for p, stat in stats:
+            now = p.stat()
+            if (now.st_size, now.st_mtime_ns) != (stat.st_size, stat.st_mtime_ns):
+                raise ValueError(f"{p}: changed while the store was being prepared")
+        (partial / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+        try:
+            os.rename(partial, out_dir)
+        except OSError as error:  # another prepare of out_dir finished first
+            if error.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            shutil.rmtree(partial, ignore_errors=True)
+            return _existing_store(out_dir, request, files, progress)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return open_store(out_dir)
+
+
+def open_store(path: Path | str) -> Store:
+    """The store at ``path``, its arrays memory-mapped read-only.
+
+    Checked: the manifest (JSON, format and version), every data file's size against it, the
+    offsets' bounds and order, and the sha256 of each tokenizer file.
+
+    Raises:
+      FileNotFoundError: ``path`` does not exist.
+      ValueError: anything else amiss, naming the file (a missing ``manifest.json``: an
+        interrupted prepare).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no prepared store here (not a directory)")
+    manifest = _read_manifest(path)
+    where = path / MANIFEST
+    try:
+        count, fields = int(manifest["documents"]), manifest["fields"]
+        sizes = {name: int(size) for name, size in manifest["files"].items()}
+        dtypes = {name: np.dtype(info["dtype"]) for name, info in fields.items()}
+        n_tokens = {name: int(info["tokens"]) for name, info in fields.items()}
+        tokenizer_info = manifest["tokenizer"]
+        tokenizer_files = dict(tokenizer_info["files"])
+        if tuple(fields) not in FIELDS.values() or {*dtypes.values()} - {*_DTYPES}:
+            raise ValueError(f"fields {fields}")
+        if any(Path(name).name != name for name in tokenizer_files):
+            raise ValueError(f"tokenizer files {list(tokenizer_files)}")
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"{where}: not a valid store manifest ({e!r})") from None
+    expected = {DIGESTS: 8 * count}
+    for name in fields:
+        expected |= {f"{name}.tokens": n_tokens[name] * dtypes[name].itemsize}
+        expected |= {f"{name}.offsets": 8 * (count + 1)}
+    if LABELS in sizes:
+        expected[LABELS] = 4 * count
+    if sizes != expected:
+        raise ValueError(f"{where}: its file sizes {sizes} do not match its counts {expected}")
+    for name, size in sizes.items():
+        if not (file := path / name).is_file():
+            raise ValueError(f"{file}: missing from the store")
+        if (actual := file.stat().st_size) != size:
+            raise ValueError(
+                f"{file}: {actual} bytes, but the manifest says {size}: a truncated or changed "
+                "file (prepare the store again)"
+            )
+    _check_tokenizer_files(path / TOKENIZER_DIR, tokenizer_files)
+    tokenizer = tokenizers.load_tokenizer(path / TOKENIZER_DIR)
+    if tokenizer.kind != tokenizer_info.get("kind"):
+        kind = tokenizer_info.get("kind")
+        raise ValueError(f"{path / TOKENIZER_DIR}: a {tokenizer.kind!r} tokenizer, not {kind!r}")
+
+    tokens, offsets = {}, {}
+    for name in fields:
+        tokens[name] = _map(path / f"{name}.tokens", dtypes[name], n_tokens[name])
+        offsets[name] = _map(path / f"{name}.offsets", np.int64, count + 1)
+        ends = offsets[name]
+        if ends[0] != 0 or ends[-1] != n_tokens[name] or np.any(ends[1:] < ends[:-1]):
+            raise ValueError(f"{path / f'{name}.offsets'}: corrupt (not 0 .. {n_tokens[name]})")
+    labels = _map(path / LABELS, np.int32, count) if LABELS in sizes else None
+    documents = Documents(tokens, offsets, _map(path / DIGESTS, np.uint64, count), labels)
+    return Store(path, documents, tokenizer, manifest)
+
+
+def check_tokenizer(store: Store, tokenizer: Tokenizer) -> None:
+    """Refuses a store made with another tokenizer than ``tokenizer``.
+
+    Raises:
+      ValueError: naming the store's tokenizer files.
+    """
+    if not store.tokenizer.same_as(tokenizer):
+        names = ", ".join(sorted(store.manifest["tokenizer"]["files"]))
+        raise ValueError(
+            f"{store.path / TOKENIZER_DIR}: the store was made with another tokenizer (a "
+            f"{store.tokenizer.kind!r} one: {names}) than this {tokenizer.kind!r} one"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Passes:
+    """Passes over a source's records, batch by batch, each with a progress bar of its bytes."""
+
+    source: dict[str, Any]  # kind, path, field, files (each with its size)
+    field: str
+    batch_size: int
+    progress: Progress | None
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return ("source", "target") if self.source["kind"] == "parallel" else ("text",)
+
+    def batches(self, desc: str) -> Iterator[dict[str, list[str]]]:
+        """Field name -> texts of the next ``batch_size`` records (fewer if they hold more than
+        :data:`BATCH_CHARS` characters), to the end of the source."""
+        kind, path = self.source["kind"], self.source["path"]
+        with _bar(self.progress, sum(f["size"] for f in self.source["files"]), desc) as update:
+            records = sources.iter_records(kind, path, self.field, lambda _, d: update(len(d)))
+            batch, chars = [], 0
+            for record in records:
+                batch.append(record)
+                chars += sum(map(len, record.values()))
+                if len(batch) == self.batch_size or chars >= BATCH_CHARS:
+                    yield {name: [r[name] for r in batch] for name in self.fields}
+                    batch, chars = [], 0
+            if batch:
+                yield {name: [r[name] for r in batch] for name in self.fields}
+
+
+def _fit(passes: _Passes, kind: str, vocab_size: int | None, validation_fraction: float):
+    """A tokenizer fitted on the training documents: one pass hashes every document to split
+    them, the next fits on the texts of those not held out."""
+    digests = np.concatenate([_digests(texts) for texts in passes.batches("splitting")])
+    train, _ = split_documents(digests, validation_fraction, passes.source["path"])
+    in_train = np.zeros(len(digests), bool)
+    in_train[train] = True
+    docs = (doc for texts in passes.batches("fitting") for doc in zip(*texts.values(), strict=True))
+    texts = (text for doc, keep in zip(docs, in_train, strict=True) if keep for text in doc)
+    return tokenizers.make_tokenizer(kind, texts=texts, vocab_size=vocab_size)
+
+
+def _write(directory: Path, passes: _Passes, tokenizer: Tokenizer) -> dict[str, Any]:
+    """Encodes the source batch by batch into ``directory``'s files; returns the manifest."""
+    tokenizer.save(directory / TOKENIZER_DIR)
+    dtype = _DTYPES[0] if tokenizer.vocab_size <= 1 << 16 else _DTYPES[1]
+    tokens, documents = dict.fromkeys(passes.fields, 0), 0  # written so far
+
+    def write(ids: dict[str, list[list[int]]]) -> None:
+        for name, field_ids in ids.items():
+            ends = np.cumsum(np.fromiter(map(len, field_ids), np.int64, len(field_ids)))
+            outputs[f"{name}.offsets"].write(memoryview(tokens[name] + ends))
+            tokens[name] += int(ends[-1])
+            flat = np.array(list(itertools.chain.from_iterable(field_ids)), dtype)
+            outputs[f"{name}.tokens"].write(memoryview(flat))
+
+    # One batch is encoded (without the GIL, on all cores) while the next is read and hashed
+    # and the one before is written: at most three batches in memory, nothing per document.
+    with contextlib.ExitStack() as stack:
+        names = [DIGESTS, *(f"{n}.{kind}" for n in passes.fields for kind in ("tokens", "offsets"))]
+        outputs = {name: stack.enter_context((directory / name).open("wb")) for name in names}
+        for name in passes.fields:
+            outputs[f"{name}.offsets"].write(memoryview(np.zeros(1, np.int64)))
+        pool = stack.enter_context(concurrent.futures.ThreadPoolExecutor(1))
+        pending = None
+        for texts in passes.batches("encoding"):
+            encoding = pool.submit(_encode, tokenizer, texts)
+            outputs[DIGESTS].write(memoryview(_digests(texts)))
+            documents += len(next(iter(texts.values())))
+            if pending is not None:
+                write(pending.result())
+            pending = encoding
+        if pending is not None:
+            write(pending.result())
+    counts = {name: {"tokens": tokens[name], "dtype": dtype.name} for name in passes.fields}
+    sha256, tokenizer_files = _files_sha256(tokenizer.files())
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "source": passes.source,
+        "tokenizer": {
+            "vocab_size": tokenizer.vocab_size,
+            "sha256": sha256,
+            "files": tokenizer_files,
+        },
+        "documents": documents,
+        "fields": counts,
+        "files": {p.name: p.stat().st_size for p in sorted(directory.iterdir()) if p.is_file()},
+    }
+
+
+def _encode(tokenizer: Tokenizer, texts: dict[str, list[str]]) -> dict[str, list[list[int]]]:
+    """Each field's ids; a target side by its own model where the tokenizer has one."""
+    return {
+        name: (tokenizer.encode_target_batch if name == "target" else tokenizer.encode_batch)(t)
+        for name, t in texts.items()
+    }
+
+
+def _digests(texts: dict[str, list[str]]) -> np.ndarray:
+    """:func:`~flaxformer_lite.data.documents.text_digest` of each document of a batch, uint64
+    ``[n]``: the same values, made without a Python int per document."""
+    columns = list(texts.values())
+    docs = columns[0] if len(columns) == 1 else map("\t".join, zip(*columns, strict=True))
+    blake2b = hashlib.blake2b
+    digests = [blake2b(d.encode("utf-8", "surrogatepass"), digest_size=8).digest() for d in docs]
+    return np.frombuffer(b"".join(digests), "<u8").astype(np.uint64)
+
+
+def _existing_store(
+    out_dir: Path, request: dict[str, Any], files: list[Path], progress: Progress | None
+) -> Store:
+    """The store at ``out_dir`` if it was made from ``request``'s inputs (``files``, hashed
+    only if their sizes match); else an error."""
+    if not (out_dir / MANIFEST).is_file():
+        raise ValueError(
+            f"{out_dir}: exists and is not a prepared store (no {MANIFEST}); prepare into "
+            "another directory, or remove it"
+        )
+    store = open_store(out_dir)
+    request["source"]["files"] = [{"path": str(p), "size": p.stat().st_size} for p in files]
+    try:
+        why = _difference(store.manifest, request)
+        if why is None:  # the same but for the files' contents, which only a hash tells
+            request["source"]["files"] = _hash_files(files, progress)
+            why = _difference(store.manifest, request)
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{out_dir / MANIFEST}: not a valid store manifest ({e!r})") from None
+    if why:
+        raise ValueError(
+            f"{out_dir}: holds a store of other inputs ({why}); prepare into another "
+            "directory, or remove it to prepare it again"
+        )
+    return store
+
+
+def _difference(made: dict[str, Any], request: dict[str, Any]) -> str | None:
+    """What differs between the inputs a manifest records and ``request``'s, or None (files
+    not hashed yet are compared by size)."""
+    source, wanted = made["source"], request["source"]
+    if (source["kind"], source.get("field")) != (wanted["kind"], wanted["field"]):
+        return f"source {source['kind']!r} field {source.get('field')!r}"
+    if len(source["files"]) != len(wanted["files"]):
+        return f"{len(source['files'])} source files, not {len(wanted['files'])}"
+    for before, now in zip(source["files"], wanted["files"], strict=True):
+        if before["size"] != now["size"] or before["sha256"] != now.get("sha256", before["sha256"]):
+            return f"{now['path']} differs from the file the store was made from"
+    tokenizer, wanted = made["tokenizer"], request["tokenizer"]
+    if tokenizer["kind"] != wanted["kind"]:
+        return f"a {tokenizer['kind']!r} tokenizer, not {wanted['kind']!r}"
+    if wanted["fitted"] is not None and tokenizer.get("fitted") != wanted["fitted"]:
+        return f"a tokenizer fitted with {tokenizer.get('fitted')}, not {wanted['fitted']}"
+    if wanted["fitted"] is None and tokenizer["sha256"] != wanted["sha256"]:
+        return "another tokenizer's files"
+    return None
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    where = path / MANIFEST
+    if not where.is_file():
+        raise ValueError(f"{path}: not a prepared store (no {MANIFEST}): an interrupted prepare?")
+    try:
+        manifest = json.loads(where.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{where}: not valid UTF-8 JSON ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ValueError(f"{where}: not the manifest of a {FORMAT}")
+    if manifest.get("version") != VERSION:
+        raise ValueError(
+            f"{where}: store format version {manifest.get('version')!r}; this version of "
+            f"flaxformer_lite reads version {VERSION} (prepare the store again)"
+        )
+    return manifest
+
+
+def _check_tokenizer_files(directory: Path, expected: dict[str, Any]) -> None:
+    for name, info in expected.items():
+        file = directory / name
+        if not file.is_file():
+            raise ValueError(f"{file}: missing from the store")
+        if hashlib.sha256(file.read_bytes()).hexdigest() != info.get("sha256"):
+            raise ValueError(f"{file}: not the tokenizer file the store was made with")
+
+
+def _files_sha256(files: dict[str, bytes]) -> tuple[str, dict[str, dict[str, Any]]]:
+    """The sha256 of a set of files (names and contents), and each file's size and sha256."""
+    each = {
+        name: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        for name, data in files.items()
+    }
+    whole = hashlib.sha256(json.dumps(each, sort_keys=True).encode()).hexdigest()
+    return whole, each
+
+
+def _hash_files(files: list[Path], progress: Progress | None) -> list[dict[str, Any]]:
+    """Path, size and sha256 of each file."""
+    with _bar(progress, sum(p.stat().st_size for p in files), "hashing") as update:
+        infos = []
+        for path in files:
+            digest, size = hashlib.sha256(), 0
+            with path.open("rb") as file:
+                while data := file.read(_READ_BYTES):
+                    digest.update(data)
+                    size += len(data)
+                    update(len(data))
+            infos.append({"path": str(path), "size": size, "sha256": digest.hexdigest()})
+    return infos
+
+
+@contextlib.contextmanager
+def _bar(progress: Progress | None, total: int, desc: str) -> Iterator[Callable[[int], Any]]:
+    """A progress bar's ``update`` (a no-op without ``progress``); the bar is closed after."""
+    bar = None if progress is None else progress(total=total, desc=desc)
+    try:
+        yield (lambda n: None) if bar is None else bar.update
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _remove_stale_partials(partial: Path) -> None:
+    """Removes the partial directories of the same store left by processes no longer running."""
+    prefix = partial.name.rsplit("-", 1)[0] + "-"
+    for leftover in partial.parent.glob(f"{prefix}*"):
+        pid = leftover.name[len(prefix) :]
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                os.kill(int(pid), 0)  # signal 0: only asks whether the process exists
+            except ProcessLookupError:
+                shutil.rmtree(leftover, ignore_errors=True)
+            except PermissionError:  # another user's process, running
+                pass
+
+
+def _map(path: Path, dtype, count: int) -> np.ndarray:
+    """The ``count`` values in ``path``, memory-mapped read-only (numpy cannot map 0 bytes)."""
+    return np.memmap(path, dtype=dtype, mode="r", shape=(count,)) if count else np.zeros(0, dtype)
