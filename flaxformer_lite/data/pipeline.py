@@ -28,6 +28,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import itertools
+import json
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,14 +39,17 @@ import numpy as np
 
 from flaxformer_lite.data import sources, synthetic, tokenizers
 from flaxformer_lite.data.batches import Layout, TrainBatches, TrainIterator, eval_batches
-from flaxformer_lite.data.byte_texts import ByteTexts, tokenize
-from flaxformer_lite.data.documents import FIELDS, Documents, split_documents, text_digest
+from flaxformer_lite.data.documents import Documents, split_documents
+from flaxformer_lite.data.store import check_tokenizer, open_store, prepare_store
 from flaxformer_lite.data.tokenizers import NUM_SPECIAL, Tokenizer
 
-SOURCES = ("synthetic", "text", "jsonl", "parallel")
+SOURCES = ("synthetic", "text", "jsonl", "parallel", "prepared")
 TOKENIZERS = ("byte", "char", "word", "bpe", "sentencepiece")
 TASKS = ("lm", "seq2seq", "mlm", "classify")  # as train.step.TASKS (data may not import train)
 LM_ROWS = ("documents", "windows")
+# A text, jsonl or parallel source is prepared into a store under this sibling of the run's
+# tokenizer directory, one per source (another source in the same run directory gets its own).
+PREPARED_DIR = "prepared"
 # Fitted tokenizers see all training records of a file source, or this many synthetic examples.
 FIT_EXAMPLES = 20_000
 
@@ -229,7 +235,7 @@ def build_data(
     packing = task == "lm" if cfg.packing is None else cfg.packing
     _check_fits(cfg, task)
     save = process_index == 0 if save_tokenizer is None else save_tokenizer
-    tokenizer, corpus = _load(cfg, seed, Path(directory), save=save, given=tokenizer)
+    tokenizer, corpus = _load(cfg, task, seed, Path(directory), save=save, given=tokenizer)
     layout = Layout(
         task=task,
         rows=cfg.lm_rows if packing else "single",
@@ -260,16 +266,22 @@ def _check_fits(cfg: DataConfig, task: str) -> None:
     if cfg.source == "synthetic":
         kind = synthetic.TASKS[cfg.task].kind
         given = f"data.task={cfg.task!r} ({kind} examples)"
+    elif cfg.source == "prepared":  # checked against the store's manifest once it is open
+        return
     else:
         kind = "seq2seq" if cfg.source == "parallel" else "lm"
         given = f"data.source={cfg.source!r}"
+    _check_kind(kind, given, task)
+
+
+def _check_kind(kind: str, given: str, task: str) -> None:
     kinds, needs = _NEEDS[task]
     if kind not in kinds:
         raise ValueError(f"task {task!r} cannot train on {given}: it needs {needs}")
 
 
 def _load(
-    cfg: DataConfig, seed: int, directory: Path, save: bool, given: Tokenizer | None
+    cfg: DataConfig, task: str, seed: int, directory: Path, save: bool, given: Tokenizer | None
 ) -> tuple[Tokenizer, Corpus]:
     """The tokenizer and the source tokenized, with its validation split."""
     if cfg.source == "synthetic":
@@ -284,23 +296,73 @@ def _load(
             getattr(train, "labels", None),
         )
         return tokenizer, corpus
-    if cfg.source == "text":
-        records = sources.text_records(cfg.path)
-    elif cfg.source == "jsonl":
-        records = sources.jsonl_records(cfg.path, cfg.field)
+    return _load_store(cfg, directory, save=save, given=given, task=task)
+
+
+def _load_store(
+    cfg: DataConfig, directory: Path, save: bool, given: Tokenizer | None, task: str
+) -> tuple[Tokenizer, Corpus]:
+    """A prepared store (``data.source=prepared``), or a text, jsonl or parallel source prepared
+    into a store in ``directory``'s sibling ``prepared/`` on first use: one read path for all.
+
+    The store's tokenizer is the run's: a tokenizer the run already saved (a resumed run) or was
+    given (``init_from``) must be the store's, or the store is made with it."""
+    saved = _saved_tokenizer(cfg, directory, given)
+    tokenizer = saved or given
+    if cfg.source == "prepared":
+        store = open_store(cfg.path)
+        _check_kind(kind_of(store), f"the store {cfg.path} ({kind_of(store)} documents)", task)
+        if tokenizer is not None:
+            check_tokenizer(store, tokenizer)
     else:
-        records = sources.parallel_records(cfg.path)
-    fields = FIELDS["seq2seq" if cfg.source == "parallel" else "lm"]
-    digests = [text_digest([r[f] for f in fields]) for r in records]
-    train, valid = split_documents(np.array(digests, np.uint64), cfg.validation_fraction, cfg.path)
+        store = prepare_store(
+            directory.parent / PREPARED_DIR / _cache_name(cfg),
+            source=cfg.source,
+            path=cfg.path,
+            field=cfg.field,
+            tokenizer=tokenizer,
+            tokenizer_kind=cfg.tokenizer,
+            vocab_size=cfg.vocab_size,
+            tokenizer_path=cfg.tokenizer_path,
+            validation_fraction=cfg.validation_fraction,
+        )
+    if save and saved is None:
+        store.tokenizer.save(directory)
+    documents = store.documents
+    where = cfg.path or str(store.path)
+    train, valid = split_documents(documents.digests, cfg.validation_fraction, where)
     train, valid = train[: cfg.train_size], valid[: cfg.eval_size]
-    tokenizer = _tokenizer(cfg, [records[i] for i in train], directory, save=save, given=given)
-    tokens, offsets = {}, {}
-    for field in fields:
-        texts = ByteTexts.from_strings([r[field] for r in records])
-        tokens[field], offsets[field] = tokenize(tokenizer, texts, target=field == "target")
-    documents = Documents(tokens, offsets, np.array(digests, np.uint64))
-    return tokenizer, Corpus((documents, train), (documents, valid), [records[i] for i in valid])
+    examples = _validation_records(store, valid)
+    return store.tokenizer, Corpus((documents, train), (documents, valid), examples)
+
+
+def _cache_name(cfg: DataConfig) -> str:
+    """One cached store per source a run directory has read: ``text-<hash of path and field>``."""
+    key = json.dumps([cfg.source, cfg.path, cfg.field if cfg.source == "jsonl" else None])
+    return f"{cfg.source}-{hashlib.blake2b(key.encode(), digest_size=6).hexdigest()}"
+
+
+def kind_of(store) -> str:
+    """``"seq2seq"`` for a store of source/target pairs, else ``"lm"``."""
+    return "seq2seq" if store.manifest["source"]["kind"] == "parallel" else "lm"
+
+
+def _validation_records(store, ids: np.ndarray) -> list[dict[str, str]]:
+    """The records (text, or source and target) of the validation documents ``ids``, for
+    generation scores: read again from the source files, or decoded where those are gone."""
+    source = store.manifest["source"]
+    wanted = set(ids.tolist())
+    try:
+        records = sources.iter_records(source["kind"], source["path"], source["field"] or "text")
+        records = itertools.islice(records, int(ids.max()) + 1)  # the rest is not needed
+        by_index = {i: r for i, r in enumerate(records) if i in wanted}
+    except (FileNotFoundError, ValueError):
+        by_index = {}
+    if len(by_index) == len(wanted):
+        return [by_index[i] for i in ids.tolist()]
+    decode = store.tokenizer.decode
+    fields = store.documents.fields
+    return [{f: decode(store.documents.document(f, i)) for f in fields} for i in ids.tolist()]
 
 
 def _tokenizer(
@@ -309,21 +371,9 @@ def _tokenizer(
     """The tokenizer saved in ``directory``, or ``given``, or a new one (fitted if need be), saved
     there if ``save``. Only process 0 saves, so processes sharing a file system never write the
     same files at once; fitting is deterministic, so the others fit the same tokenizer."""
-    kind = cfg.tokenizer if given is None else given.kind
-    if (directory / tokenizers.KIND_FILE).is_file():
-        tokenizer = tokenizers.load_tokenizer(directory)
-        if tokenizer.kind != kind:
-            wanted = f"data.tokenizer={kind!r}" if given is None else f"a {kind!r} tokenizer"
-            raise ValueError(
-                f"{directory}: holds a saved {tokenizer.kind!r} tokenizer, but "
-                f"this run uses {wanted}"
-            )
-        if given is not None and not tokenizer.same_as(given):
-            raise ValueError(
-                f"{directory}: holds another checkpoint's tokenizer than the one "
-                "this run starts from (init_from)"
-            )
-        return tokenizer
+    saved = _saved_tokenizer(cfg, directory, given)
+    if saved is not None:
+        return saved
     if given is not None:
         if save:
             given.save(directory)
@@ -334,6 +384,25 @@ def _tokenizer(
     )
     if save:
         tokenizer.save(directory)
+    return tokenizer
+
+
+def _saved_tokenizer(cfg: DataConfig, directory: Path, given: Tokenizer | None) -> Tokenizer | None:
+    """The tokenizer a run saved in ``directory`` (None if none), checked against the run's."""
+    if not (directory / tokenizers.KIND_FILE).is_file():
+        return None
+    tokenizer = tokenizers.load_tokenizer(directory)
+    kind = cfg.tokenizer if given is None else given.kind
+    if cfg.source != "prepared" and tokenizer.kind != kind:  # a store brings its own kind
+        wanted = f"data.tokenizer={kind!r}" if given is None else f"a {kind!r} tokenizer"
+        raise ValueError(
+            f"{directory}: holds a saved {tokenizer.kind!r} tokenizer, but this run uses {wanted}"
+        )
+    if given is not None and not tokenizer.same_as(given):
+        raise ValueError(
+            f"{directory}: holds another checkpoint's tokenizer than the one "
+            "this run starts from (init_from)"
+        )
     return tokenizer
 
 

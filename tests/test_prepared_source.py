@@ -1,0 +1,98 @@
+"""Training data from prepared stores: ``data.source=prepared``, and text sources prepared into a
+cached store on first use (one read path for both)."""
+
+import numpy as np
+import pytest
+
+from flaxformer_lite.data.pipeline import PREPARED_DIR, DataConfig, build_data
+from flaxformer_lite.data.store import prepare_store
+from flaxformer_lite.data.tokenizers import ByteTokenizer
+
+LINES = [f"line {i} " + "abc"[i % 3] * (i % 11) for i in range(60)]
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text("\n".join(LINES) + "\n")
+    return path
+
+
+def build(cfg, run_dir, **kwargs):
+    return build_data(
+        cfg, task="lm", seed=3, batch_size=4, directory=run_dir / "tokenizer", **kwargs
+    )
+
+
+def take(data, count):
+    return [next(data.train) for _ in range(count)]
+
+
+def assert_same_batches(first, second):
+    for a, b in zip(first, second, strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+@pytest.mark.parametrize("rows", ["documents", "windows"])
+def test_a_prepared_store_gives_the_batches_of_its_text_source(tmp_path, corpus, rows):
+    store = tmp_path / "store"
+    prepare_store(store, source="text", path=str(corpus), tokenizer_kind="char")
+    settings = dict(seq_len=16, packing=True, lm_rows=rows, tokenizer="char")
+    from_text = build(DataConfig(source="text", path=str(corpus), **settings), tmp_path / "a")
+    from_store = build(DataConfig(source="prepared", path=str(store), **settings), tmp_path / "b")
+    assert from_store.tokenizer.same_as(from_text.tokenizer)
+    assert_same_batches(take(from_text, 6), take(from_store, 6))
+    assert_same_batches(list(from_text.eval_batches()), list(from_store.eval_batches()))
+    assert [r["text"] for r in from_store.eval_examples] == [
+        r["text"] for r in from_text.eval_examples
+    ]
+    assert (tmp_path / "b" / "tokenizer" / "tokenizer_kind.json").is_file()  # the run keeps it
+
+
+def test_a_text_source_is_prepared_once_into_the_run_directory(tmp_path, corpus):
+    cfg = DataConfig(source="text", path=str(corpus), seq_len=16, tokenizer="char")
+    first = build(cfg, tmp_path)
+    (store,) = (tmp_path / PREPARED_DIR).iterdir()
+    manifest = store / "manifest.json"
+    stamp = manifest.stat().st_mtime_ns
+    second = build(cfg, tmp_path)  # a resumed run reads the same store
+    assert manifest.stat().st_mtime_ns == stamp
+    assert_same_batches(take(first, 3), take(second, 3))
+
+
+def test_a_store_of_another_tokenizer_is_refused(tmp_path, corpus):
+    store = tmp_path / "store"
+    prepare_store(store, source="text", path=str(corpus), tokenizer_kind="char")
+    run = tmp_path / "run"
+    ByteTokenizer().save(run / "tokenizer")  # the run was made with bytes
+    with pytest.raises(ValueError, match="tokenizer"):
+        build(DataConfig(source="prepared", path=str(store), seq_len=16), run)
+
+
+def test_a_prepared_store_must_fit_the_task(tmp_path):
+    pairs = tmp_path / "pairs.tsv"
+    pairs.write_text("".join(f"source {i}\ttarget {i}\n" for i in range(20)))
+    store = tmp_path / "store"
+    prepare_store(store, source="parallel", path=str(pairs))
+    with pytest.raises(ValueError, match="cannot train on the store"):
+        build(DataConfig(source="prepared", path=str(store), seq_len=16), tmp_path / "run")
+    data = build_data(
+        DataConfig(source="prepared", path=str(store), seq_len=16),
+        task="seq2seq",
+        seed=0,
+        batch_size=2,
+        directory=tmp_path / "run2" / "tokenizer",
+    )
+    batch = next(data.train)
+    assert batch["src"].shape == (2, 16) and batch["targets"].shape == (2, 16)
+    assert all({"source", "target"} <= set(r) for r in data.eval_examples)
+
+
+def test_a_missing_or_unfinished_store_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere: no prepared store"):
+        build(DataConfig(source="prepared", path=str(tmp_path / "nowhere")), tmp_path)
+    (tmp_path / "unfinished").mkdir()  # what an interrupted prepare would leave, at most
+    with pytest.raises(ValueError, match="manifest.json"):
+        build(DataConfig(source="prepared", path=str(tmp_path / "unfinished")), tmp_path)
