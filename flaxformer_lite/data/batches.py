@@ -138,15 +138,18 @@ class _Prefetch:
             raise error
         return batch
 
-    def stop(self, wait: bool = True) -> None:
+    def request_stop(self) -> None:
+        """Asks the thread to stop after the batch it is making."""
         self._stopping.set()
+
+    def stop(self) -> None:
+        self.request_stop()
         while True:  # room for a put under way, so the thread sees the flag
             try:
                 self._queue.get_nowait()
             except queue.Empty:
                 break
-        if wait:
-            self._thread.join()
+        self._thread.join()
 
 
 class TrainIterator:
@@ -209,10 +212,13 @@ class TrainIterator:
         self._stop()
         self._closed = True
 
-    def _stop(self, wait: bool = True) -> None:
+    def _stop(self) -> None:
         if self._worker is not None:
-            self._worker.stop(wait)
+            self._worker.stop()
             self._worker = None
 
     def __del__(self):
-        self._stop(wait=False)  # joining may hang while the interpreter shuts down
+        # Only the flag: at interpreter exit the queue module may already be torn down, and the
+        # daemon thread, blocked on a full queue or not, ends with the interpreter.
+        if self._worker is not None:
+            self._worker.request_stop()
