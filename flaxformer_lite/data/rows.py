@@ -21,6 +21,7 @@ row is a pure function of ``(documents, training ids, T, seed, j)``, whatever pr
 
 from __future__ import annotations
 
+import abc
 import math
 
 import numpy as np
@@ -97,7 +98,7 @@ def assemble(
     return arrays
 
 
-class _Epochs:
+class _Epochs(abc.ABC):
     """Per-epoch plans of the training documents ``ids``, made when first asked for and kept for
     the last two epochs (a global batch spans few)."""
 
@@ -112,8 +113,9 @@ class _Epochs:
             self._plans[epoch] = self._make_plan(epoch)
         return self._plans[epoch]
 
+    @abc.abstractmethod
     def _make_plan(self, epoch: int):
-        raise NotImplementedError
+        """The plan of ``epoch``, whatever the subclass needs to make its rows."""
 
 
 class Shuffled(_Epochs):
