@@ -56,7 +56,8 @@ def prepare_main(argv: list[str] | None = None) -> int:
 
 
 def _prepare(args) -> int:
-    from flaxformer_lite.data.store import MANIFEST, prepare_store
+    from flaxformer_lite.data.pipeline import prepare_source
+    from flaxformer_lite.data.store import MANIFEST
     from flaxformer_lite.train.config import load_config
 
     cfg = load_config(args.config, args.overrides)
@@ -80,18 +81,7 @@ def _prepare(args) -> int:
         )
     existed = (args.out / MANIFEST).is_file()
     start = time.perf_counter()
-    store = prepare_store(
-        args.out,
-        source=data.source,
-        path=data.path,
-        field=data.field,
-        tokenizer=tokenizer,
-        tokenizer_kind=data.tokenizer,
-        vocab_size=data.vocab_size,
-        tokenizer_path=data.tokenizer_path,
-        validation_fraction=data.validation_fraction,
-        progress=progress,
-    )
+    store = prepare_source(data, args.out, tokenizer, progress)
     seconds = time.perf_counter() - start
     documents = store.manifest["documents"]
     tokens = sum(field["tokens"] for field in store.manifest["fields"].values())

@@ -40,7 +40,7 @@ import numpy as np
 from flaxformer_lite.data import sources, synthetic, tokenizers
 from flaxformer_lite.data.batches import Layout, TrainBatches, TrainIterator, eval_batches
 from flaxformer_lite.data.documents import Documents, split_documents
-from flaxformer_lite.data.store import check_tokenizer, open_store, prepare_store
+from flaxformer_lite.data.store import Store, check_tokenizer, open_store, prepare_store
 from flaxformer_lite.data.tokenizers import NUM_SPECIAL, Tokenizer
 
 SOURCES = ("synthetic", "text", "jsonl", "parallel", "prepared")
@@ -315,17 +315,7 @@ def _load_store(
         if tokenizer is not None:
             check_tokenizer(store, tokenizer)
     else:
-        store = prepare_store(
-            directory.parent / PREPARED_DIR / _cache_name(cfg),
-            source=cfg.source,
-            path=cfg.path,
-            field=cfg.field,
-            tokenizer=tokenizer,
-            tokenizer_kind=cfg.tokenizer,
-            vocab_size=cfg.vocab_size,
-            tokenizer_path=cfg.tokenizer_path,
-            validation_fraction=cfg.validation_fraction,
-        )
+        store = prepare_source(cfg, directory.parent / PREPARED_DIR / _cache_name(cfg), tokenizer)
     if save and saved is None:
         store.tokenizer.save(directory)
     documents = store.documents
@@ -334,6 +324,26 @@ def _load_store(
     train, valid = train[: cfg.train_size], valid[: cfg.eval_size]
     examples = _validation_records(store, valid)
     return store.tokenizer, Corpus((documents, train), (documents, valid), examples)
+
+
+def prepare_source(
+    cfg: DataConfig, out_dir: Path, tokenizer: Tokenizer | None = None, progress=None
+) -> Store:
+    """The text, jsonl or parallel source ``cfg`` names, prepared into a store at ``out_dir``
+    (:func:`~flaxformer_lite.data.store.prepare_store`, with ``tokenizer`` or the one ``cfg``
+    names); the store already there when it was made from the same inputs."""
+    return prepare_store(
+        out_dir,
+        source=cfg.source,
+        path=cfg.path,
+        field=cfg.field,
+        tokenizer=tokenizer,
+        tokenizer_kind=cfg.tokenizer,
+        vocab_size=cfg.vocab_size,
+        tokenizer_path=cfg.tokenizer_path,
+        validation_fraction=cfg.validation_fraction,
+        progress=progress,
+    )
 
 
 def _cache_name(cfg: DataConfig) -> str:

@@ -141,6 +141,21 @@ class _LMRows(_Epochs):
         self.documents, self.seq_len = documents, seq_len
         self.lengths = documents.lengths("text")
 
+    def _assemble(self, pieces: list[tuple], count: int, sos_id: int, eos_id: int):
+        """The ``count`` rows from their pieces: ``(row, document, start, length)`` arrays."""
+        row, doc, start, length = (np.concatenate(p) for p in zip(*pieces, strict=True))
+        return assemble(
+            self.documents,
+            count,
+            self.seq_len,
+            row=row,
+            doc=doc,
+            start=start,
+            length=length,
+            sos_id=sos_id,
+            eos_id=eos_id,
+        )
+
 
 class Windows(_LMRows):
     """Each epoch's documents end to end, cut into rows of ``T`` positions; the epoch's last
@@ -172,18 +187,7 @@ class Windows(_LMRows):
             start = np.maximum(begin[owner] - starts[i], 0)
             stop = np.minimum(end[owner] - starts[i], starts[i + 1] - starts[i])
             pieces.append((local[owner], order[i], start, stop - start))
-        row, doc, start, length = (np.concatenate(p) for p in zip(*pieces, strict=True))
-        return assemble(
-            self.documents,
-            count,
-            self.seq_len,
-            row=row,
-            doc=doc,
-            start=start,
-            length=length,
-            sos_id=sos_id,
-            eos_id=eos_id,
-        )
+        return self._assemble(pieces, count, sos_id, eos_id)
 
 
 class Packed(_LMRows):
@@ -229,15 +233,4 @@ class Packed(_LMRows):
             local = np.arange(row - first, end - first)[owner]
             pieces.append((local, order[i], np.zeros_like(i), sizes[i]))
             row = end
-        row, doc, start, length = (np.concatenate(p) for p in zip(*pieces, strict=True))
-        return assemble(
-            self.documents,
-            count,
-            self.seq_len,
-            row=row,
-            doc=doc,
-            start=start,
-            length=length,
-            sos_id=sos_id,
-            eos_id=eos_id,
-        )
+        return self._assemble(pieces, count, sos_id, eos_id)
