@@ -52,10 +52,14 @@ class Documents:
         return np.diff(self.offsets[field])
 
 
-def text_digest(texts: Sequence[str]) -> int:
-    """The digest of one document from its field texts (one, or source and target)."""
-    data = "\t".join(texts).encode("utf-8", errors="surrogatepass")
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+def text_digests(fields: Mapping[str, Sequence[str]]) -> np.ndarray:
+    """uint64 ``[n]``: each document's digest, blake2b (8 bytes, little-endian) of its field
+    texts (one, or source and target joined by a tab), for ``n`` documents given by field."""
+    columns = list(fields.values())
+    docs = columns[0] if len(columns) == 1 else map("\t".join, zip(*columns, strict=True))
+    blake2b = hashlib.blake2b
+    digests = [blake2b(d.encode("utf-8", "surrogatepass"), digest_size=8).digest() for d in docs]
+    return np.frombuffer(b"".join(digests), "<u8").astype(np.uint64)
 
 
 def from_ids(

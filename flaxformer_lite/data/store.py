@@ -13,7 +13,7 @@ and any tool reads the files)::
     {field}.tokens    every document's ids end to end: uint16 if the vocabulary has at most
                       65,536 ids, else uint32 (fields: text, or source and target)
     {field}.offsets   int64 [N + 1]: document i is tokens[offsets[i]:offsets[i + 1]]
-    digests.u64       uint64 [N]: documents.text_digest of each document (decides the split)
+    digests.u64       uint64 [N]: documents.text_digests of the documents (decides the split)
     labels.i32        int32 [N], optional: class indices (prepare_store writes none)
 
 The manifest names the format and version, the source (kind, path, field, each file's size and
@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from flaxformer_lite.data import sources, tokenizers
-from flaxformer_lite.data.documents import FIELDS, Documents, split_documents
+from flaxformer_lite.data.documents import FIELDS, Documents, split_documents, text_digests
 from flaxformer_lite.data.tokenizers import Tokenizer
 
 FORMAT, VERSION = "flaxformer-lite token store", 1
@@ -269,7 +269,7 @@ class _Passes:
 def _fit(passes: _Passes, kind: str, vocab_size: int | None, validation_fraction: float):
     """A tokenizer fitted on the training documents: one pass hashes every document to split
     them, the next fits on the texts of those not held out."""
-    digests = np.concatenate([_digests(texts) for texts in passes.batches("splitting")])
+    digests = np.concatenate([text_digests(texts) for texts in passes.batches("splitting")])
     train, _ = split_documents(digests, validation_fraction, passes.source["path"])
     in_train = np.zeros(len(digests), bool)
     in_train[train] = True
@@ -303,7 +303,7 @@ def _write(directory: Path, passes: _Passes, tokenizer: Tokenizer) -> dict[str, 
         pending = None
         for texts in passes.batches("encoding"):
             encoding = pool.submit(_encode, tokenizer, texts)
-            outputs[DIGESTS].write(memoryview(_digests(texts)))
+            outputs[DIGESTS].write(memoryview(text_digests(texts)))
             documents += len(next(iter(texts.values())))
             if pending is not None:
                 write(pending.result())
@@ -333,16 +333,6 @@ def _encode(tokenizer: Tokenizer, texts: dict[str, list[str]]) -> dict[str, list
         name: (tokenizer.encode_target_batch if name == "target" else tokenizer.encode_batch)(t)
         for name, t in texts.items()
     }
-
-
-def _digests(texts: dict[str, list[str]]) -> np.ndarray:
-    """:func:`~flaxformer_lite.data.documents.text_digest` of each document of a batch, uint64
-    ``[n]``: the same values, made without a Python int per document."""
-    columns = list(texts.values())
-    docs = columns[0] if len(columns) == 1 else map("\t".join, zip(*columns, strict=True))
-    blake2b = hashlib.blake2b
-    digests = [blake2b(d.encode("utf-8", "surrogatepass"), digest_size=8).digest() for d in docs]
-    return np.frombuffer(b"".join(digests), "<u8").astype(np.uint64)
 
 
 def _existing_store(
