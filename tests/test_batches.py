@@ -185,11 +185,11 @@ def test_errors_in_the_thread_surface_on_next_in_order_and_close_stops_it():
 def test_a_slow_consumer_never_waits_for_a_faster_pipeline():
     iterator = TrainIterator(lambda step: (time.sleep(0.002), {"step": step})[1], {}, prefetch=4)
     next(iterator)
-    time.sleep(0.1)  # the consumer's "step": the thread fills the queue meanwhile
-    started = time.perf_counter()
-    for _ in range(4):
-        next(iterator)
-    assert time.perf_counter() - started < 0.002 * 4
+    deadline = time.monotonic() + 60  # the consumer's "step": the thread fills the queue
+    while iterator._worker._queue.qsize() < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert iterator._worker._queue.qsize() == 4  # the next four batches wait, made
+    assert [next(iterator)["step"] for _ in range(4)] == [1, 2, 3, 4]
     iterator.close()
 
 

@@ -96,3 +96,13 @@ def test_a_missing_or_unfinished_store_is_named(tmp_path):
     (tmp_path / "unfinished").mkdir()  # what an interrupted prepare would leave, at most
     with pytest.raises(ValueError, match="manifest.json"):
         build(DataConfig(source="prepared", path=str(tmp_path / "unfinished")), tmp_path)
+
+
+def test_validation_texts_are_the_stores_even_when_the_source_changed(tmp_path, corpus):
+    store = tmp_path / "store"
+    prepare_store(store, source="text", path=str(corpus), tokenizer_kind="byte")
+    cfg = DataConfig(source="prepared", path=str(store), seq_len=16)
+    expected = [r["text"] for r in build(cfg, tmp_path / "a").eval_examples]
+    assert set(expected) <= set(LINES)
+    corpus.write_text("\n".join(f"other {i}" for i in range(len(LINES))) + "\n")  # same count
+    assert [r["text"] for r in build(cfg, tmp_path / "b").eval_examples] == expected

@@ -185,8 +185,8 @@ class TrainIterator:
                 self._worker = _Prefetch(self._make, self._step, self._prefetch)
             try:
                 batch = self._worker.get()
-            except BaseException:
-                self._worker = None  # a later next() tries this batch again
+            except BaseException:  # the worker's error, or an interrupt while waiting
+                self._stop()  # a later next() starts a new thread at this batch
                 raise
         self._step += 1
         return batch

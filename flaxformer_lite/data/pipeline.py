@@ -39,7 +39,7 @@ import numpy as np
 
 from flaxformer_lite.data import sources, synthetic, tokenizers
 from flaxformer_lite.data.batches import Layout, TrainBatches, TrainIterator, eval_batches
-from flaxformer_lite.data.documents import Documents, split_documents
+from flaxformer_lite.data.documents import Documents, split_documents, text_digests
 from flaxformer_lite.data.store import Store, check_tokenizer, open_store, prepare_store
 from flaxformer_lite.data.tokenizers import NUM_SPECIAL, Tokenizer
 
@@ -359,7 +359,8 @@ def kind_of(store) -> str:
 
 def _validation_records(store, ids: np.ndarray) -> list[dict[str, str]]:
     """The records (text, or source and target) of the validation documents ``ids``, for
-    generation scores: read again from the source files, or decoded where those are gone."""
+    generation scores: read again from the source files when they still hold these documents
+    (their digests match the store's), else decoded from the store."""
     source = store.manifest["source"]
     wanted = set(ids.tolist())
     try:
@@ -369,7 +370,10 @@ def _validation_records(store, ids: np.ndarray) -> list[dict[str, str]]:
     except (FileNotFoundError, ValueError):
         by_index = {}
     if len(by_index) == len(wanted):
-        return [by_index[i] for i in ids.tolist()]
+        found = [by_index[i] for i in ids.tolist()]
+        columns = {f: [r[f] for r in found] for f in store.documents.fields}
+        if np.array_equal(text_digests(columns), store.documents.digests[ids]):
+            return found
     decode = store.tokenizer.decode
     fields = store.documents.fields
     return [{f: decode(store.documents.document(f, i)) for f in fields} for i in ids.tolist()]
