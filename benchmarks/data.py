@@ -90,7 +90,7 @@ def prepare_rates(corpus, directory, vocab: int, repeats: int):
     """tokens/s of ``encode_batch`` alone and of ``prepare`` (byte, and a given BPE), and the
     byte store: its ids outnumber BPE's about 4 to 1, so the timed rows stay within one epoch
     (each process plans an epoch's packing once, from all of its documents' lengths)."""
-    lines = [r["text"] for r in iter_text_records(str(corpus))]
+    lines = [r["text"] for r in iter_text_records([corpus])]
     bpe = make_tokenizer("bpe", texts=lines, vocab_size=vocab)
     tokens = sum(len(ids) for ids in bpe.encode_batch(lines))
     rates = {"encode_batch": best_rate(lambda: bpe.hf_tokenizer.encode_batch(lines), tokens, 1)}

@@ -6,10 +6,9 @@ import json
 import numpy as np
 import pytest
 
-from flaxformer_lite.data import synthetic
+from flaxformer_lite.data import sources, synthetic
 from flaxformer_lite.data.features import MASK_ID
 from flaxformer_lite.data.pipeline import DataConfig, build_data
-from flaxformer_lite.data.sources import jsonl_records, parallel_records, text_records
 from flaxformer_lite.data.tokenizers import EOS_ID, SOS_ID, UNK_ID, ByteTokenizer
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
@@ -69,6 +68,23 @@ def lm_texts(tokenizer, batch):
 
 
 # --- sources ---------------------------------------------------------------------------------
+
+
+def read(kind, path, field="text"):
+    """Every record of a source: its files resolved, then read."""
+    return list(sources.iter_records(kind, sources.source_files(kind, path), field))
+
+
+def text_records(path):
+    return read("text", path)
+
+
+def jsonl_records(path, field="text"):
+    return read("jsonl", path, field)
+
+
+def parallel_records(path):
+    return read("parallel", path)
 
 
 def test_text_records_read_a_glob_in_sorted_order_one_record_per_line(tmp_path):

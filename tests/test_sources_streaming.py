@@ -1,5 +1,5 @@
-"""The streaming readers of ``data.sources``: the list readers' records and errors, read in
-bounded chunks (lines and multi-byte characters straddling chunk boundaries)."""
+"""The streaming readers of ``data.sources``: records and errors when files are read in tiny
+chunks (lines and multi-byte characters straddling chunk boundaries)."""
 
 import json
 
@@ -20,26 +20,25 @@ def tiny_chunks(monkeypatch):
 def test_streaming_readers_give_the_list_readers_records(tmp_path, tiny_chunks, ending):
     (tmp_path / "a.txt").write_bytes(ending.join(LINES).encode())
     (tmp_path / "b.txt").write_bytes(("one" + ending + "two" + ending).encode())
-    pattern = str(tmp_path / "*.txt")
+    files = sources.source_files("text", str(tmp_path / "*.txt"))
     expected = [{"text": t} for t in [*LINES[:1], *LINES[3:], "one", "two"]]
-    assert list(sources.iter_text_records(pattern)) == expected
-    assert sources.text_records(pattern) == expected
+    assert list(sources.iter_text_records(files)) == expected
     rows = [json.dumps({"text": t, "n": 1}, ensure_ascii=False) for t in ["a ∑", "b"]]
     (tmp_path / "c.jsonl").write_text(ending.join(["", *rows]) + ending, encoding="utf-8")
     jsonl = [{"text": "a ∑"}, {"text": "b"}]
-    assert list(sources.iter_records("jsonl", str(tmp_path / "c.jsonl"))) == jsonl
+    assert list(sources.iter_records("jsonl", [tmp_path / "c.jsonl"])) == jsonl
     (tmp_path / "s.txt").write_text(ending.join(["hallo", "", "welt ∑"]), encoding="utf-8")
     (tmp_path / "t.txt").write_text(ending.join(["hello", "", "world"]), encoding="utf-8")
     pairs = [{"source": "hallo", "target": "hello"}, {"source": "welt ∑", "target": "world"}]
-    pair = f"{tmp_path / 's.txt'},{tmp_path / 't.txt'}"
-    assert list(sources.iter_parallel_records(pair)) == pairs == sources.parallel_records(pair)
+    pair = sources.source_files("parallel", f"{tmp_path / 's.txt'},{tmp_path / 't.txt'}")
+    assert list(sources.iter_parallel_records(pair)) == pairs
 
 
 def test_streaming_reads_in_bounded_chunks_lazily(tmp_path, tiny_chunks):
     path = tmp_path / "a.txt"
     path.write_text("\n".join(f"line {i}" for i in range(1000)) + "\n")
     chunks = []
-    records = sources.iter_text_records(str(path), on_read=lambda p, data: chunks.append(data))
+    records = sources.iter_text_records([path], on_read=lambda p, data: chunks.append(data))
     assert next(records) == {"text": "line 0"}
     assert sum(map(len, chunks)) < 20  # the first record came from the first few chunks
     assert len(list(records)) == 999
@@ -57,16 +56,15 @@ def test_streaming_reads_in_bounded_chunks_lazily(tmp_path, tiny_chunks):
 def test_streaming_errors_name_the_file_line_and_byte(tmp_path, tiny_chunks, content, reason):
     path = tmp_path / "bad.txt"
     path.write_bytes(content)
-    for read in (sources.text_records, lambda p: list(sources.iter_text_records(p))):
-        with pytest.raises(ValueError, match=reason) as info:
-            read(str(path))
-        assert str(path) in str(info.value)
+    with pytest.raises(ValueError, match=reason) as info:
+        list(sources.iter_text_records([path]))
+    assert str(path) in str(info.value)
 
 
 def test_streaming_parallel_files_of_other_lengths_are_counted(tmp_path, tiny_chunks):
     src, tgt = tmp_path / "src.txt", tmp_path / "tgt.txt"
     src.write_text("a\nb\nc\nd\n")
     tgt.write_text("x\ny\n")
-    for pair, counts in [(f"{src},{tgt}", (4, 2)), (f"{tgt},{src}", (2, 4))]:
+    for pair, counts in [([src, tgt], (4, 2)), ([tgt, src], (2, 4))]:
         with pytest.raises(ValueError, match=f"has {counts[0]} lines but .* has {counts[1]}"):
             list(sources.iter_parallel_records(pair))

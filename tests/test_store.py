@@ -1,13 +1,14 @@
 """Prepared token stores (``data.store``): exact round trips, no-op re-runs, interrupted
 prepares, refused stores, bounded memory."""
 
+import hashlib
 import json
 
 import pytest
 import sentencepiece
 from store_cases import FITTED, all_files, check_documents, make_corpus, make_lines
 
-from flaxformer_lite.data import sources
+from flaxformer_lite.data import tokenizers
 from flaxformer_lite.data.documents import split_documents
 from flaxformer_lite.data.store import check_tokenizer, open_store, prepare_store
 from flaxformer_lite.data.tokenizers import (
@@ -54,10 +55,37 @@ def test_a_store_round_trips_every_document(corpus, tmp_path, spm_model, kind):
     assert reopened.manifest == store.manifest and reopened.tokenizer.same_as(store.tokenizer)
     if kind in FITTED:  # fitted on the training documents only, as split_documents holds out
         train, valid = split_documents(store.documents.digests, 0.1, pattern)
-        assert len(valid) == len(sources.split_records([{}] * len(lines), 0.1, pattern)[1])
+        assert len(valid) == round(0.1 * len(lines))
         fitted = make_tokenizer(kind, texts=[lines[i] for i in train], vocab_size=300)
         assert fitted.same_as(store.tokenizer)
         assert not make_tokenizer(kind, texts=lines, vocab_size=300).same_as(store.tokenizer)
+
+
+@pytest.mark.parametrize("kind", ["byte", "word"])
+def test_the_manifest_records_exactly_the_files_read(corpus, tmp_path, monkeypatch, kind):
+    """Each source file's size and sha256 (hashed while the first pass reads it); a file that
+    the glob matches only once the prepare has started is neither read nor recorded."""
+    pattern, lines = corpus
+    files = sorted(tmp_path.glob("*.txt"))
+    make = tokenizers.make_tokenizer
+
+    def make_and_add_a_file(*args, **kwargs):
+        (tmp_path / "c.txt").write_text("a late line\n")
+        return make(*args, **kwargs)
+
+    monkeypatch.setattr(tokenizers, "make_tokenizer", make_and_add_a_file)
+    store = prepare_store(tmp_path / "store", source="text", path=pattern, tokenizer_kind=kind)
+    assert (tmp_path / "c.txt").is_file()
+    recorded = [
+        {
+            "path": str(p),
+            "size": p.stat().st_size,
+            "sha256": hashlib.sha256(p.read_bytes()).hexdigest(),
+        }
+        for p in files
+    ]
+    assert store.manifest["source"]["files"] == recorded
+    check_documents(store, [(line,) for line in lines])
 
 
 @pytest.mark.parametrize("layout", ["tsv", "pair"])

@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ import pytest
 from store_cases import check_documents, make_corpus, make_lines
 
 from flaxformer_lite.data import store as store_module
+from flaxformer_lite.data import store_writer
 from flaxformer_lite.data.store import open_store, prepare_store
 from flaxformer_lite.data.tokenizers import (
     SPECIAL_TOKENS,
@@ -99,14 +101,19 @@ def test_a_damaged_store_is_refused_naming_the_file(corpus, tmp_path, name, dama
 def test_a_leftover_partial_directory_is_never_picked_up(corpus, tmp_path):
     pattern, _ = corpus
     done = prepare_store(tmp_path / "done", source="text", path=pattern)
-    dead, alive = tmp_path / ".store.partial-999999999", tmp_path / f".store.partial-{os.getppid()}"
-    for leftover in (dead, alive):
+    host = socket.gethostname()
+    dead = tmp_path / f".store.partial-{host}-999999999"
+    alive = tmp_path / f".store.partial-{host}-{os.getppid()}"
+    # Another machine's process (a shared file system) cannot be asked whether it still runs.
+    elsewhere = tmp_path / f".store.partial-{host}-other-999999999"
+    for leftover in (dead, alive, elsewhere):
         shutil.copytree(done.path, leftover)  # even complete, manifest and all
     with pytest.raises(FileNotFoundError):
         open_store(tmp_path / "store")
     prepare_store(tmp_path / "store", source="text", path=pattern)
     assert not dead.exists()  # its process is gone
     assert alive.exists()  # a running process may still be writing it
+    assert elsewhere.exists()
 
 
 # A child that prepares a corpus slowly (a pause per batch), to be killed halfway.
@@ -135,7 +142,7 @@ def test_a_killed_prepare_leaves_nothing_that_opens(tmp_path):
     corpus = big_corpus(tmp_path / "big.txt", 4)
     out = tmp_path / "store"
     child = subprocess.Popen([sys.executable, "-c", SLOW_PREPARE, str(out), str(corpus)])
-    partial = tmp_path / f".store.partial-{child.pid}"
+    partial = tmp_path / f".store.partial-{socket.gethostname()}-{child.pid}"
     deadline = time.monotonic() + 60
     while not ((partial / "text.tokens").is_file() and (partial / "text.tokens").stat().st_size):
         assert child.poll() is None and time.monotonic() < deadline, "the child did not start"
@@ -155,8 +162,8 @@ def test_a_killed_prepare_leaves_nothing_that_opens(tmp_path):
 # Peak resident memory while preparing, past a warm-up; this child imports no JAX.
 MEASURE_PREPARE = """
 import resource, sys
-from flaxformer_lite.data import sources, store
-sources.CHUNK_BYTES = store._READ_BYTES = 1 << 16
+from flaxformer_lite.data import sources, store, store_writer
+sources.CHUNK_BYTES = store_writer.READ_BYTES = 1 << 16
 big, small, out = sys.argv[1:]
 for kind in ("byte", "char"):
     store.prepare_store(f"{out}/warm-{kind}", source="text", path=small, tokenizer_kind=kind)
@@ -198,7 +205,7 @@ def test_progress_bars_count_every_pass_over_the_source_bytes(corpus, tmp_path, 
     prepare_store(
         tmp_path / "store", source="text", path=pattern, tokenizer_kind="word", progress=bars
     )
-    passes = ["hashing", "splitting", "fitting", "encoding"]
+    passes = ["splitting", "fitting", "encoding"]  # the first pass also hashes the files
     assert [(b.desc, b.total, b.done, b.closed) for b in bars.bars] == [
         (p, size, size, 1) for p in passes
     ]
@@ -214,7 +221,7 @@ def test_batches_hold_at_most_batch_size_texts_and_batch_chars_characters(
     corpus, tmp_path, monkeypatch
 ):
     pattern, lines = corpus
-    monkeypatch.setattr(store_module, "BATCH_CHARS", 100)
+    monkeypatch.setattr(store_writer, "BATCH_CHARS", 100)
     batches = []
     encode_batch = ByteTokenizer.encode_batch
 

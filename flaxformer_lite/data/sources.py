@@ -4,10 +4,10 @@ Records are dicts of strings, in the shapes the synthetic tasks use: ``{"text": 
 and JSONL files, ``{"source": ..., "target": ...}`` for parallel text. Each kind has a streaming
 reader, ``iter_text_records``, ``iter_jsonl_records`` and ``iter_parallel_records`` (or
 :func:`iter_records` by name), which reads the files in bounded chunks and yields one record at a
-time, so a corpus larger than memory can be tokenized (:mod:`flaxformer_lite.data.store`); the
-list readers :func:`text_records`, :func:`jsonl_records` and :func:`parallel_records` collect
-them. Files are read in sorted path order, so the same files always give the same records.
-:func:`split_records` holds out a validation split.
+time, so a corpus larger than memory can be tokenized (:mod:`flaxformer_lite.data.store`). The
+readers take the files :func:`source_files` resolved from a path or glob (sorted path order, so
+the same files always give the same records): a caller that records the files it read (a store's
+manifest) reads exactly those, even if the glob matches more files later.
 
 One record per non-blank line (a line holding only whitespace is skipped; other lines are kept
 as they are, minus the line break). Line-per-record is the layout of lm1b and of most parallel
@@ -15,18 +15,17 @@ corpora; documents longer than the pipeline's ``seq_len`` would be truncated any
 
 Problems raise naming the file (and line) and the reason: ``FileNotFoundError`` for a missing path
 or a glob that matches no file, ``ValueError`` for an empty file, bytes that are not UTF-8, a
-malformed JSONL line or a missing field, and parallel files of different lengths. The list
-readers raise before returning any record; the streaming readers when they reach the problem (an
-empty file or misaligned parallel files: at the end of the file).
+malformed JSONL line or a missing field, and parallel files of different lengths. The readers
+raise when they reach the problem (an empty file or misaligned parallel files: at the end of the
+file).
 """
 
 from __future__ import annotations
 
 import glob
-import hashlib
 import itertools
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 _GLOB_CHARS = frozenset("*?[")
@@ -118,29 +117,26 @@ def iter_lines(path: Path, on_read: OnRead | None = None) -> Iterator[str]:
         raise ValueError(f"{path}: empty file (no non-blank line)")
 
 
-def read_lines(path: Path) -> list[str]:
-    """All lines of a UTF-8 file without their line breaks: :func:`iter_lines` as a list."""
-    return list(iter_lines(path))
-
-
-def iter_text_records(pattern: str, on_read: OnRead | None = None) -> Iterator[dict[str, str]]:
-    """``{"text": line}`` for every non-blank line of the files ``pattern`` names."""
-    for path in expand_files(pattern):
+def iter_text_records(
+    files: Sequence[Path], on_read: OnRead | None = None
+) -> Iterator[dict[str, str]]:
+    """``{"text": line}`` for every non-blank line of ``files``."""
+    for path in files:
         for line in iter_lines(path, on_read):
             if line.strip():
                 yield {"text": line}
 
 
 def iter_jsonl_records(
-    pattern: str, field: str = "text", on_read: OnRead | None = None
+    files: Sequence[Path], field: str = "text", on_read: OnRead | None = None
 ) -> Iterator[dict[str, str]]:
-    """``{"text": obj[field]}`` for every non-blank line (a JSON object) of the JSONL files.
+    """``{"text": obj[field]}`` for every non-blank line (a JSON object) of the JSONL ``files``.
 
     Raises:
       ValueError: a line that is not a JSON object, lacks ``field``, or whose ``field`` is not a
         string; the message names the file and line.
     """
-    for path in expand_files(pattern):
+    for path in files:
         for number, line in enumerate(iter_lines(path, on_read), start=1):
             if not line.strip():
                 continue
@@ -161,21 +157,20 @@ def iter_jsonl_records(
 
 
 def iter_parallel_records(
-    path_or_pair: str, on_read: OnRead | None = None
+    files: Sequence[Path], on_read: OnRead | None = None
 ) -> Iterator[dict[str, str]]:
     """``{"source": ..., "target": ...}`` pairs from a TSV file or two line-aligned files.
 
     Args:
-      path_or_pair: either one file of ``source<TAB>target`` lines, or ``"src_file,tgt_file"``:
-        two files whose line ``k`` are a pair (so paths may not contain a comma). Lines blank on
-        both sides are skipped.
+      files: either one file of ``source<TAB>target`` lines, or two files whose line ``k`` are a
+        pair (:func:`source_files` of ``"src_file,tgt_file"``). Lines blank on both sides are
+        skipped.
       on_read: see :data:`OnRead`.
 
     Raises:
       ValueError: a TSV line without exactly one tab, or two files with different line counts
         (the message names both files and their counts).
     """
-    files = _parallel_files(path_or_pair)
     if len(files) == 1:
         for number, line in enumerate(iter_lines(files[0], on_read), start=1):
             if not line.strip():
@@ -202,59 +197,17 @@ def iter_parallel_records(
 
 
 def iter_records(
-    source: str, path: str, field: str = "text", on_read: OnRead | None = None
+    source: str, files: Sequence[Path], field: str = "text", on_read: OnRead | None = None
 ) -> Iterator[dict[str, str]]:
-    """The records of a ``text``, ``jsonl`` (text in ``field``) or ``parallel`` source."""
+    """The records of a ``text``, ``jsonl`` (text in ``field``) or ``parallel`` source's
+    ``files`` (:func:`source_files`)."""
     if source == "text":
-        return iter_text_records(path, on_read)
+        return iter_text_records(files, on_read)
     if source == "jsonl":
-        return iter_jsonl_records(path, field, on_read)
+        return iter_jsonl_records(files, field, on_read)
     if source == "parallel":
-        return iter_parallel_records(path, on_read)
+        return iter_parallel_records(files, on_read)
     raise ValueError(f"unknown source {source!r}; valid sources: {', '.join(SOURCES)}")
-
-
-def text_records(pattern: str) -> list[dict[str, str]]:
-    """:func:`iter_text_records` as a list."""
-    return list(iter_text_records(pattern))
-
-
-def jsonl_records(pattern: str, field: str = "text") -> list[dict[str, str]]:
-    """:func:`iter_jsonl_records` as a list."""
-    return list(iter_jsonl_records(pattern, field))
-
-
-def parallel_records(path_or_pair: str) -> list[dict[str, str]]:
-    """:func:`iter_parallel_records` as a list."""
-    return list(iter_parallel_records(path_or_pair))
-
-
-def split_records(
-    records: list[dict], fraction: float, where: str
-) -> tuple[list[dict], list[dict]]:
-    """``(train, validation)``: holds out the ``round(fraction * N)`` records of least hash.
-
-    The hash is of a record's content, so the split depends on neither the seed nor the file
-    order, and adding data moves few records between splits. Identical records hash alike and
-    stay together unless they straddle the cut. Both parts keep the records' order.
-
-    Raises:
-      ValueError: naming ``where`` (the data path), if either part would be empty.
-    """
-    count = round(fraction * len(records))
-    if not 0 < count < len(records):
-        raise ValueError(
-            f"{where}: {len(records)} records cannot be split by data.validation_fraction="
-            f"{fraction} into non-empty training and validation sets"
-        )
-
-    def digest(i: int) -> bytes:
-        text = json.dumps(records[i], sort_keys=True).encode()
-        return hashlib.blake2b(text, digest_size=8).digest()
-
-    held_out = set(sorted(range(len(records)), key=lambda i: (digest(i), i))[:count])
-    train = [r for i, r in enumerate(records) if i not in held_out]
-    return train, [r for i, r in enumerate(records) if i in held_out]
 
 
 def _parallel_files(path_or_pair: str) -> list[Path]:

@@ -20,47 +20,50 @@ The manifest names the format and version, the source (kind, path, field, each f
 sha256), the tokenizer (kind, its files' sha256, what a fitted one was fitted with), the number
 of documents, each field's number of tokens and dtype, and each data file's size.
 
-:func:`prepare_store` writes into a sibling ``.NAME.partial-<pid>`` directory and renames it into
-place at the end: an interrupted prepare leaves nothing that opens, and its leftover directory
-is removed by the next prepare once its process is gone. Memory holds a few batches of
-documents, never the corpus (fitting a tokenizer on the training split holds each document's
-digest). Nothing here prints: a caller that wants a progress bar passes a tqdm-like factory.
+:func:`prepare_store` writes into a sibling ``.NAME.partial-<host>-<pid>`` directory, flushes it
+to disk, writes the manifest and renames it into place: an interrupted prepare leaves nothing
+that opens, and its leftover directory is removed by the next prepare on the same host once its
+process is gone (a partial of another host, on a shared file system, is left alone). Memory holds
+a few batches of documents, never the corpus (fitting a tokenizer on the training split holds
+each document's digest); the passes are in :mod:`~flaxformer_lite.data.store_writer`. Nothing
+here prints: a caller that wants a progress bar passes a tqdm-like factory.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
 import dataclasses
 import errno
 import hashlib
-import itertools
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterator
+import socket
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from flaxformer_lite.data import sources, tokenizers
-from flaxformer_lite.data.documents import FIELDS, Documents, split_documents, text_digests
+from flaxformer_lite.data.documents import FIELDS, Documents
+from flaxformer_lite.data.store_writer import (
+    BATCH_SIZE,
+    DIGESTS,
+    FileHashes,
+    Progress,
+    SourcePasses,
+    fit_tokenizer,
+    fsync_directory,
+    fsync_tree,
+    hash_files,
+    token_dtype,
+    write_documents,
+)
 from flaxformer_lite.data.tokenizers import Tokenizer
 
 FORMAT, VERSION = "flaxformer-lite token store", 1
-MANIFEST, TOKENIZER_DIR, DIGESTS, LABELS = "manifest.json", "tokenizer", "digests.u64", "labels.i32"
+MANIFEST, TOKENIZER_DIR, LABELS = "manifest.json", "tokenizer", "labels.i32"
 FITTED_KINDS = ("char", "word", "bpe")
-# Texts per encode_batch call: the batched encoders synchronise their threads once per call, so
-# batches are large; a cap on their characters keeps batches of long documents small too.
-BATCH_SIZE = 1 << 16
-BATCH_CHARS = 1 << 19
-_READ_BYTES = 1 << 20
-_DTYPES = (np.dtype(np.uint16), np.dtype(np.uint32))  # ids of vocabularies up to 2**16, 2**32
-
-Progress = Callable[..., Any]
-"""A tqdm-like factory: ``progress(total=n_bytes, desc=name)`` gives a bar with ``update(n)``
-and ``close()``; one bar per pass over the source files."""
+_DTYPES = (token_dtype(1), token_dtype(1 << 32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,23 +132,31 @@ def prepare_store(
     if out_dir.exists() and not (out_dir.is_dir() and not any(out_dir.iterdir())):
         return _existing_store(out_dir, request, files, progress)  # an empty directory is filled
 
-    partial = out_dir.absolute().parent / f".{out_dir.absolute().name}.partial-{os.getpid()}"
+    partial = out_dir.absolute().parent / f".{out_dir.absolute().name}.partial-{_owner()}"
     _remove_stale_partials(partial)
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     try:
         stats = [(p, p.stat()) for p in files]
-        request["source"]["files"] = _hash_files(files, progress)
-        passes = _Passes(request["source"], field, batch_size, progress)
+        hashes = FileHashes(files)  # fed by the first pass over the files
+        passes = SourcePasses(source, files, field, batch_size, progress)
         if fitted is not None:
-            tokenizer = _fit(passes, kind, **fitted)
-        manifest = _write(partial, passes, tokenizer)
-        manifest["tokenizer"] = {**request["tokenizer"], **manifest["tokenizer"]}
+            tokenizer = fit_tokenizer(passes, kind, **fitted, where=path, on_read=hashes)
+            hashes, request["source"]["files"] = None, hashes.infos()
+        tokenizer.save(partial / TOKENIZER_DIR)
+        documents, tokens = write_documents(partial, passes, tokenizer, on_read=hashes)
+        if hashes is not None:
+            request["source"]["files"] = hashes.infos()
         for p, stat in stats:
             now = p.stat()
             if (now.st_size, now.st_mtime_ns) != (stat.st_size, stat.st_mtime_ns):
                 raise ValueError(f"{p}: changed while the store was being prepared")
-        (partial / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+        manifest = _manifest(partial, request, tokenizer, documents, tokens)
+        fsync_tree(partial)  # the data on disk before the manifest that vouches for it
+        with (partial / MANIFEST).open("w", encoding="utf-8") as file:
+            file.write(json.dumps(manifest, indent=1) + "\n")
+            file.flush()
+            os.fsync(file.fileno())
         try:
             os.rename(partial, out_dir)
         except OSError as error:  # another prepare of out_dir finished first
@@ -153,6 +164,7 @@ def prepare_store(
                 raise
             shutil.rmtree(partial, ignore_errors=True)
             return _existing_store(out_dir, request, files, progress)
+        fsync_directory(out_dir.absolute().parent)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
@@ -236,102 +248,29 @@ def check_tokenizer(store: Store, tokenizer: Tokenizer) -> None:
         )
 
 
-@dataclasses.dataclass(frozen=True)
-class _Passes:
-    """Passes over a source's records, batch by batch, each with a progress bar of its bytes."""
-
-    source: dict[str, Any]  # kind, path, field, files (each with its size)
-    field: str
-    batch_size: int
-    progress: Progress | None
-
-    @property
-    def fields(self) -> tuple[str, ...]:
-        return ("source", "target") if self.source["kind"] == "parallel" else ("text",)
-
-    def batches(self, desc: str) -> Iterator[dict[str, list[str]]]:
-        """Field name -> texts of the next ``batch_size`` records (fewer if they hold more than
-        :data:`BATCH_CHARS` characters), to the end of the source."""
-        kind, path = self.source["kind"], self.source["path"]
-        with _bar(self.progress, sum(f["size"] for f in self.source["files"]), desc) as update:
-            records = sources.iter_records(kind, path, self.field, lambda _, d: update(len(d)))
-            batch, chars = [], 0
-            for record in records:
-                batch.append(record)
-                chars += sum(map(len, record.values()))
-                if len(batch) == self.batch_size or chars >= BATCH_CHARS:
-                    yield {name: [r[name] for r in batch] for name in self.fields}
-                    batch, chars = [], 0
-            if batch:
-                yield {name: [r[name] for r in batch] for name in self.fields}
-
-
-def _fit(passes: _Passes, kind: str, vocab_size: int | None, validation_fraction: float):
-    """A tokenizer fitted on the training documents: one pass hashes every document to split
-    them, the next fits on the texts of those not held out."""
-    digests = np.concatenate([text_digests(texts) for texts in passes.batches("splitting")])
-    train, _ = split_documents(digests, validation_fraction, passes.source["path"])
-    in_train = np.zeros(len(digests), bool)
-    in_train[train] = True
-    docs = (doc for texts in passes.batches("fitting") for doc in zip(*texts.values(), strict=True))
-    texts = (text for doc, keep in zip(docs, in_train, strict=True) if keep for text in doc)
-    return tokenizers.make_tokenizer(kind, texts=texts, vocab_size=vocab_size)
-
-
-def _write(directory: Path, passes: _Passes, tokenizer: Tokenizer) -> dict[str, Any]:
-    """Encodes the source batch by batch into ``directory``'s files; returns the manifest."""
-    tokenizer.save(directory / TOKENIZER_DIR)
-    dtype = _DTYPES[0] if tokenizer.vocab_size <= 1 << 16 else _DTYPES[1]
-    tokens, documents = dict.fromkeys(passes.fields, 0), 0  # written so far
-
-    def write(ids: dict[str, list[list[int]]]) -> None:
-        for name, field_ids in ids.items():
-            ends = np.cumsum(np.fromiter(map(len, field_ids), np.int64, len(field_ids)))
-            outputs[f"{name}.offsets"].write(memoryview(tokens[name] + ends))
-            tokens[name] += int(ends[-1])
-            flat = np.array(list(itertools.chain.from_iterable(field_ids)), dtype)
-            outputs[f"{name}.tokens"].write(memoryview(flat))
-
-    # One batch is encoded (without the GIL, on all cores) while the next is read and hashed
-    # and the one before is written: at most three batches in memory, nothing per document.
-    with contextlib.ExitStack() as stack:
-        names = [DIGESTS, *(f"{n}.{kind}" for n in passes.fields for kind in ("tokens", "offsets"))]
-        outputs = {name: stack.enter_context((directory / name).open("wb")) for name in names}
-        for name in passes.fields:
-            outputs[f"{name}.offsets"].write(memoryview(np.zeros(1, np.int64)))
-        pool = stack.enter_context(concurrent.futures.ThreadPoolExecutor(1))
-        pending = None
-        for texts in passes.batches("encoding"):
-            encoding = pool.submit(_encode, tokenizer, texts)
-            outputs[DIGESTS].write(memoryview(text_digests(texts)))
-            documents += len(next(iter(texts.values())))
-            if pending is not None:
-                write(pending.result())
-            pending = encoding
-        if pending is not None:
-            write(pending.result())
-    counts = {name: {"tokens": tokens[name], "dtype": dtype.name} for name in passes.fields}
+def _manifest(
+    directory: Path,
+    request: dict[str, Any],
+    tokenizer: Tokenizer,
+    documents: int,
+    tokens: dict[str, int],
+) -> dict[str, Any]:
+    """The manifest of the store written in ``directory`` from ``request``'s inputs."""
+    dtype = token_dtype(tokenizer.vocab_size).name
     sha256, tokenizer_files = _files_sha256(tokenizer.files())
     return {
         "format": FORMAT,
         "version": VERSION,
-        "source": passes.source,
+        "source": request["source"],
         "tokenizer": {
+            **request["tokenizer"],
             "vocab_size": tokenizer.vocab_size,
             "sha256": sha256,
             "files": tokenizer_files,
         },
         "documents": documents,
-        "fields": counts,
+        "fields": {name: {"tokens": count, "dtype": dtype} for name, count in tokens.items()},
         "files": {p.name: p.stat().st_size for p in sorted(directory.iterdir()) if p.is_file()},
-    }
-
-
-def _encode(tokenizer: Tokenizer, texts: dict[str, list[str]]) -> dict[str, list[list[int]]]:
-    """Each field's ids; a target side by its own model where the tokenizer has one."""
-    return {
-        name: (tokenizer.encode_target_batch if name == "target" else tokenizer.encode_batch)(t)
-        for name, t in texts.items()
     }
 
 
@@ -350,7 +289,7 @@ def _existing_store(
     try:
         why = _difference(store.manifest, request)
         if why is None:  # the same but for the files' contents, which only a hash tells
-            request["source"]["files"] = _hash_files(files, progress)
+            request["source"]["files"] = hash_files(files, progress)
             why = _difference(store.manifest, request)
     except (KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{out_dir / MANIFEST}: not a valid store manifest ({e!r})") from None
@@ -420,35 +359,15 @@ def _files_sha256(files: dict[str, bytes]) -> tuple[str, dict[str, dict[str, Any
     return whole, each
 
 
-def _hash_files(files: list[Path], progress: Progress | None) -> list[dict[str, Any]]:
-    """Path, size and sha256 of each file."""
-    with _bar(progress, sum(p.stat().st_size for p in files), "hashing") as update:
-        infos = []
-        for path in files:
-            digest, size = hashlib.sha256(), 0
-            with path.open("rb") as file:
-                while data := file.read(_READ_BYTES):
-                    digest.update(data)
-                    size += len(data)
-                    update(len(data))
-            infos.append({"path": str(path), "size": size, "sha256": digest.hexdigest()})
-    return infos
-
-
-@contextlib.contextmanager
-def _bar(progress: Progress | None, total: int, desc: str) -> Iterator[Callable[[int], Any]]:
-    """A progress bar's ``update`` (a no-op without ``progress``); the bar is closed after."""
-    bar = None if progress is None else progress(total=total, desc=desc)
-    try:
-        yield (lambda n: None) if bar is None else bar.update
-    finally:
-        if bar is not None:
-            bar.close()
+def _owner() -> str:
+    """``<host>-<pid>``: which process, on which machine, writes a partial store."""
+    return f"{socket.gethostname()}-{os.getpid()}"
 
 
 def _remove_stale_partials(partial: Path) -> None:
-    """Removes the partial directories of the same store left by processes no longer running."""
-    prefix = partial.name.rsplit("-", 1)[0] + "-"
+    """Removes the partial directories of the same store left by processes of this host that
+    are no longer running (another host's processes cannot be asked)."""
+    prefix = partial.name.rsplit("-", 1)[0] + "-"  # .NAME.partial-<host>-
     for leftover in partial.parent.glob(f"{prefix}*"):
         pid = leftover.name[len(prefix) :]
         if pid.isdigit() and int(pid) != os.getpid():
