@@ -194,15 +194,15 @@ def tokenize(
     tokenizer: Tokenizer, texts: ByteTexts, *, target: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(ids end to end, offsets [n + 1])`` of ``texts``: unsigned ids, 16 bits if the
-    vocabulary fits. Byte ids in one array op; other kinds encode text by text (with
-    ``encode_target`` if ``target``)."""
+    vocabulary fits. Byte ids in one array op; other kinds through their batched encoder (the
+    target side's if ``target``)."""
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
     if isinstance(tokenizer, ByteTokenizer):
         ids = texts.data.astype(dtype)
         ids += NUM_SPECIAL
         return ids, texts.offsets
-    encode = tokenizer.encode_target if target else tokenizer.encode
-    ids = [encode(texts.text(i)) for i in range(len(texts))]
+    encode_batch = tokenizer.encode_target_batch if target else tokenizer.encode_batch
+    ids = encode_batch([texts.text(i) for i in range(len(texts))])
     lengths = np.fromiter(map(len, ids), np.int64, len(ids))
     tokens = np.fromiter(itertools.chain.from_iterable(ids), dtype, int(lengths.sum()))
     return tokens, np.concatenate([[0], np.cumsum(lengths)])
