@@ -250,6 +250,27 @@ def test_two_processes_train_resume_and_match_one_process(tmp_path, launch):
 
 
 @pytest.mark.slow
+def test_two_processes_share_one_prepared_text_cache_and_match_one_process(tmp_path, launch):
+    """A text source is prepared once, by process 0, into the shared run directory's cache; the
+    other process reads it, and the two processes' global batches are one process's."""
+    lines = [f"{a} plus {b} is {a + b}" for a in range(60) for b in range(0, 60, 7)]
+    (tmp_path / "corpus.txt").write_text("\n".join(lines) + "\n")
+    text = ["data.source=text", f"data.path={tmp_path / 'corpus.txt'}", "data.tokenizer=char"]
+    args = [*QUICK, *text, "train.steps=10"]
+    reference = tmp_path / "reference"
+    one = launch("reference", tmp_path, [f"run_dir={reference}", *args], devices=4)
+    two = tmp_path / "two"
+    pair = start_pair(launch, "pair", tmp_path, [f"run_dir={two}", *args])
+    finish([*pair, one])
+    assert_succeeded([one, *pair], "the text runs")
+    context = reports(pair) + one.report()
+    caches = [p for p in (two / "prepared").iterdir()]
+    assert len(caches) == 1 and caches[0].name.startswith("text-"), f"{caches}{context}"
+    assert (caches[0] / "manifest.json").is_file(), context
+    assert_losses_close(two, reference, context)
+
+
+@pytest.mark.slow
 def test_a_dead_process_stops_the_other_instead_of_hanging(tmp_path, launch):
     """Two runs at once (heartbeat timeout 5 s): one loses process 1, the other its
     coordinator, process 0, in the middle of training."""

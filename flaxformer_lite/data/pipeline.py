@@ -303,19 +303,10 @@ def _load_store(
     cfg: DataConfig, directory: Path, save: bool, given: Tokenizer | None, task: str
 ) -> tuple[Tokenizer, Corpus]:
     """A prepared store (``data.source=prepared``), or a text, jsonl or parallel source prepared
-    into a store in ``directory``'s sibling ``prepared/`` on first use: one read path for all.
-
-    The store's tokenizer is the run's: a tokenizer the run already saved (a resumed run) or was
-    given (``init_from``) must be the store's, or the store is made with it."""
+    into a store in ``directory``'s sibling ``prepared/`` on first use: one read path for all."""
     saved = _saved_tokenizer(cfg, directory, given)
-    tokenizer = saved or given
-    if cfg.source == "prepared":
-        store = open_store(cfg.path)
-        _check_kind(kind_of(store), f"the store {cfg.path} ({kind_of(store)} documents)", task)
-        if tokenizer is not None:
-            check_tokenizer(store, tokenizer)
-    else:
-        store = prepare_source(cfg, directory.parent / PREPARED_DIR / _cache_name(cfg), tokenizer)
+    store = _run_store(cfg, directory, saved or given)
+    _check_kind(kind_of(store), f"the store {store.path} ({kind_of(store)} documents)", task)
     if save and saved is None:
         store.tokenizer.save(directory)
     documents = store.documents
@@ -324,6 +315,29 @@ def _load_store(
     train, valid = train[: cfg.train_size], valid[: cfg.eval_size]
     examples = _validation_records(store, valid)
     return store.tokenizer, Corpus((documents, train), (documents, valid), examples)
+
+
+def prepare_run_store(cfg: DataConfig, directory: Path, given: Tokenizer | None = None) -> None:
+    """Prepares the store a run whose tokenizer lives in ``directory`` reads (see
+    :func:`build_data`), if its source needs one and it is not there yet.
+
+    A multi-process run calls this on one process before the others build their data, so that a
+    shared run directory's cache is written once; on a file system of its own, a process that
+    finds no store prepares its own copy."""
+    if cfg.source not in sources.SOURCES:
+        return
+    _run_store(cfg, directory, _saved_tokenizer(cfg, directory, given) or given)
+
+
+def _run_store(cfg: DataConfig, directory: Path, tokenizer: Tokenizer | None) -> Store:
+    """``data.path``'s store, or the source's in the run's cache (made with ``tokenizer`` if the
+    run has one: a resumed run's saved copy, or ``init_from``'s), checked against ``tokenizer``."""
+    if cfg.source != "prepared":
+        return prepare_source(cfg, directory.parent / PREPARED_DIR / _cache_name(cfg), tokenizer)
+    store = open_store(cfg.path)
+    if tokenizer is not None:
+        check_tokenizer(store, tokenizer)
+    return store
 
 
 def prepare_source(
@@ -364,7 +378,8 @@ def _validation_records(store, ids: np.ndarray) -> list[dict[str, str]]:
     source = store.manifest["source"]
     wanted = set(ids.tolist())
     try:
-        records = sources.iter_records(source["kind"], source["path"], source["field"] or "text")
+        files = [Path(file["path"]) for file in source["files"]]
+        records = sources.iter_records(source["kind"], files, source["field"] or "text")
         records = itertools.islice(records, int(ids.max()) + 1)  # the rest is not needed
         by_index = {i: r for i, r in enumerate(records) if i in wanted}
     except (FileNotFoundError, ValueError):

@@ -17,13 +17,14 @@ import signal
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import yaml
 from flax import nnx
 
 from flaxformer_lite import parallel
 from flaxformer_lite.data.hf_tokenizer import load_hf_tokenizer
-from flaxformer_lite.data.pipeline import build_data
+from flaxformer_lite.data.pipeline import build_data, prepare_run_store
 from flaxformer_lite.models import training_flops_per_token
 from flaxformer_lite.train.checkpoint import Checkpointer
 from flaxformer_lite.train.config import (
@@ -103,6 +104,10 @@ def run(
     task = task_of(cfg.model)
     # init_from: the checkpoint's tokenizer, with its ids (a resumed run reads the saved copy).
     tokenizer = None if cfg.init_from is None else load_hf_tokenizer(cfg.init_from)
+    if jax.process_count() > 1:  # process 0 fills a shared cache; the others then read it
+        if main:
+            prepare_run_store(cfg.data, run_dir / "tokenizer", tokenizer)
+        _sync_processes("data prepared")
     data = build_data(
         cfg.data,
         task=task,
@@ -210,6 +215,7 @@ def _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log):
     batch = place(next(data.train)) if step < total else None
     unchecked = None  # (step, metrics) of the step whose finite flag is not read yet
     window_start, window_step = None, step  # tokens/s: steady-state training steps only
+    agree = _SignalAgreement()
     # The steps are traced under the mesh and rules: the layers pin their activations' layout.
     with (
         _stop_on_signals() as stop,
@@ -230,7 +236,7 @@ def _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log):
             if unchecked is not None:  # the previous step: its successor is queued already
                 check_finite(*unchecked)
             unchecked = (step, metrics)
-            signum = _agreed_signal(stop.signum)
+            signum = agree(stop.signum)
             final = step == total or signum is not None
             log_due = step % cfg.train.log_every == 0 or step == total
             eval_due = step % cfg.train.eval_every == 0 or step == total
@@ -361,16 +367,33 @@ def _sync_processes(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-def _agreed_signal(signum: int | None) -> int | None:
+class _SignalAgreement:
     """The signal any process received, the same on all of them: they must stop at the same
     step, since the checkpoint they then write is collective (a process saving alone would wait
-    forever for the others, already in the next step's collectives)."""
-    if jax.process_count() == 1:
-        return signum
-    from jax.experimental import multihost_utils
+    forever for the others, already in the next step's collectives).
 
-    received = multihost_utils.process_allgather(np.int32(signum or 0))
-    return int(np.max(received)) or None
+    With several processes the agreement is a max over the processes' signals queued behind each
+    step and read one step late, like the finite flag: a blocking exchange every step would
+    make the host wait for the devices. All processes read the same step's agreement, so all
+    stop one step after the signal, at the same step."""
+
+    def __init__(self):
+        self._pending = None
+        if jax.process_count() > 1:
+            mesh = jax.sharding.Mesh(np.array(jax.devices()), ("devices",))
+            self._sharding = jax.NamedSharding(mesh, jax.P("devices"))
+            self._max = jax.jit(jnp.max, out_shardings=jax.NamedSharding(mesh, jax.P()))
+
+    def __call__(self, signum: int | None) -> int | None:
+        """The agreed signal, given this process's ``signum`` after a step (None: none)."""
+        if jax.process_count() == 1:
+            return signum
+        local = np.full(jax.local_device_count(), signum or 0, np.int32)
+        received = jax.make_array_from_process_local_data(
+            self._sharding, local, (jax.device_count(),)
+        )
+        agreed, self._pending = self._pending, self._max(received)
+        return None if agreed is None else int(agreed) or None
 
 
 def _quiet(_message: str) -> None:
