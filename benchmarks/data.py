@@ -11,10 +11,16 @@ is timed):
   global batch of 8, 16 and 64 rows at 1, 2 and 8 processes, against a nanoGPT-style sampler of
   random windows from a ``np.memmap`` of uint16 ids.
 
+Then ``train.py``'s logged tokens/s against its train step alone (``loop_vs_step.py``), for the
+embedded default and for gpt2-tiny on a store of the corpus prepared with the BPE above
+(``--bpe-batch`` x ``--bpe-seq``): fresh runs of the loop in this process, each paired with
+windows of the very step it compiled, fed its last placed batch, right before and after it.
+
 The corpus is made of files present on every machine: the Python standard library's sources,
 concatenated to ``--megabytes``. Targets (ratios of the same run): store rows >= 20M tokens/s and
 >= 0.1x the memmap sampler; prepare >= 0.8x ``encode_batch``; per row, one process of 8 <= 1.2x a
-single process. The last line is one JSON object.
+single process; ``train.py`` >= 95% of its step alone (the median of the paired shares). The last
+line is one JSON object.
 """
 
 from __future__ import annotations
@@ -22,10 +28,13 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import statistics
+import sys
 import sysconfig
 import tempfile
 import time
 
+import jax
 import numpy as np
 
 from flaxformer_lite.data.batches import Layout, TrainBatches
@@ -34,6 +43,13 @@ from flaxformer_lite.data.pipeline import DataConfig, build_data
 from flaxformer_lite.data.sources import iter_text_records
 from flaxformer_lite.data.store import prepare_store
 from flaxformer_lite.data.tokenizers import make_tokenizer
+from flaxformer_lite.train.config import load_config
+from flaxformer_lite.train.host_memory import reuse_freed_host_memory
+
+from loop_vs_step import LoopRun, paired_shares, short_run_overrides
+
+SHARE_TARGET = 0.95  # train.py's logged tokens/s over its step alone's
+TRAIN_PY_RUNS = ("default", "bpe")  # the summary's train_py_<name> entries, in table order
 
 
 def parser() -> argparse.ArgumentParser:
@@ -43,6 +59,22 @@ def parser() -> argparse.ArgumentParser:
     command_line.add_argument("--vocab", type=int, default=8192, help="BPE vocabulary")
     command_line.add_argument("--batches", type=int, default=50, help="batches timed per row")
     command_line.add_argument("--repeats", type=int, default=3, help="timed rounds (best kept)")
+    command_line.add_argument(
+        "--windows", type=int, default=5, help="train.py runs paired with the step (median)"
+    )
+    command_line.add_argument(
+        "--default-steps", type=int, default=50, help="steps per window, embedded default"
+    )
+    command_line.add_argument(
+        "--bpe-steps", type=int, default=10, help="steps per window, gpt2-tiny on BPE"
+    )
+    command_line.add_argument("--bpe-seq", type=int, default=256, help="gpt2-tiny's data.seq_len")
+    command_line.add_argument(
+        "--bpe-batch", type=int, default=32, help="gpt2-tiny's train.batch_size"
+    )
+    command_line.add_argument(
+        "--no-train-py", action="store_true", help="the pipelines alone, not train.py"
+    )
     return command_line
 
 
@@ -105,7 +137,8 @@ def prepare_rates(corpus, directory, vocab: int, repeats: int):
     byte_tokens = sum(len(line.encode()) for line in lines)
     rates["prepare_byte"] = best_rate(prepare(tokenizer_kind="byte"), byte_tokens, repeats)
     store = prepare_store(directory / "bytes", source="text", path=str(corpus))
-    return rates, store
+    bpe_store = prepare_store(directory / "bpe", source="text", path=str(corpus), tokenizer=bpe)
+    return rates, store, bpe_store.path
 
 
 def store_rows(store, rows: str, processes: int, batches: int, repeats: int) -> float:
@@ -152,13 +185,72 @@ def memmap_sampler(store, batches: int, repeats: int) -> float:
     return best_rate(work, batches * 8 * 1024, repeats)
 
 
+def train_py_runs(args, bpe_store) -> dict[str, tuple[str, int, list[str]]]:
+    """The runs of ``train.py`` compared with their step: name -> (description, steps per
+    window, overrides)."""
+    bpe = [
+        "model.preset=gpt2-tiny",
+        "data.source=prepared",
+        f"data.path={bpe_store}",
+        f"data.seq_len={args.bpe_seq}",
+        f"train.batch_size={args.bpe_batch}",
+    ]
+    return {
+        "default": ("embedded default (synthetic, 32 x 64 packed)", args.default_steps, []),
+        "bpe": (
+            f"gpt2-tiny, prepared BPE {args.vocab}, {args.bpe_batch} x {args.bpe_seq}",
+            args.bpe_steps,
+            bpe,
+        ),
+    }
+
+
+def train_py_against_step(
+    overrides: list[str], steps: int, windows: int, directory: pathlib.Path
+) -> dict:
+    """``windows`` fresh runs of train.py's loop on ``overrides``, each between two windows of
+    ``steps`` steps of the step alone; the window after a run times the step that run compiled.
+    One more run comes first: it compiles and only opens the first window. Tokens count
+    ``batch_size * seq_len`` per step on both sides, as the loop logs them."""
+
+    def fresh_run(number: int) -> tuple[LoopRun, int]:
+        short = short_run_overrides(directory / f"run{number}", steps)
+        cfg = load_config(None, overrides + [f"{key}={value}" for key, value in short.items()])
+        return LoopRun(cfg), cfg.train.batch_size * cfg.data.seq_len
+
+    # The step's first timed steps after a run can be slower: a few untimed ones first.
+    warmup = max(1, steps // 5)
+    latest, tokens_per_step = fresh_run(0)
+    between, logged = [latest.seconds_per_step(steps, warmup)], []
+    for number in range(1, windows + 1):
+        latest, _ = fresh_run(number)
+        logged.append(latest.tokens_per_sec)
+        between.append(latest.seconds_per_step(steps, warmup))
+        print(f"train.py run {number}/{windows} done", file=sys.stderr, flush=True)
+    shares = paired_shares(logged, between, tokens_per_step)
+    return {
+        "tokens_per_step": tokens_per_step,
+        "steps_per_window": steps,
+        "logged_tokens_per_sec": logged,
+        "step_seconds": between,
+        "shares": shares,
+        "train_py_tokens_per_sec": statistics.median(logged),
+        "step_tokens_per_sec": tokens_per_step / statistics.median(between),
+        "share": statistics.median(shares),
+    }
+
+
 def run(args) -> dict:
     with tempfile.TemporaryDirectory() as scratch:
         scratch = pathlib.Path(scratch)
+        if jax.config.jax_compilation_cache_dir is None:
+            # Each run of the loop compiles its step afresh, as train.py does: from the second
+            # on, the same executable comes from this cache. Compiling is not what is measured.
+            jax.config.update("jax_compilation_cache_dir", str(scratch / "compiled"))
         corpus = make_corpus(scratch, args.megabytes)
         summary = {"corpus_bytes": corpus.stat().st_size}
         summary["default"] = default_pipeline(args.batches, args.repeats, scratch / "tokenizer")
-        rates, store = prepare_rates(corpus, scratch, args.vocab, args.repeats)
+        rates, store, bpe_store = prepare_rates(corpus, scratch, args.vocab, args.repeats)
         summary |= rates
         summary["store_tokens"] = int(len(store.documents.tokens["text"]))  # bytes
         for rows in ("documents", "windows"):
@@ -166,6 +258,11 @@ def run(args) -> dict:
                 rate = store_rows(store, rows, processes, args.batches, args.repeats)
                 summary[f"store_{rows}_{processes}"] = rate
         summary["memmap_sampler"] = memmap_sampler(store, args.batches, args.repeats)
+        if not args.no_train_py:
+            for name, (description, steps, overrides) in train_py_runs(args, bpe_store).items():
+                directory = scratch / f"train_py_{name}"
+                measured = train_py_against_step(overrides, steps, args.windows, directory)
+                summary[f"train_py_{name}"] = {"description": description, **measured}
     return summary
 
 
@@ -191,6 +288,22 @@ def table(s: dict) -> list[str]:
     return lines
 
 
+def train_py_table(s: dict) -> list[str]:
+    """train.py's logged tokens/s against the step alone: the medians of each side, and the
+    median of the runs' paired shares (not the ratio of the two medians)."""
+    lines = [
+        "| train.py run | train.py logged tokens/s | step alone tokens/s | train.py / step |",
+        "|---|---|---|---|",
+    ]
+    for name in TRAIN_PY_RUNS:
+        if (m := s.get(f"train_py_{name}")) is not None:
+            lines.append(
+                f"| {m['description']} | {m['train_py_tokens_per_sec'] / 1e3:.1f}k | "
+                f"{m['step_tokens_per_sec'] / 1e3:.1f}k | {100 * m['share']:.1f}% |"
+            )
+    return lines
+
+
 def targets(s: dict) -> list[str]:
     def check(description, ok):
         return f"{'PASS' if ok else 'FAIL'}: {description}"
@@ -209,6 +322,16 @@ def targets(s: dict) -> list[str]:
         )
     ratio = s["prepare_bpe"] / s["encode_batch"]
     out.append(check(f"prepare (BPE) {ratio:.2f}x encode_batch >= 0.8x", ratio >= 0.8))
+    for name in TRAIN_PY_RUNS:
+        if (m := s.get(f"train_py_{name}")) is not None:
+            share = m["share"]
+            out.append(
+                check(
+                    f"train.py, {m['description']}: logged tokens/s {100 * share:.1f}% of the "
+                    f"step alone's >= {100 * SHARE_TARGET:.0f}%",
+                    share >= SHARE_TARGET,
+                )
+            )
     return out
 
 
@@ -217,16 +340,28 @@ def main(argv=None) -> dict:
     args = command_line.parse_args(argv)
     if min(args.megabytes, args.batches, args.repeats, args.vocab - 259) <= 0:
         command_line.error("--megabytes, --batches and --repeats must be positive, --vocab >= 260")
+    train_py = (args.windows, args.default_steps, args.bpe_steps, args.bpe_seq, args.bpe_batch)
+    if min(train_py) <= 0:
+        command_line.error(
+            "--windows, --default-steps, --bpe-steps, --bpe-seq and --bpe-batch must be positive"
+        )
     summary = run(args)
     print(
         f"corpus: {summary['corpus_bytes'] / 2**20:.1f} MiB of Python sources; store rows from "
         f"its {summary['store_tokens']:,} byte ids; best of {args.repeats} rounds"
     )
     print("\n".join(table(summary)))
+    if not args.no_train_py:
+        print(
+            f"train.py: median of {args.windows} fresh runs, each against the step alone right "
+            "before and after it"
+        )
+        print("\n".join(train_py_table(summary)))
     print("\n".join(targets(summary)))
     print(json.dumps(summary))
     return summary
 
 
 if __name__ == "__main__":
+    reuse_freed_host_memory()  # as train.py does, before JAX starts its backend
     main()

@@ -62,15 +62,15 @@ import numpy as np
 from flax import nnx
 
 from flaxformer_lite.models.accounting import training_flops_per_token
-from flaxformer_lite.train import loop
 from flaxformer_lite.train.config import TrainConfig, load_config
 from flaxformer_lite.train.host_memory import reuse_freed_host_memory
-from flaxformer_lite.train.metrics import matmul_peak_flops, read_metrics
+from flaxformer_lite.train.metrics import matmul_peak_flops
 from flaxformer_lite.train.optim import make_optimizer
 from flaxformer_lite.train.restore import make_train_state
 from flaxformer_lite.train.step import make_train_step
 
 import hf_gpt2
+from loop_vs_step import logged_tokens_per_sec, paired_shares, short_run_overrides
 from matmuls import StepMatmuls
 
 DEFAULT_SIZE = dict(layers=4, d_model=256, heads=4, seq=256, batch=8, vocab=8192)
@@ -167,27 +167,15 @@ def write_words(args, directory: str) -> pathlib.Path:
 def train_py_tokens_per_sec(args, text: pathlib.Path, run_dir: pathlib.Path) -> float:
     """The tokens/s that a fresh run of train.py's loop on the benchmark's config logs over
     ``--steps`` steps, after a first window of as many that holds the compiling step."""
-    steps = 2 * args.steps
-    cfg = train_config(
-        args,
-        {
-            "run_dir": run_dir,
-            "data.source": "text",
-            "data.path": text,
-            "data.tokenizer": "word",
-            "data.vocab_size": args.vocab,
-            "data.packing": False,
-            "train.steps": steps,
-            "train.log_every": args.steps,
-            "train.eval_every": steps,
-            "train.eval_batches": 1,
-            "train.decode_examples": 0,
-            "checkpoint.every": steps,
-            "optimizer.warmup_steps": 1,
-        },
-    )
-    loop.run(cfg, progress=False, log=lambda _: None)
-    return read_metrics(cfg.run_dir)[-1]["tokens_per_sec"]
+    data = {
+        "data.source": "text",
+        "data.path": text,
+        "data.tokenizer": "word",
+        "data.vocab_size": args.vocab,
+        "data.packing": False,
+    }
+    cfg = train_config(args, data | short_run_overrides(run_dir, args.steps))
+    return logged_tokens_per_sec(cfg)
 
 
 # ----------------------------------------------------------------------------- the benchmark
@@ -282,17 +270,17 @@ def run(args) -> dict:
         # Paired windows: each of train.py's is compared with the step's windows right before
         # and after it, so that the shared machine's changes of speed, which last minutes, hit
         # both sides of each comparison alike.
-        logged, between, shares = [], [window_seconds[-1]], []
+        logged, between = [], [window_seconds[-1]]
         with tempfile.TemporaryDirectory() as directory:
             text = write_words(args, directory)
             for window in range(args.windows):
                 run_dir = pathlib.Path(directory, f"run{window}")
                 logged.append(train_py_tokens_per_sec(args, text, run_dir))
                 between.append(measured(ours.run, args.steps)[0] / args.steps)
-                shares.append(logged[-1] * (between[-2] + between[-1]) / 2 / tokens_per_step)
                 print(
                     f"train.py window {window + 1}/{args.windows} done", file=sys.stderr, flush=True
                 )
+        shares = paired_shares(logged, between, tokens_per_step)
         summary |= {
             "train_py_window_tokens_per_sec": logged,
             "train_py_tokens_per_sec": statistics.median(logged),

@@ -1,0 +1,118 @@
+"""``train.py``'s loop against its train step alone, in one process: what ``train_step.py
+--train-py`` and ``data.py`` share.
+
+A short run of the loop (:func:`flaxformer_lite.train.loop.run`, what ``train.py`` runs) takes
+``2 * steps`` steps and logs tokens/s twice; the last log covers its last ``steps`` steps, after
+the compiling step and a warm-up. Each run is paired with windows of the step timed right before
+and right after it, so that the shared machine's changes of speed, which last minutes, hit both
+sides of each comparison alike: its share is the logged tokens/s over the step's, taken from
+the mean seconds per step of those two windows. The median share is what a benchmark reports.
+"""
+
+from __future__ import annotations
+
+import time
+from unittest import mock
+
+import jax
+
+from flaxformer_lite.train import loop
+from flaxformer_lite.train.config import TrainConfig
+from flaxformer_lite.train.metrics import read_metrics
+
+# jax.monitoring's events for tracing, lowering and compiling a program.
+COMPILE_EVENTS = "/jax/core/compile/"
+
+
+def short_run_overrides(run_dir, steps: int) -> dict:
+    """The overrides that make a run of ``2 * steps`` steps whose last log is its steady state:
+    one evaluation of one batch and one checkpoint, at the end, no decoded examples, and a
+    warmup of one step (the schedule's constants change, not the computation)."""
+    total = 2 * steps
+    return {
+        "run_dir": run_dir,
+        "train.steps": total,
+        "train.log_every": steps,
+        "train.eval_every": total,
+        "train.eval_batches": 1,
+        "train.decode_examples": 0,
+        "checkpoint.every": total,
+        "optimizer.warmup_steps": 1,
+    }
+
+
+def logged_tokens_per_sec(cfg: TrainConfig) -> float:
+    """Runs the loop on ``cfg`` (a fresh run directory) and returns its last logged tokens/s."""
+    loop.run(cfg, progress=False, log=lambda _: None)
+    return read_metrics(cfg.run_dir)[-1]["tokens_per_sec"]
+
+
+def paired_shares(logged: list[float], between: list[float], tokens_per_step: int) -> list[float]:
+    """Run ``i``'s logged tokens/s over the step's in the windows ``between[i]`` and
+    ``between[i + 1]`` (seconds per step) timed right before and after it."""
+    return [
+        tokens_per_sec * (between[i] + between[i + 1]) / 2 / tokens_per_step
+        for i, tokens_per_sec in enumerate(logged)
+    ]
+
+
+class LoopRun:
+    """A run of the loop that keeps what its last step ran (the compiled train step, the state it
+    returned, the placed batch it was given), to time that same step alone afterwards.
+
+    The loop builds its step with ``make_train_step``; the run wraps the step it gets to record
+    each call's batch and new state, a dictionary update per step.
+    """
+
+    def __init__(self, cfg: TrainConfig):
+        last: dict = {}
+        make_train_step = loop.make_train_step
+
+        def recording_train_step(*args, **kwargs):
+            step = make_train_step(*args, **kwargs)
+            last["step"] = step
+
+            def recorded(state, batch):
+                state, metrics = step(state, batch)
+                last.update(state=state, batch=batch)
+                return state, metrics
+
+            return recorded
+
+        with mock.patch.object(loop, "make_train_step", recording_train_step):
+            self.tokens_per_sec = logged_tokens_per_sec(cfg)
+        self.step, self.state, self.batch = last["step"], last["state"], last["batch"]
+        self.mesh = jax.tree.leaves(self.state)[0].sharding.mesh
+
+    def seconds_per_step(self, steps: int, warmup: int) -> float:
+        """Seconds per step over ``steps`` steps on the run's last batch, after ``warmup``
+        untimed ones. The steps are dispatched ahead, as the loop does, and waited for at the
+        end of the window only. They run under the run's mesh, part of what finds the step's
+        compiled program again; a trace or compile (another program) raises RuntimeError."""
+        events = []
+
+        def compiled(event: str, *_, **__) -> None:
+            if event.startswith(COMPILE_EVENTS):
+                events.append(event)
+
+        jax.monitoring.register_event_duration_secs_listener(compiled)
+        try:
+            with jax.set_mesh(self.mesh):
+                self._steps(warmup)
+                start = time.perf_counter()
+                self._steps(steps)
+                seconds = (time.perf_counter() - start) / steps
+        finally:
+            jax.monitoring.unregister_event_duration_listener(compiled)
+        if events:
+            raise RuntimeError(f"the step alone is not the loop's compiled step: {events}")
+        return seconds
+
+    def _steps(self, steps: int) -> None:
+        if not steps:
+            return
+        state = self.state
+        for _ in range(steps):
+            state, metrics = self.step(state, self.batch)
+        float(metrics["loss"])  # waits for the last step
+        self.state = state
