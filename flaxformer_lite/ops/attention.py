@@ -11,8 +11,11 @@ hold each of them equal to it:
   ``"chunked"``  memory-efficient online-softmax attention (:func:`chunked_attention`); O(T)
                  memory in the forward and backward pass.
   ``"cudnn"``    cuDNN flash attention through ``jax.nn.dot_product_attention`` (GPU only).
-  ``None``       the best one that supports the backend, shapes and features; the reason for
-                 the choice is logged (logger ``flaxformer_lite.ops.attention``, at trace time).
+  ``"pallas"``   jax's Pallas flash attention kernels on TPU and GPU (:mod:`.pallas_attention`);
+                 inputs they cannot run fall back on the automatic choice, the reason logged.
+  ``None``       the best one that supports the backend, shapes and features (on TPU
+                 "pallas"); the reason for the choice is logged (logger
+                 ``flaxformer_lite.ops.attention``, at trace time).
 
 Shapes (letters as in :mod:`flaxformer_lite.ops`): query ``[B, T, H, Dh]``, key ``[B, S, Hk, Dh]``,
 value ``[B, S, Hk, Dv]``, output ``[B, T, H, Dv]``. ``bias`` (additive, float) and ``mask`` (bool,
@@ -42,11 +45,16 @@ from flaxformer_lite.ops.attention_inputs import (
     validated_attention_inputs,
 )
 from flaxformer_lite.ops.chunked_attention import chunked_attention
-from flaxformer_lite.ops.masks import combine_masks
+from flaxformer_lite.ops.masks import combine_masks, segment_mask
+from flaxformer_lite.ops.pallas_attention import (
+    pallas_attention,
+    pallas_unsupported_reason,
+    target_platform,
+)
 
 logger = logging.getLogger(__name__)
 
-IMPLEMENTATIONS = ("xla", "chunked", "cudnn")
+IMPLEMENTATIONS = ("xla", "chunked", "cudnn", "pallas")
 
 
 def reference_attention(
@@ -113,6 +121,7 @@ def dot_product_attention(
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     implementation: str | None = None,
+    segment_ids: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """Multi-head scaled dot-product attention.
 
@@ -130,9 +139,12 @@ def dot_product_attention(
         before and ``right`` after its own position (positions aligned as for ``is_causal``).
       dropout_rate: dropout probability on the attention weights ("xla" and "chunked").
       dropout_rng: PRNG key, required when ``dropout_rate > 0``.
-      implementation: ``"xla"``, ``"chunked"``, ``"cudnn"`` or ``None`` (automatic). The
-        dropout keep-mask drawn from one ``dropout_rng`` differs between implementations.
-        "chunked" has a custom VJP (see the conventions in :mod:`flaxformer_lite.ops`).
+      implementation: ``"xla"``, ``"chunked"``, ``"cudnn"``, ``"pallas"`` or ``None``
+        (automatic). The dropout keep-mask drawn from one ``dropout_rng`` differs between
+        implementations. "chunked" has a custom VJP (see the conventions in
+        :mod:`flaxformer_lite.ops`).
+      segment_ids: optional int ``(q [B, T], kv [B, S])``, a mask by segment (packing): a query
+        sees only keys with its id. The Pallas TPU kernel takes them as they are.
 
     Returns:
       ``[B, T, H, Dv]`` in the query's dtype.
@@ -147,6 +159,22 @@ def dot_product_attention(
     geometry = dict(scale=scale, is_causal=is_causal, local_window=local_window)
     dropout = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng)
     features = dict(is_causal=is_causal, local_window=local_window, dropout_rate=dropout_rate)
+    mask = as_rank4("mask", mask, attention_logits_shape(query, key))
+    platform = target_platform()
+    if implementation in ("pallas", None):
+        reason = pallas_unsupported_reason(
+            query, key, value, bias, mask, **features, platform=platform, segment_ids=segment_ids
+        )
+        if not reason and (implementation or platform == "tpu"):
+            return pallas_attention(
+                query, key, value, mask, scale=default_scale(query, scale), is_causal=is_causal,
+                segment_ids=segment_ids, platform=platform,
+            )  # fmt: skip
+        if implementation or platform == "tpu":
+            _log_once(f"attention: Pallas kernel not used ({reason})")
+        implementation = None
+    if segment_ids is not None:
+        mask = combine_masks(mask, segment_mask(*segment_ids))
     if implementation is None:
         implementation = select_implementation(query, key, value, bias, mask, **features)
     if implementation == "xla":
@@ -408,6 +436,12 @@ def cudnn_unsupported_reason(
     if (bias is not None or mask is not None) and (query.shape[1] % 2 or key.shape[1] % 2):
         return f"a bias or mask needs even lengths, got T={query.shape[1]}, S={key.shape[1]}"
     return ""
+
+
+@functools.lru_cache(maxsize=64)
+def _log_once(message: str) -> None:
+    """Logs ``message`` at INFO the first time only: each layer traces the same choice."""
+    logger.info(message)
 
 
 def select_implementation(
