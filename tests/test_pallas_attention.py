@@ -183,3 +183,42 @@ def test_tpu_kernel_compiles_for_v5e_under_a_sharded_mesh():
         compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
     # The forward kernel and the two of the backward pass (dK/dV and dQ).
     assert compiled.as_text().count("tpu_custom_call") == 3
+
+
+# An H100 as XLA's GPU compiler sees it (its TargetConfig): enough to compile without a GPU.
+H100_TARGET_CONFIG = """
+gpu_device_info {
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132
+  fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535
+  block_dim_limit_z: 65535 memory_bandwidth: 3352320000000 l2_cache_size: 52428800
+  clock_rate_ghz: 1.98 device_memory_size: 84929347584 shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 } registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 8 }
+runtime_version { major: 12 minor: 8 }
+device_description_str: "NVIDIA H100 80GB HBM3"
+"""
+
+
+def test_cudnn_attention_compiles_for_an_h100_without_a_gpu():
+    pytest.importorskip("jax_plugins.xla_cuda12")  # jax-cuda12-plugin and -pjrt
+    pytest.importorskip("nvidia.cudnn")  # nvidia-cudnn-cu12: cuDNN builds its graph at compile
+    from jax.experimental import topologies
+
+    topology = topologies.get_topology_desc(
+        platform="cuda", target_config=H100_TARGET_CONFIG, topology="1x1x8"
+    )
+    mesh = topologies.make_mesh(topology, (8,), ("data",))
+    x = jax.ShapeDtypeStruct(
+        (8, 128, 4, 64), jnp.bfloat16, sharding=NamedSharding(mesh, PartitionSpec("data"))
+    )
+
+    def attention(q):
+        return jax.nn.dot_product_attention(q, q, q, is_causal=True, implementation="cudnn")
+
+    with jax.default_matmul_precision("default"):
+        compiled = jax.jit(attention).lower(x).compile()
+    assert "__cudnn$fmha" in compiled.as_text()

@@ -1,4 +1,4 @@
-"""Scaled dot-product attention, softmax(q kᵀ · scale + bias) v, with masks and three backends.
+"""Scaled dot-product attention, softmax(q kᵀ · scale + bias) v, with masks; its implementations.
 
 :func:`reference_attention` is the definition, written as the formula reads. The implementations
 of :func:`dot_product_attention` compute the same values faster or in less memory, and the tests
@@ -30,11 +30,15 @@ the query's dtype. A query row whose keys are all masked returns zeros, never Na
 from __future__ import annotations
 
 import functools
-import logging
 
 import jax
 import jax.numpy as jnp
 
+from flaxformer_lite.ops.attention_choice import (
+    cudnn_unsupported_reason,
+    log_once,
+    select_implementation,
+)
 from flaxformer_lite.ops.attention_inputs import (
     MASK_VALUE,
     as_rank4,
@@ -43,6 +47,7 @@ from flaxformer_lite.ops.attention_inputs import (
     dropout_keep,
     structural_mask,
     validated_attention_inputs,
+    validated_segment_ids,
 )
 from flaxformer_lite.ops.chunked_attention import chunked_attention
 from flaxformer_lite.ops.masks import combine_masks, segment_mask
@@ -51,8 +56,6 @@ from flaxformer_lite.ops.pallas_attention import (
     pallas_unsupported_reason,
     target_platform,
 )
-
-logger = logging.getLogger(__name__)
 
 IMPLEMENTATIONS = ("xla", "chunked", "cudnn", "pallas")
 
@@ -95,11 +98,6 @@ def reference_attention(
     )
     return out.astype(query.dtype)
 
-
-# From this many float32 logits per call (B·H·T·S, 128 MiB of them) the automatic choice on
-# CPU/TPU is "chunked": its memory stays O(T) for a little more time, where the O(T·S) buffers
-# of "xla" would grow past hundreds of MiB.
-CHUNKED_MIN_LOGITS = 8 * 2048 * 2048
 
 # With a causal or windowed mask, "xla" splits more queries than this into blocks of this many
 # rows, each against only the keys its rows can see, and so skips most hidden logits. Longer
@@ -160,23 +158,24 @@ def dot_product_attention(
     dropout = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng)
     features = dict(is_causal=is_causal, local_window=local_window, dropout_rate=dropout_rate)
     mask = as_rank4("mask", mask, attention_logits_shape(query, key))
-    platform = target_platform()
-    if implementation in ("pallas", None):
+    segment_ids = validated_segment_ids(segment_ids, query, key)
+    choice = dict(**features, segment_ids=segment_ids)
+    if implementation is None:
+        implementation = select_implementation(query, key, value, bias, mask, **choice)
+    elif implementation == "pallas":
         reason = pallas_unsupported_reason(
-            query, key, value, bias, mask, **features, platform=platform, segment_ids=segment_ids
+            query, key, value, bias, mask, **choice, platform=target_platform()
         )
-        if not reason and (implementation or platform == "tpu"):
-            return pallas_attention(
-                query, key, value, mask, scale=default_scale(query, scale), is_causal=is_causal,
-                segment_ids=segment_ids, platform=platform,
-            )  # fmt: skip
-        if implementation or platform == "tpu":
-            _log_once(f"attention: Pallas kernel not used ({reason})")
-        implementation = None
+        if reason:
+            log_once(f'attention: implementation="pallas" falls back ({reason})')
+            implementation = select_implementation(query, key, value, bias, mask, **choice)
+    if implementation == "pallas":
+        return pallas_attention(
+            query, key, value, mask, scale=default_scale(query, scale), is_causal=is_causal,
+            segment_ids=segment_ids, platform=target_platform(),
+        )  # fmt: skip
     if segment_ids is not None:
         mask = combine_masks(mask, segment_mask(*segment_ids))
-    if implementation is None:
-        implementation = select_implementation(query, key, value, bias, mask, **features)
     if implementation == "xla":
         return xla_attention(query, key, value, bias, mask, **geometry, **dropout)
     if implementation == "chunked":
@@ -408,57 +407,3 @@ def jax_nn_attention(
         row_has_key = jnp.any(_full_mask(query, key, mask, is_causal, local_window), axis=-1)
         out = jnp.where(jnp.moveaxis(row_has_key, 1, 2)[..., None], out, 0)
     return out
-
-
-def cudnn_unsupported_reason(
-    query, key, value, bias, mask, *, is_causal, local_window, dropout_rate, backend=None
-) -> str:
-    """Why cuDNN flash attention cannot run these inputs, or ``""`` if it can.
-
-    ``backend`` defaults to ``jax.default_backend()``; tests pass ``"gpu"`` to check the rules.
-    """
-    backend = jax.default_backend() if backend is None else backend
-    head_dim, value_dim = query.shape[-1], value.shape[-1]
-    if backend != "gpu":
-        return f"needs a GPU, the backend is {backend!r}"
-    if query.dtype not in (jnp.bfloat16, jnp.float16):
-        return f"needs bfloat16 or float16 inputs, got {query.dtype}"
-    if not query.dtype == key.dtype == value.dtype:
-        return f"needs equal dtypes, got {query.dtype}, {key.dtype}, {value.dtype}"
-    if head_dim != value_dim or head_dim > 128 or head_dim % 8:
-        return f"needs equal head dims <= 128 divisible by 8, got {head_dim}, {value_dim}"
-    if dropout_rate > 0.0:
-        return "attention dropout is not supported"
-    if (is_causal or local_window is not None) and query.shape[1] != key.shape[1]:
-        return "causal or windowed masks with T != S align differently in cuDNN"
-    if local_window is not None and local_window[1] != 0 and not is_causal:
-        return f"a right window needs is_causal, got local_window={local_window}"
-    if (bias is not None or mask is not None) and (query.shape[1] % 2 or key.shape[1] % 2):
-        return f"a bias or mask needs even lengths, got T={query.shape[1]}, S={key.shape[1]}"
-    return ""
-
-
-@functools.lru_cache(maxsize=64)
-def _log_once(message: str) -> None:
-    """Logs ``message`` at INFO the first time only: each layer traces the same choice."""
-    logger.info(message)
-
-
-def select_implementation(
-    query, key, value, bias=None, mask=None, *, is_causal, local_window, dropout_rate
-) -> str:
-    """The automatic choice: cuDNN where it runs, else "chunked" for large logits, else "xla"."""
-    features = dict(is_causal=is_causal, local_window=local_window, dropout_rate=dropout_rate)
-    reason = cudnn_unsupported_reason(query, key, value, bias, mask, **features)
-    if not reason:
-        logger.debug("attention: cudnn")
-        return "cudnn"
-    if jax.default_backend() == "gpu":
-        logger.info("attention: cuDNN not used (%s)", reason)
-    b, t, h, _ = query.shape
-    num_logits = b * h * t * key.shape[1]
-    if num_logits >= CHUNKED_MIN_LOGITS:
-        logger.debug("attention: chunked (%d logits >= %d)", num_logits, CHUNKED_MIN_LOGITS)
-        return "chunked"
-    logger.debug("attention: xla (%d logits < %d)", num_logits, CHUNKED_MIN_LOGITS)
-    return "xla"

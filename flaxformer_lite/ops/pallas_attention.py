@@ -245,17 +245,18 @@ def _zero_rows_without_keys(out, ids, is_causal):
 
 
 def target_platform() -> str:
-    """The platform the attention compiles for: "tpu" under Pallas' TPU interpret mode (tests
-    on CPU), else that of the active mesh (a compile-only TPU topology on a CPU host), else the
-    default backend."""
+    """The platform the attention compiles for, "cpu", "gpu" or "tpu": "tpu" under Pallas' TPU
+    interpret mode (tests on CPU), else that of the active mesh (a compile-only topology on a
+    CPU host), else the default backend."""
     # jax exposes the interpret mode's switch only as a config state; absent, it is off.
     interpret_mode = getattr(jax_config, "pallas_tpu_interpret_mode_context_manager", None)
     if interpret_mode is not None and interpret_mode.value is not None:
         return "tpu"
     mesh = jax.sharding.get_abstract_mesh()
+    platform = jax.default_backend()
     if not mesh.empty and mesh.abstract_device is not None:
-        return mesh.abstract_device.platform
-    return jax.default_backend()
+        platform = mesh.abstract_device.platform
+    return "gpu" if platform in ("cuda", "rocm") else platform
 
 
 def pallas_attention(query, key, value, mask, *, scale, is_causal, segment_ids, platform):
