@@ -244,12 +244,7 @@ def xla_attention(
         weights, normalizer = _unnormalized_softmax(q, key, bias, mask, scale)
         if keep is not None:
             weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
-        out = jnp.einsum(
-            "bhts,bhsd->bhtd",
-            weights.astype(value.dtype),
-            value.swapaxes(1, 2),
-            preferred_element_type=jnp.float32,
-        )
+        out = _float32_product("bhts,bhsd->bhtd", weights.astype(value.dtype), value.swapaxes(1, 2))
         return (out / normalizer).swapaxes(1, 2)
 
     outs = []
@@ -317,18 +312,33 @@ def _logits(query, key, bias, mask, scale):
     """
     # Heads moved ahead of positions, so that every (b, h) product is a GEMM on contiguous
     # operands rather than on strided ones.
-    logits = jnp.einsum(
-        "bhtd,bhsd->bhts",
-        query.swapaxes(1, 2),
-        key.swapaxes(1, 2),
-        preferred_element_type=jnp.float32,
-    )
+    logits = _float32_product("bhtd,bhsd->bhts", query.swapaxes(1, 2), key.swapaxes(1, 2))
     logits = logits * scale
     if bias is not None:
         logits = logits + bias.astype(jnp.float32)
     if mask is not None:
         logits = jnp.where(mask, logits, MASK_VALUE)
     return logits
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _float32_product(spec, a, b):
+    """``jnp.einsum(spec, a, b)`` accumulated and returned in float32.
+
+    Its derivatives' products run in the operands' dtype, as in "chunked" and the flash
+    attention kernels: the float32 cotangent is rounded to bf16 for bf16 operands, so that the
+    backward matmuls are bf16 too rather than float32 x bf16. Float32 operands are unchanged.
+    """
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+@_float32_product.defjvp
+def _float32_product_jvp(spec, primals, tangents):
+    (a, b), (da, db) = primals, tangents
+    tangent = jnp.einsum(spec, da, b).astype(jnp.float32) + jnp.einsum(spec, a, db).astype(
+        jnp.float32
+    )
+    return _float32_product(spec, a, b), tangent
 
 
 def _softmax(query, key, bias, mask, scale):
