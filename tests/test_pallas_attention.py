@@ -208,9 +208,12 @@ def test_cudnn_attention_compiles_for_an_h100_without_a_gpu():
     pytest.importorskip("nvidia.cudnn")  # nvidia-cudnn-cu12: cuDNN builds its graph at compile
     from jax.experimental import topologies
 
-    topology = topologies.get_topology_desc(
-        platform="cuda", target_config=H100_TARGET_CONFIG, topology="1x1x8"
-    )
+    try:
+        topology = topologies.get_topology_desc(
+            platform="cuda", target_config=H100_TARGET_CONFIG, topology="1x1x8"
+        )
+    except NotImplementedError as error:  # the plugin failed to start for want of a GPU
+        pytest.skip(f"{error}: on a machine without a GPU, run with JAX_PLATFORMS=cpu")
     mesh = topologies.make_mesh(topology, (8,), ("data",))
     x = jax.ShapeDtypeStruct(
         (8, 128, 4, 64), jnp.bfloat16, sharding=NamedSharding(mesh, PartitionSpec("data"))
