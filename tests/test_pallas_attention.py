@@ -18,7 +18,7 @@ from attention_cases import ATOL, assert_close_to_scale, make_qkv
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import NamedSharding, PartitionSpec
 
-from flaxformer_lite import ops
+from flaxformer_lite import ops, parallel
 from flaxformer_lite.ops import pallas_attention
 
 T = 9  # not a multiple of the kernels' block: padded keys must stay hidden
@@ -144,6 +144,23 @@ def test_mesh_axes_split_batch_and_heads_where_they_divide():
     mesh = jax.sharding.AbstractMesh((2, 2, 2), ("data", "fsdp", "tensor"))
     assert pallas_attention.kernel_mesh_axes(mesh, 8, 4) == (("data", "fsdp"), ("tensor",))
     assert pallas_attention.kernel_mesh_axes(mesh, 2, 3) == (("data",), ())
+
+
+@pytest.mark.parametrize("length", [T, 128])  # padded with kernel ids; a whole block, none
+def test_tpu_kernel_under_a_mesh_runs_in_shard_map_and_equals_reference(length):
+    mesh = parallel.make_mesh(data=2, fsdp=1, tensor=2, devices=jax.devices()[:4])
+    q, k, v = make_qkv(7, tq=length, tk=length, hq=2, hk=1, d=8)
+    key_valid = np.arange(length)[None] >= np.array([[0], [3]])  # row 1: left padding
+
+    @jax.jit
+    def attend(q, k, v):
+        return tpu_pallas(q, k, v, key_valid=key_valid, is_causal=True)
+
+    with jax.set_mesh(mesh), pltpu.force_tpu_interpret_mode():
+        assert "shard_map" in str(jax.make_jaxpr(attend)(q, k, v))
+        out = attend(q, k, v)
+    expected = reference(q, k, v, key_valid=key_valid, is_causal=True)
+    np.testing.assert_allclose(out, expected, atol=ATOL, rtol=0)
 
 
 def test_tpu_kernel_compiles_for_v5e_under_a_sharded_mesh():
