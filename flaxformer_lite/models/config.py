@@ -18,7 +18,7 @@ NORM_POSITIONS = ("pre", "post")
 POSITIONS = ("sinusoidal", "learned", "rope", "relative", "alibi", "none")
 POOLINGS = ("first", "mean")
 DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_IMPLEMENTATIONS = (None, "xla", "chunked", "cudnn")
+ATTENTION_IMPLEMENTATIONS = (None, "xla", "chunked", "cudnn", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)

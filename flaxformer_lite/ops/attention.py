@@ -1,4 +1,4 @@
-"""Scaled dot-product attention, softmax(q kᵀ · scale + bias) v, with masks and three backends.
+"""Scaled dot-product attention, softmax(q kᵀ · scale + bias) v, with masks; its implementations.
 
 :func:`reference_attention` is the definition, written as the formula reads. The implementations
 of :func:`dot_product_attention` compute the same values faster or in less memory, and the tests
@@ -11,8 +11,11 @@ hold each of them equal to it:
   ``"chunked"``  memory-efficient online-softmax attention (:func:`chunked_attention`); O(T)
                  memory in the forward and backward pass.
   ``"cudnn"``    cuDNN flash attention through ``jax.nn.dot_product_attention`` (GPU only).
-  ``None``       the best one that supports the backend, shapes and features; the reason for
-                 the choice is logged (logger ``flaxformer_lite.ops.attention``, at trace time).
+  ``"pallas"``   jax's Pallas flash attention kernels on TPU and GPU (:mod:`.pallas_attention`);
+                 inputs they cannot run fall back on the automatic choice, the reason logged.
+  ``None``       the best one that supports the backend, shapes and features (on TPU
+                 "pallas"); the reason for the choice is logged (logger
+                 ``flaxformer_lite.ops.attention``, at trace time).
 
 Shapes (letters as in :mod:`flaxformer_lite.ops`): query ``[B, T, H, Dh]``, key ``[B, S, Hk, Dh]``,
 value ``[B, S, Hk, Dv]``, output ``[B, T, H, Dv]``. ``bias`` (additive, float) and ``mask`` (bool,
@@ -27,11 +30,15 @@ the query's dtype. A query row whose keys are all masked returns zeros, never Na
 from __future__ import annotations
 
 import functools
-import logging
 
 import jax
 import jax.numpy as jnp
 
+from flaxformer_lite.ops.attention_choice import (
+    cudnn_unsupported_reason,
+    log_once,
+    select_implementation,
+)
 from flaxformer_lite.ops.attention_inputs import (
     MASK_VALUE,
     as_rank4,
@@ -40,13 +47,17 @@ from flaxformer_lite.ops.attention_inputs import (
     dropout_keep,
     structural_mask,
     validated_attention_inputs,
+    validated_segment_ids,
 )
 from flaxformer_lite.ops.chunked_attention import chunked_attention
-from flaxformer_lite.ops.masks import combine_masks
+from flaxformer_lite.ops.masks import combine_masks, segment_mask
+from flaxformer_lite.ops.pallas_attention import (
+    pallas_attention,
+    pallas_unsupported_reason,
+    target_platform,
+)
 
-logger = logging.getLogger(__name__)
-
-IMPLEMENTATIONS = ("xla", "chunked", "cudnn")
+IMPLEMENTATIONS = ("xla", "chunked", "cudnn", "pallas")
 
 
 def reference_attention(
@@ -88,11 +99,6 @@ def reference_attention(
     return out.astype(query.dtype)
 
 
-# From this many float32 logits per call (B·H·T·S, 128 MiB of them) the automatic choice on
-# CPU/TPU is "chunked": its memory stays O(T) for a little more time, where the O(T·S) buffers
-# of "xla" would grow past hundreds of MiB.
-CHUNKED_MIN_LOGITS = 8 * 2048 * 2048
-
 # With a causal or windowed mask, "xla" splits more queries than this into blocks of this many
 # rows, each against only the keys its rows can see, and so skips most hidden logits. Longer
 # queries use larger blocks, at most MAX_QUERY_BLOCKS, as each block is its own pair of matmuls.
@@ -113,6 +119,7 @@ def dot_product_attention(
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     implementation: str | None = None,
+    segment_ids: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """Multi-head scaled dot-product attention.
 
@@ -130,9 +137,12 @@ def dot_product_attention(
         before and ``right`` after its own position (positions aligned as for ``is_causal``).
       dropout_rate: dropout probability on the attention weights ("xla" and "chunked").
       dropout_rng: PRNG key, required when ``dropout_rate > 0``.
-      implementation: ``"xla"``, ``"chunked"``, ``"cudnn"`` or ``None`` (automatic). The
-        dropout keep-mask drawn from one ``dropout_rng`` differs between implementations.
-        "chunked" has a custom VJP (see the conventions in :mod:`flaxformer_lite.ops`).
+      implementation: ``"xla"``, ``"chunked"``, ``"cudnn"``, ``"pallas"`` or ``None``
+        (automatic). The dropout keep-mask drawn from one ``dropout_rng`` differs between
+        implementations. "chunked" has a custom VJP (see the conventions in
+        :mod:`flaxformer_lite.ops`).
+      segment_ids: optional int ``(q [B, T], kv [B, S])``, a mask by segment (packing): a query
+        sees only keys with its id. The Pallas TPU kernel takes them as they are.
 
     Returns:
       ``[B, T, H, Dv]`` in the query's dtype.
@@ -147,8 +157,25 @@ def dot_product_attention(
     geometry = dict(scale=scale, is_causal=is_causal, local_window=local_window)
     dropout = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng)
     features = dict(is_causal=is_causal, local_window=local_window, dropout_rate=dropout_rate)
+    mask = as_rank4("mask", mask, attention_logits_shape(query, key))
+    segment_ids = validated_segment_ids(segment_ids, query, key)
+    choice = dict(**features, segment_ids=segment_ids)
     if implementation is None:
-        implementation = select_implementation(query, key, value, bias, mask, **features)
+        implementation = select_implementation(query, key, value, bias, mask, **choice)
+    elif implementation == "pallas":
+        reason = pallas_unsupported_reason(
+            query, key, value, bias, mask, **choice, platform=target_platform()
+        )
+        if reason:
+            log_once(f'attention: implementation="pallas" falls back ({reason})')
+            implementation = select_implementation(query, key, value, bias, mask, **choice)
+    if implementation == "pallas":
+        return pallas_attention(
+            query, key, value, mask, scale=default_scale(query, scale), is_causal=is_causal,
+            segment_ids=segment_ids, platform=target_platform(),
+        )  # fmt: skip
+    if segment_ids is not None:
+        mask = combine_masks(mask, segment_mask(*segment_ids))
     if implementation == "xla":
         return xla_attention(query, key, value, bias, mask, **geometry, **dropout)
     if implementation == "chunked":
@@ -217,12 +244,7 @@ def xla_attention(
         weights, normalizer = _unnormalized_softmax(q, key, bias, mask, scale)
         if keep is not None:
             weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
-        out = jnp.einsum(
-            "bhts,bhsd->bhtd",
-            weights.astype(value.dtype),
-            value.swapaxes(1, 2),
-            preferred_element_type=jnp.float32,
-        )
+        out = _float32_product("bhts,bhsd->bhtd", weights.astype(value.dtype), value.swapaxes(1, 2))
         return (out / normalizer).swapaxes(1, 2)
 
     outs = []
@@ -290,18 +312,33 @@ def _logits(query, key, bias, mask, scale):
     """
     # Heads moved ahead of positions, so that every (b, h) product is a GEMM on contiguous
     # operands rather than on strided ones.
-    logits = jnp.einsum(
-        "bhtd,bhsd->bhts",
-        query.swapaxes(1, 2),
-        key.swapaxes(1, 2),
-        preferred_element_type=jnp.float32,
-    )
+    logits = _float32_product("bhtd,bhsd->bhts", query.swapaxes(1, 2), key.swapaxes(1, 2))
     logits = logits * scale
     if bias is not None:
         logits = logits + bias.astype(jnp.float32)
     if mask is not None:
         logits = jnp.where(mask, logits, MASK_VALUE)
     return logits
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _float32_product(spec, a, b):
+    """``jnp.einsum(spec, a, b)`` accumulated and returned in float32.
+
+    Its derivatives' products run in the operands' dtype, as in "chunked" and the flash
+    attention kernels: the float32 cotangent is rounded to bf16 for bf16 operands, so that the
+    backward matmuls are bf16 too rather than float32 x bf16. Float32 operands are unchanged.
+    """
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+@_float32_product.defjvp
+def _float32_product_jvp(spec, primals, tangents):
+    (a, b), (da, db) = primals, tangents
+    tangent = jnp.einsum(spec, da, b).astype(jnp.float32) + jnp.einsum(spec, a, db).astype(
+        jnp.float32
+    )
+    return _float32_product(spec, a, b), tangent
 
 
 def _softmax(query, key, bias, mask, scale):
@@ -380,51 +417,3 @@ def jax_nn_attention(
         row_has_key = jnp.any(_full_mask(query, key, mask, is_causal, local_window), axis=-1)
         out = jnp.where(jnp.moveaxis(row_has_key, 1, 2)[..., None], out, 0)
     return out
-
-
-def cudnn_unsupported_reason(
-    query, key, value, bias, mask, *, is_causal, local_window, dropout_rate, backend=None
-) -> str:
-    """Why cuDNN flash attention cannot run these inputs, or ``""`` if it can.
-
-    ``backend`` defaults to ``jax.default_backend()``; tests pass ``"gpu"`` to check the rules.
-    """
-    backend = jax.default_backend() if backend is None else backend
-    head_dim, value_dim = query.shape[-1], value.shape[-1]
-    if backend != "gpu":
-        return f"needs a GPU, the backend is {backend!r}"
-    if query.dtype not in (jnp.bfloat16, jnp.float16):
-        return f"needs bfloat16 or float16 inputs, got {query.dtype}"
-    if not query.dtype == key.dtype == value.dtype:
-        return f"needs equal dtypes, got {query.dtype}, {key.dtype}, {value.dtype}"
-    if head_dim != value_dim or head_dim > 128 or head_dim % 8:
-        return f"needs equal head dims <= 128 divisible by 8, got {head_dim}, {value_dim}"
-    if dropout_rate > 0.0:
-        return "attention dropout is not supported"
-    if (is_causal or local_window is not None) and query.shape[1] != key.shape[1]:
-        return "causal or windowed masks with T != S align differently in cuDNN"
-    if local_window is not None and local_window[1] != 0 and not is_causal:
-        return f"a right window needs is_causal, got local_window={local_window}"
-    if (bias is not None or mask is not None) and (query.shape[1] % 2 or key.shape[1] % 2):
-        return f"a bias or mask needs even lengths, got T={query.shape[1]}, S={key.shape[1]}"
-    return ""
-
-
-def select_implementation(
-    query, key, value, bias=None, mask=None, *, is_causal, local_window, dropout_rate
-) -> str:
-    """The automatic choice: cuDNN where it runs, else "chunked" for large logits, else "xla"."""
-    features = dict(is_causal=is_causal, local_window=local_window, dropout_rate=dropout_rate)
-    reason = cudnn_unsupported_reason(query, key, value, bias, mask, **features)
-    if not reason:
-        logger.debug("attention: cudnn")
-        return "cudnn"
-    if jax.default_backend() == "gpu":
-        logger.info("attention: cuDNN not used (%s)", reason)
-    b, t, h, _ = query.shape
-    num_logits = b * h * t * key.shape[1]
-    if num_logits >= CHUNKED_MIN_LOGITS:
-        logger.debug("attention: chunked (%d logits >= %d)", num_logits, CHUNKED_MIN_LOGITS)
-        return "chunked"
-    logger.debug("attention: xla (%d logits < %d)", num_logits, CHUNKED_MIN_LOGITS)
-    return "xla"

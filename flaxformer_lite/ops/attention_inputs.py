@@ -74,6 +74,29 @@ def validated_attention_inputs(
     return query, key, value, bias, mask
 
 
+def validated_segment_ids(segment_ids, query, key):
+    """``(q [B, T], kv [B, S])`` int arrays of ``segment_ids`` (or ``None``), checked against the
+    query ``[B, T, H, Dh]`` and key ``[B, S, Hk, Dh]``.
+
+    Raises:
+      ValueError: not a pair of integer arrays of those shapes.
+    """
+    if segment_ids is None:
+        return None
+    if not isinstance(segment_ids, tuple | list) or len(segment_ids) != 2:
+        raise ValueError("segment_ids must be a pair (query ids [B, T], key ids [B, S])")
+    ids = tuple(jnp.asarray(x) for x in segment_ids)
+    wanted = (query.shape[:2], key.shape[:2])
+    if tuple(x.shape for x in ids) != wanted or not all(
+        jnp.issubdtype(x.dtype, jnp.integer) for x in ids
+    ):
+        raise ValueError(
+            f"segment_ids must be int arrays of shapes {wanted[0]} and {wanted[1]} [B, T], "
+            f"[B, S], got {[f'{x.dtype}{list(x.shape)}' for x in ids]}"
+        )
+    return ids
+
+
 def check_dropout(rate, rng):
     """``rate`` must be a static Python number in [0, 1); ``rng`` one PRNG key when rate > 0."""
     if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0.0 <= rate < 1.0:
