@@ -35,7 +35,7 @@ from flaxformer_lite.train.config import (
 )
 from flaxformer_lite.train.decode_eval import decodable, decode_eval
 from flaxformer_lite.train.metrics import MetricsWriter, peak_flops, plot_run
-from flaxformer_lite.train.optim import make_optimizer
+from flaxformer_lite.train.optim import make_optimizer, warmup_notice
 from flaxformer_lite.train.restore import (
     from_savable,
     load_hf_weights,
@@ -143,6 +143,8 @@ def run(
 
 def _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log):
     run_dir, rules = pathlib.Path(cfg.run_dir), cfg.mesh.rules
+    if notice := warmup_notice(cfg.optimizer, cfg.train.steps):
+        log(notice)
     tx, schedule = make_optimizer(
         cfg.optimizer, total_steps=cfg.train.steps, d_model=cfg.model.d_model
     )
