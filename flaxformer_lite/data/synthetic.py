@@ -247,17 +247,25 @@ class ArithmeticTask(_LMTask):
     """Multi-digit addition (and subtraction), ``{"text": "123+45=168"}``.
 
     Each operand has a uniform number of digits in ``[1, max_digits]``. Subtraction puts the
-    larger operand first, so answers are never negative.
+    larger operand first, so answers are never negative. Two options make the task one a small
+    decoder learns in minutes, as in minGPT's adder: ``fixed_width`` writes the operands with
+    ``max_digits`` digits and the answer with ``max_digits + 1`` (leading zeros:
+    ``"123+045=0168"``), so that digits of one place sit at the same positions in every example;
+    ``reverse_answer`` writes the answer's digits least significant first (``"123+45=861"``),
+    the order in which carries are computed.
     """
 
     name: ClassVar[str] = "arithmetic"
     max_digits: int = 3
     subtraction: bool = True
+    fixed_width: bool = False
+    reverse_answer: bool = False
 
     def _check_options(self) -> None:
         _check_int("max_digits", self.max_digits, 1, 18)  # numpy draws int64
-        if not isinstance(self.subtraction, bool):
-            raise ValueError(f"subtraction must be a bool, got {self.subtraction!r}")
+        for name in ("subtraction", "fixed_width", "reverse_answer"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
     def _draw(self, rng, count):
         a, b = (_sample_numbers(rng, count, 10**self.max_digits - 1) for _ in range(2))
@@ -265,8 +273,29 @@ class ArithmeticTask(_LMTask):
         a, b = np.where(minus, np.maximum(a, b), a), np.where(minus, np.minimum(a, b), b)
         sign = np.where(minus, ord("-"), ord("+")).astype(np.uint8)[:, None]
         answer = np.where(minus, a - b, a + b)
-        parts = [decimal(a), (sign, np.ones(count, np.int64)), decimal(b)]
-        return _lm_drawn([*parts, literal(ANSWER_SEP, count), decimal(answer)], 4)
+        if self.fixed_width:
+            a, b = _padded(a, self.max_digits), _padded(b, self.max_digits)
+            answer = _padded(answer, self.max_digits + 1)
+        else:
+            a, b, answer = decimal(a), decimal(b), decimal(answer)
+        if self.reverse_answer:
+            answer = _reversed(answer)
+        parts = [a, (sign, np.ones(count, np.int64)), b]
+        return _lm_drawn([*parts, literal(ANSWER_SEP, count), answer], 4)
+
+
+def _padded(numbers: np.ndarray, width: int) -> Part:
+    """Non-negative ``numbers`` in decimal with ``width`` digits (leading zeros)."""
+    exponent = width - 1 - np.arange(width)
+    values = numbers[:, None] // 10 ** exponent.astype(np.int64) % 10 + ord("0")
+    return values.astype(np.uint8), np.full(len(numbers), width, np.int64)
+
+
+def _reversed(part: Part) -> Part:
+    """Each text of ``part`` backwards."""
+    values, lengths = part
+    backwards = np.clip(lengths[:, None] - 1 - np.arange(values.shape[1]), 0, None)
+    return np.take_along_axis(values, backwards, axis=1), lengths
 
 
 _LETTERS = np.frombuffer(string.ascii_lowercase.encode(), np.uint8)
@@ -285,9 +314,7 @@ class ReverseTask(_LMTask):
     def _draw(self, rng, count):
         lengths = rng.integers(1, self.max_length + 1, count)
         word = _LETTERS[rng.integers(0, len(_LETTERS), (count, self.max_length))]
-        backwards = np.clip(lengths[:, None] - 1 - np.arange(self.max_length), 0, None)
-        reversed_word = np.take_along_axis(word, backwards, axis=1)
-        parts = [(word, lengths), literal(ANSWER_SEP, count), (reversed_word, lengths)]
+        parts = [(word, lengths), literal(ANSWER_SEP, count), _reversed((word, lengths))]
         return _lm_drawn(parts, 2)
 
 
