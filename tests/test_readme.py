@@ -156,6 +156,8 @@ def test_documented_command_is_valid(name, command, tmp_path, monkeypatch):
             args = _parse(prepare_parser().parse_intermixed_args, rest, command)
             monkeypatch.chdir(tmp_path)
             assert load_config(None, args.overrides).data.source in ("text", "jsonl", "parallel")
+        elif subcommand == "config":
+            _check_training_command(rest, command, tmp_path, monkeypatch)
         elif subcommand == "plot":
             assert len(rest) == 1 and not rest[0].startswith("-"), command  # plot RUN_DIR
         else:
