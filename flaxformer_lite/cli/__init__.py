@@ -1,12 +1,13 @@
 """The user commands: ``python train.py``, ``python sample.py``, ``python -m
-flaxformer_lite.train`` and ``flaxformer-lite train|config|prepare|plot|generate|attention``, one
-module each.
+flaxformer_lite.train`` and ``flaxformer-lite
+train|config|prepare|plot|compare|generate|attention``, one module each.
 
     python train.py                                   # the embedded default
     python train.py --config configs/gpt2_small.yaml train.steps=200 optimizer.lr=3e-4
     flaxformer-lite config train.steps=200            # every setting, as YAML
     flaxformer-lite prepare --out stores/lines data.source=text data.path=lines.txt
     flaxformer-lite plot runs/default
+    flaxformer-lite compare runs/a runs/b --metric loss eval_exact_match
     flaxformer-lite generate --run-dir runs/default --prompt "12+34="
     flaxformer-lite attention --run-dir runs/default --text "12+34=" --out maps
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import sys
 
 from flaxformer_lite.cli.attention import attention_main
+from flaxformer_lite.cli.compare import compare_main
 from flaxformer_lite.cli.config import config_main
 from flaxformer_lite.cli.flags import CommandParser
 from flaxformer_lite.cli.generate import generate_main
@@ -32,6 +34,7 @@ COMMANDS = {
     "config": (config_main, "print the resolved config as YAML, every key explained"),
     "prepare": (prepare_main, "tokenize a text, jsonl or parallel source once into a store"),
     "plot": (plot_main, "draw a run's loss, learning-rate and eval curves as PNGs"),
+    "compare": (compare_main, "put runs side by side: curves, final metrics, config diff"),
     "generate": (generate_main, "continue or translate prompts with a run (as sample.py)"),
     "attention": (attention_main, "plot a run's attention weights on a text"),
 }
