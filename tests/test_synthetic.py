@@ -110,7 +110,8 @@ def test_records_hold_the_documented_keys():
 
 
 def test_arithmetic_answers_are_correct():
-    task = syn.make_task("arithmetic", max_digits=5, size=3000)
+    plain = dict(fixed_width=False, reverse_answer=False)
+    task = syn.make_task("arithmetic", max_digits=5, size=3000, **plain)
     ops, lengths = collections.Counter(), collections.Counter()
     for i in range(len(task)):
         a, op, b, answer = re.fullmatch(r"(\d+)([+-])(\d+)=(\d+)", task[i]["text"]).groups()
@@ -127,13 +128,22 @@ def test_arithmetic_answers_are_correct():
     assert all("-" not in no_sub[i]["text"] for i in range(300))
 
 
+def test_arithmetic_writes_zero_padded_reversed_answers_by_default():
+    task = syn.make_task("arithmetic", size=3000)
+    texts = [task[i]["text"] for i in range(len(task))]
+    assert all(re.fullmatch(r"\d{3}[+-]\d{3}=\d{4}", text) for text in texts)
+    prompt, answer = syn.split_prompt(texts[0])
+    a, op, b = int(prompt[:3]), prompt[3], int(prompt[4:7])
+    assert int(answer[::-1]) == (a + b if op == "+" else a - b)
+
+
 @pytest.mark.parametrize(
     ("fixed_width", "reverse_answer"), [(True, True), (True, False), (False, True)]
 )
 def test_arithmetic_fixed_width_and_reversed_answers_are_correct(fixed_width, reverse_answer):
     options = dict(max_digits=3, fixed_width=fixed_width, reverse_answer=reverse_answer)
     task = syn.make_task("arithmetic", size=2000, **options)
-    plain = syn.make_task("arithmetic", size=2000, max_digits=3)
+    plain = syn.make_task("arithmetic", size=2000, max_digits=3, fixed_width=False)
     for i in range(len(task)):
         a, op, b, answer = re.fullmatch(r"(\d+)([+-])(\d+)=(\d+)", task[i]["text"]).groups()
         written = answer[::-1] if reverse_answer else answer

@@ -8,8 +8,8 @@ train|config|prepare|plot|compare|generate|attention``, one module each.
     flaxformer-lite prepare --out stores/lines data.source=text data.path=lines.txt
     flaxformer-lite plot runs/default
     flaxformer-lite compare runs/a runs/b --metric loss eval_exact_match
-    flaxformer-lite generate --run-dir runs/default --prompt "12+34="
-    flaxformer-lite attention --run-dir runs/default --text "12+34=" --out maps
+    flaxformer-lite generate --run-dir runs/default --prompt "012+034="
+    flaxformer-lite attention --run-dir runs/default --text "012+034=" --out maps
 
 Errors the user can fix (config, data, files) print one line and exit with status 2; a run
 stopped by a non-finite step exits 1; SIGTERM/SIGINT save a checkpoint and exit 128 + signal.
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         examples=(
             "flaxformer-lite train train.steps=200",
             "flaxformer-lite config --config configs/gpt2_small.yaml",
-            'flaxformer-lite generate --run-dir runs/default --prompt "12+34="',
+            'flaxformer-lite generate --run-dir runs/default --prompt "012+034="',
         ),
     )
     parser.epilog = f"commands:\n{listing}\n\n{parser.epilog}"

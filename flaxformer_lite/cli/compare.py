@@ -14,6 +14,12 @@ from flaxformer_lite.cli.flags import CommandParser
 
 def compare_main(argv: list[str] | None = None) -> int:
     """Writes the figure, prints the two tables; a directory that is not a run exits 2."""
+    args = compare_parser().parse_intermixed_args(argv)
+    return guarded(lambda: _compare(args))
+
+
+def compare_parser() -> CommandParser:
+    """The ``compare`` command's arguments."""
     parser = CommandParser(
         prog="flaxformer-lite compare",
         description="Put several runs side by side, as after an ablation: their curves of "
@@ -38,8 +44,7 @@ def compare_main(argv: list[str] | None = None) -> int:
         default=pathlib.Path("compare.png"),
         help="the figure (default: compare.png)",
     )
-    args = parser.parse_intermixed_args(argv)
-    return guarded(lambda: _compare(args))
+    return parser
 
 
 def _compare(args) -> int:

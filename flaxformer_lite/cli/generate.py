@@ -2,8 +2,8 @@
 translate inputs (encoder-decoders) with a trained run's newest checkpoint and tokenizer, or with
 a Hugging Face checkpoint directory and its own tokenizer.
 
-    flaxformer-lite generate --run-dir runs/default --prompt "12+34="
-    python sample.py --run-dir runs/default --prompt "7-2=" --temperature 0.8 --num-samples 3
+    flaxformer-lite generate --run-dir runs/default --prompt "012+034="
+    python sample.py --run-dir runs/default --prompt "007-002=" --temperature 0.8 --num-samples 3
     flaxformer-lite generate --run-dir runs/translate --prompt "forty-two" --beam-size 4 --n-best 2
     flaxformer-lite generate --hf-dir path/to/gpt2 --prompt "Hello, my name is"
 
@@ -42,8 +42,8 @@ def parser(prog: str = "flaxformer-lite generate") -> argparse.ArgumentParser:
         "a trained run's newest checkpoint or a Hugging Face checkpoint directory; greedy by "
         "default, sampled with --temperature.",
         examples=(
-            f'{prog} --run-dir runs/default --prompt "12+34=" --prompt "7-2="',
-            f'{prog} --run-dir runs/default --prompt "7-2=" --temperature 0.8 --num-samples 3',
+            f'{prog} --run-dir runs/default --prompt "012+034=" --prompt "007-002="',
+            f'{prog} --run-dir runs/default --prompt "007-002=" --temperature 0.8 --num-samples 3',
         ),
     )
     source = p.add_mutually_exclusive_group(required=True)

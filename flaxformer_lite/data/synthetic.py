@@ -9,9 +9,9 @@ task as it is. Records hold text, never token ids, so any tokenizer fits; ``task
 (tokenizer)`` tokenizes all of them at once (:class:`~flaxformer_lite.data.documents.Documents`).
 Record keys by ``Task.kind``:
 
-- ``"lm"`` (``arithmetic``, ``reverse``): ``{"text": "123+45=168"}``, a prompt ending at the first
-  ``=`` followed by the answer (:func:`split_prompt`). A generator is prompted with ``"123+45="``
-  and scored on what it writes after it.
+- ``"lm"`` (``arithmetic``, ``reverse``): ``{"text": "123+045=8610"}``, a prompt ending at the
+  first ``=`` followed by the answer (:func:`split_prompt`). A generator is prompted with
+  ``"123+045="`` and scored on what it writes after it.
 - ``"seq2seq"`` (``number_words``): ``{"source": "three hundred forty-two", "target": "342"}``.
 - ``"classification"`` (``sentiment``): ``{"text": "the food was not good", "label": 0}``, ``label``
   an ``int`` index into ``task.labels``.
@@ -244,22 +244,22 @@ def _lm_drawn(parts: list[Part], prompt_parts: int) -> Drawn:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ArithmeticTask(_LMTask):
-    """Multi-digit addition (and subtraction), ``{"text": "123+45=168"}``.
+    """Multi-digit addition (and subtraction), ``{"text": "123+045=8610"}`` (123 + 45 = 168).
 
     Each operand has a uniform number of digits in ``[1, max_digits]``. Subtraction puts the
-    larger operand first, so answers are never negative. Two options make the task one a small
-    decoder learns in minutes, as in minGPT's adder: ``fixed_width`` writes the operands with
-    ``max_digits`` digits and the answer with ``max_digits + 1`` (leading zeros:
-    ``"123+045=0168"``), so that digits of one place sit at the same positions in every example;
-    ``reverse_answer`` writes the answer's digits least significant first (``"123+45=861"``),
-    the order in which carries are computed.
+    larger operand first, so answers are never negative. Two options, on by default, make the
+    task one a small decoder learns in minutes, as in minGPT's adder: ``fixed_width`` writes the
+    operands with ``max_digits`` digits and the answer with ``max_digits + 1`` (leading zeros),
+    so that digits of one place sit at the same positions in every example; ``reverse_answer``
+    writes the answer's digits least significant first, the order in which carries are
+    computed. With both off the text is the plain ``"123+45=168"``.
     """
 
     name: ClassVar[str] = "arithmetic"
     max_digits: int = 3
     subtraction: bool = True
-    fixed_width: bool = False
-    reverse_answer: bool = False
+    fixed_width: bool = True
+    reverse_answer: bool = True
 
     def _check_options(self) -> None:
         _check_int("max_digits", self.max_digits, 1, 18)  # numpy draws int64
