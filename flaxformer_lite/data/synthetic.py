@@ -42,9 +42,11 @@ from flaxformer_lite.data.byte_texts import (
     ByteTexts,
     Drawn,
     Part,
+    backwards,
     decimal,
     literal,
     lookup,
+    padded_decimal,
     render,
     stable_hash,
     table,
@@ -246,13 +248,11 @@ def _lm_drawn(parts: list[Part], prompt_parts: int) -> Drawn:
 class ArithmeticTask(_LMTask):
     """Multi-digit addition (and subtraction), ``{"text": "123+045=8610"}`` (123 + 45 = 168).
 
-    Each operand has a uniform number of digits in ``[1, max_digits]``. Subtraction puts the
-    larger operand first, so answers are never negative. Two options, on by default, make the
-    task one a small decoder learns in minutes, as in minGPT's adder: ``fixed_width`` writes the
-    operands with ``max_digits`` digits and the answer with ``max_digits + 1`` (leading zeros),
-    so that digits of one place sit at the same positions in every example; ``reverse_answer``
-    writes the answer's digits least significant first, the order in which carries are
-    computed. With both off the text is the plain ``"123+45=168"``.
+    Each operand has a uniform number of digits in ``[1, max_digits]``; subtraction puts the
+    larger operand first. As in minGPT's adder, a small decoder learns it in minutes because
+    ``fixed_width`` pads operands to ``max_digits`` and the answer to ``max_digits + 1`` digits
+    (a place's digits sit at the same positions in every example) and ``reverse_answer`` writes
+    the answer least significant digit first, as carries are computed. Both off: ``"123+45=168"``.
     """
 
     name: ClassVar[str] = "arithmetic"
@@ -274,28 +274,14 @@ class ArithmeticTask(_LMTask):
         sign = np.where(minus, ord("-"), ord("+")).astype(np.uint8)[:, None]
         answer = np.where(minus, a - b, a + b)
         if self.fixed_width:
-            a, b = _padded(a, self.max_digits), _padded(b, self.max_digits)
-            answer = _padded(answer, self.max_digits + 1)
+            a, b = padded_decimal(a, self.max_digits), padded_decimal(b, self.max_digits)
+            answer = padded_decimal(answer, self.max_digits + 1)
         else:
             a, b, answer = decimal(a), decimal(b), decimal(answer)
         if self.reverse_answer:
-            answer = _reversed(answer)
+            answer = backwards(answer)
         parts = [a, (sign, np.ones(count, np.int64)), b]
         return _lm_drawn([*parts, literal(ANSWER_SEP, count), answer], 4)
-
-
-def _padded(numbers: np.ndarray, width: int) -> Part:
-    """Non-negative ``numbers`` in decimal with ``width`` digits (leading zeros)."""
-    exponent = width - 1 - np.arange(width)
-    values = numbers[:, None] // 10 ** exponent.astype(np.int64) % 10 + ord("0")
-    return values.astype(np.uint8), np.full(len(numbers), width, np.int64)
-
-
-def _reversed(part: Part) -> Part:
-    """Each text of ``part`` backwards."""
-    values, lengths = part
-    backwards = np.clip(lengths[:, None] - 1 - np.arange(values.shape[1]), 0, None)
-    return np.take_along_axis(values, backwards, axis=1), lengths
 
 
 _LETTERS = np.frombuffer(string.ascii_lowercase.encode(), np.uint8)
@@ -314,7 +300,7 @@ class ReverseTask(_LMTask):
     def _draw(self, rng, count):
         lengths = rng.integers(1, self.max_length + 1, count)
         word = _LETTERS[rng.integers(0, len(_LETTERS), (count, self.max_length))]
-        parts = [(word, lengths), literal(ANSWER_SEP, count), _reversed((word, lengths))]
+        parts = [(word, lengths), literal(ANSWER_SEP, count), backwards((word, lengths))]
         return _lm_drawn(parts, 2)
 
 
