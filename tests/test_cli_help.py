@@ -85,7 +85,7 @@ def test_show_config_has_every_key_with_its_type_default_and_help(capsys):
         train=dataclasses.replace(defaults.train, steps=7),
         optimizer=dataclasses.replace(defaults.optimizer, lr=0.01),
     )
-    assert "# int, default 1500: " in "\n".join(lines)  # the default, not the value shown
+    assert "# int, default 3000: " in "\n".join(lines)  # the default, not the value shown
 
 
 @pytest.mark.parametrize("path", REPO_CONFIGS)

@@ -149,7 +149,7 @@ def test_diff_and_runtime_keys():
     new = load_config(None, ["train.steps=5000", "mesh.data=2", "model.num_heads=2"])
     diff = config_diff(old, new)
     # head_dim and num_kv_heads follow num_heads: derived, they are not settings of their own.
-    assert diff == {"mesh.data": (-1, 2), "model.num_heads": (4, 2), "train.steps": (1500, 5000)}
+    assert diff == {"mesh.data": (-1, 2), "model.num_heads": (4, 2), "train.steps": (3000, 5000)}
     assert [key for key in diff if not is_runtime_key(key)] == ["model.num_heads"]
     assert is_runtime_key("checkpoint.every") and is_runtime_key("run_dir")
     assert not is_runtime_key("optimizer.lr") and not is_runtime_key("train.batch_size")

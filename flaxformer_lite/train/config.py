@@ -51,11 +51,11 @@ class LoopConfig:
     them (exact match, token accuracy, BLEU for translation) and logs ``log_samples`` of them;
     0 turns decoding off."""
 
-    steps: int = 1500
+    steps: int = 3000
     batch_size: int = 32
     grad_accum_steps: int = 1
     log_every: int = 50
-    eval_every: int = 250
+    eval_every: int = 500
     eval_batches: int = 4
     decode_examples: int = 256
     log_samples: int = 3
