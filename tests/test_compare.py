@@ -1,5 +1,6 @@
 """``flaxformer-lite compare``: two runs' curves in one PNG, their final metrics and the settings
-in which they differ, on run directories laid out as train.py writes them."""
+in which they differ, on run directories laid out as train.py writes them and on two tiny runs
+trained by it."""
 
 import dataclasses
 import json
@@ -12,6 +13,8 @@ from PIL import Image
 from flaxformer_lite.cli import main
 from flaxformer_lite.train.compare import differing_settings, load_runs
 from flaxformer_lite.train.config import TrainConfig
+
+pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 
 
 def make_run(directory, cfg: TrainConfig, records):
@@ -79,3 +82,26 @@ def test_an_unknown_metric_or_a_directory_without_a_run_exits_2(two_runs, tmp_pa
     assert main(["compare", str(a), str(tmp_path / "nothing")]) == 2
     assert "nothing" in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.slow
+def test_compare_two_tiny_trained_runs(tmp_path, capsys):
+    from flaxformer_lite.cli.train import train_main
+
+    tiny = ["train.steps=4", "train.log_every=2", "train.eval_every=4", "train.batch_size=8"]
+    tiny += ["data.seq_len=32", "train.decode_examples=4", "data.eval_size=8", "--no-progress"]
+    for name, lr in (("a", "0.003"), ("b", "0.01")):
+        assert train_main([f"run_dir={tmp_path / name}", f"optimizer.lr={lr}", *tiny]) == 0
+    capsys.readouterr()
+    out = tmp_path / "ab.png"
+    argv = ["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out)]
+    assert main([*argv, "--metric", "loss", "eval_exact_match"]) == 0
+    lines = {
+        line.split()[0]: line.split()[1:]
+        for line in capsys.readouterr().out.splitlines()
+        if line.strip()
+    }
+    assert lines["step"] == ["4", "4"] and len(lines["eval_loss"]) == 2
+    assert lines["optimizer.lr"] == ["0.003", "0.01"]
+    assert len(lines) > 10 and "model.vocab_size" not in lines  # resolved equally in both
+    assert Image.open(out).size[0] > 200
