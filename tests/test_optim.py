@@ -11,9 +11,11 @@ from flax import nnx
 from flaxformer_lite.models import ModelConfig, build_model
 from flaxformer_lite.train.optim import (
     OptimizerConfig,
+    fitted_warmup_steps,
     inverse_sqrt_schedule,
     make_optimizer,
     make_schedule,
+    warmup_notice,
     weight_decay_mask,
 )
 
@@ -133,6 +135,18 @@ def test_invalid_optimizer_configs_name_the_field(fields, message):
         OptimizerConfig(**fields)
 
 
-def test_warmup_longer_than_the_run_is_an_error():
-    with pytest.raises(ValueError, match="warmup_steps .100. exceeds the run's 50 steps"):
-        make_schedule(OptimizerConfig(warmup_steps=100), total_steps=50, d_model=8)
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
+def test_warmup_longer_than_the_run_is_shortened_to_a_tenth_of_it(schedule):
+    cfg = OptimizerConfig(lr=1.0, schedule=schedule, warmup_steps=100, end_lr_ratio=0.0)
+    lrs = np.array([make_schedule(cfg, total_steps=50, d_model=8)(n) for n in range(50)])
+    np.testing.assert_allclose(lrs[:6], [0.0, 0.2, 0.4, 0.6, 0.8, 1.0], atol=1e-6)
+    assert lrs.max() == pytest.approx(1.0)
+    assert fitted_warmup_steps(cfg, 50) == 5 and fitted_warmup_steps(cfg, 100) == 100
+    notice = warmup_notice(cfg, 50)
+    assert "optimizer.warmup_steps (100)" in notice and "5 steps" in notice
+    assert warmup_notice(cfg, 100) is None
+
+
+def test_a_run_of_fewer_than_ten_steps_has_no_warmup():
+    cfg = OptimizerConfig(lr=1.0, schedule="cosine", warmup_steps=100, end_lr_ratio=0.0)
+    assert float(make_schedule(cfg, total_steps=3, d_model=8)(0)) == pytest.approx(1.0)

@@ -22,6 +22,7 @@ from benchmark_scripts import load_benchmark
 
 from flaxformer_lite.cli import generate
 from flaxformer_lite.cli.attention import attention_parser
+from flaxformer_lite.cli.compare import compare_parser
 from flaxformer_lite.cli.prepare import prepare_parser
 from flaxformer_lite.cli.train import add_train_arguments
 from flaxformer_lite.train.config import load_config
@@ -156,6 +157,10 @@ def test_documented_command_is_valid(name, command, tmp_path, monkeypatch):
             args = _parse(prepare_parser().parse_intermixed_args, rest, command)
             monkeypatch.chdir(tmp_path)
             assert load_config(None, args.overrides).data.source in ("text", "jsonl", "parallel")
+        elif subcommand == "compare":
+            _parse(compare_parser().parse_intermixed_args, rest, command)
+        elif subcommand == "config":
+            _check_training_command(rest, command, tmp_path, monkeypatch)
         elif subcommand == "plot":
             assert len(rest) == 1 and not rest[0].startswith("-"), command  # plot RUN_DIR
         else:

@@ -110,7 +110,8 @@ def test_records_hold_the_documented_keys():
 
 
 def test_arithmetic_answers_are_correct():
-    task = syn.make_task("arithmetic", max_digits=5, size=3000)
+    plain = dict(fixed_width=False, reverse_answer=False)
+    task = syn.make_task("arithmetic", max_digits=5, size=3000, **plain)
     ops, lengths = collections.Counter(), collections.Counter()
     for i in range(len(task)):
         a, op, b, answer = re.fullmatch(r"(\d+)([+-])(\d+)=(\d+)", task[i]["text"]).groups()
@@ -125,6 +126,37 @@ def test_arithmetic_answers_are_correct():
     assert min(ops["+"], ops["-"]) > 1000
     no_sub = syn.make_task("arithmetic", subtraction=False)
     assert all("-" not in no_sub[i]["text"] for i in range(300))
+
+
+def test_arithmetic_writes_zero_padded_reversed_answers_by_default():
+    task = syn.make_task("arithmetic", size=3000)
+    texts = [task[i]["text"] for i in range(len(task))]
+    assert all(re.fullmatch(r"\d{3}[+-]\d{3}=\d{4}", text) for text in texts)
+    prompt, answer = syn.split_prompt(texts[0])
+    a, op, b = int(prompt[:3]), prompt[3], int(prompt[4:7])
+    assert int(answer[::-1]) == (a + b if op == "+" else a - b)
+
+
+@pytest.mark.parametrize(
+    ("fixed_width", "reverse_answer"), [(True, True), (True, False), (False, True)]
+)
+def test_arithmetic_fixed_width_and_reversed_answers_are_correct(fixed_width, reverse_answer):
+    options = dict(max_digits=3, fixed_width=fixed_width, reverse_answer=reverse_answer)
+    task = syn.make_task("arithmetic", size=2000, **options)
+    plain = syn.make_task("arithmetic", size=2000, max_digits=3, fixed_width=False)
+    for i in range(len(task)):
+        a, op, b, answer = re.fullmatch(r"(\d+)([+-])(\d+)=(\d+)", task[i]["text"]).groups()
+        written = answer[::-1] if reverse_answer else answer
+        assert int(written) == (int(a) + int(b) if op == "+" else int(a) - int(b))
+        if fixed_width:
+            assert (len(a), len(b), len(answer)) == (3, 3, 4)
+        else:
+            assert written == str(int(written))
+    # The same problems as the plain format, in the same order, when only the answer is reversed.
+    if not fixed_width:
+        assert [syn.split_prompt(task[i]["text"])[0] for i in range(50)] == [
+            syn.split_prompt(plain[i]["text"])[0] for i in range(50)
+        ]
 
 
 def test_reverse_answers_are_correct():
@@ -283,7 +315,7 @@ def test_unknown_task_lists_valid_names():
 
 def test_unknown_option_is_named_with_the_valid_ones():
     with pytest.raises(
-        ValueError, match=r"max_digit, vocab .*'arithmetic'.*max_digits, subtraction"
+        ValueError, match=r"max_digit, vocab .*'arithmetic'.*max_digits, subtraction, fixed_width"
     ):
         syn.make_task("arithmetic", max_digit=3, vocab=10)
 
@@ -293,6 +325,7 @@ def test_unknown_option_is_named_with_the_valid_ones():
     [
         ("arithmetic", {"max_digits": 0}, "max_digits must be an int in"),
         ("arithmetic", {"subtraction": "yes"}, "subtraction must be a bool"),
+        ("arithmetic", {"fixed_width": 1}, "fixed_width must be a bool"),
         ("number_words", {"max_value": 10**9}, "max_value must be an int in"),
         ("sentiment", {"max_clauses": 0}, "max_clauses must be an int in"),
         ("reverse", {"max_length": True}, "max_length must be an int"),
@@ -364,3 +397,15 @@ def test_whole_chunks_of_validation_and_train_share_no_input(name):
     valid = syn.make_task(name, seed=1, split="validation").documents(ByteTokenizer())
     assert not set(train.digests.tolist()) & set(valid.digests.tolist())
     assert (valid.digests < np.uint64(int(syn.VALIDATION_FRACTION * 2**64))).all()
+
+
+def test_task_options_come_from_the_data_config_and_bad_ones_are_named():
+    from flaxformer_lite.train.config import ConfigError, load_config
+
+    options = ["data.task_options.max_digits=2", "data.task_options.fixed_width=true"]
+    cfg = load_config(None, options)
+    assert cfg.data.task_options["max_digits"] == 2
+    with pytest.raises(ConfigError, match="data.task_options.*max_digit.*valid options"):
+        load_config(None, ["data.task_options.max_digit=2"])
+    with pytest.raises(ConfigError, match="data.task_options.*max_length"):
+        load_config(None, ["data.task=reverse", "data.task_options.max_length=0"])

@@ -37,7 +37,7 @@ def test_defaults_and_typed_overrides():
         default,
         run_dir="runs/x",
         seed=7,
-        model=ModelConfig.from_preset("gpt2-tiny", num_heads=2, scan_layers=True),
+        model=default.model.replace(num_heads=2, scan_layers=True),
         optimizer=dataclasses.replace(default.optimizer, lr=1e-3, clip_norm=None),
         train=dataclasses.replace(default.train, steps=200),
         mesh=dataclasses.replace(default.mesh, data=2),
@@ -86,7 +86,7 @@ def test_yaml_file_with_a_model_preset_and_overrides_on_top(tmp_path):
 
 def test_a_partial_section_keeps_the_other_defaults():
     cfg = load_config(None, ["model.num_heads=2", "optimizer.lr=0.5"])
-    assert cfg.model == ModelConfig.from_preset("gpt2-tiny", num_heads=2)
+    assert cfg.model == TrainConfig().model.replace(num_heads=2)
     assert cfg.optimizer.warmup_steps == TrainConfig().optimizer.warmup_steps
 
 
@@ -149,7 +149,7 @@ def test_diff_and_runtime_keys():
     new = load_config(None, ["train.steps=5000", "mesh.data=2", "model.num_heads=2"])
     diff = config_diff(old, new)
     # head_dim and num_kv_heads follow num_heads: derived, they are not settings of their own.
-    assert diff == {"mesh.data": (-1, 2), "model.num_heads": (4, 2), "train.steps": (1500, 5000)}
+    assert diff == {"mesh.data": (-1, 2), "model.num_heads": (4, 2), "train.steps": (3000, 5000)}
     assert [key for key in diff if not is_runtime_key(key)] == ["model.num_heads"]
     assert is_runtime_key("checkpoint.every") and is_runtime_key("run_dir")
     assert not is_runtime_key("optimizer.lr") and not is_runtime_key("train.batch_size")

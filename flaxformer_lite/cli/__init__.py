@@ -1,13 +1,15 @@
 """The user commands: ``python train.py``, ``python sample.py``, ``python -m
-flaxformer_lite.train`` and ``flaxformer-lite train|prepare|plot|generate|attention``, one module
-each.
+flaxformer_lite.train`` and ``flaxformer-lite
+train|config|prepare|plot|compare|generate|attention``, one module each.
 
     python train.py                                   # the embedded default
     python train.py --config configs/gpt2_small.yaml train.steps=200 optimizer.lr=3e-4
+    flaxformer-lite config train.steps=200            # every setting, as YAML
     flaxformer-lite prepare --out stores/lines data.source=text data.path=lines.txt
     flaxformer-lite plot runs/default
-    flaxformer-lite generate --run_dir runs/default --prompt "12+34="
-    flaxformer-lite attention --run_dir runs/default --text "12+34=" --out maps
+    flaxformer-lite compare runs/a runs/b --metric loss eval_exact_match
+    flaxformer-lite generate --run-dir runs/default --prompt "012+034="
+    flaxformer-lite attention --run-dir runs/default --text "012+034=" --out maps
 
 Errors the user can fix (config, data, files) print one line and exit with status 2; a run
 stopped by a non-finite step exits 1; SIGTERM/SIGINT save a checkpoint and exit 128 + signal.
@@ -15,31 +17,47 @@ stopped by a non-finite step exits 1; SIGTERM/SIGINT save a checkpoint and exit 
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from flaxformer_lite.cli.attention import attention_main
+from flaxformer_lite.cli.compare import compare_main
+from flaxformer_lite.cli.config import config_main
+from flaxformer_lite.cli.flags import CommandParser
 from flaxformer_lite.cli.generate import generate_main
 from flaxformer_lite.cli.plot import plot_main
 from flaxformer_lite.cli.prepare import prepare_main
 from flaxformer_lite.cli.train import train_main
 
+# name: (entry point, what it does); each command's --help has its flags and examples.
+COMMANDS = {
+    "train": (train_main, "train or resume a run (as python train.py)"),
+    "config": (config_main, "print the resolved config as YAML, every key explained"),
+    "prepare": (prepare_main, "tokenize a text, jsonl or parallel source once into a store"),
+    "plot": (plot_main, "draw a run's loss, learning-rate and eval curves as PNGs"),
+    "compare": (compare_main, "put runs side by side: curves, final metrics, config diff"),
+    "generate": (generate_main, "continue or translate prompts with a run (as sample.py)"),
+    "attention": (attention_main, "plot a run's attention weights on a text"),
+}
+
 
 def main(argv: list[str] | None = None) -> int:
-    """``flaxformer-lite``: the ``train`` (as ``train.py``), ``prepare``, ``plot``, ``generate``
-    (as ``sample.py``) and ``attention`` subcommands."""
+    """``flaxformer-lite COMMAND ...``: runs one of :data:`COMMANDS`."""
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="flaxformer-lite")
-    parser.add_argument("command", choices=("train", "prepare", "plot", "generate", "attention"))
-    if argv[:1] == ["train"]:
-        return train_main(argv[1:])
-    if argv[:1] == ["prepare"]:
-        return prepare_main(argv[1:])
-    if argv[:1] == ["plot"]:
-        return plot_main(argv[1:])
-    if argv[:1] == ["generate"]:
-        return generate_main(argv[1:])
-    if argv[:1] == ["attention"]:
-        return attention_main(argv[1:])
-    parser.parse_args(argv[:1])  # prints the usage (and exits 2) for anything else
+    if argv[:1] and argv[0] in COMMANDS:
+        return COMMANDS[argv[0]][0](argv[1:])
+    width = max(map(len, COMMANDS))
+    listing = "\n".join(f"  {name:<{width}}  {what}" for name, (_, what) in COMMANDS.items())
+    parser = CommandParser(
+        prog="flaxformer-lite",
+        description="Train, inspect and sample flaxformer_lite models. "
+        "'flaxformer-lite COMMAND --help' explains a command.",
+        examples=(
+            "flaxformer-lite train train.steps=200",
+            "flaxformer-lite config --config configs/gpt2_small.yaml",
+            'flaxformer-lite generate --run-dir runs/default --prompt "012+034="',
+        ),
+    )
+    parser.epilog = f"commands:\n{listing}\n\n{parser.epilog}"
+    parser.add_argument("command", choices=tuple(COMMANDS), metavar="COMMAND", help="see below")
+    parser.parse_args(argv[:1])  # --help prints the listing; anything else, the usage (exit 2)
     return 2

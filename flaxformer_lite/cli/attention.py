@@ -1,7 +1,7 @@
 """``flaxformer-lite attention``: a trained run's attention weights on a text, one PNG per layer
 (:mod:`flaxformer_lite.attention_maps` draws them).
 
-    flaxformer-lite attention --run_dir runs/default --text "12+34=" --out maps
+    flaxformer-lite attention --run-dir runs/default --text "012+034=" --out maps
 """
 
 from __future__ import annotations
@@ -10,16 +10,18 @@ import argparse
 import pathlib
 
 from flaxformer_lite.cli.errors import guarded, say
+from flaxformer_lite.cli.flags import CommandParser
 
 
 def attention_parser() -> argparse.ArgumentParser:
     """The ``attention`` command's flags."""
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="flaxformer-lite attention",
-        description="plot a trained run's attention weights on a text, one PNG per layer "
-        "(a grid of heads; queries on rows, keys on columns)",
+        description="Plot a trained run's attention weights on a text, one PNG per layer "
+        "(a grid of heads; queries on rows, keys on columns).",
+        examples=('flaxformer-lite attention --run-dir runs/default --text "012+034=" --out maps',),
     )
-    parser.add_argument("--run_dir", type=pathlib.Path, required=True, help="a trained run")
+    parser.add_argument("--run-dir", type=pathlib.Path, required=True, help="a trained run")
     parser.add_argument("--text", required=True, help="the input (an encoder-decoder's source)")
     parser.add_argument(
         "--out", type=pathlib.Path, help="where the PNGs go (default: RUN_DIR/plots/attention)"

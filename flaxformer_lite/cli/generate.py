@@ -2,10 +2,10 @@
 translate inputs (encoder-decoders) with a trained run's newest checkpoint and tokenizer, or with
 a Hugging Face checkpoint directory and its own tokenizer.
 
-    flaxformer-lite generate --run_dir runs/default --prompt "12+34="
-    python sample.py --run_dir runs/default --prompt "7-2=" --temperature 0.8 --num_samples 3
-    flaxformer-lite generate --run_dir runs/translate --prompt "forty-two" --beam_size 4 --n_best 2
-    flaxformer-lite generate --hf_dir path/to/gpt2 --prompt "Hello, my name is"
+    flaxformer-lite generate --run-dir runs/default --prompt "012+034="
+    python sample.py --run-dir runs/default --prompt "007-002=" --temperature 0.8 --num-samples 3
+    flaxformer-lite generate --run-dir runs/translate --prompt "forty-two" --beam-size 4 --n-best 2
+    flaxformer-lite generate --hf-dir path/to/gpt2 --prompt "Hello, my name is"
 
 Token ids come from the tokenizer: a run's prompts start with ``<sos>`` (as its training rows
 did); a Hugging Face checkpoint's prompts start with its ``bos`` only when its tokenizer adds one
@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from flaxformer_lite.cli.errors import guarded, say
+from flaxformer_lite.cli.flags import CommandParser
 from flaxformer_lite.data.tokenizers import Tokenizer
 from flaxformer_lite.decode import beam_search, generate, right_pad, seq2seq_generate, until_eos
 from flaxformer_lite.models import DecoderLM, EncoderDecoder
@@ -35,15 +36,20 @@ def generate_main(argv: list[str] | None = None, prog: str = "flaxformer-lite ge
 
 
 def parser(prog: str = "flaxformer-lite generate") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = CommandParser(
         prog=prog,
-        description="continue prompts (decoder LMs) or translate them (encoder-decoders) with "
-        "a trained run or a Hugging Face checkpoint directory",
+        description="Continue prompts (decoder LMs) or translate them (encoder-decoders) with "
+        "a trained run's newest checkpoint or a Hugging Face checkpoint directory; greedy by "
+        "default, sampled with --temperature.",
+        examples=(
+            f'{prog} --run-dir runs/default --prompt "012+034=" --prompt "007-002="',
+            f'{prog} --run-dir runs/default --prompt "007-002=" --temperature 0.8 --num-samples 3',
+        ),
     )
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--run_dir", type=pathlib.Path, help="a train.py run directory")
+    source.add_argument("--run-dir", type=pathlib.Path, help="a train.py run directory")
     source.add_argument(
-        "--hf_dir",
+        "--hf-dir",
         type=pathlib.Path,
         help="a Hugging Face checkpoint directory (GPT-2, Llama or Marian: "
         "config.json, safetensors and tokenizer.json, or Marian's source.spm + "
@@ -55,22 +61,27 @@ def parser(prog: str = "flaxformer-lite generate") -> argparse.ArgumentParser:
         required=True,
         help="text to continue or translate (repeat for several)",
     )
-    p.add_argument("--max_new_tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=32, help="the most tokens to add")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
-    p.add_argument("--top_k", type=int, default=None)
-    p.add_argument("--top_p", type=float, default=None)
-    p.add_argument("--num_samples", type=int, default=1, help="samples per prompt")
+    p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely")
+    p.add_argument(
+        "--top-p", type=float, default=None, help="sample from the smallest set reaching p"
+    )
+    p.add_argument(
+        "--min-tokens-to-keep", type=int, default=1, help="top-k / top-p keep at least this many"
+    )
+    p.add_argument("--num-samples", type=int, default=1, help="samples per prompt")
     p.add_argument("--seed", type=int, default=0, help="the sampling key")
     p.add_argument(
-        "--beam_size",
+        "--beam-size",
         type=int,
         default=1,
         help="encoder-decoders: beam search with this many beams",
     )
     p.add_argument("--alpha", type=float, default=0.6, help="beam search length penalty")
-    p.add_argument("--n_best", type=int, default=1, help="beam search: hypotheses to print")
+    p.add_argument("--n-best", type=int, default=1, help="beam search: hypotheses to print")
     p.add_argument(
-        "--step", type=int, default=None, help="--run_dir's checkpoint step (default: newest)"
+        "--step", type=int, default=None, help="--run-dir's checkpoint step (default: newest)"
     )
     return p
 
@@ -97,7 +108,13 @@ def run(args: argparse.Namespace, say=print) -> int:
         )
     prompts = [p for p in args.prompt for _ in range(args.num_samples)]
     rng = jax.random.key(args.seed) if args.temperature > 0 else None
-    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, rng=rng)
+    sampling = dict(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_tokens_to_keep=args.min_tokens_to_keep,
+        rng=rng,
+    )
     if isinstance(model, DecoderLM):
         outputs = continue_prompts(
             model,
@@ -169,9 +186,10 @@ def continue_prompts(
     """The new tokens of each prompt, up to (not including) the first ``eos_id``.
 
     Each prompt is ``[sos_id] + encode(prompt)`` if ``add_bos`` (or if it encodes to nothing),
-    else ``encode(prompt)``. ``sampling``: ``temperature``, ``top_k``, ``top_p``, ``rng`` of
-    :func:`flaxformer_lite.decode.generate` (default greedy). ``max_new_tokens`` is capped so
-    that prompt and continuation fit in ``model.config.max_length``.
+    else ``encode(prompt)``. ``sampling``: ``temperature``, ``top_k``, ``top_p``,
+    ``min_tokens_to_keep``, ``rng`` of :func:`flaxformer_lite.decode.generate` (default greedy).
+    ``max_new_tokens`` is capped so that prompt and continuation fit in
+    ``model.config.max_length``.
     """
     rows = []
     for prompt in prompts:

@@ -3,18 +3,21 @@
 
 from __future__ import annotations
 
-import argparse
 import pathlib
 
 from flaxformer_lite.cli.errors import guarded, say
+from flaxformer_lite.cli.flags import CommandParser
 
 
 def plot_main(argv: list[str] | None = None) -> int:
     """Writes the plots and prints their paths; a directory without metrics exits 2."""
-    parser = argparse.ArgumentParser(
-        prog="flaxformer-lite plot", description="write the loss and learning-rate plots"
+    parser = CommandParser(
+        prog="flaxformer-lite plot",
+        description="Draw a run's logged curves (loss, learning rate, evaluations) as PNGs in "
+        "RUN_DIR/plots and print their paths. To put several runs side by side: compare.",
+        examples=("flaxformer-lite plot runs/default",),
     )
-    parser.add_argument("run_dir", type=pathlib.Path)
+    parser.add_argument("run_dir", type=pathlib.Path, help="a train.py run directory")
     run_dir = parser.parse_args(argv).run_dir
     return guarded(lambda: _plot(run_dir))
 

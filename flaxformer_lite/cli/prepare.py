@@ -17,23 +17,24 @@ import pathlib
 import time
 
 from flaxformer_lite.cli.errors import guarded, say
+from flaxformer_lite.cli.flags import CommandParser
 
 EXAMPLE = (
-    "example: flaxformer-lite prepare --out stores/lines data.source=text "
+    "flaxformer-lite prepare --out stores/lines data.source=text "
     "data.path='corpus/*.txt' data.tokenizer=bpe data.vocab_size=8192"
 )
 
 
 def prepare_parser() -> argparse.ArgumentParser:
     """The ``prepare`` command's flags and its ``key=value`` overrides."""
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="flaxformer-lite prepare",
         description="Tokenize the configured text, jsonl or parallel source once into a store "
         "of token ids (data.source, data.path, data.field, data.tokenizer, data.vocab_size, "
         "data.tokenizer_path and data.validation_fraction, as train.py reads them; a fitted "
         "tokenizer sees the training documents only). Running it again on the same inputs "
         "does nothing.",
-        epilog=EXAMPLE,
+        examples=(EXAMPLE,),
     )
     parser.add_argument("--config", type=pathlib.Path, help="a YAML preset (see configs/)")
     parser.add_argument(

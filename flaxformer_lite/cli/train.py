@@ -15,14 +15,22 @@ import pathlib
 import sys
 
 from flaxformer_lite.cli.errors import guarded, say
+from flaxformer_lite.cli.flags import CommandParser
 from flaxformer_lite.train.config import load_config
+
+DESCRIPTION = """Train a model as the config says, in its run directory: with no flags, the
+embedded default (a small GPT-2-style decoder learning multi-digit arithmetic on a CPU). Running
+the same command again resumes from the newest checkpoint. --show-config lists every setting."""
+EXAMPLES = (
+    "python train.py",
+    "python train.py --config configs/transformer_tiny.yaml train.steps=600 optimizer.lr=1e-3",
+    "python train.py --show-config train.steps=200",
+)
 
 
 def train_main(argv: list[str] | None = None) -> int:
     """``train.py``: train (or resume) the configured run."""
-    parser = argparse.ArgumentParser(
-        prog="train.py", description="Train a flaxformer_lite model; re-running resumes."
-    )
+    parser = CommandParser(prog="train.py", description=DESCRIPTION, examples=EXAMPLES)
     add_train_arguments(parser)
     return _train(parser.parse_intermixed_args(argv))
 
@@ -40,11 +48,18 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
+        "--show-config",
+        action="store_true",
+        help="print the resolved config as YAML (every key: type, default, help) and exit",
+    )
+    parser.add_argument(
         "overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.steps=200"
     )
 
 
 def _train(args) -> int:
+    if args.show_config:
+        return guarded(lambda: show_config(args.config, args.overrides))
     from flaxformer_lite.train.host_memory import reuse_freed_host_memory
 
     reuse_freed_host_memory()  # before JAX starts its backend's threads
@@ -68,3 +83,11 @@ def _train(args) -> int:
     except Interrupted as error:
         say(str(error), stream=sys.stderr)
         return 128 + error.signum
+
+
+def show_config(path: pathlib.Path | None, overrides: list[str]) -> int:
+    """Prints the config of ``path`` and ``overrides`` as commented YAML; returns 0."""
+    from flaxformer_lite.train.config_help import annotated_yaml
+
+    say(annotated_yaml(load_config(path, overrides)).rstrip("\n"))
+    return 0

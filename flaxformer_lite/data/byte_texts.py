@@ -157,6 +157,20 @@ def decimal(numbers: np.ndarray, present: np.ndarray | bool = True) -> Part:
     return values.astype(np.uint8), np.where(present, digits, 0)
 
 
+def padded_decimal(numbers: np.ndarray, width: int) -> Part:
+    """Non-negative int64 ``numbers`` in decimal with ``width`` digits (leading zeros)."""
+    exponent = width - 1 - np.arange(width)
+    values = np.asarray(numbers, np.int64)[:, None] // _POWERS[exponent] % 10 + ord("0")
+    return values.astype(np.uint8), np.full(len(numbers), width, np.int64)
+
+
+def backwards(part: Part) -> Part:
+    """Each text of ``part`` reversed."""
+    values, lengths = part
+    reading = np.clip(lengths[:, None] - 1 - np.arange(values.shape[1]), 0, None)
+    return np.take_along_axis(values, reading, axis=1), lengths
+
+
 def stable_hash(texts: ByteTexts, lengths: np.ndarray | None = None) -> np.ndarray:
     """uint64 ``[n]``: a hash of each text's bytes (of its first ``lengths[i]`` bytes if given).
 

@@ -72,6 +72,8 @@ class DataConfig:
         example per non-blank line), ``jsonl`` (``path`` a glob of JSONL files, the text in
         ``field``) or ``parallel`` (``path`` a TSV file or ``"src_file,tgt_file"``).
       task: synthetic task name (``synthetic.TASKS``), used when ``source`` is ``synthetic``.
+      task_options: the synthetic task's own options (``data.task_options.max_digits=4``; see
+        its class in :mod:`~flaxformer_lite.data.synthetic`); empty: the task's defaults.
       path: the files of a non-synthetic source.
       field: the JSONL field that holds the text.
       tokenizer: ``byte``; ``char``, ``word`` or ``bpe`` fitted on the training texts; or
@@ -93,6 +95,7 @@ class DataConfig:
 
     source: str = "synthetic"
     task: str = "arithmetic"
+    task_options: dict[str, int | bool] = dataclasses.field(default_factory=dict)
     path: str | None = None
     field: str = "text"
     tokenizer: str = "byte"
@@ -112,6 +115,10 @@ class DataConfig:
         _check_choice("tokenizer", self.tokenizer, TOKENIZERS)
         if self.source == "synthetic":
             _check_choice("task", self.task, tuple(synthetic.TASKS))
+            try:
+                synthetic.make_task(self.task, size=1, **self.task_options)
+            except ValueError as error:
+                raise ValueError(f"data.task_options: {error}") from None
         elif not self.path:
             raise ValueError(f"data.path is required with data.source={self.source!r}")
         if self.tokenizer == "sentencepiece" and not self.tokenizer_path:
@@ -285,8 +292,13 @@ def _load(
 ) -> tuple[Tokenizer, Corpus]:
     """The tokenizer and the source tokenized, with its validation split."""
     if cfg.source == "synthetic":
-        train = synthetic.make_task(cfg.task, split="train", seed=seed, size=cfg.train_size)
-        valid = synthetic.make_task(cfg.task, split="validation", seed=seed, size=cfg.eval_size)
+        options = cfg.task_options
+        train = synthetic.make_task(
+            cfg.task, split="train", seed=seed, size=cfg.train_size, **options
+        )
+        valid = synthetic.make_task(
+            cfg.task, split="validation", seed=seed, size=cfg.eval_size, **options
+        )
         fit = [train[i] for i in range(min(len(train), FIT_EXAMPLES))]
         tokenizer = _tokenizer(cfg, fit, directory, save=save, given=given)
         corpus = Corpus(

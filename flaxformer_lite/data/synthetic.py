@@ -9,9 +9,9 @@ task as it is. Records hold text, never token ids, so any tokenizer fits; ``task
 (tokenizer)`` tokenizes all of them at once (:class:`~flaxformer_lite.data.documents.Documents`).
 Record keys by ``Task.kind``:
 
-- ``"lm"`` (``arithmetic``, ``reverse``): ``{"text": "123+45=168"}``, a prompt ending at the first
-  ``=`` followed by the answer (:func:`split_prompt`). A generator is prompted with ``"123+45="``
-  and scored on what it writes after it.
+- ``"lm"`` (``arithmetic``, ``reverse``): ``{"text": "123+045=8610"}``, a prompt ending at the
+  first ``=`` followed by the answer (:func:`split_prompt`). A generator is prompted with
+  ``"123+045="`` and scored on what it writes after it.
 - ``"seq2seq"`` (``number_words``): ``{"source": "three hundred forty-two", "target": "342"}``.
 - ``"classification"`` (``sentiment``): ``{"text": "the food was not good", "label": 0}``, ``label``
   an ``int`` index into ``task.labels``.
@@ -42,9 +42,11 @@ from flaxformer_lite.data.byte_texts import (
     ByteTexts,
     Drawn,
     Part,
+    backwards,
     decimal,
     literal,
     lookup,
+    padded_decimal,
     render,
     stable_hash,
     table,
@@ -244,20 +246,26 @@ def _lm_drawn(parts: list[Part], prompt_parts: int) -> Drawn:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ArithmeticTask(_LMTask):
-    """Multi-digit addition (and subtraction), ``{"text": "123+45=168"}``.
+    """Multi-digit addition (and subtraction), ``{"text": "123+045=8610"}`` (123 + 45 = 168).
 
-    Each operand has a uniform number of digits in ``[1, max_digits]``. Subtraction puts the
-    larger operand first, so answers are never negative.
+    Each operand has a uniform number of digits in ``[1, max_digits]``; subtraction puts the
+    larger operand first. As in minGPT's adder, a small decoder learns it in minutes because
+    ``fixed_width`` pads operands to ``max_digits`` and the answer to ``max_digits + 1`` digits
+    (a place's digits sit at the same positions in every example) and ``reverse_answer`` writes
+    the answer least significant digit first, as carries are computed. Both off: ``"123+45=168"``.
     """
 
     name: ClassVar[str] = "arithmetic"
     max_digits: int = 3
     subtraction: bool = True
+    fixed_width: bool = True
+    reverse_answer: bool = True
 
     def _check_options(self) -> None:
         _check_int("max_digits", self.max_digits, 1, 18)  # numpy draws int64
-        if not isinstance(self.subtraction, bool):
-            raise ValueError(f"subtraction must be a bool, got {self.subtraction!r}")
+        for name in ("subtraction", "fixed_width", "reverse_answer"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
     def _draw(self, rng, count):
         a, b = (_sample_numbers(rng, count, 10**self.max_digits - 1) for _ in range(2))
@@ -265,8 +273,15 @@ class ArithmeticTask(_LMTask):
         a, b = np.where(minus, np.maximum(a, b), a), np.where(minus, np.minimum(a, b), b)
         sign = np.where(minus, ord("-"), ord("+")).astype(np.uint8)[:, None]
         answer = np.where(minus, a - b, a + b)
-        parts = [decimal(a), (sign, np.ones(count, np.int64)), decimal(b)]
-        return _lm_drawn([*parts, literal(ANSWER_SEP, count), decimal(answer)], 4)
+        if self.fixed_width:
+            a, b = padded_decimal(a, self.max_digits), padded_decimal(b, self.max_digits)
+            answer = padded_decimal(answer, self.max_digits + 1)
+        else:
+            a, b, answer = decimal(a), decimal(b), decimal(answer)
+        if self.reverse_answer:
+            answer = backwards(answer)
+        parts = [a, (sign, np.ones(count, np.int64)), b]
+        return _lm_drawn([*parts, literal(ANSWER_SEP, count), answer], 4)
 
 
 _LETTERS = np.frombuffer(string.ascii_lowercase.encode(), np.uint8)
@@ -285,9 +300,7 @@ class ReverseTask(_LMTask):
     def _draw(self, rng, count):
         lengths = rng.integers(1, self.max_length + 1, count)
         word = _LETTERS[rng.integers(0, len(_LETTERS), (count, self.max_length))]
-        backwards = np.clip(lengths[:, None] - 1 - np.arange(self.max_length), 0, None)
-        reversed_word = np.take_along_axis(word, backwards, axis=1)
-        parts = [(word, lengths), literal(ANSWER_SEP, count), (reversed_word, lengths)]
+        parts = [(word, lengths), literal(ANSWER_SEP, count), backwards((word, lengths))]
         return _lm_drawn(parts, 2)
 
 

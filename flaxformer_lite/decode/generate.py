@@ -29,6 +29,7 @@ def generate(
     temperature: float = 0.0,
     top_k: int | None = None,
     top_p: float | None = None,
+    min_tokens_to_keep: int = 1,
     eos_id: int | None = None,
     rng: jax.Array | None = None,
     prompt_lengths=None,
@@ -44,6 +45,7 @@ def generate(
       temperature: 0 picks the most likely token (greedy); above 0 samples from
         ``softmax(logits / temperature)`` restricted by ``top_k`` / ``top_p``.
       top_k, top_p: keep the k most likely tokens / the smallest set reaching probability p.
+      min_tokens_to_keep: ``top_k`` and ``top_p`` keep at least this many tokens.
       eos_id: a row stops after emitting this token (it is kept; ``pad_id`` follows).
       rng: a ``jax.random.key``, needed when sampling; the same key gives the same tokens.
       prompt_lengths: int ``[B]`` in ``[1, T]``; default ``T`` for every row.
@@ -62,7 +64,7 @@ def generate(
     batch, length = prompt_tokens.shape
     lengths = check_lengths(prompt_lengths, batch, length, "prompt")
     check_new_tokens(max_new_tokens)
-    check_sampling(temperature, top_k, top_p, rng)
+    check_sampling(temperature, top_k, top_p, rng, min_tokens_to_keep)
     graphdef, state = nnx.split(model)
     return _generate(
         graphdef,
@@ -71,7 +73,7 @@ def generate(
         jnp.asarray(lengths, jnp.int32),
         jax.random.key(0) if rng is None else rng,
         max_new_tokens=max_new_tokens,
-        sampling=(float(temperature), top_k, top_p),
+        sampling=(float(temperature), top_k, top_p, min_tokens_to_keep),
         eos_id=eos_id,
         pad_id=pad_id,
     )
@@ -125,18 +127,18 @@ def sampling_loop(
     rng: jax.Array,
     *,
     max_new_tokens: int,
-    sampling: tuple[float, int | None, float | None],
+    sampling: tuple[float, int | None, float | None, int],
     eos_id: int | None,
     pad_id: int,
 ) -> jax.Array:
     """Picks a token from ``logits [B, V]``, feeds it with ``forward(state, tokens [B], step) ->
     (state, logits)``, and repeats in a ``lax.while_loop`` until every row has emitted ``eos_id``
-    or ``max_new_tokens`` steps have run. ``sampling`` is ``(temperature, top_k, top_p)`` of
-    :func:`next_token`.
+    or ``max_new_tokens`` steps have run. ``sampling`` is ``(temperature, top_k, top_p,
+    min_tokens_to_keep)`` of :func:`next_token`.
 
     Returns int32 ``[B, max_new_tokens]``, ``pad_id`` after each row's ``eos_id``.
     """
-    temperature, top_k, top_p = sampling
+    temperature, top_k, top_p, min_tokens_to_keep = sampling
     batch = logits.shape[0]
     tokens = jnp.full((batch, max_new_tokens), pad_id, jnp.int32)
     done = jnp.zeros((batch,), jnp.bool_)
@@ -148,9 +150,15 @@ def sampling_loop(
     def one_step(carry):
         step, state, logits, tokens, done, rng = carry
         rng, key = jax.random.split(rng)
-        token = jnp.where(
-            done, pad_id, next_token(key, logits, temperature=temperature, top_k=top_k, top_p=top_p)
+        picked = next_token(
+            key,
+            logits,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_tokens_to_keep=min_tokens_to_keep,
         )
+        token = jnp.where(done, pad_id, picked)
         tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, step))
         if eos_id is not None:
             done = done | (token == eos_id)

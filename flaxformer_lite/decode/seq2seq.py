@@ -33,6 +33,7 @@ def seq2seq_generate(
     temperature: float = 0.0,
     top_k: int | None = None,
     top_p: float | None = None,
+    min_tokens_to_keep: int = 1,
     rng: jax.Array | None = None,
     pad_id: int = 0,
 ) -> jax.Array:
@@ -46,7 +47,8 @@ def seq2seq_generate(
       src_lengths: int ``[B]``; default ``S``.
       sos_id: the token the decoder starts from (the training data's shift token).
       eos_id: a row stops after emitting it.
-      temperature, top_k, top_p, rng: as in :func:`flaxformer_lite.decode.generate`.
+      temperature, top_k, top_p, min_tokens_to_keep, rng: as in
+        :func:`flaxformer_lite.decode.generate`.
       pad_id: written after a row's last token.
 
     Returns:
@@ -55,7 +57,7 @@ def seq2seq_generate(
     check_model(model, EncoderDecoder, "seq2seq_generate")
     src, src_mask = _source(src, src_lengths)
     check_new_tokens(max_new_tokens)
-    check_sampling(temperature, top_k, top_p, rng)
+    check_sampling(temperature, top_k, top_p, rng, min_tokens_to_keep)
     graphdef, state = nnx.split(model)
     return _seq2seq_generate(
         graphdef,
@@ -64,7 +66,7 @@ def seq2seq_generate(
         src_mask,
         jax.random.key(0) if rng is None else rng,
         max_new_tokens=max_new_tokens,
-        sampling=(float(temperature), top_k, top_p),
+        sampling=(float(temperature), top_k, top_p, min_tokens_to_keep),
         sos_id=sos_id,
         eos_id=eos_id,
         pad_id=pad_id,

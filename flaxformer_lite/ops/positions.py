@@ -27,8 +27,10 @@ def sinusoidal_positions(
 
     ``PE[..., 2i] = sin(pos / max_wavelength ** (2i / dim))`` and
     ``PE[..., 2i + 1] = cos(pos / max_wavelength ** (2i / dim))``. With ``layout="concat"`` the
-    same features are laid out ``[sin | cos]`` (Tensor2Tensor, Marian / OPUS-MT):
-    ``PE[..., i]`` is the sine and ``PE[..., dim / 2 + i]`` the cosine of frequency ``i``.
+    same features are laid out ``[sin | cos]`` (Marian / OPUS-MT, HF's
+    ``MarianSinusoidalPositionalEmbedding``): ``PE[..., i]`` is the sine and
+    ``PE[..., dim / 2 + i]`` the cosine of frequency ``i``. Tensor2Tensor's ``[sin | cos]``
+    differs: it spaces its frequencies by ``max_wavelength ** (-i / (dim / 2 - 1))``.
 
     Args:
         positions: A Python int ``T`` (positions ``0 .. T - 1``; static under jit) or an int or
@@ -145,17 +147,20 @@ def relative_position_buckets(
 
 
 def alibi_slopes(num_heads: int) -> jax.Array:
-    """ALiBi's per-head slopes: a geometric sequence starting at and shrinking by ``2 ** (-8/n)``.
+    """ALiBi's per-head slopes, in the order of the paper's reference code.
 
-    For a power-of-two ``n`` heads the slopes are ``2 ** (-8 * h / n)``, h = 1..n. Otherwise the
-    paper (and HF BLOOM's ``build_alibi_tensor``) takes the slopes for the closest smaller power
-    of two ``p`` and appends every other slope of the ``2p`` sequence, starting at the first.
+    For a power-of-two ``n`` heads the slopes are ``2 ** (-8 * h / n)``, h = 1..n: a geometric
+    sequence starting at and shrinking by ``2 ** (-8/n)``. Otherwise the paper (and HF BLOOM's
+    ``build_alibi_tensor``) takes the slopes for the closest smaller power of two ``p`` and
+    appends every other slope of the ``2p`` sequence, starting at the first: two decreasing runs,
+    not one decreasing sequence (3 heads: ``[2 ** -4, 2 ** -8, 2 ** -2]``).
 
     Args:
         num_heads: Number of attention heads (static, positive).
 
     Returns:
-        ``[H]`` float32, decreasing (``H = num_heads``).
+        ``[H]`` float32 (``H = num_heads``): decreasing when ``H`` is a power of two, else the
+        ``p`` decreasing slopes followed by ``H - p`` decreasing slopes that interleave them.
 
     Raises:
         ValueError: num_heads is not a positive int.

@@ -12,7 +12,6 @@ import dataclasses
 import functools
 import math
 import pathlib
-import shutil
 import signal
 import time
 
@@ -36,7 +35,7 @@ from flaxformer_lite.train.config import (
 )
 from flaxformer_lite.train.decode_eval import decodable, decode_eval
 from flaxformer_lite.train.metrics import MetricsWriter, peak_flops, plot_run
-from flaxformer_lite.train.optim import make_optimizer
+from flaxformer_lite.train.optim import make_optimizer, warmup_notice
 from flaxformer_lite.train.restore import (
     from_savable,
     load_hf_weights,
@@ -44,6 +43,7 @@ from flaxformer_lite.train.restore import (
     restore_target,
     to_savable,
 )
+from flaxformer_lite.train.run_dir import locked_run_dir
 from flaxformer_lite.train.step import make_eval_step, make_train_step, task_of
 
 
@@ -79,6 +79,7 @@ def run(
     Raises:
       ConfigError: a changed config on resume (without ``force``), bad data or settings.
       ValueError: a mesh that does not fit the devices, or shapes that do not divide over it.
+      RunDirInUseError: another live process holds ``cfg.run_dir`` (:mod:`.run_dir`).
       TrainingError: a non-finite loss or gradient (the last good checkpoint is kept).
       Interrupted: SIGTERM / SIGINT (after the checkpoint is written).
     """
@@ -86,9 +87,14 @@ def run(
     main = jax.process_index() == 0
     log, progress = (log, progress) if main else (_quiet, False)
     run_dir = pathlib.Path(cfg.run_dir)
-    if fresh and main and run_dir.exists():
-        log(f"--fresh: moved the previous run to {_move_aside(run_dir)}")
-    _sync_processes("run directory ready")
+    # Process 0 holds the directory's lock for the whole run (other processes share it).
+    with locked_run_dir(run_dir, fresh=fresh, log=log) if main else contextlib.nullcontext():
+        _sync_processes("run directory ready")
+        return _run(cfg, run_dir, main, force, progress, log)
+
+
+def _run(cfg, run_dir, main, force, progress, log):
+    """:func:`run`, in a directory this run holds."""
     run_dir.mkdir(parents=True, exist_ok=True)
 
     mesh = parallel.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
@@ -148,6 +154,8 @@ def run(
 
 def _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log):
     run_dir, rules = pathlib.Path(cfg.run_dir), cfg.mesh.rules
+    if notice := warmup_notice(cfg.optimizer, cfg.train.steps):
+        log(notice)
     tx, schedule = make_optimizer(
         cfg.optimizer, total_steps=cfg.train.steps, d_model=cfg.model.d_model
     )
@@ -421,14 +429,6 @@ def _check_resumable(saved: TrainConfig, cfg: TrainConfig, force: bool, log) -> 
         )
     if changed:
         log("resuming with a changed config (--force):\n" + "\n".join(lines))
-
-
-def _move_aside(run_dir: pathlib.Path) -> pathlib.Path:
-    number = 1
-    while (target := run_dir.with_name(f"{run_dir.name}.old{number}")).exists():
-        number += 1
-    shutil.move(run_dir, target)
-    return target
 
 
 def _progress_bar(total: int, initial: int, enabled: bool):

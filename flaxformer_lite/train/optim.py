@@ -28,7 +28,8 @@ class OptimizerConfig:
         (1.0 is the paper's schedule).
       schedule: ``cosine``, ``linear`` (to ``end_lr_ratio * lr`` at the last step),
         ``constant`` (after warmup) or ``inverse_sqrt``.
-      warmup_steps: linear warmup from 0 to ``lr`` (the paper's ``warmup_steps``).
+      warmup_steps: linear warmup from 0 to ``lr`` (the paper's ``warmup_steps``); a run
+        shorter than it warms up over a tenth of its steps (:func:`fitted_warmup_steps`).
       end_lr_ratio: the final learning rate of ``cosine`` / ``linear`` as a fraction of ``lr``.
       b1, b2, eps: Adam's moment decays and epsilon.
       weight_decay: decoupled weight decay (AdamW); 0 is Adam.
@@ -78,23 +79,39 @@ def make_schedule(cfg: OptimizerConfig, *, total_steps: int, d_model: int) -> op
     """
     if cfg.schedule == "inverse_sqrt":
         return inverse_sqrt_schedule(cfg.lr, warmup_steps=cfg.warmup_steps, d_model=d_model)
-    if cfg.warmup_steps > total_steps:
-        raise ValueError(
-            f"optimizer.warmup_steps ({cfg.warmup_steps}) exceeds the run's {total_steps} steps"
-        )
+    warmup_steps = fitted_warmup_steps(cfg, total_steps)
     end = cfg.lr * cfg.end_lr_ratio
     if cfg.schedule == "cosine":
         # optax counts the warmup inside decay_steps.
         return optax.warmup_cosine_decay_schedule(
-            0.0, cfg.lr, cfg.warmup_steps, max(total_steps, 1), end_value=end
+            0.0, cfg.lr, warmup_steps, max(total_steps, 1), end_value=end
         )
     decay = (
-        optax.linear_schedule(cfg.lr, end, max(total_steps - cfg.warmup_steps, 1))
+        optax.linear_schedule(cfg.lr, end, max(total_steps - warmup_steps, 1))
         if cfg.schedule == "linear"
         else optax.constant_schedule(cfg.lr)
     )
-    warmup = optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps)
-    return optax.join_schedules([warmup, decay], [cfg.warmup_steps])
+    warmup = optax.linear_schedule(0.0, cfg.lr, warmup_steps)
+    return optax.join_schedules([warmup, decay], [warmup_steps])
+
+
+def fitted_warmup_steps(cfg: OptimizerConfig, total_steps: int) -> int:
+    """The warmup the schedule uses: ``cfg.warmup_steps``, or a tenth of a run shorter than it
+    (a short smoke run then still reaches ``lr`` and decays). ``inverse_sqrt`` keeps its own."""
+    if cfg.schedule == "inverse_sqrt" or cfg.warmup_steps <= total_steps:
+        return cfg.warmup_steps
+    return total_steps // 10
+
+
+def warmup_notice(cfg: OptimizerConfig, total_steps: int) -> str | None:
+    """The one-line notice for a warmup shortened to fit the run, else None."""
+    fitted = fitted_warmup_steps(cfg, total_steps)
+    if fitted == cfg.warmup_steps:
+        return None
+    return (
+        f"optimizer.warmup_steps ({cfg.warmup_steps}) is longer than the run's {total_steps} "
+        f"steps: warming up over {fitted} steps instead"
+    )
 
 
 def inverse_sqrt_schedule(scale: float, *, warmup_steps: int, d_model: int) -> optax.Schedule:

@@ -2,7 +2,7 @@
 and config, ready for inference, plots and generation.
 
     run = load_run("runs/default")            # the newest checkpoint (or step=N)
-    ids = jnp.asarray([[run.tokenizer.sos_id, *run.tokenizer.encode("12+34=")]])
+    ids = jnp.asarray([[run.tokenizer.sos_id, *run.tokenizer.encode("012+034=")]])
     logits = run.model(ids)                   # [1, T, V], dropout off
 
 The helpers that convert the training state to and from what a checkpoint holds

@@ -1,0 +1,37 @@
+"""The commands' argument parser: flags spelled with dashes (``--run-dir``), the older
+underscore spellings (``--run_dir``) accepted as aliases, and examples in every ``--help``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+from collections.abc import Sequence
+
+
+class CommandParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` with a wrapped ``description`` and an ``examples`` block
+    after the flags; ``--max_new_tokens`` reads as ``--max-new-tokens`` (also ``--x_y=v``)."""
+
+    def __init__(self, *, description: str, examples: Sequence[str], **kwargs):
+        block = "\n".join(f"  {example}" for example in examples)
+        super().__init__(
+            description=textwrap.fill(" ".join(description.split()), width=88),
+            epilog=f"example{'s' if len(examples) > 1 else ''}:\n{block}",
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+            **kwargs,
+        )
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        return super().parse_known_args([self._dashed(arg) for arg in args], namespace)
+
+    def _dashed(self, arg: str) -> str:
+        """``arg`` with a known flag's underscores made dashes; anything else unchanged."""
+        if not arg.startswith("--"):
+            return arg
+        flag, sep, value = arg.partition("=")
+        dashed = flag.replace("_", "-")
+        if dashed != flag and dashed in self._option_string_actions:
+            return dashed + sep + value
+        return arg

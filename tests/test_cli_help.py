@@ -1,0 +1,106 @@
+"""The commands explain themselves: ``--help`` of every command (what it does, an example),
+one flag style with the old underscore spellings as aliases, and ``--show-config`` /
+``flaxformer-lite config``, whose YAML loads back as the config it shows."""
+
+import dataclasses
+import re
+
+import pytest
+import yaml
+
+from flaxformer_lite.cli import COMMANDS, main
+from flaxformer_lite.cli import generate as generate_cli
+from flaxformer_lite.cli.attention import attention_parser
+from flaxformer_lite.cli.train import train_main
+from flaxformer_lite.train.config import TrainConfig, config_from_dict, load_config
+from flaxformer_lite.train.config_help import HELP, annotated_yaml, leaf_keys, type_name
+
+REPO_CONFIGS = ["configs/default.yaml", "configs/transformer_tiny.yaml", "configs/bert_tiny.yaml"]
+
+
+def help_text(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_top_level_help_lists_every_command_with_what_it_does(capsys):
+    text = help_text(["--help"], capsys)
+    for name, (_, what) in COMMANDS.items():
+        assert re.search(rf"^  {name} +{re.escape(what)}$", text, re.M), name
+    assert "examples:" in text
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_every_command_help_says_what_it_does_with_an_example(command, capsys):
+    text = help_text([command, "--help"], capsys)
+    description = text.split("\n\n")[1]
+    assert len(description.split()) >= 8, description
+    example = text.split("example")[-1]
+    assert f"flaxformer-lite {command}" in example or "train.py" in example, text
+
+
+def test_flags_use_dashes_and_the_underscore_spellings_stay_aliases():
+    parser = generate_cli.parser()
+    dashed = parser.parse_args(
+        ["--run-dir", "r", "--prompt", "1+1=", "--max-new-tokens", "5", "--top-p", "0.9"]
+        + ["--top-k", "3", "--num-samples", "2", "--min-tokens-to-keep", "2"]
+    )
+    old = parser.parse_args(
+        ["--run_dir", "r", "--prompt", "1+1=", "--max_new_tokens=5", "--top_p", "0.9"]
+        + ["--top_k", "3", "--num_samples", "2", "--min_tokens_to_keep", "2"]
+    )
+    assert vars(dashed) == vars(old)
+    assert dashed.max_new_tokens == 5 and dashed.min_tokens_to_keep == 2
+    beam = parser.parse_args(["--hf_dir", "h", "--prompt", "x", "--beam_size", "4", "--n_best=2"])
+    assert (beam.beam_size, beam.n_best, str(beam.hf_dir)) == (4, 2, "h")
+    assert str(attention_parser().parse_args(["--run_dir", "r", "--text", "t"]).run_dir) == "r"
+    for parser in (generate_cli.parser(), attention_parser()):
+        flags = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
+        assert not [flag for flag in flags if "_" in flag], flags
+
+
+def test_show_config_of_the_defaults_loads_back_as_the_defaults(capsys):
+    assert train_main(["--show-config"]) == 0
+    text = capsys.readouterr().out
+    assert config_from_dict(yaml.safe_load(text)) == TrainConfig()
+    assert yaml.safe_load(text) == TrainConfig().to_dict()
+
+
+def test_show_config_has_every_key_with_its_type_default_and_help(capsys):
+    assert main(["config", "train.steps=7", "optimizer.lr=0.01"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    defaults = TrainConfig()
+    for key, annotation in leaf_keys().items():
+        *section, name = key.split(".")
+        at = [i for i, line in enumerate(lines) if line.strip().startswith(f"{name}:")]
+        comments = [lines[i - 1].strip() for i in at]
+        wanted = f"# {type_name(annotation)}, default "
+        assert any(c.startswith(wanted) and c.endswith(HELP[key]) for c in comments), key
+    assert sorted(HELP) == sorted(leaf_keys())
+    shown = config_from_dict(yaml.safe_load("\n".join(lines)))
+    assert shown == dataclasses.replace(
+        defaults,
+        train=dataclasses.replace(defaults.train, steps=7),
+        optimizer=dataclasses.replace(defaults.optimizer, lr=0.01),
+    )
+    assert "# int, default 3000: " in "\n".join(lines)  # the default, not the value shown
+
+
+@pytest.mark.parametrize("path", REPO_CONFIGS)
+def test_show_config_of_a_preset_file_round_trips(path):
+    cfg = load_config(path)
+    assert config_from_dict(yaml.safe_load(annotated_yaml(cfg))) == cfg
+
+
+def test_train_py_show_config_equals_the_config_command(capsys):
+    assert train_main(["--show-config", "--config", "configs/default.yaml", "seed=3"]) == 0
+    from_train = capsys.readouterr().out
+    assert main(["config", "--config", "configs/default.yaml", "seed=3"]) == 0
+    assert capsys.readouterr().out == from_train
+
+
+def test_show_config_with_a_bad_key_exits_2_naming_it(capsys):
+    assert train_main(["--show-config", "train.stepz=3"]) == 2
+    assert "train.steps" in capsys.readouterr().err

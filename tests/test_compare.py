@@ -1,0 +1,107 @@
+"""``flaxformer-lite compare``: two runs' curves in one PNG, their final metrics and the settings
+in which they differ, on run directories laid out as train.py writes them and on two tiny runs
+trained by it."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import yaml
+from PIL import Image
+
+from flaxformer_lite.cli import main
+from flaxformer_lite.train.compare import differing_settings, load_runs
+from flaxformer_lite.train.config import TrainConfig
+
+pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
+
+
+def make_run(directory, cfg: TrainConfig, records):
+    """A run directory as ``train.py`` leaves it: ``config.yaml`` and ``metrics.jsonl``."""
+    directory.mkdir(parents=True)
+    (directory / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    (directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+@pytest.fixture
+def two_runs(tmp_path):
+    base = TrainConfig()
+    fast = dataclasses.replace(
+        base,
+        optimizer=dataclasses.replace(base.optimizer, lr=0.01),
+        train=dataclasses.replace(base.train, batch_size=64),
+    )
+    curve = [{"step": s, "loss": 2.0 / s, "learning_rate": 1e-3} for s in (10, 20, 30)]
+    evals = [{"step": 30, "eval_loss": 0.5, "eval_exact_match": 0.25}]
+    make_run(tmp_path / "a", base, curve + evals)
+    make_run(tmp_path / "b", fast, [{**r, "loss": r["loss"] / 2} for r in curve])
+    return tmp_path / "a", tmp_path / "b"
+
+
+def test_compare_writes_the_figure_and_both_tables(two_runs, tmp_path, capsys):
+    a, b = two_runs
+    out = tmp_path / "figures" / "ab.png"
+    assert main(["compare", str(a), str(b), "--metric", "loss", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    image = np.asarray(Image.open(out))
+    assert image.shape[0] > 100 and image.shape[1] > 200 and image.std() > 0
+    lines = {line.split()[0]: line.split()[1:] for line in text.splitlines() if line.strip()}
+    assert lines["final"] == ["metrics", str(a), str(b)]
+    assert lines["loss"] == ["0.06667", "0.03333"]
+    assert lines["eval_exact_match"] == ["0.25", "-"]  # never logged by b
+    assert lines["step"] == ["30", "30"]
+    assert lines["optimizer.lr"] == ["0.003", "0.01"]
+    assert lines["train.batch_size"] == ["32", "64"]
+    assert "run_dir" not in lines and "seed" not in lines  # equal settings are left out
+    assert f"wrote {out}" in text
+
+
+def test_differing_settings_and_tokens_per_step(two_runs):
+    runs = load_runs(two_runs)
+    assert differing_settings(runs) == {
+        "optimizer.lr": [0.003, 0.01],
+        "train.batch_size": [32, 64],
+    }
+    assert [run.tokens_per_step for run in runs] == [32 * 64, 64 * 64]
+
+
+def test_several_metrics_in_one_flag_and_repeated(two_runs, tmp_path):
+    a, b = two_runs
+    out = tmp_path / "c.png"
+    argv = ["compare", str(a), str(b), "--metric", "loss", "learning_rate"]
+    assert main([*argv, "--metric", "eval_loss", "--out", str(out)]) == 0
+    assert Image.open(out).size[1] > Image.open(out).size[0] / 2  # three rows of plots
+
+
+def test_an_unknown_metric_or_a_directory_without_a_run_exits_2(two_runs, tmp_path, capsys):
+    a, b = two_runs
+    out = str(tmp_path / "x.png")
+    assert main(["compare", str(a), str(b), "--metric", "los", "--out", out]) == 2
+    assert "--metric los" in capsys.readouterr().err
+    assert main(["compare", str(a), str(tmp_path / "nothing")]) == 2
+    assert "nothing" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.slow
+def test_compare_two_tiny_trained_runs(tmp_path, capsys):
+    from flaxformer_lite.cli.train import train_main
+
+    tiny = ["train.steps=4", "train.log_every=2", "train.eval_every=4", "train.batch_size=8"]
+    tiny += ["data.seq_len=32", "train.decode_examples=4", "data.eval_size=8", "--no-progress"]
+    for name, lr in (("a", "0.003"), ("b", "0.01")):
+        assert train_main([f"run_dir={tmp_path / name}", f"optimizer.lr={lr}", *tiny]) == 0
+    capsys.readouterr()
+    out = tmp_path / "ab.png"
+    argv = ["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out)]
+    assert main([*argv, "--metric", "loss", "eval_exact_match"]) == 0
+    lines = {
+        line.split()[0]: line.split()[1:]
+        for line in capsys.readouterr().out.splitlines()
+        if line.strip()
+    }
+    assert lines["step"] == ["4", "4"] and len(lines["eval_loss"]) == 2
+    assert lines["optimizer.lr"] == ["0.003", "0.01"]
+    assert len(lines) > 10 and "model.vocab_size" not in lines  # resolved equally in both
+    assert Image.open(out).size[0] > 200

@@ -1,0 +1,81 @@
+"""A run directory is locked while a run uses it: a second train.py on it exits 2 naming the
+process that holds it, and a lock left by a killed process (kill -9) does not block."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from subprocess_env import subprocess_env
+
+from flaxformer_lite.cli.train import train_main
+from flaxformer_lite.train.run_dir import LOCK_FILE, RunDirInUseError, locked_run_dir
+
+HOLD = """
+import pathlib, sys, time
+from flaxformer_lite.train.run_dir import locked_run_dir
+with locked_run_dir(pathlib.Path(sys.argv[1])):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.fixture
+def holder(tmp_path):
+    """A process holding ``tmp_path / "run"``, as a running train.py does; killed at the end."""
+    run_dir = tmp_path / "run"
+    process = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(run_dir)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(1),
+    )
+    assert process.stdout.readline().strip() == "held"
+    yield run_dir, process
+    process.kill()
+    process.wait()
+
+
+def test_a_second_run_on_a_held_run_dir_exits_2_naming_the_holder(holder, capsys):
+    run_dir, process = holder
+    (run_dir / "metrics.jsonl").write_text("")
+    for extra in ([], ["--fresh"]):
+        status = train_main([f"run_dir={run_dir}", "train.steps=2", "--no-progress", *extra])
+        err = capsys.readouterr().err
+        assert status == 2, err
+        assert f"in use by process {process.pid}" in err and str(run_dir) in err, err
+    # Nothing was moved aside or written by the refused runs.
+    assert sorted(p.name for p in run_dir.parent.iterdir()) == ["run"]
+    assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl", LOCK_FILE]
+
+
+def test_a_lock_left_by_a_killed_process_does_not_block(holder):
+    run_dir, process = holder
+    with pytest.raises(RunDirInUseError), locked_run_dir(run_dir):
+        pass
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert (run_dir / LOCK_FILE).read_text().strip() == str(process.pid)  # left behind
+    with locked_run_dir(run_dir):
+        assert (run_dir / LOCK_FILE).read_text().strip() == str(os.getpid())
+
+
+def test_the_lock_is_released_when_the_block_ends_or_raises(tmp_path):
+    run_dir = tmp_path / "run"
+    with pytest.raises(KeyError), locked_run_dir(run_dir):
+        raise KeyError("the run failed")
+    held = pytest.raises(RunDirInUseError, match=f"process {os.getpid()}")
+    with locked_run_dir(run_dir), held, locked_run_dir(run_dir):
+        pass
+
+
+def test_fresh_moves_the_old_run_aside_and_locks_the_new_one(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("{}\n")
+    messages = []
+    with locked_run_dir(run_dir, fresh=True, log=messages.append):
+        assert (tmp_path / "run.old1" / "metrics.jsonl").exists()
+        assert sorted(p.name for p in run_dir.iterdir()) == [LOCK_FILE]
+    assert messages == [f"--fresh: moved the previous run to {tmp_path / 'run.old1'}"]
