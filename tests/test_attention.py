@@ -325,3 +325,17 @@ def test_packed_sequences_equal_separate_sequences(implementation):
     first = attend(q[:, :5], k[:, :5], v[:, :5], is_causal=True, implementation=implementation)
     second = attend(q[:, 5:], k[:, 5:], v[:, 5:], is_causal=True, implementation=implementation)
     np.testing.assert_allclose(packed, jnp.concatenate([first, second], axis=1), atol=ATOL)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "chunked", None])
+def test_segment_ids_equal_their_mask_beside_a_key_padding_mask(implementation):
+    # "xla", "chunked" (and "cudnn") fold the ids into the mask; the models pass ids.
+    q, k, v = make_qkv(11, tq=6, tk=6, hq=4, hk=2)
+    ids = jnp.asarray([[1, 1, 2, 2, 2, 0], [1, 2, 2, 3, 3, 3]])
+    valid = jnp.asarray([[True] * 6, [True] * 5 + [False]])[:, None, None, :]
+    by_ids = attend(
+        q, k, v, mask=valid, is_causal=True, segment_ids=(ids, ids), implementation=implementation
+    )
+    mask = ops.combine_masks(valid, ops.segment_mask(ids))
+    by_mask = attend(q, k, v, mask=mask, is_causal=True, implementation=implementation)
+    np.testing.assert_allclose(by_ids, by_mask, atol=ATOL, rtol=0)

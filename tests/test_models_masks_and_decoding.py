@@ -3,9 +3,11 @@ position schemes, incremental and ragged decoding against the full forward pass,
 sequences, and padding invariance of the three architectures, on tiny models (``tiny_models.py``).
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from tiny_models import (
     VOCAB,
     B,
@@ -25,6 +27,9 @@ from tiny_models import (
     tiny,
     tokens,
 )
+
+from flaxformer_lite import ops
+from flaxformer_lite.models import build_model
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 
@@ -222,3 +227,53 @@ def test_encoder_ignores_padding(positions):
     out = np.asarray(enc_forward(model, perturb(toks, 3), mask))
     for row, n in enumerate(lengths):
         assert (max_diff(out[row, :n], base[row, :n], axis=-1) > 1e-6).all()
+
+
+# ------------------------------------------------------------------ Segment ids reach the attention
+
+# Row 0: two segments and a padding position (id 0); row 1: three segments.
+PACKED_IDS = jnp.asarray([[1, 1, 1, 2, 2, 2, 2, 0], [1, 1, 2, 2, 3, 3, 3, 3]], jnp.int32)
+
+
+def mask_only_attention(query, key, value, bias, mask, **kwargs):
+    """ "xla" as an ``attention_fn``, which gets the segment ids folded into its bool mask."""
+    return ops.dot_product_attention(query, key, value, bias, mask, implementation="xla", **kwargs)
+
+
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny", "bert-tiny"])
+def test_segment_ids_reach_the_attention_as_ids_and_equal_the_bool_mask(preset, monkeypatch):
+    cfg = tiny(preset, attention_implementation="xla")
+    with_ids = make(cfg)
+    with_mask = build_model(
+        cfg, rngs=nnx.Rngs(jax.random.key(0, impl="rbg")), attention_fn=mask_only_attention
+    )
+    with_mask.eval()
+    inputs = dict(segment_ids=PACKED_IDS, padding_mask=lengths_mask([T, 7], T))
+    x = tokens((B, T))
+    calls = []
+    attention = ops.dot_product_attention
+
+    def spy(query, key, value, bias, mask, **kwargs):
+        calls.append((mask, kwargs["segment_ids"]))
+        return attention(query, key, value, bias, mask, **kwargs)
+
+    monkeypatch.setattr(ops, "dot_product_attention", spy)
+    out = with_ids(x, **inputs)
+    monkeypatch.undo()
+    # Every layer got the ids as a pair and a key padding mask, not a [B, 1, T, T] mask.
+    assert len(calls) == cfg.num_encoder_layers + cfg.num_decoder_layers
+    for mask, (q_ids, kv_ids) in calls:
+        assert mask.shape == (B, 1, 1, T)
+        np.testing.assert_array_equal(q_ids, PACKED_IDS)
+        np.testing.assert_array_equal(kv_ids, PACKED_IDS)
+    assert_close(out, with_mask(x, **inputs), atol=1e-6, rtol=1e-6)
+
+
+def test_segment_ids_are_refused_where_they_have_no_meaning():
+    model = make(tiny("gpt2-tiny"))
+    model.init_cache(B, 16)
+    with pytest.raises(ValueError, match="segment_ids"):
+        model(tokens((B, T)), segment_ids=PACKED_IDS, decode=True)
+    attention = model.decoder.layers.layers[0].self_attention
+    with pytest.raises(ValueError, match="segment_ids are for self-attention without a KV cache"):
+        attention(jnp.zeros((B, T, 32)), segment_ids=PACKED_IDS, cache_index=jnp.asarray(0))

@@ -15,11 +15,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_cases import ATOL, assert_close_to_scale, make_qkv
+from flax import nnx
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import NamedSharding, PartitionSpec
 
 from flaxformer_lite import ops, parallel
-from flaxformer_lite.ops import pallas_attention
+from flaxformer_lite.ops import attention_choice, pallas_attention
+from flaxformer_lite.train.config import load_config
+from flaxformer_lite.train.optim import make_optimizer
+from flaxformer_lite.train.restore import make_train_state
+from flaxformer_lite.train.step import make_train_step
 
 T = 9  # not a multiple of the kernels' block: padded keys must stay hidden
 
@@ -200,6 +205,43 @@ def test_tpu_kernel_compiles_for_v5e_under_a_sharded_mesh():
         compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
     # The forward kernel and the two of the backward pass (dK/dV and dQ).
     assert compiled.as_text().count("tpu_custom_call") == 3
+
+
+def test_packed_gpt2_train_step_compiled_for_v5e_runs_the_pallas_kernel(caplog):
+    # Packed rows reach the attention as segment ids, which the kernel takes, not as a
+    # [B, 1, T, T] mask, which it cannot.
+    pytest.importorskip("libtpu")
+    from jax.experimental import topologies
+
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # as in the test above
+    topology = topologies.get_topology_desc(
+        platform="tpu",
+        topology_name="v5e:2x2",
+        chip_config_name="default",
+        chips_per_host_bounds=(2, 2, 1),
+        num_slices=1,
+    )
+    overrides = ["model.dtype=bfloat16", "model.attention_dropout=0.0", "mesh.data=4"]
+    cfg = load_config(None, overrides)
+    mesh = topologies.make_mesh(topology, (4, 1, 1), parallel.MESH_AXES)
+    tx, _ = make_optimizer(cfg.optimizer, total_steps=cfg.train.steps, d_model=cfg.model.d_model)
+    graphdef, state, shardings = parallel.abstract_sharded(
+        lambda: make_train_state(cfg, tx), mesh, cfg.mesh.rules
+    )
+    attention_choice.log_once.cache_clear()  # a fallback logged by an earlier test counts too
+    rules = nnx.logical_axis_rules(parallel.rule_pairs(cfg.mesh.rules))
+    # conftest.py asks for float32 precision, which Mosaic rejects for bf16 matmuls.
+    precision = jax.default_matmul_precision("default")
+    caplog.set_level(logging.INFO, logger="flaxformer_lite.ops.attention")
+    with jax.set_mesh(mesh), rules, precision:
+        rows = parallel.batch_sharding(mesh, cfg.mesh.rules)
+        ints = jax.ShapeDtypeStruct((8, cfg.data.seq_len), jnp.int32, sharding=rows)
+        weights = jax.ShapeDtypeStruct(ints.shape, jnp.float32, sharding=rows)
+        batch = dict(inputs=ints, targets=ints, weights=weights, positions=ints, segment_ids=ints)
+        step = make_train_step(graphdef, task="lm", state_shardings=shardings)
+        hlo = step.lower(state, batch).compile().as_text()
+    assert "tpu_custom_call" in hlo
+    assert not [r.message for r in caplog.records if "attention:" in r.message]
 
 
 # An H100 as XLA's GPU compiler sees it (its TargetConfig): enough to compile without a GPU.

@@ -6,7 +6,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from flaxformer_lite import ops
 from flaxformer_lite.models.config import ModelConfig
 from flaxformer_lite.models.parts import (
     DecodeState,
@@ -84,16 +83,18 @@ class DecoderLM(nnx.Module):
             kv_length = self.decode_state.max_length
         else:
             check_length(self.config, length, "input")
-            mask = ops.combine_masks(
-                None if segment_ids is None else ops.segment_mask(segment_ids),
-                key_mask(padding_mask),
-            )
+            mask = key_mask(padding_mask)
             cache_index, kv_length, overflow = None, length, None
         if positions is None:
             positions = default_positions(length, 0 if cache_index is None else cache_index)
         x = self.embed(inputs, positions)
         x = self.decoder(
-            x, mask=mask, positions=positions, cache_index=cache_index, kv_length=kv_length
+            x,
+            mask=mask,
+            positions=positions,
+            cache_index=cache_index,
+            kv_length=kv_length,
+            segment_ids=segment_ids,
         )
         logits = self.head(x)
         return logits if overflow is None else poison_if(overflow, logits)

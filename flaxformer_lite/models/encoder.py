@@ -6,7 +6,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from flaxformer_lite import ops
 from flaxformer_lite.models.config import ModelConfig
 from flaxformer_lite.models.parts import (
     InputEmbedding,
@@ -95,13 +94,11 @@ class Encoder(nnx.Module):
         token_types = self._token_types(inputs, token_types)
         length = inputs.shape[1]
         check_length(self.config, length, "input")
-        pair_mask = ops.combine_masks(
-            key_mask(padding_mask),
-            None if segment_ids is None else ops.segment_mask(segment_ids),
-        )
         positions = default_positions(length) if positions is None else positions
         x = self.embed(inputs, positions, token_types)
-        return self.encoder(x, mask=pair_mask, positions=positions)
+        return self.encoder(
+            x, mask=key_mask(padding_mask), positions=positions, segment_ids=segment_ids
+        )
 
     def __call__(self, inputs: jax.Array, **kwargs) -> jax.Array:
         """With ``num_classes``, the class logits ``[B, num_classes]`` of :meth:`classify`;

@@ -127,6 +127,7 @@ class TransformerLayer(nnx.Module):
         context_mask: jax.Array | None = None,
         positions: jax.Array | None = None,
         cache_index: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
     ) -> jax.Array:
         """One layer.
 
@@ -140,6 +141,7 @@ class TransformerLayer(nnx.Module):
           positions: ``[T]`` or ``[B, T]`` positions for RoPE.
           cache_index: decode through the self-attention KV cache from this slot (and, if
             allocated, the cross-attention cache: ``context=None`` reuses the stored context).
+          segment_ids: int ``[B, T]`` of packed rows, for the self-attention (no cache).
 
         Returns:
           ``[B, T, D]``.
@@ -153,6 +155,7 @@ class TransformerLayer(nnx.Module):
                 positions=positions,
                 is_causal=self.causal,
                 cache_index=cache_index,
+                segment_ids=segment_ids,
             )
 
         cross_attention = (

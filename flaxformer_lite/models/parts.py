@@ -177,11 +177,13 @@ class Tower(nnx.Module):
         positions=None,
         cache_index=None,
         kv_length=None,
+        segment_ids=None,
     ):
         """``x [B, T, D]`` -> ``[B, T, D]``.
 
         ``kv_length`` is the self-attention key count (the cache length when decoding; T
-        otherwise); ``cache_index`` the first cache slot of ``x``.
+        otherwise); ``cache_index`` the first cache slot of ``x``; ``segment_ids`` int
+        ``[B, T]`` those of packed rows, for the self-attention.
         """
         length = x.shape[1]
         kv_length = kv_length or length
@@ -199,6 +201,7 @@ class Tower(nnx.Module):
             context_mask=context_mask,
             positions=positions,
             cache_index=cache_index,
+            segment_ids=segment_ids,
         )
         return x if self.final_norm is None else self.final_norm(x)
 

@@ -46,7 +46,8 @@ class MultiHeadAttention(nnx.Module):
       rope: rotate queries and keys by their positions (self-attention only).
       dropout_rate: dropout on the attention weights.
       attention_fn: ``fn(q, k, v, bias, mask, *, is_causal, dropout_rate, dropout_rng)``; the
-        default is ``ops.dot_product_attention`` with ``implementation``.
+        default is ``ops.dot_product_attention`` with ``implementation``. It receives segment
+        ids folded into ``mask``.
       implementation: passed to the default ``attention_fn`` (None = chosen per input).
       init, out_init: initializers of the input and output projections.
       dtype, param_dtype: compute and storage dtypes.
@@ -166,6 +167,7 @@ class MultiHeadAttention(nnx.Module):
         positions: jax.Array | None = None,
         is_causal: bool = False,
         cache_index: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
     ) -> jax.Array:
         """Attends from ``x`` to itself, or to ``context`` (cross-attention).
 
@@ -182,12 +184,17 @@ class MultiHeadAttention(nnx.Module):
             beyond their own position masked when ``is_causal``. ``cache_index + T`` must not
             exceed the cache length (the slot would be clamped). For cross-attention with a
             cache: a ``context`` is projected and stored; ``context=None`` reuses the stored one.
+          segment_ids: int ``[B, T]`` of packed rows (self-attention without a cache): a
+            position attends only to keys of its own segment. They reach
+            ``ops.dot_product_attention`` as ids rather than a ``[B, 1, T, T]`` mask, which
+            the TPU flash kernel takes.
 
         Returns:
           ``[B, T, D]`` in the compute dtype.
         """
         if x.ndim != 3:
             raise ValueError(f"attention expects x as [batch, length, features], got {x.shape}")
+        segment_pair = self._segment_pair(segment_ids, context, cache_index)
         length = x.shape[1]
         if self.fused_qkv:
             if context is not None:
@@ -217,7 +224,9 @@ class MultiHeadAttention(nnx.Module):
                 is_causal = False
 
         if self.sow_weights:
-            weights = ops.attention_weights(q, k, bias, mask, is_causal=is_causal)
+            weights = ops.attention_weights(
+                q, k, bias, with_segments(mask, segment_pair), is_causal=is_causal
+            )
             self.sow(nnx.Intermediate, "attention_weights", weights)
         dropout_rate = 0.0 if self.deterministic else self.dropout_rate
         dropout = dict(
@@ -233,11 +242,21 @@ class MultiHeadAttention(nnx.Module):
                 mask,
                 is_causal=is_causal,
                 implementation=self.implementation,
+                segment_ids=segment_pair,
                 **dropout,
             )
         else:
+            mask = with_segments(mask, segment_pair)
             out = self.attention_fn(q, k, v, bias, mask, is_causal=is_causal, **dropout)
         return self.out(out)
+
+    def _segment_pair(self, segment_ids, context, cache_index):
+        """``(ids, ids)``, the query and key ids of self-attention over packed rows, or ``None``."""
+        if segment_ids is None:
+            return None
+        if self.cross or context is not None or cache_index is not None:
+            raise ValueError("segment_ids are for self-attention without a KV cache")
+        return segment_ids, segment_ids
 
     def _cached_context(self, context: jax.Array | None) -> tuple[jax.Array, jax.Array]:
         """Cross-attention keys/values ``[B, S, Hk, Dh]``: of ``context``, stored in the cache
@@ -273,3 +292,11 @@ class MultiHeadAttention(nnx.Module):
         )
         self.cached_key[...], self.cached_value[...] = cached_key, cached_value
         return tuple(x.swapaxes(1, 2).astype(self.dtype) for x in (cached_key, cached_value))
+
+
+def with_segments(mask: jax.Array | None, segment_pair) -> jax.Array | None:
+    """``mask`` and the ``[B, 1, T, S]`` mask of ``segment_pair`` (query and key ids) combined,
+    for the consumers of masks only: ``ops.attention_weights`` and a custom ``attention_fn``."""
+    if segment_pair is None:
+        return mask
+    return ops.combine_masks(mask, ops.segment_mask(*segment_pair))
