@@ -34,7 +34,7 @@ from flaxformer_lite.train.config import (
     is_runtime_key,
 )
 from flaxformer_lite.train.decode_eval import decodable, decode_eval
-from flaxformer_lite.train.metrics import MetricsWriter, peak_flops, plot_run
+from flaxformer_lite.train.metrics import METRICS_FILE, MetricsWriter, peak_flops, plot_run
 from flaxformer_lite.train.optim import make_optimizer
 from flaxformer_lite.train.restore import (
     from_savable,
@@ -128,8 +128,11 @@ def run(
         run_dir / "checkpoints", keep=cfg.checkpoint.keep, every=cfg.checkpoint.every
     )
     with contextlib.closing(checkpointer):
-        if checkpointer.latest_step() is not None:
+        if checkpointer.latest_step() is None:
+            _refuse_to_overwrite_metrics(run_dir)
+        else:
             saved = config_from_dict(checkpointer.restore_config())
+            cfg = _keep_schedule_span(saved, cfg, log)
             _check_resumable(saved, cfg, force, log)
             if saved.mesh != cfg.mesh:
                 log(
@@ -144,7 +147,7 @@ def run(
 def _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log):
     run_dir, rules = pathlib.Path(cfg.run_dir), cfg.mesh.rules
     tx, schedule = make_optimizer(
-        cfg.optimizer, total_steps=cfg.train.steps, d_model=cfg.model.d_model
+        cfg.optimizer, total_steps=_schedule_span(cfg), d_model=cfg.model.d_model
     )
 
     create = functools.partial(make_train_state, cfg, tx)
@@ -182,7 +185,7 @@ def _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log):
     flops_per_token = training_flops_per_token(cfg.model, cfg.data.seq_len)
     peak = peak_flops()
     main = jax.process_index() == 0
-    writer = MetricsWriter(run_dir, resume_step=step) if main else _NoMetrics()
+    writer = MetricsWriter(run_dir, resume_step=step, log=log) if main else _NoMetrics()
     bar = _progress_bar(cfg.train.steps, step, progress)
     last: dict[str, float] = {}
     total = cfg.train.steps
@@ -389,6 +392,8 @@ class _NoMetrics:
 
 def _check_resumable(saved: TrainConfig, cfg: TrainConfig, force: bool, log) -> None:
     diff = config_diff(saved, cfg)
+    if _schedule_span(saved) == _schedule_span(cfg):  # None and the steps it stood for
+        diff.pop("optimizer.schedule_steps", None)
     changed = {k: v for k, v in diff.items() if not is_runtime_key(k)}
     lines = [f"  {key}: {old!r} -> {new!r}" for key, (old, new) in changed.items()]
     if changed and not force:
@@ -398,6 +403,41 @@ def _check_resumable(saved: TrainConfig, cfg: TrainConfig, force: bool, log) -> 
         )
     if changed:
         log("resuming with a changed config (--force):\n" + "\n".join(lines))
+
+
+def _keep_schedule_span(saved: TrainConfig, cfg: TrainConfig, log) -> TrainConfig:
+    """``cfg`` resuming ``saved`` with the learning-rate schedule's span it was trained with:
+    raising ``train.steps`` extends a run (as Orbax/MaxText users do) at the rate it ended with,
+    instead of jumping back up a stretched cosine. ``optimizer.schedule_steps`` set by the user
+    (a changed config: ``--force``) stretches it instead."""
+    if cfg.optimizer.schedule_steps is not None:
+        return cfg
+    span = _schedule_span(saved)
+    if span == cfg.train.steps:
+        return cfg
+    if cfg.optimizer.schedule in ("cosine", "linear"):
+        log(
+            f"train.steps {saved.train.steps} -> {cfg.train.steps}: the {cfg.optimizer.schedule} "
+            f"schedule keeps its {span}-step span (after it the rate stays at its end value); "
+            f"to stretch it instead, pass optimizer.schedule_steps={cfg.train.steps} --force"
+        )
+    optimizer = dataclasses.replace(cfg.optimizer, schedule_steps=span)
+    return dataclasses.replace(cfg, optimizer=optimizer)
+
+
+def _schedule_span(cfg: TrainConfig) -> int:
+    return cfg.optimizer.schedule_steps or cfg.train.steps
+
+
+def _refuse_to_overwrite_metrics(run_dir: pathlib.Path) -> None:
+    """A run with logged steps but no checkpoint (deleted, or never written) would start over
+    at step 0 and drop those steps' metrics and TensorBoard events: the user decides."""
+    path = run_dir / METRICS_FILE
+    if path.exists() and path.stat().st_size > 0:
+        raise ConfigError(
+            f"{path} holds logged steps but {run_dir / 'checkpoints'} has no checkpoint to "
+            "resume from; pass --fresh to move the old run aside and start over"
+        )
 
 
 def _move_aside(run_dir: pathlib.Path) -> pathlib.Path:
