@@ -18,9 +18,10 @@ from subprocess_env import subprocess_env
 from flaxformer_lite.cli.train import train_main
 from flaxformer_lite.train.checkpoint import Checkpointer, CheckpointError
 from flaxformer_lite.train.config import ConfigError, load_config
-from flaxformer_lite.train.loop import _check_resumable, _keep_schedule_span, run
+from flaxformer_lite.train.loop import _check_resumable, run
 from flaxformer_lite.train.metrics import MetricsWriter, read_metrics
 from flaxformer_lite.train.optim import make_optimizer
+from flaxformer_lite.train.resume import keep_schedule_span
 
 pytestmark = pytest.mark.fast_compile
 
@@ -234,7 +235,7 @@ def test_more_train_steps_on_resume_keep_the_schedule_span():
     saved = load_config(None, ["train.steps=60", *common])
     extended = load_config(None, ["train.steps=80", *common])
     logged = []
-    kept = _keep_schedule_span(saved, extended, logged.append)
+    kept = keep_schedule_span(saved, extended, logged.append)
     assert kept.optimizer.schedule_steps == 60 and "keeps its 60-step span" in logged[0]
     _check_resumable(saved, kept, force=False, log=logged.append)  # no other change
     _, schedule = make_optimizer(kept.optimizer, total_steps=60, d_model=64)
@@ -242,8 +243,63 @@ def test_more_train_steps_on_resume_keep_the_schedule_span():
     np.testing.assert_allclose(rates, [1e-4] * 3, rtol=1e-5)  # stays at the end value
     # Stretching it is a choice: a changed config, refused without --force.
     stretched = load_config(None, ["train.steps=80", *common, "optimizer.schedule_steps=80"])
-    assert _keep_schedule_span(saved, stretched, logged.append) is stretched
+    assert keep_schedule_span(saved, stretched, logged.append) is stretched
     with pytest.raises(ConfigError, match="optimizer.schedule_steps"):
         _check_resumable(saved, stretched, force=False, log=logged.append)
     # A third run with the same steps inherits the kept span without a change.
-    assert _keep_schedule_span(kept, extended, logged.append) == kept
+    assert keep_schedule_span(kept, extended, logged.append) == kept
+
+
+def text_run(run_dir, path, *overrides):
+    return load_config(
+        None,
+        [
+            f"run_dir={run_dir}",
+            *TINY,
+            "data.source=text",
+            f"data.path={path}",
+            "data.tokenizer=char",
+            "data.seq_len=16",
+            "data.validation_fraction=0.2",
+            *overrides,
+        ],
+    )
+
+
+def test_a_tokenizer_left_by_a_failed_attempt_is_refused_for_other_data(tmp_path):
+    run_dir = tmp_path / "run"
+    first, second = tmp_path / "words.txt", tmp_path / "sums.txt"
+    first.write_text("".join(f"line {i} of words\n" for i in range(40)))
+    second.write_text("".join(f"{i}+{i + 1}={2 * i + 1}\n" for i in range(40)))
+    failing = text_run(run_dir, first, "train.steps=2", "optimizer.warmup_steps=5")
+    with pytest.raises(ValueError, match="warmup_steps"):  # after the tokenizer was saved
+        run(failing, progress=False, log=lambda _: None)
+    assert (run_dir / "tokenizer").is_dir() and (run_dir / "inputs.json").is_file()
+    other = text_run(run_dir, second, "train.steps=1")
+    with pytest.raises(ConfigError, match="the data differ") as info:
+        run(other, progress=False, log=lambda _: None)
+    assert f"data.path: '{first}' -> '{second}'" in str(info.value)
+    logged = []
+    run(other, force=True, progress=False, log=logged.append)
+    assert any("moved the tokenizer made from the old data" in line for line in logged)
+    from flaxformer_lite.data.tokenizers import load_tokenizer
+
+    tokenizer = load_tokenizer(run_dir / "tokenizer")
+    assert tokenizer.decode(tokenizer.encode("123+45=168")) == "123+45=168"
+
+
+@pytest.mark.slow
+def test_changed_data_on_resume_are_shown_and_force_goes_on(tmp_path):
+    run_dir, path = tmp_path / "run", tmp_path / "lines.txt"
+    path.write_text("".join(f"{i}+{i + 1}={2 * i + 1}\n" for i in range(40)))
+    run(text_run(run_dir, path, "train.steps=2"), progress=False, log=lambda _: None)
+    path.write_text("".join(f"{i}+{i + 2}={2 * i + 2}\n" for i in range(60)))  # more lines
+    more = text_run(run_dir, path, "train.steps=3")
+    with pytest.raises(ConfigError, match="the data differ") as info:
+        run(more, progress=False, log=lambda _: None)
+    assert f"{path}: " in str(info.value) and "bytes ->" in str(info.value)
+    logged = []
+    run(more, force=True, progress=False, log=logged.append)
+    assert any("going on with changed data" in line for line in logged)
+    assert any("resuming with changed data" in line for line in logged)  # the pipeline's diff
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3]

@@ -12,7 +12,6 @@ import dataclasses
 import functools
 import math
 import pathlib
-import shutil
 import signal
 import time
 
@@ -34,7 +33,7 @@ from flaxformer_lite.train.config import (
     is_runtime_key,
 )
 from flaxformer_lite.train.decode_eval import decodable, decode_eval
-from flaxformer_lite.train.metrics import METRICS_FILE, MetricsWriter, peak_flops, plot_run
+from flaxformer_lite.train.metrics import MetricsWriter, peak_flops, plot_run
 from flaxformer_lite.train.optim import make_optimizer
 from flaxformer_lite.train.restore import (
     from_savable,
@@ -43,6 +42,16 @@ from flaxformer_lite.train.restore import (
     restore_target,
     to_savable,
 )
+from flaxformer_lite.train.resume import (
+    check_inputs,
+    has_checkpoint,
+    keep_schedule_span,
+    move_aside,
+    refuse_to_overwrite_metrics,
+    restore_data_state,
+    schedule_span,
+)
+from flaxformer_lite.train.run_inputs import built_inputs, write_inputs
 from flaxformer_lite.train.step import make_eval_step, make_train_step, task_of
 
 
@@ -86,7 +95,7 @@ def run(
     log, progress = (log, progress) if main else (_quiet, False)
     run_dir = pathlib.Path(cfg.run_dir)
     if fresh and main and run_dir.exists():
-        log(f"--fresh: moved the previous run to {_move_aside(run_dir)}")
+        log(f"--fresh: moved the previous run to {move_aside(run_dir)}")
     _sync_processes("run directory ready")
     run_dir.mkdir(parents=True, exist_ok=True)
 
@@ -101,6 +110,10 @@ def run(
     )
     shard_index, shard_count = parallel.process_batch_shard(batch_sharding, cfg.train.batch_size)
     task = task_of(cfg.model)
+    if not has_checkpoint(run_dir):
+        refuse_to_overwrite_metrics(run_dir)
+    check_inputs(cfg, run_dir, force, main, log)
+    _sync_processes("inputs checked")
     # init_from: the checkpoint's tokenizer, with its ids (a resumed run reads the saved copy).
     tokenizer = None if cfg.init_from is None else load_hf_tokenizer(cfg.init_from)
     data = build_data(
@@ -114,6 +127,8 @@ def run(
         save_tokenizer=main,
         tokenizer=tokenizer,
     )
+    if main:
+        write_inputs(run_dir, built_inputs(cfg.data, run_dir))
     if cfg.init_from is not None:  # the embedding table may have more rows than ids
         if data.vocab_size > cfg.model.vocab_size:
             raise ConfigError(
@@ -128,11 +143,9 @@ def run(
         run_dir / "checkpoints", keep=cfg.checkpoint.keep, every=cfg.checkpoint.every
     )
     with contextlib.closing(checkpointer):
-        if checkpointer.latest_step() is None:
-            _refuse_to_overwrite_metrics(run_dir)
-        else:
+        if checkpointer.latest_step() is not None:
             saved = config_from_dict(checkpointer.restore_config())
-            cfg = _keep_schedule_span(saved, cfg, log)
+            cfg = keep_schedule_span(saved, cfg, log)
             _check_resumable(saved, cfg, force, log)
             if saved.mesh != cfg.mesh:
                 log(
@@ -141,13 +154,13 @@ def run(
                 )
         if main:
             (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        return _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log)
+        return _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log, force)
 
 
-def _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log):
+def _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log, force):
     run_dir, rules = pathlib.Path(cfg.run_dir), cfg.mesh.rules
     tx, schedule = make_optimizer(
-        cfg.optimizer, total_steps=_schedule_span(cfg), d_model=cfg.model.d_model
+        cfg.optimizer, total_steps=schedule_span(cfg), d_model=cfg.model.d_model
     )
 
     create = functools.partial(make_train_state, cfg, tx)
@@ -163,7 +176,7 @@ def _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log):
     if resuming:
         restored = checkpointer.restore(restore_target(state))
         state = from_savable(restored.state, state)
-        data.train.set_state(restored.data_state)
+        restore_data_state(data.train, restored.data_state, force, log)
         step = restored.step
         log(f"resumed from step {step} of {checkpointer.directory}")
 
@@ -392,7 +405,7 @@ class _NoMetrics:
 
 def _check_resumable(saved: TrainConfig, cfg: TrainConfig, force: bool, log) -> None:
     diff = config_diff(saved, cfg)
-    if _schedule_span(saved) == _schedule_span(cfg):  # None and the steps it stood for
+    if schedule_span(saved) == schedule_span(cfg):  # None and the steps it stood for
         diff.pop("optimizer.schedule_steps", None)
     changed = {k: v for k, v in diff.items() if not is_runtime_key(k)}
     lines = [f"  {key}: {old!r} -> {new!r}" for key, (old, new) in changed.items()]
@@ -403,49 +416,6 @@ def _check_resumable(saved: TrainConfig, cfg: TrainConfig, force: bool, log) -> 
         )
     if changed:
         log("resuming with a changed config (--force):\n" + "\n".join(lines))
-
-
-def _keep_schedule_span(saved: TrainConfig, cfg: TrainConfig, log) -> TrainConfig:
-    """``cfg`` resuming ``saved`` with the learning-rate schedule's span it was trained with:
-    raising ``train.steps`` extends a run (as Orbax/MaxText users do) at the rate it ended with,
-    instead of jumping back up a stretched cosine. ``optimizer.schedule_steps`` set by the user
-    (a changed config: ``--force``) stretches it instead."""
-    if cfg.optimizer.schedule_steps is not None:
-        return cfg
-    span = _schedule_span(saved)
-    if span == cfg.train.steps:
-        return cfg
-    if cfg.optimizer.schedule in ("cosine", "linear"):
-        log(
-            f"train.steps {saved.train.steps} -> {cfg.train.steps}: the {cfg.optimizer.schedule} "
-            f"schedule keeps its {span}-step span (after it the rate stays at its end value); "
-            f"to stretch it instead, pass optimizer.schedule_steps={cfg.train.steps} --force"
-        )
-    optimizer = dataclasses.replace(cfg.optimizer, schedule_steps=span)
-    return dataclasses.replace(cfg, optimizer=optimizer)
-
-
-def _schedule_span(cfg: TrainConfig) -> int:
-    return cfg.optimizer.schedule_steps or cfg.train.steps
-
-
-def _refuse_to_overwrite_metrics(run_dir: pathlib.Path) -> None:
-    """A run with logged steps but no checkpoint (deleted, or never written) would start over
-    at step 0 and drop those steps' metrics and TensorBoard events: the user decides."""
-    path = run_dir / METRICS_FILE
-    if path.exists() and path.stat().st_size > 0:
-        raise ConfigError(
-            f"{path} holds logged steps but {run_dir / 'checkpoints'} has no checkpoint to "
-            "resume from; pass --fresh to move the old run aside and start over"
-        )
-
-
-def _move_aside(run_dir: pathlib.Path) -> pathlib.Path:
-    number = 1
-    while (target := run_dir.with_name(f"{run_dir.name}.old{number}")).exists():
-        number += 1
-    shutil.move(run_dir, target)
-    return target
 
 
 def _progress_bar(total: int, initial: int, enabled: bool):
