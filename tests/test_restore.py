@@ -165,3 +165,14 @@ def test_none_readable_names_the_directory(run_dir, tmp_path):
     with pytest.raises(ValueError, match="none of the checkpoints in .*steps \\[2, 3\\]") as info:
         load_run(copy)
     assert len(str(info.value).splitlines()) == 1
+
+
+def test_attention_out_naming_a_file_exits_2_with_one_line(run_dir, tmp_path, capsys):
+    from flaxformer_lite.cli import main
+
+    out = tmp_path / "a_file"
+    out.write_text("")
+    argv = ["attention", "--run_dir", str(run_dir), "--text", "1+2=", "--out", str(out)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(out) in err[0], err
