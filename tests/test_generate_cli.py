@@ -220,7 +220,7 @@ def test_generate_command_translates_with_beam_search(translation_run, capsys):
         (["--run_dir", "{lm}", "--prompt", "x", "--beam_size", "0"], "--beam_size must be"),
         (
             ["--run_dir", "{lm}", "--prompt", "x", "--beam_size", "-2", "--n_best", "-5"],
-            "--beam_size must be at least 1, got -2",
+            "--beam_size must be positive, got -2",
         ),
         (["--run_dir", "{lm}", "--prompt", "x", "--num_samples", "0"], "--num_samples must be"),
         (["--run_dir", "{lm}", "--prompt", "x", "--top_k", "0"], "--top_k must be"),

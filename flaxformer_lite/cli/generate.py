@@ -139,13 +139,13 @@ def check_flags(args: argparse.Namespace) -> None:
     """Raises ValueError naming the first flag out of its range or at odds with another."""
     for flag in ("max_new_tokens", "num_samples", "beam_size", "n_best"):
         if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+            raise ValueError(f"--{flag} must be positive, got {getattr(args, flag)}")
     if args.n_best > args.beam_size:
         raise ValueError(f"--n_best ({args.n_best}) cannot exceed --beam_size ({args.beam_size})")
     if not args.temperature >= 0:  # NaN too
         raise ValueError(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
     if args.top_k is not None and args.top_k < 1:
-        raise ValueError(f"--top_k must be at least 1, got {args.top_k}")
+        raise ValueError(f"--top_k must be positive, got {args.top_k}")
     if args.beam_size > 1 and (args.temperature > 0 or args.num_samples > 1):
         raise ValueError(
             f"--beam_size {args.beam_size} is deterministic: it takes no --temperature "
