@@ -214,10 +214,9 @@ def _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log, f
         )
         if not cfg.train.skip_nonfinite:
             checkpointer.wait()  # a save in flight is good: name it as the last one
-            raise TrainingError(
-                f"{message} and the run stopped; last good checkpoint: "
-                f"step {checkpointer.latest_step()}"
-            )
+            good = checkpointer.latest_step()
+            where = "none written yet" if good is None else f"step {good}"
+            raise TrainingError(f"{message} and the run stopped; last good checkpoint: {where}")
         log(message)
 
     # The host runs one step ahead of the devices: it dispatches step s, takes and places batch
