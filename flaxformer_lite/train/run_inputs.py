@@ -111,7 +111,9 @@ def store_of(
     elif run_dir is None:
         return None
     else:
-        candidates = sorted((run_dir / PREPARED_DIR).glob(f"{cfg.source}-*/{MANIFEST}"))
+        found = (run_dir / PREPARED_DIR).glob(f"{cfg.source}-*/{MANIFEST}")
+        # A cached store is <source>-<hex>; one moved aside by --force has a .old<N> suffix.
+        candidates = sorted(p for p in found if "." not in p.parent.name)
     for path in candidates:
         try:
             manifest = json.loads(path.read_text(encoding="utf-8"))
