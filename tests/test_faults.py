@@ -6,6 +6,7 @@ import errno
 import os
 import pathlib
 import random
+import shlex
 import signal
 import subprocess
 import sys
@@ -104,6 +105,38 @@ def test_train_exits_2_in_seconds_when_checkpoints_cannot_be_written(tmp_path):
     assert err.strip().splitlines()[-1].startswith("error: cannot write a checkpoint in "), err
     # orbax's own tracebacks went to the run's library log instead
     assert "Read-only" in (tmp_path / "run" / "library.log").read_text()
+
+
+def read_only_mount_works() -> bool:
+    probe = ["unshare", "-rm", "sh", "-c", "mount --bind -o ro /tmp /tmp && ! touch /tmp/.ro"]
+    try:
+        return subprocess.run(probe, capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not read_only_mount_works(), reason="no user and mount namespaces here")
+def test_train_exits_2_on_a_read_only_bind_mounted_checkpoints_directory(tmp_path):
+    """The real thing: EROFS from the kernel, in a mount namespace (no root needed where user
+    namespaces are allowed)."""
+    checkpoints = tmp_path / "run" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    train = [sys.executable, "train.py", "--no-progress", f"run_dir={tmp_path / 'run'}", *TINY]
+    where = shlex.quote(str(checkpoints))
+    mount = f"mount --bind -o ro {where} {where} && exec {shlex.join([*train, 'train.steps=2'])}"
+    child = subprocess.Popen(
+        ["unshare", "-rm", "sh", "-c", mount],
+        cwd=REPO,
+        env=subprocess_env(1),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    out, err = child.communicate(timeout=300)
+    assert child.returncode == 2, (out, err[-3000:])
+    assert "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("error: cannot write a checkpoint in "), err
 
 
 @pytest.mark.slow
