@@ -215,8 +215,20 @@ def test_generate_command_translates_with_beam_search(translation_run, capsys):
     ("args", "message"),
     [
         (["--run_dir", "{missing}", "--prompt", "x"], "missing"),
-        (["--run_dir", "{lm}", "--prompt", "x", "--beam_size", "2", "--n_best", "3"], "n_best"),
+        (["--run_dir", "{lm}", "--prompt", "x", "--beam_size", "2", "--n_best", "3"], "--n-best"),
         (["--run_dir", "{lm}", "--prompt", "x", "--temperature", "-1"], "temperature"),
+        (["--run_dir", "{lm}", "--prompt", "x", "--beam_size", "0"], "--beam-size must be"),
+        (
+            ["--run_dir", "{lm}", "--prompt", "x", "--beam_size", "-2", "--n_best", "-5"],
+            "--beam-size must be positive, got -2",
+        ),
+        (["--run_dir", "{lm}", "--prompt", "x", "--num_samples", "0"], "--num-samples must be"),
+        (["--run_dir", "{lm}", "--prompt", "x", "--top_k", "0"], "--top-k must be"),
+        (["--run_dir", "{lm}", "--prompt", "x", "--beam_size", "4"], "holds a decoder LM"),
+        (
+            ["--run_dir", "{lm}", "--prompt", "x", "--beam_size", "2", "--temperature", "1"],
+            "--beam-size 2 is deterministic",
+        ),
     ],
 )
 def test_generate_command_bad_input_exits_2(lm_run, tmp_path, capsys, args, message):

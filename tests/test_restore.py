@@ -130,13 +130,49 @@ def test_errors_name_the_path(run_dir, tmp_path):
         load_run(no_tokenizer)
 
 
-def test_unreadable_checkpoint_is_reported_and_left_in_place(run_dir, tmp_path):
+def test_unreadable_checkpoint_is_reported_left_in_place_and_the_previous_loaded(
+    run_dir, tmp_path, caplog
+):
     copy = tmp_path / "run"
     shutil.copytree(run_dir, copy)
     for path in (copy / "checkpoints" / "3" / "state").rglob("*"):
         if path.is_file() and path.parent.name == "d":  # the array data files
             path.write_bytes(b"")
+    assert load_run(copy).step == 2
+    warnings = [r.getMessage() for r in caplog.records if "step 3" in r.getMessage()]
+    assert warnings and all(len(w.splitlines()) == 1 for w in warnings), warnings
+    assert "TensorStore" not in " ".join(warnings)  # no many-line array spec
     with pytest.raises(ValueError, match=r"step 3 .*cannot be restored.*other steps: \[2\]"):
-        load_run(copy)
+        load_run(copy, step=3)
     assert (copy / "checkpoints" / "3").is_dir()  # a reader never moves checkpoints aside
-    assert load_run(copy, step=2).step == 2
+
+
+def test_generate_skips_a_checkpoint_with_unreadable_metrics(run_dir, tmp_path):
+    """Orbax reads every step's metrics item when it opens a directory to train; a reader does
+    not need them."""
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    (copy / "checkpoints" / "3" / "metrics" / "metrics").write_text("{not json")
+    assert load_run(copy).step == 3
+
+
+def test_none_readable_names_the_directory(run_dir, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    for path in (copy / "checkpoints").rglob("*"):
+        if path.is_file() and path.parent.name == "d":
+            path.write_bytes(b"")
+    with pytest.raises(ValueError, match="none of the checkpoints in .*steps \\[2, 3\\]") as info:
+        load_run(copy)
+    assert len(str(info.value).splitlines()) == 1
+
+
+def test_attention_out_naming_a_file_exits_2_with_one_line(run_dir, tmp_path, capsys):
+    from flaxformer_lite.cli import main
+
+    out = tmp_path / "a_file"
+    out.write_text("")
+    argv = ["attention", "--run_dir", str(run_dir), "--text", "1+2=", "--out", str(out)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(out) in err[0], err

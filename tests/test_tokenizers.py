@@ -8,6 +8,8 @@ import pytest
 import sentencepiece
 
 from flaxformer_lite.data import tokenizers as tk
+from flaxformer_lite.data.sentencepiece_tokenizer import SentencePieceTokenizer
+from flaxformer_lite.data.text_pieces import text_pieces
 
 CORPUS = [
     "the quick brown fox jumps over the lazy dog.",
@@ -198,7 +200,7 @@ def test_bpe_rejects_vocab_smaller_than_bytes():
 def test_sentencepiece_default_layout_is_remapped(spm_default):
     sp = sentencepiece.SentencePieceProcessor(model_file=str(spm_default))
     assert (sp.unk_id(), sp.bos_id(), sp.eos_id(), sp.pad_id()) == (0, 1, 2, -1)
-    tok = tk.SentencePieceTokenizer(spm_default)
+    tok = SentencePieceTokenizer(spm_default)
     # Model ids 0..2 are specials; its regular pieces 3.. become ours 4.. (the model has no pad).
     assert tok.vocab_size == sp.get_piece_size() + 1
     assert tok.encode("the fox") == [i + 1 for i in sp.encode("the fox")]
@@ -209,7 +211,7 @@ def test_sentencepiece_default_layout_is_remapped(spm_default):
 
 def test_sentencepiece_aligned_layout_maps_onto_itself(spm_aligned):
     sp = sentencepiece.SentencePieceProcessor(model_file=str(spm_aligned))
-    tok = tk.SentencePieceTokenizer(spm_aligned)
+    tok = SentencePieceTokenizer(spm_aligned)
     assert tok.vocab_size == sp.get_piece_size()
     assert tok.encode("the lazy ∑ dog") == sp.encode("the lazy ∑ dog")
 
@@ -252,7 +254,7 @@ def test_nothing_printed(capfd, spm_default, tmp_path):
     tok = tk.BpeTokenizer.train(CORPUS, vocab_size=270)
     tok.save(tmp_path / "bpe")
     tk.load_tokenizer(tmp_path / "bpe").decode(tok.encode("the dog"))
-    tk.SentencePieceTokenizer(spm_default).save(tmp_path / "sp")
+    SentencePieceTokenizer(spm_default).save(tmp_path / "sp")
     tk.load_tokenizer(tmp_path / "sp")
     assert capfd.readouterr() == ("", "")
 
@@ -429,3 +431,25 @@ def test_batched_encoders_are_the_libraries_batched_ones(make, monkeypatch):
     sp.encode_batch(BATCH)
     assert [call[:2] for call in calls] == [("bpe", len(BATCH)), ("sp", len(BATCH))]
     assert calls[0][2] == {"add_special_tokens": False} and "num_threads" in calls[1][2]
+
+
+def test_long_texts_are_encoded_in_pieces_with_the_whole_texts_ids():
+    """Cut before a space that follows a non-space, byte-level BPE's pre-tokenizer splits the
+    same: the pieces' ids are those of the whole text (the library encoding it at once)."""
+    rng = random.Random(0)
+    words = ["alpha", "beta", "x", "yy", "  ", "\t", "it's", "42", "!?", "\n", "é"]
+    text = " ".join(rng.choice(words) for _ in range(6000))
+    tok = tk.BpeTokenizer.train([text[:3000]], 300)
+    pieces = text_pieces(text, 500)
+    assert len(pieces) > 20 and "".join(pieces) == text
+    assert all(len(p) <= 500 for p in pieces)
+    assert tok.encode(text) == tok.hf_tokenizer.encode(text, add_special_tokens=False).ids
+    assert tok.encode_batch([text, "", "beta"]) == [tok.encode(text), [], tok.encode("beta")]
+
+
+def test_a_line_without_spaces_is_cut_every_max_chars_and_bpe_fits_it():
+    line = "abcdefgh" * 2000
+    pieces = text_pieces(line, 1000)
+    assert [len(p) for p in pieces] == [1000] * 16 and "".join(pieces) == line
+    tok = tk.BpeTokenizer.train([line], 300)  # quadratic in the line's length if fitted whole
+    assert tok.decode(tok.encode(line)) == line

@@ -11,6 +11,7 @@ import pathlib
 
 from flaxformer_lite.cli.errors import guarded, say
 from flaxformer_lite.cli.flags import CommandParser
+from flaxformer_lite.cli.library_log import library_log_to
 
 
 def attention_parser() -> argparse.ArgumentParser:
@@ -37,6 +38,7 @@ def attention_parser() -> argparse.ArgumentParser:
 def attention_main(argv: list[str] | None = None) -> int:
     """Writes the PNGs and prints their paths."""
     args = attention_parser().parse_args(argv)
+    library_log_to(None)  # a read of the run: the one-line errors say what went wrong
     return guarded(lambda: _attention(args))
 
 

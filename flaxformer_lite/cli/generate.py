@@ -23,6 +23,7 @@ import numpy as np
 
 from flaxformer_lite.cli.errors import guarded, say
 from flaxformer_lite.cli.flags import CommandParser
+from flaxformer_lite.cli.library_log import library_log_to
 from flaxformer_lite.data.tokenizers import Tokenizer
 from flaxformer_lite.decode import beam_search, generate, right_pad, seq2seq_generate, until_eos
 from flaxformer_lite.models import DecoderLM, EncoderDecoder
@@ -32,6 +33,7 @@ def generate_main(argv: list[str] | None = None, prog: str = "flaxformer-lite ge
     """``flaxformer-lite generate`` / ``sample.py``: continue or translate prompts with a run or a
     Hugging Face checkpoint directory."""
     args = parser(prog).parse_args(argv)
+    library_log_to(None)  # a read of the run: the one-line errors say what went wrong
     return guarded(lambda: run(args, say=say))
 
 
@@ -88,13 +90,10 @@ def parser(prog: str = "flaxformer-lite generate") -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace, say=print) -> int:
     """Loads the run or checkpoint and prints one block per prompt (and sample)."""
-    if args.n_best > args.beam_size:
-        raise ValueError(f"--n_best ({args.n_best}) cannot exceed --beam_size ({args.beam_size})")
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max_new_tokens must be positive, got {args.max_new_tokens}")
+    check_flags(args)
     if args.hf_dir is not None:
         if args.step is not None:
-            raise ValueError("--step applies to --run_dir, not --hf_dir")
+            raise ValueError("--step applies to --run-dir, not --hf-dir")
         model, tokenizer = load_hf_checkpoint(args.hf_dir)
         add_bos, source = tokenizer.add_bos, args.hf_dir
     else:
@@ -105,6 +104,12 @@ def run(args: argparse.Namespace, say=print) -> int:
     if not isinstance(model, DecoderLM | EncoderDecoder):
         raise ValueError(
             f"{source} holds a {type(model).__name__}; generate needs a DecoderLM or EncoderDecoder"
+        )
+    if isinstance(model, DecoderLM) and args.beam_size > 1:
+        raise ValueError(
+            f"--beam-size {args.beam_size}: beam search is for encoder-decoders, and {source} "
+            "holds a decoder LM; continue prompts greedily (the default) or sample "
+            "(--temperature, --top-k, --num-samples)"
         )
     prompts = [p for p in args.prompt for _ in range(args.num_samples)]
     rng = jax.random.key(args.seed) if args.temperature > 0 else None
@@ -145,6 +150,26 @@ def run(args: argparse.Namespace, say=print) -> int:
     for prompt, ids in zip(prompts, outputs, strict=True):
         say(f"{prompt} -> {tokenizer.decode(ids)}")
     return 0
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Raises ValueError naming the first flag out of its range or at odds with another."""
+    for flag in ("max_new_tokens", "num_samples", "beam_size", "n_best"):
+        if getattr(args, flag) < 1:
+            raise ValueError(
+                f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}"
+            )
+    if args.n_best > args.beam_size:
+        raise ValueError(f"--n-best ({args.n_best}) cannot exceed --beam-size ({args.beam_size})")
+    if not args.temperature >= 0:  # NaN too
+        raise ValueError(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
+    if args.top_k is not None and args.top_k < 1:
+        raise ValueError(f"--top-k must be positive, got {args.top_k}")
+    if args.beam_size > 1 and (args.temperature > 0 or args.num_samples > 1):
+        raise ValueError(
+            f"--beam-size {args.beam_size} is deterministic: it takes no --temperature "
+            "or --num-samples (it prints --n-best hypotheses instead)"
+        )
 
 
 def load_hf_checkpoint(directory: pathlib.Path) -> tuple[DecoderLM | EncoderDecoder, Tokenizer]:

@@ -14,8 +14,9 @@ import argparse
 import pathlib
 import sys
 
-from flaxformer_lite.cli.errors import guarded, say
+from flaxformer_lite.cli.errors import exit_on_signals, guarded, say
 from flaxformer_lite.cli.flags import CommandParser
+from flaxformer_lite.cli.library_log import LIBRARY_LOG, library_log_to
 from flaxformer_lite.train.config import load_config
 
 DESCRIPTION = """Train a model as the config says, in its run directory: with no flags, the
@@ -32,7 +33,9 @@ def train_main(argv: list[str] | None = None) -> int:
     """``train.py``: train (or resume) the configured run."""
     parser = CommandParser(prog="train.py", description=DESCRIPTION, examples=EXAMPLES)
     add_train_arguments(parser)
-    return _train(parser.parse_intermixed_args(argv))
+    args = parser.parse_intermixed_args(argv)
+    with exit_on_signals():  # importing JAX takes seconds too
+        return _train(args)
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,6 +72,7 @@ def _train(args) -> int:
 
     def train():
         cfg = load_config(args.config, args.overrides)
+        library_log_to(pathlib.Path(cfg.run_dir) / LIBRARY_LOG)
         last = run(cfg, fresh=args.fresh, force=args.force, progress=not args.no_progress, log=say)
         summary = ", ".join(f"{k} {v:.4g}" for k, v in last.items() if v is not None)
         if jax.process_index() == 0:  # a multi-process run reports once

@@ -23,13 +23,15 @@ import abc
 import collections
 import itertools
 import json
-import os
+import logging
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
+
+from flaxformer_lite.data.text_pieces import BPE_PIECE_CHARS, PieceCounter
 
 SPECIAL_TOKENS = ("<pad>", "<sos>", "<eos>", "<unk>")
 PAD_ID, SOS_ID, EOS_ID, UNK_ID = range(len(SPECIAL_TOKENS))
@@ -41,6 +43,7 @@ BPE_FILE = "tokenizer.json"
 SENTENCEPIECE_FILE = "sentencepiece.model"
 
 _WORD_RE = re.compile(r"\w+|[^\w\s]")
+logger = logging.getLogger(__name__)
 
 
 class Tokenizer(abc.ABC):
@@ -290,7 +293,15 @@ class BpeTokenizer(Tokenizer):
             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
             show_progress=False,
         )
-        tok.train_from_iterator(_nonempty_texts(texts, cls.kind), trainer=trainer)
+        counter = PieceCounter()
+        pieces = (piece for text in _nonempty_texts(texts, cls.kind) for piece in counter(text))
+        tok.train_from_iterator(pieces, trainer=trainer)
+        if counter.long_texts:
+            logger.warning(
+                "fitting BPE: %d texts longer than %d characters were fitted in pieces",
+                counter.long_texts,
+                BPE_PIECE_CHARS,
+            )
         return cls(tok)
 
     @property
@@ -298,14 +309,21 @@ class BpeTokenizer(Tokenizer):
         return self.hf_tokenizer.get_vocab_size()
 
     def encode(self, text: str) -> list[int]:
-        return self.hf_tokenizer.encode(text, add_special_tokens=False).ids
+        return self.encode_batch([text])[0]
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         # tokenizers encodes a batch on all cores, without the GIL; its fast variant (0.20+)
         # leaves out the offsets into the text, which nothing here reads.
         encode = getattr(self.hf_tokenizer, "encode_batch_fast", self.hf_tokenizer.encode_batch)
-        encodings = encode(list(texts), add_special_tokens=False)
-        return [encoding.ids for encoding in encodings]
+        counter = PieceCounter()
+        pieces = [counter(text) for text in texts]
+        if counter.long_texts:
+            logger.info("BPE: %d long texts encoded in pieces", counter.long_texts)
+        encodings = iter(encode([p for each in pieces for p in each], add_special_tokens=False))
+        return [
+            [i for _, encoding in zip(each, encodings, strict=False) for i in encoding.ids]
+            for each in pieces
+        ]
 
     def _decode_regular(self, ids: list[int]) -> str:
         return self.hf_tokenizer.decode(ids)
@@ -325,64 +343,11 @@ class BpeTokenizer(Tokenizer):
             raise ValueError(f"{path}: not a valid Hugging Face tokenizer file ({e})") from None
 
 
-class SentencePieceTokenizer(Tokenizer):
-    """A trained SentencePiece ``.model`` file, with ids remapped to the shared layout.
-
-    The model's own ``<pad>``, ``<s>``, ``</s>`` and ``<unk>`` pieces (whichever it has) map to
-    0, 1, 2 and 3; its other pieces keep their order from id 4. Any model works, e.g. the default
-    layout ``unk=0, bos=1, eos=2, pad=-1``; one trained with ``pad_id=0, bos_id=1, eos_id=2,
-    unk_id=3`` maps onto itself. Round trips are exact only for text the model's normalizer
-    leaves alone (by default NFKC, and runs of whitespace become one space).
-    """
-
-    kind = "sentencepiece"
-
-    def __init__(self, model_path: Path | str):
-        """Loads ``model_path``; raises FileNotFoundError or ValueError naming it if unusable."""
-        import sentencepiece  # Imported here: the other tokenizers work without it.
-
-        path = _require_file(Path(model_path))
-        try:
-            self.sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
-        except (RuntimeError, OSError) as e:
-            raise ValueError(f"{path}: not a readable SentencePiece model ({e})") from None
-        model_specials = [self.sp.pad_id(), self.sp.bos_id(), self.sp.eos_id(), self.sp.unk_id()]
-        specials = {mid: ours for ours, mid in enumerate(model_specials) if mid >= 0}  # -1: absent
-        # _to_model[i - NUM_SPECIAL] is the model id of our regular id i; _from_model inverts it.
-        self._to_model = [mid for mid in range(self.sp.get_piece_size()) if mid not in specials]
-        from_model = specials | {m: NUM_SPECIAL + i for i, m in enumerate(self._to_model)}
-        self._from_model = np.array([from_model[m] for m in range(self.sp.get_piece_size())])
-
-    @property
-    def vocab_size(self) -> int:
-        return NUM_SPECIAL + len(self._to_model)
-
-    def encode(self, text: str) -> list[int]:
-        return self._from_model[self.sp.encode(text)].tolist()
-
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        # SentencePiece encodes a list on all cores; one table lookup maps all the ids.
-        model_ids = self.sp.encode(list(texts), num_threads=os.cpu_count() or 1)
-        flat = np.fromiter(itertools.chain.from_iterable(model_ids), np.int64)
-        ids = self._from_model[flat].tolist()
-        ends = itertools.accumulate(map(len, model_ids))
-        return [ids[end - len(m) : end] for m, end in zip(model_ids, ends, strict=True)]
-
-    def _decode_regular(self, ids: list[int]) -> str:
-        return self.sp.decode([self._to_model[i - NUM_SPECIAL] for i in ids])
-
-    def _files(self) -> dict[str, bytes]:
-        return {SENTENCEPIECE_FILE: self.sp.serialized_model_proto()}
-
-    @classmethod
-    def _load_files(cls, directory: Path) -> SentencePieceTokenizer:
-        return cls(directory / SENTENCEPIECE_FILE)
-
-
 _KINDS: dict[str, type[Tokenizer]] = {
-    cls.kind: cls
-    for cls in (ByteTokenizer, CharTokenizer, WordTokenizer, BpeTokenizer, SentencePieceTokenizer)
+    cls.kind: cls for cls in (ByteTokenizer, CharTokenizer, WordTokenizer, BpeTokenizer)
 }
+# SentencePiece lives in its own module, imported when asked for (it needs sentencepiece).
+KINDS = (*_KINDS, "sentencepiece")
 
 
 def make_tokenizer(
@@ -405,8 +370,8 @@ def make_tokenizer(
       ValueError: unknown ``kind``, a missing argument, or unusable texts or model file.
       FileNotFoundError: the SentencePiece model file does not exist.
     """
-    if kind not in _KINDS:
-        raise ValueError(f"unknown tokenizer kind {kind!r}; valid kinds: {', '.join(_KINDS)}")
+    if kind not in KINDS:
+        raise ValueError(f"unknown tokenizer kind {kind!r}; valid kinds: {', '.join(KINDS)}")
     if kind in ("char", "word", "bpe") and texts is None:
         raise ValueError(f"tokenizer kind {kind!r} needs texts to fit on")
     if kind == "byte":
@@ -424,6 +389,8 @@ def make_tokenizer(
         return BpeTokenizer.train(texts, vocab_size)
     if path is None:
         raise ValueError("tokenizer kind 'sentencepiece' needs path (a .model file)")
+    from flaxformer_lite.data.sentencepiece_tokenizer import SentencePieceTokenizer
+
     return SentencePieceTokenizer(path)
 
 
@@ -438,8 +405,12 @@ def load_tokenizer(directory: Path | str) -> Tokenizer:
         from flaxformer_lite.data.hf_tokenizer import HfTokenizer
 
         return HfTokenizer._load_files(directory)
+    if kind == "sentencepiece":
+        from flaxformer_lite.data.sentencepiece_tokenizer import SentencePieceTokenizer
+
+        return SentencePieceTokenizer._load_files(directory)
     if not isinstance(kind, str) or kind not in _KINDS:
-        raise ValueError(f"{marker}: unknown tokenizer kind {kind!r}; valid: {', '.join(_KINDS)}")
+        raise ValueError(f"{marker}: unknown tokenizer kind {kind!r}; valid: {', '.join(KINDS)}")
     return _KINDS[kind]._load_files(directory)
 
 

@@ -37,11 +37,14 @@ Guarantees, and where they come from:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import math
 import pathlib
+import re
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -49,13 +52,17 @@ import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
+# Private: stopping a failed save's threads has no public API (orbax 0.11 - 0.12).
+from orbax.checkpoint._src.futures import future as ocp_future
+
 logger = logging.getLogger(__name__)
 
 BEST_METRIC = "eval_loss"  # lower is better
 
 
-class CheckpointError(RuntimeError):
-    """No checkpoint could be restored; the message names the directory (and step)."""
+class CheckpointError(OSError):
+    """A checkpoint could not be written, or none could be restored; the message names the
+    directory (and step) and what to do. An ``OSError``: the run's environment, not its code."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,15 +83,27 @@ class Checkpointer:
       keep: how many of the newest checkpoints to keep (the best by eval loss is kept besides).
       every: ``save`` writes steps that are multiples of ``every`` (others only with ``force``).
       async_save: write in a background thread; :meth:`wait` blocks until it is done.
+      read_only: only restore (``generate``, a training run may still be writing): nothing
+        is created, moved or written, and the metrics item, needed only for retention, is
+        not read.
     """
 
     def __init__(
-        self, directory: pathlib.Path, *, keep: int, every: int = 1, async_save: bool = True
+        self,
+        directory: pathlib.Path,
+        *,
+        keep: int,
+        every: int = 1,
+        async_save: bool = True,
+        read_only: bool = False,
     ):
         for name, value in (("keep", keep), ("every", every)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"checkpoint {name} must be a positive int, got {value!r}")
         self.directory = pathlib.Path(directory).absolute()
+        self.read_only = read_only
+        if not read_only:
+            self._set_aside(_unreadable_metrics(self.directory), reload=False)
         options = ocp.CheckpointManagerOptions(
             save_decision_policy=policies.FixedIntervalPolicy(every),
             preservation_policy=policies.AnyPreservationPolicy(
@@ -102,13 +121,16 @@ class Checkpointer:
             ),
             # Orbax writes (and on restart reads back) the metrics item only when best_fn is
             # set; the preservation policy above is what decides retention.
-            best_fn=_eval_loss,
+            best_fn=None if read_only else _eval_loss,
             best_mode="min",
             enable_async_checkpointing=async_save,
-            create=True,
+            create=not read_only,
+            read_only=read_only,
+            lightweight_initialize=read_only,  # no metrics (nor commit times) read at start
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
         self._in_flight: int | None = None
+        self._failed = False
 
     def save(
         self,
@@ -144,20 +166,46 @@ class Checkpointer:
             config=ocp.args.JsonSave(config),
         )
         plain_metrics = {key: float(value) for key, value in (metrics or {}).items()}
-        saved = self._manager.save(step, args=args, metrics=plain_metrics, force=force)
+        with self._stopping_on_failure():  # the previous save's error surfaces here too
+            saved = self._manager.save(step, args=args, metrics=plain_metrics, force=force)
         if saved:
             self._in_flight = step
         return saved
 
     def wait(self) -> None:
-        """Blocks until the save in flight is committed; raises the error if it failed."""
-        self._manager.wait_until_finished()
+        """Blocks until the save in flight is committed.
+
+        Raises:
+          CheckpointError: the save failed (the directory is not writable, the disk is full);
+            orbax's background threads are stopped first.
+        """
+        with self._stopping_on_failure():
+            self._manager.wait_until_finished()
         self._in_flight = None
 
     def close(self) -> None:
-        """Waits for the save in flight, then releases orbax's threads."""
-        self._manager.close()
+        """Waits for the save in flight, then releases orbax's threads (a failed save's
+        threads were stopped when it failed: closing then raises nothing)."""
+        if self._failed:
+            return
+        with self._stopping_on_failure():
+            self._manager.close()
         self._in_flight = None
+
+    @contextlib.contextmanager
+    def _stopping_on_failure(self):
+        """Turns a failed save into a :class:`CheckpointError` naming the directory, after
+        stopping the orbax threads that would otherwise wait for it until their timeout (the
+        process could not exit meanwhile)."""
+        try:
+            yield
+        except Exception as error:  # orbax re-raises the background thread's error as it is
+            self._failed = True
+            _stop_background_saves()
+            raise CheckpointError(
+                f"cannot write a checkpoint in {self.directory}: {error}; make it writable "
+                "(or free disk space) and run again to resume from the last checkpoint"
+            ) from error
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -218,33 +266,36 @@ class Checkpointer:
             try:
                 return step, self._manager.restore(step, args=args)
             except Exception as error:
+                logger.debug("checkpoint step %d cannot be restored", step, exc_info=error)
                 raise CheckpointError(
                     f"checkpoint step {step} in {self.directory} cannot be restored: "
-                    f"{type(error).__name__}: {error}"
+                    f"{_error_line(error)}"
                 ) from error
         unreadable = []
         for candidate in reversed(steps):
             try:
                 items = self._manager.restore(candidate, args=args)
             except Exception as error:  # orbax and TensorStore raise many types
+                logger.debug("checkpoint step %d cannot be restored", candidate, exc_info=error)
                 logger.warning(
-                    "checkpoint step %d in %s cannot be restored, trying the previous one: %s: %s",
+                    "checkpoint step %d in %s cannot be restored, trying the previous one: %s",
                     candidate,
                     self.directory,
-                    type(error).__name__,
-                    error,
+                    _error_line(error),
                 )
                 unreadable.append((candidate, error))
                 continue
-            self._set_aside([bad for bad, _ in unreadable])
+            if not self.read_only:
+                self._set_aside([bad for bad, _ in unreadable])
             return candidate, items
         newest, error = unreadable[0]
+        hint = "" if self.read_only else "; pass --fresh to move the run aside and start over"
         raise CheckpointError(
             f"none of the checkpoints in {self.directory} (steps {steps}) can be restored; "
-            f"the newest, step {newest}, failed with {type(error).__name__}: {error}"
+            f"the newest, step {newest}, failed with {_error_line(error)}{hint}"
         ) from error
 
-    def _set_aside(self, steps: list[int]) -> None:
+    def _set_aside(self, steps: list[int], reload: bool = True) -> None:
         """Renames unreadable step directories to ``<step>.corrupt`` (kept for inspection, no
         longer listed), so the run resumed from an older step can save those steps again."""
         if not steps:
@@ -258,7 +309,57 @@ class Checkpointer:
                     aside, suffix = path.with_name(f"{step}.corrupt-{suffix}"), suffix + 1
                 path.rename(aside)
                 logger.warning("moved unreadable checkpoint %s to %s", path, aside)
-        self._manager.reload()
+        if jax.process_count() > 1:  # the others list the steps only once they are moved
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("unreadable checkpoints set aside")
+        if reload:
+            self._manager.reload()
+
+
+def _unreadable_metrics(directory: pathlib.Path) -> list[int]:
+    """The steps in ``directory`` whose metrics item is not a JSON object: orbax reads every
+    step's metrics when it opens the directory and would fail on the first bad one."""
+    unreadable = []
+    for path in sorted(directory.glob("*/metrics/metrics")):
+        step_dir = path.parent.parent
+        if not step_dir.name.isdigit():
+            continue
+        try:
+            ok = isinstance(json.loads(path.read_text()), dict)
+        except (OSError, UnicodeDecodeError, ValueError) as error:
+            logger.debug("%s", path, exc_info=error)
+            ok = False
+        if not ok:
+            logger.warning("checkpoint step %s: %s is unreadable", step_dir.name, path)
+            unreadable.append(int(step_dir.name))
+    return unreadable
+
+
+def _error_line(error: BaseException) -> str:
+    """``error`` as one short line: TensorStore appends a many-line spec of the array it failed
+    on (the whole error goes to the debug log)."""
+    full = str(error)
+    text = full.split("See full TensorStore details")[0].strip() or repr(error)
+    line = text.splitlines()[0][:300]
+    array = re.search(r"'path': '([^/'][^']*?)/?'", full)  # the spec's array, by its key path
+    return f"{type(error).__name__}: {line}" + (f" (array {array[1]})" if array else "")
+
+
+def _stop_background_saves(timeout: float = 5.0) -> None:
+    """Cancels orbax's save threads and wakes those waiting for a signal that a failed thread
+    will never send (they wait for ``multihost.coordination_timeout()``, many minutes, and are
+    not daemons), then joins them for at most ``timeout`` seconds each."""
+    threads = [
+        thread
+        for thread in threading.enumerate()
+        if isinstance(thread, ocp_future._SignalingThread) and thread.is_alive()
+    ]
+    for thread in threads:
+        thread.cancel()
+        ocp_future.set_signals(thread._receive_signals, operation_id=thread._operation_id)
+    for thread in threads:
+        threading.Thread.join(thread, timeout)  # orbax's join re-raises the cancellation
 
 
 def _json_dict(name: str, value: Mapping[str, Any]) -> dict[str, Any]:

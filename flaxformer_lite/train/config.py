@@ -17,6 +17,7 @@ import dataclasses
 import difflib
 import json
 import pathlib
+import re
 import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -160,6 +161,15 @@ class TrainConfig:
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
+    def __post_init__(self):
+        model = self.model
+        if model.positions == "learned" and self.data.seq_len > model.max_length:
+            raise ConfigError(
+                f"data.seq_len ({self.data.seq_len}) exceeds model.max_length "
+                f"({model.max_length}), the rows of the learned position table: lower "
+                "data.seq_len or raise model.max_length"
+            )
+
     def to_dict(self) -> dict[str, Any]:
         """Plain values (lists for tuples), ready for YAML and JSON;
         ``config_from_dict(cfg.to_dict()) == cfg``."""
@@ -196,11 +206,17 @@ def load_config(
     if path is not None:
         path = pathlib.Path(path)
         try:
-            loaded = yaml.safe_load(path.read_text())
+            loaded = yaml.load(path.read_text(encoding="utf-8"), Loader=_ConfigLoader)  # noqa: S506 - a SafeLoader
         except OSError as error:
             raise ConfigError(f"cannot read config file {path}: {error.strerror}") from None
+        except UnicodeDecodeError as error:
+            raise ConfigError(
+                f"config file {path} is not UTF-8 text (byte {error.start}: {error.reason})"
+            ) from None
         except yaml.YAMLError as error:
-            raise ConfigError(f"config file {path} is not valid YAML: {error}") from None
+            raise ConfigError(
+                f"config file {path} is not valid YAML: {_yaml_line(error)}"
+            ) from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(
                 f"config file {path} must hold a mapping, got {type(loaded).__name__}"
@@ -217,6 +233,43 @@ def load_config(
     if init_from is not None:
         values["model"] = _checkpoint_model(str(init_from), values)
     return config_from_dict(values)
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """``yaml.safe_load`` that reads numbers as YAML writers emit them (``1e-3``, ``3.0E-4``:
+    YAML 1.1 wants a dot and a signed exponent, ``1.0e-3``, and reads the others as strings)
+    and refuses a key given twice in one mapping (YAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} is given twice", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+_ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[0-9][0-9_]*[eE][-+]?[0-9]+
+        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+        |\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def _yaml_line(error: yaml.YAMLError) -> str:
+    """A YAML error in one line: what is wrong and where (its text quotes the file's lines)."""
+    mark = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    return problem + (f" (line {mark.line + 1}, column {mark.column + 1})" if mark else "")
 
 
 def config_from_dict(values: Mapping[str, Any]) -> TrainConfig:

@@ -43,7 +43,16 @@ from flaxformer_lite.train.restore import (
     restore_target,
     to_savable,
 )
+from flaxformer_lite.train.resume import (
+    check_inputs,
+    has_checkpoint,
+    keep_schedule_span,
+    refuse_to_overwrite_metrics,
+    restore_data_state,
+    schedule_span,
+)
 from flaxformer_lite.train.run_dir import locked_run_dir
+from flaxformer_lite.train.run_inputs import built_inputs, write_inputs
 from flaxformer_lite.train.step import make_eval_step, make_train_step, task_of
 
 
@@ -108,6 +117,10 @@ def _run(cfg, run_dir, main, force, progress, log):
     )
     shard_index, shard_count = parallel.process_batch_shard(batch_sharding, cfg.train.batch_size)
     task = task_of(cfg.model)
+    if not has_checkpoint(run_dir):
+        refuse_to_overwrite_metrics(run_dir)
+    check_inputs(cfg, run_dir, force, main, log)
+    _sync_processes("inputs checked")
     # init_from: the checkpoint's tokenizer, with its ids (a resumed run reads the saved copy).
     tokenizer = None if cfg.init_from is None else load_hf_tokenizer(cfg.init_from)
     if jax.process_count() > 1:  # process 0 fills a shared cache; the others then read it
@@ -125,6 +138,8 @@ def _run(cfg, run_dir, main, force, progress, log):
         save_tokenizer=main,
         tokenizer=tokenizer,
     )
+    if main:
+        write_inputs(run_dir, built_inputs(cfg.data, run_dir))
     if cfg.init_from is not None:  # the embedding table may have more rows than ids
         if data.vocab_size > cfg.model.vocab_size:
             raise ConfigError(
@@ -141,6 +156,7 @@ def _run(cfg, run_dir, main, force, progress, log):
     with contextlib.closing(checkpointer):
         if checkpointer.latest_step() is not None:
             saved = config_from_dict(checkpointer.restore_config())
+            cfg = keep_schedule_span(saved, cfg, log)
             _check_resumable(saved, cfg, force, log)
             if saved.mesh != cfg.mesh:
                 log(
@@ -149,15 +165,15 @@ def _run(cfg, run_dir, main, force, progress, log):
                 )
         if main:
             (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        return _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log)
+        return _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log, force)
 
 
-def _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log):
+def _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log, force):
     run_dir, rules = pathlib.Path(cfg.run_dir), cfg.mesh.rules
     if notice := warmup_notice(cfg.optimizer, cfg.train.steps):
         log(notice)
     tx, schedule = make_optimizer(
-        cfg.optimizer, total_steps=cfg.train.steps, d_model=cfg.model.d_model
+        cfg.optimizer, total_steps=schedule_span(cfg), d_model=cfg.model.d_model
     )
 
     create = functools.partial(make_train_state, cfg, tx)
@@ -173,7 +189,7 @@ def _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log):
     if resuming:
         restored = checkpointer.restore(restore_target(state))
         state = from_savable(restored.state, state)
-        data.train.set_state(restored.data_state)
+        restore_data_state(data.train, restored.data_state, force, log)
         step = restored.step
         log(f"resumed from step {step} of {checkpointer.directory}")
 
@@ -195,7 +211,7 @@ def _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log):
     flops_per_token = training_flops_per_token(cfg.model, cfg.data.seq_len)
     peak = peak_flops()
     main = jax.process_index() == 0
-    writer = MetricsWriter(run_dir, resume_step=step) if main else _NoMetrics()
+    writer = MetricsWriter(run_dir, resume_step=step, log=log) if main else _NoMetrics()
     bar = _progress_bar(cfg.train.steps, step, progress)
     last: dict[str, float] = {}
     total = cfg.train.steps
@@ -211,10 +227,9 @@ def _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log):
         )
         if not cfg.train.skip_nonfinite:
             checkpointer.wait()  # a save in flight is good: name it as the last one
-            raise TrainingError(
-                f"{message} and the run stopped; last good checkpoint: "
-                f"step {checkpointer.latest_step()}"
-            )
+            good = checkpointer.latest_step()
+            where = "none written yet" if good is None else f"step {good}"
+            raise TrainingError(f"{message} and the run stopped; last good checkpoint: {where}")
         log(message)
 
     # The host runs one step ahead of the devices: it dispatches step s, takes and places batch
@@ -420,6 +435,8 @@ class _NoMetrics:
 
 def _check_resumable(saved: TrainConfig, cfg: TrainConfig, force: bool, log) -> None:
     diff = config_diff(saved, cfg)
+    if schedule_span(saved) == schedule_span(cfg):  # None and the steps it stood for
+        diff.pop("optimizer.schedule_steps", None)
     changed = {k: v for k, v in diff.items() if not is_runtime_key(k)}
     lines = [f"  {key}: {old!r} -> {new!r}" for key, (old, new) in changed.items()]
     if changed and not force:

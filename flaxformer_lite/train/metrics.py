@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
 import time
 from collections.abc import Mapping
@@ -32,20 +33,20 @@ class MetricsWriter:
     """Appends metrics to ``run_dir/metrics.jsonl`` and TensorBoard events in ``run_dir/tb``.
 
     A resumed run appends; lines of steps after the resumed step (written by the interrupted run
-    after its last checkpoint) are dropped first, so the file reads as one uninterrupted run.
+    after its last checkpoint) are dropped first, so the file reads as one uninterrupted run, and
+    so is a partial last line (a disk that filled mid-write), with a notice to ``log``.
     """
 
-    def __init__(self, run_dir: pathlib.Path, *, resume_step: int = 0):
+    def __init__(self, run_dir: pathlib.Path, *, resume_step: int = 0, log=print):
         from tensorboardX import SummaryWriter  # heavy import, only when a run starts
 
         self.path = run_dir / METRICS_FILE
         if self.path.exists():
-            kept = [
-                line
-                for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line)["step"] <= resume_step
-            ]
-            self.path.write_text("".join(line + "\n" for line in kept))
+            kept = [r for r in _records(self.path, log) if r["step"] <= resume_step]
+            # Written aside and renamed: a process killed meanwhile keeps the old file.
+            rewritten = self.path.with_name(METRICS_FILE + ".tmp")
+            rewritten.write_text("".join(json.dumps(record) + "\n" for record in kept))
+            os.replace(rewritten, self.path)
         self._file = self.path.open("a")
         self._tensorboard = SummaryWriter(str(run_dir / "tb"), purge_step=resume_step + 1)
 
@@ -71,16 +72,37 @@ def _plain(value):
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
-def read_metrics(run_dir: pathlib.Path) -> list[dict]:
-    """The records of ``run_dir/metrics.jsonl``.
+def read_metrics(run_dir: pathlib.Path, log=print) -> list[dict]:
+    """The records of ``run_dir/metrics.jsonl`` (a partial last line is left out, with a notice
+    to ``log``).
 
     Raises:
       FileNotFoundError: the run directory has no metrics file.
+      ValueError: a line before the last is not a JSON record (naming the file and line).
     """
     path = pathlib.Path(run_dir) / METRICS_FILE
     if not path.exists():
         raise FileNotFoundError(f"{path}: no metrics file (is {run_dir} a run directory?)")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return _records(path, log)
+
+
+def _records(path: pathlib.Path, log) -> list[dict]:
+    """The JSON records of ``path``, one a line; a last line that does not parse is what a
+    writer stopped mid-line leaves (killed, or a full disk): dropped with a notice."""
+    lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    records = []
+    for n, line in lines:
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError("not a record with an integer 'step'")
+        except ValueError as error:
+            if n != lines[-1][0]:
+                raise ValueError(f"{path}, line {n}: not a metrics record ({error})") from None
+            log(f"{path}: dropped the partial last line {n} ({line[:40]!r})")
+            continue
+        records.append(record)
+    return records
 
 
 def plot_run(run_dir: pathlib.Path) -> list[pathlib.Path]:

@@ -35,6 +35,9 @@ class OptimizerConfig:
       weight_decay: decoupled weight decay (AdamW); 0 is Adam.
       decay_embeddings: also decay embedding tables (and norms and biases never).
       clip_norm: clip the global gradient norm to this; None disables clipping.
+      schedule_steps: the steps ``cosine`` / ``linear`` decay over; None: ``train.steps``. A run
+        resumed with more ``train.steps`` keeps the span it had (the rate stays at its end
+        value after it), unless this is set (with ``--force``) to stretch the schedule.
     """
 
     lr: float = 3e-3
@@ -47,6 +50,7 @@ class OptimizerConfig:
     weight_decay: float = 0.01
     decay_embeddings: bool = False
     clip_norm: float | None = 1.0
+    schedule_steps: int | None = None
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -65,6 +69,10 @@ class OptimizerConfig:
             )
         if self.schedule == "inverse_sqrt" and self.warmup_steps < 1:
             raise ValueError("optimizer.schedule='inverse_sqrt' needs warmup_steps >= 1")
+        if self.schedule_steps is not None and self.schedule_steps < 1:
+            raise ValueError(
+                f"optimizer.schedule_steps must be >= 1 or None, got {self.schedule_steps!r}"
+            )
         if self.clip_norm is not None and not self.clip_norm > 0:
             raise ValueError(f"optimizer.clip_norm must be > 0 or None, got {self.clip_norm!r}")
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import pathlib
 from typing import Any
 
@@ -30,6 +31,8 @@ from flaxformer_lite.models import build_model
 from flaxformer_lite.train.checkpoint import Checkpointer, CheckpointError
 from flaxformer_lite.train.config import TrainConfig, config_from_dict
 from flaxformer_lite.train.optim import make_optimizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +57,8 @@ def load_run(
 ) -> LoadedRun:
     """Restores the model of ``run_dir/checkpoints`` at ``step`` (default: the newest).
 
-    The directory is only read: an unreadable checkpoint is reported, never moved aside (a
-    training run may still be writing into it).
+    The directory is only read: an unreadable checkpoint is reported (a warning naming it) and
+    the previous one is tried, but never moved aside (a training run may be writing into it).
 
     Args:
       run_dir: a directory written by ``train.py``.
@@ -78,31 +81,48 @@ def load_run(
     if mesh is None:
         mesh = parallel.make_mesh(1, 1, 1, devices=jax.local_devices()[:1])
     # keep/every only matter when saving, which this never does.
-    with Checkpointer(directory, keep=1, async_save=False) as checkpointer:
+    with Checkpointer(directory, keep=1, async_save=False, read_only=True) as checkpointer:
         steps = checkpointer.all_steps()
         if not steps:
             raise FileNotFoundError(f"{directory}: no finished checkpoint")
         tokenizer = load_tokenizer(run_dir / "tokenizer")
-        if step is None:
-            step = steps[-1]
-        elif step not in steps:
+        if step is not None and step not in steps:
             raise ValueError(f"{directory}: no checkpoint for step {step}; it has steps {steps}")
-        try:
-            cfg = config_from_dict(checkpointer.restore_config(step))
-            tx, _ = make_optimizer(
-                cfg.optimizer, total_steps=cfg.train.steps, d_model=cfg.model.d_model
-            )
-            # The optimizer state is restored too (and dropped): the checkpoint holds one
-            # pytree, and restoring a part of it would need orbax placeholders.
-            create = functools.partial(make_train_state, cfg, tx)
-            graphdef, state, _ = parallel.abstract_sharded(create, mesh, cfg.mesh.rules)
-            restored = checkpointer.restore(restore_target(state), step=step)
-        except CheckpointError as error:
-            others = [s for s in steps if s != step]
-            raise ValueError(f"{error}" + (f"; other steps: {others}" if others else "")) from error
+        candidates = [step] if step is not None else steps[::-1]
+        for candidate in candidates:
+            try:
+                graphdef, state, restored = _restore_model_state(checkpointer, candidate, mesh)
+                break
+            except CheckpointError as error:
+                if step is not None:
+                    others = [s for s in steps if s != step]
+                    suffix = f"; other steps: {others}" if others else ""
+                    raise ValueError(f"{error}{suffix}") from error
+                if candidate == candidates[-1]:
+                    raise ValueError(
+                        f"none of the checkpoints in {directory} (steps {steps}) can be "
+                        f"restored; the oldest: {error}"
+                    ) from error
+                logger.warning("%s; trying the previous one", error)
     model, _ = nnx.merge(graphdef, from_savable(restored.state, state))
     model.eval()
     return LoadedRun(model, tokenizer, config_from_dict(restored.config), restored.step)
+
+
+def _restore_model_state(checkpointer: Checkpointer, step: int, mesh: Mesh):
+    """The graph, abstract state and restored checkpoint of ``step``, built from its config.
+
+    Raises:
+      CheckpointError: a part of the checkpoint cannot be read.
+    """
+    cfg = config_from_dict(checkpointer.restore_config(step))
+    span = cfg.optimizer.schedule_steps or cfg.train.steps
+    tx, _ = make_optimizer(cfg.optimizer, total_steps=span, d_model=cfg.model.d_model)
+    # The optimizer state is restored too (and dropped): the checkpoint holds one pytree, and
+    # restoring a part of it would need orbax placeholders.
+    create = functools.partial(make_train_state, cfg, tx)
+    graphdef, state, _ = parallel.abstract_sharded(create, mesh, cfg.mesh.rules)
+    return graphdef, state, checkpointer.restore(restore_target(state), step=step)
 
 
 def make_train_state(cfg: TrainConfig, tx) -> tuple[nnx.Module, nnx.Optimizer]:

@@ -35,7 +35,7 @@ def locked_run_dir(
     """
     if fresh and run_dir.exists():
         with _flock(run_dir):
-            moved = _move_aside(run_dir)
+            moved = move_aside(run_dir)
         log(f"--fresh: moved the previous run to {moved}")
     run_dir.mkdir(parents=True, exist_ok=True)
     with _flock(run_dir):
@@ -64,7 +64,8 @@ def _flock(run_dir: pathlib.Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _move_aside(run_dir: pathlib.Path) -> pathlib.Path:
+def move_aside(run_dir: pathlib.Path) -> pathlib.Path:
+    """Moves ``run_dir`` (or any path) to the first free ``<name>.old<N>``; returns where."""
     number = 1
     while (target := run_dir.with_name(f"{run_dir.name}.old{number}")).exists():
         number += 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -124,6 +125,8 @@ def coerce(annotation, value, key: str, base: Mapping[str, Any] | None = None):
         value = str(value) if annotation is str else _parse_text(value, annotation, key)
     if annotation is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if annotation is float and isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key} must be a finite number, got {value!r}")
     if annotation in (int, float, bool, str):
         if type(value) is not annotation:
             raise ConfigError(

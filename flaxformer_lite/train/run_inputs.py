@@ -1,0 +1,125 @@
+"""What a run's data depend on, recorded in ``RUN/inputs.json`` when its data are built and
+checked when it starts again: the ``data`` settings and the source files (path and size, and
+sha256 where a prepared store's manifest has it: the store hashed them, this module never
+does).
+
+    recorded = read_inputs(run_dir)
+    changes = input_changes(recorded, current_inputs(cfg.data)) if recorded else []
+    ...build the data...
+    write_inputs(run_dir, built_inputs(cfg.data, run_dir))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Any
+
+from flaxformer_lite.data import sources
+from flaxformer_lite.data.pipeline import PREPARED_DIR, DataConfig
+from flaxformer_lite.data.store import MANIFEST
+
+INPUTS_FILE = "inputs.json"
+
+
+def current_inputs(cfg: DataConfig) -> dict[str, Any]:
+    """The data settings and the source files as they are now (sizes only: cheap)."""
+    return {"data": dataclasses.asdict(cfg), "files": _files_now(cfg)}
+
+
+def built_inputs(cfg: DataConfig, run_dir: pathlib.Path) -> dict[str, Any]:
+    """The inputs the run's data were just built from: :func:`current_inputs` with each
+    file's sha256 from the prepared store's manifest (``data.path`` for a prepared source, the
+    run's cached store of a text, jsonl or parallel source)."""
+    inputs = current_inputs(cfg)
+    found = store_of(cfg, run_dir)
+    if found is not None:
+        inputs["files"] = _manifest_files(found[1])
+    return inputs
+
+
+def read_inputs(run_dir: pathlib.Path) -> dict[str, Any] | None:
+    """The recorded inputs, or None when the run has no record (an older run)."""
+    path = run_dir / INPUTS_FILE
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as error:
+        raise ValueError(f"{path}: not a record of the run's inputs ({error})") from None
+
+
+def write_inputs(run_dir: pathlib.Path, inputs: dict[str, Any]) -> None:
+    """Writes ``RUN/inputs.json`` aside and renames it: a killed write keeps the old record."""
+    path = run_dir / INPUTS_FILE
+    partial = path.with_name(INPUTS_FILE + ".tmp")
+    partial.write_text(json.dumps(inputs, indent=1) + "\n", encoding="utf-8")
+    partial.replace(path)
+
+
+def input_changes(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """One ``  what: before -> now`` line per difference (files: by path and size, and by
+    sha256 where both sides have it)."""
+    lines = []
+    before, now = recorded.get("data", {}), current["data"]
+    for key in sorted(before.keys() | now.keys()):
+        if before.get(key) != now.get(key):
+            lines.append(f"  data.{key}: {before.get(key)!r} -> {now.get(key)!r}")
+    old_files = {f["path"]: f for f in recorded.get("files", [])}
+    new_files = {f["path"]: f for f in current["files"]}
+    for path in sorted(old_files.keys() | new_files.keys()):
+        old, new = old_files.get(path), new_files.get(path)
+        if old is None or new is None:
+            lines.append(f"  {path}: {'added' if old is None else 'gone'}")
+        elif old["size"] != new["size"]:
+            lines.append(f"  {path}: {old['size']} bytes -> {new['size']} bytes")
+        elif "sha256" in old and "sha256" in new and old["sha256"] != new["sha256"]:
+            lines.append(f"  {path}: sha256 {old['sha256'][:12]}... -> {new['sha256'][:12]}...")
+    return lines
+
+
+def _files_now(cfg: DataConfig) -> list[dict[str, Any]]:
+    if cfg.source == "synthetic":  # made from the settings alone
+        return []
+    if cfg.source == "prepared":  # a store never changes: its manifest is its source
+        found = store_of(cfg, None)
+        return [] if found is None else _manifest_files(found[1])
+    try:
+        files = sources.source_files(cfg.source, cfg.path)
+    except (FileNotFoundError, ValueError):  # building the data names the problem
+        return []
+    return [{"path": str(p), "size": p.stat().st_size} for p in files]
+
+
+def _manifest_files(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
+        {"path": f["path"], "size": f["size"], "sha256": f["sha256"]}
+        for f in manifest["source"]["files"]
+    ]
+
+
+def store_of(
+    cfg: DataConfig, run_dir: pathlib.Path | None
+) -> tuple[pathlib.Path, dict[str, Any]] | None:
+    """The directory and manifest of the store the data are read from (``data.path`` for a
+    prepared source, the run's cached store of a file source), if there is one yet."""
+    if cfg.source == "synthetic":
+        return None
+    if cfg.source == "prepared":
+        candidates = [pathlib.Path(cfg.path) / MANIFEST]
+    elif run_dir is None:
+        return None
+    else:
+        found = (run_dir / PREPARED_DIR).glob(f"{cfg.source}-*/{MANIFEST}")
+        # A cached store is <source>-<hex>; one moved aside by --force has a .old<N> suffix.
+        candidates = sorted(p for p in found if "." not in p.parent.name)
+    for path in candidates:
+        try:
+            manifest = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        made_from = manifest.get("source", {})
+        if cfg.source == "prepared" or made_from.get("path") == cfg.path:
+            return path.parent, manifest
+    return None

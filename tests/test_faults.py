@@ -1,0 +1,344 @@
+"""Faults and bad input (issue 27): a failing save ends the run in seconds with one line, signals
+at start-up exit 128 + signal, unreadable checkpoint parts are skipped, metrics are never lost,
+YAML numbers and duplicate keys, non-finite settings, extended runs keep their schedule."""
+
+import errno
+import os
+import pathlib
+import random
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+from subprocess_env import subprocess_env
+
+from flaxformer_lite.cli.train import train_main
+from flaxformer_lite.train.checkpoint import Checkpointer, CheckpointError
+from flaxformer_lite.train.config import ConfigError, load_config
+from flaxformer_lite.train.loop import _check_resumable, run
+from flaxformer_lite.train.metrics import MetricsWriter, read_metrics
+from flaxformer_lite.train.optim import make_optimizer
+from flaxformer_lite.train.resume import keep_schedule_span
+
+pytestmark = pytest.mark.fast_compile
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TINY = [
+    "model.num_decoder_layers=1",
+    "train.batch_size=8",
+    "data.seq_len=32",
+    "optimizer.warmup_steps=0",
+    "train.log_every=1",
+    "train.eval_every=100",
+    "train.eval_batches=1",
+    "data.eval_size=8",
+    "train.decode_examples=0",
+]
+# Makes the checkpoint writer fail as a read-only checkpoints directory does (EROFS), without
+# root for a read-only bind mount: orbax creates each step in <step>.orbax-checkpoint-tmp.
+FAILING_WRITER = """
+import errno, os, sys
+real = os.makedirs
+def makedirs(path, *args, **kwargs):
+    if "orbax-checkpoint-tmp" in str(path):
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+    return real(path, *args, **kwargs)
+os.makedirs = makedirs
+from flaxformer_lite.cli.train import train_main
+sys.exit(train_main(sys.argv[1:]))
+"""
+
+
+def failing_makedirs(monkeypatch):
+    real = os.makedirs
+
+    def makedirs(path, *args, **kwargs):
+        if "orbax-checkpoint-tmp" in str(path):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "makedirs", makedirs)
+
+
+def orbax_threads():
+    from orbax.checkpoint._src.futures import future
+
+    return [t for t in threading.enumerate() if isinstance(t, future._SignalingThread)]
+
+
+def test_a_failing_save_raises_one_line_and_stops_orbax_threads(tmp_path, monkeypatch):
+    checkpointer = Checkpointer(tmp_path / "ckpt", keep=2)
+    failing_makedirs(monkeypatch)
+    checkpointer.save(1, {"a": np.ones(3)}, data_state={}, config={})
+    with pytest.raises(CheckpointError, match="cannot write a checkpoint in .*Read-only") as info:
+        checkpointer.wait()
+    assert len(str(info.value).splitlines()) == 1
+    assert isinstance(info.value, OSError)  # the CLI's exit 2
+    assert not [t for t in orbax_threads() if t.is_alive()]
+    checkpointer.close()  # nothing left to wait for
+
+
+def start(args, tmp_path, script=None, **popen):
+    command = [sys.executable, "-c", script, *args] if script else [sys.executable, *args]
+    return subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=subprocess_env(1),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **popen,
+    )
+
+
+@pytest.mark.slow
+def test_train_exits_2_in_seconds_when_checkpoints_cannot_be_written(tmp_path):
+    args = [f"run_dir={tmp_path / 'run'}", *TINY, "train.steps=4", "checkpoint.every=2"]
+    child = start(["--no-progress", *args], tmp_path, script=FAILING_WRITER)
+    out, err = child.communicate(timeout=300)  # it used to hang for good
+    assert child.returncode == 2, err
+    assert "Traceback" not in err and "Traceback" not in out, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("error: cannot write a checkpoint in "), err
+    # orbax's own tracebacks went to the run's library log instead
+    assert "Read-only" in (tmp_path / "run" / "library.log").read_text()
+
+
+def read_only_mount_works() -> bool:
+    probe = ["unshare", "-rm", "sh", "-c", "mount --bind -o ro /tmp /tmp && ! touch /tmp/.ro"]
+    try:
+        return subprocess.run(probe, capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not read_only_mount_works(), reason="no user and mount namespaces here")
+def test_train_exits_2_on_a_read_only_bind_mounted_checkpoints_directory(tmp_path):
+    """The real thing: EROFS from the kernel, in a mount namespace (no root needed where user
+    namespaces are allowed)."""
+    checkpoints = tmp_path / "run" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    train = [sys.executable, "train.py", "--no-progress", f"run_dir={tmp_path / 'run'}", *TINY]
+    where = shlex.quote(str(checkpoints))
+    mount = f"mount --bind -o ro {where} {where} && exec {shlex.join([*train, 'train.steps=2'])}"
+    child = subprocess.Popen(
+        ["unshare", "-rm", "sh", "-c", mount],
+        cwd=REPO,
+        env=subprocess_env(1),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    out, err = child.communicate(timeout=300)
+    assert child.returncode == 2, (out, err[-3000:])
+    assert "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("error: cannot write a checkpoint in "), err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_start_up_exits_128_plus_signal(tmp_path, signum):
+    args = ["train.py", "--no-progress", f"run_dir={tmp_path / 'run'}", *TINY, "train.steps=2"]
+    child = start(args, tmp_path)
+    first = child.stdout.readline()  # the tokenizer is built: the model is next
+    assert first, child.stderr.read()
+    child.send_signal(signum)
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 128 + signum, (out, err)
+    assert "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] in (
+        f"stopped by {signal.Signals(signum).name}",
+        f"{signal.Signals(signum).name} at step 1: checkpoint saved",  # it was that quick
+    )
+
+
+@pytest.mark.slow
+def test_kills_at_random_points_of_saves_always_resume(tmp_path):
+    """kill -9 at random moments of a run that saves every step; each restart resumes from a
+    finished checkpoint, and the last one reaches the end with every step logged once. (The run
+    first reaches a checkpoint: a kill before the first one leaves logged steps without a
+    checkpoint, which the next start refuses, by design, without --fresh.)"""
+    run_dir = tmp_path / "run"
+    args = ["train.py", "--no-progress", f"run_dir={run_dir}", *TINY, "checkpoint.every=1"]
+    first = start([*args, "train.steps=2"], tmp_path)
+    _, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err[-3000:]
+    args.append("train.steps=12")
+    rng = random.Random(0)
+    for _ in range(3):
+        child = start(args, tmp_path)
+        lines = 0
+        while lines < 2 + rng.randrange(4):  # start-up lines, then the first logged steps
+            if not child.stdout.readline():
+                break
+            lines += 1
+        threading.Event().wait(rng.uniform(0.0, 1.0))
+        child.kill()
+        child.communicate()
+    final = start(args, tmp_path)
+    out, err = final.communicate(timeout=300)
+    assert final.returncode == 0, err[-3000:]
+    steps = [r["step"] for r in read_metrics(run_dir)]
+    assert steps == list(range(1, 13)), steps
+
+
+def test_a_corrupt_metrics_item_sets_its_checkpoint_aside(tmp_path, caplog):
+    directory = tmp_path / "ckpt"
+    with Checkpointer(directory, keep=3) as checkpointer:
+        for step in (1, 2):
+            state = {"a": np.full(3, step, np.float32)}
+            checkpointer.save(step, state, data_state={}, config={}, metrics={"eval_loss": 1.0})
+    (directory / "2" / "metrics" / "metrics").write_text("")
+    with Checkpointer(directory, keep=3) as checkpointer:
+        assert checkpointer.all_steps() == [1]
+    assert (directory / "2.corrupt").is_dir()
+    assert any("metrics/metrics is unreadable" in r.getMessage() for r in caplog.records)
+
+
+def test_a_partial_last_metrics_line_is_dropped_with_a_notice(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
+    notices = []
+    assert [r["step"] for r in read_metrics(tmp_path, log=notices.append)] == [1, 2]
+    assert len(notices) == 1 and "partial last line 3" in notices[0]
+    MetricsWriter(tmp_path, resume_step=2, log=notices.append).close()
+    assert path.read_text() == '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n'
+    path.write_text('{"step": 1}\nnot json\n{"step": 3}\n')
+    with pytest.raises(ValueError, match="metrics.jsonl, line 2"):
+        read_metrics(tmp_path)
+
+
+def test_metrics_without_checkpoints_are_kept_unless_fresh(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 5, "loss": 1.0}\n')
+    cfg = load_config(None, [f"run_dir={run_dir}", *TINY, "train.steps=2"])
+    with pytest.raises(ConfigError, match="no checkpoint to resume from; pass --fresh"):
+        run(cfg, progress=False, log=lambda _: None)
+    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 5, "loss": 1.0}\n'
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("train:\n  steps: 3\n  steps: 4\n", "the key 'steps' is given twice"),
+        ("optimizer:\n  lr: .nan\n", "optimizer.lr must be a finite number"),
+        ("optimizer:\n  lr: -.inf\n", "optimizer.lr must be a finite number"),
+        ("data:\n  seq_len: 512\n", r"data.seq_len \(512\) exceeds model.max_length \(256\)"),
+    ],
+)
+def test_bad_config_files_are_refused_naming_the_key(tmp_path, text, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message) as info:
+        load_config(path)
+    assert len(str(info.value).splitlines()) == 1
+
+
+def test_yaml_numbers_as_writers_emit_them(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("optimizer:\n  lr: 1e-3\n  eps: 3.0E-4\n  b2: .99\n  weight_decay: 1E2\n")
+    cfg = load_config(path)
+    assert (cfg.optimizer.lr, cfg.optimizer.eps) == (1e-3, 3.0e-4)
+    assert (cfg.optimizer.b2, cfg.optimizer.weight_decay) == (0.99, 100.0)
+    assert load_config(path, ["optimizer.lr=1e-3"]) == cfg
+
+
+def test_a_config_file_not_utf8_is_named(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_bytes(b"train:\n  steps: 3 \xff\n")
+    with pytest.raises(ConfigError, match=f"config file {path} is not UTF-8"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_non_finite_learning_rates_are_refused(value):
+    with pytest.raises(ConfigError, match="optimizer.lr must be a finite number"):
+        load_config(None, [f"optimizer.lr={value}"])
+
+
+def test_a_run_dir_naming_a_file_exits_2_with_one_line(tmp_path, capsys):
+    path = tmp_path / "file"
+    path.write_text("")
+    assert train_main(["--no-progress", f"run_dir={path}", *TINY, "train.steps=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(path) in err[0], err
+
+
+def test_more_train_steps_on_resume_keep_the_schedule_span():
+    common = ["optimizer.lr=1e-3", "optimizer.warmup_steps=0"]
+    saved = load_config(None, ["train.steps=60", *common])
+    extended = load_config(None, ["train.steps=80", *common])
+    logged = []
+    kept = keep_schedule_span(saved, extended, logged.append)
+    assert kept.optimizer.schedule_steps == 60 and "keeps its 60-step span" in logged[0]
+    _check_resumable(saved, kept, force=False, log=logged.append)  # no other change
+    _, schedule = make_optimizer(kept.optimizer, total_steps=60, d_model=64)
+    rates = [float(schedule(step)) for step in (60, 61, 79)]
+    np.testing.assert_allclose(rates, [1e-4] * 3, rtol=1e-5)  # stays at the end value
+    # Stretching it is a choice: a changed config, refused without --force.
+    stretched = load_config(None, ["train.steps=80", *common, "optimizer.schedule_steps=80"])
+    assert keep_schedule_span(saved, stretched, logged.append) is stretched
+    with pytest.raises(ConfigError, match="optimizer.schedule_steps"):
+        _check_resumable(saved, stretched, force=False, log=logged.append)
+    # A third run with the same steps inherits the kept span without a change.
+    assert keep_schedule_span(kept, extended, logged.append) == kept
+
+
+def text_run(run_dir, path, *overrides):
+    return load_config(
+        None,
+        [
+            f"run_dir={run_dir}",
+            *TINY,
+            "data.source=text",
+            f"data.path={path}",
+            "data.tokenizer=char",
+            "data.seq_len=16",
+            "data.validation_fraction=0.2",
+            *overrides,
+        ],
+    )
+
+
+def test_a_tokenizer_left_by_a_failed_attempt_is_refused_for_other_data(tmp_path):
+    run_dir = tmp_path / "run"
+    first, second = tmp_path / "words.txt", tmp_path / "sums.txt"
+    first.write_text("".join(f"line {i} of words\n" for i in range(40)))
+    second.write_text("".join(f"{i}+{i + 1}={2 * i + 1}\n" for i in range(40)))
+    failing = text_run(run_dir, first, "train.steps=2", "optimizer.warmup_steps=5")
+    with pytest.raises(ValueError, match="warmup_steps"):  # after the tokenizer was saved
+        run(failing, progress=False, log=lambda _: None)
+    assert (run_dir / "tokenizer").is_dir() and (run_dir / "inputs.json").is_file()
+    other = text_run(run_dir, second, "train.steps=1")
+    with pytest.raises(ConfigError, match="the data differ") as info:
+        run(other, progress=False, log=lambda _: None)
+    assert f"data.path: '{first}' -> '{second}'" in str(info.value)
+    logged = []
+    run(other, force=True, progress=False, log=logged.append)
+    assert any("moved the tokenizer made from the old data" in line for line in logged)
+    from flaxformer_lite.data.tokenizers import load_tokenizer
+
+    tokenizer = load_tokenizer(run_dir / "tokenizer")
+    assert tokenizer.decode(tokenizer.encode("123+45=168")) == "123+45=168"
+
+
+@pytest.mark.slow
+def test_changed_data_on_resume_are_shown_and_force_goes_on(tmp_path):
+    run_dir, path = tmp_path / "run", tmp_path / "lines.txt"
+    path.write_text("".join(f"{i}+{i + 1}={2 * i + 1}\n" for i in range(40)))
+    run(text_run(run_dir, path, "train.steps=2"), progress=False, log=lambda _: None)
+    path.write_text("".join(f"{i}+{i + 2}={2 * i + 2}\n" for i in range(60)))  # more lines
+    more = text_run(run_dir, path, "train.steps=3")
+    with pytest.raises(ConfigError, match="the data differ") as info:
+        run(more, progress=False, log=lambda _: None)
+    assert f"{path}: " in str(info.value) and "bytes ->" in str(info.value)
+    logged = []
+    run(more, force=True, progress=False, log=logged.append)
+    assert any("going on with changed data" in line for line in logged)
+    assert any("resuming with changed data" in line for line in logged)  # the pipeline's diff
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3]
