@@ -17,6 +17,7 @@ import pytest
 from subprocess_env import subprocess_env
 
 from flaxformer_lite.cli.train import train_main
+from flaxformer_lite.train import loop as loop_module
 from flaxformer_lite.train.checkpoint import Checkpointer, CheckpointError
 from flaxformer_lite.train.config import ConfigError, load_config
 from flaxformer_lite.train.loop import _check_resumable, run
@@ -305,14 +306,20 @@ def text_run(run_dir, path, *overrides):
     )
 
 
-def test_a_tokenizer_left_by_a_failed_attempt_is_refused_for_other_data(tmp_path):
+def test_a_tokenizer_left_by_a_failed_attempt_is_refused_for_other_data(tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     first, second = tmp_path / "words.txt", tmp_path / "sums.txt"
     first.write_text("".join(f"line {i} of words\n" for i in range(40)))
     second.write_text("".join(f"{i}+{i + 1}={2 * i + 1}\n" for i in range(40)))
-    failing = text_run(run_dir, first, "train.steps=2", "optimizer.warmup_steps=5")
-    with pytest.raises(ValueError, match="warmup_steps"):  # after the tokenizer was saved
-        run(failing, progress=False, log=lambda _: None)
+    failing = text_run(run_dir, first, "train.steps=2")
+
+    def fail(*args, **kwargs):
+        raise ValueError("the optimizer failed")
+
+    with monkeypatch.context() as patch:  # a failure after the tokenizer was saved
+        patch.setattr(loop_module, "make_optimizer", fail)
+        with pytest.raises(ValueError, match="the optimizer failed"):
+            run(failing, progress=False, log=lambda _: None)
     assert (run_dir / "tokenizer").is_dir() and (run_dir / "inputs.json").is_file()
     other = text_run(run_dir, second, "train.steps=1")
     with pytest.raises(ConfigError, match="the data differ") as info:

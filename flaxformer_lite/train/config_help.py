@@ -104,6 +104,7 @@ HELP = {
     "optimizer.weight_decay": "decoupled weight decay (AdamW) of the kernels; 0 is Adam",
     "optimizer.decay_embeddings": "also decay the embedding tables",
     "optimizer.clip_norm": "clip the global gradient norm to this; null: no clipping",
+    "optimizer.schedule_steps": "steps the decay spans; null: train.steps (kept on resume)",
     "train.steps": "optimizer steps of the whole run (may be raised on resume)",
     "train.batch_size": "examples (rows) per optimizer step, over all devices",
     "train.grad_accum_steps": "microbatches per step (batch_size must be a multiple)",
