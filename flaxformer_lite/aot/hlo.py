@@ -30,6 +30,14 @@ _CALLED = re.compile(
     r"=(\{[^}]*\}|%?[\w.\-]+)"
 )
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_CONDITION = re.compile(r"\bcondition=%?([\w.\-]+)")
+# A loop condition `counter < N` (lax.scan and fori_loop count from 0): N trips. The TPU
+# compiler leaves out the known_trip_count that the CPU's writes.
+_CONSTANT = re.compile(r"^\s*%?([\w.\-]+)\s*=\s*s32\[\]\S*\s+constant\((\d+)\)")
+_BOUND = re.compile(
+    r"^\s*ROOT\s+%?[\w.\-]+\s*=\s*pred\[\]\S*\s+compare\(%?[\w.\-]+,\s*%?([\w.\-]+)\),"
+    r"\s*direction=LT\b"
+)
 _ARRAY = re.compile(r"\b(pred|[subfc]\d+|bf16|f8\w*)\[([\d,]*)\]")
 _LISTED_GROUPS = re.compile(r"replica_groups=\{\{([\d,]*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[\d+,(\d+)\]<=")
@@ -45,7 +53,9 @@ def collective_counts(hlo_text: str, num_devices: int = 1) -> dict[str, dict]:
     docstring) and ``bytes`` one device sends per run. ``num_devices`` is the group size of a
     collective whose ``replica_groups`` are empty (all devices)."""
     found = []  # (computation, opcode, operands, bytes sent per execution)
-    callers: dict[str, list[tuple[str, int | None]]] = {}
+    callers: dict[str, list[tuple[str, int | str]]] = {}  # a trip count, or the condition's name
+    constants: dict[str, int] = {}
+    bounds: dict[str, int] = {}  # loop condition -> trip count
     computation, entry = None, None
     for line in hlo_text.splitlines():
         header = _HEADER.match(line)
@@ -54,6 +64,10 @@ def collective_counts(hlo_text: str, num_devices: int = 1) -> dict[str, dict]:
             if line.startswith("ENTRY"):
                 entry = computation
             continue
+        if constant := _CONSTANT.match(line):
+            constants[constant.group(1)] = int(constant.group(2))
+        if (bound := _BOUND.match(line)) and bound.group(1) in constants:
+            bounds[computation] = constants[bound.group(1)]
         match = _INSTRUCTION.match(line)
         if computation is None or match is None:
             continue
@@ -73,11 +87,11 @@ def collective_counts(hlo_text: str, num_devices: int = 1) -> dict[str, dict]:
         if array_bytes is not None:
             operands = _operand_count(line, match.end())
             found.append((computation, base, operands, _sent_bytes(base, array_bytes, group)))
-        trip = _TRIP_COUNT.search(line)
+        trip, condition = _TRIP_COUNT.search(line), _CONDITION.search(line)
         for kind, value in _CALLED.findall(line):
             factor = 1
             if opcode == "while" and kind in ("body", "condition"):
-                factor = int(trip.group(1)) if trip else None
+                factor = int(trip.group(1)) if trip else condition.group(1)
             for callee in re.findall(r"%?([\w.\-]+)", value):
                 callers.setdefault(callee, []).append((computation, factor))
 
@@ -87,6 +101,8 @@ def collective_counts(hlo_text: str, num_devices: int = 1) -> dict[str, dict]:
             return 1, True
         total, exact = 0, True
         for caller, factor in callers.get(name, []):
+            if isinstance(factor, str):  # a loop without known_trip_count: its condition's bound
+                factor = bounds.get(factor)
             count, caller_exact = runs(caller)
             total += count * (factor or 1)
             exact &= caller_exact and factor is not None

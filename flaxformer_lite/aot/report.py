@@ -109,7 +109,7 @@ class Report:
             return [*lines, f"the TPU compiler refused the program: {self.compiler_message}"]
         lines += [
             f"FLOPs per step per chip: {self.xla_flops:.4g} (XLA's count), "
-            f"{self.model_flops / chips:.4g} (the model's 6N + attention count)",
+            f"{self.model_flops / chips:.4g} (the model's own count)",
             "collectives per step (bytes one chip sends, as a ring moves them):",
         ]
         for op in COLLECTIVES:
