@@ -4,6 +4,7 @@ The TPU programs themselves (gpt2-tiny on a 4-chip v5e) are compiled in test_com
 """
 
 import json
+import pathlib
 import subprocess
 import sys
 
@@ -15,6 +16,7 @@ from flaxformer_lite.aot import TopologyError, collective_counts, parse_topology
 from flaxformer_lite.cli import main
 
 TINY = ["train.batch_size=8", "data.seq_len=16"]
+CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 SUMMARY_KEYS = {
     "topology",
     "chips",
@@ -156,6 +158,17 @@ def test_cpu_devices_of_this_process(capsys):
     assert summary["flops_per_step"] > 0 and summary["collectives"]["all-gather"] > 0
     assert summary["attention"] == "xla"
     assert out[0] == "train step for cpu-4 (4 CPU devices), mesh data 2 x fsdp 2 x tensor 1"
+
+
+def test_decode_compiles_the_generation_loop(capsys):
+    argv = ["--topology", "cpu-2", "--decode", "--max_new_tokens", "4", "mesh.data=2", *TINY]
+    status, out, _ = _run(argv, capsys)
+    summary = json.loads(out[-1])
+    assert status == 0 and out[0].startswith("generation for cpu-2")
+    assert summary["per_chip_bytes"]["optimizer"] == 0 < summary["per_chip_bytes"]["params"]
+    status, _, err = _run([*argv, "--config", str(CONFIGS / "bert_tiny.yaml")], capsys)
+    assert status == 2 and err == ["error: --decode needs a decoder or encoder-decoder model; "
+                                   "model.kind is encoder"]  # fmt: skip
 
 
 @pytest.mark.slow
