@@ -123,6 +123,14 @@ def test_collectives_are_counted_per_step_with_the_bytes_a_ring_moves():
     assert counts["all-to-all"]["instructions"] == 0
 
 
+def test_a_loop_bound_is_read_from_either_side_of_its_condition():
+    flipped = HLO.replace("compare(%i, %n), direction=LT", "compare(%n, %i), direction=GT")
+    assert flipped != HLO
+    assert collective_counts(flipped, num_devices=4)["all-gather"]["executed"] == 3
+    unknown = HLO.replace("direction=LT", "direction=NE")
+    assert collective_counts(unknown, num_devices=4)["all-gather"]["exact"] is False
+
+
 def _run(argv, capsys):
     status = main(["compile", *argv])
     out, err = capsys.readouterr()

@@ -31,12 +31,12 @@ _CALLED = re.compile(
 )
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CONDITION = re.compile(r"\bcondition=%?([\w.\-]+)")
-# A loop condition `counter < N` (lax.scan and fori_loop count from 0): N trips. The TPU
-# compiler leaves out the known_trip_count that the CPU's writes.
+# A loop condition `counter < N` or `N > counter` (lax.scan and fori_loop count from 0): N
+# trips. The TPU compiler leaves out the known_trip_count that the CPU's writes.
 _CONSTANT = re.compile(r"^\s*%?([\w.\-]+)\s*=\s*s32\[\]\S*\s+constant\((\d+)\)")
 _BOUND = re.compile(
-    r"^\s*ROOT\s+%?[\w.\-]+\s*=\s*pred\[\]\S*\s+compare\(%?[\w.\-]+,\s*%?([\w.\-]+)\),"
-    r"\s*direction=LT\b"
+    r"^\s*ROOT\s+%?[\w.\-]+\s*=\s*pred\[\]\S*\s+compare\(%?([\w.\-]+),\s*%?([\w.\-]+)\),"
+    r"\s*direction=(LT|GT)\b"
 )
 _ARRAY = re.compile(r"\b(pred|[subfc]\d+|bf16|f8\w*)\[([\d,]*)\]")
 _LISTED_GROUPS = re.compile(r"replica_groups=\{\{([\d,]*)\}")
@@ -66,8 +66,11 @@ def collective_counts(hlo_text: str, num_devices: int = 1) -> dict[str, dict]:
             continue
         if constant := _CONSTANT.match(line):
             constants[constant.group(1)] = int(constant.group(2))
-        if (bound := _BOUND.match(line)) and bound.group(1) in constants:
-            bounds[computation] = constants[bound.group(1)]
+        if bound := _BOUND.match(line):  # `i < N`, or `N > i`
+            left, right, direction = bound.groups()
+            limit = right if direction == "LT" else left
+            if limit in constants:
+                bounds[computation] = constants[limit]
         match = _INSTRUCTION.match(line)
         if computation is None or match is None:
             continue
