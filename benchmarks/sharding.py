@@ -47,7 +47,6 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
-import functools  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
@@ -59,6 +58,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from flaxformer_lite import parallel  # noqa: E402
+from flaxformer_lite.aot import COLLECTIVES, collective_counts  # noqa: E402
 from flaxformer_lite.models import ModelConfig, build_model  # noqa: E402
 from flaxformer_lite.train.optim import OptimizerConfig, make_optimizer  # noqa: E402
 from flaxformer_lite.train.step import make_train_step, task_of  # noqa: E402
@@ -73,7 +73,6 @@ LAYOUTS = [
     "tensor=8",
     "tensor=8,heads=none",
 ]
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 REMAT_WARNING = "Involuntary full rematerialization"
 MIB = 2**20
 
@@ -100,77 +99,7 @@ def layout_label(text: str) -> str:
     return " ".join(filter(None, re.split(r"[,\s]+", text)))
 
 
-# ----------------------------------------------------------------------------- the HLO
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s+\(")
-# `%name = <type> opcode(`; a tuple type is parenthesized and may nest.
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?:\(.*?\)|\S+)\s+([a-z][\w\-]*)\(")
-_CALLED = re.compile(
-    r"\b(body|condition|to_apply|calls|branch_computations|true_computation|false_computation)"
-    r"=(\{[^}]*\}|%?[\w.\-]+)"
-)
-_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-
-
-def _operand_count(line: str, start: int) -> int:
-    """The operands of the instruction whose operand list opens at ``line[start - 1]``."""
-    depth, end = 1, start
-    while end < len(line) and depth:
-        depth += {"(": 1, ")": -1}.get(line[end], 0)
-        end += 1
-    return line[start:end].count("%")
-
-
-def collective_counts(hlo_text: str) -> dict[str, dict[str, int | bool]]:
-    """Per collective opcode of ``COLLECTIVES``: ``instructions`` in the module, ``operands``
-    (arrays) they carry, and ``executed`` per run of the entry computation (instructions of
-    loop bodies times their known trip counts; ``exact`` False where a loop holding a
-    collective has no known trip count and was counted once)."""
-    found = []  # (computation, opcode, operands)
-    callers: dict[str, list[tuple[str, int | None]]] = {}
-    computation, entry = None, None
-    for line in hlo_text.splitlines():
-        header = _HEADER.match(line)
-        if header and line.rstrip().endswith("{") and "->" in line:
-            computation = header.group(1)
-            if line.startswith("ENTRY"):
-                entry = computation
-            continue
-        match = _INSTRUCTION.match(line)
-        if computation is None or match is None:
-            continue
-        opcode = match.group(1)
-        base = opcode.removesuffix("-start")
-        if base in COLLECTIVES:  # `-done` ends the same collective: not counted
-            found.append((computation, base, _operand_count(line, match.end())))
-        trip = _TRIP_COUNT.search(line)
-        for kind, value in _CALLED.findall(line):
-            factor = 1
-            if opcode == "while" and kind in ("body", "condition"):
-                factor = int(trip.group(1)) if trip else None
-            for callee in re.findall(r"%?([\w.\-]+)", value):
-                callers.setdefault(callee, []).append((computation, factor))
-
-    @functools.cache
-    def runs(name: str) -> tuple[int, bool]:
-        if name == entry:
-            return 1, True
-        total, exact = 0, True
-        for caller, factor in callers.get(name, []):
-            count, caller_exact = runs(caller)
-            total += count * (factor or 1)
-            exact &= caller_exact and factor is not None
-        return total, exact
-
-    counts = {op: dict(instructions=0, operands=0, executed=0, exact=True) for op in COLLECTIVES}
-    for name, op, operands in found:
-        count, exact = runs(name)
-        counts[op]["instructions"] += 1
-        counts[op]["operands"] += operands
-        counts[op]["executed"] += count
-        counts[op]["exact"] &= exact
-    return counts
-
-
+# ----------------------------------------------------------------------------- stderr
 @contextlib.contextmanager
 def stderr_lines():
     """Collects what is written to file descriptor 2 (XLA's C++ logging included) into the
@@ -271,7 +200,7 @@ def measure(cfg: ModelConfig, layout: str, batch_size: int, seq_len: int, device
         "fraction": (params + opt) / (params_total + opt_total),
         "state_bytes": parallel.device_bytes(state, shardings),  # + RNG keys and counters
         "batch_bytes": batch_bytes,
-        "collectives": collective_counts(compiled.as_text()),
+        "collectives": collective_counts(compiled.as_text(), len(devices)),
         "temp_bytes": getattr(memory, "temp_size_in_bytes", None),
         "argument_bytes": getattr(memory, "argument_size_in_bytes", None),
         "lower_s": lowered_at - started,

@@ -64,9 +64,8 @@ def test_xla_attention_in_bf16_has_bf16_backward_matmuls_and_float32_like_gradie
     assert np.isfinite(float(tangent))
 
 
-# gpt2-tiny's attention dropout keeps the attention in "xla"; without it, it runs in the Pallas
-# kernel (a custom call, not a dot).
-ATTENTION = {"xla": [], "pallas": ["model.attention_dropout=0.0"]}
+# The default's attention (no dropout) runs in the Pallas kernel on TPU: a custom call, not a dot.
+ATTENTION = {"xla": ["model.attention_implementation=xla"], "pallas": []}
 
 
 @pytest.mark.parametrize("attention", ATTENTION)

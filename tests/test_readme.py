@@ -20,9 +20,11 @@ import shlex
 import pytest
 from benchmark_scripts import load_benchmark
 
+from flaxformer_lite.aot import parse_topology
 from flaxformer_lite.cli import generate
 from flaxformer_lite.cli.attention import attention_parser
 from flaxformer_lite.cli.compare import compare_parser
+from flaxformer_lite.cli.compile import compile_parser
 from flaxformer_lite.cli.prepare import prepare_parser
 from flaxformer_lite.cli.train import add_train_arguments
 from flaxformer_lite.train.config import load_config
@@ -161,6 +163,10 @@ def test_documented_command_is_valid(name, command, tmp_path, monkeypatch):
             _parse(compare_parser().parse_intermixed_args, rest, command)
         elif subcommand == "config":
             _check_training_command(rest, command, tmp_path, monkeypatch)
+        elif subcommand == "compile":
+            args = _parse(compile_parser().parse_intermixed_args, rest, command)
+            parse_topology(args.topology)
+            load_config(None if args.config is None else REPO / args.config, args.overrides)
         elif subcommand == "plot":
             assert len(rest) == 1 and not rest[0].startswith("-"), command  # plot RUN_DIR
         else:

@@ -85,9 +85,9 @@ def test_logged_tokens_per_sec_times_the_training_steps_alone(tmp_path, monkeypa
 
         return call
 
-    make_train_step = loop.make_train_step
+    make_train_step = loop.configured_train_step
     monkeypatch.setattr(
-        loop, "make_train_step", lambda *a, **k: taking(1.0, make_train_step(*a, **k))
+        loop, "configured_train_step", lambda *a, **k: taking(1.0, make_train_step(*a, **k))
     )
     monkeypatch.setattr(loop, "evaluate", taking(1000.0, loop.evaluate))
     monkeypatch.setattr(loop, "to_savable", taking(1000.0, loop.to_savable))

@@ -1,6 +1,6 @@
 """The user commands: ``python train.py``, ``python sample.py``, ``python -m
 flaxformer_lite.train`` and ``flaxformer-lite
-train|config|prepare|plot|compare|generate|attention``, one module each.
+train|config|prepare|plot|compare|generate|attention|compile``, one module each.
 
     python train.py                                   # the embedded default
     python train.py --config configs/gpt2_small.yaml train.steps=200 optimizer.lr=3e-4
@@ -10,6 +10,7 @@ train|config|prepare|plot|compare|generate|attention``, one module each.
     flaxformer-lite compare runs/a runs/b --metric loss eval_exact_match
     flaxformer-lite generate --run-dir runs/default --prompt "012+034="
     flaxformer-lite attention --run-dir runs/default --text "012+034=" --out maps
+    flaxformer-lite compile --config configs/gpt2_small.yaml --topology v5e-8
 
 Errors the user can fix (config, data, files) print one line and exit with status 2; a run
 stopped by a non-finite step exits 1; SIGTERM/SIGINT save a checkpoint and exit 128 + signal.
@@ -21,6 +22,7 @@ import sys
 
 from flaxformer_lite.cli.attention import attention_main
 from flaxformer_lite.cli.compare import compare_main
+from flaxformer_lite.cli.compile import compile_main
 from flaxformer_lite.cli.config import config_main
 from flaxformer_lite.cli.flags import CommandParser
 from flaxformer_lite.cli.generate import generate_main
@@ -37,6 +39,7 @@ COMMANDS = {
     "compare": (compare_main, "put runs side by side: curves, final metrics, config diff"),
     "generate": (generate_main, "continue or translate prompts with a run (as sample.py)"),
     "attention": (attention_main, "plot a run's attention weights on a text"),
+    "compile": (compile_main, "compile a config's step for a TPU slice: memory, collectives, MFU"),
 }
 
 

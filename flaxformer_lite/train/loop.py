@@ -36,6 +36,12 @@ from flaxformer_lite.train.config import (
 from flaxformer_lite.train.decode_eval import decodable, decode_eval
 from flaxformer_lite.train.metrics import MetricsWriter, peak_flops, plot_run
 from flaxformer_lite.train.optim import make_optimizer, warmup_notice
+from flaxformer_lite.train.program import (
+    configured_train_step,
+    resolve_mesh,
+    tracing_layout,
+    train_and_eval_graphdefs,
+)
 from flaxformer_lite.train.restore import (
     from_savable,
     load_hf_weights,
@@ -53,7 +59,7 @@ from flaxformer_lite.train.resume import (
 )
 from flaxformer_lite.train.run_dir import locked_run_dir
 from flaxformer_lite.train.run_inputs import built_inputs, write_inputs
-from flaxformer_lite.train.step import make_eval_step, make_train_step, task_of
+from flaxformer_lite.train.step import make_eval_step, task_of
 
 
 class TrainingError(RuntimeError):
@@ -106,11 +112,7 @@ def _run(cfg, run_dir, main, force, progress, log):
     """:func:`run`, in a directory this run holds."""
     run_dir.mkdir(parents=True, exist_ok=True)
 
-    mesh = parallel.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
-    data_size, fsdp_size, tensor_size = mesh.shape.values()
-    cfg = dataclasses.replace(
-        cfg, mesh=dataclasses.replace(cfg.mesh, data=data_size, fsdp=fsdp_size, tensor=tensor_size)
-    )
+    cfg, mesh = resolve_mesh(cfg)
     batch_sharding = parallel.batch_sharding(mesh, cfg.mesh.rules)
     parallel.check_batch_size(
         cfg.train.batch_size, mesh, cfg.mesh.rules, cfg.train.grad_accum_steps
@@ -183,7 +185,7 @@ def _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log, f
     if cfg.init_from is not None and not resuming:  # a resumed run keeps its checkpoint
         state = load_hf_weights(state, cfg.init_from)
         log(f"initialized the model from {cfg.init_from}")
-    graphdef, eval_graphdef = _train_and_eval_graphdefs(graphdef, state)
+    graphdef, eval_graphdef = train_and_eval_graphdefs(graphdef, state)
     _log_layout(state, shardings, mesh, log)
     step = 0
     if resuming:
@@ -193,14 +195,7 @@ def _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log, f
         step = restored.step
         log(f"resumed from step {step} of {checkpointer.directory}")
 
-    train_step = make_train_step(
-        graphdef,
-        task=task,
-        label_smoothing=cfg.train.label_smoothing,
-        z_loss=cfg.train.z_loss,
-        grad_accum_steps=cfg.train.grad_accum_steps,
-        state_shardings=shardings,
-    )
+    train_step = configured_train_step(cfg, graphdef, shardings)
     eval_step = make_eval_step(eval_graphdef, task=task)
     batch_size = cfg.train.batch_size
 
@@ -244,8 +239,7 @@ def _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log, f
         _stop_on_signals() as stop,
         contextlib.closing(writer),
         contextlib.closing(bar),
-        jax.set_mesh(mesh),
-        nnx.logical_axis_rules(parallel.rule_pairs(rules)),
+        tracing_layout(mesh, rules),
     ):
         while step < total:
             started = time.perf_counter()
@@ -346,15 +340,6 @@ def _decoded_eval(cfg, data, task, model, log) -> dict[str, float]:
     for sample in samples[: cfg.train.log_samples]:
         log(f"  sample {sample.input!r} -> {sample.prediction!r} (reference {sample.reference!r})")
     return values
-
-
-def _train_and_eval_graphdefs(graphdef, state):
-    """The graph of ``(model, optimizer)`` with dropout on, and with it off (``model.eval()``)."""
-    model, optimizer = nnx.merge(graphdef, state, copy=True)
-    model.train()
-    train_graphdef = nnx.split((model, optimizer))[0]
-    model.eval()
-    return train_graphdef, nnx.split((model, optimizer))[0]
 
 
 def _log_layout(state, shardings, mesh, log) -> None:

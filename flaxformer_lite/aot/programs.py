@@ -1,0 +1,232 @@
+"""A config's programs compiled ahead of time for a topology: the train step ``train.py`` runs,
+or the generation loop, built from abstract values (``jax.ShapeDtypeStruct``s that carry their
+``NamedSharding``s: nothing is allocated) on a mesh over the topology's devices.
+
+    topology = parse_topology("v5e-8")
+    program = compile_for(cfg, topology)             # or decode=True
+    program.compiled.memory_analysis()
+
+The train step is the training loop's own (:mod:`flaxformer_lite.train.program`): the model
+and optimizer of ``make_train_state``, the layout of ``cfg.mesh`` and its rules, dropout on,
+traced under the same mesh and rules, for an abstract batch of the config's task with the
+arrays the input pipeline makes (:mod:`flaxformer_lite.data.features`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import re
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.experimental import mesh_utils
+
+from flaxformer_lite import parallel
+from flaxformer_lite.aot.topology import Topology, topology_devices
+from flaxformer_lite.decode import generate, seq2seq_generate
+from flaxformer_lite.models import build_model, training_flops_per_token
+from flaxformer_lite.train.config import TrainConfig
+from flaxformer_lite.train.optim import make_optimizer
+from flaxformer_lite.train.program import (
+    configured_train_step,
+    resolve_mesh,
+    tracing_layout,
+    train_and_eval_graphdefs,
+)
+from flaxformer_lite.train.restore import make_train_state
+from flaxformer_lite.train.step import task_of
+
+# ops.attention logs its automatic choice at trace time as "attention: <implementation> ...".
+_ATTENTION_LOGGER = "flaxformer_lite.ops.attention"
+_ATTENTION_CHOICE = re.compile(r"^attention: (\w+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledProgram:
+    """A compiled program and what the report needs to read it.
+
+    Attributes:
+      name: ``"train step"`` or ``"generation"``.
+      compiled: the ``jax.stages.Compiled`` program; None when the compiler refused it for
+        want of memory (``out_of_memory`` then holds its message).
+      cfg: the config, with the mesh's sizes resolved.
+      mesh: the mesh over the topology's devices.
+      param_bytes: the parameters' bytes on one device (the largest share).
+      optimizer_bytes: the optimizer state's bytes on one device (0 for generation).
+      model_flops: the model's FLOPs per run of the program on all chips (the ``6 N`` count of
+        :func:`~flaxformer_lite.models.training_flops_per_token`; the forward third of it per
+        token for generation).
+      attention: the attention implementation(s) the trace used, joined by ``+``.
+      weight_reads: how many times a run reads every weight at least (generation: once per
+        new token), for the memory floor of the estimate.
+      out_of_memory: the compiler's first line when it ran out of the chip's memory.
+    """
+
+    name: str
+    compiled: jax.stages.Compiled | None
+    cfg: TrainConfig
+    mesh: jax.sharding.Mesh
+    param_bytes: int
+    optimizer_bytes: int
+    model_flops: float
+    attention: str
+    weight_reads: int = 1
+    out_of_memory: str | None = None
+
+
+def compile_for(
+    cfg: TrainConfig, topology: Topology, *, decode: bool = False, max_new_tokens: int = 32
+) -> CompiledProgram:
+    """Compiles ``cfg``'s train step (or, with ``decode``, its generation of ``max_new_tokens``
+    tokens for ``train.batch_size`` prompts of ``data.seq_len`` tokens) for ``topology``.
+
+    Raises:
+      TopologyError: libtpu is missing, or too few CPU devices for ``cpu-N``.
+      ValueError: a mesh whose sizes do not match the topology's chips, shapes that do not
+        divide over it, a batch that does not split over its batch axes, or ``decode`` for a
+        model that does not generate.
+    """
+    devices = topology_devices(topology)
+    sizes = parallel.mesh_shape(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, len(devices))
+    cfg, mesh = resolve_mesh(cfg, _ordered(devices, sizes))
+    rules = cfg.mesh.rules
+    microbatches = 1 if decode else cfg.train.grad_accum_steps
+    parallel.check_batch_size(cfg.train.batch_size, mesh, rules, microbatches)
+    build = _generation if decode else _train_step
+    program, args, parts, model_flops, weight_reads = build(cfg, mesh, max_new_tokens)
+    with tracing_layout(mesh, rules), _attention_choices() as chosen:
+        lowered = program.lower(*args)
+    explicit = cfg.model.attention_implementation
+    attention = explicit or "+".join(dict.fromkeys(chosen)) or "none"
+    compiled, out_of_memory = None, None
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as error:  # the TPU compiler checks the chip's memory
+        if "RESOURCE_EXHAUSTED" not in str(error):
+            raise
+        out_of_memory = str(error).splitlines()[0]
+    return CompiledProgram(
+        name="generation" if decode else "train step",
+        compiled=compiled,
+        out_of_memory=out_of_memory,
+        cfg=cfg,
+        mesh=mesh,
+        param_bytes=parallel.device_bytes(*parts[0]),
+        optimizer_bytes=parallel.device_bytes(*parts[1]) if len(parts) > 1 else 0,
+        model_flops=model_flops,
+        attention=attention,
+        weight_reads=weight_reads,
+    )
+
+
+def _ordered(devices: list, sizes: tuple[int, ...]) -> list:
+    """``devices`` in the order ``jax.make_mesh`` gives a mesh of ``sizes``: the innermost
+    axis on neighbouring chips. CPU devices have no coordinates: kept as they are."""
+    if devices[0].platform == "cpu":
+        return devices
+    grid = mesh_utils.create_device_mesh(sizes, devices, allow_split_physical_axes=True)
+    return list(grid.flat)
+
+
+def _train_step(cfg: TrainConfig, mesh, _max_new_tokens):
+    tx, _ = make_optimizer(cfg.optimizer, total_steps=cfg.train.steps, d_model=cfg.model.d_model)
+    create = functools.partial(make_train_state, cfg, tx)
+    graphdef, state, shardings = parallel.abstract_sharded(create, mesh, cfg.mesh.rules)
+    graphdef, _ = train_and_eval_graphdefs(graphdef, state)
+    step = configured_train_step(cfg, graphdef, shardings)
+    batch = abstract_batch(cfg, parallel.batch_sharding(mesh, cfg.mesh.rules))
+    params = _params(state[0], shardings[0])
+    tokens = cfg.train.batch_size * cfg.data.seq_len
+    flops = tokens * training_flops_per_token(cfg.model, cfg.data.seq_len)
+    return step, (state, batch), (params, (state[1], shardings[1])), flops, 1
+
+
+def _generation(cfg: TrainConfig, mesh, max_new_tokens: int):
+    kind = cfg.model.kind
+    if kind not in ("decoder", "encoder_decoder"):
+        raise ValueError(f"--decode needs a decoder or encoder-decoder model; model.kind is {kind}")
+
+    def create():
+        return build_model(cfg.model, rngs=nnx.Rngs(params=cfg.seed, dropout=cfg.seed + 1))
+
+    graphdef, state, shardings = parallel.abstract_sharded(create, mesh, cfg.mesh.rules)
+    batch, length = cfg.train.batch_size, cfg.data.seq_len
+    prompts = jax.ShapeDtypeStruct(
+        (batch, length), jnp.int32, sharding=parallel.batch_sharding(mesh, cfg.mesh.rules)
+    )
+
+    @jax.jit
+    def run(state, prompts):
+        model = nnx.merge(graphdef, state)
+        if kind == "decoder":
+            return generate(model, prompts, max_new_tokens=max_new_tokens)
+        return seq2seq_generate(model, prompts, max_new_tokens=max_new_tokens)
+
+    total = length + max_new_tokens
+    # Forward FLOPs: a third of training's, for every prompt and new token.
+    flops = batch * total * training_flops_per_token(cfg.model, total) / 3
+    return run, (state, prompts), (_params(state, shardings),), flops, max_new_tokens
+
+
+def _params(state: nnx.State, shardings: nnx.State) -> tuple[nnx.State, nnx.State]:
+    """The parameters of a model's ``state`` and their shardings."""
+    return nnx.filter_state(state, nnx.Param), nnx.filter_state(shardings, nnx.Param)
+
+
+def abstract_batch(cfg: TrainConfig, sharding) -> dict[str, jax.ShapeDtypeStruct]:
+    """The abstract global batch of ``cfg``'s task, each array split by ``sharding`` along its
+    first axis: the arrays and dtypes of :mod:`flaxformer_lite.data.features` (packed ``lm``
+    rows also carry ``segment_ids`` and ``positions``).
+
+    Raises:
+      ValueError: a model with continuous inputs or outputs (no token batches to describe).
+    """
+    if cfg.model.input_dim is not None or cfg.model.output_dim is not None:
+        raise ValueError("compile takes token models; model.input_dim/output_dim are set")
+    task = task_of(cfg.model)
+    rows = (cfg.train.batch_size, cfg.data.seq_len)
+    ids, floats, flags = jnp.int32, jnp.float32, jnp.bool_
+    arrays = {"lm": {"inputs": ids, "targets": ids, "weights": floats}}
+    if cfg.data.packing is not False:
+        arrays["lm"] |= {"segment_ids": ids, "positions": ids}
+    arrays["seq2seq"] = {"src": ids, "src_mask": flags, "inputs": ids, "targets": ids}
+    arrays["seq2seq"]["weights"] = floats
+    arrays["mlm"] = {"inputs": ids, "targets": ids, "weights": floats, "mask": flags}
+    arrays["classify"] = {"inputs": ids, "mask": flags}
+    batch = {
+        name: jax.ShapeDtypeStruct(rows, dtype, sharding=sharding)
+        for name, dtype in arrays[task].items()
+    }
+    if task == "classify":
+        for name, dtype in (("labels", ids), ("weights", floats)):
+            batch[name] = jax.ShapeDtypeStruct(rows[:1], dtype, sharding=sharding)
+    return batch
+
+
+@contextlib.contextmanager
+def _attention_choices():
+    """Collects the attention implementations ``ops.dot_product_attention`` picks while the
+    block traces (it logs each automatic choice)."""
+    chosen: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            if match := _ATTENTION_CHOICE.match(record.getMessage()):
+                chosen.append(match.group(1))
+
+    logger, handler = logging.getLogger(_ATTENTION_LOGGER), Collect(logging.DEBUG)
+    level, propagate = logger.level, logger.propagate
+    logger.addHandler(handler)
+    # Debug records for this handler alone, not for the handlers the user configured.
+    logger.setLevel(logging.DEBUG)
+    logger.propagate = False
+    try:
+        yield chosen
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate

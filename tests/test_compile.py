@@ -1,0 +1,197 @@
+"""``flaxformer-lite compile``: topology names, the HLO's collectives, exit statuses, ``cpu-N``.
+
+The TPU programs themselves (gpt2-tiny on a 4-chip v5e) are compiled in test_compile_tpu.py.
+"""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import jax
+import pytest
+from subprocess_env import subprocess_env
+
+from flaxformer_lite.aot import TopologyError, collective_counts, parse_topology, topology
+from flaxformer_lite.cli import main
+
+TINY = ["train.batch_size=8", "data.seq_len=16"]
+CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
+SUMMARY_KEYS = {
+    "topology",
+    "chips",
+    "per_chip_bytes",
+    "hbm_bytes",
+    "fits",
+    "flops_per_step",
+    "collectives",
+    "attention",
+    "estimated_step_seconds",
+    "estimated_mfu",
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "chips", "libtpu_name"),
+    [
+        ("v5e-8", 8, "v5e:2x4"),
+        ("v5e-4", 4, "v5e:2x2"),
+        ("v5e-256", 256, "v5e:16x16"),
+        ("v6e-8", 8, "v6e:2x4"),
+        ("v5p-8", 4, "v5:2x2x1"),  # v5p and v4 count cores, two per chip
+        ("v5p-128", 64, "v5:4x4x4"),
+        ("v4-8", 4, "v4:2x2x1"),
+        ("v4-32", 16, "v4:2x2x4"),
+        ("v5e:2x4", 8, "v5e:2x4"),
+        ("v5p:4x4x12", 192, "v5:4x4x12"),
+    ],
+)
+def test_topology_names_follow_maxtext(name, chips, libtpu_name):
+    slice_ = parse_topology(name)
+    assert (slice_.platform, slice_.chips, slice_.libtpu_name) == ("tpu", chips, libtpu_name)
+
+
+def test_cpu_topology_and_chip_figures():
+    assert parse_topology("cpu-4") == topology.Topology("cpu-4", "cpu", 4)
+    v5e = topology.CHIPS["v5e"]
+    assert v5e.hbm_bytes == 16 * 2**30 and v5e.peak_flops == 197e12
+    assert v5e.ring_bytes_per_s == 200e9  # two of four ports, both directions
+
+
+@pytest.mark.parametrize("name", ["v9-8", "v5e-6", "v5p-7", "v5e:2x2x2", "cpu-0", "gpu", ""])
+def test_unknown_topologies_are_refused(name):
+    with pytest.raises(TopologyError, match="topology"):
+        parse_topology(name)
+
+
+@pytest.fixture(autouse=True)
+def _backend_started():
+    """The command's host settings (device count, platforms) apply only before JAX starts a
+    backend: started here, they leave this test session's 8 CPU devices alone."""
+    jax.devices()
+
+
+HLO = """\
+HloModule step, entry_computation_layout={()->f32[]}
+
+%all-reduce-scatter.1 (input.1: f32[64,32]) -> f32[16,32] {
+  %input.1 = f32[64,32]{1,0} parameter(0)
+  %all-reduce.2 = f32[64,32]{1,0} all-reduce(%input.1), replica_groups={{0,1,2,3}}, to_apply=%add
+  ROOT %dynamic-slice.3 = f32[16,32]{1,0} dynamic-slice(%all-reduce.2, %c, %c)
+}
+
+%body (p: (s32[], f32[16,32])) -> (s32[], f32[16,32]) {
+  %p = (s32[], f32[16,32]) parameter(0)
+  %ag = bf16[64,32]{1,0:T(8,128)(2,1)} all-gather(%x), replica_groups=[1,4]<=[4], dimensions={0}
+  %rs = f32[16,32]{1,0} fusion(%y), kind=kCustom, calls=%all-reduce-scatter.1
+  ROOT %t = (s32[], f32[16,32]) tuple(%i, %rs)
+}
+
+%cond (p: (s32[], f32[16,32])) -> pred[] {
+  %i = s32[]{:T(128)} get-tuple-element(%p), index=0
+  %n = s32[]{:T(128)} constant(3)
+  ROOT %lt = pred[]{:T(512)} compare(%i, %n), direction=LT
+}
+
+ENTRY %main (a: f32[16,32]) -> f32[] {
+  %w = (s32[], f32[16,32]) while(%init), condition=%cond, body=%body
+  %ars = (f32[8]{0}, f32[]) all-reduce-start(%v, %s), replica_groups=mesh['data'=2,'fsdp'=2] {'fsdp'}, to_apply=%add
+  %ard = (f32[8]{0}, f32[]) all-reduce-done(%ars)
+  %cps = (f32[4,4]{1,0}, f32[4,4]{1,0}, u32[], u32[]) collective-permute-start(%q), source_target_pairs={{0,1},{1,0}}
+  %cpd = f32[4,4]{1,0} collective-permute-done(%cps)
+  ROOT %r = f32[] reduce-scatter(%z), replica_groups={}, dimensions={0}
+}
+"""  # noqa: E501 - HLO lines as XLA writes them
+
+
+def test_collectives_are_counted_per_step_with_the_bytes_a_ring_moves():
+    counts = collective_counts(HLO, num_devices=4)
+    # In the loop body (3 trips, from its condition's bound as the TPU compiler writes no
+    # known_trip_count): a bf16 gather of 64x32 over 4 devices sends 3/4 of it.
+    assert counts["all-gather"] == dict(
+        instructions=1, operands=1, executed=3, exact=True, bytes=3 * 0.75 * 64 * 32 * 2
+    )
+    # The TPU's reduce-scatter fusion: an all-reduce of the whole array, then a slice.
+    assert counts["reduce-scatter"]["executed"] == 3 + 1
+    assert counts["reduce-scatter"]["bytes"] == 3 * 0.75 * 64 * 32 * 4 + 0  # + a scalar's 0
+    # An async all-reduce counts once, over the 2 devices of "fsdp", twice 1/2 of 8 floats;
+    # the scalar operand carries no data worth counting.
+    assert counts["all-reduce"] == dict(
+        instructions=1, operands=2, executed=1, exact=True, bytes=2 * 0.5 * 8 * 4
+    )
+    assert counts["collective-permute"]["bytes"] == 4 * 4 * 4  # its result, not the operand
+    assert counts["all-to-all"]["instructions"] == 0
+
+
+def test_a_loop_bound_is_read_from_either_side_of_its_condition():
+    flipped = HLO.replace("compare(%i, %n), direction=LT", "compare(%n, %i), direction=GT")
+    assert flipped != HLO
+    assert collective_counts(flipped, num_devices=4)["all-gather"]["executed"] == 3
+    unknown = HLO.replace("direction=LT", "direction=NE")
+    assert collective_counts(unknown, num_devices=4)["all-gather"]["exact"] is False
+
+
+def _run(argv, capsys):
+    status = main(["compile", *argv])
+    out, err = capsys.readouterr()
+    return status, out.strip().splitlines(), err.strip().splitlines()
+
+
+def test_an_unknown_topology_exits_2_with_one_line(capsys):
+    status, out, err = _run(["--topology", "v5x-8"], capsys)
+    assert status == 2 and not out
+    assert len(err) == 1 and err[0].startswith("error: unknown --topology 'v5x-8'")
+
+
+def test_a_mesh_that_does_not_match_the_topology_exits_2(capsys):
+    status, _, err = _run(["--topology", "cpu-4", "mesh.data=8", *TINY], capsys)
+    assert status == 2
+    assert err == ["error: mesh data=8 fsdp=1 tensor=1 needs 8 devices, but there are 4; set "
+                   "one axis to -1 to take the remaining devices"]  # fmt: skip
+
+
+def test_without_libtpu_it_says_what_to_install(capsys, monkeypatch):
+    monkeypatch.setattr(topology, "_libtpu_installed", lambda: False)
+    status, _, err = _run(["--topology", "v5e-4", *TINY], capsys)
+    assert status == 2 and len(err) == 1
+    assert 'pip install "jax[tpu]==' in err[0] and '.[tpu]"' in err[0]
+
+
+def test_cpu_devices_of_this_process(capsys):
+    status, out, _ = _run(["--topology", "cpu-4", "mesh.data=2", "mesh.fsdp=2", *TINY], capsys)
+    summary = json.loads(out[-1])
+    assert status == 0 and set(summary) == SUMMARY_KEYS
+    assert summary["topology"] == "cpu-4" and summary["chips"] == 4
+    assert summary["fits"] is None and summary["estimated_mfu"] is None  # no chip figures
+    assert summary["flops_per_step"] > 0 and summary["collectives"]["all-gather"] > 0
+    assert summary["attention"] == "xla"
+    assert out[0] == "train step for cpu-4 (4 CPU devices), mesh data 2 x fsdp 2 x tensor 1"
+
+
+def test_decode_compiles_the_generation_loop(capsys):
+    argv = ["--topology", "cpu-2", "--decode", "--max_new_tokens", "4", "mesh.data=2", *TINY]
+    status, out, _ = _run(argv, capsys)
+    summary = json.loads(out[-1])
+    assert status == 0 and out[0].startswith("generation for cpu-2")
+    assert summary["per_chip_bytes"]["optimizer"] == 0 < summary["per_chip_bytes"]["params"]
+    status, _, err = _run([*argv, "--config", str(CONFIGS / "bert_tiny.yaml")], capsys)
+    assert status == 2 and err == ["error: --decode needs a decoder or encoder-decoder model; "
+                                   "model.kind is encoder"]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_cpu_n_sets_the_device_count_before_jax_starts(tmp_path):
+    """More devices than this test session's 8: the command sets the count itself."""
+    code = "import sys; from flaxformer_lite.cli import main; sys.exit(main(sys.argv[1:]))"
+    argv = ["compile", "--topology", "cpu-16", "mesh.fsdp=-1", "mesh.data=1"]
+    done = subprocess.run(
+        [sys.executable, "-c", code, *argv, "train.batch_size=16", "data.seq_len=16"],
+        env=subprocess_env(8),
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["chips"] == 16 and summary["collectives"]["all-gather"] > 0
