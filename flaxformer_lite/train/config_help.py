@@ -51,7 +51,7 @@ HELP = {
     "model.sinusoidal_layout": "sin/cos interleaved (the paper) or concat (Marian)",
     "model.rope_base": "RoPE's base wavelength theta",
     "model.rope_layout": "RoPE's pairing of features: half (GPT-NeoX, Llama) or interleaved",
-    "model.rope_scaling": "null, or {kind: linear|ntk|llama3, factor: ...} to stretch RoPE",
+    "model.rope_scaling": "null, or {kind: linear|ntk|llama3|dynamic, factor: ...} to stretch RoPE",
     "model.relative_buckets": "relative positions: the number of distance buckets",
     "model.relative_max_distance": "relative positions: distances from here share a bucket",
     "model.activation": "the MLP's activation (relu, gelu, gelu_tanh, swiglu, ...)",
