@@ -197,11 +197,6 @@ class ModelConfig:
             raise ValueError(f"rope needs an even head_dim, got {self.head_dim}")
         if self.positions == "sinusoidal" and self.d_model % 2:
             raise ValueError(f"sinusoidal positions need an even d_model, got {self.d_model}")
-        if self.fused_qkv and self.num_kv_heads != self.num_heads:
-            raise ValueError(
-                f"fused_qkv needs num_kv_heads == num_heads, got {self.num_kv_heads} and "
-                f"{self.num_heads}"
-            )
         token_targets = self.kind == "encoder_decoder" or self.input_dim is None
         if self.tie_embeddings and (self.output_dim is not None or not token_targets):
             raise ValueError(

@@ -41,7 +41,11 @@ class MultiHeadAttention(nnx.Module):
       context_features: size of the cross-attention context; defaults to D.
       cross: cross-attention: keys/values come from a context, the KV cache (when decoding)
         holds the context's projections, computed once.
-      fused_qkv: one ``[D, 3, H, Dh]`` projection for self-attention (needs ``Hk == H``).
+      fused_qkv: one projection for self-attention's queries, keys and values: ``[D, 3, H, Dh]``
+        when ``Hk == H``, else ``[D, H + 2 * Hk, Dh]`` holding the H query heads, then the Hk
+        key heads, then the Hk value heads (Falcon's multi-query layout, for any Hk). That
+        concatenated axis is named ``"qkv_heads"``: no default sharding rule splits it, since a
+        tensor-parallel split would not fall on the q/k/v boundaries.
       qkv_bias, out_bias: biases on the input and output projections.
       rope: rotate queries and keys by their positions (self-attention only).
       dropout_rate: dropout on the attention weights.
@@ -86,8 +90,8 @@ class MultiHeadAttention(nnx.Module):
             raise ValueError(
                 f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
             )
-        if fused_qkv and (num_kv_heads != num_heads or cross or context_features is not None):
-            raise ValueError("fused_qkv needs self-attention with num_kv_heads == num_heads")
+        if fused_qkv and (cross or context_features is not None):
+            raise ValueError("fused_qkv is for self-attention (no cross, no context_features)")
         self.num_kv_heads, self.head_dim, self.cross = num_kv_heads, head_dim, cross
         self.rope, self.dropout_rate, self.dtype = rope, dropout_rate, dtype
         # The function and the implementation name are static attributes: kept as given (not
@@ -95,7 +99,16 @@ class MultiHeadAttention(nnx.Module):
         self.attention_fn, self.implementation = attention_fn, implementation
         common = dict(init=init, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         context_features = context_features or d_model
-        if fused_qkv:
+        if fused_qkv and num_kv_heads < num_heads:
+            self.qkv = Dense(
+                d_model,
+                (num_heads + 2 * num_kv_heads, head_dim),
+                names=("embed", "qkv_heads", "head_dim"),
+                use_bias=qkv_bias,
+                split=(num_heads, num_kv_heads, num_kv_heads),
+                **common,
+            )
+        elif fused_qkv:
             self.qkv = Dense(
                 d_model,
                 (3, num_heads, head_dim),
@@ -199,7 +212,7 @@ class MultiHeadAttention(nnx.Module):
         if self.fused_qkv:
             if context is not None:
                 raise ValueError("a fused_qkv attention is self-attention; it takes no context")
-            q, k, v = (y[:, :, 0] for y in jnp.split(self.qkv(x), 3, axis=2))
+            q, k, v = self._split_qkv(self.qkv(x))
         elif self.cross and cache_index is not None and self.cached_key is not None:
             q, (k, v) = self.query(x), self._cached_context(context)
         else:
@@ -249,6 +262,13 @@ class MultiHeadAttention(nnx.Module):
             mask = with_segments(mask, segment_pair)
             out = self.attention_fn(q, k, v, bias, mask, is_causal=is_causal, **dropout)
         return self.out(out)
+
+    def _split_qkv(self, qkv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries ``[B, T, H, Dh]`` and keys, values ``[B, T, Hk, Dh]`` of the fused projection."""
+        if qkv.ndim == 5:  # [B, T, 3, H, Dh]
+            return tuple(y[:, :, 0] for y in jnp.split(qkv, 3, axis=2))
+        num_heads = qkv.shape[2] - 2 * self.num_kv_heads
+        return tuple(jnp.split(qkv, [num_heads, num_heads + self.num_kv_heads], axis=2))
 
     def _segment_pair(self, segment_ids, context, cache_index):
         """``(ids, ids)``, the query and key ids of self-attention over packed rows, or ``None``."""
