@@ -172,3 +172,39 @@ def test_pallas_falls_back_with_the_reason_logged(caplog):
         backend="gpu", global_tokens=2,
     )  # fmt: skip
     assert reason == "global tokens are not supported"
+
+
+def test_self_attention_module_equals_the_explicit_mask_with_and_without_a_cache():
+    from flax import nnx
+
+    from flaxformer_lite.nn import MultiHeadAttention
+
+    mha = MultiHeadAttention(
+        16, 4, num_kv_heads=2, local_window=(1, 0), global_tokens=2, rngs=nnx.Rngs(0)
+    )
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((2, 9, 16)), jnp.float32)
+    sparse = mha(x, is_causal=True)
+    mask = jnp.asarray(reference_mask(9, 9, (1, 0), 2, causal=True))
+    mha.local_window, mha.global_tokens = None, 0
+    np.testing.assert_allclose(sparse, mha(x, mask=mask), atol=ATOL)
+    mha.local_window, mha.global_tokens = (1, 0), 2
+    mha.init_cache(2, 12)
+    steps = [mha(x[:, :3], is_causal=True, cache_index=jnp.int32(0))]
+    steps += [mha(x[:, i : i + 1], is_causal=True, cache_index=jnp.int32(i)) for i in range(3, 9)]
+    np.testing.assert_allclose(jnp.concatenate(steps, axis=1), sparse, atol=ATOL)
+
+
+def test_model_config_global_tokens():
+    import yaml
+
+    from flaxformer_lite.models import ModelConfig
+
+    cfg = ModelConfig.from_preset("gpt2-tiny", local_window=[4, 0], global_tokens=2)
+    assert cfg.local_window == (4, 0)
+    assert ModelConfig.from_dict(yaml.safe_load(yaml.safe_dump(cfg.to_dict()))) == cfg
+    with pytest.raises(ValueError, match="global_tokens=2 needs model.local_window"):
+        ModelConfig.from_preset("gpt2-tiny", global_tokens=2)
+    with pytest.raises(ValueError, match="model.global_tokens must be a non-negative int"):
+        ModelConfig.from_preset("gpt2-tiny", local_window=[4, 0], global_tokens=-1)
+    with pytest.raises(ValueError, match="model.local_window must be"):
+        ModelConfig.from_preset("gpt2-tiny", local_window=[4])
