@@ -208,3 +208,11 @@ def test_model_config_global_tokens():
         ModelConfig.from_preset("gpt2-tiny", local_window=[4, 0], global_tokens=-1)
     with pytest.raises(ValueError, match="model.local_window must be"):
         ModelConfig.from_preset("gpt2-tiny", local_window=[4])
+
+
+def test_the_local_global_ablation_config_loads():
+    from flaxformer_lite.train.config import load_config
+
+    config = load_config("configs/ablations/local_global.yaml")
+    assert (config.model.local_window, config.model.global_tokens) == ((8, 0), 4)
+    assert config.data.task == "arithmetic"

@@ -56,7 +56,7 @@ class MultiHeadAttention(nnx.Module):
       dropout_rate: dropout on the attention weights.
       attention_fn: ``fn(q, k, v, bias, mask, *, is_causal, dropout_rate, dropout_rng)``; the
         default is ``ops.dot_product_attention`` with ``implementation``. It receives segment
-        ids folded into ``mask``.
+        ids, the local window and the global tokens folded into ``mask``.
       implementation: passed to the default ``attention_fn`` (None = chosen per input).
       init, out_init: initializers of the input and output projections.
       dtype, param_dtype: compute and storage dtypes.
