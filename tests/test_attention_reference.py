@@ -2,6 +2,7 @@
 dot_product_attention (above all "xla", its optimisation) against ops.reference_attention."""
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -121,33 +122,37 @@ def test_xla_gradients_equal_reference(case):
     ],
 )
 @pytest.mark.parametrize("max_blocks", [8, 2])  # 2: fewer, larger blocks than QUERY_BLOCK_ROWS
+@pytest.mark.parametrize("global_tokens", [0, 3])
 def test_query_blocks_hold_every_visible_key(
-    monkeypatch, q_len, kv_len, is_causal, window, max_blocks
+    monkeypatch, q_len, kv_len, is_causal, window, max_blocks, global_tokens
 ):
     monkeypatch.setattr(attention_module, "QUERY_BLOCK_ROWS", 4)
     monkeypatch.setattr(attention_module, "MAX_QUERY_BLOCKS", max_blocks)
-    blocks = attention_module._query_blocks(q_len, kv_len, is_causal, window)
+    blocks = attention_module._query_blocks(q_len, kv_len, is_causal, window, global_tokens)
     position = np.arange(q_len)[:, None] + kv_len - q_len  # of each query; keys are at 0..
     key = np.arange(kv_len)[None, :]
     visible = np.ones((q_len, kv_len), bool)
-    if is_causal:
-        visible &= key <= position
     if window is not None:
         visible &= (key >= position - window[0]) & (key <= position + window[1])
+        visible |= (key < global_tokens) | (position < global_tokens)
+    if is_causal:
+        visible &= key <= position
     rows = [q for (q0, q1), _ in blocks for q in range(q0, q1)]
     assert rows == list(range(q_len))  # the blocks tile the queries in order
     inside = np.zeros_like(visible)
-    for (q0, q1), (k0, k1) in blocks:
-        assert 0 <= k0 < k1 <= kv_len
-        inside[q0:q1, k0:k1] = True
-    assert not (visible & ~inside).any()  # no visible key falls outside its block's range
+    for (q0, q1), key_ranges in blocks:
+        assert all(0 <= k0 < k1 <= kv_len for k0, k1 in key_ranges)
+        assert all(a[1] < b[0] for a, b in itertools.pairwise(key_ranges))  # disjoint, ordered
+        for k0, k1 in key_ranges:
+            inside[q0:q1, k0:k1] = True
+    assert not (visible & ~inside).any()  # no visible key falls outside its block's ranges
     if (is_causal or window) and q_len > 4:
         assert inside.sum() < inside.size  # and the hidden keys are skipped
 
 
 def test_default_query_blocks_skip_a_quarter_of_causal_logits_at_256():
     blocks = attention_module._query_blocks(256, 256, True, None)
-    assert blocks == [((0, 128), (0, 128)), ((128, 256), (0, 256))]
+    assert blocks == [((0, 128), ((0, 128),)), ((128, 256), ((0, 256),))]
     assert len(attention_module._query_blocks(8192, 8192, True, None)) == 8  # larger blocks
 
 

@@ -141,7 +141,6 @@ def test_configs_saved_with_null_derived_values_resolve_alike():
         (dict(residual_dropout=1.0), "residual_dropout"),
         (dict(vocab_size=0), "vocab_size must be a positive int"),
         (dict(num_decoder_layers=0), "num_encoder_layers > 0 or num_decoder_layers > 0"),
-        (dict(num_kv_heads=2, fused_qkv=True), "fused_qkv"),
         (dict(input_dim=3), "tie_embeddings"),
         (dict(positions="rope", head_dim=15), "even head_dim"),
         (dict(num_classes=2), "encoder-only"),
@@ -240,3 +239,17 @@ def test_causal_attention_counts_half_and_gqa_counts_fewer_projections():
     gqa = ModelConfig.from_preset("llama-tiny", num_kv_heads=1)
     saved = 6 * mha.num_decoder_layers * 2 * mha.d_model * 3 * mha.head_dim
     assert training_flops_per_token(mha, t) - training_flops_per_token(gqa, t) == saved
+
+
+def test_fused_qkv_with_grouped_query_attention():
+    from flaxformer_lite.interop import gpt2
+
+    assert ModelConfig.from_preset("gpt2-small", num_kv_heads=2).num_kv_heads == 2
+    cfg = ModelConfig.from_preset("gpt2-tiny", num_kv_heads=1)
+    model = build_model(cfg, rngs=nnx.Rngs(0))
+    attention = model.decoder.layers.layers[0].self_attention
+    assert attention.qkv.kernel.shape == (cfg.d_model, cfg.num_heads + 2, cfg.head_dim)
+    logits = model(jnp.zeros((1, 5), jnp.int32))
+    assert logits.shape == (1, 5, cfg.vocab_size) and bool(jnp.isfinite(logits).all())
+    with pytest.raises(ValueError, match="num_kv_heads=1"):
+        gpt2.config_to_hf(cfg)

@@ -126,8 +126,19 @@ ALL_CHECKS = ("cache", "ragged", "packing")
         ("gpt2-tiny", dict(positions="alibi"), ALL_CHECKS),
         ("gpt2-tiny", dict(positions="none"), ("packing",)),
         ("gpt2-tiny", dict(positions="learned", scan_layers=True), ("cache", "ragged")),
+        # Global tokens are the first slots of a row: not those of a packed or left-padded one.
+        ("llama-tiny", dict(positions="rope", local_window=(3, 0), global_tokens=2), ("cache",)),
     ],
-    ids=["sinusoidal", "learned", "rope-gqa", "relative", "alibi", "none", "learned-scan"],
+    ids=[
+        "sinusoidal",
+        "learned",
+        "rope-gqa",
+        "relative",
+        "alibi",
+        "none",
+        "learned-scan",
+        "local-global",
+    ],  # fmt: skip
 )
 def test_decoder_lm_causality_cache_and_packing(preset, overrides, checks):
     cfg = tiny(preset, **overrides)

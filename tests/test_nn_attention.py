@@ -6,6 +6,7 @@ Every reference here reads the module's parameters and recomputes the output wit
 cannot cancel out. Inputs and modules come from ``nn_numpy.py``.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -41,9 +42,13 @@ def _projections(mha, x, context=None):
         out = np.tensordot(h, f64(kernel), axes=1)
         return out if bias is None else out + f64(bias)
 
-    if mha.fused_qkv:
+    if mha.fused_qkv and mha.qkv.kernel.ndim == 4:
         w, b = f64(mha.qkv.kernel[...]), f64(mha.qkv.bias[...])  # [D, 3, H, Dh], [3, H, Dh]
         return tuple(proj(w[:, i], b[i], x) for i in range(3))
+    if mha.fused_qkv:  # [D, H + 2 Hk, Dh]: the query heads, then the key heads, then the values
+        w, b, hk = f64(mha.qkv.kernel[...]), f64(mha.qkv.bias[...]), mha.num_kv_heads
+        h = w.shape[1] - 2 * hk
+        return tuple(proj(w[:, s], b[s], x) for s in np.split(np.arange(h + 2 * hk), [h, h + hk]))
     bias = lambda dense: None if dense.bias is None else dense.bias[...]  # noqa: E731
     return (
         proj(mha.query.kernel[...], bias(mha.query), x),
@@ -83,6 +88,11 @@ ATTENTION_CASES = {
     ),
     "cross_padding": (dict(context_features=24), dict(context=True, padding=True)),
     "fused_qkv_causal": (dict(fused_qkv=True), dict(is_causal=True)),
+    "fused_qkv_gqa_causal_padding": (
+        dict(fused_qkv=True, num_kv_heads=2),
+        dict(is_causal=True, padding=True),
+    ),
+    "fused_qkv_mqa_rope": (dict(fused_qkv=True, num_kv_heads=1, rope=Rope(base=100.0)), dict()),
     "rope_causal": (dict(rope=Rope(base=100.0)), dict(is_causal=True)),
     "rope_gqa_explicit_positions": (
         dict(rope=Rope(base=50.0), num_kv_heads=2),
@@ -131,11 +141,51 @@ def test_attention_param_names_and_shapes():
     assert fused.qkv.kernel.get_metadata()["out_sharding"] == ("embed", "qkv", "heads", "head_dim")
 
 
+def test_fused_gqa_kernel_names_shapes_and_parameter_count():
+    def make(fused):
+        return MultiHeadAttention(D, H, num_kv_heads=2, fused_qkv=fused, rngs=nnx.Rngs(0))
+
+    fused, separate = nnx.eval_shape(lambda: make(True)), nnx.eval_shape(lambda: make(False))
+    assert fused.qkv.kernel.shape == (D, H + 2 * 2, DH)
+    assert fused.qkv.kernel.get_metadata()["out_sharding"] == ("embed", "qkv_heads", "head_dim")
+    assert fused.qkv.bias.get_metadata()["out_sharding"] == ("qkv_heads", "head_dim")
+
+    def count(module):
+        return sum(p.size for p in jax.tree.leaves(nnx.state(module, nnx.Param)))
+
+    assert count(fused) == count(separate)
+
+
+def test_fused_gqa_equals_separate_projections_with_the_same_weights():
+    def make(fused):
+        return MultiHeadAttention(
+            D, H, num_kv_heads=2, fused_qkv=fused, rope=Rope(base=100.0), rngs=nnx.Rngs(0)
+        )
+
+    separate = build(lambda: make(False), 1, scale=0.2)
+    fused = build(lambda: make(True), 2)
+    parts = (separate.query, separate.key, separate.value)
+    fused.qkv.kernel[...] = jnp.concatenate([p.kernel[...] for p in parts], axis=1)
+    fused.qkv.bias[...] = jnp.concatenate([p.bias[...] for p in parts], axis=0)
+    fused.out.kernel[...], fused.out.bias[...] = separate.out.kernel[...], separate.out.bias[...]
+    x = f32(normal(2, (B, T, D)))
+    expected = _attend(separate, x, is_causal=True)
+    np.testing.assert_allclose(_attend(fused, x, is_causal=True), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_fused_gqa_initializes_each_projection_with_its_own_fans():
+    # Xavier's bound sqrt(6 / (fan_in + fan_out)) differs for the query and key/value pieces.
+    mha = MultiHeadAttention(64, 8, num_kv_heads=1, fused_qkv=True, rngs=nnx.Rngs(0))
+    kernel = np.asarray(mha.qkv.kernel[...])  # [64, 8 + 2, 8]
+    query_bound, kv_bound = np.sqrt(6 / (64 + 64)), np.sqrt(6 / (64 + 8))
+    assert np.abs(kernel[:, :8]).max() <= query_bound < np.abs(kernel[:, 8:]).max() <= kv_bound
+
+
 def test_attention_invalid_configurations_raise():
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         MultiHeadAttention(D, H, num_kv_heads=3, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="fused_qkv"):
-        MultiHeadAttention(D, H, num_kv_heads=2, fused_qkv=True, rngs=nnx.Rngs(0))
+        MultiHeadAttention(D, H, num_kv_heads=2, fused_qkv=True, cross=True, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="fused_qkv"):
         MultiHeadAttention(D, H, context_features=24, fused_qkv=True, rngs=nnx.Rngs(0))
     mha = build(lambda: MultiHeadAttention(D, H, rngs=nnx.Rngs(0)), 1)
@@ -152,8 +202,12 @@ def test_attention_invalid_configurations_raise():
 
 @pytest.mark.parametrize(
     "init_kwargs",
-    [dict(), dict(rope=Rope(base=100.0), num_kv_heads=2)],
-    ids=["plain", "rope_gqa"],
+    [
+        dict(),
+        dict(rope=Rope(base=100.0), num_kv_heads=2),
+        dict(rope=Rope(base=100.0), num_kv_heads=2, fused_qkv=True),
+    ],
+    ids=["plain", "rope_gqa", "rope_fused_gqa"],
 )
 def test_kv_cache_chunked_decode_equals_full_causal_call(init_kwargs):
     seq, max_len, prefill = 10, 12, 5

@@ -143,8 +143,8 @@ def test_rope_scaling_rejects_bad_fields(kwargs, bad_field):
 
 
 def test_rope_scaling_error_lists_valid_kinds():
-    with pytest.raises(ValueError, match="'linear', 'ntk', 'llama3'"):
-        RopeScaling("dynamic", 2.0)
+    with pytest.raises(ValueError, match="'linear', 'ntk', 'llama3', 'dynamic'"):
+        RopeScaling("yarn", 2.0)
 
 
 def test_rope_scaling_from_hugging_face_dicts():
@@ -165,7 +165,8 @@ def test_rope_scaling_from_hugging_face_dicts():
 @pytest.mark.parametrize(
     "config, message",
     [
-        ({"rope_type": "dynamic", "factor": 2.0}, "dynamic"),
+        ({"rope_type": "yarn", "factor": 2.0}, "yarn"),
+        ({"rope_type": "dynamic"}, "factor"),
         ({"factor": 2.0}, "rope_type"),
         ({"rope_type": "linear"}, "factor"),
         ({"rope_type": "linear", "factor": 2.0, "beta_fast": 32}, "beta_fast"),
@@ -325,3 +326,94 @@ def test_grad_is_inverse_rotation(layout):
     np.testing.assert_allclose(grad, rope(weights, -positions, layout=layout), atol=1e-5)
     if layout == "half":  # eager differentiation once; it is slow and shares the same rules
         np.testing.assert_allclose(jax.grad(loss)(x), grad, atol=1e-6)
+
+
+# ---------------------------------------------------------------- dynamic NTK scaling
+
+
+def reference_dynamic_inv_freq(head_dim, base, factor, original, length):
+    """float64 transcription of Hugging Face's ``_compute_dynamic_ntk_parameters``."""
+    length = max(length, original)
+    base = base * ((factor * length / original) - (factor - 1)) ** (head_dim / (head_dim - 2))
+    return reference_inv_freq(head_dim, base)
+
+
+DYNAMIC = RopeScaling("dynamic", 4.0, original_max_position_embeddings=16)
+
+
+@pytest.mark.parametrize("length", [1, 16, 17, 40, 1000, 100_000])
+def test_dynamic_frequencies_match_reference(length):
+    out = rope_frequencies(32, base=10000.0, scaling=DYNAMIC, length=length)
+    expected = reference_dynamic_inv_freq(32, 10000.0, 4.0, 16, length)
+    np.testing.assert_allclose(out, expected, rtol=2e-5)
+
+
+def test_dynamic_scaling_within_the_original_length_is_plain_rope():
+    plain = rope_frequencies(16, base=500.0)
+    for length in (None, 3, 16):
+        dynamic = rope_frequencies(16, base=500.0, scaling=DYNAMIC, length=length)
+        np.testing.assert_allclose(dynamic, plain, rtol=1e-6)
+
+
+@pytest.mark.parametrize("batched_positions", [False, True])
+def test_dynamic_rope_uses_the_largest_position_as_length(batched_positions):
+    x = normal(3, (2, 5, 2, 8))
+    positions = (
+        jnp.array([[0, 1, 2, 3, 4], [20, 21, 22, 23, 24]])
+        if batched_positions
+        else (jnp.arange(5) + 30)
+    )
+    length = int(np.max(positions)) + 1
+    expected = reference_rope_half(
+        x, positions, reference_dynamic_inv_freq(8, 10000.0, 4.0, 16, length)
+    )
+    np.testing.assert_allclose(rope(x, positions, scaling=DYNAMIC), expected, atol=2e-5)
+
+
+def test_dynamic_rope_step_by_step_rotates_each_key_with_the_base_of_its_time():
+    # Decoding one token at a time, position p is rotated with the base of length p + 1.
+    x = normal(4, (1, 24, 1, 8))
+    steps = [rope(x[:, p : p + 1], jnp.array([p]), scaling=DYNAMIC) for p in range(24)]
+    for p in (0, 15, 16, 23):
+        inv_freq = reference_dynamic_inv_freq(8, 10000.0, 4.0, 16, p + 1)
+        expected = reference_rope_half(x[:, p : p + 1], np.array([p]), inv_freq)
+        np.testing.assert_allclose(steps[p], expected, atol=2e-5)
+
+
+def test_dynamic_scaling_from_dict_and_hashable():
+    scaling = RopeScaling.from_dict(
+        {"rope_type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 16}
+    )
+    assert scaling == DYNAMIC
+    hash(scaling)
+
+
+@pytest.mark.parametrize("length", [8, 16, 17, 50, 300])
+def test_dynamic_rope_matches_hugging_face_llama(hf, length):
+    torch, transformers = hf.torch, hf.transformers
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    head_dim, base = 16, 10000.0
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        num_attention_heads=2,
+        head_dim=head_dim,
+        max_position_embeddings=16,
+        rope_theta=base,
+        rope_scaling={"rope_type": "dynamic", "factor": 4.0},
+    )
+    rotary = LlamaRotaryEmbedding(config)  # a fresh one: Hugging Face's keeps the longest length
+    x = normal(5, (1, length, 1, head_dim))
+    position_ids = torch.arange(length)[None]
+    cos, sin = rotary(torch.zeros(1, length, head_dim), position_ids)
+    q = torch.from_numpy(np.array(x)).transpose(1, 2)  # [B, H, T, Dh]
+    rotate_half = torch.cat((-q[..., head_dim // 2 :], q[..., : head_dim // 2]), dim=-1)
+    expected = (q * cos[:, None] + rotate_half * sin[:, None]).transpose(1, 2).numpy()
+    scaling = RopeScaling("dynamic", 4.0, original_max_position_embeddings=16)
+    np.testing.assert_allclose(
+        rotary.inv_freq.numpy(),
+        rope_frequencies(head_dim, base=base, scaling=scaling, length=length),
+        rtol=2e-5,
+    )
+    out = rope(x, jnp.arange(length), base=base, scaling=scaling)
+    np.testing.assert_allclose(out, expected, atol=2e-4)

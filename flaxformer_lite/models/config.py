@@ -83,6 +83,10 @@ class ModelConfig:
     scan_layers: bool = False
     remat: str = "none"
     attention_implementation: str | None = None  # None: chosen per input by ops
+    # Sparse self-attention (Longformer, BigBird): each position sees (left, right) neighbours,
+    # and the first global_tokens positions see and are seen by all (within causality).
+    local_window: tuple[int, int] | None = None
+    global_tokens: int = 0
 
     # ----------------------------------------------------------------------- construction
     @classmethod
@@ -115,6 +119,8 @@ class ModelConfig:
         section of a run config, a saved ``config.yaml``) derive it anew.
         """
         values = dataclasses.asdict(self)
+        if self.local_window is not None:  # a list, as YAML writes and reads it
+            values["local_window"] = list(self.local_window)
         if not derived:
             values.update(dict.fromkeys(self._derived))
         return values
@@ -123,6 +129,24 @@ class ModelConfig:
         """This config with ``changes``; a value at its derived default follows the fields it
         derives from (``replace(num_heads=16)`` keeps ``num_kv_heads == num_heads``)."""
         return self.from_dict({**self.to_dict(derived=False), **changes})
+
+    def _check_sparse_attention(self) -> None:
+        """``local_window`` as a ``(left, right)`` tuple; ``global_tokens`` only with it."""
+        if self.local_window is not None:
+            try:
+                window = ops.masks.check_local_window(self.local_window)
+            except ValueError as e:
+                raise ValueError(f"model.{e}") from None
+            object.__setattr__(self, "local_window", window)
+        try:
+            ops.masks.check_global_tokens(self.global_tokens)
+        except ValueError as e:
+            raise ValueError(f"model.{e}") from None
+        if self.global_tokens and self.local_window is None:
+            raise ValueError(
+                f"model.global_tokens={self.global_tokens} needs model.local_window "
+                "(without a window every position already sees every other)"
+            )
 
     # ----------------------------------------------------------------------- derived
     @property
@@ -188,6 +212,7 @@ class ModelConfig:
             rate = getattr(self, name)
             if not isinstance(rate, int | float) or not 0.0 <= rate < 1.0:
                 raise ValueError(f"{name} must be a float in [0, 1), got {rate!r}")
+        self._check_sparse_attention()
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
@@ -197,11 +222,6 @@ class ModelConfig:
             raise ValueError(f"rope needs an even head_dim, got {self.head_dim}")
         if self.positions == "sinusoidal" and self.d_model % 2:
             raise ValueError(f"sinusoidal positions need an even d_model, got {self.d_model}")
-        if self.fused_qkv and self.num_kv_heads != self.num_heads:
-            raise ValueError(
-                f"fused_qkv needs num_kv_heads == num_heads, got {self.num_kv_heads} and "
-                f"{self.num_heads}"
-            )
         token_targets = self.kind == "encoder_decoder" or self.input_dim is None
         if self.tie_embeddings and (self.output_dim is not None or not token_targets):
             raise ValueError(

@@ -51,6 +51,8 @@ def make_attention(
         qkv_bias=cfg.qkv_bias,
         out_bias=cfg.attention_out_bias,
         rope=None if cross else cfg.rope,
+        local_window=None if cross else cfg.local_window,
+        global_tokens=0 if cross else cfg.global_tokens,
         dropout_rate=cfg.attention_dropout,
         attention_fn=attention_fn,
         implementation=cfg.attention_implementation,

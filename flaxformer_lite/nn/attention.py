@@ -41,13 +41,22 @@ class MultiHeadAttention(nnx.Module):
       context_features: size of the cross-attention context; defaults to D.
       cross: cross-attention: keys/values come from a context, the KV cache (when decoding)
         holds the context's projections, computed once.
-      fused_qkv: one ``[D, 3, H, Dh]`` projection for self-attention (needs ``Hk == H``).
+      fused_qkv: one projection for self-attention's queries, keys and values: ``[D, 3, H, Dh]``
+        when ``Hk == H``, else ``[D, H + 2 * Hk, Dh]`` holding the H query heads, then the Hk
+        key heads, then the Hk value heads (Falcon's multi-query layout, for any Hk). That
+        concatenated axis is named ``"qkv_heads"``: no default sharding rule splits it, since a
+        tensor-parallel split would not fall on the q/k/v boundaries.
       qkv_bias, out_bias: biases on the input and output projections.
       rope: rotate queries and keys by their positions (self-attention only).
+      local_window: ``(left, right)``: self-attention sees only keys that many positions
+        before and after each query (see ``ops.dot_product_attention``).
+      global_tokens: with ``local_window``, the first G positions see and are seen by all
+        (Longformer, BigBird). With a KV cache both become an explicit mask at the cache
+        positions.
       dropout_rate: dropout on the attention weights.
       attention_fn: ``fn(q, k, v, bias, mask, *, is_causal, dropout_rate, dropout_rng)``; the
         default is ``ops.dot_product_attention`` with ``implementation``. It receives segment
-        ids folded into ``mask``.
+        ids, the local window and the global tokens folded into ``mask``.
       implementation: passed to the default ``attention_fn`` (None = chosen per input).
       init, out_init: initializers of the input and output projections.
       dtype, param_dtype: compute and storage dtypes.
@@ -70,6 +79,8 @@ class MultiHeadAttention(nnx.Module):
         qkv_bias: bool = True,
         out_bias: bool = True,
         rope: Rope | None = None,
+        local_window: tuple[int, int] | None = None,
+        global_tokens: int = 0,
         dropout_rate: float = 0.0,
         attention_fn=None,
         implementation: str | None = None,
@@ -86,16 +97,29 @@ class MultiHeadAttention(nnx.Module):
             raise ValueError(
                 f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
             )
-        if fused_qkv and (num_kv_heads != num_heads or cross or context_features is not None):
-            raise ValueError("fused_qkv needs self-attention with num_kv_heads == num_heads")
+        if fused_qkv and (cross or context_features is not None):
+            raise ValueError("fused_qkv is for self-attention (no cross, no context_features)")
         self.num_kv_heads, self.head_dim, self.cross = num_kv_heads, head_dim, cross
         self.rope, self.dropout_rate, self.dtype = rope, dropout_rate, dtype
+        if (local_window is not None or global_tokens) and cross:
+            raise ValueError("local_window and global_tokens are for self-attention")
+        self.local_window = None if local_window is None else tuple(local_window)
+        self.global_tokens = global_tokens
         # The function and the implementation name are static attributes: kept as given (not
         # wrapped in a new partial) so that equal configs give equal graphs and share compiles.
         self.attention_fn, self.implementation = attention_fn, implementation
         common = dict(init=init, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         context_features = context_features or d_model
-        if fused_qkv:
+        if fused_qkv and num_kv_heads < num_heads:
+            self.qkv = Dense(
+                d_model,
+                (num_heads + 2 * num_kv_heads, head_dim),
+                names=("embed", "qkv_heads", "head_dim"),
+                use_bias=qkv_bias,
+                split=(num_heads, num_kv_heads, num_kv_heads),
+                **common,
+            )
+        elif fused_qkv:
             self.qkv = Dense(
                 d_model,
                 (3, num_heads, head_dim),
@@ -199,7 +223,7 @@ class MultiHeadAttention(nnx.Module):
         if self.fused_qkv:
             if context is not None:
                 raise ValueError("a fused_qkv attention is self-attention; it takes no context")
-            q, k, v = (y[:, :, 0] for y in jnp.split(self.qkv(x), 3, axis=2))
+            q, k, v = self._split_qkv(self.qkv(x))
         elif self.cross and cache_index is not None and self.cached_key is not None:
             q, (k, v) = self.query(x), self._cached_context(context)
         else:
@@ -218,14 +242,19 @@ class MultiHeadAttention(nnx.Module):
             if context is not None:
                 raise ValueError("a self-attention KV cache takes no context")
             k, v = self._update_cache(k, v, cache_index)
+            mask = ops.combine_masks(mask, self._sparse_mask(length, k.shape[1], cache_index))
             if is_causal:
                 causal = ops.causal_mask(length, k.shape[1], offset=cache_index)
                 mask = causal if mask is None else ops.combine_masks(mask, causal)
                 is_causal = False
 
+        # Without a cache the window is the ops' own (their blocks skip what it hides).
+        sparse = dict(local_window=self.local_window, global_tokens=self.global_tokens)
+        if cache_index is not None:
+            sparse = dict(local_window=None, global_tokens=0)
         if self.sow_weights:
             weights = ops.attention_weights(
-                q, k, bias, with_segments(mask, segment_pair), is_causal=is_causal
+                q, k, bias, with_segments(mask, segment_pair), is_causal=is_causal, **sparse
             )
             self.sow(nnx.Intermediate, "attention_weights", weights)
         dropout_rate = 0.0 if self.deterministic else self.dropout_rate
@@ -243,12 +272,32 @@ class MultiHeadAttention(nnx.Module):
                 is_causal=is_causal,
                 implementation=self.implementation,
                 segment_ids=segment_pair,
+                **sparse,
                 **dropout,
             )
         else:
             mask = with_segments(mask, segment_pair)
+            if cache_index is None:
+                mask = ops.combine_masks(mask, self._sparse_mask(length, k.shape[1], 0))
             out = self.attention_fn(q, k, v, bias, mask, is_causal=is_causal, **dropout)
         return self.out(out)
+
+    def _split_qkv(self, qkv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries ``[B, T, H, Dh]`` and keys, values ``[B, T, Hk, Dh]`` of the fused projection."""
+        if qkv.ndim == 5:  # [B, T, 3, H, Dh]
+            return tuple(y[:, :, 0] for y in jnp.split(qkv, 3, axis=2))
+        num_heads = qkv.shape[2] - 2 * self.num_kv_heads
+        return tuple(jnp.split(qkv, [num_heads, num_heads + self.num_kv_heads], axis=2))
+
+    def _sparse_mask(self, length: int, kv_len: int, offset) -> jax.Array | None:
+        """The local window and global tokens as a bool ``[1, 1, T, S]`` mask for queries at
+        positions ``offset + arange(T)``, or ``None`` without a window."""
+        if self.local_window is None:
+            return None
+        window = ops.local_window_mask(length, kv_len, self.local_window, offset)
+        if self.global_tokens:
+            window = window | ops.global_tokens_mask(length, kv_len, self.global_tokens, offset)
+        return window
 
     def _segment_pair(self, segment_ids, context, cache_index):
         """``(ids, ids)``, the query and key ids of self-attention over packed rows, or ``None``."""

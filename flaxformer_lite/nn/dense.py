@@ -51,12 +51,19 @@ class KernelInit:
     def scaled(self, factor: float) -> KernelInit:
         return dataclasses.replace(self, scale=self.scale * factor)
 
-    def kernel(self, num_in_axes: int, fused_axes: tuple[int, ...] = ()):
+    def kernel(
+        self, num_in_axes: int, fused_axes: tuple[int, ...] = (), split: tuple[int, ...] = ()
+    ):
         """An initializer ``(key, shape, dtype) -> array``.
 
         The first ``num_in_axes`` axes are inputs, the others outputs; ``fused_axes`` are output
         axes that index separate projections stored together (q/k/v), left out of the fans.
+        ``split`` gives the sizes of separate projections concatenated along the first output
+        axis (a grouped q/k/v kernel ``[D, H + 2 * Hk, Dh]``): each piece is initialized as
+        its own kernel.
         """
+        if split:
+            return self._concatenated(num_in_axes, fused_axes, split)
         if self.scheme == "normal":
             return nnx.initializers.normal(self.std * self.scale)
         in_axis = tuple(range(num_in_axes))
@@ -74,6 +81,21 @@ class KernelInit:
             return init(key, shape, dtype)
 
         return xavier
+
+    def _concatenated(self, num_in_axes: int, fused_axes: tuple[int, ...], split: tuple[int, ...]):
+        piece_init = self.kernel(num_in_axes, fused_axes)
+
+        def concatenated(key, shape, dtype):
+            if sum(split) != shape[num_in_axes]:
+                raise ValueError(f"split {split} does not add up to axis {num_in_axes} of {shape}")
+            keys = jax.random.split(key, len(split))
+            pieces = [
+                piece_init(k, (*shape[:num_in_axes], size, *shape[num_in_axes + 1 :]), dtype)
+                for k, size in zip(keys, split, strict=True)
+            ]
+            return jnp.concatenate(pieces, axis=num_in_axes)
+
+        return concatenated
 
     def embedding(self, dim: int):
         """An initializer for an embedding table ``[num_embeddings, dim]``.
@@ -106,6 +128,8 @@ class Dense(nnx.Module):
       init: a :class:`KernelInit`; biases start at zero.
       fused_axes: kernel axes that stack separate projections (the 3 of a fused q/k/v kernel
         ``[D, 3, H, Dh]``): each is initialized as if it were its own kernel.
+      split: sizes of separate projections concatenated along the first output axis (a
+        grouped q/k/v kernel ``[D, H + 2 * Hk, Dh]``), each initialized as its own kernel.
       dtype: compute dtype (inputs and kernel are cast to it); param_dtype: storage dtype.
     """
 
@@ -118,6 +142,7 @@ class Dense(nnx.Module):
         use_bias: bool = True,
         init: KernelInit = XAVIER,
         fused_axes: tuple[int, ...] = (),
+        split: tuple[int, ...] = (),
         dtype=jnp.float32,
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,
@@ -125,7 +150,7 @@ class Dense(nnx.Module):
         self.in_shape, self.out_shape = _as_tuple(in_shape), _as_tuple(out_shape)
         self.dtype = dtype
         shape = self.in_shape + self.out_shape
-        kernel_init = init.kernel(len(self.in_shape), fused_axes)
+        kernel_init = init.kernel(len(self.in_shape), fused_axes, split)
         self.kernel = param(rngs, kernel_init, shape, names, param_dtype)
         self.bias = (
             param(

@@ -36,6 +36,7 @@ from flaxformer_lite.ops.losses import cross_entropy
 from flaxformer_lite.ops.masks import (
     causal_mask,
     combine_masks,
+    global_tokens_mask,
     local_window_mask,
     padding_mask,
     segment_mask,
@@ -62,6 +63,7 @@ __all__ = [
     "cross_entropy",
     "dot_product_attention",
     "layer_norm",
+    "global_tokens_mask",
     "local_window_mask",
     "padding_mask",
     "project",

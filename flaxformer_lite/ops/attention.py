@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from flaxformer_lite.ops.attention_choice import (
+    GLOBAL_TOKENS_UNSUPPORTED,
     cudnn_unsupported_reason,
     log_once,
     select_implementation,
@@ -70,6 +71,7 @@ def reference_attention(
     scale: float | None = None,
     is_causal: bool = False,
     local_window: tuple[int, int] | None = None,
+    global_tokens: int = 0,
 ) -> jax.Array:
     """Attention as the formula reads: the definition the implementations are tested against.
 
@@ -77,7 +79,7 @@ def reference_attention(
     O(B·H·T·S): for reading, testing and small inputs.
     """
     query, key, value, bias, mask = validated_attention_inputs(
-        query, key, value, bias, mask, local_window, 0.0, None
+        query, key, value, bias, mask, local_window, 0.0, None, global_tokens
     )
     group = query.shape[2] // key.shape[2]  # G query heads share each key/value head
     key = jnp.repeat(key, group, axis=2)  # [B, S, H, Dh]
@@ -86,7 +88,9 @@ def reference_attention(
     logits = logits * default_scale(query, scale)
     if bias is not None:
         logits = logits + bias.astype(jnp.float32)
-    structural = structural_mask(query.shape[1], key.shape[1], is_causal, local_window)
+    structural = structural_mask(
+        query.shape[1], key.shape[1], is_causal, local_window, global_tokens
+    )
     mask = combine_masks(mask, structural)  # bool, broadcastable to [B, H, T, S]
     if mask is not None:
         logits = jnp.where(mask, logits, MASK_VALUE)  # finite: a fully masked row stays NaN-free
@@ -116,6 +120,7 @@ def dot_product_attention(
     scale: float | None = None,
     is_causal: bool = False,
     local_window: tuple[int, int] | None = None,
+    global_tokens: int = 0,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     implementation: str | None = None,
@@ -135,6 +140,9 @@ def dot_product_attention(
         query is aligned with the last key, as when decoding against a KV cache.
       local_window: ``(left, right)``: each query attends only keys at most ``left`` positions
         before and ``right`` after its own position (positions aligned as for ``is_causal``).
+      global_tokens: G, with ``local_window`` (Longformer, BigBird): the first G positions
+        attend to and are attended by every position, within causality when ``is_causal``.
+        "xla" and "chunked" only: "pallas" falls back, the reason logged; cuDNN is not chosen.
       dropout_rate: dropout probability on the attention weights ("xla" and "chunked").
       dropout_rng: PRNG key, required when ``dropout_rate > 0``.
       implementation: ``"xla"``, ``"chunked"``, ``"cudnn"``, ``"pallas"`` or ``None``
@@ -152,20 +160,26 @@ def dot_product_attention(
         not broadcast, a non-boolean mask, or an implementation that cannot run these inputs.
     """
     query, key, value, bias, mask = validated_attention_inputs(
-        query, key, value, bias, mask, local_window, dropout_rate, dropout_rng
+        query, key, value, bias, mask, local_window, dropout_rate, dropout_rng, global_tokens
     )
-    geometry = dict(scale=scale, is_causal=is_causal, local_window=local_window)
+    # Without a window every key is visible already: global tokens change nothing.
+    global_tokens = int(global_tokens) if local_window is not None else 0
+    geometry = dict(
+        scale=scale, is_causal=is_causal, local_window=local_window, global_tokens=global_tokens
+    )
     dropout = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng)
     features = dict(is_causal=is_causal, local_window=local_window, dropout_rate=dropout_rate)
     mask = as_rank4("mask", mask, attention_logits_shape(query, key))
     segment_ids = validated_segment_ids(segment_ids, query, key)
-    choice = dict(**features, segment_ids=segment_ids)
+    choice = dict(**features, segment_ids=segment_ids, global_tokens=global_tokens)
     if implementation is None:
         implementation = select_implementation(query, key, value, bias, mask, **choice)
     elif implementation == "pallas":
-        reason = pallas_unsupported_reason(
-            query, key, value, bias, mask, **choice, platform=target_platform()
-        )
+        reason = GLOBAL_TOKENS_UNSUPPORTED if global_tokens else ""
+        reason = reason or pallas_unsupported_reason(
+            query, key, value, bias, mask, **features, segment_ids=segment_ids,
+            platform=target_platform(),
+        )  # fmt: skip
         if reason:
             log_once(f'attention: implementation="pallas" falls back ({reason})')
             implementation = select_implementation(query, key, value, bias, mask, **choice)
@@ -181,10 +195,15 @@ def dot_product_attention(
     if implementation == "chunked":
         return chunked_attention(query, key, value, bias, mask, **geometry, **dropout)
     if implementation == "cudnn":
-        reason = cudnn_unsupported_reason(query, key, value, bias, mask, **features)
+        reason = cudnn_unsupported_reason(
+            query, key, value, bias, mask, **features, global_tokens=global_tokens
+        )
         if reason:
             raise ValueError(f'implementation="cudnn" cannot run these inputs: {reason}')
-        return jax_nn_attention(query, key, value, bias, mask, **geometry, implementation="cudnn")
+        return jax_nn_attention(
+            query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+            local_window=local_window, implementation="cudnn",
+        )  # fmt: skip
     raise ValueError(
         f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}"
     )
@@ -199,6 +218,7 @@ def attention_weights(
     scale: float | None = None,
     is_causal: bool = False,
     local_window: tuple[int, int] | None = None,
+    global_tokens: int = 0,
 ) -> jax.Array:
     """The attention probabilities softmax(q kᵀ · scale + bias), for inspection and plots.
 
@@ -208,10 +228,10 @@ def attention_weights(
       float32 ``[B, H, T, S]``; each row sums to 1, or is all zeros if fully masked.
     """
     query, key, _, bias, mask = validated_attention_inputs(
-        query, key, key, bias, mask, local_window, 0.0, None
+        query, key, key, bias, mask, local_window, 0.0, None, global_tokens
     )
     bias = as_rank4("bias", bias, attention_logits_shape(query, key))
-    full_mask = _full_mask(query, key, mask, is_causal, local_window)
+    full_mask = _full_mask(query, key, mask, is_causal, local_window, global_tokens)
 
     def softmax(q, bias, mask):
         return _softmax(q, key, bias, mask, default_scale(query, scale))
@@ -221,7 +241,18 @@ def attention_weights(
 
 
 def xla_attention(
-    query, key, value, bias, mask, *, scale, is_causal, local_window, dropout_rate, dropout_rng
+    query,
+    key,
+    value,
+    bias,
+    mask,
+    *,
+    scale,
+    is_causal,
+    local_window,
+    dropout_rate,
+    dropout_rng,
+    global_tokens=0,
 ):
     """:func:`reference_attention` optimised, on validated inputs, with dropout.
 
@@ -234,7 +265,7 @@ def xla_attention(
     b, t, h, _ = query.shape
     s = key.shape[1]
     bias = as_rank4("bias", bias, attention_logits_shape(query, key))
-    full_mask = _full_mask(query, key, mask, is_causal, local_window)
+    full_mask = _full_mask(query, key, mask, is_causal, local_window, global_tokens)
     keep = None
     if dropout_rate > 0.0:
         keep = dropout_keep(dropout_rng, dropout_rate, (b, h, t, s))
@@ -248,9 +279,10 @@ def xla_attention(
         return (out / normalizer).swapaxes(1, 2)
 
     outs = []
-    for (q0, q1), (k0, k1) in _query_blocks(t, s, is_causal, local_window):
-        logit_blocks = [_logit_block(x, q0, q1, k0, k1) for x in (bias, full_mask, keep)]
-        attend_block = functools.partial(attend, key=key[:, k0:k1], value=value[:, k0:k1])
+    for (q0, q1), key_ranges in _query_blocks(t, s, is_causal, local_window, global_tokens):
+        logit_blocks = [_logit_block(x, q0, q1, key_ranges) for x in (bias, full_mask, keep)]
+        block_key, block_value = (_key_block(x, key_ranges) for x in (key, value))
+        attend_block = functools.partial(attend, key=block_key, value=block_value)
         outs.append(_per_query_group(attend_block, query[:, q0:q1], key.shape[2], 3, *logit_blocks))
     out = jnp.concatenate(outs, axis=1)
     # Only a user mask, or a causal/window mask with more queries than keys, can leave a row
@@ -262,19 +294,21 @@ def xla_attention(
     return out.astype(query.dtype)
 
 
-def _query_blocks(t, s, is_causal, local_window):
-    """``[((q0, q1), (k0, k1)), ...]``: blocks of query rows and the range of keys each can see.
+def _query_blocks(t, s, is_causal, local_window, global_tokens=0):
+    """``[((q0, q1), key_ranges), ...]``: blocks of query rows and the ranges of keys each sees.
 
     One block (all T queries, all S keys) unless a causal or sliding-window mask hides keys and
     there are more than ``QUERY_BLOCK_ROWS`` queries; else blocks of ``QUERY_BLOCK_ROWS`` rows, or
     ``MAX_QUERY_BLOCKS`` equal blocks if that makes them larger. Positions are aligned as in
-    :func:`structural_mask`: query ``i`` sits at ``i + S - T``.
+    :func:`structural_mask`: query ``i`` sits at ``i + S - T``. ``key_ranges`` is
+    ``((k0, k1),)``, preceded by ``(0, G')`` for the global keys left of the band; a block
+    holding a global query sees every key up to its causal limit.
     """
     left, right = local_window if local_window is not None else (None, None)
     if is_causal:
         right = 0
     if (left is None and right is None) or t <= QUERY_BLOCK_ROWS:
-        return [((0, t), (0, s))]
+        return [((0, t), ((0, s),))]
     offset = s - t
     rows = max(QUERY_BLOCK_ROWS, -(-t // MAX_QUERY_BLOCKS))
     blocks = []
@@ -282,24 +316,41 @@ def _query_blocks(t, s, is_causal, local_window):
         q1 = min(q0 + rows, t)
         k0 = 0 if left is None else max(q0 + offset - left, 0)
         k1 = s if right is None else min(q1 + offset + right, s)
+        # Keys a causal mask hides stay hidden from global queries and global keys.
+        reach = min(q1 + offset, s) if is_causal else s
+        if q0 + offset < global_tokens:
+            k0, k1 = 0, max(k1, reach)
+        global_end = min(global_tokens, reach)
+        if global_end >= k0:
+            k0, k1 = 0, max(k1, global_end)
         # With more queries than keys a block may see no key at all: it keeps one (masked) and
         # its rows are zeroed like every row without a key.
-        blocks.append(((q0, q1), (k0, max(k1, k0 + 1))))
+        band = (k0, max(k1, k0 + 1))
+        blocks.append(((q0, q1), ((0, global_end), band) if 0 < global_end < k0 else (band,)))
     return blocks
 
 
-def _logit_block(x, q0, q1, k0, k1):
-    """Rows ``q0:q1`` and columns ``k0:k1`` of a rank-4 logit-shaped array (broadcast axes kept)."""
+def _key_block(x, key_ranges):
+    """The keys (or values) ``[B, S', Hk, D]`` of ``key_ranges``, concatenated."""
+    return jnp.concatenate([x[:, k0:k1] for k0, k1 in key_ranges], axis=1)
+
+
+def _logit_block(x, q0, q1, key_ranges):
+    """Rows ``q0:q1`` and the columns of ``key_ranges`` of a rank-4 logit-shaped array
+    (broadcast axes kept)."""
     if x is None:
         return None
-    rows = slice(q0, q1) if x.shape[2] > 1 else slice(None)
-    cols = slice(k0, k1) if x.shape[3] > 1 else slice(None)
-    return x[:, :, rows, cols]
+    x = x[:, :, q0:q1] if x.shape[2] > 1 else x
+    if x.shape[3] == 1:
+        return x
+    return jnp.concatenate([x[:, :, :, k0:k1] for k0, k1 in key_ranges], axis=3)
 
 
-def _full_mask(query, key, mask, is_causal, local_window):
+def _full_mask(query, key, mask, is_causal, local_window, global_tokens=0):
     """The user's mask combined with the causal / window mask: rank-4 bool, or ``None``."""
-    structural = structural_mask(query.shape[1], key.shape[1], is_causal, local_window)
+    structural = structural_mask(
+        query.shape[1], key.shape[1], is_causal, local_window, global_tokens
+    )
     mask = combine_masks(mask, structural)
     return as_rank4("mask", mask, attention_logits_shape(query, key))
 

@@ -21,9 +21,21 @@ logger = logging.getLogger("flaxformer_lite.ops.attention")
 # of "xla" would grow past hundreds of MiB.
 CHUNKED_MIN_LOGITS = 8 * 2048 * 2048
 
+GLOBAL_TOKENS_UNSUPPORTED = "global tokens are not supported"
+
 
 def cudnn_unsupported_reason(
-    query, key, value, bias, mask, *, is_causal, local_window, dropout_rate, backend=None
+    query,
+    key,
+    value,
+    bias,
+    mask,
+    *,
+    is_causal,
+    local_window,
+    dropout_rate,
+    backend=None,
+    global_tokens=0,
 ) -> str:
     """Why cuDNN flash attention cannot run these inputs, or ``""`` if it can.
 
@@ -42,6 +54,8 @@ def cudnn_unsupported_reason(
         return f"needs equal head dims <= 128 divisible by 8, got {head_dim}, {value_dim}"
     if dropout_rate > 0.0:
         return "attention dropout is not supported"
+    if global_tokens:
+        return GLOBAL_TOKENS_UNSUPPORTED
     if (is_causal or local_window is not None) and query.shape[1] != key.shape[1]:
         return "causal or windowed masks with T != S align differently in cuDNN"
     if local_window is not None and local_window[1] != 0 and not is_causal:
@@ -68,13 +82,17 @@ def select_implementation(
     local_window,
     dropout_rate,
     segment_ids=None,
+    global_tokens=0,
 ) -> str:
     """The automatic choice: cuDNN where it runs, else on TPU "pallas" where it runs, else
     "chunked" for large logits, else "xla". ``mask`` rank 4 (or None) as the caller's, and
-    ``segment_ids`` as :func:`flaxformer_lite.ops.dot_product_attention` takes them."""
+    ``segment_ids`` and ``global_tokens`` as :func:`flaxformer_lite.ops.dot_product_attention`
+    takes them."""
     features = dict(is_causal=is_causal, local_window=local_window, dropout_rate=dropout_rate)
     full_mask = mask if segment_ids is None else combine_masks(mask, segment_mask(*segment_ids))
-    reason = cudnn_unsupported_reason(query, key, value, bias, full_mask, **features)
+    reason = cudnn_unsupported_reason(
+        query, key, value, bias, full_mask, **features, global_tokens=global_tokens
+    )
     if not reason:
         logger.debug("attention: cudnn")
         return "cudnn"
@@ -82,7 +100,8 @@ def select_implementation(
     if platform == "gpu":
         log_once(f"attention: cuDNN not used ({reason})")
     if platform == "tpu":
-        reason = pallas_unsupported_reason(
+        reason = GLOBAL_TOKENS_UNSUPPORTED if global_tokens else ""
+        reason = reason or pallas_unsupported_reason(
             query, key, value, bias, mask, **features, platform=platform, segment_ids=segment_ids
         )
         if not reason:

@@ -14,8 +14,10 @@ import numpy as np
 
 from flaxformer_lite.ops.masks import (
     causal_mask,
+    check_global_tokens,
     check_local_window,
     combine_masks,
+    global_tokens_mask,
     local_window_mask,
 )
 
@@ -25,7 +27,7 @@ MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
 def validated_attention_inputs(
-    query, key, value, bias, mask, local_window, dropout_rate, dropout_rng
+    query, key, value, bias, mask, local_window, dropout_rate, dropout_rng, global_tokens=0
 ):
     """``(query, key, value, bias, mask)`` as arrays, after checking that they fit together.
 
@@ -67,6 +69,7 @@ def validated_attention_inputs(
         raise ValueError(f"mask must be boolean (True = may attend), got dtype {mask.dtype}")
     if local_window is not None:
         check_local_window(local_window)
+    check_global_tokens(global_tokens)
     check_dropout(dropout_rate, dropout_rng)
     target = attention_logits_shape(query, key)
     as_rank4("bias", bias, target)
@@ -151,18 +154,22 @@ def group_heads(x, num_kv_heads: int):
     return x.reshape(b, num_kv_heads, h // num_kv_heads, t, s)
 
 
-def structural_mask(q_len: int, kv_len: int, is_causal: bool, local_window):
+def structural_mask(q_len: int, kv_len: int, is_causal: bool, local_window, global_tokens: int = 0):
     """The causal / sliding-window mask ``[1, 1, T, S]``, or ``None`` if neither applies.
 
     The last query is aligned with the last key (``offset = S - T``), as when decoding
-    against a KV cache.
+    against a KV cache. ``global_tokens`` widen a window (see ``masks.global_tokens_mask``);
+    without a window they change nothing.
     """
     offset = kv_len - q_len
     masks = []
     if is_causal:
         masks.append(causal_mask(q_len, kv_len, offset))
     if local_window is not None:
-        masks.append(local_window_mask(q_len, kv_len, local_window, offset))
+        window = local_window_mask(q_len, kv_len, local_window, offset)
+        if global_tokens:
+            window = window | global_tokens_mask(q_len, kv_len, global_tokens, offset)
+        masks.append(window)
     return combine_masks(*masks)
 
 

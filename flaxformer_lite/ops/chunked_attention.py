@@ -8,7 +8,8 @@ block's probabilities instead of storing the ``[T, S]`` matrix: memory is O(T) b
 
 Blocks that a causal or sliding-window mask hides entirely are skipped: each query block loops
 only over the key blocks in its visible band (and each key block over its query band in the
-backward pass). Lengths need not divide by the block sizes; the tails are padded and masked.
+backward pass); with global tokens also over the global blocks, which are always kept.
+Lengths need not divide by the block sizes; the tails are padded and masked.
 Attention dropout draws its keep-mask per block from ``fold_in(fold_in(rng, q_block), k_block)``
 and redraws the same mask in the backward pass.
 
@@ -45,7 +46,8 @@ class _Geometry:
 
     Query row ``i`` sits at position ``i + S - T`` (``T = q_len``, ``S = kv_len``), key ``j`` at
     ``j``; the query may see key ``j`` iff ``position - left <= j <= position + right`` and
-    ``j < S``.
+    ``j < S``, or, with ``global_tokens`` G, iff ``j < G`` or ``position < G`` (and
+    ``j <= position`` when ``causal``).
     """
 
     q_len: int
@@ -55,32 +57,61 @@ class _Geometry:
     left: int
     right: int
     dropout_rate: float
+    causal: bool = False
+    global_tokens: int = 0
 
     @property
     def offset(self) -> int:
         return self.kv_len - self.q_len
 
     def key_blocks(self, q_block):
-        """``[lo, hi)`` key-block indices that query block ``q_block`` can see."""
+        """``[lo, hi)`` ranges of key-block indices that query block ``q_block`` can see: the
+        band, preceded with global tokens by the global blocks left of it."""
         first_row = q_block * self.block_q
         last_row = jnp.minimum(first_row + self.block_q, self.q_len) - 1
         lo = jnp.maximum(first_row + self.offset - self.left, 0)
         hi = jnp.minimum(last_row + self.offset + self.right + 1, self.kv_len)
-        return _block_range(lo, hi, self.block_k)
+        if not self.global_tokens:
+            return (_block_range(lo, hi, self.block_k),)
+        # Keys beyond the last row's position stay hidden under causality, global or not.
+        reach = jnp.minimum(last_row + self.offset + 1, self.kv_len) if self.causal else self.kv_len
+        has_global_row = first_row + self.offset < self.global_tokens
+        lo = jnp.where(has_global_row, 0, lo)
+        hi = jnp.where(has_global_row, jnp.maximum(hi, reach), hi)
+        first, last = _block_range(lo, hi, self.block_k)
+        global_blocks = _block_range(0, jnp.minimum(self.global_tokens, reach), self.block_k)[1]
+        return (0, jnp.minimum(global_blocks, first)), (first, last)
 
     def query_blocks(self, k_block):
-        """``[lo, hi)`` query-block indices that can see key block ``k_block``."""
+        """``[lo, hi)`` ranges of query-block indices that can see key block ``k_block``."""
         first_col = k_block * self.block_k
         last_col = jnp.minimum(first_col + self.block_k, self.kv_len) - 1
         lo = jnp.maximum(first_col - self.offset - self.right, 0)
         hi = jnp.minimum(last_col - self.offset + self.left + 1, self.q_len)
-        return _block_range(lo, hi, self.block_q)
+        if not self.global_tokens:
+            return (_block_range(lo, hi, self.block_q),)
+        has_global_col = first_col < self.global_tokens
+        lo = jnp.where(
+            has_global_col, jnp.maximum(first_col - self.offset, 0) if self.causal else 0, lo
+        )
+        hi = jnp.where(has_global_col, self.q_len, hi)
+        first, last = _block_range(lo, hi, self.block_q)
+        # Causal global queries see only keys before them, which are global keys already.
+        global_rows = (
+            0 if self.causal else jnp.clip(self.global_tokens - self.offset, 0, self.q_len)
+        )
+        global_blocks = _block_range(0, global_rows, self.block_q)[1]
+        return (0, jnp.minimum(global_blocks, first)), (first, last)
 
     def visible(self, first_row, first_col):
         """bool ``[block_q, block_k]``: which (query, key) pairs of a block may attend."""
         position = first_row + jnp.arange(self.block_q)[:, None] + self.offset
         col = first_col + jnp.arange(self.block_k)[None, :]
-        return (col < self.kv_len) & (col >= position - self.left) & (col <= position + self.right)
+        window = (col >= position - self.left) & (col <= position + self.right)
+        if self.global_tokens:
+            is_global = (col < self.global_tokens) | (position < self.global_tokens)
+            window = window | (is_global & (col <= position) if self.causal else is_global)
+        return (col < self.kv_len) & window
 
 
 def _block_range(lo, hi, block):
@@ -101,6 +132,7 @@ def chunked_attention(
     local_window: tuple[int, int] | None = None,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
+    global_tokens: int = 0,
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
 ) -> jax.Array:
@@ -117,7 +149,7 @@ def chunked_attention(
       value: ``[B, S, Hk, Dv]``.
       bias: optional float, broadcastable to ``[B, H, T, S]``; differentiable.
       mask: optional bool, broadcastable to ``[B, H, T, S]``, True = may attend.
-      scale, is_causal, local_window, dropout_rate, dropout_rng: as in
+      scale, is_causal, local_window, dropout_rate, dropout_rng, global_tokens: as in
         :func:`flaxformer_lite.ops.dot_product_attention`.
       block_q: query rows per block, a Python int (clipped to T).
       block_k: keys per block, a Python int (clipped to S).
@@ -126,7 +158,7 @@ def chunked_attention(
       ``[B, T, H, Dv]`` in the query's dtype.
     """
     query, key, value, bias, mask = validated_attention_inputs(
-        query, key, value, bias, mask, local_window, dropout_rate, dropout_rng
+        query, key, value, bias, mask, local_window, dropout_rate, dropout_rng, global_tokens
     )
     if not all(isinstance(size, int) and size > 0 for size in (block_q, block_k)):
         raise ValueError(f"block sizes must be positive ints, got {block_q=}, {block_k=}")
@@ -142,6 +174,8 @@ def chunked_attention(
         left=left,
         right=min(right, 0) if is_causal else right,
         dropout_rate=float(dropout_rate),
+        causal=is_causal,
+        global_tokens=int(global_tokens) if local_window is not None else 0,
     )
     q_pad = -q_len % geometry.block_q
     kv_pad = -kv_len % geometry.block_k
@@ -251,7 +285,10 @@ def _forward(geometry, q, k, v, bias, mask, rng):
             jnp.zeros((b, hk, g, bq), jnp.float32),
             jnp.zeros((b, hk, g, bq, dv), jnp.float32),
         )
-        row_max, row_sum, acc = lax.fori_loop(*geometry.key_blocks(i), one_key_block, init)
+        carry = init
+        for lo, hi in geometry.key_blocks(i):
+            carry = lax.fori_loop(lo, hi, one_key_block, carry)
+        row_max, row_sum, acc = carry
         # Rows that saw no key (fully masked) have row_sum == 0 and acc == 0: output 0, not NaN.
         safe_sum = jnp.where(row_sum > 0.0, row_sum, 1.0)
         return acc / safe_sum[..., None], row_max + jnp.log(safe_sum)
@@ -323,7 +360,9 @@ def _attention_bwd(geometry, residuals, d_out):
 
         dq, dbias = carry
         inner = (dq, dbias, jnp.zeros(k_j.shape, jnp.float32), jnp.zeros(v_j.shape, jnp.float32))
-        dq, dbias, dk_j, dv_j = lax.fori_loop(*geometry.query_blocks(j), one_query_block, inner)
+        for lo, hi in geometry.query_blocks(j):
+            inner = lax.fori_loop(lo, hi, one_query_block, inner)
+        dq, dbias, dk_j, dv_j = inner
         return (dq, dbias), (dk_j, dv_j)
 
     init = (

@@ -63,6 +63,35 @@ def local_window_mask(
     return (k_pos >= q_pos - left) & (k_pos <= q_pos + right)
 
 
+def global_tokens_mask(
+    q_len: int,
+    kv_len: int | None = None,
+    global_tokens: int = 0,
+    offset: int | jax.Array = 0,
+) -> jax.Array:
+    """Longformer/BigBird global tokens: the first ``global_tokens`` positions see every key and
+    are seen by every query.
+
+    Positions follow :func:`causal_mask`. Meant to be OR-ed with a :func:`local_window_mask`
+    (and the result AND-ed with a causal mask, which global tokens do not lift).
+
+    Args:
+      q_len: number of queries T.
+      kv_len: number of keys S; defaults to ``q_len``.
+      global_tokens: G, a non-negative int.
+      offset: position of the first query (int, scalar or ``[B]`` array).
+
+    Returns:
+      bool ``[1, 1, T, S]`` (``[B, 1, T, S]`` for a per-row ``offset``).
+    """
+    global_tokens = check_global_tokens(global_tokens)
+    kv_len = q_len if kv_len is None else kv_len
+    offset = _check_offset(offset)
+    q_pos = jnp.arange(q_len)[:, None] + offset.reshape(-1, 1, 1, 1)
+    k_pos = jnp.arange(kv_len)[None, :]
+    return (k_pos < global_tokens) | (q_pos < global_tokens)
+
+
 def padding_mask(
     q_valid: jax.Array,
     kv_valid: jax.Array | None = None,
@@ -148,6 +177,15 @@ def check_local_window(window) -> tuple[int, int]:
     ):
         raise ValueError(f"local_window must be (left, right) non-negative ints, got {window!r}")
     return int(window[0]), int(window[1])
+
+
+def check_global_tokens(global_tokens) -> int:
+    """Validates a non-negative Python int count of global tokens and returns it."""
+    if isinstance(global_tokens, bool) or not isinstance(global_tokens, int | np.integer):
+        raise ValueError(f"global_tokens must be a non-negative int, got {global_tokens!r}")
+    if global_tokens < 0:
+        raise ValueError(f"global_tokens must be a non-negative int, got {global_tokens!r}")
+    return int(global_tokens)
 
 
 def _check_offset(offset):

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-ROPE_SCALING_KINDS = ("linear", "ntk", "llama3")
+ROPE_SCALING_KINDS = ("linear", "ntk", "llama3", "dynamic")
 ROPE_LAYOUTS = ("half", "interleaved")
 
 _LLAMA3_FIELDS = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -46,14 +46,17 @@ class RopeScaling:
 
     Attributes:
         kind: ``"linear"`` (position interpolation: every frequency divided by ``factor``),
-            ``"ntk"`` (NTK-aware static scaling of the base by ``factor ** (Dh / (Dh - 2))``) or
-            ``"llama3"`` (Llama 3.1: only the low frequencies are divided by ``factor``).
+            ``"ntk"`` (NTK-aware static scaling of the base by ``factor ** (Dh / (Dh - 2))``),
+            ``"llama3"`` (Llama 3.1: only the low frequencies are divided by ``factor``) or
+            ``"dynamic"`` (Hugging Face's dynamic NTK: the base recomputed from the current
+            length ``L`` once it exceeds ``original_max_position_embeddings``).
         factor: The context-length multiplier, e.g. 8.0 for Llama 3.1.
         low_freq_factor: llama3 only. Wavelengths longer than
             ``original_max_position_embeddings / low_freq_factor`` are fully scaled.
         high_freq_factor: llama3 only. Wavelengths shorter than
             ``original_max_position_embeddings / high_freq_factor`` are left unchanged.
-        original_max_position_embeddings: llama3 only. The pre-training context length.
+        original_max_position_embeddings: llama3 and dynamic. The pre-training context length
+            (for dynamic, Hugging Face's ``max_position_embeddings``).
     """
 
     kind: str
@@ -102,7 +105,7 @@ class RopeScaling:
             The scaling, or None for ``rope_type == "default"`` (plain RoPE).
 
         Raises:
-            ValueError: The type is missing or unsupported (e.g. "dynamic", "yarn"), a key is
+            ValueError: The type is missing or unsupported (e.g. "yarn"), a key is
                 unknown, or a value is invalid.
         """
         unknown_keys = sorted(set(config) - _HF_KEYS)
@@ -125,17 +128,23 @@ class RopeScaling:
 
 
 def rope_frequencies(
-    head_dim: int, *, base: float = 10000.0, scaling: RopeScaling | None = None
+    head_dim: int,
+    *,
+    base: float = 10000.0,
+    scaling: RopeScaling | None = None,
+    length: jax.Array | int | None = None,
 ) -> jax.Array:
     """Inverse frequencies ``base ** (-2i / Dh)`` of RoPE, optionally scaled.
 
-    All arguments are static configuration, so the table is computed once at trace time in
-    float64 numpy and becomes a compile-time constant.
+    Static scalings are computed once at trace time in float64 numpy and become a compile-time
+    constant; ``"dynamic"`` depends on ``length`` and is computed in float32 like Hugging Face.
 
     Args:
         head_dim: Features per head, Dh (static, even).
         base: The RoPE base ("theta"), a Python float: 10000 in the paper, 500000 in Llama 3.
         scaling: Optional context-extension scaling.
+        length: dynamic scaling only: the current sequence length L (may be traced); None or
+            a length within ``original_max_position_embeddings`` leaves the base unchanged.
 
     Returns:
         ``[Dh // 2]`` float32, the angle per position step of each feature pair, from
@@ -146,9 +155,11 @@ def rope_frequencies(
     """
     if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
         raise ValueError(f"RoPE head_dim must be a positive even int, got {head_dim!r}")
+    if scaling is not None and scaling.kind in ("ntk", "dynamic") and head_dim == 2:
+        raise ValueError("NTK RoPE scaling needs head_dim >= 4 (its exponent is d / (d - 2))")
+    if scaling is not None and scaling.kind == "dynamic":
+        return _dynamic_ntk_frequencies(head_dim, base, scaling, length)
     if scaling is not None and scaling.kind == "ntk":
-        if head_dim == 2:
-            raise ValueError("NTK RoPE scaling needs head_dim >= 4 (its exponent is d / (d - 2))")
         # Chosen so the lowest frequency is divided by exactly ``factor`` while the highest stays 1.
         base = base * scaling.factor ** (head_dim / (head_dim - 2))
     inv_freq = float(base) ** (-np.arange(0, head_dim, 2) / head_dim)
@@ -157,6 +168,21 @@ def rope_frequencies(
     elif scaling is not None and scaling.kind == "llama3":
         inv_freq = _llama3_scale(inv_freq, scaling)
     return jnp.asarray(inv_freq, jnp.float32)
+
+
+def _dynamic_ntk_frequencies(
+    head_dim: int, base: float, scaling: RopeScaling, length: jax.Array | int | None
+) -> jax.Array:
+    """Hugging Face's ``_compute_dynamic_ntk_parameters``: with ``L = max(length, original)``,
+    ``base' = base * (factor * L / original - (factor - 1)) ** (Dh / (Dh - 2))``."""
+    original = scaling.original_max_position_embeddings
+    length = original if length is None else length
+    length = jnp.maximum(jnp.asarray(length, jnp.float32), original)
+    stretch = scaling.factor * length / original - (scaling.factor - 1)
+    # In log space: base' itself can leave float32's exact-integer range for long contexts.
+    log_base = math.log(base) + head_dim / (head_dim - 2) * jnp.log(stretch)
+    exponents = jnp.asarray(np.arange(0, head_dim, 2) / head_dim, jnp.float32)
+    return jnp.exp(-exponents * log_base)
 
 
 def _llama3_scale(inv_freq: np.ndarray, scaling: RopeScaling) -> np.ndarray:
@@ -193,7 +219,10 @@ def apply_rope(
         base: The RoPE base ("theta"), a Python float (static).
         layout: ``"half"`` (pairs ``i, i + Dh // 2``; HF Llama, GPT-NeoX) or
             ``"interleaved"`` (pairs ``2i, 2i + 1``; RoFormer). Static.
-        scaling: Optional context-extension scaling. Static.
+        scaling: Optional context-extension scaling. Static. With ``"dynamic"`` the current
+            length is ``max(positions) + 1`` over the whole batch, as in Hugging Face: when
+            decoding with a cache the new keys are rotated with the base of the total length
+            so far while the cached keys keep the base they were rotated with.
 
     Returns:
         Same shape and dtype as ``x``. The rotation is computed in float32.
@@ -217,7 +246,10 @@ def apply_rope(
             f"(length={length}, batch={batch}), got shape {positions.shape}"
         )
 
-    inv_freq = rope_frequencies(head_dim, base=base, scaling=scaling)
+    length = None
+    if scaling is not None and scaling.kind == "dynamic":
+        length = jnp.max(positions) + 1
+    inv_freq = rope_frequencies(head_dim, base=base, scaling=scaling, length=length)
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [(B,) T, Dh / 2]
     # A heads axis to broadcast over; [T, ...] angles broadcast over the batch by themselves.
     angles = angles[..., None, :]
