@@ -119,8 +119,8 @@ def test_configs_saved_with_null_derived_values_resolve_alike():
     change of config."""
     from flaxformer_lite.train.config import TrainConfig, config_diff, config_from_dict
 
-    current = config_from_dict({"model": {"preset": "gpt2-tiny"}})
-    older = TrainConfig().to_dict()
+    current = TrainConfig()
+    older = current.to_dict()
     older["model"].update(num_kv_heads=None, head_dim=None)
     saved = config_from_dict(older)
     assert saved.model.num_kv_heads == 4 and saved.model.head_dim == 16
