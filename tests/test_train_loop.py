@@ -6,6 +6,7 @@ import json
 import os
 import pathlib
 import signal
+import threading
 
 import jax
 import numpy as np
@@ -74,6 +75,9 @@ class _Iterator:
 
     def set_state(self, state):
         self._inner.set_state(state)
+
+    def close(self):
+        self._inner.close()
 
 
 class _Data:
@@ -165,6 +169,15 @@ def test_a_checkpoint_holds_the_data_state_of_its_own_step(tmp_path, recorded):
     )
     for step in (3, 6, 7):
         assert checkpoint_data_state(run_dir, step) == recorded.states[step - 1], step
+
+
+def test_the_data_prefetch_thread_ends_with_the_run(tmp_path):
+    def prefetching():
+        return [t for t in threading.enumerate() if t.name == "flaxformer-lite-prefetch"]
+
+    before = prefetching()
+    run(config(tmp_path / "run", "train.steps=2"), progress=False, log=quiet)
+    assert prefetching() == before
 
 
 def test_a_step_found_non_finite_one_step_late_is_never_checkpointed(tmp_path, recorded):

@@ -155,7 +155,8 @@ def _run(cfg, run_dir, main, force, progress, log):
     checkpointer = Checkpointer(
         run_dir / "checkpoints", keep=cfg.checkpoint.keep, every=cfg.checkpoint.every
     )
-    with contextlib.closing(checkpointer):
+    # The data's prefetch thread ends with the run, however the run ends.
+    with contextlib.closing(checkpointer), contextlib.closing(data.train):
         if checkpointer.latest_step() is not None:
             saved = config_from_dict(checkpointer.restore_config())
             cfg = keep_schedule_span(saved, cfg, log)
