@@ -1,7 +1,6 @@
 """bfloat16 training: ``model.dtype=bfloat16`` computes in bf16 on float32 parameters (softmax,
 norms and the loss in float32), learns as float32 does, and runs its TPU matmuls in bf16."""
 
-import os
 import re
 
 import jax
@@ -11,6 +10,7 @@ import pytest
 from attention_cases import make_qkv
 from flax import nnx
 from test_train_e2e import QUICK, losses, quiet
+from tpu_topology import v5e_2x2
 
 from flaxformer_lite import ops, parallel
 from flaxformer_lite.train.config import load_config
@@ -70,19 +70,9 @@ ATTENTION = {"xla": ["model.attention_implementation=xla"], "pallas": []}
 
 @pytest.mark.parametrize("attention", ATTENTION)
 def test_bfloat16_train_step_compiled_for_v5e_does_its_matmuls_in_bf16(attention):
-    pytest.importorskip("libtpu")
     from jax.experimental import topologies
 
-    # Other processes (parallel test workers) may hold libtpu's lock on this host; compiling
-    # for a compile-only topology touches no TPU, so sharing libtpu is safe.
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    topology = topologies.get_topology_desc(
-        platform="tpu",
-        topology_name="v5e:2x2",
-        chip_config_name="default",
-        chips_per_host_bounds=(2, 2, 1),
-        num_slices=1,
-    )
+    topology = v5e_2x2()
     cfg = load_config(None, ["model.dtype=bfloat16", "mesh.data=4", *ATTENTION[attention]])
     mesh = topologies.make_mesh(topology, (4, 1, 1), parallel.MESH_AXES)
     rules = cfg.mesh.rules

@@ -8,7 +8,6 @@ sharded mesh.
 """
 
 import logging
-import os
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +17,7 @@ from attention_cases import ATOL, assert_close_to_scale, make_qkv
 from flax import nnx
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import NamedSharding, PartitionSpec
+from tpu_topology import v5e_2x2
 
 from flaxformer_lite import ops, parallel
 from flaxformer_lite.ops import attention_choice, pallas_attention
@@ -169,19 +169,9 @@ def test_tpu_kernel_under_a_mesh_runs_in_shard_map_and_equals_reference(length):
 
 
 def test_tpu_kernel_compiles_for_v5e_under_a_sharded_mesh():
-    pytest.importorskip("libtpu")
     from jax.experimental import topologies
 
-    # Other processes (parallel test workers) may hold libtpu's lock on this host; compiling
-    # for a compile-only topology touches no TPU, so sharing libtpu is safe.
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    topology = topologies.get_topology_desc(
-        platform="tpu",
-        topology_name="v5e:2x2",
-        chip_config_name="default",
-        chips_per_host_bounds=(2, 2, 1),
-        num_slices=1,
-    )
+    topology = v5e_2x2()
     mesh = topologies.make_mesh(topology, (2, 1, 2), ("data", "fsdp", "tensor"))
     b, t, h, hk, dh = 4, 200, 4, 2, 64
     heads = PartitionSpec("data", None, "tensor", None)
@@ -210,17 +200,9 @@ def test_tpu_kernel_compiles_for_v5e_under_a_sharded_mesh():
 def test_packed_gpt2_train_step_compiled_for_v5e_runs_the_pallas_kernel(caplog):
     # Packed rows reach the attention as segment ids, which the kernel takes, not as a
     # [B, 1, T, T] mask, which it cannot.
-    pytest.importorskip("libtpu")
     from jax.experimental import topologies
 
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # as in the test above
-    topology = topologies.get_topology_desc(
-        platform="tpu",
-        topology_name="v5e:2x2",
-        chip_config_name="default",
-        chips_per_host_bounds=(2, 2, 1),
-        num_slices=1,
-    )
+    topology = v5e_2x2()
     overrides = ["model.dtype=bfloat16", "model.attention_dropout=0.0", "mesh.data=4"]
     cfg = load_config(None, overrides)
     mesh = topologies.make_mesh(topology, (4, 1, 1), parallel.MESH_AXES)
