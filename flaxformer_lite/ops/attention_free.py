@@ -1,0 +1,195 @@
+"""The Attention Free Transformer (Zhai et al. 2021): a per-feature weighted average of values.
+
+``Y_t = sigmoid(Q_t) * sum_t' exp(K_t' + w_{t,t'}) * V_t' / sum_t' exp(K_t' + w_{t,t'})``, with
+``Q, K, V [B, T, D]`` and a learned pairwise position bias ``w [T, T]`` (AFT-full), ``w`` kept
+only within a window ``|t - t'| < s`` and 0 outside (AFT-local), or ``w = 0`` (AFT-simple).
+
+Every variant computes in float32 and subtracts maxima before ``exp`` (as online softmax does),
+so large keys give no inf or NaN. AFT-simple needs O(T * D) memory, causal or not (a scan of
+running maxima and sums); AFT-full and AFT-local hold ``exp(w)`` as a ``[T, S]`` matrix and
+compute the sums as two matmuls.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from flaxformer_lite.ops.masks import causal_mask
+
+# A running maximum where no key was seen yet: finite, so that differences of two such maxima
+# are 0 rather than NaN, and exp(NEG - finite) underflows to 0.
+_NEG = -1e30
+
+
+def aft(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    pairwise_bias: jax.Array | None = None,
+    *,
+    is_causal: bool = False,
+    local_window: int | None = None,
+    mask: jax.Array | None = None,
+) -> jax.Array:
+    """AFT over ``query, key, value [B, T, D]``; returns ``[B, T, D]`` in the query's dtype.
+
+    Args:
+      pairwise_bias: ``w [T, T]`` (query position, key position); None is AFT-simple (w = 0).
+      is_causal: position t sums over t' <= t only.
+      local_window: ``s``: AFT-local, ``w`` kept where ``|t - t'| < s`` and 0 outside (those
+        keys still count, with no bias). Needs ``pairwise_bias``.
+      mask: bool ``[B, T]``, True at real positions: padded positions are dropped as keys. A
+        position with no key to sum over yields zeros.
+
+    With a bias, the key maximum is taken per feature over the whole sequence; a causal row
+    whose visible keys all lie more than ~80 below that maximum (the float32 range of exp)
+    underflows to zeros. AFT-simple keeps a running maximum and has no such limit.
+    """
+    batch, length, _ = query.shape
+    if key.shape != query.shape or value.shape != query.shape:
+        raise ValueError(
+            f"aft expects query, key and value of one shape [B, T, D], got {query.shape}, "
+            f"{key.shape} and {value.shape}"
+        )
+    if mask is not None and mask.shape != (batch, length):
+        raise ValueError(f"aft expects a mask [B, T] = {[batch, length]}, got {mask.shape}")
+    if local_window is not None:
+        if pairwise_bias is None:
+            raise ValueError("aft: local_window needs a pairwise_bias")
+        if local_window < 1:
+            raise ValueError(f"aft: local_window must be >= 1, got {local_window}")
+    if pairwise_bias is None:
+        if is_causal:
+            return causal_aft_simple(query, key, value, mask)
+        return aft_simple(query, key, value, mask)
+    if pairwise_bias.shape != (length, length):
+        raise ValueError(
+            f"aft expects a pairwise_bias [T, T] = {[length, length]}, got {pairwise_bias.shape}"
+        )
+    if local_window is not None:
+        pairwise_bias = local_bias(pairwise_bias, local_window)
+    allowed = causal_mask(length, length)[0, 0] if is_causal else None
+    return biased_aft(query, key, value, pairwise_bias, allowed=allowed, key_mask=mask)
+
+
+def local_bias(pairwise_bias: jax.Array, window: int, *, offset: int | jax.Array = 0) -> jax.Array:
+    """``w [T, S]`` with entries where ``|t + offset - t'| >= window`` set to 0 (AFT-local);
+    ``offset`` is the position of the first row."""
+    rows = offset + jnp.arange(pairwise_bias.shape[0])[:, None]
+    cols = jnp.arange(pairwise_bias.shape[1])[None, :]
+    return jnp.where(jnp.abs(rows - cols) < window, pairwise_bias, 0.0)
+
+
+def aft_simple(
+    query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None = None
+) -> jax.Array:
+    """Bidirectional AFT-simple: one weighted average of the values per ``[B, D]``, gated by
+    ``sigmoid(Q_t)``; O(T * D) memory."""
+    k, v, valid = _float32_keys(key, value, mask)
+    # The maximum only keeps exp in range; it cancels in the ratio, so no gradient through it.
+    top = jax.lax.stop_gradient(jnp.max(k, axis=1, keepdims=True))
+    weights = jnp.where(valid, jnp.exp(k - top), 0.0)
+    numerator = jnp.sum(weights * v, axis=1, keepdims=True)
+    denominator = jnp.sum(weights, axis=1, keepdims=True)
+    return _gate(query, numerator, denominator)
+
+
+def causal_aft_simple(
+    query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None = None
+) -> jax.Array:
+    """Causal AFT-simple: running (max, numerator, denominator) per ``[B, D]`` by an associative
+    scan over positions; O(T * D) memory."""
+    state = aft_simple_terms(key, value, mask)
+    top, numerator, denominator = jax.lax.associative_scan(combine_aft_states, state, axis=1)
+    del top
+    return _gate(query, numerator, denominator)
+
+
+def aft_simple_terms(
+    key: jax.Array, value: jax.Array, mask: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each position's own running state ``(max, numerator, denominator)``, each ``[B, T, D]``
+    float32: ``(K_t, V_t, 1)``, or ``(-1e30, 0, 0)`` at a dropped position."""
+    k, v, valid = _float32_keys(key, value, mask)
+    top = jax.lax.stop_gradient(k)
+    weight = jnp.where(valid, jnp.exp(k - top), 0.0)
+    return top, weight * v, weight
+
+
+def combine_aft_states(first, second):
+    """Two running states ``(max, numerator, denominator)`` (of consecutive spans) merged:
+    both sums rescaled to the larger maximum, as online softmax merges blocks."""
+    top1, num1, den1 = first
+    top2, num2, den2 = second
+    top = jnp.maximum(top1, top2)
+    scale1, scale2 = jnp.exp(top1 - top), jnp.exp(top2 - top)
+    return top, num1 * scale1 + num2 * scale2, den1 * scale1 + den2 * scale2
+
+
+def aft_simple_step(
+    state: tuple[jax.Array, jax.Array, jax.Array],
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    mask: jax.Array | None = None,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
+    """Causal AFT-simple of ``T`` new positions after the positions summarized by ``state``
+    (``(max, numerator, denominator)``, each ``[B, D]`` float32; ``(-1e30, 0, 0)`` before the
+    first). Returns the outputs ``[B, T, D]`` and the state after the new positions: O(D) per
+    token, no cache of keys or values."""
+    terms = aft_simple_terms(key, value, mask)
+    terms = tuple(
+        jnp.concatenate([s[:, None].astype(jnp.float32), t], axis=1)
+        for s, t in zip(state, terms, strict=True)
+    )
+    top, numerator, denominator = jax.lax.associative_scan(combine_aft_states, terms, axis=1)
+    out = _gate(query, numerator[:, 1:], denominator[:, 1:])
+    return out, (top[:, -1], numerator[:, -1], denominator[:, -1])
+
+
+def biased_aft(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    pairwise_bias: jax.Array,
+    *,
+    allowed: jax.Array | None = None,
+    key_mask: jax.Array | None = None,
+) -> jax.Array:
+    """AFT with a pairwise bias: ``query [B, T, D]``, ``key, value [B, S, D]``, ``w [T, S]``;
+    ``allowed`` bool ``[T, S]`` (causality: False drops the pair), ``key_mask`` bool ``[B, S]``.
+
+    ``exp(w - max_row(w)) @ (exp(K - max(K)) * V)`` over ``exp(w - max_row(w)) @ exp(K -
+    max(K))``: both maxima cancel in the ratio.
+    """
+    k, v, valid = _float32_keys(key, value, key_mask)
+    w = pairwise_bias.astype(jnp.float32)
+    if allowed is not None:
+        w = jnp.where(allowed, w, _NEG)
+    w_top = jax.lax.stop_gradient(jnp.max(w, axis=1, keepdims=True))
+    position_weights = jnp.exp(w - w_top)
+    if allowed is not None:
+        position_weights = jnp.where(allowed, position_weights, 0.0)
+    k_top = jax.lax.stop_gradient(jnp.max(k, axis=1, keepdims=True))
+    key_weights = jnp.where(valid, jnp.exp(k - k_top), 0.0)
+    precision = jax.lax.Precision.HIGHEST
+    numerator = jnp.einsum("ts,bsd->btd", position_weights, key_weights * v, precision=precision)
+    denominator = jnp.einsum("ts,bsd->btd", position_weights, key_weights, precision=precision)
+    return _gate(query, numerator, denominator)
+
+
+def _float32_keys(key, value, mask):
+    """Keys and values in float32, and the validity of each key broadcastable to ``[B, S, D]``;
+    dropped keys are set to -1e30 first, so that no exp of them overflows (nor its gradient)."""
+    valid = jnp.ones((1, 1, 1), jnp.bool_) if mask is None else jnp.asarray(mask)[..., None]
+    key = jnp.where(valid, key.astype(jnp.float32), _NEG)
+    return key, value.astype(jnp.float32), valid
+
+
+def _gate(query, numerator, denominator):
+    """``sigmoid(Q) * numerator / denominator`` in the query's dtype; 0 where nothing was
+    summed (the division guarded so that its gradient is finite too)."""
+    seen = denominator > 0
+    average = jnp.where(seen, numerator / jnp.where(seen, denominator, 1.0), 0.0)
+    return (jax.nn.sigmoid(query.astype(jnp.float32)) * average).astype(query.dtype)
