@@ -9,12 +9,13 @@ from flaxformer_lite import ops
 from flaxformer_lite.ops import attention_free
 
 
-def numpy_aft(q, k, v, w=None, *, is_causal=False, local_window=None, mask=None):
+def numpy_aft(q, k, v, w=None, *, is_causal=False, local_window=None, mask=None, segment_ids=None):
     """``Y_t = sigmoid(Q_t) * sum_t' exp(K_t' + w_tt') V_t' / sum_t' exp(K_t' + w_tt')``,
     term by term in float64 (each exponent shifted by its own row maximum)."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     batch, length, _ = q.shape
     w = np.zeros((length, length)) if w is None else np.asarray(w, np.float64)
+    w = np.broadcast_to(w, (batch, length, length))
     if local_window is not None:
         t, s = np.indices((length, length))
         w = np.where(np.abs(t - s) < local_window, w, 0.0)
@@ -24,11 +25,13 @@ def numpy_aft(q, k, v, w=None, *, is_causal=False, local_window=None, mask=None)
             keys = [
                 s
                 for s in range(length)
-                if (not is_causal or s <= t) and (mask is None or mask[b, s])
+                if (not is_causal or s <= t)
+                and (mask is None or mask[b, s])
+                and (segment_ids is None or segment_ids[b, s] == segment_ids[b, t])
             ]
             if not keys:
                 continue
-            logits = k[b, keys] + w[t, keys][:, None]  # [S', D]
+            logits = k[b, keys] + w[b, t, keys][:, None]  # [S', D]
             e = np.exp(logits - logits.max(axis=0))
             out[b, t] = (e * v[b, keys]).sum(0) / e.sum(0)
     return 1 / (1 + np.exp(-q)) * out
@@ -51,9 +54,9 @@ VARIANTS = [
 ]
 
 
-def call(fn, q, k, v, w, variant, mask=None):
+def call(fn, q, k, v, w, variant, **inputs):
     kwargs = {k: x for k, x in variant.items() if k != "bias"}
-    return fn(q, k, v, w if variant.get("bias") else None, mask=mask, **kwargs)
+    return fn(q, k, v, w if variant.get("bias") else None, **inputs, **kwargs)
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=str)
@@ -71,6 +74,17 @@ def test_aft_drops_masked_keys(variant):
     mask[1, :2] = False  # the first causal rows of row 1 see no key: zeros
     got = call(ops.aft, *map(jnp.asarray, (q, k, v, w)), variant, mask=jnp.asarray(mask))
     want = call(numpy_aft, q, k, v, w, variant, mask=mask)
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=2e-5)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=str)
+def test_aft_keeps_packed_segments_apart(variant):
+    q, k, v, w = inputs(seed=8, length=9)
+    segments = np.array([[1, 1, 1, 2, 2, 3, 3, 3, 3], [1, 1, 1, 1, 1, 1, 2, 2, 0]])
+    rows_bias = np.stack([w, w.T])  # one bias per row, as packed rows' positions give
+    args = (q, k, v, rows_bias)
+    got = call(ops.aft, *map(jnp.asarray, args), variant, segment_ids=jnp.asarray(segments))
+    want = call(numpy_aft, *args, variant, segment_ids=segments)
     np.testing.assert_allclose(got, want, atol=2e-6, rtol=2e-5)
 
 

@@ -31,16 +31,19 @@ def aft(
     is_causal: bool = False,
     local_window: int | None = None,
     mask: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """AFT over ``query, key, value [B, T, D]``; returns ``[B, T, D]`` in the query's dtype.
 
     Args:
-      pairwise_bias: ``w [T, T]`` (query position, key position); None is AFT-simple (w = 0).
+      pairwise_bias: ``w [T, T]`` (query position, key position), or ``[B, T, T]`` (one per row,
+        e.g. gathered by the positions of packed rows); None is AFT-simple (w = 0).
       is_causal: position t sums over t' <= t only.
       local_window: ``s``: AFT-local, ``w`` kept where ``|t - t'| < s`` and 0 outside (those
         keys still count, with no bias). Needs ``pairwise_bias``.
       mask: bool ``[B, T]``, True at real positions: padded positions are dropped as keys. A
         position with no key to sum over yields zeros.
+      segment_ids: int ``[B, T]`` of packed rows: a position sums over keys of its own segment.
 
     With a bias, the key maximum is taken per feature over the whole sequence; a causal row
     whose visible keys all lie more than ~80 below that maximum (the float32 range of exp)
@@ -59,25 +62,34 @@ def aft(
             raise ValueError("aft: local_window needs a pairwise_bias")
         if local_window < 1:
             raise ValueError(f"aft: local_window must be >= 1, got {local_window}")
+    if segment_ids is not None and segment_ids.shape != (batch, length):
+        raise ValueError(
+            f"aft expects segment_ids [B, T] = {[batch, length]}, got {segment_ids.shape}"
+        )
     if pairwise_bias is None:
         if is_causal:
-            return causal_aft_simple(query, key, value, mask)
-        return aft_simple(query, key, value, mask)
-    if pairwise_bias.shape != (length, length):
+            return causal_aft_simple(query, key, value, mask, segment_ids)
+        if segment_ids is None:
+            return aft_simple(query, key, value, mask)
+        pairwise_bias = jnp.zeros((length, length), jnp.float32)
+    if pairwise_bias.shape[-2:] != (length, length) or pairwise_bias.ndim not in (2, 3):
         raise ValueError(
-            f"aft expects a pairwise_bias [T, T] = {[length, length]}, got {pairwise_bias.shape}"
+            f"aft expects a pairwise_bias [T, T] or [B, T, T] with T = {length}, got "
+            f"{pairwise_bias.shape}"
         )
     if local_window is not None:
         pairwise_bias = local_bias(pairwise_bias, local_window)
-    allowed = causal_mask(length, length)[0, 0] if is_causal else None
+    allowed = causal_mask(length, length)[0] if is_causal else jnp.ones((1, 1, 1), jnp.bool_)
+    if segment_ids is not None:
+        allowed = allowed & (segment_ids[:, :, None] == segment_ids[:, None, :])
     return biased_aft(query, key, value, pairwise_bias, allowed=allowed, key_mask=mask)
 
 
 def local_bias(pairwise_bias: jax.Array, window: int, *, offset: int | jax.Array = 0) -> jax.Array:
-    """``w [T, S]`` with entries where ``|t + offset - t'| >= window`` set to 0 (AFT-local);
+    """``w [..., T, S]`` with entries where ``|t + offset - t'| >= window`` set to 0 (AFT-local);
     ``offset`` is the position of the first row."""
-    rows = offset + jnp.arange(pairwise_bias.shape[0])[:, None]
-    cols = jnp.arange(pairwise_bias.shape[1])[None, :]
+    rows = offset + jnp.arange(pairwise_bias.shape[-2])[:, None]
+    cols = jnp.arange(pairwise_bias.shape[-1])[None, :]
     return jnp.where(jnp.abs(rows - cols) < window, pairwise_bias, 0.0)
 
 
@@ -96,14 +108,39 @@ def aft_simple(
 
 
 def causal_aft_simple(
-    query: jax.Array, key: jax.Array, value: jax.Array, mask: jax.Array | None = None
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    mask: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """Causal AFT-simple: running (max, numerator, denominator) per ``[B, D]`` by an associative
-    scan over positions; O(T * D) memory."""
+    scan over positions, restarted where a segment starts; O(T * D) memory."""
     state = aft_simple_terms(key, value, mask)
-    top, numerator, denominator = jax.lax.associative_scan(combine_aft_states, state, axis=1)
-    del top
+    if segment_ids is None:
+        _, numerator, denominator = jax.lax.associative_scan(combine_aft_states, state, axis=1)
+    else:
+        starts = jnp.concatenate(
+            [
+                jnp.ones_like(segment_ids[:, :1], jnp.bool_),
+                segment_ids[:, 1:] != segment_ids[:, :-1],
+            ],
+            axis=1,
+        )[..., None]
+        starts = jnp.broadcast_to(starts, state[0].shape)
+        _, _, numerator, denominator = jax.lax.associative_scan(
+            _combine_segmented, (starts, *state), axis=1
+        )
     return _gate(query, numerator, denominator)
+
+
+def _combine_segmented(first, second):
+    """``combine_aft_states`` that restarts at the first position of a segment: where the
+    second span holds a segment start, the first span is left out."""
+    merged = combine_aft_states(first[1:], second[1:])
+    restart = second[0]
+    kept = tuple(jnp.where(restart, s, m) for s, m in zip(second[1:], merged, strict=True))
+    return (first[0] | restart, *kept)
 
 
 def aft_simple_terms(
@@ -157,25 +194,29 @@ def biased_aft(
     allowed: jax.Array | None = None,
     key_mask: jax.Array | None = None,
 ) -> jax.Array:
-    """AFT with a pairwise bias: ``query [B, T, D]``, ``key, value [B, S, D]``, ``w [T, S]``;
-    ``allowed`` bool ``[T, S]`` (causality: False drops the pair), ``key_mask`` bool ``[B, S]``.
+    """AFT with a pairwise bias: ``query [B, T, D]``, ``key, value [B, S, D]``, ``w [T, S]`` or
+    ``[B, T, S]``; ``allowed`` bool broadcastable to ``[B, T, S]`` (causality, segments: False
+    drops the pair), ``key_mask`` bool ``[B, S]``.
 
     ``exp(w - max_row(w)) @ (exp(K - max(K)) * V)`` over ``exp(w - max_row(w)) @ exp(K -
     max(K))``: both maxima cancel in the ratio.
     """
     k, v, valid = _float32_keys(key, value, key_mask)
-    w = pairwise_bias.astype(jnp.float32)
+    shape = (query.shape[0], query.shape[1], key.shape[1])
+    w = jnp.broadcast_to(pairwise_bias.astype(jnp.float32), shape)
     if allowed is not None:
         w = jnp.where(allowed, w, _NEG)
-    w_top = jax.lax.stop_gradient(jnp.max(w, axis=1, keepdims=True))
+    w_top = jax.lax.stop_gradient(jnp.max(w, axis=-1, keepdims=True))
+    # A dropped pair has w = -1e30, so its weight underflows to 0 (unless the whole row is
+    # dropped: then its max is -1e30 too, and the where gives 0).
     position_weights = jnp.exp(w - w_top)
     if allowed is not None:
         position_weights = jnp.where(allowed, position_weights, 0.0)
     k_top = jax.lax.stop_gradient(jnp.max(k, axis=1, keepdims=True))
     key_weights = jnp.where(valid, jnp.exp(k - k_top), 0.0)
     precision = jax.lax.Precision.HIGHEST
-    numerator = jnp.einsum("ts,bsd->btd", position_weights, key_weights * v, precision=precision)
-    denominator = jnp.einsum("ts,bsd->btd", position_weights, key_weights, precision=precision)
+    numerator = jnp.einsum("bts,bsd->btd", position_weights, key_weights * v, precision=precision)
+    denominator = jnp.einsum("bts,bsd->btd", position_weights, key_weights, precision=precision)
     return _gate(query, numerator, denominator)
 
 
