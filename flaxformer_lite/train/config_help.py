@@ -79,6 +79,8 @@ HELP = {
     "model.scan_layers": "run the layers in a lax.scan (one layer compiled)",
     "model.remat": "recompute activations in the backward pass: none, full, ... (saves memory)",
     "model.attention_implementation": "null (chosen per input), xla, chunked or cudnn",
+    "model.mixer": "self-attention's mixer: attention, aft_full, aft_local or aft_simple (AFT)",
+    "model.aft_window": "aft_local: its pairwise bias counts within this many positions",
     "data.source": "synthetic (a built-in task), text, jsonl, parallel or prepared (a store)",
     "data.task": "the synthetic task: arithmetic, reverse, number_words or sentiment",
     "data.task_options": "the synthetic task's options, e.g. {max_digits: 4}; {}: its defaults",
