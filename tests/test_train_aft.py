@@ -2,6 +2,7 @@
 its held-out problems greedy-decoded by the running state at each evaluation."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -31,3 +32,16 @@ def test_the_default_task_trains_with_each_aft_mixer(tmp_path, mixer):
     losses = [r["loss"] for r in records if "loss" in r]
     assert losses[-1] < 0.75 * losses[0], losses
     assert last["eval_loss"] < 0.75 * losses[0] and "eval_exact_match" in last
+
+
+ABLATIONS = Path(__file__).parents[1] / "configs" / "ablations"
+
+
+@pytest.mark.parametrize("mixer", ["attention", "aft_simple", "aft_full", "aft_local"])
+def test_ablation_configs_change_only_the_mixer(mixer):
+    cfg = load_config(ABLATIONS / f"{mixer}.yaml").to_dict()
+    default = load_config(None).to_dict()
+    assert cfg["run_dir"] == f"runs/ablations/{mixer}" and cfg["model"]["mixer"] == mixer
+    window = {"aft_window": 8} if mixer == "aft_local" else {}
+    default["model"].update(mixer=mixer, **window)
+    assert {**cfg, "run_dir": None} == {**default, "run_dir": None}
