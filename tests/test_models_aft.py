@@ -172,7 +172,8 @@ def test_save_hf_refuses_an_aft_model(tmp_path):
     ("overrides", "message"),
     [
         (dict(mixer="aft"), "mixer"),
-        (dict(mixer="aft_local"), "aft_local needs aft_window"),
+        (dict(mixer="aft_local"), "aft_window is the window of mixer aft_local"),
+        (dict(mixer="aft_full", aft_window=4), "aft_window is the window of mixer aft_local"),
         (dict(mixer="aft_local", aft_window=0), "aft_window"),
         (dict(mixer="aft_full", positions="rope"), "positions='rope'"),
         (dict(mixer="aft_simple", positions="alibi"), "positions='alibi'"),

@@ -153,8 +153,11 @@ class ModelConfig:
         _check_choice("mixer", self.mixer, MIXERS)
         if self.aft_window is not None:
             _check_positive_int("aft_window", self.aft_window)
-        if self.mixer == "aft_local" and self.aft_window is None:
-            raise ValueError("mixer aft_local needs aft_window (the window of its bias)")
+        if (self.mixer == "aft_local") != (self.aft_window is not None):
+            raise ValueError(
+                f"aft_window is the window of mixer aft_local (got mixer={self.mixer}, "
+                f"aft_window={self.aft_window})"
+            )
         if self.mixer != "attention" and self.positions in ("rope", "relative", "alibi"):
             raise ValueError(
                 f"mixer {self.mixer} has no attention logits for positions={self.positions!r}; "
