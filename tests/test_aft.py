@@ -179,3 +179,21 @@ def test_aft_refuses_bad_arguments(kwargs, message):
     x = jnp.zeros((2, 7, 5))
     with pytest.raises(ValueError, match=message):
         ops.aft(x, x, x, **kwargs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("is_causal", [False, True], ids=["bidirectional", "causal"])
+def test_aft_simple_memory_grows_linearly_with_length(is_causal):
+    # XLA's compiled temporary memory, forward and backward: 4x the length takes at most ~4x
+    # the memory (a [T, T] matrix would take 16x).
+    def temp_bytes(length):
+        x = jax.ShapeDtypeStruct((1, length, 16), jnp.float32)
+
+        def loss(q, k, v):
+            return ops.aft(q, k, v, is_causal=is_causal).sum()
+
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        return grad.lower(x, x, x).compile().memory_analysis().temp_size_in_bytes
+
+    short, long = temp_bytes(256), temp_bytes(1024)
+    assert long <= 4.5 * max(short, 1) and long < 4 * 1024**2, (short, long)
