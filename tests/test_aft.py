@@ -147,16 +147,29 @@ def test_aft_takes_bfloat16(variant):
     np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("chunk", [1, 4, 16])
+def test_causal_aft_simple_chunks_across_segments_and_padding(chunk):
+    # Segments and dropped keys across chunk borders, a length no multiple of the chunk.
+    q, k, v, _ = inputs(seed=9, length=11)
+    k = k + np.linspace(-150, 150, 11, dtype=np.float32)[None, :, None]
+    segments = np.array([[1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 3], [4, 4, 4, 4, 4, 4, 4, 4, 4, 5, 5]])
+    mask = np.ones((2, 11), bool)
+    mask[0, [0, 3, 4]] = False
+    mask[1, 8:] = False
+    state = attention_free.initial_aft_state(2, 5)
+    got, _ = attention_free.aft_simple_step(
+        state, *map(jnp.asarray, (q, k, v, mask, segments)), chunk=chunk
+    )
+    want = numpy_aft(q, k, v, is_causal=True, mask=mask, segment_ids=segments)
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=2e-5)
+
+
 def test_aft_simple_step_continues_the_causal_sum():
     q, k, v, _ = inputs(seed=7, length=8)
     mask = jnp.asarray(np.arange(8)[None, :] >= np.array([[0], [2]]))  # row 1 left-padded
     full = ops.aft(*map(jnp.asarray, (q, k, v)), is_causal=True, mask=mask)
     batch, _, features = q.shape
-    state = (
-        jnp.full((batch, features), -1e30),
-        jnp.zeros((batch, features)),
-        jnp.zeros((batch, features)),
-    )
+    state = attention_free.initial_aft_state(batch, features)
     outs = []
     for start, stop in [(0, 3), (3, 4), (4, 5), (5, 8)]:
         piece = slice(start, stop)

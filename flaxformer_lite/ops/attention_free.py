@@ -6,8 +6,8 @@ only within a window ``|t - t'| < s`` and 0 outside (AFT-local), or ``w = 0`` (A
 
 Every variant computes in float32 and subtracts maxima before ``exp`` (as online softmax does),
 so large keys give no inf or NaN. AFT-simple needs O(T * D) memory, causal or not (a scan of
-running maxima and sums); AFT-full and AFT-local hold ``exp(w)`` as a ``[T, S]`` matrix and
-compute the sums as two matmuls.
+running maxima and sums over chunks of positions); AFT-full and AFT-local hold ``exp(w)`` as a
+``[T, S]`` matrix and compute the sums as two matmuls.
 """
 
 from __future__ import annotations
@@ -114,54 +114,20 @@ def causal_aft_simple(
     mask: jax.Array | None = None,
     segment_ids: jax.Array | None = None,
 ) -> jax.Array:
-    """Causal AFT-simple: running (max, numerator, denominator) per ``[B, D]`` by an associative
-    scan over positions, restarted where a segment starts; O(T * D) memory."""
-    state = aft_simple_terms(key, value, mask)
-    if segment_ids is None:
-        _, numerator, denominator = jax.lax.associative_scan(combine_aft_states, state, axis=1)
-    else:
-        starts = jnp.concatenate(
-            [
-                jnp.ones_like(segment_ids[:, :1], jnp.bool_),
-                segment_ids[:, 1:] != segment_ids[:, :-1],
-            ],
-            axis=1,
-        )[..., None]
-        starts = jnp.broadcast_to(starts, state[0].shape)
-        _, _, numerator, denominator = jax.lax.associative_scan(
-            _combine_segmented, (starts, *state), axis=1
-        )
-    return _gate(query, numerator, denominator)
+    """Causal AFT-simple, restarted where a segment starts; O(T * D) memory (see
+    :func:`aft_simple_step`)."""
+    batch, _, features = query.shape
+    out, _ = aft_simple_step(
+        initial_aft_state(batch, features), query, key, value, mask, segment_ids
+    )
+    return out
 
 
-def _combine_segmented(first, second):
-    """``combine_aft_states`` that restarts at the first position of a segment: where the
-    second span holds a segment start, the first span is left out."""
-    merged = combine_aft_states(first[1:], second[1:])
-    restart = second[0]
-    kept = tuple(jnp.where(restart, s, m) for s, m in zip(second[1:], merged, strict=True))
-    return (first[0] | restart, *kept)
-
-
-def aft_simple_terms(
-    key: jax.Array, value: jax.Array, mask: jax.Array | None = None
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Each position's own running state ``(max, numerator, denominator)``, each ``[B, T, D]``
-    float32: ``(K_t, V_t, 1)``, or ``(-1e30, 0, 0)`` at a dropped position."""
-    k, v, valid = _float32_keys(key, value, mask)
-    top = jax.lax.stop_gradient(k)
-    weight = jnp.where(valid, jnp.exp(k - top), 0.0)
-    return top, weight * v, weight
-
-
-def combine_aft_states(first, second):
-    """Two running states ``(max, numerator, denominator)`` (of consecutive spans) merged:
-    both sums rescaled to the larger maximum, as online softmax merges blocks."""
-    top1, num1, den1 = first
-    top2, num2, den2 = second
-    top = jnp.maximum(top1, top2)
-    scale1, scale2 = jnp.exp(top1 - top), jnp.exp(top2 - top)
-    return top, num1 * scale1 + num2 * scale2, den1 * scale1 + den2 * scale2
+def initial_aft_state(batch: int, features: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The running state ``(max, numerator, denominator)`` before any position: each
+    ``[B, D]`` float32, ``(-1e30, 0, 0)``."""
+    shape = (batch, features)
+    return jnp.full(shape, _NEG), jnp.zeros(shape), jnp.zeros(shape)
 
 
 def aft_simple_step(
@@ -170,19 +136,71 @@ def aft_simple_step(
     key: jax.Array,
     value: jax.Array,
     mask: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    *,
+    chunk: int = 16,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
-    """Causal AFT-simple of ``T`` new positions after the positions summarized by ``state``
-    (``(max, numerator, denominator)``, each ``[B, D]`` float32; ``(-1e30, 0, 0)`` before the
-    first). Returns the outputs ``[B, T, D]`` and the state after the new positions: O(D) per
-    token, no cache of keys or values."""
-    terms = aft_simple_terms(key, value, mask)
-    terms = tuple(
-        jnp.concatenate([s[:, None].astype(jnp.float32), t], axis=1)
-        for s, t in zip(state, terms, strict=True)
+    """Causal AFT-simple of ``T`` new positions after those that ``state`` sums up.
+
+    ``state`` is ``(max, numerator, denominator)``, each ``[B, D]`` float32 (see
+    :func:`initial_aft_state`): the running maximum of the keys seen and the sums of
+    ``exp(K - max) * V`` and ``exp(K - max)``. Returns the outputs ``[B, T, D]`` and the state
+    after the new positions: O(D) per token, no cache of keys or values.
+
+    A ``lax.scan`` runs over chunks of ``chunk`` positions (one small program to compile); in a
+    chunk each position's sums come from a ``[chunk, chunk]`` causal matrix per feature, shifted
+    by that position's own maximum, plus the state carried in, rescaled as online softmax
+    merges blocks. With ``segment_ids`` the carried state counts only for positions of the
+    segment it was summed over (segments are contiguous runs).
+    """
+    batch, length, features = query.shape
+    k, v, valid = _float32_keys(key, value, mask)
+    valid = jnp.broadcast_to(valid, k.shape[:2] + (1,))
+    segments = jnp.zeros((batch, length), jnp.int32) if segment_ids is None else segment_ids
+    chunk = min(chunk, length)
+    padded = -length % chunk
+    # Padding positions are dropped keys of the last segment: the state after them is the
+    # state after the last real position.
+    k, v = (jnp.pad(x, ((0, 0), (0, padded), (0, 0))) for x in (k, v))
+    valid = jnp.pad(valid, ((0, 0), (0, padded), (0, 0)))
+    segments = jnp.pad(segments, ((0, 0), (0, padded)), mode="edge")
+    num_chunks = (length + padded) // chunk
+
+    def chunks(x):  # [B, T', ...] -> [N, B, chunk, ...]
+        return jnp.moveaxis(x.reshape(batch, num_chunks, chunk, *x.shape[2:]), 1, 0)
+
+    causal = jnp.tril(jnp.ones((chunk, chunk), jnp.bool_))
+
+    def step(carry, xs):
+        top, numerator, denominator, carried_segment = carry
+        k_c, v_c, valid_c, seg_c = xs
+        # [B, i, j, 1]: key j counts for position i.
+        pairs = causal[None, :, :, None] & (seg_c[:, :, None] == seg_c[:, None, :])[..., None]
+        pairs = pairs & valid_c[:, None, :, :]
+        logits = jnp.where(pairs, k_c[:, None, :, :], _NEG)  # [B, i, j, D]
+        carried = (seg_c == carried_segment[:, None])[..., None]  # [B, i, 1]
+        top_in = jnp.where(carried, top[:, None], _NEG)
+        row_top = jax.lax.stop_gradient(jnp.maximum(logits.max(axis=2), top_in))
+        weights = jnp.where(pairs, jnp.exp(logits - row_top[:, :, None]), 0.0)
+        scale = jnp.where(carried, jnp.exp(top_in - row_top), 0.0)
+        row_num = jnp.einsum("bijd,bjd->bid", weights, v_c) + scale * numerator[:, None]
+        row_den = weights.sum(axis=2) + scale * denominator[:, None]
+        carry = (row_top[:, -1], row_num[:, -1], row_den[:, -1], seg_c[:, -1])
+        return carry, (row_num, row_den)
+
+    carry = (*(x.astype(jnp.float32) for x in state), segments[:, 0])
+    xs = (chunks(k), chunks(v), chunks(valid), chunks(segments))
+    # Rematerialized: the backward pass recomputes each chunk's [B, chunk, chunk, D] weights
+    # rather than keeping them for all chunks, which would be chunk times the O(T * D) memory.
+    (top, numerator, denominator, _), (row_num, row_den) = jax.lax.scan(
+        jax.checkpoint(step), carry, xs
     )
-    top, numerator, denominator = jax.lax.associative_scan(combine_aft_states, terms, axis=1)
-    out = _gate(query, numerator[:, 1:], denominator[:, 1:])
-    return out, (top[:, -1], numerator[:, -1], denominator[:, -1])
+
+    def unchunk(x):  # [N, B, chunk, D] -> [B, T, D]
+        return jnp.moveaxis(x, 0, 1).reshape(batch, -1, features)[:, :length]
+
+    out = _gate(query, unchunk(row_num), unchunk(row_den))
+    return out, (top, numerator, denominator)
 
 
 def biased_aft(
