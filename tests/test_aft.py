@@ -88,10 +88,13 @@ def test_aft_keeps_packed_segments_apart(variant):
     np.testing.assert_allclose(got, want, atol=2e-6, rtol=2e-5)
 
 
+@pytest.mark.parametrize("key_scale", [3.0, 80.0])
+@pytest.mark.parametrize("length", [7, 37], ids=["one_block", "three_blocks"])
 @pytest.mark.parametrize("variant", VARIANTS, ids=str)
-def test_aft_is_stable_for_large_keys(variant):
-    # exp(80) overflows float32's range of sums; the maxima subtracted keep it finite.
-    q, k, v, w = inputs(seed=2, key_scale=3.0, key_shift=80.0)
+def test_aft_is_stable_for_large_keys(variant, length, key_scale):
+    # exp(80) overflows float32's range of sums; the maxima subtracted keep it finite. With
+    # keys spread by 80 sigma, causal rows see keys far below the sequence's maximum.
+    q, k, v, w = inputs(seed=2, length=length, key_scale=key_scale, key_shift=80.0)
     got = call(ops.aft, *map(jnp.asarray, (q, k, v, w)), variant)
     assert np.isfinite(np.asarray(got)).all()
     np.testing.assert_allclose(got, call(numpy_aft, q, k, v, w, variant), atol=2e-6, rtol=2e-5)

@@ -36,7 +36,10 @@ class AttentionFree(nnx.Module):
       (float32): O(D) per token, no cache of keys or values.
     * ``aft_full`` / ``aft_local``: each new query needs its row of ``w`` against every earlier
       key, so the keys, values and positions of earlier tokens are cached ``[B, S, D]`` (as a
-      KV cache) and a step costs O(S * D).
+      KV cache) and a step costs O(S * D). A step shifts the keys by their maximum per feature
+      over the cache: exact for one token a step; in a multi-token prefill a position whose
+      visible keys all lie ~80 below a later one's (the float32 range of exp) loses precision,
+      which the full forward (per-block maxima) does not.
 
     ``w`` is indexed by the tokens' positions (those given, or the slots), so packed rows and
     left-padded prompts, whose positions restart at 0, use the bias of their own sequence.

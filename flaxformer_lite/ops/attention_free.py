@@ -15,11 +15,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flaxformer_lite.ops.masks import causal_mask
-
 # A running maximum where no key was seen yet: finite, so that differences of two such maxima
 # are 0 rather than NaN, and exp(NEG - finite) underflows to 0.
 _NEG = -1e30
+# float32 matmuls (no TF32 / bf16 passes on GPU and TPU): the sums are the result.
+_HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def aft(
@@ -45,9 +45,10 @@ def aft(
         position with no key to sum over yields zeros.
       segment_ids: int ``[B, T]`` of packed rows: a position sums over keys of its own segment.
 
-    With a bias, the key maximum is taken per feature over the whole sequence; a causal row
-    whose visible keys all lie more than ~80 below that maximum (the float32 range of exp)
-    underflows to zeros. AFT-simple keeps a running maximum and has no such limit.
+    With a bias, the maxima are taken per block of keys (see :func:`causal_biased_aft`); the
+    result is exact unless, within one block of keys, ``w`` varies by more than ~80 (the
+    float32 range of exp) or, in packed rows, a segment starts inside a block whose other keys
+    are ~80 above those it sees.
     """
     batch, length, _ = query.shape
     if key.shape != query.shape or value.shape != query.shape:
@@ -79,9 +80,11 @@ def aft(
         )
     if local_window is not None:
         pairwise_bias = local_bias(pairwise_bias, local_window)
-    allowed = causal_mask(length, length)[0] if is_causal else jnp.ones((1, 1, 1), jnp.bool_)
+    allowed = jnp.ones((1, 1, 1), jnp.bool_)
     if segment_ids is not None:
-        allowed = allowed & (segment_ids[:, :, None] == segment_ids[:, None, :])
+        allowed = segment_ids[:, :, None] == segment_ids[:, None, :]
+    if is_causal:
+        return causal_biased_aft(query, key, value, pairwise_bias, allowed=allowed, key_mask=mask)
     return biased_aft(query, key, value, pairwise_bias, allowed=allowed, key_mask=mask)
 
 
@@ -203,6 +206,89 @@ def aft_simple_step(
     return out, (top, numerator, denominator)
 
 
+def causal_biased_aft(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    pairwise_bias: jax.Array,
+    *,
+    allowed: jax.Array | None = None,
+    key_mask: jax.Array | None = None,
+    block: int = 16,
+) -> jax.Array:
+    """Causal AFT with a pairwise bias ``w [T, T]`` or ``[B, T, T]``, over blocks of positions.
+
+    A ``lax.scan`` over query blocks. Each query block takes the key blocks before it as two
+    matmuls, ``exp(w - max_block(w)) @ (exp(K - max_block(K)) * V)``, each key block with its
+    own maxima (every key of an earlier block is visible, so its maximum is too), merged per
+    position and feature as online softmax merges blocks; its own (diagonal) block exactly, from
+    a ``[block, block, D]`` array shifted by each position's own maximum. ``allowed`` bool,
+    broadcastable to ``[B, T, T]``, drops more pairs (segments); ``key_mask`` ``[B, T]`` keys.
+    """
+    batch, length, features = query.shape
+    k, v, valid = _float32_keys(key, value, key_mask)
+    valid = jnp.broadcast_to(valid, (batch, length, 1))
+    pairs = jnp.broadcast_to(
+        jnp.tril(jnp.ones((length, length), jnp.bool_))
+        & (True if allowed is None else allowed)
+        & valid[:, None, :, 0],
+        (batch, length, length),
+    )
+    w = jnp.where(pairs, jnp.broadcast_to(pairwise_bias.astype(jnp.float32), pairs.shape), _NEG)
+    block = min(block, length)
+    padded = -length % block
+    num_blocks = (length + padded) // block
+    k, v, valid = (jnp.pad(x, ((0, 0), (0, padded), (0, 0))) for x in (k, v, valid))
+    k = jnp.where(valid, k, _NEG)
+    pairs = jnp.pad(pairs, ((0, 0), (0, padded), (0, padded)))
+    w = jnp.pad(w, ((0, 0), (0, padded), (0, padded)), constant_values=_NEG)
+
+    def blocks(x):  # [B, T', ...] -> [B, N, block, ...]
+        return x.reshape(batch, num_blocks, block, *x.shape[2:])
+
+    k_blocks, v_blocks = blocks(k), blocks(v)
+    k_top = jax.lax.stop_gradient(k_blocks.max(axis=2))  # [B, N, D]
+    key_weights = jnp.where(blocks(valid), jnp.exp(k_blocks - k_top[:, :, None]), 0.0)
+    weighted_values = key_weights * v_blocks
+
+    def rows(x):  # [B, T', T'] -> [N, B, block, N, block]
+        return jnp.moveaxis(x.reshape(batch, num_blocks, block, num_blocks, block), 1, 0)
+
+    def step(_, xs):
+        index, w_rows, pair_rows = xs  # [], [B, block, N, block] twice
+        w_top = jax.lax.stop_gradient(w_rows.max(axis=-1))  # [B, block, N]
+        earlier = (jnp.arange(num_blocks) < index)[None, None, :, None]
+        position_weights = jnp.where(pair_rows & earlier, jnp.exp(w_rows - w_top[..., None]), 0.0)
+        numerators = jnp.einsum(
+            "btnc,bncd->btnd", position_weights, weighted_values, precision=_HIGHEST
+        )
+        denominators = jnp.einsum(
+            "btnc,bncd->btnd", position_weights, key_weights, precision=_HIGHEST
+        )
+        scales = jnp.where(earlier, w_top[..., None] + k_top[:, None], _NEG)  # [B, block, N, D]
+        # The diagonal block: pairs (i, j) of this block, exactly.
+        w_own = jax.lax.dynamic_index_in_dim(w_rows, index, axis=2, keepdims=False)
+        own_pairs = jax.lax.dynamic_index_in_dim(pair_rows, index, axis=2, keepdims=False)
+        k_own = jax.lax.dynamic_index_in_dim(k_blocks, index, axis=1, keepdims=False)
+        v_own = jax.lax.dynamic_index_in_dim(v_blocks, index, axis=1, keepdims=False)
+        logits = jnp.where(own_pairs[..., None], w_own[..., None] + k_own[:, None], _NEG)
+        top = jax.lax.stop_gradient(jnp.maximum(logits.max(axis=2), scales.max(axis=2)))
+        own_weights = jnp.where(own_pairs[..., None], jnp.exp(logits - top[:, :, None]), 0.0)
+        rescale = jnp.exp(scales - top[:, :, None])
+        numerator = (numerators * rescale).sum(2) + jnp.einsum("bijd,bjd->bid", own_weights, v_own)
+        denominator = (denominators * rescale).sum(2) + own_weights.sum(axis=2)
+        return None, (numerator, denominator)
+
+    xs = (jnp.arange(num_blocks), rows(w), rows(pairs))
+    # Rematerialized: the backward pass recomputes each block's weights.
+    _, (numerator, denominator) = jax.lax.scan(jax.checkpoint(step), None, xs)
+
+    def unblock(x):  # [N, B, block, D] -> [B, T, D]
+        return jnp.moveaxis(x, 0, 1).reshape(batch, -1, features)[:, :length]
+
+    return _gate(query, unblock(numerator), unblock(denominator))
+
+
 def biased_aft(
     query: jax.Array,
     key: jax.Array,
@@ -232,7 +318,7 @@ def biased_aft(
         position_weights = jnp.where(allowed, position_weights, 0.0)
     k_top = jax.lax.stop_gradient(jnp.max(k, axis=1, keepdims=True))
     key_weights = jnp.where(valid, jnp.exp(k - k_top), 0.0)
-    precision = jax.lax.Precision.HIGHEST
+    precision = _HIGHEST
     numerator = jnp.einsum("bts,bsd->btd", position_weights, key_weights * v, precision=precision)
     denominator = jnp.einsum("bts,bsd->btd", position_weights, key_weights, precision=precision)
     return _gate(query, numerator, denominator)
