@@ -213,3 +213,23 @@ def test_aft_simple_memory_grows_linearly_with_length(is_causal):
 
     short, long = temp_bytes(256), temp_bytes(1024)
     assert long <= 4.5 * max(short, 1) and long < 4 * 1024**2, (short, long)
+
+
+@pytest.mark.parametrize("offset", [0, 5])
+def test_cached_causal_aft_equals_the_formula_at_any_offset(offset):
+    # New positions [offset, offset + 6) against a cache of 16 slots; slots after them hold
+    # stale keys (dropped by causality), keys spread by 80 sigma, a dropped key in the middle.
+    q, k, v, w = inputs(seed=10, length=16, key_scale=80.0, key_shift=80.0)
+    mask = np.ones((2, 16), bool)
+    mask[1, 3] = False
+    new = slice(offset, offset + 6)
+    got = attention_free.cached_causal_aft(
+        jnp.asarray(q[:, new]),
+        jnp.asarray(k),
+        jnp.asarray(v),
+        jnp.asarray(np.broadcast_to(w[new], (2, 6, 16))),
+        offset=jnp.asarray(offset),
+        key_mask=jnp.asarray(mask),
+    )
+    want = numpy_aft(q, k, v, w, is_causal=True, mask=mask)[:, new]
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=2e-5)

@@ -36,10 +36,7 @@ class AttentionFree(nnx.Module):
       (float32): O(D) per token, no cache of keys or values.
     * ``aft_full`` / ``aft_local``: each new query needs its row of ``w`` against every earlier
       key, so the keys, values and positions of earlier tokens are cached ``[B, S, D]`` (as a
-      KV cache) and a step costs O(S * D). A step shifts the keys by their maximum per feature
-      over the cache: exact for one token a step; in a multi-token prefill a position whose
-      visible keys all lie ~80 below a later one's (the float32 range of exp) loses precision,
-      which the full forward (per-block maxima) does not.
+      KV cache) and a step costs O(S * D) (``ops.attention_free.cached_causal_aft``).
 
     ``w`` is indexed by the tokens' positions (those given, or the slots), so packed rows and
     left-padded prompts, whose positions restart at 0, use the bias of their own sequence.
@@ -200,14 +197,12 @@ class AttentionFree(nnx.Module):
         )
         self.cached_key[...], self.cached_value[...] = keys, values
         self.cached_positions[...] = key_positions
-        slots = keys.shape[1]
-        allowed = ops.causal_mask(length, slots, offset=cache_index)[0]
-        return attention_free.biased_aft(
+        return attention_free.cached_causal_aft(
             q,
             keys.astype(self.dtype),
             values.astype(self.dtype),
             self._bias(positions, key_positions),
-            allowed=allowed,
+            offset=cache_index,
             key_mask=key_valid,
         )
 

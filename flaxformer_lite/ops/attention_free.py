@@ -225,7 +225,24 @@ def causal_biased_aft(
     a ``[block, block, D]`` array shifted by each position's own maximum. ``allowed`` bool,
     broadcastable to ``[B, T, T]``, drops more pairs (segments); ``key_mask`` ``[B, T]`` keys.
     """
-    batch, length, features = query.shape
+    numerator, denominator, _ = causal_biased_sums(
+        key, value, pairwise_bias, allowed=allowed, key_mask=key_mask, block=block
+    )
+    return _gate(query, numerator, denominator)
+
+
+def causal_biased_sums(
+    key: jax.Array,
+    value: jax.Array,
+    pairwise_bias: jax.Array,
+    *,
+    allowed: jax.Array | None = None,
+    key_mask: jax.Array | None = None,
+    block: int = 16,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The sums of :func:`causal_biased_aft` before the gate: ``(numerator, denominator,
+    top)``, each ``[B, T, D]``, the sums scaled by ``exp(-top)``."""
+    batch, length, features = key.shape
     k, v, valid = _float32_keys(key, value, key_mask)
     valid = jnp.broadcast_to(valid, (batch, length, 1))
     pairs = jnp.broadcast_to(
@@ -277,16 +294,16 @@ def causal_biased_aft(
         rescale = jnp.exp(scales - top[:, :, None])
         numerator = (numerators * rescale).sum(2) + jnp.einsum("bijd,bjd->bid", own_weights, v_own)
         denominator = (denominators * rescale).sum(2) + own_weights.sum(axis=2)
-        return None, (numerator, denominator)
+        return None, (numerator, denominator, top)
 
     xs = (jnp.arange(num_blocks), rows(w), rows(pairs))
     # Rematerialized: the backward pass recomputes each block's weights.
-    _, (numerator, denominator) = jax.lax.scan(jax.checkpoint(step), None, xs)
+    _, sums = jax.lax.scan(jax.checkpoint(step), None, xs)
 
     def unblock(x):  # [N, B, block, D] -> [B, T, D]
         return jnp.moveaxis(x, 0, 1).reshape(batch, -1, features)[:, :length]
 
-    return _gate(query, unblock(numerator), unblock(denominator))
+    return tuple(unblock(x) for x in sums)
 
 
 def biased_aft(
@@ -305,8 +322,25 @@ def biased_aft(
     ``exp(w - max_row(w)) @ (exp(K - max(K)) * V)`` over ``exp(w - max_row(w)) @ exp(K -
     max(K))``: both maxima cancel in the ratio.
     """
+    numerator, denominator, _ = biased_sums(
+        key, value, pairwise_bias, allowed=allowed, key_mask=key_mask, length=query.shape[1]
+    )
+    return _gate(query, numerator, denominator)
+
+
+def biased_sums(
+    key: jax.Array,
+    value: jax.Array,
+    pairwise_bias: jax.Array,
+    *,
+    length: int,
+    allowed: jax.Array | None = None,
+    key_mask: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The sums of :func:`biased_aft` for ``length`` queries before the gate:
+    ``(numerator, denominator, top)``, each ``[B, T, D]``, the sums scaled by ``exp(-top)``."""
     k, v, valid = _float32_keys(key, value, key_mask)
-    shape = (query.shape[0], query.shape[1], key.shape[1])
+    shape = (key.shape[0], length, key.shape[1])
     w = jnp.broadcast_to(pairwise_bias.astype(jnp.float32), shape)
     if allowed is not None:
         w = jnp.where(allowed, w, _NEG)
@@ -318,10 +352,44 @@ def biased_aft(
         position_weights = jnp.where(allowed, position_weights, 0.0)
     k_top = jax.lax.stop_gradient(jnp.max(k, axis=1, keepdims=True))
     key_weights = jnp.where(valid, jnp.exp(k - k_top), 0.0)
-    precision = _HIGHEST
-    numerator = jnp.einsum("bts,bsd->btd", position_weights, key_weights * v, precision=precision)
-    denominator = jnp.einsum("bts,bsd->btd", position_weights, key_weights, precision=precision)
-    return _gate(query, numerator, denominator)
+    numerator = jnp.einsum("bts,bsd->btd", position_weights, key_weights * v, precision=_HIGHEST)
+    denominator = jnp.einsum("bts,bsd->btd", position_weights, key_weights, precision=_HIGHEST)
+    return numerator, denominator, w_top + k_top
+
+
+def cached_causal_aft(
+    query: jax.Array,
+    keys: jax.Array,
+    values: jax.Array,
+    pairwise_bias: jax.Array,
+    *,
+    offset: jax.Array | int,
+    key_mask: jax.Array | None = None,
+) -> jax.Array:
+    """Causal AFT of ``T`` new positions, whose keys and values sit at slots ``[offset, offset
+    + T)`` of a cache ``keys, values [B, S, D]``; ``pairwise_bias [B, T, S]`` (their rows of
+    ``w``), ``key_mask [B, S]``.
+
+    The slots before ``offset`` are visible to every new position (:func:`biased_sums`, one
+    maximum per feature), the new ones to each other causally (:func:`causal_biased_sums`);
+    the two sums are merged as online softmax merges blocks, so a prefill is as stable as the
+    full forward.
+    """
+    length, slots = query.shape[1], keys.shape[1]
+    key_mask = jnp.ones(keys.shape[:2], jnp.bool_) if key_mask is None else key_mask
+    earlier = key_mask & (jnp.arange(slots) < offset)[None]
+    before = biased_sums(keys, values, pairwise_bias, length=length, key_mask=earlier)
+
+    def own(x, axis=1):
+        return jax.lax.dynamic_slice_in_dim(x, offset, length, axis=axis)
+
+    new = causal_biased_sums(
+        own(keys), own(values), own(pairwise_bias, axis=2), key_mask=own(key_mask)
+    )
+    (num_a, den_a, top_a), (num_b, den_b, top_b) = before, new
+    top = jnp.maximum(top_a, top_b)
+    scale_a, scale_b = jnp.exp(top_a - top), jnp.exp(top_b - top)
+    return _gate(query, num_a * scale_a + num_b * scale_b, den_a * scale_a + den_b * scale_b)
 
 
 def _float32_keys(key, value, mask):
