@@ -45,10 +45,11 @@ def aft(
         position with no key to sum over yields zeros.
       segment_ids: int ``[B, T]`` of packed rows: a position sums over keys of its own segment.
 
-    With a bias, the maxima are taken per block of keys (see :func:`causal_biased_aft`); the
-    result is exact unless, within one block of keys, ``w`` varies by more than ~80 (the
-    float32 range of exp) or, in packed rows, a segment starts inside a block whose other keys
-    are ~80 above those it sees.
+    With a bias, ``exp(w)`` and ``exp(K)`` are shifted by separate maxima: per row of ``w`` and
+    per feature of ``K`` (causal: per block of keys, see :func:`causal_biased_aft`). That is
+    exact unless ``w`` varies by more than ~80 (the float32 range of exp) within a row (a
+    block), or, in packed rows, a segment's keys all lie ~80 below other keys of the row (of
+    the block).
     """
     batch, length, _ = query.shape
     if key.shape != query.shape or value.shape != query.shape:
@@ -88,10 +89,9 @@ def aft(
     return biased_aft(query, key, value, pairwise_bias, allowed=allowed, key_mask=mask)
 
 
-def local_bias(pairwise_bias: jax.Array, window: int, *, offset: int | jax.Array = 0) -> jax.Array:
-    """``w [..., T, S]`` with entries where ``|t + offset - t'| >= window`` set to 0 (AFT-local);
-    ``offset`` is the position of the first row."""
-    rows = offset + jnp.arange(pairwise_bias.shape[-2])[:, None]
+def local_bias(pairwise_bias: jax.Array, window: int) -> jax.Array:
+    """``w [..., T, S]`` with entries where ``|t - t'| >= window`` set to 0 (AFT-local)."""
+    rows = jnp.arange(pairwise_bias.shape[-2])[:, None]
     cols = jnp.arange(pairwise_bias.shape[-1])[None, :]
     return jnp.where(jnp.abs(rows - cols) < window, pairwise_bias, 0.0)
 
