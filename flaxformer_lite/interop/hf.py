@@ -126,8 +126,14 @@ def save_hf(model: Model, config: ModelConfig, path: str | os.PathLike) -> None:
       path: the output directory (created if needed; existing files are overwritten).
 
     Raises:
-      ValueError: ``config`` fits none of the families; lists what does not fit each.
+      ValueError: ``config`` fits none of the families (lists what does not fit each), or its
+        ``mixer`` is not attention.
     """
+    if config.mixer != "attention":
+        raise ValueError(
+            f"save_hf: model.mixer={config.mixer} (the Attention Free Transformer) has no "
+            "Hugging Face counterpart; only models with mixer=attention are written"
+        )
     family = _family_of_config(config)
     hf_config = family.config_to_hf(config)
     params = _layer_params(model, config)

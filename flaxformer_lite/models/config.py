@@ -9,6 +9,7 @@ from typing import Any
 
 from flaxformer_lite import ops
 from flaxformer_lite.nn.attention import Rope
+from flaxformer_lite.nn.attention_free import AFT_MIXERS
 from flaxformer_lite.nn.dense import INIT_SCHEMES, KernelInit
 from flaxformer_lite.nn.mlp import ACTIVATIONS
 from flaxformer_lite.nn.norms import NORMS
@@ -19,6 +20,7 @@ POSITIONS = ("sinusoidal", "learned", "rope", "relative", "alibi", "none")
 POOLINGS = ("first", "mean")
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_IMPLEMENTATIONS = (None, "xla", "chunked", "cudnn", "pallas")
+MIXERS = ("attention", *AFT_MIXERS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +89,10 @@ class ModelConfig:
     # and the first global_tokens positions see and are seen by all (within causality).
     local_window: tuple[int, int] | None = None
     global_tokens: int = 0
+    # Self-attention's token mixer: attention, or the Attention Free Transformer (aft_full,
+    # aft_local with its window aft_window, aft_simple); cross-attention stays attention.
+    mixer: str = "attention"
+    aft_window: int | None = None
 
     # ----------------------------------------------------------------------- construction
     @classmethod
@@ -167,6 +173,26 @@ class ModelConfig:
         return "decoder" if self.num_decoder_layers else "encoder"
 
     # ----------------------------------------------------------------------- validation
+    def _check_mixer(self):
+        _check_choice("mixer", self.mixer, MIXERS)
+        if self.aft_window is not None:
+            _check_positive_int("aft_window", self.aft_window)
+        if (self.mixer == "aft_local") != (self.aft_window is not None):
+            raise ValueError(
+                f"aft_window is the window of mixer aft_local (got mixer={self.mixer}, "
+                f"aft_window={self.aft_window})"
+            )
+        if self.mixer != "attention" and self.local_window is not None:
+            raise ValueError(
+                f"model.local_window is a window of attention, not of mixer {self.mixer} "
+                "(aft_local has its own: model.aft_window)"
+            )
+        if self.mixer != "attention" and self.positions in ("rope", "relative", "alibi"):
+            raise ValueError(
+                f"mixer {self.mixer} has no attention logits for positions={self.positions!r}; "
+                "use sinusoidal, learned or none"
+            )
+
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", ops.RopeScaling(**self.rope_scaling))
@@ -208,6 +234,7 @@ class ModelConfig:
         _check_choice(
             "attention_implementation", self.attention_implementation, ATTENTION_IMPLEMENTATIONS
         )
+        self._check_mixer()
         for name in ("embedding_dropout", "attention_dropout", "residual_dropout"):
             rate = getattr(self, name)
             if not isinstance(rate, int | float) or not 0.0 <= rate < 1.0:

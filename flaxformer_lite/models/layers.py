@@ -12,6 +12,7 @@ from flax import nnx
 
 from flaxformer_lite.models.config import ModelConfig
 from flaxformer_lite.nn.attention import MultiHeadAttention
+from flaxformer_lite.nn.attention_free import AttentionFree
 from flaxformer_lite.nn.dense import KernelInit, residual_scale
 from flaxformer_lite.nn.mlp import MLP
 from flaxformer_lite.nn.norms import make_norm
@@ -64,6 +65,32 @@ def make_attention(
     )
 
 
+def make_self_attention(
+    cfg: ModelConfig, *, num_layers: int, rngs: nnx.Rngs, attention_fn=None
+) -> MultiHeadAttention | AttentionFree:
+    """The token mixer ``cfg.mixer`` asks for: self-attention, or an Attention Free Transformer
+    (``aft_full``, ``aft_local``, ``aft_simple``)."""
+    if cfg.mixer == "attention":
+        return make_attention(
+            cfg, num_layers=num_layers, cross=False, rngs=rngs, attention_fn=attention_fn
+        )
+    if attention_fn is not None:
+        raise ValueError(f"an attention_fn replaces attention; model.mixer is {cfg.mixer}")
+    return AttentionFree(
+        cfg.d_model,
+        mixer=cfg.mixer,
+        max_length=cfg.max_length,
+        window=cfg.aft_window,
+        qkv_bias=cfg.qkv_bias,
+        out_bias=cfg.attention_out_bias,
+        init=cfg.kernel_init,
+        out_init=residual_init(cfg, num_layers),
+        dtype=cfg.dtype,
+        param_dtype=cfg.param_dtype,
+        rngs=rngs,
+    )
+
+
 class TransformerLayer(nnx.Module):
     """Self-attention, optional cross-attention, MLP; see :class:`EncoderLayer`,
     :class:`DecoderLayer`.
@@ -93,8 +120,8 @@ class TransformerLayer(nnx.Module):
     ):
         self.causal, self.pre_norm = causal, cfg.norm_position == "pre"
         self.parallel = cfg.parallel_block
-        self.self_attention = make_attention(
-            cfg, num_layers=num_layers, cross=False, rngs=rngs, attention_fn=attention_fn
+        self.self_attention = make_self_attention(
+            cfg, num_layers=num_layers, rngs=rngs, attention_fn=attention_fn
         )
         self.self_attention_norm = make_layer_norm(cfg, rngs)
         if cross_attention:
