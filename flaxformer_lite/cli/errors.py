@@ -10,6 +10,7 @@ import signal
 import sys
 from collections.abc import Callable
 
+from flaxformer_lite.cli.platforms import skip_absent_tpu
 from flaxformer_lite.train.config import ConfigError
 
 # OSError: unreadable, unwritable or corrupt files, a full disk (CheckpointError is one).
@@ -20,6 +21,7 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 def guarded(fn: Callable[[], int]) -> int:
     """``fn()``'s exit status, or 2 after printing ``error: ...`` for one of :data:`USER_ERRORS`;
     a stop signal while ``fn`` runs ends the process (:func:`exit_on_signals`)."""
+    skip_absent_tpu()
     try:
         with exit_on_signals():
             return fn()
