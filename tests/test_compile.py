@@ -58,7 +58,50 @@ def test_cpu_topology_and_chip_figures():
     assert v5e.ring_bytes_per_s == 200e9  # two of four ports, both directions
 
 
-@pytest.mark.parametrize("name", ["v9-8", "v5e-6", "v5p-7", "v5e:2x2x2", "cpu-0", "gpu", ""])
+@pytest.mark.parametrize(
+    ("name", "shape"), [("h100-1", (1, 1, 1)), ("h100-8", (1, 1, 8)), ("h100-32", (1, 4, 8))]
+)
+def test_h100_names_count_gpus_eight_a_host(name, shape):
+    slice_ = parse_topology(name)
+    assert (slice_.platform, slice_.chip.name, slice_.shape) == ("cuda", "h100", shape)
+    assert slice_.chips == shape[1] * shape[2]
+
+
+def test_h100_without_the_cuda_plugin_says_what_to_install(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "jax_plugins.xla_cuda12" else find_spec(name, *a),
+    )
+    with pytest.raises(TopologyError, match=r"pip install .*jax-cuda12-plugin==.*gpu-compile"):
+        topology.topology_devices(parse_topology("h100-8"))
+
+
+@pytest.mark.slow
+def test_the_train_step_compiles_for_h100s_without_a_gpu(tmp_path):
+    """With jax's CUDA plugin and cuDNN installed (the gpu-compile extra; skipped without): the
+    command compiles the step for 8 H100s, its attention in cuDNN, on this CPU host."""
+    pytest.importorskip("jax_plugins.xla_cuda12")
+    pytest.importorskip("nvidia.cudnn")
+    main_ = "import sys; from flaxformer_lite.cli import main; sys.exit(main())"
+    command = [sys.executable, "-c", main_, "compile", "--topology", "h100-8"]
+    command += [*TINY, "model.dtype=bfloat16", "model.attention_dropout=0.0", "mesh.data=2"]
+    command += ["mesh.fsdp=4"]
+    env = subprocess_env(1, JAX_PLATFORMS="cpu")
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert (summary["topology"], summary["chips"], summary["fits"]) == ("h100-8", 8, True)
+    assert summary["attention"] == "cudnn" and summary["flops_per_step"] > 0
+    assert summary["collectives"]["reduce-scatter"] > 0  # fsdp's gradients
+
+
+@pytest.mark.parametrize(
+    "name", ["v9-8", "v5e-6", "v5p-7", "v5e:2x2x2", "cpu-0", "gpu", "h100-12", ""]
+)
 def test_unknown_topologies_are_refused(name):
     with pytest.raises(TopologyError, match="topology"):
         parse_topology(name)
@@ -146,8 +189,10 @@ def test_an_unknown_topology_exits_2_with_one_line(capsys):
 def test_a_mesh_that_does_not_match_the_topology_exits_2(capsys):
     status, _, err = _run(["--topology", "cpu-4", "mesh.data=8", *TINY], capsys)
     assert status == 2
-    assert err == ["error: mesh data=8 fsdp=1 tensor=1 needs 8 devices, but there are 4; set "
-                   "one axis to -1 to take the remaining devices"]  # fmt: skip
+    assert err == [
+        "error: mesh data=8 fsdp=1 tensor=1 needs 8 devices, but there are 4; set "
+        "one axis to -1 to take the remaining devices"
+    ]
 
 
 def test_without_libtpu_it_says_what_to_install(capsys, monkeypatch):
@@ -175,8 +220,9 @@ def test_decode_compiles_the_generation_loop(capsys):
     assert status == 0 and out[0].startswith("generation for cpu-2")
     assert summary["per_chip_bytes"]["optimizer"] == 0 < summary["per_chip_bytes"]["params"]
     status, _, err = _run([*argv, "--config", str(CONFIGS / "bert_tiny.yaml")], capsys)
-    assert status == 2 and err == ["error: --decode needs a decoder or encoder-decoder model; "
-                                   "model.kind is encoder"]  # fmt: skip
+    assert status == 2 and err == [
+        "error: --decode needs a decoder or encoder-decoder model; model.kind is encoder"
+    ]
 
 
 @pytest.mark.slow

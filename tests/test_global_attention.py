@@ -68,13 +68,24 @@ def attend(implementation, window, global_tokens, causal, blocks):
     def run(q, k, v):
         if implementation == "chunked":
             return ops.chunked_attention(
-                q, k, v, is_causal=causal, local_window=window, global_tokens=global_tokens,
-                block_q=blocks[0], block_k=blocks[1],
-            )  # fmt: skip
+                q,
+                k,
+                v,
+                is_causal=causal,
+                local_window=window,
+                global_tokens=global_tokens,
+                block_q=blocks[0],
+                block_k=blocks[1],
+            )
         return ops.dot_product_attention(
-            q, k, v, is_causal=causal, local_window=window, global_tokens=global_tokens,
+            q,
+            k,
+            v,
+            is_causal=causal,
+            local_window=window,
+            global_tokens=global_tokens,
             implementation=implementation,
-        )  # fmt: skip
+        )
 
     return jax.jit(run)
 
@@ -133,9 +144,16 @@ def test_no_global_tokens_is_plain_local_attention(implementation):
 
 def test_chunked_skips_hidden_blocks_and_keeps_global_ones():
     geometry = _Geometry(
-        q_len=64, kv_len=64, block_q=8, block_k=8, left=8, right=0, dropout_rate=0.0,
-        causal=True, global_tokens=4,
-    )  # fmt: skip
+        q_len=64,
+        kv_len=64,
+        block_q=8,
+        block_k=8,
+        left=8,
+        right=0,
+        dropout_rate=0.0,
+        causal=True,
+        global_tokens=4,
+    )
     ranges = [(int(lo), int(hi)) for lo, hi in geometry.key_blocks(5)]  # rows 40..47
     assert ranges == [(0, 1), (4, 6)]  # the global block, then the band of keys 32..47
     assert [(int(lo), int(hi)) for lo, hi in geometry.key_blocks(0)] == [(0, 0), (0, 1)]
@@ -143,9 +161,15 @@ def test_chunked_skips_hidden_blocks_and_keeps_global_ones():
     assert [(int(lo), int(hi)) for lo, hi in geometry.query_blocks(0)] == [(0, 0), (0, 8)]
     assert [(int(lo), int(hi)) for lo, hi in geometry.query_blocks(3)] == [(0, 0), (3, 5)]
     bidirectional = _Geometry(
-        q_len=64, kv_len=64, block_q=8, block_k=8, left=8, right=8, dropout_rate=0.0,
+        q_len=64,
+        kv_len=64,
+        block_q=8,
+        block_k=8,
+        left=8,
+        right=8,
+        dropout_rate=0.0,
         global_tokens=4,
-    )  # fmt: skip
+    )
     # Without causality the global queries (block 0) see every key block too.
     assert [(int(lo), int(hi)) for lo, hi in bidirectional.query_blocks(3)] == [(0, 1), (2, 5)]
     assert [(int(lo), int(hi)) for lo, hi in bidirectional.key_blocks(0)] == [(0, 0), (0, 8)]
@@ -168,9 +192,15 @@ def test_pallas_falls_back_with_the_reason_logged(caplog):
     np.testing.assert_allclose(out, ops.reference_attention(q, k, v, **run), atol=ATOL)
     bf16 = [x.astype(jnp.bfloat16) for x in (q, k, v)]
     reason = attention_choice.cudnn_unsupported_reason(
-        *bf16, None, None, is_causal=True, local_window=(2, 0), dropout_rate=0.0,
-        backend="gpu", global_tokens=2,
-    )  # fmt: skip
+        *bf16,
+        None,
+        None,
+        is_causal=True,
+        local_window=(2, 0),
+        dropout_rate=0.0,
+        backend="gpu",
+        global_tokens=2,
+    )
     assert reason == "global tokens are not supported"
 
 

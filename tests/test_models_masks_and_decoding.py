@@ -138,7 +138,7 @@ ALL_CHECKS = ("cache", "ragged", "packing")
         "none",
         "learned-scan",
         "local-global",
-    ],  # fmt: skip
+    ],
 )
 def test_decoder_lm_causality_cache_and_packing(preset, overrides, checks):
     cfg = tiny(preset, **overrides)

@@ -82,7 +82,8 @@ class Report:
             },
             "hbm_bytes": self.hbm,
             "fits": self.fits,
-            "flops_per_step": self.xla_flops,
+            # per chip, as XLA counts it (the GPU compiler gives no count: the model's own)
+            "flops_per_step": self.xla_flops or self.model_flops / self.topology.chips,
             "collectives": self.collectives
             and {op: self.collectives[op]["executed"] for op in COLLECTIVES},
             "attention": self.attention,
@@ -93,7 +94,8 @@ class Report:
     def lines(self) -> list[str]:
         """The human-readable report, one line each."""
         chips, chip = self.topology.chips, self.topology.chip
-        where = f"{chips} x TPU {chip.name}" if chip else f"{chips} CPU devices"
+        kind = "TPU " if self.topology.platform == "tpu" else ""
+        where = f"{chips} x {kind}{chip.name}" if chip else f"{chips} CPU devices"
         mesh = " x ".join(f"{axis} {size}" for axis, size in self.mesh.items())
         lines = [
             f"{self.program} for {self.topology.name} ({where}), mesh {mesh}",
@@ -136,7 +138,7 @@ def analyse(program: CompiledProgram, topology: Topology) -> Report:
     compiled = program.compiled
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
+    cost = (cost[0] if isinstance(cost, list) else cost) or {}  # none from the GPU compiler
     total = (
         memory.argument_size_in_bytes
         + memory.output_size_in_bytes

@@ -3,14 +3,16 @@
     slice_ = parse_topology("v5e-8")      # 8 TPU v5e chips, topology "v5e:2x4"
     devices = topology_devices(slice_)    # compile-only TPU devices (needs libtpu)
     parse_topology("cpu-4")               # 4 simulated CPU devices of this process
+    parse_topology("h100-8")              # 8 NVIDIA H100s, one host (needs jax's CUDA plugin)
 
 Names follow MaxText's accelerator types: ``v5e-N`` and ``v6e-N`` count chips, ``v4-N`` and
 ``v5p-N`` count TensorCores (two per chip, one "megacore" device each), so ``v5p-8`` is 4 chips.
 An explicit ``v5e:2x4`` (libtpu's own topology name) is accepted too. Chip counts that are
 powers of two get MaxText's shapes (``v5e-256`` is ``16x16``, ``v5p-128`` is ``4x4x4``).
 
-A new platform (a GPU with a compile-only target) is one more :data:`CHIPS` entry and one
-more branch in :func:`parse_topology` and :func:`topology_devices`.
+``h100-N`` compiles for N H100s (8 per host) through jax's CUDA plugin, given XLA's description
+of the GPU (:data:`H100_TARGET_CONFIG`) instead of a GPU: the plugin and cuDNN are installed
+with the ``gpu-compile`` extra, and the host's JAX must start on the CPU.
 """
 
 from __future__ import annotations
@@ -57,13 +59,46 @@ class Chip:
 _CLOUD_TPU = "https://cloud.google.com/tpu/docs/"
 CHIPS: dict[str, Chip] = {
     "v4": Chip(
-        "v4", 32 * GIB, 275e12, 1200e9, 540e9, 6,
+        "v4",
+        32 * GIB,
+        275e12,
+        1200e9,
+        540e9,
+        6,
         _CLOUD_TPU + "v4 (ICI: jax-ml.github.io/scaling-book/tpus, 4.5e10 B/s one way a link)",
     ),
     "v5e": Chip("v5e", 16 * GIB, 197e12, 819e9, 400e9, 4, _CLOUD_TPU + "v5e"),
     "v5p": Chip("v5p", 95 * GIB, 459e12, 2765e9, 1200e9, 6, _CLOUD_TPU + "v5p"),
     "v6e": Chip("v6e", 32 * GIB, 918e12, 1638e9, 800e9, 4, _CLOUD_TPU + "v6e"),
-}  # fmt: skip
+    # NVLink 4 through NVSwitch: 900 GB/s both ways a GPU; a ring's two neighbours share it.
+    "h100": Chip(
+        "h100",
+        80 * GIB,
+        989e12,
+        3350e9,
+        900e9,
+        2,
+        "https://www.nvidia.com/en-us/data-center/h100/ (SXM: dense bf16, HBM3, NVLink)",
+    ),
+}
+
+# An H100 as XLA's GPU compiler sees it (its TargetConfig): enough to compile without a GPU.
+H100_TARGET_CONFIG = """
+gpu_device_info {
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132
+  fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535
+  block_dim_limit_z: 65535 memory_bandwidth: 3352320000000 l2_cache_size: 52428800
+  clock_rate_ghz: 1.98 device_memory_size: 84929347584 shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 } registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 8 }
+runtime_version { major: 12 minor: 8 }
+device_description_str: "NVIDIA H100 80GB HBM3"
+"""
+_GPUS_PER_HOST = 8
 
 # libtpu's name of each chip's topologies, its chip configuration, and the axes of its torus.
 _TPU_FAMILIES = {
@@ -110,6 +145,16 @@ def parse_topology(name: str) -> Topology:
         if count < 1:
             raise TopologyError(f"--topology {name}: needs at least one CPU device")
         return Topology(name, "cpu", count)
+    if match := re.fullmatch(r"h100-(\d+)", text):
+        gpus = int(match.group(1))
+        hosts, rest = divmod(gpus, _GPUS_PER_HOST)
+        if gpus < 1 or (gpus > _GPUS_PER_HOST and rest):
+            raise TopologyError(
+                f"--topology {name}: h100-N takes N from 1 to {_GPUS_PER_HOST} (one host) or "
+                f"a multiple of {_GPUS_PER_HOST} (whole hosts)"
+            )
+        shape = (1, max(hosts, 1), min(gpus, _GPUS_PER_HOST))  # slices x hosts x GPUs a host
+        return Topology(name, "cuda", gpus, CHIPS["h100"], shape)
     if match := re.fullmatch(r"(v4|v5p|v5e|v6e)-(\d+)", text):
         family, cores = match.group(1), int(match.group(2))
         per_device = _CORES_PER_DEVICE[family]
@@ -134,7 +179,8 @@ def parse_topology(name: str) -> Topology:
         return Topology(name, "tpu", chips, CHIPS[family], shape)
     raise TopologyError(
         f"unknown --topology {name!r}: use v4-N, v5p-N, v5e-N or v6e-N (MaxText's names, e.g. "
-        "v5e-8, v5p-128), libtpu's names (v5e:2x4), or cpu-N for N simulated CPU devices"
+        "v5e-8, v5p-128), libtpu's names (v5e:2x4), h100-N, or cpu-N for N simulated CPU "
+        "devices"
     )
 
 
@@ -176,6 +222,9 @@ def topology_devices(topology: Topology) -> list:
         return devices[: topology.chips]
     from jax.experimental import topologies
 
+    if topology.platform == "cuda":
+        return _gpu_devices(topology)
+
     if not _libtpu_installed():
         raise TopologyError(
             f"--topology {topology.name} compiles with libtpu, which is not installed: "
@@ -192,6 +241,36 @@ def topology_devices(topology: Topology) -> list:
             chips_per_host_bounds=bounds,
             num_slices=1,
         )
+    return list(description.devices)
+
+
+def _gpu_devices(topology: Topology) -> list:
+    """Compile-only H100s from jax's CUDA plugin and :data:`H100_TARGET_CONFIG`."""
+    import importlib.util
+
+    import jax
+    from jax.experimental import topologies
+
+    install = (
+        f'pip install "jax-cuda12-plugin=={jax.__version__}" "jax-cuda12-pjrt=={jax.__version__}" '
+        '"nvidia-cudnn-cu12>=9.8,<10" (or pip install -e ".[gpu-compile]")'
+    )
+    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+        raise TopologyError(
+            f"--topology {topology.name} compiles with jax's CUDA plugin, which is not "
+            f"installed: {install}"
+        )
+    try:
+        description = topologies.get_topology_desc(
+            platform="cuda",
+            target_config=H100_TARGET_CONFIG,
+            topology="x".join(map(str, topology.shape)),
+        )
+    except NotImplementedError as error:  # the plugin did not register: JAX started a GPU
+        raise TopologyError(
+            f"--topology {topology.name}: jax's CUDA plugin is not available ({error}); start "
+            "with JAX_PLATFORMS=cpu so that it registers without a GPU"
+        ) from None
     return list(description.devices)
 
 

@@ -177,17 +177,29 @@ def dot_product_attention(
     elif implementation == "pallas":
         reason = GLOBAL_TOKENS_UNSUPPORTED if global_tokens else ""
         reason = reason or pallas_unsupported_reason(
-            query, key, value, bias, mask, **features, segment_ids=segment_ids,
+            query,
+            key,
+            value,
+            bias,
+            mask,
+            **features,
+            segment_ids=segment_ids,
             platform=target_platform(),
-        )  # fmt: skip
+        )
         if reason:
             log_once(f'attention: implementation="pallas" falls back ({reason})')
             implementation = select_implementation(query, key, value, bias, mask, **choice)
     if implementation == "pallas":
         return pallas_attention(
-            query, key, value, mask, scale=default_scale(query, scale), is_causal=is_causal,
-            segment_ids=segment_ids, platform=target_platform(),
-        )  # fmt: skip
+            query,
+            key,
+            value,
+            mask,
+            scale=default_scale(query, scale),
+            is_causal=is_causal,
+            segment_ids=segment_ids,
+            platform=target_platform(),
+        )
     if segment_ids is not None:
         mask = combine_masks(mask, segment_mask(*segment_ids))
     if implementation == "xla":
@@ -201,9 +213,16 @@ def dot_product_attention(
         if reason:
             raise ValueError(f'implementation="cudnn" cannot run these inputs: {reason}')
         return jax_nn_attention(
-            query, key, value, bias, mask, scale=scale, is_causal=is_causal,
-            local_window=local_window, implementation="cudnn",
-        )  # fmt: skip
+            query,
+            key,
+            value,
+            bias,
+            mask,
+            scale=scale,
+            is_causal=is_causal,
+            local_window=local_window,
+            implementation="cudnn",
+        )
     raise ValueError(
         f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}"
     )

@@ -46,9 +46,18 @@ PADDED_KEY_ID = 1
 
 
 def pallas_unsupported_reason(
-    query, key, value, bias, mask, *, is_causal, local_window, dropout_rate, platform,
+    query,
+    key,
+    value,
+    bias,
+    mask,
+    *,
+    is_causal,
+    local_window,
+    dropout_rate,
+    platform,
     segment_ids=None,
-) -> str:  # fmt: skip
+) -> str:
     """Why the Pallas kernel of ``platform`` ("tpu" or "gpu") cannot run these validated
     inputs, or ``""`` if it can. ``mask`` (rank 4) may be a key padding mask ``[B | 1, 1, 1, S]``
     and ``segment_ids`` given on TPU."""
@@ -151,9 +160,14 @@ def _tpu_kernel(query, key, value, ids, *, scale, is_causal, block_sizes):
     sizes = block_sizes or tpu_attention.BlockSizes.get_default(*query.shape, key.shape[2])
     segment_ids = None if ids is None else tpu_attention.SegmentIds(*ids)
     return tpu_attention.flash_attention(
-        query, key, value, segment_ids=segment_ids, causal=is_causal, sm_scale=scale,
+        query,
+        key,
+        value,
+        segment_ids=segment_ids,
+        causal=is_causal,
+        sm_scale=scale,
         block_sizes=sizes,
-    )  # fmt: skip
+    )
 
 
 def _sharded_over_batch_and_heads(kernel, query, key, value, ids):
@@ -183,8 +197,9 @@ def _kernel_segment_ids(b, t, s, key_valid, segment_ids):
     if key_valid is None and segment_ids is None:
         return None
     q_ids, kv_ids = segment_ids or (jnp.zeros((b, t), jnp.int32), jnp.zeros((b, s), jnp.int32))
-    q_ids, kv_ids = (2 * jnp.broadcast_to(x, (b, n)).astype(jnp.int32) for x, n in
-                     ((q_ids, t), (kv_ids, s)))  # fmt: skip
+    q_ids, kv_ids = (
+        2 * jnp.broadcast_to(x, (b, n)).astype(jnp.int32) for x, n in ((q_ids, t), (kv_ids, s))
+    )
     if key_valid is not None:
         kv_ids = jnp.where(jnp.broadcast_to(key_valid, (b, s)), kv_ids, PADDED_KEY_ID)
     return q_ids, kv_ids
@@ -266,6 +281,11 @@ def pallas_attention(query, key, value, mask, *, scale, is_causal, segment_ids, 
         return gpu_flash_attention(query, key, value, scale=scale, is_causal=is_causal)
     key_valid = None if mask is None else mask.reshape(mask.shape[0], mask.shape[-1])
     return tpu_flash_attention(
-        query, key, value, scale=scale, is_causal=is_causal, key_valid=key_valid,
+        query,
+        key,
+        value,
+        scale=scale,
+        is_causal=is_causal,
+        key_valid=key_valid,
         segment_ids=segment_ids,
-    )  # fmt: skip
+    )
