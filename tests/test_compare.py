@@ -81,6 +81,10 @@ def test_an_unknown_metric_or_a_directory_without_a_run_exits_2(two_runs, tmp_pa
     assert "--metric los" in capsys.readouterr().err
     assert main(["compare", str(a), str(tmp_path / "nothing")]) == 2
     assert "nothing" in capsys.readouterr().err
+    make_run(tmp_path / "new", TrainConfig(), [])  # started, nothing logged yet
+    assert main(["compare", str(a), str(tmp_path / "new")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: {tmp_path / 'new' / 'metrics.jsonl'}: no metrics logged yet"
     assert not (tmp_path / "x.png").exists()
 
 

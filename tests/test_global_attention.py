@@ -246,3 +246,22 @@ def test_the_local_global_ablation_config_loads():
     config = load_config("configs/ablations/local_global.yaml")
     assert (config.model.local_window, config.model.global_tokens) == ((8, 0), 4)
     assert config.data.task == "arithmetic"
+
+
+def test_global_tokens_refuse_packed_rows_and_hugging_face_export(tmp_path):
+    """Global tokens are a row's first slots: a packed row's later documents have none, so
+    segment ids are refused; Hugging Face's attention has no window to export into."""
+    from flax import nnx
+
+    from flaxformer_lite.interop import save_hf
+    from flaxformer_lite.models import ModelConfig, build_model
+
+    cfg = ModelConfig.from_preset("gpt2-tiny", local_window=[4, 0], global_tokens=2)
+    model = build_model(cfg, rngs=nnx.Rngs(0))
+    tokens = jnp.ones((2, 8), jnp.int32)
+    model(tokens)  # unpacked rows: fine
+    with pytest.raises(ValueError, match=r"global_tokens=2 .*data.packing=false"):
+        model(tokens, segment_ids=jnp.ones((2, 8), jnp.int32))
+    with pytest.raises(ValueError, match=r"save_hf: model.local_window=\[4, 0\]"):
+        save_hf(model, cfg, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()

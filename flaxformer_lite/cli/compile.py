@@ -1,5 +1,5 @@
 """``flaxformer-lite compile``: compile a config's train step (or generation) ahead of time for a
-TPU slice, from any host, and report what it needs per chip.
+TPU slice or H100s, from any host, and report what it needs per chip.
 
     flaxformer-lite compile --config configs/gpt2_small.yaml --topology v5e-8 mesh.fsdp=8
     flaxformer-lite compile --topology v5p-8 --decode
@@ -11,8 +11,9 @@ move, the attention implementation the trace chose, and a roofline estimate of t
 and MFU (:mod:`flaxformer_lite.aot.report`); its last line is one JSON object. Exit status 0
 when the program fits the chips' memory, 1 when it does not (a line says by how much), 2 for
 an unknown topology, a mesh that does not match it, a bad config, or no libtpu (``pip install
--e ".[tpu]"``). ``cpu-N`` compiles for N simulated CPU devices of this process (its device
-count is set before JAX starts its backend).
+-e ".[tpu]"``) or, for ``h100-N``, no CUDA plugin (``".[gpu-compile]"``). ``cpu-N`` compiles
+for N simulated CPU devices of this process (its device count is set before JAX starts its
+backend).
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ def compile_parser() -> argparse.ArgumentParser:
     parser = CommandParser(
         prog="flaxformer-lite compile",
         description="Compile a config's train step (or, with --decode, its generation loop) "
-        "ahead of time for a TPU slice, on any host, and report its memory per chip against the "
-        "chip's HBM, its collectives and a roofline estimate of the step time and MFU. Exit 0: "
-        "it fits; 1: it does not; 2: an unknown topology or a mesh that does not match it.",
+        "ahead of time for a TPU slice or H100s, on any host, and report its memory per chip "
+        "against the chip's HBM, its collectives and a roofline estimate of the step time and "
+        "MFU. Exit 0: it fits; 1: it does not; 2: an unknown topology or a mesh that does not "
+        "match it.",
         examples=(
             "flaxformer-lite compile --config configs/gpt2_small.yaml --topology v5e-8",
             "flaxformer-lite compile --topology v5p-8 mesh.data=1 mesh.fsdp=-1",
@@ -50,7 +52,7 @@ def compile_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--topology",
         required=True,
-        help="v4-N, v5p-N (N cores), v5e-N, v6e-N (N chips), libtpu's v5e:2x4, or cpu-N",
+        help="v4-N, v5p-N (N cores), v5e-N, v6e-N (N chips), libtpu's v5e:2x4, h100-N or cpu-N",
     )
     parser.add_argument(
         "--decode", action="store_true", help="compile the generation loop, not the train step"
@@ -70,7 +72,7 @@ def _compile(args) -> int:
     topology = parse_topology(args.topology)
     prepare_host(topology)  # before anything starts a JAX backend
     if args.max_new_tokens < 1:
-        raise ValueError(f"--max_new_tokens must be at least 1, got {args.max_new_tokens}")
+        raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     cfg = load_config(args.config, args.overrides)
     program = compile_for(cfg, topology, decode=args.decode, max_new_tokens=args.max_new_tokens)
     report = analyse(program, topology)

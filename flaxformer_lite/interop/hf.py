@@ -126,13 +126,19 @@ def save_hf(model: Model, config: ModelConfig, path: str | os.PathLike) -> None:
       path: the output directory (created if needed; existing files are overwritten).
 
     Raises:
-      ValueError: ``config`` fits none of the families (lists what does not fit each), or its
-        ``mixer`` is not attention.
+      ValueError: ``config`` fits none of the families (lists what does not fit each), its
+        ``mixer`` is not attention, or its attention is sparse (``local_window``).
     """
     if config.mixer != "attention":
         raise ValueError(
             f"save_hf: model.mixer={config.mixer} (the Attention Free Transformer) has no "
             "Hugging Face counterpart; only models with mixer=attention are written"
+        )
+    if config.local_window is not None:
+        raise ValueError(
+            f"save_hf: model.local_window={list(config.local_window)} (global_tokens="
+            f"{config.global_tokens}) has no counterpart in the Hugging Face families written "
+            "here: they attend to every position"
         )
     family = _family_of_config(config)
     hf_config = family.config_to_hf(config)

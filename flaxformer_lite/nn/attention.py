@@ -305,6 +305,11 @@ class MultiHeadAttention(nnx.Module):
             return None
         if self.cross or context is not None or cache_index is not None:
             raise ValueError("segment_ids are for self-attention without a KV cache")
+        if self.global_tokens:  # slots of the row, which a packed row's later documents lack
+            raise ValueError(
+                f"global_tokens={self.global_tokens} are the first slots of a row, not of each "
+                "packed document: train on unpacked rows (data.packing=false)"
+            )
         return segment_ids, segment_ids
 
     def _cached_context(self, context: jax.Array | None) -> tuple[jax.Array, jax.Array]:

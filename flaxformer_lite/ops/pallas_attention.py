@@ -157,7 +157,8 @@ def kernel_mesh_axes(mesh, batch_size: int, num_heads: int):
 
 def _tpu_kernel(query, key, value, ids, *, scale, is_causal, block_sizes):
     """The kernel on ``[B, H, T, Dh]`` blocks of whole lengths."""
-    sizes = block_sizes or tpu_attention.BlockSizes.get_default(*query.shape, key.shape[2])
+    b, h, t, dh = query.shape
+    sizes = block_sizes or tpu_attention.BlockSizes.get_default(b, h, t, key.shape[2], dh)
     segment_ids = None if ids is None else tpu_attention.SegmentIds(*ids)
     return tpu_attention.flash_attention(
         query,

@@ -42,10 +42,13 @@ def load_runs(paths: Sequence[pathlib.Path | str]) -> list[Run]:
 
     Raises:
       FileNotFoundError: a directory without ``metrics.jsonl`` or ``config.yaml``.
+      ValueError: a run that has logged no step yet.
     """
     runs = []
     for path in map(pathlib.Path, paths):
         records = read_metrics(path)
+        if not any("step" in record for record in records):
+            raise ValueError(f"{path / 'metrics.jsonl'}: no metrics logged yet")
         config = path / CONFIG_FILE
         if not config.exists():
             raise FileNotFoundError(f"{config}: no resolved config (is {path} a run directory?)")
