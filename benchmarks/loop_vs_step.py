@@ -60,16 +60,16 @@ class LoopRun:
     """A run of the loop that keeps what its last step ran (the compiled train step, the state it
     returned, the placed batch it was given), to time that same step alone afterwards.
 
-    The loop builds its step with ``make_train_step``; the run wraps the step it gets to record
-    each call's batch and new state, a dictionary update per step.
+    The loop builds its step with ``configured_train_step``; the run wraps the step it gets to
+    record each call's batch and new state, a dictionary update per step.
     """
 
     def __init__(self, cfg: TrainConfig):
         last: dict = {}
-        make_train_step = loop.make_train_step
+        configured_train_step = loop.configured_train_step
 
         def recording_train_step(*args, **kwargs):
-            step = make_train_step(*args, **kwargs)
+            step = configured_train_step(*args, **kwargs)
             last["step"] = step
 
             def recorded(state, batch):
@@ -79,7 +79,7 @@ class LoopRun:
 
             return recorded
 
-        with mock.patch.object(loop, "make_train_step", recording_train_step):
+        with mock.patch.object(loop, "configured_train_step", recording_train_step):
             self.tokens_per_sec = logged_tokens_per_sec(cfg)
         self.step, self.state, self.batch = last["step"], last["state"], last["batch"]
         self.mesh = jax.tree.leaves(self.state)[0].sharding.mesh

@@ -215,7 +215,7 @@ def test_generate_command_on_hf_dirs(gpt2, marian, capsys, tmp_path):
     assert str(tmp_path) in err and "tokenizer.json" in err and "source.spm" in err
     assert main(["generate", "--hf_dir", str(gpt2[1]), "--step", "3", "--prompt", "x"]) == 2
     argv = ["generate", "--hf_dir", str(gpt2[1]), "--prompt", "x", "--max_new_tokens", "0"]
-    assert main(argv) == 2 and "--max_new_tokens must be positive" in capsys.readouterr().err
+    assert main(argv) == 2 and "--max-new-tokens must be positive" in capsys.readouterr().err
 
 
 def test_generate_names_an_encoder_only_checkpoint(hf, tmp_path, capsys):

@@ -140,7 +140,7 @@ def test_help_describes_the_command_with_an_example(capsys):
         main(["prepare", "--help"])
     assert info.value.code == 0
     text = capsys.readouterr().out
-    assert "Tokenize the configured" in text and "example: flaxformer-lite prepare --out" in text
+    assert "Tokenize the configured" in text and "example:\n  flaxformer-lite prepare --out" in text
     with pytest.raises(SystemExit) as info:
         main(["prepare", "data.source=text"])  # --out is required
     assert info.value.code == 2

@@ -36,5 +36,11 @@ class _QuietFileHandler(logging.FileHandler):
     def __init__(self, path: pathlib.Path):
         super().__init__(path, delay=True)
 
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            super().emit(record)  # opening the file (at the first record) may fail too
+        except OSError:
+            self.handleError(record)
+
     def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
         pass
