@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tpu_topology import v5e_2x2
 
 from flaxformer_lite import ops, parallel
+from flaxformer_lite.aot.topology import H100_TARGET_CONFIG
 from flaxformer_lite.ops import attention_choice, pallas_attention
 from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.optim import make_optimizer
@@ -224,24 +225,6 @@ def test_packed_gpt2_train_step_compiled_for_v5e_runs_the_pallas_kernel(caplog):
         hlo = step.lower(state, batch).compile().as_text()
     assert "tpu_custom_call" in hlo
     assert not [r.message for r in caplog.records if "attention:" in r.message]
-
-
-# An H100 as XLA's GPU compiler sees it (its TargetConfig): enough to compile without a GPU.
-H100_TARGET_CONFIG = """
-gpu_device_info {
-  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
-  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132
-  fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535
-  block_dim_limit_z: 65535 memory_bandwidth: 3352320000000 l2_cache_size: 52428800
-  clock_rate_ghz: 1.98 device_memory_size: 84929347584 shared_memory_per_block_optin: 232448
-  cuda_compute_capability { major: 9 } registers_per_core_limit: 65536
-  registers_per_block_limit: 65536
-}
-platform_name: "CUDA"
-dnn_version_info { major: 9 minor: 8 }
-runtime_version { major: 12 minor: 8 }
-device_description_str: "NVIDIA H100 80GB HBM3"
-"""
 
 
 def test_cudnn_attention_compiles_for_an_h100_without_a_gpu():
