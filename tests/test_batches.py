@@ -10,7 +10,13 @@ import time
 import numpy as np
 import pytest
 
-from flaxformer_lite.data.batches import Layout, TrainBatches, TrainIterator, eval_batches
+from flaxformer_lite.data.batches import (
+    Layout,
+    TrainBatches,
+    TrainIterator,
+    eval_batches,
+    eval_row_count,
+)
 from flaxformer_lite.data.documents import from_ids
 from flaxformer_lite.data.features import MASK_ID
 
@@ -86,15 +92,78 @@ def test_mlm_masks_are_pure_functions_of_seed_stream_and_example_index():
     assert (eval_stream["weights"] != first["weights"]).any()
 
 
-@pytest.mark.parametrize("task", sorted(ROWS))
+@pytest.mark.parametrize("task", sorted(set(ROWS) - {"lm"}))
 def test_eval_batches_hold_the_validation_documents_in_order_then_padding(task):
     whole = list(eval_batches(DOCUMENTS, VALID, layout(task)))
+    assert eval_row_count(DOCUMENTS, VALID, layout(task)) == 10
     assert len(whole) == 2  # 10 documents in batches of 8
     rows = layout(task).document_rows(DOCUMENTS, VALID, np.arange(10), 1)
     for key, value in rows.items():
         np.testing.assert_array_equal(np.concatenate([b[key] for b in whole])[:10], value, key)
         assert not whole[1][key][2:].any()  # padding rows: weights 0, masks False, ids 0
     parts = [list(eval_batches(DOCUMENTS, VALID, layout(task, index=k, count=4))) for k in range(4)]
+    for step, batch in enumerate(whole):
+        for key, value in batch.items():
+            np.testing.assert_array_equal(np.concatenate([p[step][key] for p in parts]), value)
+
+
+def lm_pieces(docs):
+    """Each of ``docs``'s ``<sos> tokens`` / ``tokens <eos>`` cut into pieces of ``T`` from its
+    start, in order: what every lm layout evaluates."""
+    pieces = []
+    for doc in docs:
+        inputs, targets = [SOS, *TEXTS[doc].tolist()], [*TEXTS[doc].tolist(), EOS]
+        pieces += [(inputs[k : k + T], targets[k : k + T]) for k in range(0, len(inputs), T)]
+    return pieces
+
+
+def segments_of(batch):
+    """The segments of a batch's rows, in order, as ``(inputs, targets)`` lists (a row without
+    ``segment_ids`` is one segment); checks that weights mark them, that positions restart at 0
+    in each and that padding holds only zeros."""
+    found = []
+    for row, weights in enumerate(batch["weights"]):
+        if "segment_ids" in batch:
+            ids = batch["segment_ids"][row]
+        else:
+            ids = (weights > 0).astype(np.int32)
+        np.testing.assert_array_equal(weights > 0, ids > 0)
+        assert not batch["inputs"][row][ids == 0].any()
+        assert not batch["targets"][row][ids == 0].any()
+        for segment in range(1, ids.max() + 1):
+            where = np.flatnonzero(ids == segment)
+            np.testing.assert_array_equal(where, where[0] + np.arange(len(where)))  # contiguous
+            if "positions" in batch:
+                np.testing.assert_array_equal(batch["positions"][row][where], np.arange(len(where)))
+            inputs, targets = batch["inputs"][row][where], batch["targets"][row][where]
+            found.append((inputs.tolist(), targets.tolist()))
+    return found
+
+
+@pytest.mark.parametrize("rows", ROWS["lm"])
+def test_lm_eval_batches_hold_every_position_of_every_document_once_in_order(rows):
+    """Whatever the training layout, validation is the documents in order, each cut into
+    pieces of ``T`` positions from its start (a piece is its own segment from position 0):
+    every position of every document in exactly one row, then padding."""
+    lay = layout("lm", rows)
+    whole = list(eval_batches(DOCUMENTS, VALID, lay))
+    count = eval_row_count(DOCUMENTS, VALID, lay)
+    assert len(whole) == -(-count // B)
+    expected = lm_pieces(VALID)
+    assert any(len(TEXTS[doc]) + 1 > T for doc in VALID)  # some documents take two pieces
+    found = [piece for batch in whole for piece in segments_of(batch)]
+    assert found == expected
+    assert sum(len(t) for _, t in found) == int((DOCUMENTS.lengths("text")[VALID] + 1).sum())
+    rows_used = np.concatenate([b["weights"].any(axis=1) for b in whole])
+    assert rows_used.tolist() == [True] * count + [False] * (len(rows_used) - count)
+    if rows == "single":  # one piece per row, and no keys a packed row needs
+        assert set(whole[0]) == {"inputs", "targets", "weights"} and count == len(expected)
+    else:
+        assert set(whole[0]) == {"inputs", "targets", "weights", "segment_ids", "positions"}
+        assert count < len(expected)  # packed: several pieces to a row
+    # Four processes: each makes its rows of each global batch, an empty share included.
+    parts = [list(eval_batches(DOCUMENTS, VALID, layout("lm", rows, k, 4))) for k in range(4)]
+    assert 0 < count % B <= B - B // 4  # the last batch leaves the last process no rows
     for step, batch in enumerate(whole):
         for key, value in batch.items():
             np.testing.assert_array_equal(np.concatenate([p[step][key] for p in parts]), value)

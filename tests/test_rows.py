@@ -51,29 +51,58 @@ def segments(batch):
     return found
 
 
-def test_packed_rows_hold_every_training_document_once_per_epoch_in_its_order():
-    packed = Packed(DOCUMENTS, TRAIN, T, seed=5)
-    rows = packed.rows(0, 60, SOS, EOS)
-    epoch_of = np.array([packed.epoch_of(j) for j in range(60)])
-    assert epoch_of[-1] >= 3  # a few whole epochs
+def pieces_of(documents, order):
+    """Each document of ``order`` cut into pieces of ``T`` positions from its start, in order."""
+    expected = []
+    for doc in order:
+        inputs, targets = sequence(documents, doc)
+        expected += [(inputs[k : k + T], targets[k : k + T]) for k in range(0, len(inputs), T)]
+    return expected
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_packed_rows_hold_every_position_of_every_training_document_once_per_epoch(pack):
+    packed = Packed(DOCUMENTS, TRAIN, T, seed=5, pack=pack)
+    rows = packed.rows(0, 90, SOS, EOS)
+    epoch_of = np.array([packed.epoch_of(j) for j in range(90)])
+    assert epoch_of[-1] >= 2  # a few whole epochs
     found = segments(rows)
     orders = []
-    for epoch in range(3):
+    for epoch in range(2):
         order = epoch_order(TRAIN, 5, epoch)
         orders.append(order.tolist())
-        expected = []
-        for doc in order:  # cut to T positions before the shift, as features.shifted cuts
-            inputs, targets = sequence(DOCUMENTS, doc)
-            expected.append((inputs[:T], targets[:T]))
+        # A document longer than a row goes on in the next piece, from position 0: none is cut.
+        expected = pieces_of(DOCUMENTS, order)
         got = [(i, t) for row, i, t in found if epoch_of[row] == epoch]
         assert got == expected
-        # Next-fit: a row ends where the epoch's next document does not fit it.
+        assert sum(len(t) for _, t in got) == int((DOCUMENTS.lengths("text")[TRAIN] + 1).sum())
         rows_of_epoch = np.flatnonzero(epoch_of == epoch)
         for row in rows_of_epoch[:-1]:
             fill = int(rows["weights"][row].sum())
             nxt = next(i for r, i, _ in found if r == row + 1)
-            assert fill + len(nxt) > T
+            if pack:  # next-fit: a row ends where the epoch's next piece does not fit it
+                assert fill + len(nxt) > T
+            else:
+                assert rows["segment_ids"][row].max() == 1
     assert orders[0] != orders[1] and sorted(orders[0]) == sorted(orders[1]) == TRAIN.tolist()
+
+
+def test_a_document_ten_rows_long_reaches_the_model_whole_in_every_layout():
+    long_doc = np.arange(4, 4 + 10 * T - 1) % 300 + 4  # 10 * T positions with <sos>/<eos>
+    documents = from_ids({"text": [long_doc, [5, 6, 7]]}, np.arange(2), dtype=np.uint16)
+    ids = np.arange(2)
+    for rows_of in (Windows(documents, ids, T, seed=0), Packed(documents, ids, T, seed=0)):
+        rows = rows_of.rows(0, 11, SOS, EOS)
+        targets = rows["targets"][rows["weights"] > 0]
+        counted = np.bincount(targets, minlength=400)
+        expected = np.bincount(np.concatenate([long_doc, [5, 6, 7], [EOS, EOS]]), minlength=400)
+        np.testing.assert_array_equal(counted, expected)
+
+
+def test_unshuffled_rows_take_the_documents_in_the_order_given():
+    packed = Packed(DOCUMENTS, TRAIN, T, seed=5, shuffle=False)
+    found = segments(packed.rows(0, packed.rows_in_epoch(0), SOS, EOS))
+    assert [(i, t) for _, i, t in found] == pieces_of(DOCUMENTS, TRAIN)
 
 
 def test_windows_cut_each_epochs_stream_into_rows_and_pad_only_its_last_row():

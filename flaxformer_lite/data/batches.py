@@ -75,38 +75,81 @@ class Layout:
         )
 
 
+def lm_rows(documents: Documents, ids: np.ndarray, layout: Layout, shuffle: bool = True):
+    """The row maker of an ``lm`` layout: windows, packed pieces or one piece per row."""
+    if layout.rows == "windows":
+        return rows.Windows(documents, ids, layout.seq_len, layout.seed)
+    pack = layout.rows == "documents"
+    return rows.Packed(documents, ids, layout.seq_len, layout.seed, pack=pack, shuffle=shuffle)
+
+
 class TrainBatches:
     """This process's rows of global batch ``g``: ``batches(g)``, a pure function of ``g``."""
 
     def __init__(self, documents: Documents, ids: np.ndarray, layout: Layout):
         self.documents, self.layout = documents, layout
-        kind = {"documents": rows.Packed, "windows": rows.Windows}.get(layout.rows)
-        if kind is None:
-            self._rows = rows.Shuffled(ids, layout.seed)
+        if layout.task == "lm":
+            self._rows = lm_rows(documents, ids, layout)
         else:
-            self._rows = kind(documents, ids, layout.seq_len, layout.seed)
+            self._rows = rows.Shuffled(ids, layout.seed)
 
     def __call__(self, step: int) -> dict[str, np.ndarray]:
         layout = self.layout
         first = step * layout.batch_size + layout.process_index * layout.local_size
-        if layout.rows != "single":
-            return self._rows.rows(first, layout.local_size, layout.sos_id, layout.eos_id)
+        if layout.task == "lm":
+            batch = self._rows.rows(first, layout.local_size, layout.sos_id, layout.eos_id)
+            return batch if layout.rows != "single" else _unpacked(batch)
         docs = self._rows.documents_of(first, layout.local_size)
         indices = np.arange(first, first + layout.local_size)
         return layout.document_rows(self.documents, docs, indices, TRAIN_STREAM)
 
 
 def eval_batches(documents: Documents, ids: np.ndarray, layout: Layout) -> Iterator[dict]:
-    """The documents ``ids`` in order, one per row, in ``ceil(len(ids) / B)`` global batches
-    (never packed); the last is filled up with padding rows (weights 0, masks False), so every
-    batch has one shape and every document counts once. Yields this process's rows."""
+    """The documents ``ids`` in order, in global batches; the last is filled up with padding
+    rows (weights 0, masks False), so every batch has one shape. Yields this process's rows.
+
+    ``lm`` documents are cut into pieces of ``T`` positions from their starts and packed, as the
+    ``documents`` layout trains (a piece is its own segment from position 0, so its loss does not
+    depend on what else its row holds): every token of every document counts once, and the
+    numbers do not depend on the training layout. Other tasks: one document per row."""
+    if layout.task == "lm":
+        packed = _eval_pieces(documents, ids, layout)
+        count = packed.rows_in_epoch(0)
+        for step in range(-(-count // layout.batch_size)):
+            first = step * layout.batch_size + layout.process_index * layout.local_size
+            mine = max(min(layout.local_size, count - first), 0)
+            batch = packed.rows(first, mine, layout.sos_id, layout.eos_id)
+            yield _padded(batch if layout.rows != "single" else _unpacked(batch), layout)
+        return
     for step in range(-(-len(ids) // layout.batch_size)):
         first = step * layout.batch_size + layout.process_index * layout.local_size
         indices = np.arange(first, min(first + layout.local_size, len(ids)))
         docs = np.asarray(ids, np.int64)[indices]
-        batch = layout.document_rows(documents, docs, indices, EVAL_STREAM)
-        padding = layout.local_size - len(indices)
-        yield {k: np.pad(v, [(0, padding)] + [(0, 0)] * (v.ndim - 1)) for k, v in batch.items()}
+        yield _padded(layout.document_rows(documents, docs, indices, EVAL_STREAM), layout)
+
+
+def eval_row_count(documents: Documents, ids: np.ndarray, layout: Layout) -> int:
+    """The global rows of :func:`eval_batches` before padding."""
+    return (
+        _eval_pieces(documents, ids, layout).rows_in_epoch(0) if layout.task == "lm" else len(ids)
+    )
+
+
+def _eval_pieces(documents: Documents, ids: np.ndarray, layout: Layout) -> rows.Packed:
+    # A "single" layout's rows carry no segment_ids: one piece per row, never several.
+    pack = layout.rows != "single"
+    return rows.Packed(documents, ids, layout.seq_len, layout.seed, pack=pack, shuffle=False)
+
+
+def _unpacked(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """An unpacked ``lm`` layout's keys: one segment per row, positions from 0 need no arrays."""
+    return {key: batch[key] for key in ("inputs", "targets", "weights")}
+
+
+def _padded(batch: dict[str, np.ndarray], layout: Layout) -> dict[str, np.ndarray]:
+    """``batch`` filled up to this process's ``B`` rows with padding rows (all zeros)."""
+    padding = layout.local_size - len(batch["weights"])
+    return {k: np.pad(v, [(0, padding)] + [(0, 0)] * (v.ndim - 1)) for k, v in batch.items()}
 
 
 class _Prefetch:

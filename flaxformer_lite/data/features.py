@@ -1,12 +1,12 @@
-"""Rows of one document each, per task: what the pipeline batches when it does not pack.
+"""Rows of one document each, per task: the ``seq2seq``, ``mlm`` and ``classify`` rows.
 
 Every array is int32 unless noted; ``<sos>`` and ``<eos>`` are the tokenizer's ``sos_id`` and
 ``eos_id``; rows are ``[T]`` (``T = seq_len``), zero-padded (ids ``<pad> = 0``, weights 0, masks
 False). Per task, the rows hold:
 
-- ``lm``: ``inputs = <sos> + tokens``, ``targets = tokens + <eos>``, ``weights``. Packed rows
-  (:mod:`flaxformer_lite.data.rows`) also have ``segment_ids`` (1, 2, ... per document piece in
-  a row, 0 at padding) and ``positions`` (from 0 in every segment).
+- ``lm`` (made by :mod:`flaxformer_lite.data.rows`, never cut): ``inputs = <sos> + tokens``,
+  ``targets = tokens + <eos>``, ``weights``; packed rows also have ``segment_ids`` (1, 2, ... per
+  document piece in a row, 0 at padding) and ``positions`` (from 0 in every segment).
 - ``seq2seq``: ``src = source tokens + <eos>`` and ``src_mask``; ``inputs = <sos> + target``,
   ``targets = target + <eos>``, ``weights``.
 - ``mlm``: ``<sos> tokens <eos>`` (``<sos>`` doubles as BERT's [CLS], ``<eos>`` as [SEP]); BERT
@@ -18,9 +18,10 @@ False). Per task, the rows hold:
 - ``classify``: ``inputs`` (``<sos> tokens <eos>``), ``mask``, ``labels`` ``[B]`` and ``weights``
   float32 ``[B]`` (1 for real rows, 0 for the padding rows of the last eval batch).
 
-Longer documents are truncated to ``seq_len``: for ``lm`` and the target side of ``seq2seq`` the
-sequence ``<sos> tokens <eos>`` is cut to ``seq_len + 1`` tokens before the shift (a cut document
-has no ``<eos>``); ``src``, ``mlm`` and ``classify`` rows keep their closing ``<eos>``.
+Longer documents are cut to fit ``seq_len`` (:func:`truncation` counts what is lost): on the
+target side of ``seq2seq`` the sequence ``<sos> tokens <eos>`` is cut to ``seq_len + 1`` tokens
+before the shift (a cut document has no ``<eos>``); ``src``, ``mlm`` and ``classify`` rows keep
+their closing ``<eos>``.
 """
 
 from __future__ import annotations
@@ -50,11 +51,11 @@ def document_rows(
     seed: int,
     stream: int,
 ) -> dict[str, np.ndarray]:
-    """Rows ``[len(docs), T]`` of ``task``, row ``r`` from document ``docs[r]``, the example at
-    ``indices[r]`` of stream ``stream`` (which of the splits: their MLM draws differ)."""
-    if task in ("lm", "seq2seq"):
-        field = "text" if task == "lm" else "target"
-        sizes = np.minimum(_lengths(documents, field, docs) + 1, seq_len)
+    """Rows ``[len(docs), T]`` of ``task`` (``seq2seq``, ``mlm`` or ``classify``), row ``r`` from
+    document ``docs[r]``, the example at ``indices[r]`` of stream ``stream`` (which of the
+    splits: their MLM draws differ)."""
+    if task == "seq2seq":
+        sizes = np.minimum(_lengths(documents, "target", docs) + 1, seq_len)
         batch = rows.assemble(
             documents,
             len(docs),
@@ -65,11 +66,9 @@ def document_rows(
             length=sizes,
             sos_id=sos_id,
             eos_id=eos_id,
-            field=field,
+            field="target",
         )
         batch = {key: batch[key] for key in ("inputs", "targets", "weights")}
-        if task == "lm":
-            return batch
         src, mask = framed(documents, "source", docs, seq_len, sos_id=None, eos_id=eos_id)
         return {"src": src, "src_mask": mask, **batch}
     tokens, mask = framed(documents, "text", docs, seq_len, sos_id=sos_id, eos_id=eos_id)
@@ -83,6 +82,24 @@ def document_rows(
         picked, ids = mask_tokens(tokens[r, :n], rng, mlm_probability, vocab_size)
         inputs[r, picked], weights[r, picked] = ids, 1.0
     return {"inputs": inputs, "targets": tokens, "weights": weights, "mask": mask}
+
+
+def truncation(
+    task: str, documents: Documents, docs: np.ndarray, seq_len: int
+) -> tuple[int, int, int]:
+    """``(examples cut, tokens cut, tokens)``: what the rows of ``task`` (``seq2seq``, ``mlm``
+    or ``classify``) leave out of the documents ``docs``, counting the tokens of every field."""
+    if task == "seq2seq":
+        room = {"source": seq_len - 1, "target": seq_len}  # <eos> after the source; the shift
+    else:
+        room = {"text": seq_len - 2}  # <sos> tokens <eos>
+    cut = np.zeros(len(docs), np.int64)
+    total = 0
+    for field, kept in room.items():
+        lengths = _lengths(documents, field, docs)
+        cut += np.maximum(lengths - kept, 0)
+        total += int(lengths.sum())
+    return int((cut > 0).sum()), int(cut.sum()), total
 
 
 def framed(

@@ -12,11 +12,14 @@ row starts at position 0 too, as in Grain's ``ConcatThenSplitIterDataset``: posi
 
 Training rows come in epochs: epoch ``e`` visits the training documents in an order shuffled by
 ``(seed, e)``. :class:`Windows` cuts that order's positions, end to end, into rows of ``T``: no
-position is lost and none is padding but the end of an epoch's last row. :class:`Packed` packs
-whole documents (cut to ``T`` positions, as ``features.shifted`` cuts them) into rows, next-fit in
-the epoch's order: a row takes documents until the next one does not fit, and every training
-document is in exactly one row of each epoch. Global row ``j`` counts rows over all epochs; a
-row is a pure function of ``(documents, training ids, T, seed, j)``, whatever process makes it.
+position is lost and none is padding but the end of an epoch's last row. :class:`Packed` cuts
+each document into pieces of ``T`` positions from its start (the last one shorter), as Hugging
+Face's ``group_texts`` cuts text into blocks, and packs the pieces into rows next-fit in the
+epoch's order (or, with ``pack=False``, one piece per row): every position of every training
+document is in exactly one row of each epoch, whichever layout, and a document of at most ``T``
+positions is never cut. Global row ``j`` counts rows over all epochs; a row is a pure function
+of ``(documents, training ids, T, seed, j)``, whatever process makes it. With ``shuffle=False``
+the order is the ids' own in every epoch: evaluation reads its documents that way, in one epoch.
 """
 
 from __future__ import annotations
@@ -102,9 +105,13 @@ class _Epochs(abc.ABC):
     """Per-epoch plans of the training documents ``ids``, made when first asked for and kept for
     the last two epochs (a global batch spans few)."""
 
-    def __init__(self, ids: np.ndarray, seed: int):
-        self.ids, self.seed = np.asarray(ids, np.int64), seed
+    def __init__(self, ids: np.ndarray, seed: int, shuffle: bool = True):
+        self.ids, self.seed, self.shuffle = np.asarray(ids, np.int64), seed, shuffle
         self._plans: dict[int, tuple] = {}
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The documents of ``epoch`` in the order its rows take them."""
+        return epoch_order(self.ids, self.seed, epoch) if self.shuffle else self.ids
 
     def plan(self, epoch: int):
         if epoch not in self._plans:
@@ -123,7 +130,7 @@ class Shuffled(_Epochs):
     order."""
 
     def _make_plan(self, epoch: int) -> np.ndarray:
-        return epoch_order(self.ids, self.seed, epoch)
+        return self.order(epoch)
 
     def documents_of(self, first: int, count: int) -> np.ndarray:
         """The documents of global rows ``[first, first + count)``, int64 ``[count]``."""
@@ -136,13 +143,17 @@ class Shuffled(_Epochs):
 
 
 class _LMRows(_Epochs):
-    def __init__(self, documents: Documents, ids: np.ndarray, seq_len: int, seed: int):
-        super().__init__(ids, seed)
+    def __init__(
+        self, documents: Documents, ids: np.ndarray, seq_len: int, seed: int, shuffle: bool = True
+    ):
+        super().__init__(ids, seed, shuffle)
         self.documents, self.seq_len = documents, seq_len
         self.lengths = documents.lengths("text")
 
     def _assemble(self, pieces: list[tuple], count: int, sos_id: int, eos_id: int):
-        """The ``count`` rows from their pieces: ``(row, document, start, length)`` arrays."""
+        """The ``count`` rows from their pieces: ``(row, document, start, length)`` arrays (none
+        when ``count`` is 0: a process's empty share of the last eval batch)."""
+        pieces = pieces or [(np.zeros(0, np.int64),) * 4]
         row, doc, start, length = (np.concatenate(p) for p in zip(*pieces, strict=True))
         return assemble(
             self.documents,
@@ -167,7 +178,7 @@ class Windows(_LMRows):
         self.rows_per_epoch = math.ceil(self.stream_length / seq_len)
 
     def _make_plan(self, epoch: int) -> tuple:
-        order = epoch_order(self.ids, self.seed, epoch)
+        order = self.order(epoch)
         ends = np.cumsum(self.lengths[order] + 1)
         return order, np.concatenate([[0], ends])  # where each document's positions start
 
@@ -191,32 +202,50 @@ class Windows(_LMRows):
 
 
 class Packed(_LMRows):
-    """Whole documents packed next-fit into rows, in each epoch's order. A document of more than
-    ``T`` positions keeps its first ``T``. Epochs have different numbers of rows; the first
-    epochs' plans are made (once) to find where a later epoch starts."""
+    """Documents cut into pieces of at most ``T`` positions, packed next-fit into rows in each
+    epoch's order (one piece per row if not ``pack``). Epochs have different numbers of rows;
+    the first epochs' plans are made (once) to find where a later epoch starts."""
 
-    def __init__(self, documents: Documents, ids: np.ndarray, seq_len: int, seed: int):
-        super().__init__(documents, ids, seq_len, seed)
+    def __init__(
+        self,
+        documents: Documents,
+        ids: np.ndarray,
+        seq_len: int,
+        seed: int,
+        *,
+        pack: bool = True,
+        shuffle: bool = True,
+    ):
+        super().__init__(documents, ids, seq_len, seed, shuffle)
+        self.pack = pack
         self._first_rows = [0]  # global index of each planned epoch's first row, and one more
 
     def _make_plan(self, epoch: int) -> tuple:
-        order = epoch_order(self.ids, self.seed, epoch)
-        sizes = np.minimum(self.lengths[order] + 1, self.seq_len)
-        ends = np.concatenate([[0], np.cumsum(sizes)])
-        # A row that opens with document i takes documents [i, stop[i]): all that fit in T.
+        order = self.order(epoch)
+        sizes = self.lengths[order] + 1  # positions per document
+        doc, k = ranges(-(-sizes // self.seq_len))  # piece k of document doc (in the order)
+        start = k * self.seq_len
+        length = np.minimum(sizes[doc] - start, self.seq_len)
+        if not self.pack:
+            return order[doc], start, length, np.arange(len(doc) + 1)
+        ends = np.concatenate([[0], np.cumsum(length)])
+        # A row that opens with piece i takes pieces [i, stop[i]): all that fit in T.
         stop = (np.searchsorted(ends, ends[:-1] + self.seq_len, side="right") - 1).tolist()
         opening, i = [], 0
-        while i < len(stop):  # one step per row, not per document
+        while i < len(stop):  # one step per row, not per piece
             opening.append(i)
             i = stop[i]
         opening.append(len(stop))
-        return order, sizes, np.array(opening, np.int64)
+        return order[doc], start, length, np.array(opening, np.int64)
+
+    def rows_in_epoch(self, epoch: int) -> int:
+        return len(self.plan(epoch)[3]) - 1
 
     def epoch_of(self, row: int) -> int:
         """The epoch that global row ``row`` belongs to."""
         while self._first_rows[-1] <= row:
             epoch = len(self._first_rows) - 1
-            self._first_rows.append(self._first_rows[-1] + len(self.plan(epoch)[2]) - 1)
+            self._first_rows.append(self._first_rows[-1] + self.rows_in_epoch(epoch))
         return int(np.searchsorted(self._first_rows, row, side="right")) - 1
 
     def rows(self, first: int, count: int, sos_id: int, eos_id: int) -> dict[str, np.ndarray]:
@@ -226,11 +255,11 @@ class Packed(_LMRows):
         while row < first + count:
             epoch = self.epoch_of(row)
             end = min(first + count, self._first_rows[epoch + 1])
-            order, sizes, opening = self.plan(epoch)
+            doc, start, length, opening = self.plan(epoch)
             k = np.arange(row, end) - self._first_rows[epoch]
             owner, within = ranges(opening[k + 1] - opening[k])
             i = opening[k][owner] + within
             local = np.arange(row - first, end - first)[owner]
-            pieces.append((local, order[i], np.zeros_like(i), sizes[i]))
+            pieces.append((local, doc[i], start[i], length[i]))
             row = end
         return self._assemble(pieces, count, sos_id, eos_id)
