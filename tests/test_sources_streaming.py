@@ -1,7 +1,10 @@
 """The streaming readers of ``data.sources``: records and errors when files are read in tiny
-chunks (lines and multi-byte characters straddling chunk boundaries)."""
+chunks (lines and multi-byte characters straddling chunk boundaries), the ways a text file becomes
+documents, compressed files and the built-in texts."""
 
+import gzip
 import json
+import lzma
 
 import pytest
 
@@ -22,7 +25,7 @@ def test_streaming_readers_give_the_list_readers_records(tmp_path, tiny_chunks, 
     (tmp_path / "b.txt").write_bytes(("one" + ending + "two" + ending).encode())
     files = sources.source_files("text", str(tmp_path / "*.txt"))
     expected = [{"text": t} for t in [*LINES[:1], *LINES[3:], "one", "two"]]
-    assert list(sources.iter_text_records(files)) == expected
+    assert list(sources.iter_text_records(files, "lines")) == expected
     rows = [json.dumps({"text": t, "n": 1}, ensure_ascii=False) for t in ["a ∑", "b"]]
     (tmp_path / "c.jsonl").write_text(ending.join(["", *rows]) + ending, encoding="utf-8")
     jsonl = [{"text": "a ∑"}, {"text": "b"}]
@@ -34,17 +37,59 @@ def test_streaming_readers_give_the_list_readers_records(tmp_path, tiny_chunks, 
     assert list(sources.iter_parallel_records(pair)) == pairs
 
 
-def test_streaming_reads_in_bounded_chunks_lazily(tmp_path, tiny_chunks):
+@pytest.mark.parametrize("ending", ["\n", "\r\n"])
+def test_file_documents_keep_each_files_text_exactly(tmp_path, tiny_chunks, ending):
+    texts = [
+        ending.join(LINES),  # blank and whitespace-only lines, no final break
+        ending + ending + "  indented" + ending + ending + ending + "end ∑" + ending + ending,
+    ]
+    for name, text in zip(("a.txt", "b.txt"), texts, strict=True):
+        (tmp_path / name).write_bytes(text.encode())
+    files = sources.source_files("text", str(tmp_path / "*.txt"))
+    expected = [{"text": text} for text in texts]
+    assert list(sources.iter_text_records(files)) == expected  # "file" is the default
+    assert list(sources.iter_text_records(files, "file")) == expected
+    assert list(sources.iter_records("text", files, documents="file")) == expected
+
+
+def test_paragraphs_are_runs_of_non_blank_lines_with_their_line_breaks(tmp_path, tiny_chunks):
+    (tmp_path / "a.txt").write_text(
+        "\n\nfirst para ∑\n  its second line\n\n \t \nsecond\n\n\n\nthird\nlast line, no break",
+        encoding="utf-8",
+    )
+    (tmp_path / "b.txt").write_text("one line\n\n", encoding="utf-8")
+    files = sources.source_files("text", str(tmp_path / "*.txt"))
+    expected = ["first para ∑\n  its second line", "second", "third\nlast line, no break"]
+    expected.append("one line")  # the next file starts a new paragraph
+    records = list(sources.iter_text_records(files, "paragraphs"))
+    assert records == [{"text": text} for text in expected]
+    assert list(sources.iter_records("text", files, documents="paragraphs")) == records
+
+
+def test_unknown_text_documents_are_refused_naming_the_choices(tmp_path):
+    (tmp_path / "a.txt").write_text("a\n")
+    with pytest.raises(ValueError, match="unknown text documents 'sentences'.*file, paragraphs"):
+        list(sources.iter_text_records([tmp_path / "a.txt"], "sentences"))
+
+
+@pytest.mark.parametrize("documents", sources.TEXT_DOCUMENTS)
+def test_streaming_reads_in_bounded_chunks_lazily(tmp_path, tiny_chunks, documents):
     path = tmp_path / "a.txt"
     path.write_text("\n".join(f"line {i}" for i in range(1000)) + "\n")
     chunks = []
-    records = sources.iter_text_records([path], on_read=lambda p, data: chunks.append(data))
-    assert next(records) == {"text": "line 0"}
-    assert sum(map(len, chunks)) < 20  # the first record came from the first few chunks
-    assert len(list(records)) == 999
+    records = sources.iter_text_records([path], documents, lambda p, data: chunks.append(data))
+    if documents == "lines":
+        assert next(records) == {"text": "line 0"}
+        assert sum(map(len, chunks)) < 20  # the first record came from the first few chunks
+        assert len(list(records)) == 999
+    elif documents == "paragraphs":  # one run of non-blank lines: the text, minus its end
+        assert list(records) == [{"text": path.read_text().removesuffix("\n")}]
+    else:
+        assert list(records) == [{"text": path.read_text()}]
     assert max(map(len, chunks)) == 5 and b"".join(chunks) == path.read_bytes()
 
 
+@pytest.mark.parametrize("documents", sources.TEXT_DOCUMENTS)
 @pytest.mark.parametrize(
     "content, reason",
     [
@@ -53,11 +98,13 @@ def test_streaming_reads_in_bounded_chunks_lazily(tmp_path, tiny_chunks):
         (b" \n\r\n\t", "empty file"),
     ],
 )
-def test_streaming_errors_name_the_file_line_and_byte(tmp_path, tiny_chunks, content, reason):
+def test_streaming_errors_name_the_file_line_and_byte(
+    tmp_path, tiny_chunks, content, reason, documents
+):
     path = tmp_path / "bad.txt"
     path.write_bytes(content)
     with pytest.raises(ValueError, match=reason) as info:
-        list(sources.iter_text_records([path]))
+        list(sources.iter_text_records([path], documents))
     assert str(path) in str(info.value)
 
 
@@ -68,3 +115,53 @@ def test_streaming_parallel_files_of_other_lengths_are_counted(tmp_path, tiny_ch
     for pair, counts in [([src, tgt], (4, 2)), ([tgt, src], (2, 4))]:
         with pytest.raises(ValueError, match=f"has {counts[0]} lines but .* has {counts[1]}"):
             list(sources.iter_parallel_records(pair))
+
+
+# --- compressed files and built-in texts -----------------------------------------------------
+
+COMPRESS = {"gz": gzip.compress, "xz": lzma.compress}
+
+
+@pytest.mark.parametrize("suffix", sorted(COMPRESS))
+@pytest.mark.parametrize("documents", sources.TEXT_DOCUMENTS)
+def test_compressed_files_give_the_plain_files_records(tmp_path, tiny_chunks, suffix, documents):
+    text = "\n".join(f"line {i} ∑ 🎉" + "\n" * (i % 3 == 0) for i in range(3000)) + "\r\n"
+    plain = tmp_path / "plain" / "a.txt"
+    packed = tmp_path / "packed" / f"a.txt.{suffix}"
+    for path in (plain, packed):
+        path.parent.mkdir()
+    plain.write_text(text, encoding="utf-8")
+    packed.write_bytes(COMPRESS[suffix](plain.read_bytes()))
+    assert packed.stat().st_size < plain.stat().st_size  # really compressed
+    expected = list(sources.iter_text_records([plain], documents))
+    assert len(expected) > 1 or documents == "file"
+    chunks = []
+    (found,) = sources.source_files("text", str(tmp_path / "packed" / "*"))
+    records = sources.iter_text_records([found], documents, lambda p, data: chunks.append(data))
+    assert list(records) == expected
+    # on_read sees the file's own (compressed) bytes, as a store hashes them.
+    assert sum(map(len, chunks)) == packed.stat().st_size
+    assert b"".join(chunks) == packed.read_bytes()
+
+
+@pytest.mark.parametrize("suffix", sorted(COMPRESS))
+def test_a_damaged_compressed_file_is_named(tmp_path, suffix):
+    path = tmp_path / f"a.txt.{suffix}"
+    path.write_bytes(COMPRESS[suffix](b"some text\n" * 1000)[:-20])  # cut short
+    with pytest.raises(ValueError, match="cannot read") as info:
+        list(sources.iter_text_records([path]))
+    assert str(path) in str(info.value)
+
+
+def test_builtin_tinyshakespeare_resolves_and_reads():
+    (path,) = sources.source_files("text", "builtin:tinyshakespeare")
+    assert path.is_file() and path.suffix == ".xz"
+    (record,) = sources.iter_text_records([path])
+    assert record["text"].startswith("First Citizen:\nBefore we proceed any further")
+    assert len(record["text"]) == 1_115_394  # Karpathy's input.txt, whole
+
+
+def test_an_unknown_builtin_text_is_named():
+    with pytest.raises(FileNotFoundError, match="builtin:nosuchbook") as info:
+        sources.source_files("text", "builtin:nosuchbook")
+    assert "builtin:tinyshakespeare" in str(info.value)  # the names there are

@@ -43,10 +43,14 @@ def test_an_error_while_encoding_leaves_nothing(corpus, tmp_path, monkeypatch):
 
     monkeypatch.setattr(ByteTokenizer, "encode_batch", failing)
     with pytest.raises(RuntimeError, match="boom"):
-        prepare_store(tmp_path / "store", source="text", path=pattern, batch_size=10)
+        prepare_store(
+            tmp_path / "store", source="text", path=pattern, documents="lines", batch_size=10
+        )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.txt"]
     monkeypatch.undo()
-    store = prepare_store(tmp_path / "store", source="text", path=pattern, batch_size=10)
+    store = prepare_store(
+        tmp_path / "store", source="text", path=pattern, documents="lines", batch_size=10
+    )
     check_documents(store, [(line,) for line in lines])
 
 
@@ -84,7 +88,9 @@ def edit_manifest(path, **values):
 )
 def test_a_damaged_store_is_refused_naming_the_file(corpus, tmp_path, name, damage, reason):
     pattern, _ = corpus
-    prepare_store(tmp_path / "store", source="text", path=pattern, tokenizer_kind="char")
+    prepare_store(
+        tmp_path / "store", source="text", path=pattern, documents="lines", tokenizer_kind="char"
+    )
     damage(tmp_path / "store" / name)
     with pytest.raises(ValueError, match=reason) as info:
         open_store(tmp_path / "store")
@@ -93,14 +99,20 @@ def test_a_damaged_store_is_refused_naming_the_file(corpus, tmp_path, name, dama
         named = named.parent  # no manifest: not a store at all
     assert str(info.value).startswith(f"{named}: ")
     with pytest.raises(ValueError):  # nor is it taken for a finished store, nor overwritten
-        prepare_store(tmp_path / "store", source="text", path=pattern, tokenizer_kind="char")
+        prepare_store(
+            tmp_path / "store",
+            source="text",
+            path=pattern,
+            documents="lines",
+            tokenizer_kind="char",
+        )
     with pytest.raises(FileNotFoundError, match="no prepared store"):
         open_store(tmp_path / "nowhere")
 
 
 def test_a_leftover_partial_directory_is_never_picked_up(corpus, tmp_path):
     pattern, _ = corpus
-    done = prepare_store(tmp_path / "done", source="text", path=pattern)
+    done = prepare_store(tmp_path / "done", source="text", path=pattern, documents="lines")
     host = socket.gethostname()
     dead = tmp_path / f".store.partial-{host}-999999999"
     alive = tmp_path / f".store.partial-{host}-{os.getppid()}"
@@ -110,7 +122,7 @@ def test_a_leftover_partial_directory_is_never_picked_up(corpus, tmp_path):
         shutil.copytree(done.path, leftover)  # even complete, manifest and all
     with pytest.raises(FileNotFoundError):
         open_store(tmp_path / "store")
-    prepare_store(tmp_path / "store", source="text", path=pattern)
+    prepare_store(tmp_path / "store", source="text", path=pattern, documents="lines")
     assert not dead.exists()  # its process is gone
     assert alive.exists()  # a running process may still be writing it
     assert elsewhere.exists()
@@ -125,7 +137,7 @@ def slow(self, texts):
     time.sleep(0.02)
     return encode_batch(self, texts)
 tokenizers.ByteTokenizer.encode_batch = slow
-store.prepare_store(sys.argv[1], source="text", path=sys.argv[2], batch_size=64)
+store.prepare_store(sys.argv[1], source="text", path=sys.argv[2], documents="lines", batch_size=64)
 """
 
 
@@ -154,22 +166,24 @@ def test_a_killed_prepare_leaves_nothing_that_opens(tmp_path):
         open_store(out)
     with pytest.raises(ValueError, match=r"no manifest.json\): an interrupted prepare\?"):
         open_store(partial)
-    store = prepare_store(out, source="text", path=str(corpus), batch_size=4096)
+    store = prepare_store(out, source="text", path=str(corpus), documents="lines", batch_size=4096)
     assert not partial.exists()
     assert store.documents.lengths("text").sum() == len(corpus.read_bytes().replace(b"\n", b""))
 
 
-# Peak resident memory while preparing, past a warm-up; this child imports no JAX.
+# Peak resident memory while preparing, past a warm-up; this child imports no JAX. Lines are
+# streamed: a "file" document (or one long paragraph) is held whole.
 MEASURE_PREPARE = """
 import resource, sys
 from flaxformer_lite.data import sources, store, store_writer
 sources.CHUNK_BYTES = store_writer.READ_BYTES = 1 << 16
 big, small, out = sys.argv[1:]
+settings = dict(source="text", documents="lines")
 for kind in ("byte", "char"):
-    store.prepare_store(f"{out}/warm-{kind}", source="text", path=small, tokenizer_kind=kind)
+    store.prepare_store(f"{out}/warm-{kind}", path=small, tokenizer_kind=kind, **settings)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 for kind in ("byte", "char"):
-    store.prepare_store(f"{out}/{kind}", source="text", path=big, tokenizer_kind=kind, batch_size=8)
+    store.prepare_store(f"{out}/{kind}", path=big, tokenizer_kind=kind, batch_size=8, **settings)
 print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
 """
 
@@ -198,21 +212,27 @@ class Bars:
         return bar
 
 
-def test_progress_bars_count_every_pass_over_the_source_bytes(corpus, tmp_path, capfd):
+@pytest.mark.parametrize(
+    "documents, passes",
+    [
+        ("lines", ["splitting", "fitting", "encoding"]),  # the first pass also hashes the files
+        ("paragraphs", ["splitting", "fitting", "encoding"]),
+        ("file", ["fitting", "encoding"]),  # each file's tail is held out: no digests to split
+    ],
+)
+def test_progress_bars_count_every_pass_over_the_source_bytes(
+    corpus, tmp_path, capfd, documents, passes
+):
     pattern, _ = corpus
     size = sum(p.stat().st_size for p in tmp_path.glob("*.txt"))
+    settings = dict(source="text", path=pattern, documents=documents, tokenizer_kind="word")
     bars = Bars()
-    prepare_store(
-        tmp_path / "store", source="text", path=pattern, tokenizer_kind="word", progress=bars
-    )
-    passes = ["splitting", "fitting", "encoding"]  # the first pass also hashes the files
+    prepare_store(tmp_path / "store", progress=bars, **settings)
     assert [(b.desc, b.total, b.done, b.closed) for b in bars.bars] == [
         (p, size, size, 1) for p in passes
     ]
     bars = Bars()
-    prepare_store(
-        tmp_path / "store", source="text", path=pattern, tokenizer_kind="word", progress=bars
-    )
+    prepare_store(tmp_path / "store", progress=bars, **settings)
     assert [b.desc for b in bars.bars] == ["hashing"]  # a no-op only checks the files
     assert capfd.readouterr() == ("", "")  # nothing printed
 
@@ -230,7 +250,9 @@ def test_batches_hold_at_most_batch_size_texts_and_batch_chars_characters(
         return encode_batch(self, texts)
 
     monkeypatch.setattr(ByteTokenizer, "encode_batch", spy)
-    store = prepare_store(tmp_path / "store", source="text", path=pattern, batch_size=7)
+    store = prepare_store(
+        tmp_path / "store", source="text", path=pattern, documents="lines", batch_size=7
+    )
     check_documents(store, [(line,) for line in lines])
     assert [t for batch in batches for t in batch] == lines
     assert max(map(len, batches)) == 7
@@ -242,7 +264,7 @@ def test_batches_hold_at_most_batch_size_texts_and_batch_chars_characters(
 def test_a_manifest_naming_other_files_is_refused(corpus, tmp_path):
     pattern, _ = corpus
     out = tmp_path / "store"
-    prepare_store(out, source="text", path=pattern)
+    prepare_store(out, source="text", path=pattern, documents="lines")
     manifest = json.loads((out / "manifest.json").read_text())
     for change in (
         {"fields": {"../text": manifest["fields"]["text"]}},
@@ -269,7 +291,7 @@ def test_ids_of_a_vocabulary_over_65536_are_stored_as_uint32(tmp_path):
 
 def test_a_prepare_that_finishes_second_opens_the_first_ones_store(corpus, tmp_path, monkeypatch):
     pattern, lines = corpus
-    first = prepare_store(tmp_path / "first", source="text", path=pattern)
+    first = prepare_store(tmp_path / "first", source="text", path=pattern, documents="lines")
     rename = os.rename
 
     def race(partial, out):  # another process renames its store into place just before
@@ -277,6 +299,6 @@ def test_a_prepare_that_finishes_second_opens_the_first_ones_store(corpus, tmp_p
         rename(partial, out)
 
     monkeypatch.setattr(store_module.os, "rename", race)
-    store = prepare_store(tmp_path / "store", source="text", path=pattern)
+    store = prepare_store(tmp_path / "store", source="text", path=pattern, documents="lines")
     check_documents(store, [(line,) for line in lines])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.txt", "first", "store"]

@@ -98,3 +98,30 @@ def split_documents(
     held_out = np.zeros(len(digests), bool)
     held_out[order[:count]] = True
     return np.flatnonzero(~held_out), np.flatnonzero(held_out)
+
+
+def hold_out_tails(
+    documents: Documents, fraction: float, where: str
+) -> tuple[Documents, np.ndarray, np.ndarray]:
+    """``(pieces, train ids, validation ids)``: every document cut in two, as nanoGPT splits a
+    text file: its first ``int(n * (1 - fraction))`` ids train, the rest are held out. Document
+    ``i``'s head is piece ``2 i`` and its tail piece ``2 i + 1``; empty pieces are left out.
+
+    Raises:
+      ValueError: naming ``where`` if no id would be held out, or none trained on.
+    """
+    starts, ends = documents.offsets["text"][:-1], documents.offsets["text"][1:]
+    cuts = starts + ((ends - starts) * (1 - fraction)).astype(np.int64)
+    offsets = np.stack([starts, cuts], axis=1).reshape(-1)
+    offsets = np.concatenate([offsets, ends[-1:]]).astype(np.int64)
+    lengths = np.diff(offsets)
+    train, valid = np.flatnonzero(lengths[0::2]) * 2, np.flatnonzero(lengths[1::2]) * 2 + 1
+    if not (lengths[0::2].any() and lengths[1::2].any()):
+        raise ValueError(
+            f"{where}: {int(lengths.sum())} tokens cannot be split by data.validation_fraction="
+            f"{fraction} into non-empty training and validation parts"
+        )
+    pieces = Documents(
+        {"text": documents.tokens["text"]}, {"text": offsets}, np.repeat(documents.digests, 2)
+    )
+    return pieces, train, valid

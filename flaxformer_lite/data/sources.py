@@ -9,9 +9,15 @@ readers take the files :func:`source_files` resolved from a path or glob (sorted
 the same files always give the same records): a caller that records the files it read (a store's
 manifest) reads exactly those, even if the glob matches more files later.
 
-One record per non-blank line (a line holding only whitespace is skipped; other lines are kept
-as they are, minus the line break). Line-per-record is the layout of lm1b and of most parallel
-corpora; documents longer than the pipeline's ``seq_len`` would be truncated anyway.
+A text file becomes documents as :data:`TEXT_DOCUMENTS` says: ``file`` (the default) keeps each
+file whole, line breaks and blank lines included, as a book or a code file is; ``paragraphs``
+makes one record of each run of non-blank lines (their line breaks kept; blank lines separate);
+``lines`` one record per non-blank line, minus its line break (lm1b's layout, and that of JSONL
+and parallel corpora, whose lines are always records). A line holding only whitespace is blank.
+
+Files ending in ``.gz`` or ``.xz`` are read decompressed (what ``on_read`` sees and a store hashes
+are the file's own bytes). ``builtin:NAME`` names a text shipped inside the package
+(:data:`BUILTIN_TEXTS`).
 
 Problems raise naming the file (and line) and the reason: ``FileNotFoundError`` for a missing path
 or a glob that matches no file, ``ValueError`` for an empty file, bytes that are not UTF-8, a
@@ -22,9 +28,12 @@ file).
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import gzip
 import itertools
 import json
+import lzma
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -32,6 +41,11 @@ _GLOB_CHARS = frozenset("*?[")
 # Bytes read at a time: what a streaming reader holds, with the longest line.
 CHUNK_BYTES = 1 << 20
 SOURCES = ("text", "jsonl", "parallel")
+TEXT_DOCUMENTS = ("file", "paragraphs", "lines")
+BUILTIN = "builtin:"
+# Public-domain texts shipped compressed in the package: name -> file in data/texts/.
+BUILTIN_TEXTS = {"tinyshakespeare": "tinyshakespeare.txt.xz"}
+_DECOMPRESS = {".gz": lambda file: gzip.GzipFile(fileobj=file), ".xz": lzma.LZMAFile}
 
 OnRead = Callable[[Path, bytes], None]
 """Called with each chunk of raw bytes as it is read from a file (e.g. to hash it)."""
@@ -41,8 +55,11 @@ def expand_files(pattern: str) -> list[Path]:
     """The files a path or glob (``**`` recurses) names, sorted; directories are left out.
 
     Raises:
-      FileNotFoundError: a plain path that is not a file, or a glob that matches no file.
+      FileNotFoundError: a plain path that is not a file, a glob that matches no file, or an
+        unknown ``builtin:`` name.
     """
+    if pattern.startswith(BUILTIN):
+        return [builtin_text(pattern.removeprefix(BUILTIN))]
     if not _GLOB_CHARS & set(pattern):
         path = Path(pattern)
         if not path.is_file():
@@ -53,6 +70,14 @@ def expand_files(pattern: str) -> list[Path]:
     if not paths:
         raise FileNotFoundError(f"{pattern}: no file matches this pattern")
     return paths
+
+
+def builtin_text(name: str) -> Path:
+    """The file of the text shipped as ``builtin:name``."""
+    if name not in BUILTIN_TEXTS:
+        known = ", ".join(BUILTIN + n for n in BUILTIN_TEXTS)
+        raise FileNotFoundError(f"{BUILTIN}{name}: no such built-in text (there are: {known})")
+    return Path(__file__).parent / "texts" / BUILTIN_TEXTS[name]
 
 
 def source_files(source: str, path: str) -> list[Path]:
@@ -78,22 +103,11 @@ def iter_lines(path: Path, on_read: OnRead | None = None) -> Iterator[str]:
         first bad byte), or, at its end, it was empty (or only whitespace).
     """
     path = Path(path)
-    try:
-        file = path.open("rb")
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: file not found") from None
-    except OSError as e:
-        raise ValueError(f"{path}: cannot read ({e.strerror})") from None
-    with file:
+    with _open(path, on_read) as file:
         offset, number, blank = 0, 0, True  # offset and line number of the next complete part
         pending: list[bytes] = []  # the start of a line whose break is not read yet
         while True:
-            try:
-                data = file.read(CHUNK_BYTES)
-            except OSError as e:
-                raise ValueError(f"{path}: cannot read ({e.strerror})") from None
-            if data and on_read is not None:
-                on_read(path, data)
+            data = _read(file, path)
             cut = data.rfind(b"\n") + 1
             if data and not cut:
                 pending.append(data)
@@ -117,14 +131,69 @@ def iter_lines(path: Path, on_read: OnRead | None = None) -> Iterator[str]:
         raise ValueError(f"{path}: empty file (no non-blank line)")
 
 
+def check_not_blank(path: Path) -> None:
+    """Refuses a file with nothing but (ASCII) blanks, reading only up to its first other byte.
+
+    Raises:
+      FileNotFoundError, ValueError: as :func:`iter_lines`.
+    """
+    with _open(Path(path), None) as file:
+        while data := _read(file, path):
+            if data.strip():
+                return
+    raise ValueError(f"{path}: empty file (no non-blank line)")
+
+
+def read_text(path: Path, on_read: OnRead | None = None) -> str:
+    """A UTF-8 file's whole text, as it is (line breaks and blank lines kept).
+
+    Raises:
+      FileNotFoundError, ValueError: as :func:`iter_lines`.
+    """
+    path = Path(path)
+    with _open(path, on_read) as file:
+        parts = []
+        while data := _read(file, path):
+            parts.append(data)
+    text = _decode(b"".join(parts), path, 0, 0)
+    if not text.strip():
+        raise ValueError(f"{path}: empty file (no non-blank line)")
+    return text
+
+
+def iter_paragraphs(path: Path, on_read: OnRead | None = None) -> Iterator[str]:
+    """Each run of non-blank lines of a file, its lines joined by line breaks."""
+    lines: list[str] = []
+    for line in iter_lines(path, on_read):
+        if line.strip():
+            lines.append(line)
+        elif lines:
+            yield "\n".join(lines)
+            lines = []
+    if lines:
+        yield "\n".join(lines)
+
+
 def iter_text_records(
-    files: Sequence[Path], on_read: OnRead | None = None
+    files: Sequence[Path], documents: str = "file", on_read: OnRead | None = None
 ) -> Iterator[dict[str, str]]:
-    """``{"text": line}`` for every non-blank line of ``files``."""
+    """``{"text": document}`` for every document of ``files``, made as ``documents`` (one of
+    :data:`TEXT_DOCUMENTS`) says."""
+    check_text_documents(documents)
     for path in files:
-        for line in iter_lines(path, on_read):
-            if line.strip():
-                yield {"text": line}
+        if documents == "file":
+            yield {"text": read_text(path, on_read)}
+        elif documents == "paragraphs":
+            yield from ({"text": paragraph} for paragraph in iter_paragraphs(path, on_read))
+        else:
+            yield from ({"text": line} for line in iter_lines(path, on_read) if line.strip())
+
+
+def check_text_documents(documents: str) -> None:
+    if documents not in TEXT_DOCUMENTS:
+        raise ValueError(
+            f"unknown text documents {documents!r}; valid: {', '.join(TEXT_DOCUMENTS)}"
+        )
 
 
 def iter_jsonl_records(
@@ -197,12 +266,16 @@ def iter_parallel_records(
 
 
 def iter_records(
-    source: str, files: Sequence[Path], field: str = "text", on_read: OnRead | None = None
+    source: str,
+    files: Sequence[Path],
+    field: str = "text",
+    on_read: OnRead | None = None,
+    documents: str = "file",
 ) -> Iterator[dict[str, str]]:
-    """The records of a ``text``, ``jsonl`` (text in ``field``) or ``parallel`` source's
-    ``files`` (:func:`source_files`)."""
+    """The records of a ``text`` (made into ``documents``), ``jsonl`` (text in ``field``) or
+    ``parallel`` source's ``files`` (:func:`source_files`)."""
     if source == "text":
-        return iter_text_records(files, on_read)
+        return iter_text_records(files, documents, on_read)
     if source == "jsonl":
         return iter_jsonl_records(files, field, on_read)
     if source == "parallel":
@@ -218,6 +291,43 @@ def _parallel_files(path_or_pair: str) -> list[Path]:
     if len(parts) == 1:
         return [expand_files(parts[0])[0]]
     return [expand_files(part.strip())[0] for part in parts]
+
+
+class _RawBytes:
+    """A binary file whose reads are also handed to ``on_read`` (a compressed file's own bytes)."""
+
+    def __init__(self, file, path: Path, on_read: OnRead):
+        self.file, self.path, self.on_read = file, path, on_read
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.file.read(size)
+        if data:
+            self.on_read(self.path, data)
+        return data
+
+
+@contextlib.contextmanager
+def _open(path: Path, on_read: OnRead | None) -> Iterator:
+    """``path`` opened to read its (decompressed) bytes; ``on_read`` sees the file's bytes."""
+    try:
+        raw = path.open("rb")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: file not found") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read ({e.strerror})") from None
+    with raw:
+        reader = raw if on_read is None else _RawBytes(raw, path, on_read)
+        decompress = _DECOMPRESS.get(path.suffix)
+        yield reader if decompress is None else decompress(reader)
+
+
+def _read(file, path: Path) -> bytes:
+    """The next chunk of ``file`` (empty at its end)."""
+    try:
+        return file.read(CHUNK_BYTES)
+    except (OSError, EOFError, lzma.LZMAError) as e:
+        reason = getattr(e, "strerror", None) or str(e) or type(e).__name__
+        raise ValueError(f"{path}: cannot read ({reason})") from None
 
 
 def _decode(data: bytes, path: Path, offset: int, number: int) -> str:

@@ -1,6 +1,6 @@
 """Prepared token stores: a corpus tokenized once into flat arrays on disk, memory-mapped to read.
 
-    store = prepare_store("stores/lines", source="text", path="data/*.txt",
+    store = prepare_store("stores/lines", source="text", path="data/*.txt", documents="lines",
                           tokenizer_kind="bpe", vocab_size=8192)
     store = open_store("stores/lines")            # checked against its manifest, read-only
     ids = store.documents.document("text", 0)     # the first document's ids, a view
@@ -16,9 +16,10 @@ and any tool reads the files)::
     digests.u64       uint64 [N]: documents.text_digests of the documents (decides the split)
     labels.i32        int32 [N], optional: class indices (prepare_store writes none)
 
-The manifest names the format and version, the source (kind, path, field, each file's size and
-sha256), the tokenizer (kind, its files' sha256, what a fitted one was fitted with), the number
-of documents, each field's number of tokens and dtype, and each data file's size.
+The manifest names the format and version, the source (kind, path, field, how a text file became
+documents, each file's size and sha256), the tokenizer (kind, its files' sha256, what a fitted
+one was fitted with), the number of documents, each field's number of tokens and dtype, and each
+data file's size.
 
 :func:`prepare_store` writes into a sibling ``.NAME.partial-<host>-<pid>`` directory, flushes it
 to disk, writes the manifest and renames it into place: an interrupted prepare leaves nothing
@@ -82,11 +83,12 @@ def prepare_store(
     source: str,
     path: str,
     field: str = "text",
+    documents: str = "file",
     tokenizer: Tokenizer | None = None,
     tokenizer_kind: str = "byte",
     vocab_size: int | None = None,
     tokenizer_path: Path | str | None = None,
-    validation_fraction: float = 0.1,
+    validation_fraction: float | None = 0.1,
     batch_size: int = BATCH_SIZE,
     progress: Progress | None = None,
 ) -> Store:
@@ -98,10 +100,13 @@ def prepare_store(
       out_dir: the store directory; it must not exist, be empty, or hold a store of these
         inputs.
       source, path, field: the source kind, its files, and the JSONL field holding the text.
+      documents: how a ``text`` source's files become documents (``file``, ``paragraphs`` or
+        ``lines``: :mod:`~flaxformer_lite.data.sources`).
       tokenizer: use this tokenizer; otherwise ``tokenizer_kind`` (``byte``, ``sentencepiece``
         from ``tokenizer_path``, or ``char``, ``word``, ``bpe`` fitted with ``vocab_size`` on
-        the training documents: all but the ``validation_fraction`` that
-        :func:`~flaxformer_lite.data.documents.split_documents` holds out).
+        the training part: all but the ``validation_fraction`` that
+        :func:`~flaxformer_lite.data.documents.split_documents` holds out, or for ``file``
+        documents the tail each keeps back; all of it if None, for a separate validation set).
       batch_size: texts per ``encode_batch`` call (fewer if they are long: :data:`BATCH_CHARS`).
       progress: see :data:`Progress`; None shows nothing.
 
@@ -114,6 +119,8 @@ def prepare_store(
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
     files = sources.source_files(source, path)
+    sources.check_text_documents(documents)
+    documents = documents if source == "text" else None
     fitted = None
     if tokenizer is None and tokenizer_kind in FITTED_KINDS:
         if tokenizer_kind == "bpe" and vocab_size is None:
@@ -124,7 +131,12 @@ def prepare_store(
         tokenizer = tokenizers.make_tokenizer(tokenizer_kind, path=tokenizer_path)
     kind = tokenizer_kind if tokenizer is None else tokenizer.kind
     request = {
-        "source": {"kind": source, "path": path, "field": field if source == "jsonl" else None},
+        "source": {
+            "kind": source,
+            "path": path,
+            "field": field if source == "jsonl" else None,
+            "documents": documents,
+        },
         "tokenizer": {"kind": kind, "fitted": fitted},
     }
     if tokenizer is not None:
@@ -139,19 +151,19 @@ def prepare_store(
     try:
         stats = [(p, p.stat()) for p in files]
         hashes = FileHashes(files)  # fed by the first pass over the files
-        passes = SourcePasses(source, files, field, batch_size, progress)
+        passes = SourcePasses(source, files, field, batch_size, progress, documents or "file")
         if fitted is not None:
             tokenizer = fit_tokenizer(passes, kind, **fitted, where=path, on_read=hashes)
             hashes, request["source"]["files"] = None, hashes.infos()
         tokenizer.save(partial / TOKENIZER_DIR)
-        documents, tokens = write_documents(partial, passes, tokenizer, on_read=hashes)
+        count, tokens = write_documents(partial, passes, tokenizer, on_read=hashes)
         if hashes is not None:
             request["source"]["files"] = hashes.infos()
         for p, stat in stats:
             now = p.stat()
             if (now.st_size, now.st_mtime_ns) != (stat.st_size, stat.st_mtime_ns):
                 raise ValueError(f"{p}: changed while the store was being prepared")
-        manifest = _manifest(partial, request, tokenizer, documents, tokens)
+        manifest = _manifest(partial, request, tokenizer, count, tokens)
         fsync_tree(partial)  # the data on disk before the manifest that vouches for it
         with (partial / MANIFEST).open("w", encoding="utf-8") as file:
             file.write(json.dumps(manifest, indent=1) + "\n")
@@ -307,6 +319,8 @@ def _difference(made: dict[str, Any], request: dict[str, Any]) -> str | None:
     source, wanted = made["source"], request["source"]
     if (source["kind"], source.get("field")) != (wanted["kind"], wanted["field"]):
         return f"source {source['kind']!r} field {source.get('field')!r}"
+    if text_documents(made) != wanted["documents"]:
+        return f"{text_documents(made)!r} documents, not {wanted['documents']!r}"
     if len(source["files"]) != len(wanted["files"]):
         return f"{len(source['files'])} source files, not {len(wanted['files'])}"
     for before, now in zip(source["files"], wanted["files"], strict=True):
@@ -320,6 +334,13 @@ def _difference(made: dict[str, Any], request: dict[str, Any]) -> str | None:
     if wanted["fitted"] is None and tokenizer["sha256"] != wanted["sha256"]:
         return "another tokenizer's files"
     return None
+
+
+def text_documents(manifest: dict[str, Any]) -> str | None:
+    """How the text files of a store's source became documents (None: not a text source).
+    Stores made before the setting existed made a document of each line."""
+    source = manifest["source"]
+    return source.get("documents", "lines") if source["kind"] == "text" else None
 
 
 def _read_manifest(path: Path) -> dict[str, Any]:

@@ -81,6 +81,7 @@ class SourcePasses:
     field: str
     batch_size: int
     progress: Progress | None
+    documents: str = "file"  # how a text file becomes documents (sources.TEXT_DOCUMENTS)
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -99,7 +100,7 @@ class SourcePasses:
                 if on_read is not None:
                     on_read(path, data)
 
-            records = sources.iter_records(self.kind, self.files, self.field, read)
+            records = sources.iter_records(self.kind, self.files, self.field, read, self.documents)
             batch, chars = [], 0
             for record in records:
                 batch.append(record)
@@ -115,21 +116,33 @@ def fit_tokenizer(
     passes: SourcePasses,
     kind: str,
     vocab_size: int | None,
-    validation_fraction: float,
+    validation_fraction: float | None,
     where: str,
     on_read: sources.OnRead | None = None,
 ) -> Tokenizer:
-    """A tokenizer fitted on the training documents: one pass (also fed to ``on_read``) hashes
-    every document to split them (:func:`split_documents`, naming ``where``), the next fits on
-    the texts of those not held out."""
+    """A tokenizer fitted on the training part of the source (also fed to ``on_read``): all of
+    it if ``validation_fraction`` is None (the validation data come from elsewhere); the head of
+    each whole-file document (:func:`~flaxformer_lite.data.documents.hold_out_tails`, here by
+    characters); else one pass hashes every document to split them (:func:`split_documents`,
+    naming ``where``) and the next fits on the texts of those not held out."""
+    if validation_fraction is None or (passes.kind == "text" and passes.documents == "file"):
+        keep = 1.0 if validation_fraction is None else 1 - validation_fraction
+        docs = (doc for texts in passes.batches("fitting", on_read) for doc in _documents(texts))
+        texts = (text[: int(len(text) * keep)] for doc in docs for text in doc)
+        return tokenizers.make_tokenizer(kind, texts=texts, vocab_size=vocab_size)
     batches = passes.batches("splitting", on_read)
     digests = np.concatenate([text_digests(texts) for texts in batches])
     train, _ = split_documents(digests, validation_fraction, where)
     in_train = np.zeros(len(digests), bool)
     in_train[train] = True
-    docs = (doc for texts in passes.batches("fitting") for doc in zip(*texts.values(), strict=True))
+    docs = (doc for texts in passes.batches("fitting") for doc in _documents(texts))
     texts = (text for doc, keep in zip(docs, in_train, strict=True) if keep for text in doc)
     return tokenizers.make_tokenizer(kind, texts=texts, vocab_size=vocab_size)
+
+
+def _documents(texts: dict[str, list[str]]) -> Iterator[tuple[str, ...]]:
+    """Each document's field texts, from a batch of them by field."""
+    return zip(*texts.values(), strict=True)
 
 
 def write_documents(
