@@ -34,7 +34,8 @@ def gpt2(hf, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def finetuned(gpt2, tmp_path_factory):
-    """GPT-2 fine-tuned for 60 steps on a text file (rows padded, not packed; dropout off)."""
+    """GPT-2 fine-tuned for 60 steps on a text file of one example per line (rows padded, not
+    packed; dropout off)."""
     root = tmp_path_factory.mktemp("finetune")
     (root / "corpus.txt").write_text("\n".join(hf_checkpoints.CORPUS) + "\n")
     overrides = [
@@ -42,6 +43,7 @@ def finetuned(gpt2, tmp_path_factory):
         f"run_dir={root / 'run'}",
         "data.source=text",
         f"data.path={root / 'corpus.txt'}",
+        "data.text_documents=lines",  # one example per line
         "data.seq_len=16",
         "data.packing=false",
         "train.batch_size=8",
@@ -92,7 +94,12 @@ def test_first_step_loss_is_the_hf_loss_and_it_falls(hf, gpt2, finetuned, tmp_pa
     )
     batch = next(data.train)
     eot = tokenizer.eos_id
-    assert (batch["inputs"][:, 0] == eot).all()  # every row starts with <|endoftext|>
+    starts = batch["inputs"][:, 0] == eot  # a line's first row starts with <|endoftext|>
+    # A line longer than a row is not cut: it goes on in the next row, from position 0 (as the
+    # HF model sees that row too), where the row before, full and without its end, stopped.
+    assert starts[0] and not starts.all()
+    for row in np.flatnonzero(~starts):
+        assert batch["weights"][row - 1].all() and eot not in batch["targets"][row - 1]
     # Padding is id 0 with weight 0; here 0 is <|endoftext|> itself, whose real occurrences (the
     # targets closing each example) keep weight 1.
     padding = batch["weights"] == 0

@@ -26,8 +26,9 @@ def corpus(tmp_path):
 
 
 def text_cfg(path, **kwargs):
-    """A text source's config; ``packing="windows"`` packs with ``lm_rows=windows``."""
-    kwargs = {"packing": False, **kwargs}
+    """A text source's config, one document per line unless ``text_documents`` says otherwise;
+    ``packing="windows"`` packs with ``lm_rows=windows``."""
+    kwargs = {"packing": False, "text_documents": "lines", **kwargs}
     if kwargs["packing"] == "windows":
         kwargs.update(packing=True, lm_rows="windows")
     return DataConfig(source="text", path=str(path), **kwargs)
@@ -70,13 +71,14 @@ def lm_texts(tokenizer, batch):
 # --- sources ---------------------------------------------------------------------------------
 
 
-def read(kind, path, field="text"):
-    """Every record of a source: its files resolved, then read."""
-    return list(sources.iter_records(kind, sources.source_files(kind, path), field))
+def read(kind, path, field="text", documents="lines"):
+    """Every record of a source: its files resolved, then read (text: one per line)."""
+    files = sources.source_files(kind, path)
+    return list(sources.iter_records(kind, files, field, documents=documents))
 
 
-def text_records(path):
-    return read("text", path)
+def text_records(path, documents="lines"):
+    return read("text", path, documents=documents)
 
 
 def jsonl_records(path, field="text"):
@@ -93,6 +95,9 @@ def test_text_records_read_a_glob_in_sorted_order_one_record_per_line(tmp_path):
     (tmp_path / "notes.md").write_text("not matched\n")
     records = text_records(str(tmp_path / "*.txt"))
     assert records == [{"text": "first line"}, {"text": "second  "}, {"text": "third"}]
+    # The same files as whole-file documents (the default), as they are.
+    whole = text_records(str(tmp_path / "*.txt"), documents="file")
+    assert whole == [{"text": "first line\r\n   \n\nsecond  \n"}, {"text": "third\n"}]
 
 
 def test_jsonl_records_take_the_named_field(tmp_path):
@@ -232,14 +237,35 @@ def test_lm_batches_shift_pad_and_cover_each_epoch_in_a_new_order(corpus, tmp_pa
     assert epochs[0] != epochs[1]
 
 
-def test_long_lm_examples_are_cut_before_the_shift(tmp_path):
+def test_long_lm_examples_go_on_in_the_next_row_never_cut(tmp_path):
     path = tmp_path / "long.txt"
-    path.write_text("".join(f"abcdefghijklmnop{i}\n" for i in range(10)))
-    batch = next(build(text_cfg(path, seq_len=8), tmp_path).train)
+    lines = [f"abcdefghijklmnop{i}" for i in range(10)]  # 18 positions: rows of 8, 8 and 2
+    path.write_text("".join(f"{line}\n" for line in lines))
+    data = build(text_cfg(path, seq_len=8), tmp_path)
+    held_out = {r["text"] for r in data.eval_examples}
+    train_lines = set(lines) - held_out
+    batches = take(data.train, -(-3 * len(train_lines) // 4))  # an epoch: 3 rows per line
+    rows = [
+        row for b in batches for row in zip(b["inputs"], b["targets"], b["weights"], strict=True)
+    ]
     letters = np.frombuffer(b"abcdefgh", np.uint8).astype(np.int32) + 4  # byte ids
-    np.testing.assert_array_equal(batch["inputs"][0], [SOS_ID, *letters[:7]])
-    np.testing.assert_array_equal(batch["targets"][0], letters)
-    assert batch["weights"].all()
+    np.testing.assert_array_equal(rows[0][0], [SOS_ID, *letters[:7]])
+    np.testing.assert_array_equal(rows[0][1], letters)
+    seen = []
+    for first in range(0, 3 * len(train_lines), 3):  # each line's pieces in consecutive rows
+        pieces = rows[first : first + 3]
+        assert [int(w.sum()) for _, _, w in pieces] == [8, 8, 2]
+        inputs = np.concatenate([i[w > 0] for i, _, w in pieces])
+        targets = np.concatenate([t[w > 0] for _, t, w in pieces])
+        assert inputs[0] == SOS_ID and targets[-1] == EOS_ID  # whole: <sos> ... <eos>
+        np.testing.assert_array_equal(inputs[1:], targets[:-1])  # the shift goes on across rows
+        seen.append(BYTES.decode(targets[:-1]))
+    assert sorted(seen) == sorted(train_lines)
+    # Validation counts every position of every held-out line, also cut into rows of 8.
+    assert data.eval_tokens == sum(len(line) + 1 for line in held_out)
+    eval_weights = sum(float(b["weights"].sum()) for b in data.eval_batches())
+    assert eval_weights == data.eval_tokens
+    assert data.eval_batch_count == len(list(data.eval_batches())) == -(-3 * len(held_out) // 4)
 
 
 def test_seq2seq_batches_from_two_parallel_files(tmp_path):
@@ -398,11 +424,74 @@ def test_process_shards_split_each_global_batch(corpus, tmp_path, packing):
 def test_eval_batches_cover_the_validation_split_once_in_order(corpus, tmp_path):
     data = build(text_cfg(corpus, validation_fraction=0.3), tmp_path)  # 9 validation lines
     batches = list(data.eval_batches())
-    assert len(batches) == 3
+    assert len(batches) == data.eval_batch_count == 3  # unpacked: one line per row
+    assert set(batches[0]) == {"inputs", "targets", "weights"}
     texts = [text for batch in batches for text in lm_texts(data.tokenizer, batch)]
     assert texts == [r["text"] for r in data.eval_examples]
     assert not batches[-1]["inputs"][1:].any() and not batches[-1]["weights"][1:].any()
+    assert data.eval_tokens == sum(len(t) + 1 for t in texts)
     assert_batches_equal(list(data.eval_batches()), batches)
+    # Packed, the same lines in the same order, several to a row, each its own segment.
+    packed = build(text_cfg(corpus, validation_fraction=0.3, packing=True), tmp_path)
+    segments = []
+    for batch in packed.eval_batches():
+        for inputs, targets, weights, ids, positions in zip(
+            *(batch[k] for k in ("inputs", "targets", "weights", "segment_ids", "positions")),
+            strict=True,
+        ):
+            for segment in range(1, ids.max() + 1):
+                where = ids == segment
+                np.testing.assert_array_equal(positions[where], np.arange(where.sum()))
+                segments.append(lm_row_text(BYTES, inputs[where], targets[where], weights[where]))
+    assert segments == texts
+    assert packed.eval_batch_count == 1 and packed.eval_tokens == data.eval_tokens
+
+
+def test_file_documents_train_on_the_head_of_each_file_and_validate_on_its_tail(tmp_path):
+    texts = {
+        "a.txt": "".join(f"line {i} of a\n" for i in range(20)) + "\n\nafter blank lines\n",
+        "b.txt": "B: " + "short text\r\nwith CRLF\r\n" * 3,
+    }
+    for name, text in texts.items():
+        (tmp_path / name).write_text(text, newline="")
+    cfg = DataConfig(
+        source="text", path=str(tmp_path / "*.txt"), seq_len=16, validation_fraction=0.25
+    )
+    data = build(cfg, tmp_path, batch_size=2)
+    cuts = [int(len(text) * 0.75) for text in texts.values()]  # bytes: one id per character
+    heads = [text[:cut] for text, cut in zip(texts.values(), cuts, strict=True)]
+    tails = [text[cut:] for text, cut in zip(texts.values(), cuts, strict=True)]
+    assert [r["text"] for r in data.eval_examples] == tails  # each file's tail, in file order
+    # Validation: each tail cut into pieces of 16 positions, packed, in order; nothing else.
+    segments = []
+    for batch in data.eval_batches():
+        for row in range(len(batch["weights"])):
+            ids = batch["segment_ids"][row]
+            for segment in range(1, ids.max() + 1):
+                where = ids == segment
+                np.testing.assert_array_equal(
+                    batch["positions"][row][where], np.arange(16)[: where.sum()]
+                )
+                segments.append((batch["inputs"][row][where], batch["targets"][row][where]))
+    inputs = np.concatenate([i for i, _ in segments])
+    targets = np.concatenate([t for _, t in segments])
+    expected = [[SOS_ID, *BYTES.encode(tail)] for tail in tails]
+    np.testing.assert_array_equal(inputs, np.concatenate(expected))
+    np.testing.assert_array_equal(targets, np.concatenate([[*e[1:], EOS_ID] for e in expected]))
+    assert data.eval_tokens == sum(len(tail) + 1 for tail in tails) == len(targets)
+    # Training: an epoch is each head whole (in pieces), line breaks and blank lines kept.
+    found, current = [], []
+    while len(found) < 2:
+        batch = next(data.train)
+        for row in range(len(batch["weights"])):
+            ids = batch["segment_ids"][row]
+            for segment in range(1, ids.max() + 1):
+                where = ids == segment
+                current.append(batch["targets"][row][where])
+                if current[-1][-1] == EOS_ID:
+                    found.append(BYTES.decode(np.concatenate(current)[:-1]))
+                    current = []
+    assert sorted(found) == sorted(heads)
 
 
 # --- tokenizers ------------------------------------------------------------------------------

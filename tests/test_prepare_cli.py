@@ -31,6 +31,7 @@ def prepare(capsys, *argv):
 def test_prepare_prints_one_summary_line_and_a_second_run_does_nothing(corpus, tmp_path, capsys):
     out = tmp_path / "store"
     argv = ["--out", out, "data.source=text", f"data.path={corpus}", "data.tokenizer=char"]
+    argv.append("data.text_documents=lines")  # one document per line
     status, lines, err = prepare(capsys, *argv, "--no-progress")
     assert status == 0 and err == ""
     assert len(lines) == 1
@@ -39,6 +40,7 @@ def test_prepare_prints_one_summary_line_and_a_second_run_does_nothing(corpus, t
     tokens = int(re.search(r"([\d,]+) tokens,", lines[0]).group(1).replace(",", ""))
     assert tokens == store.documents.tokens["text"].size == sum(map(len, LINES))
     assert store.manifest["tokenizer"]["fitted"] == {"vocab_size": None, "validation_fraction": 0.1}
+    assert store.manifest["source"]["documents"] == "lines"
     mtimes = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
     status, lines, _ = prepare(capsys, *argv)
     assert status == 0
@@ -80,7 +82,8 @@ def test_a_fine_tuning_config_prepares_with_the_checkpoints_tokenizer(corpus, tm
     assert status == 0, err
     store = open_store(tmp_path / "s")
     assert store.tokenizer.kind == "hf"
-    assert store.documents.document("text", 0).tolist() == bpe.encode(LINES[0])
+    # The file is one document (the default), encoded whole by the checkpoint's tokenizer.
+    assert store.documents.document("text", 0).tolist() == bpe.encode(corpus.read_text())
 
 
 @pytest.mark.parametrize(

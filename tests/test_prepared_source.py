@@ -35,12 +35,17 @@ def assert_same_batches(first, second):
             np.testing.assert_array_equal(a[key], b[key], err_msg=key)
 
 
+@pytest.mark.parametrize("documents", ["file", "lines"])
 @pytest.mark.parametrize("rows", ["documents", "windows"])
-def test_a_prepared_store_gives_the_batches_of_its_text_source(tmp_path, corpus, rows):
+def test_a_prepared_store_gives_the_batches_of_its_text_source(tmp_path, corpus, rows, documents):
     store = tmp_path / "store"
-    prepare_store(store, source="text", path=str(corpus), tokenizer_kind="char")
+    prepare_store(
+        store, source="text", path=str(corpus), documents=documents, tokenizer_kind="char"
+    )
     settings = dict(seq_len=16, packing=True, lm_rows=rows, tokenizer="char")
-    from_text = build(DataConfig(source="text", path=str(corpus), **settings), tmp_path / "a")
+    text_cfg = DataConfig(source="text", path=str(corpus), text_documents=documents, **settings)
+    from_text = build(text_cfg, tmp_path / "a")
+    # A prepared store's documents are what it was prepared with (text_documents None).
     from_store = build(DataConfig(source="prepared", path=str(store), **settings), tmp_path / "b")
     assert from_store.tokenizer.same_as(from_text.tokenizer)
     assert_same_batches(take(from_text, 6), take(from_store, 6))
@@ -49,6 +54,34 @@ def test_a_prepared_store_gives_the_batches_of_its_text_source(tmp_path, corpus,
         r["text"] for r in from_text.eval_examples
     ]
     assert (tmp_path / "b" / "tokenizer" / "tokenizer_kind.json").is_file()  # the run keeps it
+    held_out = [r["text"] for r in from_store.eval_examples]
+    if documents == "lines":
+        assert len(held_out) == 6 and set(held_out) <= set(LINES)
+    else:  # the tail of the one file
+        text = corpus.read_text()
+        assert held_out == [text[int(len(text) * 0.9) :]]
+    assert from_store.eval_tokens == sum(len(t) + 1 for t in held_out)
+
+
+def test_a_prepared_store_of_other_documents_is_refused(tmp_path, corpus):
+    store = tmp_path / "store"
+    prepare_store(store, source="text", path=str(corpus), documents="lines")
+    for documents in ("lines", None):
+        cfg = DataConfig(source="prepared", path=str(store), seq_len=16, text_documents=documents)
+        build(cfg, tmp_path / f"ok-{documents}")
+    cfg = DataConfig(source="prepared", path=str(store), seq_len=16, text_documents="file")
+    with pytest.raises(ValueError, match="data.text_documents='file'") as info:
+        build(cfg, tmp_path / "run")
+    assert str(info.value).startswith(f"{store}: ") and "lines" in str(info.value)
+
+
+def test_a_text_source_is_prepared_once_per_documents_setting(tmp_path, corpus):
+    cfg = DataConfig(source="text", path=str(corpus), seq_len=16, text_documents="lines")
+    lines = build(cfg, tmp_path)
+    whole = build(DataConfig(source="text", path=str(corpus), seq_len=16), tmp_path)
+    stores = sorted((tmp_path / PREPARED_DIR).iterdir())
+    assert len(stores) == 2  # one store each: never one read as the other
+    assert len(lines.eval_examples) == 6 and len(whole.eval_examples) == 1
 
 
 def test_a_text_source_is_prepared_once_into_the_run_directory(tmp_path, corpus):
@@ -100,7 +133,7 @@ def test_a_missing_or_unfinished_store_is_named(tmp_path):
 
 def test_validation_texts_are_the_stores_even_when_the_source_changed(tmp_path, corpus):
     store = tmp_path / "store"
-    prepare_store(store, source="text", path=str(corpus), tokenizer_kind="byte")
+    prepare_store(store, source="text", path=str(corpus), documents="lines", tokenizer_kind="byte")
     cfg = DataConfig(source="prepared", path=str(store), seq_len=16)
     expected = [r["text"] for r in build(cfg, tmp_path / "a").eval_examples]
     assert set(expected) <= set(LINES)

@@ -39,7 +39,13 @@ def store(tmp_path):
     ]
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(lines) + "\n")
-    return prepare_store(tmp_path / "store", source="text", path=str(corpus), tokenizer_kind="char")
+    return prepare_store(
+        tmp_path / "store",
+        source="text",
+        path=str(corpus),
+        documents="lines",
+        tokenizer_kind="char",
+    )
 
 
 @pytest.mark.slow

@@ -4,6 +4,8 @@ store (:mod:`flaxformer_lite.data.store`), with the data settings a training run
     flaxformer-lite prepare --out stores/lines data.source=text data.path='corpus/*.txt' \\
         data.tokenizer=bpe data.vocab_size=8192
     flaxformer-lite prepare --config configs/my_run.yaml --out stores/my_run
+    flaxformer-lite prepare --out stores/wiki data.source=text data.path=wiki/train.txt \
+        data.validation_path=wiki/valid.txt --validation-out stores/wiki_valid
 
 Running it again on the same files and tokenizer settings does nothing; a directory holding
 anything else is refused, never overwritten. A user error exits 2 with one line.
@@ -30,15 +32,21 @@ def prepare_parser() -> argparse.ArgumentParser:
     parser = CommandParser(
         prog="flaxformer-lite prepare",
         description="Tokenize the configured text, jsonl or parallel source once into a store "
-        "of token ids (data.source, data.path, data.field, data.tokenizer, data.vocab_size, "
-        "data.tokenizer_path and data.validation_fraction, as train.py reads them; a fitted "
-        "tokenizer sees the training documents only). Running it again on the same inputs "
-        "does nothing.",
+        "of token ids (data.source, data.path, data.field, data.text_documents, data.tokenizer, "
+        "data.vocab_size, data.tokenizer_path and data.validation_fraction, as train.py reads "
+        "them; a fitted tokenizer sees the training part only). With data.validation_path, "
+        "that source is prepared too, into --validation-out, with the same tokenizer. Running "
+        "it again on the same inputs does nothing.",
         examples=(EXAMPLE,),
     )
     parser.add_argument("--config", type=pathlib.Path, help="a YAML preset (see configs/)")
     parser.add_argument(
         "--out", type=pathlib.Path, required=True, help="the store directory to write"
+    )
+    parser.add_argument(
+        "--validation-out",
+        type=pathlib.Path,
+        help="the validation store to write, from data.validation_path (which it needs)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
@@ -57,8 +65,7 @@ def prepare_main(argv: list[str] | None = None) -> int:
 
 
 def _prepare(args) -> int:
-    from flaxformer_lite.data.pipeline import prepare_source
-    from flaxformer_lite.data.store import MANIFEST
+    from flaxformer_lite.data.pipeline import prepare_source, prepare_validation
     from flaxformer_lite.train.config import load_config
 
     cfg = load_config(args.config, args.overrides)
@@ -67,6 +74,11 @@ def _prepare(args) -> int:
         raise ValueError(
             f"data.source={data.source!r}: prepare reads files (data.source text, jsonl or "
             "parallel, with data.path)"
+        )
+    if (data.validation_path is None) != (args.validation_out is None):
+        raise ValueError(
+            "data.validation_path and --validation-out go together: the validation files, "
+            "and the store to prepare them into"
         )
     tokenizer = None
     if cfg.init_from is not None:  # a fine-tuning run keeps the checkpoint's tokenizer
@@ -80,9 +92,20 @@ def _prepare(args) -> int:
         progress = functools.partial(
             tqdm, unit="B", unit_scale=True, unit_divisor=1024, dynamic_ncols=True, leave=False
         )
-    existed = (args.out / MANIFEST).is_file()
+    store = _timed(lambda: prepare_source(data, args.out, tokenizer, progress), args.out)
+    if data.validation_path is not None:
+        out = args.validation_out
+        _timed(lambda: prepare_validation(data, out, store, progress), out)
+    return 0
+
+
+def _timed(prepare, out: pathlib.Path):
+    """Runs ``prepare`` (of the store at ``out``) and says what it made, or found made."""
+    from flaxformer_lite.data.store import MANIFEST
+
+    existed = (out / MANIFEST).is_file()
     start = time.perf_counter()
-    store = prepare_source(data, args.out, tokenizer, progress)
+    store = prepare()
     seconds = time.perf_counter() - start
     documents = store.manifest["documents"]
     tokens = sum(field["tokens"] for field in store.manifest["fields"].values())
@@ -91,4 +114,4 @@ def _prepare(args) -> int:
         say(f"{store.path}: already prepared ({counts})")
     else:
         say(f"prepared {store.path}: {counts}, {tokens / max(seconds, 1e-9):,.0f} tokens/s")
-    return 0
+    return store

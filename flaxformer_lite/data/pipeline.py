@@ -16,12 +16,16 @@ arrays are listed in :mod:`flaxformer_lite.data.features`.
 Every source first becomes tokenized :class:`~flaxformer_lite.data.documents.Documents` with a
 tokenizer and a validation split; one path then batches them
 (:mod:`flaxformer_lite.data.batches`). Training rows come in epochs, each a new shuffle of the
-training documents by ``(seed, epoch)``: packed (``lm`` with ``packing``: whole documents,
-next-fit, or with ``data.lm_rows=windows`` the documents end to end cut into rows), or one
-document per row. Global batch ``g`` is rows ``[g * batch_size, (g + 1) * batch_size)`` and
-process ``i`` makes only its rows ``[i * B, (i + 1) * B)``. The rows never depend on the process
-count, so the iterator state (it counts global batches) is the same on every process, and a run
-may resume on another number of processes.
+training documents by ``(seed, epoch)``: for ``lm``, documents cut into pieces of at most
+``seq_len`` positions and packed next-fit (or one piece per row without ``packing``), or with
+``data.lm_rows=windows`` the documents end to end cut into rows: every token of every training
+document is in one row of each epoch. Other tasks: one document per row, cut to fit (the
+:attr:`Data.notices` say how much). Validation is every held-out document: ``lm`` pieces in
+document order, so its numbers are over every validation token whatever the training layout.
+Global batch ``g`` is rows ``[g * batch_size, (g + 1) * batch_size)`` and process ``i`` makes only
+its rows ``[i * B, (i + 1) * B)``. The rows never depend on the process count, so the iterator
+state (it counts global batches) is the same on every process, and a run may resume on another
+number of processes.
 """
 
 from __future__ import annotations
@@ -38,9 +42,27 @@ from typing import Any
 import numpy as np
 
 from flaxformer_lite.data import sources, synthetic, tokenizers
-from flaxformer_lite.data.batches import Layout, TrainBatches, TrainIterator, eval_batches
-from flaxformer_lite.data.documents import Documents, split_documents, text_digests
-from flaxformer_lite.data.store import Store, check_tokenizer, open_store, prepare_store
+from flaxformer_lite.data.batches import (
+    Layout,
+    TrainBatches,
+    TrainIterator,
+    eval_batches,
+    eval_row_count,
+)
+from flaxformer_lite.data.documents import (
+    Documents,
+    hold_out_tails,
+    split_documents,
+    text_digests,
+)
+from flaxformer_lite.data.features import truncation
+from flaxformer_lite.data.store import (
+    Store,
+    check_tokenizer,
+    open_store,
+    prepare_store,
+    text_documents,
+)
 from flaxformer_lite.data.tokenizers import NUM_SPECIAL, Tokenizer
 
 SOURCES = ("synthetic", "text", "jsonl", "parallel", "prepared")
@@ -68,26 +90,34 @@ class DataConfig:
     """Where the data comes from and how it becomes batches.
 
     Attributes:
-      source: ``synthetic`` (the built-in ``task``), ``text`` (``path`` a glob of text files, one
-        example per non-blank line), ``jsonl`` (``path`` a glob of JSONL files, the text in
-        ``field``) or ``parallel`` (``path`` a TSV file or ``"src_file,tgt_file"``).
+      source: ``synthetic`` (the built-in ``task``), ``text`` (``path`` a glob of text files, or
+        ``builtin:tinyshakespeare``; documents as ``text_documents`` says), ``jsonl`` (``path``
+        a glob of JSONL files, the text in ``field``), ``parallel`` (``path`` a TSV file or
+        ``"src_file,tgt_file"``) or ``prepared`` (``path`` a store from ``prepare``).
       task: synthetic task name (``synthetic.TASKS``), used when ``source`` is ``synthetic``.
       task_options: the synthetic task's own options (``data.task_options.max_digits=4``; see
         its class in :mod:`~flaxformer_lite.data.synthetic`); empty: the task's defaults.
       path: the files of a non-synthetic source.
       field: the JSONL field that holds the text.
+      text_documents: how a text file becomes documents: ``file`` (whole, line breaks and blank
+        lines kept), ``paragraphs`` (runs of non-blank lines) or ``lines`` (each non-blank
+        line); None: ``file``, or for a prepared store what it was prepared with.
+      validation_path: the validation data, of the same kind as ``path`` (files, or a prepared
+        store), used whole; None: hold out ``validation_fraction`` of ``path``.
       tokenizer: ``byte``; ``char``, ``word`` or ``bpe`` fitted on the training texts; or
         ``sentencepiece`` loaded from ``tokenizer_path``.
       tokenizer_path: a SentencePiece ``.model`` file.
       vocab_size: the BPE target size (required, >= 260), or a cap on a word vocabulary.
-      seq_len: tokens per row of every ``[B, seq_len]`` array; longer examples are truncated.
+      seq_len: tokens per row of every ``[B, seq_len]`` array; a longer ``lm`` document goes on
+        in the next piece, a longer example of another task is cut (the run says how much).
       packing: pack several documents into each training row (``lm`` only); None (the default)
         packs for ``lm`` and pads for the other tasks (one document per row).
-      lm_rows: how ``lm`` rows are packed: ``documents`` (whole documents, next-fit; longer ones
-        truncated) or ``windows`` (all documents end to end, cut into rows: no padding, no
-        truncation; a document may continue in the next row, as a new segment).
-      validation_fraction: share of a file source's records held out for validation (synthetic
-        tasks have their own validation split).
+      lm_rows: how ``lm`` rows are packed: ``documents`` (documents in pieces of at most
+        ``seq_len``, next-fit; a document that fits a row is never cut) or ``windows`` (all
+        documents end to end, cut into rows: no padding; a document may continue in the next
+        row, as a new segment).
+      validation_fraction: share of a file source held out for validation: of its documents,
+        or the tail of each ``file`` document (synthetic tasks have their own split).
       mlm_probability: share of an ``mlm`` example's tokens to predict.
       train_size: at most this many training examples (None: all; synthetic: 1,000,000).
       eval_size: at most this many validation examples (None: all; synthetic: 1,000).
@@ -98,6 +128,8 @@ class DataConfig:
     task_options: dict[str, int | bool] = dataclasses.field(default_factory=dict)
     path: str | None = None
     field: str = "text"
+    text_documents: str | None = None
+    validation_path: str | None = None
     tokenizer: str = "byte"
     tokenizer_path: str | None = None
     vocab_size: int | None = None
@@ -121,6 +153,18 @@ class DataConfig:
                 raise ValueError(f"data.task_options: {error}") from None
         elif not self.path:
             raise ValueError(f"data.path is required with data.source={self.source!r}")
+        if self.text_documents is not None:
+            _check_choice("text_documents", self.text_documents, sources.TEXT_DOCUMENTS)
+            if self.source not in ("text", "prepared"):
+                raise ValueError(
+                    "data.text_documents says how text files become documents: it needs "
+                    f"data.source text or prepared, not {self.source!r}"
+                )
+        if self.validation_path is not None and self.source == "synthetic":
+            raise ValueError(
+                "data.validation_path needs a file source: synthetic tasks have "
+                "their own validation split"
+            )
         if self.tokenizer == "sentencepiece" and not self.tokenizer_path:
             raise ValueError("data.tokenizer='sentencepiece' needs data.tokenizer_path")
         if self.tokenizer == "bpe" and self.vocab_size is None:
@@ -156,6 +200,10 @@ class Data:
       eval_examples: all validation records (every process sees all), for generation scores:
         the synthetic validation ``Task``, or dicts with ``text`` or ``source`` and ``target``.
       labels: the class names of a ``classify`` task, else None.
+      eval_batch_count: the global batches of a whole pass over the validation split.
+      eval_tokens: the target tokens of the validation split, for ``lm`` and ``seq2seq`` (what
+        its token-weighted metrics are over), else None.
+      notices: what a run should say once: the examples a task cut to fit ``seq_len``.
       make_eval_batches: what :meth:`eval_batches` calls.
     """
 
@@ -163,6 +211,9 @@ class Data:
     train: TrainIterator
     eval_examples: Sequence[dict[str, Any]]
     labels: tuple[str, ...] | None
+    eval_batch_count: int
+    eval_tokens: int | None
+    notices: tuple[str, ...]
     make_eval_batches: Callable[[], Iterator[dict[str, np.ndarray]]] = dataclasses.field(repr=False)
 
     @property
@@ -170,10 +221,10 @@ class Data:
         return self.tokenizer.vocab_size
 
     def eval_batches(self) -> Iterator[dict[str, np.ndarray]]:
-        """A fresh pass over the validation split: ``ceil(N / batch_size)`` global batches in
-        document order, one document per row, never packed; the last is filled up with padding
-        rows (weights 0, masks False) so every batch has one shape and every example counts
-        once."""
+        """A fresh pass over the validation split, :attr:`eval_batch_count` global batches in
+        document order (:func:`~flaxformer_lite.data.batches.eval_batches`); the last is filled
+        up with padding rows (weights 0, masks False) so every batch has one shape and every
+        token counts once."""
         return self.make_eval_batches()
 
 
@@ -260,12 +311,49 @@ def build_data(
     pipeline = dict(task=task, rows=layout.rows, seq_len=cfg.seq_len, seed=seed)
     pipeline.update(batch_size=batch_size, train_documents=len(ids))
     pipeline["train_tokens"] = sum(int(documents.lengths(f)[ids].sum()) for f in documents.fields)
+    valid_documents, valid_ids = corpus.validation
+    notices = tuple(
+        notice
+        for split, (docs, split_ids) in (
+            ("training", corpus.train),
+            ("validation", corpus.validation),
+        )
+        if (notice := _truncation_notice(task, docs, split_ids, cfg.seq_len, split))
+    )
     return Data(
         tokenizer=tokenizer,
         train=TrainIterator(TrainBatches(documents, ids, layout), pipeline, prefetch),
         eval_examples=corpus.eval_examples,
         labels=corpus.labels if task == "classify" else None,
+        eval_batch_count=-(-eval_row_count(*corpus.validation, layout) // batch_size),
+        eval_tokens=_target_tokens(task, valid_documents, valid_ids, cfg.seq_len),
+        notices=notices,
         make_eval_batches=functools.partial(eval_batches, *corpus.validation, layout),
+    )
+
+
+def _target_tokens(task: str, documents: Documents, ids: np.ndarray, seq_len: int) -> int | None:
+    """The weighted targets of a pass over ``ids``: every position of an ``lm`` document, each
+    target position of a ``seq2seq`` row (cut to ``seq_len``); None for the other tasks."""
+    if task == "lm":
+        return int((documents.lengths("text")[ids] + 1).sum())
+    if task == "seq2seq":
+        return int(np.minimum(documents.lengths("target")[ids] + 1, seq_len).sum())
+    return None
+
+
+def _truncation_notice(
+    task: str, documents: Documents, ids: np.ndarray, seq_len: int, split: str
+) -> str | None:
+    """What a task that fits each example in one row cuts from the ``split`` documents ``ids``."""
+    if task == "lm":
+        return None
+    examples, cut, total = truncation(task, documents, ids, seq_len)
+    if not examples:
+        return None
+    return (
+        f"data.seq_len={seq_len} cuts {examples:,} of the {len(ids):,} {split} examples: "
+        f"{cut:,} of their {total:,} tokens ({cut / max(total, 1):.1%}) are not seen"
     )
 
 
@@ -315,41 +403,117 @@ def _load_store(
     cfg: DataConfig, directory: Path, save: bool, given: Tokenizer | None, task: str
 ) -> tuple[Tokenizer, Corpus]:
     """A prepared store (``data.source=prepared``), or a text, jsonl or parallel source prepared
-    into a store in ``directory``'s sibling ``prepared/`` on first use: one read path for all."""
+    into a store in ``directory``'s sibling ``prepared/`` on first use: one read path for all.
+    The validation documents are ``data.validation_path``'s, prepared alike with the training
+    store's tokenizer, or held out of the training store."""
+    _check_sources(cfg)
     saved = _saved_tokenizer(cfg, directory, given)
     store = _run_store(cfg, directory, saved or given)
     _check_kind(kind_of(store), f"the store {store.path} ({kind_of(store)} documents)", task)
+    valid_store = None if cfg.validation_path is None else _validation_store(cfg, directory, store)
     if save and saved is None:
         store.tokenizer.save(directory)
     documents = store.documents
+    if valid_store is not None:
+        train, valid = np.arange(len(documents)), np.arange(len(valid_store.documents))
+        train, valid = train[: cfg.train_size], valid[: cfg.eval_size]
+        examples = _validation_records(valid_store, valid)
+        corpus = Corpus((documents, train), (valid_store.documents, valid), examples)
+        return store.tokenizer, corpus
     where = cfg.path or str(store.path)
-    train, valid = split_documents(documents.digests, cfg.validation_fraction, where)
-    train, valid = train[: cfg.train_size], valid[: cfg.eval_size]
-    examples = _validation_records(store, valid)
+    if text_documents(store.manifest) == "file":
+        documents, train, valid = hold_out_tails(documents, cfg.validation_fraction, where)
+        train, valid = train[: cfg.train_size], valid[: cfg.eval_size]
+        examples = _decoded_records(store.tokenizer, documents, valid)
+    else:
+        train, valid = split_documents(documents.digests, cfg.validation_fraction, where)
+        train, valid = train[: cfg.train_size], valid[: cfg.eval_size]
+        examples = _validation_records(store, valid)
     return store.tokenizer, Corpus((documents, train), (documents, valid), examples)
 
 
+def _check_sources(cfg: DataConfig) -> None:
+    """Refuses a missing source, or a file with nothing but blanks, before anything is written;
+    the message names the setting and the file."""
+    for key in ("path", "validation_path"):
+        path = getattr(cfg, key)
+        if path is None:
+            continue
+        try:
+            if cfg.source == "prepared":
+                open_store(path)
+            else:
+                for file in sources.source_files(cfg.source, path):
+                    sources.check_not_blank(file)
+        except (FileNotFoundError, ValueError) as error:
+            raise type(error)(f"data.{key}: {error}") from None
+
+
 def prepare_run_store(cfg: DataConfig, directory: Path, given: Tokenizer | None = None) -> None:
-    """Prepares the store a run whose tokenizer lives in ``directory`` reads (see
-    :func:`build_data`), if its source needs one and it is not there yet.
+    """Prepares the stores a run whose tokenizer lives in ``directory`` reads (see
+    :func:`build_data`), if its source needs them and they are not there yet.
 
     A multi-process run calls this on one process before the others build their data, so that a
     shared run directory's cache is written once; on a file system of its own, a process that
     finds no store prepares its own copy."""
-    if cfg.source not in sources.SOURCES:
+    if cfg.source == "synthetic":
         return
-    _run_store(cfg, directory, _saved_tokenizer(cfg, directory, given) or given)
+    _check_sources(cfg)
+    store = _run_store(cfg, directory, _saved_tokenizer(cfg, directory, given) or given)
+    if cfg.validation_path is not None:
+        _validation_store(cfg, directory, store)
 
 
 def _run_store(cfg: DataConfig, directory: Path, tokenizer: Tokenizer | None) -> Store:
     """``data.path``'s store, or the source's in the run's cache (made with ``tokenizer`` if the
-    run has one: a resumed run's saved copy, or ``init_from``'s), checked against ``tokenizer``."""
+    run has one: a resumed run's saved copy, or ``init_from``'s), checked against ``tokenizer``
+    and against ``data.text_documents``."""
     if cfg.source != "prepared":
-        return prepare_source(cfg, directory.parent / PREPARED_DIR / _cache_name(cfg), tokenizer)
+        return prepare_source(cfg, _cache_dir(cfg, cfg.path, directory), tokenizer)
     store = open_store(cfg.path)
     if tokenizer is not None:
         check_tokenizer(store, tokenizer)
+    made = text_documents(store.manifest)
+    if cfg.text_documents is not None and made != cfg.text_documents:
+        raise ValueError(
+            f"{store.path}: prepared from {_store_kind(store)} data, not with "
+            f"data.text_documents={cfg.text_documents!r}"
+        )
     return store
+
+
+def _validation_store(cfg: DataConfig, directory: Path, train: Store) -> Store:
+    """``data.validation_path``'s store: prepared in the run's cache, or opened."""
+    if cfg.source != "prepared":
+        return prepare_validation(cfg, _cache_dir(cfg, cfg.validation_path, directory), train)
+    store = open_store(cfg.validation_path)
+    check_tokenizer(store, train.tokenizer)
+    _check_same_kind(cfg, store, train)
+    return store
+
+
+def prepare_validation(cfg: DataConfig, out_dir: Path, train: Store, progress=None) -> Store:
+    """``data.validation_path``'s files prepared into a store at ``out_dir`` as ``data.path``'s
+    were into ``train`` (the same source kind and documents), with ``train``'s tokenizer."""
+    valid_cfg = dataclasses.replace(cfg, path=cfg.validation_path)
+    return prepare_source(valid_cfg, out_dir, train.tokenizer, progress)
+
+
+def _check_same_kind(cfg: DataConfig, store: Store, train: Store) -> None:
+    path = cfg.validation_path
+    made, wanted = _store_kind(store), _store_kind(train)
+    if made != wanted:
+        raise ValueError(
+            f"data.validation_path={path}: holds {made} data, but the training data "
+            f"(data.path={cfg.path}) are {wanted}"
+        )
+
+
+def _store_kind(store: Store) -> str:
+    """What a store holds, in words: its source kind and, for text, its documents."""
+    source = store.manifest["source"]
+    documents = text_documents(store.manifest)
+    return f"{source['kind']} ({documents} documents)" if documents else repr(source["kind"])
 
 
 def prepare_source(
@@ -357,25 +521,31 @@ def prepare_source(
 ) -> Store:
     """The text, jsonl or parallel source ``cfg`` names, prepared into a store at ``out_dir``
     (:func:`~flaxformer_lite.data.store.prepare_store`, with ``tokenizer`` or the one ``cfg``
-    names); the store already there when it was made from the same inputs."""
+    names, fitted on all of it when ``data.validation_path`` names the validation data); the
+    store already there when it was made from the same inputs."""
     return prepare_store(
         out_dir,
         source=cfg.source,
         path=cfg.path,
         field=cfg.field,
+        documents=cfg.text_documents or "file",
         tokenizer=tokenizer,
         tokenizer_kind=cfg.tokenizer,
         vocab_size=cfg.vocab_size,
         tokenizer_path=cfg.tokenizer_path,
-        validation_fraction=cfg.validation_fraction,
+        validation_fraction=None if cfg.validation_path else cfg.validation_fraction,
         progress=progress,
     )
 
 
-def _cache_name(cfg: DataConfig) -> str:
-    """One cached store per source a run directory has read: ``text-<hash of path and field>``."""
-    key = json.dumps([cfg.source, cfg.path, cfg.field if cfg.source == "jsonl" else None])
-    return f"{cfg.source}-{hashlib.blake2b(key.encode(), digest_size=6).hexdigest()}"
+def _cache_dir(cfg: DataConfig, path: str, directory: Path) -> Path:
+    """One cached store per source a run directory has read, ``prepared/text-<hash>`` beside
+    the tokenizer ``directory``: the hash is of the source, ``path``, field and documents."""
+    field = cfg.field if cfg.source == "jsonl" else None
+    documents = (cfg.text_documents or "file") if cfg.source == "text" else None
+    key = json.dumps([cfg.source, path, field, documents])
+    name = f"{cfg.source}-{hashlib.blake2b(key.encode(), digest_size=6).hexdigest()}"
+    return directory.parent / PREPARED_DIR / name
 
 
 def kind_of(store) -> str:
@@ -391,7 +561,9 @@ def _validation_records(store, ids: np.ndarray) -> list[dict[str, str]]:
     wanted = set(ids.tolist())
     try:
         files = [Path(file["path"]) for file in source["files"]]
-        records = sources.iter_records(source["kind"], files, source["field"] or "text")
+        records = sources.iter_records(
+            source["kind"], files, source["field"] or "text", None, text_documents(store.manifest)
+        )
         records = itertools.islice(records, int(ids.max()) + 1)  # the rest is not needed
         by_index = {i: r for i, r in enumerate(records) if i in wanted}
     except (FileNotFoundError, ValueError):
@@ -401,9 +573,13 @@ def _validation_records(store, ids: np.ndarray) -> list[dict[str, str]]:
         columns = {f: [r[f] for r in found] for f in store.documents.fields}
         if np.array_equal(text_digests(columns), store.documents.digests[ids]):
             return found
-    decode = store.tokenizer.decode
-    fields = store.documents.fields
-    return [{f: decode(store.documents.document(f, i)) for f in fields} for i in ids.tolist()]
+    return _decoded_records(store.tokenizer, store.documents, ids)
+
+
+def _decoded_records(tokenizer: Tokenizer, documents: Documents, ids: np.ndarray) -> list[dict]:
+    """The records of documents ``ids``, decoded from their ids."""
+    fields = documents.fields
+    return [{f: tokenizer.decode(documents.document(f, i)) for f in fields} for i in ids.tolist()]
 
 
 def _tokenizer(

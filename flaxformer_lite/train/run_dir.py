@@ -37,9 +37,23 @@ def locked_run_dir(
         with _flock(run_dir):
             moved = move_aside(run_dir)
         log(f"--fresh: moved the previous run to {moved}")
+    created = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
-    with _flock(run_dir):
-        yield run_dir
+    try:
+        with _flock(run_dir):
+            yield run_dir
+    except BaseException:
+        if created:
+            _remove_if_unused(run_dir)
+        raise
+
+
+def _remove_if_unused(run_dir: pathlib.Path) -> None:
+    """Removes a run directory that a failed run created and left nothing in but its lock and
+    empty folders: bad input leaves no trace."""
+    files = [p for p in run_dir.rglob("*") if not p.is_dir() and p.name != LOCK_FILE]
+    if not files:
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 @contextlib.contextmanager

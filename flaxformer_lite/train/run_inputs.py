@@ -25,18 +25,27 @@ INPUTS_FILE = "inputs.json"
 
 def current_inputs(cfg: DataConfig) -> dict[str, Any]:
     """The data settings and the source files as they are now (sizes only: cheap)."""
-    return {"data": dataclasses.asdict(cfg), "files": _files_now(cfg)}
+    files = [f for path in _paths(cfg) for f in _files_now(cfg, path)]
+    return {"data": dataclasses.asdict(cfg), "files": files}
 
 
 def built_inputs(cfg: DataConfig, run_dir: pathlib.Path) -> dict[str, Any]:
     """The inputs the run's data were just built from: :func:`current_inputs` with each
-    file's sha256 from the prepared store's manifest (``data.path`` for a prepared source, the
-    run's cached store of a text, jsonl or parallel source)."""
+    file's sha256 from the prepared store's manifest (``data.path`` and
+    ``data.validation_path`` for prepared sources, the run's cached stores of text, jsonl or
+    parallel ones)."""
     inputs = current_inputs(cfg)
-    found = store_of(cfg, run_dir)
-    if found is not None:
-        inputs["files"] = _manifest_files(found[1])
+    files = []
+    for path in _paths(cfg):
+        found = store_of(cfg, run_dir, path)
+        files += _files_now(cfg, path) if found is None else _manifest_files(found[1])
+    inputs["files"] = files
     return inputs
+
+
+def _paths(cfg: DataConfig) -> list[str]:
+    """The data's paths: ``data.path``, and ``data.validation_path`` if set."""
+    return [p for p in (cfg.path, cfg.validation_path) if p is not None]
 
 
 def read_inputs(run_dir: pathlib.Path) -> dict[str, Any] | None:
@@ -62,7 +71,9 @@ def input_changes(recorded: dict[str, Any], current: dict[str, Any]) -> list[str
     """One ``  what: before -> now`` line per difference (files: by path and size, and by
     sha256 where both sides have it)."""
     lines = []
-    before, now = recorded.get("data", {}), current["data"]
+    before, now = dict(recorded.get("data", {})), current["data"]
+    if before.get("source") == "text" and "text_documents" not in before:
+        before["text_documents"] = "lines"  # recorded before the setting: a document per line
     for key in sorted(before.keys() | now.keys()):
         if before.get(key) != now.get(key):
             lines.append(f"  data.{key}: {before.get(key)!r} -> {now.get(key)!r}")
@@ -79,14 +90,14 @@ def input_changes(recorded: dict[str, Any], current: dict[str, Any]) -> list[str
     return lines
 
 
-def _files_now(cfg: DataConfig) -> list[dict[str, Any]]:
+def _files_now(cfg: DataConfig, path: str) -> list[dict[str, Any]]:
     if cfg.source == "synthetic":  # made from the settings alone
         return []
     if cfg.source == "prepared":  # a store never changes: its manifest is its source
-        found = store_of(cfg, None)
+        found = store_of(cfg, None, path)
         return [] if found is None else _manifest_files(found[1])
     try:
-        files = sources.source_files(cfg.source, cfg.path)
+        files = sources.source_files(cfg.source, path)
     except (FileNotFoundError, ValueError):  # building the data names the problem
         return []
     return [{"path": str(p), "size": p.stat().st_size} for p in files]
@@ -100,26 +111,31 @@ def _manifest_files(manifest: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def store_of(
-    cfg: DataConfig, run_dir: pathlib.Path | None
+    cfg: DataConfig, run_dir: pathlib.Path | None, path: str | None = None
 ) -> tuple[pathlib.Path, dict[str, Any]] | None:
-    """The directory and manifest of the store the data are read from (``data.path`` for a
-    prepared source, the run's cached store of a file source), if there is one yet."""
+    """The directory and manifest of the store the data of ``path`` (default ``data.path``) are
+    read from (``path`` for a prepared source, the run's cached store of a file source), if
+    there is one yet."""
+    path = cfg.path if path is None else path
     if cfg.source == "synthetic":
         return None
     if cfg.source == "prepared":
-        candidates = [pathlib.Path(cfg.path) / MANIFEST]
+        candidates = [pathlib.Path(path) / MANIFEST]
     elif run_dir is None:
         return None
     else:
         found = (run_dir / PREPARED_DIR).glob(f"{cfg.source}-*/{MANIFEST}")
         # A cached store is <source>-<hex>; one moved aside by --force has a .old<N> suffix.
         candidates = sorted(p for p in found if "." not in p.parent.name)
-    for path in candidates:
+    for candidate in candidates:
         try:
-            manifest = json.loads(path.read_text(encoding="utf-8"))
+            manifest = json.loads(candidate.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
         made_from = manifest.get("source", {})
-        if cfg.source == "prepared" or made_from.get("path") == cfg.path:
-            return path.parent, manifest
+        documents = cfg.text_documents or "file" if cfg.source == "text" else None
+        if cfg.source == "prepared" or (
+            made_from.get("path") == path and made_from.get("documents") == documents
+        ):
+            return candidate.parent, manifest
     return None
