@@ -49,7 +49,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="resume even if the model/optimizer/data config changed",
     )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="a plain line per logged step instead of a progress bar (the default when the "
+        "output is not a terminal)",
+    )
     parser.add_argument(
         "--show-config",
         action="store_true",
@@ -73,7 +78,9 @@ def _train(args) -> int:
     def train():
         cfg = load_config(args.config, args.overrides)
         library_log_to(pathlib.Path(cfg.run_dir) / LIBRARY_LOG)
-        last = run(cfg, fresh=args.fresh, force=args.force, progress=not args.no_progress, log=say)
+        # A bar only on a terminal: written to a file or a pipe it is one line of carriage returns.
+        bar = not args.no_progress and sys.stdout.isatty() and sys.stderr.isatty()
+        last = run(cfg, fresh=args.fresh, force=args.force, progress=bar, log=say)
         summary = ", ".join(f"{k} {v:.4g}" for k, v in last.items() if v is not None)
         if jax.process_index() == 0:  # a multi-process run reports once
             say(f"done: {cfg.run_dir} ({summary})")

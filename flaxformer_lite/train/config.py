@@ -47,17 +47,19 @@ _TOKENIZER_KEYS = ("tokenizer", "tokenizer_path", "vocab_size")
 class LoopConfig:
     """The training loop. ``steps`` counts optimizer steps; ``batch_size`` is global (split into
     ``grad_accum_steps`` microbatches). A step with a non-finite loss or gradient stops the run,
-    or is skipped with ``skip_nonfinite``. Each evaluation also greedy-decodes the first
+    or is skipped with ``skip_nonfinite``. Each evaluation covers every validation token, or the
+    first ``eval_batches`` batches (the log says what share). It also greedy-decodes the first
     ``decode_examples`` validation examples of LM prompt=answer tasks and seq2seq data, scores
     them (exact match, token accuracy, BLEU for translation) and logs ``log_samples`` of them;
-    0 turns decoding off."""
+    0 turns decoding off. On plain text, it logs ``log_samples`` continuations of validation
+    prompts instead."""
 
     steps: int = 3000
     batch_size: int = 32
     grad_accum_steps: int = 1
     log_every: int = 50
     eval_every: int = 500
-    eval_batches: int = 4
+    eval_batches: int | None = None
     decode_examples: int = 256
     log_samples: int = 3
     label_smoothing: float = 0.0
@@ -76,10 +78,11 @@ class LoopConfig:
             "grad_accum_steps",
             "log_every",
             "eval_every",
-            "eval_batches",
         )
         for name in names:
             _check_positive(f"train.{name}", getattr(self, name))
+        if self.eval_batches is not None:
+            _check_positive("train.eval_batches", self.eval_batches)
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ConfigError(
                 f"train.label_smoothing must be in [0, 1), got {self.label_smoothing}"

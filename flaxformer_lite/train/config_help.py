@@ -86,15 +86,21 @@ HELP = {
     "data.source": "synthetic (a built-in task), text, jsonl, parallel or prepared (a store)",
     "data.task": "the synthetic task: arithmetic, reverse, number_words or sentiment",
     "data.task_options": "the synthetic task's options, e.g. {max_digits: 4}; {}: its defaults",
-    "data.path": "the files of a text, jsonl or parallel source, or a prepared store",
+    "data.path": "the files of a text, jsonl or parallel source (or builtin:tinyshakespeare), "
+    "or a prepared store",
     "data.field": "the JSONL field that holds the text",
+    "data.text_documents": "a text file's documents: file (whole), paragraphs or lines; "
+    "null: file, or a prepared store's own",
+    "data.validation_path": "validation data of data.path's kind, used whole; "
+    "null: hold out data.validation_fraction",
     "data.tokenizer": "byte; char, word or bpe fitted on the data; or sentencepiece",
     "data.tokenizer_path": "a SentencePiece .model file",
     "data.vocab_size": "the BPE vocabulary size (required for bpe), or a cap on word's",
     "data.seq_len": "tokens per row of every [B, seq_len] batch",
     "data.packing": "pack several documents into each row (LM); null: pack LM, pad others",
-    "data.lm_rows": "LM rows of whole documents, or windows cut end to end from them",
-    "data.validation_fraction": "share of a file source's records held out for validation",
+    "data.lm_rows": "LM rows of documents in pieces of seq_len, or windows cut end to end",
+    "data.validation_fraction": "share held out for validation: of the documents, or each "
+    "whole file's tail",
     "data.mlm_probability": "share of an MLM example's tokens to predict",
     "data.train_size": "at most this many training examples; null: all",
     "data.eval_size": "at most this many validation examples; null: all",
@@ -114,7 +120,7 @@ HELP = {
     "train.grad_accum_steps": "microbatches per step (batch_size must be a multiple)",
     "train.log_every": "log training metrics every this many steps",
     "train.eval_every": "evaluate every this many steps (and at the end)",
-    "train.eval_batches": "validation batches per evaluation",
+    "train.eval_batches": "validation batches per evaluation; null: all (every token)",
     "train.decode_examples": "validation examples greedy-decoded and scored per evaluation",
     "train.log_samples": "decoded examples printed per evaluation",
     "train.label_smoothing": "label smoothing of the loss, in [0, 1)",

@@ -6,6 +6,9 @@ validation examples, which are scored as text.
   output reproduces at the same position;
 * BLEU (sacrebleu's corpus BLEU) for translation data (a ``parallel`` source).
 
+Plain text has no answer to score: :func:`continue_texts` samples continuations of validation
+prompts, to be read.
+
 Perplexity is ``exp(eval_loss)`` of the teacher-forced evaluation (see ``train.loop``).
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import jax
 import numpy as np
 import sacrebleu
 
@@ -129,3 +133,59 @@ def _exact_match(examples, records, predictions, pairs) -> float:
         return examples.score(predictions, records)["exact_match"]
     hits = sum(p.strip() == r.strip() for p, (_, r) in zip(predictions, pairs, strict=True))
     return hits / len(predictions)
+
+
+def continue_texts(
+    model,
+    tokenizer: Tokenizer,
+    examples: Sequence[dict],
+    *,
+    num_samples: int,
+    max_length: int,
+    seed: int,
+    temperature: float = 0.8,
+) -> list[Sample]:
+    """Sampled continuations (``temperature``, key ``seed``) of prompts from the validation
+    texts ``examples`` (dicts with ``text``): the start of each of the first ``num_samples``
+    texts, or, with fewer texts, line starts spread over the first one. A prompt is a quarter of
+    ``max_length`` tokens, and the continuation fills the rest. ``reference`` is left empty."""
+    prompt_length = max(1, max_length // 4)
+    prompts = []
+    for text, offset in _prompt_starts(examples, num_samples):
+        head = [tokenizer.sos_id] if offset == 0 else []
+        ids = tokenizer.encode(text[offset : offset + 8 * prompt_length])
+        prompts.append([*head, *ids][:prompt_length])
+    batch, lengths = right_pad(prompts, tokenizer.pad_id)
+    new_tokens = max(1, max_length - int(lengths.max()))
+    out = generate(
+        model,
+        batch,
+        max_new_tokens=new_tokens,
+        temperature=temperature,
+        eos_id=tokenizer.eos_id,
+        rng=jax.random.key(seed),
+        prompt_lengths=lengths,
+        pad_id=tokenizer.pad_id,
+    )
+    return [
+        Sample(
+            input=tokenizer.decode(prompt),
+            reference="",
+            prediction=tokenizer.decode(until_eos(row[n : n + new_tokens], tokenizer.eos_id)),
+        )
+        for prompt, row, n in zip(prompts, np.asarray(out), lengths.tolist(), strict=True)
+    ]
+
+
+def _prompt_starts(examples: Sequence[dict], count: int) -> list[tuple[str, int]]:
+    """``(text, character offset)`` of ``count`` prompts: the first ``count`` texts' starts, or
+    line starts spread evenly over the first text when there are fewer texts."""
+    texts = [examples[i]["text"] for i in range(min(count, len(examples)))]
+    if len(texts) >= count or not texts:
+        return [(text, 0) for text in texts]
+    text = texts[0]
+    starts = []
+    for k in range(count):
+        offset = text.rfind("\n", 0, k * len(text) // count) + 1
+        starts.append((text, offset))
+    return starts

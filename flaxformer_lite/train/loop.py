@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import math
 import pathlib
 import signal
@@ -33,7 +34,8 @@ from flaxformer_lite.train.config import (
     config_from_dict,
     is_runtime_key,
 )
-from flaxformer_lite.train.decode_eval import decodable, decode_eval
+from flaxformer_lite.train.console import Console
+from flaxformer_lite.train.decode_eval import continue_texts, decodable, decode_eval
 from flaxformer_lite.train.metrics import MetricsWriter, peak_flops, plot_run
 from flaxformer_lite.train.optim import make_optimizer, warmup_notice
 from flaxformer_lite.train.program import (
@@ -88,7 +90,7 @@ def run(
       cfg: the run's configuration.
       fresh: move an existing run directory aside (to ``<run_dir>.old<N>``) and start over.
       force: resume even if the model, optimizer or data config changed.
-      progress: show a progress bar.
+      progress: show a progress bar (for a terminal); else print a line per logged step.
       log: where one-line messages go.
 
     Raises:
@@ -208,9 +210,11 @@ def _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log, f
     peak = peak_flops()
     main = jax.process_index() == 0
     writer = MetricsWriter(run_dir, resume_step=step, log=log) if main else _NoMetrics()
-    bar = _progress_bar(cfg.train.steps, step, progress)
-    last: dict[str, float] = {}
+    for notice in data.notices:
+        log(notice)
     total = cfg.train.steps
+    console = Console(total, step, bar=progress, log=log)
+    last: dict[str, float] = {}
 
     def check_finite(at: int, metrics) -> None:
         """Stops the run (or logs, with ``train.skip_nonfinite``) if step ``at`` was not finite;
@@ -239,14 +243,14 @@ def _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log, f
     with (
         _stop_on_signals() as stop,
         contextlib.closing(writer),
-        contextlib.closing(bar),
+        contextlib.closing(console),
         tracing_layout(mesh, rules),
     ):
         while step < total:
             started = time.perf_counter()
             state, metrics = train_step(state, batch)
             step += 1
-            bar.update(1)
+            console.advance()
             # The state a checkpoint at this step saves: the batches handed out so far.
             data_state = data.train.get_state()
             if step < total:
@@ -278,16 +282,19 @@ def _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log, f
                 values["mfu"] = (
                     flops_per_token * tokens_per_sec / peak if peak and tokens_per_sec else None
                 )
+                console.logged(step, values)
             if eval_due:
                 batches = map(place, data.eval_batches())
-                values |= evaluate(eval_step, state, batches, cfg.train.eval_batches)
+                scores = evaluate(eval_step, state, batches, cfg.train.eval_batches)
                 if task in ("lm", "seq2seq"):
-                    values["eval_perplexity"] = math.exp(min(values["eval_loss"], 80.0))
-                values |= _decoded_eval(cfg, data, task, nnx.merge(eval_graphdef, state)[0], log)
+                    scores["eval_perplexity"] = math.exp(min(scores["eval_loss"], 80.0))
+                model = nnx.merge(eval_graphdef, state)[0]
+                scores |= _decoded_eval(cfg, data, task, model, step, console.say)
+                console.evaluated(step, scores, _eval_coverage(cfg, data, scores["eval_tokens"]))
+                values |= scores
             if values:
                 writer.write(step, values)
                 last = values
-                bar.set_postfix({k: f"{v:.4g}" for k, v in values.items() if v is not None})
             if saving:  # no state conversion on other steps
                 checkpointer.save(
                     step,
@@ -308,28 +315,62 @@ def _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log, f
     return last
 
 
-def evaluate(eval_step, state, batches, max_batches: int) -> dict[str, float]:
-    """Token-weighted ``eval_loss`` and ``eval_accuracy`` over at most ``max_batches``."""
+def evaluate(eval_step, state, batches, max_batches: int | None = None) -> dict[str, float]:
+    """Token-weighted ``eval_loss`` and ``eval_accuracy`` over every batch (or the first
+    ``max_batches``), and ``eval_tokens``, the number of (weighted) tokens they are over.
+
+    Each batch's means come back from the devices in float32; the sums over batches are made in
+    float64 on the host, so a long validation set adds up exactly."""
     totals = {"loss": 0.0, "accuracy": 0.0, "num_tokens": 0.0}
-    for _, batch in zip(range(max_batches), batches, strict=False):
+    for batch in itertools.islice(batches, max_batches):
         metrics = eval_step(state, batch)
         count = float(metrics["num_tokens"])
         totals["num_tokens"] += count
         for key in ("loss", "accuracy"):
             totals[key] += float(metrics[key]) * count
     count = max(totals["num_tokens"], 1e-8)
-    return {"eval_loss": totals["loss"] / count, "eval_accuracy": totals["accuracy"] / count}
+    return {
+        "eval_loss": totals["loss"] / count,
+        "eval_accuracy": totals["accuracy"] / count,
+        "eval_tokens": totals["num_tokens"],
+    }
 
 
-def _decoded_eval(cfg, data, task, model, log) -> dict[str, float]:
+def _eval_coverage(cfg, data, counted: float) -> str:
+    """What an evaluation of ``counted`` tokens is over, in words: all the validation tokens, or
+    the share ``train.eval_batches`` leaves."""
+    capped = cfg.train.eval_batches
+    if capped is None or capped >= data.eval_batch_count:
+        return f"every one of {counted:,.0f} validation tokens"
+    batches = f"train.eval_batches={capped} of {data.eval_batch_count} batches"
+    if data.eval_tokens is None:
+        return f"{counted:,.0f} tokens of the first {batches}"
+    share = counted / max(data.eval_tokens, 1)
+    return f"{counted:,.0f} of the {data.eval_tokens:,} validation tokens, {share:.1%}: {batches}"
+
+
+def _decoded_eval(cfg, data, task, model, step: int, log) -> dict[str, float]:
     """Greedy-decodes ``train.decode_examples`` validation examples, logs ``train.log_samples``
-    of them, and returns their scores (nothing for tasks without answers to compare)."""
-    if not cfg.train.decode_examples or not decodable(task, data.eval_examples):
-        return {}
+    of them, and returns their scores; on plain text, logs ``train.log_samples`` sampled
+    continuations of validation prompts (no score: text has no answer to compare with)."""
     if jax.process_count() > 1:  # the prompts are not split over processes
         return {}
     # One batch of prompts on whatever devices hold the parameters: no activation layout rules.
     with nnx.logical_axis_rules(()):
+        if task == "lm" and cfg.train.log_samples and not decodable(task, data.eval_examples):
+            samples = continue_texts(
+                model,
+                data.tokenizer,
+                data.eval_examples,
+                num_samples=cfg.train.log_samples,
+                max_length=min(cfg.model.max_length, cfg.data.seq_len),
+                seed=cfg.seed + step,
+            )
+            for number, sample in enumerate(samples, 1):
+                log(f"step {step} sample {number} (prompt {sample.input!r}):\n{sample.prediction}")
+            return {}
+        if not cfg.train.decode_examples or not decodable(task, data.eval_examples):
+            return {}
         values, samples = decode_eval(
             model,
             data.tokenizer,
@@ -339,7 +380,10 @@ def _decoded_eval(cfg, data, task, model, log) -> dict[str, float]:
             max_length=cfg.model.max_length,
         )
     for sample in samples[: cfg.train.log_samples]:
-        log(f"  sample {sample.input!r} -> {sample.prediction!r} (reference {sample.reference!r})")
+        log(
+            f"step {step} sample {sample.input!r} -> {sample.prediction!r} "
+            f"(reference {sample.reference!r})"
+        )
     return values
 
 
@@ -432,12 +476,6 @@ def _check_resumable(saved: TrainConfig, cfg: TrainConfig, force: bool, log) -> 
         )
     if changed:
         log("resuming with a changed config (--force):\n" + "\n".join(lines))
-
-
-def _progress_bar(total: int, initial: int, enabled: bool):
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True)
 
 
 class _StopFlag:

@@ -1,0 +1,74 @@
+"""What a run prints while it trains: a progress bar on a terminal, plain lines elsewhere.
+
+With a bar (``bar=True``: the command found a terminal), each logged step's metrics go on the
+bar; without one (``--no-progress``, output to a file or a pipe, every job on an accelerator
+host), each logged step prints one line::
+
+    step 500/2000: loss 1.627, learning_rate 0.000854, 21.3k tokens/s, 0:00:31 elapsed, 0:01:30 left
+
+Each evaluation prints one line either way, naming its step and what it is over::
+
+    eval at step 500 (every one of 111,541 validation tokens): eval_loss 1.7412, ...
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+# Printed first, in this order; the rest of a step's metrics stay in metrics.jsonl.
+_STEP_KEYS = ("loss", "learning_rate")
+
+
+class Console:
+    """The run's printed progress from step ``initial`` to ``total``; ``log`` prints a line."""
+
+    def __init__(self, total: int, initial: int, *, bar: bool, log):
+        from tqdm import tqdm
+
+        self.total, self.log = total, log
+        self._bar = (
+            tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True) if bar else None
+        )
+        self._started, self._first = time.perf_counter(), initial
+
+    def advance(self) -> None:
+        """One more step done."""
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def logged(self, step: int, values: dict) -> None:
+        """A logged step's training metrics (``tokens_per_sec`` may be None: not timed yet)."""
+        if self._bar is not None:
+            self._bar.set_postfix({k: f"{v:.4g}" for k, v in values.items() if v is not None})
+            return
+        parts = [f"{k} {values[k]:.4g}" for k in _STEP_KEYS if values.get(k) is not None]
+        if values.get("tokens_per_sec"):
+            parts.append(f"{values['tokens_per_sec'] / 1000:.1f}k tokens/s")
+        elapsed = time.perf_counter() - self._started
+        parts.append(f"{_duration(elapsed)} elapsed")
+        if step > self._first:
+            parts.append(f"{_duration(elapsed / (step - self._first) * (self.total - step))} left")
+        self.log(f"step {step}/{self.total}: " + ", ".join(parts))
+
+    def evaluated(self, step: int, values: dict, over: str) -> None:
+        """An evaluation's metrics at ``step``; ``over`` says what they are over."""
+        shown = {k: v for k, v in values.items() if v is not None and k != "eval_tokens"}
+        metrics = ", ".join(f"{k} {v:.4g}" for k, v in shown.items())
+        self.say(f"eval at step {step} ({over}): {metrics}")
+
+    def say(self, message: str) -> None:
+        """A line of its own, above the bar if there is one."""
+        if self._bar is None:
+            self.log(message)
+            return
+        with self._bar.external_write_mode():
+            self.log(message)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _duration(seconds: float) -> str:
+    return str(datetime.timedelta(seconds=round(seconds)))
