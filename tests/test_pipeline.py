@@ -237,30 +237,36 @@ def test_lm_batches_shift_pad_and_cover_each_epoch_in_a_new_order(corpus, tmp_pa
     assert epochs[0] != epochs[1]
 
 
-def test_long_lm_examples_go_on_in_the_next_row_never_cut(tmp_path):
+def test_long_lm_examples_go_on_in_other_rows_never_cut(tmp_path):
     path = tmp_path / "long.txt"
-    lines = [f"abcdefghijklmnop{i}" for i in range(10)]  # 18 positions: rows of 8, 8 and 2
+    # 17 bytes, every line different in every piece: 18 positions, rows of 8, 8 and 2.
+    lines = ["".join(chr(97 + (i + k) % 26) for k in range(16)) + str(i) for i in range(10)]
     path.write_text("".join(f"{line}\n" for line in lines))
     data = build(text_cfg(path, seq_len=8), tmp_path)
     held_out = {r["text"] for r in data.eval_examples}
-    train_lines = set(lines) - held_out
+    train_lines = sorted(set(lines) - held_out)
     batches = take(data.train, -(-3 * len(train_lines) // 4))  # an epoch: 3 rows per line
     rows = [
         row for b in batches for row in zip(b["inputs"], b["targets"], b["weights"], strict=True)
     ]
-    letters = np.frombuffer(b"abcdefgh", np.uint8).astype(np.int32) + 4  # byte ids
-    np.testing.assert_array_equal(rows[0][0], [SOS_ID, *letters[:7]])
-    np.testing.assert_array_equal(rows[0][1], letters)
-    seen = []
-    for first in range(0, 3 * len(train_lines), 3):  # each line's pieces in consecutive rows
-        pieces = rows[first : first + 3]
-        assert [int(w.sum()) for _, _, w in pieces] == [8, 8, 2]
-        inputs = np.concatenate([i[w > 0] for i, _, w in pieces])
-        targets = np.concatenate([t[w > 0] for _, t, w in pieces])
-        assert inputs[0] == SOS_ID and targets[-1] == EOS_ID  # whole: <sos> ... <eos>
-        np.testing.assert_array_equal(inputs[1:], targets[:-1])  # the shift goes on across rows
-        seen.append(BYTES.decode(targets[:-1]))
-    assert sorted(seen) == sorted(train_lines)
+    found = []
+    for inputs, targets, weights in rows[: 3 * len(train_lines)]:
+        n = int(weights.sum())
+        assert weights[:n].all() and not weights[n:].any()
+        assert not inputs[n:].any() and not targets[n:].any()
+        np.testing.assert_array_equal(inputs[1:n], targets[: n - 1])  # the shift
+        found.append((tuple(inputs[:n].tolist()), tuple(targets[:n].tolist())))
+    # Each line whole, <sos> line / line <eos>, in pieces of 8 positions from its start: the
+    # shift goes on from one piece to the next, and each piece is one row of the epoch.
+    expected = []
+    for line in train_lines:
+        inputs, targets = [SOS_ID, *BYTES.encode(line)], [*BYTES.encode(line), EOS_ID]
+        expected += [(tuple(inputs[k : k + 8]), tuple(targets[k : k + 8])) for k in (0, 8, 16)]
+    assert [len(i) for i, _ in expected[:3]] == [8, 8, 2]
+    assert sorted(found) == sorted(expected)
+    # The epoch's rows come shuffled: a line's pieces are not all in consecutive rows.
+    line_of = [expected.index(piece) // 3 for piece in found]
+    assert any(len(set(line_of[k : k + 3])) > 1 for k in range(0, len(line_of), 3))
     # Validation counts every position of every held-out line, also cut into rows of 8.
     assert data.eval_tokens == sum(len(line) + 1 for line in held_out)
     eval_weights = sum(float(b["weights"].sum()) for b in data.eval_batches())
@@ -333,11 +339,14 @@ def test_mlm_masks_15_percent_split_80_10_10_deterministically(tmp_path):
 # --- packing ---------------------------------------------------------------------------------
 
 
-def test_packed_rows_hold_whole_examples_in_stream_order(corpus, tmp_path):
+def test_packed_rows_hold_each_epochs_examples_whole_once(corpus, tmp_path):
     cfg = text_cfg(corpus, seq_len=48)
-    packed = take(build(dataclasses.replace(cfg, packing=True), tmp_path).train, 3)
-    segments = []
-    for batch in packed:
+    data = build(dataclasses.replace(cfg, packing=True), tmp_path)
+    train_lines = sorted(set(LINES) - {r["text"] for r in data.eval_examples})
+    per_epoch = sum(len(line) + 1 for line in train_lines)  # an epoch's weights
+    epochs, segments, filled = [], [], 0
+    while len(epochs) < 2:
+        batch = next(data.train)
         assert batch["segment_ids"].dtype == np.int32 and batch["positions"].shape == (4, 48)
         for inputs, targets, weights, ids, positions in zip(
             *(batch[k] for k in ("inputs", "targets", "weights", "segment_ids", "positions")),
@@ -345,16 +354,27 @@ def test_packed_rows_hold_whole_examples_in_stream_order(corpus, tmp_path):
         ):
             np.testing.assert_array_equal(weights > 0, ids > 0)
             assert not inputs[ids == 0].any() and not targets[ids == 0].any()
-            assert ids.max() >= 2  # several examples per row
+            row = []
             for segment in range(1, ids.max() + 1):
                 where = ids == segment
                 np.testing.assert_array_equal(positions[where], np.arange(where.sum()))
-                text = lm_row_text(BYTES, inputs[where], targets[where], weights[where])
-                segments.append(text)
-    # Next-fit keeps the order of the unpacked stream (the same shuffle of each epoch).
-    unpacked = take(build(cfg, tmp_path).train, 20)
-    stream = [BYTES.decode(row) for b in unpacked for row in b["inputs"]]
-    assert segments == stream[: len(segments)]
+                row.append(lm_row_text(BYTES, inputs[where], targets[where], weights[where]))
+            segments.append(tuple(row))
+            filled += int(weights.sum())
+            assert filled <= per_epoch  # an epoch ends at a row's end
+            if filled == per_epoch:
+                epochs.append(segments)
+                segments, filled = [], 0
+    # Each epoch's rows hold every training line once, whole, as the unpacked epoch's rows do
+    # (the same documents: next-fit packs them in the epoch's order, then the rows are
+    # shuffled); the next epoch packs and hands them out in another order.
+    unpacked = take(build(cfg, tmp_path).train, 7)  # 27 lines, one a row: an epoch and a row
+    stream = [BYTES.decode(row) for b in unpacked for row in b["inputs"]][: len(train_lines)]
+    for rows in epochs:
+        assert sorted(line for row in rows for line in row) == sorted(stream) == train_lines
+        # Lines of 13 to 21 positions, next-fit into 48: only the last row cut holds one line.
+        assert sum(len(row) == 1 for row in rows) <= 1
+    assert epochs[0] != epochs[1]
 
 
 # --- determinism, resumption, sharding -------------------------------------------------------
@@ -479,19 +499,43 @@ def test_file_documents_train_on_the_head_of_each_file_and_validate_on_its_tail(
     np.testing.assert_array_equal(inputs, np.concatenate(expected))
     np.testing.assert_array_equal(targets, np.concatenate([[*e[1:], EOS_ID] for e in expected]))
     assert data.eval_tokens == sum(len(tail) + 1 for tail in tails) == len(targets)
-    # Training: an epoch is each head whole (in pieces), line breaks and blank lines kept.
-    found, current = [], []
-    while len(found) < 2:
+    # Training: an epoch is each head whole, line breaks and blank lines kept, in pieces of 16
+    # positions from its start packed next-fit in the epoch's order; its rows come shuffled.
+    pieces = {}  # each head's pieces, in order
+    for head in heads:
+        inputs, targets = [SOS_ID, *BYTES.encode(head)], [*BYTES.encode(head), EOS_ID]
+        pieces[head] = [
+            (tuple(inputs[k : k + 16]), tuple(targets[k : k + 16]))
+            for k in range(0, len(inputs), 16)
+        ]
+    epoch, filled, total = [], 0, sum(len(head) + 1 for head in heads)
+    while filled < total:
         batch = next(data.train)
         for row in range(len(batch["weights"])):
-            ids = batch["segment_ids"][row]
+            ids, segments = batch["segment_ids"][row], []
             for segment in range(1, ids.max() + 1):
                 where = ids == segment
-                current.append(batch["targets"][row][where])
-                if current[-1][-1] == EOS_ID:
-                    found.append(BYTES.decode(np.concatenate(current)[:-1]))
-                    current = []
-    assert sorted(found) == sorted(heads)
+                np.testing.assert_array_equal(
+                    batch["positions"][row][where], np.arange(where.sum())
+                )
+                inputs, targets = batch["inputs"][row][where], batch["targets"][row][where]
+                segments.append((tuple(inputs.tolist()), tuple(targets.tolist())))
+            if filled < total:  # the rest is the next epoch's
+                epoch.append(tuple(segments))
+                filled += int(batch["weights"][row].sum())
+    assert filled == total  # the epoch ends at a row's end
+    cut_orders = []  # the rows of each order of the two heads, as cut
+    for order in (heads, heads[::-1]):
+        rows, row, fill = [], [], 0
+        for piece in (piece for head in order for piece in pieces[head]):
+            if fill + len(piece[0]) > 16:
+                rows.append(tuple(row))
+                row, fill = [], 0
+            row.append(piece)
+            fill += len(piece[0])
+        cut_orders.append([*rows, tuple(row)])
+    assert sorted(epoch) in [sorted(rows) for rows in cut_orders]
+    assert epoch not in cut_orders  # shuffled: not in the order the rows were cut
 
 
 # --- tokenizers ------------------------------------------------------------------------------

@@ -41,8 +41,8 @@ def text_data(tmp_path, text=BOOK, name="book.txt", **settings):
     )
 
 
-def decode_rows(tokenizer, batches):
-    """The text of every weighted position's target, row by row, in order (<eos> as "|")."""
+def row_texts(tokenizer, batches):
+    """Each row's text: its weighted positions' targets, in order (<eos> as "|")."""
     out = []
     for batch in batches:
         for targets, weights in zip(batch["targets"], batch["weights"], strict=True):
@@ -50,7 +50,12 @@ def decode_rows(tokenizer, batches):
             out.append(
                 "".join("|" if i == tokenizer.eos_id else tokenizer.decode([i]) for i in ids)
             )
-    return "".join(out)
+    return out
+
+
+def decode_rows(tokenizer, batches):
+    """The text of every weighted position's target, row by row, in order (<eos> as "|")."""
+    return "".join(row_texts(tokenizer, batches))
 
 
 def test_a_text_file_is_one_document_with_its_line_breaks_and_its_tail_held_out(tmp_path):
@@ -59,8 +64,12 @@ def test_a_text_file_is_one_document_with_its_line_breaks_and_its_tail_held_out(
         rows_per_epoch = -(-(int(len(BOOK) * 0.9) + 1) // 16)
         batches = [next(data.train) for _ in range(-(-rows_per_epoch // 4))]
     head = int(len(BOOK) * 0.9)  # nanoGPT's split: the first 90% of the characters train
-    trained = decode_rows(data.tokenizer, batches)
-    assert trained[: head + 1] == BOOK[:head] + "|"
+    # An epoch's rows are the head cut into windows of 16 (the last one shorter), handed out
+    # in a shuffled order.
+    trained = row_texts(data.tokenizer, batches)[:rows_per_epoch]
+    windows = [(BOOK[:head] + "|")[k : k + 16] for k in range(0, head + 1, 16)]
+    assert len(windows) == rows_per_epoch
+    assert sorted(trained) == sorted(windows) and trained != windows
     assert decode_rows(data.tokenizer, data.eval_batches()) == BOOK[head:] + "|"
     assert data.eval_tokens == len(BOOK) - head + 1
 

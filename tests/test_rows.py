@@ -60,6 +60,28 @@ def pieces_of(documents, order):
     return expected
 
 
+def rows_of_epoch(found, rows_in_epoch):
+    """The rows of ``found`` segments that belong to one epoch, each a tuple of its segments,
+    as a sorted list (a multiset: the epoch's row order is shuffled)."""
+    by_row = {}
+    for row, inputs, targets in found:
+        if row in rows_in_epoch:
+            by_row.setdefault(row, []).append((tuple(inputs), tuple(targets)))
+    return sorted(tuple(segments) for segments in by_row.values())
+
+
+def next_fit(pieces, pack):
+    """Pieces packed into rows of ``T`` in order, next-fit (or one a row)."""
+    out, row, fill = [], [], 0
+    for inputs, targets in pieces:
+        if row and (not pack or fill + len(inputs) > T):
+            out.append(tuple(row))
+            row, fill = [], 0
+        row.append((tuple(inputs), tuple(targets)))
+        fill += len(inputs)
+    return [*out, tuple(row)]
+
+
 @pytest.mark.parametrize("pack", [True, False])
 def test_packed_rows_hold_every_position_of_every_training_document_once_per_epoch(pack):
     packed = Packed(DOCUMENTS, TRAIN, T, seed=5, pack=pack)
@@ -71,19 +93,13 @@ def test_packed_rows_hold_every_position_of_every_training_document_once_per_epo
     for epoch in range(2):
         order = epoch_order(TRAIN, 5, epoch)
         orders.append(order.tolist())
-        # A document longer than a row goes on in the next piece, from position 0: none is cut.
-        expected = pieces_of(DOCUMENTS, order)
-        got = [(i, t) for row, i, t in found if epoch_of[row] == epoch]
+        # A document longer than a row goes on in the next piece, from position 0: none is cut;
+        # the pieces are packed next-fit in the epoch's order, and the rows then shuffled.
+        expected = sorted(next_fit(pieces_of(DOCUMENTS, order), pack))
+        got = rows_of_epoch(found, set(np.flatnonzero(epoch_of == epoch).tolist()))
         assert got == expected
-        assert sum(len(t) for _, t in got) == int((DOCUMENTS.lengths("text")[TRAIN] + 1).sum())
-        rows_of_epoch = np.flatnonzero(epoch_of == epoch)
-        for row in rows_of_epoch[:-1]:
-            fill = int(rows["weights"][row].sum())
-            nxt = next(i for r, i, _ in found if r == row + 1)
-            if pack:  # next-fit: a row ends where the epoch's next piece does not fit it
-                assert fill + len(nxt) > T
-            else:
-                assert rows["segment_ids"][row].max() == 1
+        positions = sum(len(i) for row in got for i, _ in row)
+        assert positions == int((DOCUMENTS.lengths("text")[TRAIN] + 1).sum())
     assert orders[0] != orders[1] and sorted(orders[0]) == sorted(orders[1]) == TRAIN.tolist()
 
 
@@ -113,18 +129,34 @@ def test_windows_cut_each_epochs_stream_into_rows_and_pad_only_its_last_row():
     rows = windows.rows(0, 3 * per_epoch, SOS, EOS)
     found = segments(rows)
     for epoch in range(3):
-        stream_inputs, stream_targets = [], []
+        stream = []  # (input, target, starts a document) per position
         for doc in epoch_order(TRAIN, 5, epoch):
             inputs, targets = sequence(DOCUMENTS, doc)
-            stream_inputs += inputs
-            stream_targets += targets
-        mine = [(i, t) for row, i, t in found if row // per_epoch == epoch]
-        assert sum((i for i, _ in mine), []) == stream_inputs
-        assert sum((t for _, t in mine), []) == stream_targets
+            stream += [(i, t, k == 0) for k, (i, t) in enumerate(zip(inputs, targets, strict=True))]
+        expected = []
+        for begin in range(0, len(stream), T):  # each window's segments: documents in it
+            window, cut = stream[begin : begin + T], []
+            for k, position in enumerate(window):
+                if k == 0 or position[2]:
+                    cut.append(([], []))
+                cut[-1][0].append(position[0])
+                cut[-1][1].append(position[1])
+            expected.append(tuple((tuple(i), tuple(t)) for i, t in cut))
+        in_epoch = set(range(epoch * per_epoch, (epoch + 1) * per_epoch))
+        assert rows_of_epoch(found, in_epoch) == sorted(expected)
         weights = rows["weights"][epoch * per_epoch : (epoch + 1) * per_epoch]
-        assert weights[:-1].all() and weights[-1].sum() == len(stream_inputs) - T * (per_epoch - 1)
+        assert (weights.sum(1) < T).sum() == 1 and weights.sum() == len(stream)
     # A long document goes on in the next row, as a new segment from position 0.
     assert any(row_ids[0] != SOS for row_ids in rows["inputs"][1:per_epoch])
+
+
+def test_an_epochs_rows_come_shuffled_not_in_the_order_they_were_cut():
+    """One long document (a book): consecutive rows are not consecutive windows of it."""
+    book = from_ids({"text": [np.arange(40 * T) % 250 + 4]}, np.arange(1), dtype=np.uint16)
+    for rows_of in (Windows(book, np.arange(1), T, seed=0), Packed(book, np.arange(1), T, seed=0)):
+        firsts = rows_of.rows(0, 41, SOS, EOS)["targets"][:, 0].tolist()  # 40 T + 1 positions
+        cut_order = [(k * T) % 250 + 4 for k in range(40)] + [EOS]
+        assert sorted(firsts) == sorted(cut_order) and firsts != cut_order
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))

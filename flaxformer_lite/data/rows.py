@@ -17,9 +17,12 @@ each document into pieces of ``T`` positions from its start (the last one shorte
 Face's ``group_texts`` cuts text into blocks, and packs the pieces into rows next-fit in the
 epoch's order (or, with ``pack=False``, one piece per row): every position of every training
 document is in exactly one row of each epoch, whichever layout, and a document of at most ``T``
-positions is never cut. Global row ``j`` counts rows over all epochs; a row is a pure function
-of ``(documents, training ids, T, seed, j)``, whatever process makes it. With ``shuffle=False``
-the order is the ids' own in every epoch: evaluation reads its documents that way, in one epoch.
+positions is never cut. An epoch's rows are then handed out in an order shuffled by
+``(seed, epoch)`` too: the pieces of a long document (a book as one document) would otherwise
+fill whole batches with one passage, where nanoGPT samples windows at random offsets. Global row
+``j`` counts rows over all epochs; a row is a pure function of ``(documents, training ids, T,
+seed, j)``, whatever process makes it. With ``shuffle=False`` both orders are the given ones:
+evaluation reads its documents that way, in one epoch.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import numpy as np
 from flaxformer_lite.data.documents import Documents
 
 _ORDER_STREAM = 0x0D0C  # keeps the epoch orders apart from other draws made from the seed
+_ROW_STREAM = 0x0D0D
 
 
 def epoch_order(ids: np.ndarray, seed: int, epoch: int) -> np.ndarray:
@@ -113,6 +117,12 @@ class _Epochs(abc.ABC):
         """The documents of ``epoch`` in the order its rows take them."""
         return epoch_order(self.ids, self.seed, epoch) if self.shuffle else self.ids
 
+    def row_order(self, epoch: int, count: int) -> np.ndarray:
+        """Which of ``epoch``'s ``count`` rows (in the order they were cut) comes when."""
+        if not self.shuffle:
+            return np.arange(count)
+        return np.random.default_rng([self.seed, epoch, _ROW_STREAM]).permutation(count)
+
     def plan(self, epoch: int):
         if epoch not in self._plans:
             if len(self._plans) >= 2:
@@ -180,7 +190,8 @@ class Windows(_LMRows):
     def _make_plan(self, epoch: int) -> tuple:
         order = self.order(epoch)
         ends = np.cumsum(self.lengths[order] + 1)
-        return order, np.concatenate([[0], ends])  # where each document's positions start
+        starts = np.concatenate([[0], ends])  # where each document's positions start
+        return order, starts, self.row_order(epoch, self.rows_per_epoch)
 
     def rows(self, first: int, count: int, sos_id: int, eos_id: int) -> dict[str, np.ndarray]:
         """Global rows ``[first, first + count)``."""
@@ -188,8 +199,8 @@ class Windows(_LMRows):
         rows = np.arange(first, first + count)
         for epoch in np.unique(rows // self.rows_per_epoch).tolist():
             local = np.flatnonzero(rows // self.rows_per_epoch == epoch)
-            order, starts = self.plan(epoch)
-            begin = (rows[local] % self.rows_per_epoch) * self.seq_len
+            order, starts, row_order = self.plan(epoch)
+            begin = row_order[rows[local] % self.rows_per_epoch] * self.seq_len
             end = np.minimum(begin + self.seq_len, self.stream_length)
             first_doc = np.searchsorted(starts, begin, side="right") - 1
             last_doc = np.searchsorted(starts, end, side="left") - 1
@@ -226,20 +237,22 @@ class Packed(_LMRows):
         doc, k = ranges(-(-sizes // self.seq_len))  # piece k of document doc (in the order)
         start = k * self.seq_len
         length = np.minimum(sizes[doc] - start, self.seq_len)
-        if not self.pack:
-            return order[doc], start, length, np.arange(len(doc) + 1)
-        ends = np.concatenate([[0], np.cumsum(length)])
-        # A row that opens with piece i takes pieces [i, stop[i]): all that fit in T.
-        stop = (np.searchsorted(ends, ends[:-1] + self.seq_len, side="right") - 1).tolist()
-        opening, i = [], 0
-        while i < len(stop):  # one step per row, not per piece
-            opening.append(i)
-            i = stop[i]
-        opening.append(len(stop))
-        return order[doc], start, length, np.array(opening, np.int64)
+        if self.pack:
+            ends = np.concatenate([[0], np.cumsum(length)])
+            # A row that opens with piece i takes pieces [i, stop[i]): all that fit in T.
+            stop = (np.searchsorted(ends, ends[:-1] + self.seq_len, side="right") - 1).tolist()
+            opening, i = [], 0
+            while i < len(stop):  # one step per row, not per piece
+                opening.append(i)
+                i = stop[i]
+            opening.append(len(stop))
+        else:
+            opening = range(len(doc) + 1)
+        opening = np.array(opening, np.int64)
+        return order[doc], start, length, opening, self.row_order(epoch, len(opening) - 1)
 
     def rows_in_epoch(self, epoch: int) -> int:
-        return len(self.plan(epoch)[3]) - 1
+        return len(self.plan(epoch)[4])
 
     def epoch_of(self, row: int) -> int:
         """The epoch that global row ``row`` belongs to."""
@@ -255,8 +268,8 @@ class Packed(_LMRows):
         while row < first + count:
             epoch = self.epoch_of(row)
             end = min(first + count, self._first_rows[epoch + 1])
-            doc, start, length, opening = self.plan(epoch)
-            k = np.arange(row, end) - self._first_rows[epoch]
+            doc, start, length, opening, row_order = self.plan(epoch)
+            k = row_order[np.arange(row, end) - self._first_rows[epoch]]
             owner, within = ranges(opening[k + 1] - opening[k])
             i = opening[k][owner] + within
             local = np.arange(row - first, end - first)[owner]
