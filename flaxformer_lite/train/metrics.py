@@ -8,6 +8,7 @@ import json
 import math
 import os
 import pathlib
+import sys
 import time
 from collections.abc import Mapping
 
@@ -38,7 +39,7 @@ class MetricsWriter:
     """
 
     def __init__(self, run_dir: pathlib.Path, *, resume_step: int = 0, log=print):
-        from tensorboardX import SummaryWriter  # heavy import, only when a run starts
+        SummaryWriter = _summary_writer()  # noqa: N806 - a class
 
         self.path = run_dir / METRICS_FILE
         if self.path.exists():
@@ -61,6 +62,22 @@ class MetricsWriter:
     def close(self) -> None:
         self._file.close()
         self._tensorboard.close()
+
+
+def _summary_writer():
+    """tensorboardX's ``SummaryWriter``, imported when a run starts. tensorboardX imports PyTorch
+    whenever it is installed, only to accept torch tensors (this writer gets floats), which
+    costs every run seconds of start-up: the import is made with torch hidden, unless it is
+    loaded already."""
+    hide = "torch" not in sys.modules
+    if hide:
+        sys.modules["torch"] = None  # `import torch` raises ImportError, loads nothing
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if hide:
+            del sys.modules["torch"]
+    return SummaryWriter
 
 
 def _plain(value):
