@@ -253,3 +253,28 @@ def test_fused_qkv_with_grouped_query_attention():
     assert logits.shape == (1, 5, cfg.vocab_size) and bool(jnp.isfinite(logits).all())
     with pytest.raises(ValueError, match="num_kv_heads=1"):
         gpt2.config_to_hf(cfg)
+
+
+def test_norm_bias_false_drops_every_layernorm_bias_and_nothing_else():
+    """nanoGPT's ``bias=False``: with the projections' biases off too, no bias is left; the
+    function is the biased model's with zero biases."""
+    from flaxformer_lite.interop.gpt2 import mismatches
+
+    settings = dict(vocab_size=32, d_model=16, num_heads=2, d_ff=32, max_length=8)
+    settings |= dict(embedding_dropout=0.0, attention_dropout=0.0, residual_dropout=0.0)
+    settings |= dict(qkv_bias=False, attention_out_bias=False, mlp_bias=False)
+    biased = ModelConfig.from_preset("gpt2-tiny", **settings)
+    plain = biased.replace(norm_bias=False)
+    norms = 2 * plain.num_decoder_layers + 1
+    counts = parameter_counts(biased)["total"] - parameter_counts(plain)["total"]
+    assert counts == norms * plain.d_model
+    model = build_model(plain, rngs=nnx.Rngs(0))
+    paths = [".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))]
+    assert not [p for p in paths if "bias" in p]
+    reference = build_model(biased, rngs=nnx.Rngs(1))  # its biases are zeros
+    nnx.update(reference, nnx.state(model, nnx.Param))  # every other parameter the same
+    tokens = jnp.arange(16).reshape(2, 8) % 32
+    assert jnp.array_equal(model(tokens), reference(tokens))
+    assert "norm_bias=False (GPT-2 has True)" in mismatches(plain)
+    with pytest.raises(ValueError, match="norm_bias=False applies to layernorm"):
+        ModelConfig.from_preset("llama-tiny", norm_bias=False)

@@ -280,6 +280,7 @@ def mismatches(cfg: ModelConfig) -> list[str]:
     want = dict(
         kind="encoder",
         norm="layernorm",
+        norm_bias=True,
         norm_position="post",
         positions="learned",
         embed_norm=True,

@@ -157,6 +157,7 @@ def mismatches(cfg: ModelConfig) -> list[str]:
     want = dict(
         kind="decoder",
         norm="layernorm",
+        norm_bias=True,
         norm_position="pre",
         positions="learned",
         embed_norm=False,

@@ -256,6 +256,7 @@ def mismatches(cfg: ModelConfig) -> list[str]:
     want = dict(
         kind="encoder_decoder",
         norm="layernorm",
+        norm_bias=True,
         norm_eps=NORM_EPS,
         norm_position="post",
         positions="sinusoidal",

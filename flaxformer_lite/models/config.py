@@ -48,6 +48,7 @@ class ModelConfig:
     residual_dropout: float = 0.1
     norm: str = "layernorm"
     norm_eps: float = 1e-6
+    norm_bias: bool = True  # LayerNorm's additive bias (nanoGPT's bias=False has none)
     norm_position: str = "post"
     embed_norm: bool = False  # normalize the embedding sum (BERT)
     positions: str = "sinusoidal"
@@ -227,6 +228,8 @@ class ModelConfig:
         _check_choice("sinusoidal_layout", self.sinusoidal_layout, ops.positions.SINUSOIDAL_LAYOUTS)
         _check_choice("activation", self.activation, tuple(ACTIVATIONS))
         _check_choice("pooling", self.pooling, POOLINGS)
+        if not self.norm_bias and self.norm != "layernorm":
+            raise ValueError(f"norm_bias=False applies to layernorm; {self.norm} has no bias")
         _check_choice("init", self.init, INIT_SCHEMES)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("param_dtype", self.param_dtype, DTYPES)

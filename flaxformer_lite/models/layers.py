@@ -24,6 +24,7 @@ def make_layer_norm(cfg: ModelConfig, rngs: nnx.Rngs):
         cfg.norm,
         cfg.d_model,
         eps=cfg.norm_eps,
+        bias=cfg.norm_bias,
         dtype=cfg.dtype,
         param_dtype=cfg.param_dtype,
         rngs=rngs,

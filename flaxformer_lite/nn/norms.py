@@ -73,8 +73,13 @@ class RMSNorm(nnx.Module):
 NORMS = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}
 
 
-def make_norm(kind: str, features: int, *, eps: float, dtype, param_dtype, rngs: nnx.Rngs):
-    """A ``LayerNorm`` or ``RMSNorm`` by name."""
+def make_norm(
+    kind: str, features: int, *, eps: float, bias: bool = True, dtype, param_dtype, rngs: nnx.Rngs
+):
+    """A ``LayerNorm`` (with a bias if ``bias``) or ``RMSNorm`` (never one) by name."""
     if kind not in NORMS:
         raise ValueError(f"norm must be one of {tuple(NORMS)}, got {kind!r}")
-    return NORMS[kind](features, eps=eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    options = {"use_bias": bias} if kind == "layernorm" else {}
+    return NORMS[kind](
+        features, eps=eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs, **options
+    )

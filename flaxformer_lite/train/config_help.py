@@ -45,6 +45,7 @@ HELP = {
     "model.residual_dropout": "dropout on each sublayer's output",
     "model.norm": "layernorm or rmsnorm",
     "model.norm_eps": "the norms' epsilon",
+    "model.norm_bias": "LayerNorm's additive bias (false: none, as nanoGPT's bias=False)",
     "model.norm_position": "pre (GPT-2, Llama) or post (the paper, BERT) the sublayer",
     "model.embed_norm": "normalize the embedding sum (BERT)",
     "model.positions": "sinusoidal, learned, rope, relative (T5 buckets), alibi or none",
