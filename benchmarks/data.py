@@ -122,22 +122,23 @@ def prepare_rates(corpus, directory, vocab: int, repeats: int):
     """tokens/s of ``encode_batch`` alone and of ``prepare`` (byte, and a given BPE), and the
     byte store: its ids outnumber BPE's about 4 to 1, so the timed rows stay within one epoch
     (each process plans an epoch's packing once, from all of its documents' lengths)."""
-    lines = [r["text"] for r in iter_text_records([corpus])]
+    lines = [r["text"] for r in iter_text_records([corpus], "lines")]
     bpe = make_tokenizer("bpe", texts=lines, vocab_size=vocab)
     tokens = sum(len(ids) for ids in bpe.encode_batch(lines))
     rates = {"encode_batch": best_rate(lambda: bpe.hf_tokenizer.encode_batch(lines), tokens, 1)}
     runs = iter(range(10**6))
+    source = {"source": "text", "path": str(corpus)}  # a line per document, as lm1b
 
     def prepare(**tokenizer):
         return lambda: prepare_store(
-            directory / f"store{next(runs)}", source="text", path=str(corpus), **tokenizer
+            directory / f"store{next(runs)}", documents="lines", **source, **tokenizer
         )
 
     rates["prepare_bpe"] = best_rate(prepare(tokenizer=bpe), tokens, repeats)
     byte_tokens = sum(len(line.encode()) for line in lines)
     rates["prepare_byte"] = best_rate(prepare(tokenizer_kind="byte"), byte_tokens, repeats)
-    store = prepare_store(directory / "bytes", source="text", path=str(corpus))
-    bpe_store = prepare_store(directory / "bpe", source="text", path=str(corpus), tokenizer=bpe)
+    store = prepare_store(directory / "bytes", documents="lines", **source)
+    bpe_store = prepare_store(directory / "bpe", documents="lines", **source, tokenizer=bpe)
     return rates, store, bpe_store.path
 
 

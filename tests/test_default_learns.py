@@ -30,5 +30,5 @@ def test_a_shortened_default_learns_to_answer_held_out_problems(tmp_path, full_o
     assert exact[0] < 0.3 and last["eval_exact_match"] >= 0.5, exact
     assert losses[-1] < 0.6 * losses[0], losses
     # The printed samples are the held-out problems, answered in the task's format.
-    printed = [line for line in samples if line.startswith("  sample ")]
+    printed = [line for line in samples if line.startswith(f"step {cfg.train.steps} sample ")]
     assert printed and all("(reference '" in line for line in printed)

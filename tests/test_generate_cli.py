@@ -5,6 +5,7 @@ by tiny train.py runs inside the test."""
 import json
 import math
 import pathlib
+import re
 import runpy
 import sys
 
@@ -90,8 +91,10 @@ def test_lm_eval_decodes_and_scores(lm_run):
     # "<eos>" and digits are learnt early: by step 40 (at step 20 all 6 prompts may still get
     # nothing right, depending on the draw of the data).
     assert evals[-1]["eval_token_accuracy"] > 0
-    samples = [line for line in logs if line.startswith("  sample ")]
+    # Each evaluation's samples carry its step.
+    samples = [line for line in logs if re.match(r"step \d+ sample ", line)]
     assert len(samples) == 2 * len(evals), logs
+    assert [int(line.split()[1]) for line in samples] == [r["step"] for r in evals for _ in "ab"]
     assert "=" in samples[0] and "(reference " in samples[0]
 
 
@@ -163,7 +166,7 @@ def test_translation_eval_reports_bleu(translation_run):
     for record in evals:
         assert 0 <= record["eval_bleu"] <= 100
         assert 0 <= record["eval_exact_match"] <= 1 and 0 <= record["eval_token_accuracy"] <= 1
-    assert any(line.startswith("  sample ") and "->" in line for line in logs)
+    assert any(re.match(r"step \d+ sample ", line) and "->" in line for line in logs)
 
 
 def test_generate_command_translates_with_beam_search(translation_run, capsys):
