@@ -1,6 +1,7 @@
 """The benchmarks' peer: Hugging Face transformers' ``GPT2LMHeadModel`` (PyTorch, CPU, eager) of
 the shape of a flaxformer_lite GPT-2 config, generating (``generate.py``) or training
-(``train_step.py``).
+(``train_step.py``; ``shakespeare_char.py``, on our data pipeline's batches, in a process of its
+own: this module imports no JAX).
 
 torch runs with ``torch.set_num_threads(os.cpu_count())`` (XLA's CPU backend uses every core too)
 and ``OMP_WAIT_POLICY=PASSIVE`` unless the environment sets it: on a shared machine, OpenMP
@@ -10,12 +11,20 @@ over; passive waiting removes that and costs little on a quiet machine.
 
 from __future__ import annotations
 
+import math
 import os
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from flaxformer_lite.models import ModelConfig
-from flaxformer_lite.train.config import TrainConfig
+from flaxformer_lite.data.pipeline import DataConfig, build_data
+
+if TYPE_CHECKING:  # annotations only: importing them would import JAX
+    from flaxformer_lite.models import ModelConfig
+    from flaxformer_lite.train.config import TrainConfig
 
 
 def versions_line(summary: dict) -> str:
@@ -120,3 +129,99 @@ class TrainStep:
                 self.torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_norm)
             self.optimizer.step()
         self.losses.append(loss.item())
+
+
+def train_lm(job: dict) -> dict:
+    """A ``GPT2LMHeadModel`` trained and evaluated on our pipeline's ``lm`` batches.
+
+    ``job`` (JSON): ``data``, a ``DataConfig``'s fields; ``model``, the ``ModelConfig`` fields
+    that :func:`gpt2_model` reads but the vocabulary (the tokenizer's); ``optimizer``, ``b1``,
+    ``b2``, ``eps``, ``weight_decay`` (on every 2-D parameter) and ``clip_norm`` (None: no
+    clipping); ``rates``, each step's learning rate (one per step); ``seed``, ``batch_size``,
+    ``eval_every``; ``directory``, where the tokenizer and the prepared data go. Every bias is
+    zeroed and frozen; the embeddings are tied. Each step trains on the pipeline's next batch:
+    ``inputs``, ``targets``, ``positions`` as ``position_ids`` (transformers masks a row of
+    several segments from the positions' resets, a detection it skips with a KV cache:
+    ``use_cache=False``), the loss weighted by ``weights``. It evaluates on
+    ``data.eval_batches()``, token-weighted, every ``eval_every`` steps and after the last.
+
+    Returns ``{"skipped": why}`` if torch or transformers cannot be imported, else the versions,
+    the trainable parameters, each step's seconds (from taking its batch to the end of its
+    optimizer step), the held-out loss after each evaluation and the targets it is over.
+    """
+    libraries, skipped = load_torch()
+    if libraries is None:
+        return {"skipped": skipped}
+    torch, transformers = libraries
+    data = build_data(
+        DataConfig(**job["data"]),
+        task="lm",
+        seed=job["seed"],
+        batch_size=job["batch_size"],
+        directory=Path(job["directory"]) / "tokenizer",
+    )
+    shape = SimpleNamespace(**job["model"], vocab_size=data.vocab_size)
+    model = gpt2_model(libraries, shape, job["seed"]).train()
+    if model.lm_head.weight is not model.transformer.wte.weight:
+        raise RuntimeError("GPT2LMHeadModel's output projection is not tied to wte")
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(".bias"):
+                parameter.zero_().requires_grad_(False)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    o = job["optimizer"]
+    groups = [
+        {"params": [p for p in trainable if p.dim() >= 2], "weight_decay": o["weight_decay"]},
+        {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups, betas=(o["b1"], o["b2"]), eps=o["eps"])
+
+    def summed_loss(batch):
+        tensors = {key: torch.from_numpy(value) for key, value in batch.items()}
+        positions = tensors.get("positions")
+        logits = model(
+            input_ids=tensors["inputs"].long(),
+            position_ids=None if positions is None else positions.long(),
+            use_cache=False,
+        ).logits
+        losses = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), tensors["targets"].long().flatten(), reduction="none"
+        )
+        weights = tensors["weights"].flatten()
+        return (losses * weights).sum(), weights.sum()
+
+    def evaluate() -> tuple[float, float]:
+        model.eval()
+        with torch.inference_mode():
+            losses = [tuple(map(float, summed_loss(batch))) for batch in data.eval_batches()]
+        model.train()
+        total, count = (math.fsum(column) for column in zip(*losses, strict=True))
+        return total / count, count
+
+    seconds, eval_losses = [], {}
+    for step, rate in enumerate(job["rates"], start=1):
+        start = time.perf_counter()
+        batch = next(data.train)
+        for group in optimizer.param_groups:
+            group["lr"] = rate
+        total, count = summed_loss(batch)
+        optimizer.zero_grad(set_to_none=True)
+        (total / count).backward()
+        if o["clip_norm"] is not None:
+            torch.nn.utils.clip_grad_norm_(trainable, o["clip_norm"])
+        optimizer.step()
+        seconds.append(time.perf_counter() - start)
+        if step % job["eval_every"] == 0 or step == len(job["rates"]):
+            eval_losses[str(step)], targets = evaluate()
+    data.train.close()
+    return {
+        "skipped": None,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "threads": torch.get_num_threads(),
+        "parameters": sum(p.numel() for p in trainable),
+        "step_seconds": seconds,
+        "eval_losses": eval_losses,
+        "eval_targets": targets,
+    }
