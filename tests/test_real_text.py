@@ -4,6 +4,7 @@ file is used as given, a task that must cut examples says how much, and a run pr
 lines when its output is not a terminal."""
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
@@ -335,3 +336,59 @@ def test_a_text_run_recorded_before_the_document_setting_resumes_only_as_lines()
     assert input_changes(old, now) == ["  data.text_documents: 'lines' -> None"]
     lines = {"data": {**now["data"], "text_documents": "lines"}, "files": []}
     assert input_changes(old, lines) == []
+
+
+def test_prepare_writes_a_validation_store_with_the_training_tokenizer(tmp_path):
+    """WikiText's layout: train.txt and valid.txt, prepared once, then trained from the stores;
+    a validation store of another kind of data is refused, naming both."""
+    from flaxformer_lite.cli.prepare import prepare_main
+
+    (tmp_path / "train.txt").write_text(BOOK)
+    (tmp_path / "valid.txt").write_text("Zebra quay!\n\nxyz\n")  # characters unseen in training
+    stores = {name: tmp_path / name for name in ("train", "valid")}
+    args = ["--no-progress", "--out", str(stores["train"]), "--validation-out"]
+    args += [str(stores["valid"]), "data.source=text", "data.tokenizer=char"]
+    args += [
+        f"data.path={tmp_path / 'train.txt'}",
+        f"data.validation_path={tmp_path / 'valid.txt'}",
+    ]
+    assert prepare_main(args) == 0
+    train, valid = open_store(stores["train"]), open_store(stores["valid"])
+    assert train.manifest["tokenizer"]["sha256"] == valid.manifest["tokenizer"]["sha256"]
+    assert train.manifest["tokenizer"]["fitted"]["validation_fraction"] is None  # all of it
+    cfg = DataConfig(
+        source="prepared",
+        path=str(stores["train"]),
+        validation_path=str(stores["valid"]),
+        seq_len=16,
+    )
+    data = build_data(cfg, task="lm", seed=0, batch_size=4, directory=tmp_path / "tok")
+    data.train.close()
+    assert data.train.get_state()["pipeline"]["train_tokens"] == len(BOOK)
+    assert data.eval_tokens == len("Zebra quay!\n\nxyz\n") + 1
+    unk = data.tokenizer.unk_id
+    targets = np.concatenate([b["targets"][b["weights"] > 0] for b in data.eval_batches()])
+    assert (targets == unk).sum() == sum(c not in BOOK for c in "Zebra quay!\n\nxyz\n")
+    (tmp_path / "pairs.tsv").write_text("a\tb\n" * 10)
+    parallel = tmp_path / "pairs"
+    assert (
+        prepare_main(
+            [
+                "--no-progress",
+                "--out",
+                str(parallel),
+                "data.source=parallel",
+                f"data.path={tmp_path / 'pairs.tsv'}",
+                "data.tokenizer=char",
+            ]
+        )
+        == 0
+    )
+    other = dataclasses.replace(cfg, validation_path=str(parallel))
+    with pytest.raises(
+        ValueError,
+        match=r"holds 'parallel' data, but the training data .* are "
+        r"text \(file documents\)",
+    ):
+        build_data(other, task="lm", seed=0, batch_size=4, directory=tmp_path / "tok2")
+    assert prepare_main(args[:3] + args[5:]) == 2  # validation_path without --validation-out

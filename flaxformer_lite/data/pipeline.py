@@ -487,8 +487,8 @@ def _validation_store(cfg: DataConfig, directory: Path, train: Store) -> Store:
     if cfg.source != "prepared":
         return prepare_validation(cfg, _cache_dir(cfg, cfg.validation_path, directory), train)
     store = open_store(cfg.validation_path)
-    check_tokenizer(store, train.tokenizer)
     _check_same_kind(cfg, store, train)
+    check_tokenizer(store, train.tokenizer)
     return store
 
 

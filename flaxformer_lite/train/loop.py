@@ -290,7 +290,9 @@ def _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log, f
                     scores["eval_perplexity"] = math.exp(min(scores["eval_loss"], 80.0))
                 model = nnx.merge(eval_graphdef, state)[0]
                 scores |= _decoded_eval(cfg, data, task, model, step, console.say)
-                console.evaluated(step, scores, _eval_coverage(cfg, data, scores["eval_tokens"]))
+                console.evaluated(
+                    step, scores, _eval_coverage(cfg, data, task, scores["eval_tokens"])
+                )
                 values |= scores
             if values:
                 writer.write(step, values)
@@ -336,15 +338,17 @@ def evaluate(eval_step, state, batches, max_batches: int | None = None) -> dict[
     }
 
 
-def _eval_coverage(cfg, data, counted: float) -> str:
-    """What an evaluation of ``counted`` tokens is over, in words: all the validation tokens, or
-    the share ``train.eval_batches`` leaves."""
+def _eval_coverage(cfg, data, task: str, counted: float) -> str:
+    """What an evaluation of ``counted`` weighted targets is over, in words: all the validation
+    targets (tokens; a classifier's examples; an MLM's masked tokens), or the share
+    ``train.eval_batches`` leaves."""
+    what = {"classify": "examples", "mlm": "masked tokens"}.get(task, "tokens")
     capped = cfg.train.eval_batches
     if capped is None or capped >= data.eval_batch_count:
-        return f"every one of {counted:,.0f} validation tokens"
+        return f"every one of {counted:,.0f} validation {what}"
     batches = f"train.eval_batches={capped} of {data.eval_batch_count} batches"
     if data.eval_tokens is None:
-        return f"{counted:,.0f} tokens of the first {batches}"
+        return f"{counted:,.0f} validation {what} of the first {batches}"
     share = counted / max(data.eval_tokens, 1)
     return f"{counted:,.0f} of the {data.eval_tokens:,} validation tokens, {share:.1%}: {batches}"
 
