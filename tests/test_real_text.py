@@ -25,6 +25,8 @@ from flaxformer_lite.train.console import Console
 from flaxformer_lite.train.loop import evaluate
 from flaxformer_lite.train.step import make_eval_step
 
+pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 BOOK = (
     "CHAPTER I.\n\nIt was a dark night;\n  the wind blew.\n\n\n"
@@ -111,20 +113,22 @@ def _tiny_lm():
 
 
 def float64_loss(model, tokenizer, texts) -> float:
-    """Every validation token's loss, each document read alone in pieces of 16 positions,
-    log-softmax and mean in float64 (numpy)."""
-    total, count = 0.0, 0
+    """Every validation token's loss, each document read alone in pieces of 16 positions (one
+    piece a row, padded at its end: the model is causal), log-softmax and mean in float64."""
+    rows, lengths = [], []
     for text in texts:
         ids = [tokenizer.sos_id, *tokenizer.encode(text), tokenizer.eos_id]
         for start in range(0, len(ids) - 1, 16):
-            inputs = np.array([ids[start : start + 16][: len(ids) - 1 - start]])
-            targets = np.array(ids[start + 1 : start + 1 + inputs.shape[1]])
-            logits = np.asarray(model(inputs), np.float64)[0]
-            logits = logits - logits.max(-1, keepdims=True)
-            log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-            total -= log_probs[np.arange(len(targets)), targets].sum()
-            count += len(targets)
-    return total / count
+            piece = ids[start : start + 17]  # 16 inputs and their targets
+            rows.append(piece + [0] * (17 - len(piece)))
+            lengths.append(len(piece) - 1)
+    rows = np.array(rows)
+    logits = np.asarray(model(rows[:, :16]), np.float64)
+    logits -= logits.max(-1, keepdims=True)
+    log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    picked = np.take_along_axis(log_probs, rows[:, 1:, None], -1)[..., 0]
+    valid = np.arange(16) < np.array(lengths)[:, None]
+    return -picked[valid].sum() / valid.sum()
 
 
 def test_the_eval_loss_is_over_every_validation_token_whatever_the_row_layout(tmp_path):
