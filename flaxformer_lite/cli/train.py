@@ -81,7 +81,11 @@ def _train(args) -> int:
         # A bar only on a terminal: written to a file or a pipe it is one line of carriage returns.
         bar = not args.no_progress and sys.stdout.isatty() and sys.stderr.isatty()
         last = run(cfg, fresh=args.fresh, force=args.force, progress=bar, log=say)
-        summary = ", ".join(f"{k} {v:.4g}" for k, v in last.items() if v is not None)
+        summary = ", ".join(
+            f"{k} {v:,}" if isinstance(v, int) else f"{k} {v:.4g}"
+            for k, v in last.items()
+            if v is not None
+        )
         if jax.process_index() == 0:  # a multi-process run reports once
             say(f"done: {cfg.run_dir} ({summary})")
         return 0

@@ -334,7 +334,7 @@ def evaluate(eval_step, state, batches, max_batches: int | None = None) -> dict[
     return {
         "eval_loss": totals["loss"] / count,
         "eval_accuracy": totals["accuracy"] / count,
-        "eval_tokens": totals["num_tokens"],
+        "eval_tokens": round(totals["num_tokens"]),  # weights are 0 or 1: a count
     }
 
 
