@@ -14,13 +14,13 @@ from __future__ import annotations
 import math
 import os
 import time
-from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from flaxformer_lite.data.pipeline import DataConfig, build_data
+from flaxformer_lite.train.run_dir import RunDir
 
 if TYPE_CHECKING:  # annotations only: importing them would import JAX
     from flaxformer_lite.models import ModelConfig
@@ -158,7 +158,8 @@ def train_lm(job: dict) -> dict:
         task="lm",
         seed=job["seed"],
         batch_size=job["batch_size"],
-        directory=Path(job["directory"]) / "tokenizer",
+        directory=RunDir(job["directory"]).tokenizer,
+        prepared=RunDir(job["directory"]).prepared,
     )
     shape = SimpleNamespace(**job["model"], vocab_size=data.vocab_size)
     model = gpt2_model(libraries, shape, job["seed"]).train()

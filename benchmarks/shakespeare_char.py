@@ -114,6 +114,7 @@ from flaxformer_lite.train.host_memory import reuse_freed_host_memory
 from flaxformer_lite.train.metrics import read_metrics
 from flaxformer_lite.train.optim import make_optimizer
 from flaxformer_lite.train.restore import load_run
+from flaxformer_lite.train.run_dir import RunDir
 from flaxformer_lite.train.step import model_loss
 
 import hf_gpt2
@@ -235,7 +236,8 @@ def evaluate_run(run_dir: pathlib.Path, cfg: TrainConfig) -> dict:
         task="lm",
         seed=cfg.seed,
         batch_size=cfg.train.batch_size,
-        directory=run_dir / "tokenizer",
+        directory=RunDir(run_dir).tokenizer,
+        prepared=RunDir(run_dir).prepared,
         prefetch=0,
     )
     losses = [tuple(map(float, summed(state, batch))) for batch in data.eval_batches()]

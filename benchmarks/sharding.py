@@ -61,6 +61,7 @@ from flaxformer_lite import parallel  # noqa: E402
 from flaxformer_lite.aot import COLLECTIVES, collective_counts  # noqa: E402
 from flaxformer_lite.models import ModelConfig, build_model  # noqa: E402
 from flaxformer_lite.train.optim import OptimizerConfig, make_optimizer  # noqa: E402
+from flaxformer_lite.train.program import train_and_eval_graphdefs  # noqa: E402
 from flaxformer_lite.train.step import make_train_step, task_of  # noqa: E402
 
 DEVICES = 8
@@ -156,10 +157,7 @@ def measure(cfg: ModelConfig, layout: str, batch_size: int, seq_len: int, device
     except ValueError as error:
         return row | {"error": str(error)}
 
-    # The training graph (dropout on), as the loop's _train_and_eval_graphdefs takes it.
-    model, optimizer = nnx.merge(graphdef, state, copy=True)
-    model.train()
-    graphdef = nnx.split((model, optimizer))[0]
+    graphdef, _ = train_and_eval_graphdefs(graphdef, state)  # the training graph: dropout on
 
     params, params_total = _part_bytes(
         nnx.filter_state(state[0], nnx.Param), nnx.filter_state(shardings[0], nnx.Param)

@@ -66,7 +66,7 @@ from flaxformer_lite.train.config import TrainConfig, load_config
 from flaxformer_lite.train.host_memory import reuse_freed_host_memory
 from flaxformer_lite.train.metrics import matmul_peak_flops
 from flaxformer_lite.train.optim import make_optimizer
-from flaxformer_lite.train.restore import make_train_state
+from flaxformer_lite.train.program import make_train_state
 from flaxformer_lite.train.step import make_train_step
 
 import hf_gpt2

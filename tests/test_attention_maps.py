@@ -25,7 +25,8 @@ from flaxformer_lite.train.checkpoint import Checkpointer
 from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.loop import run
 from flaxformer_lite.train.optim import make_optimizer
-from flaxformer_lite.train.restore import make_train_state, to_savable
+from flaxformer_lite.train.program import make_train_state
+from flaxformer_lite.train.restore import to_savable
 
 B, T, S = 2, 7, 9
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py

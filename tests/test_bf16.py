@@ -16,7 +16,7 @@ from flaxformer_lite import ops, parallel
 from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.loop import run
 from flaxformer_lite.train.optim import make_optimizer
-from flaxformer_lite.train.restore import make_train_state
+from flaxformer_lite.train.program import make_train_state
 from flaxformer_lite.train.step import make_train_step
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py

@@ -20,10 +20,10 @@ from flaxformer_lite.cli.train import train_main
 from flaxformer_lite.train import loop as loop_module
 from flaxformer_lite.train.checkpoint import Checkpointer, CheckpointError
 from flaxformer_lite.train.config import ConfigError, load_config
-from flaxformer_lite.train.loop import _check_resumable, run
+from flaxformer_lite.train.loop import run
 from flaxformer_lite.train.metrics import MetricsWriter, read_metrics
 from flaxformer_lite.train.optim import make_optimizer
-from flaxformer_lite.train.resume import keep_schedule_span
+from flaxformer_lite.train.resume import _config_differences, keep_schedule_span
 
 pytestmark = pytest.mark.fast_compile
 
@@ -277,15 +277,15 @@ def test_more_train_steps_on_resume_keep_the_schedule_span():
     logged = []
     kept = keep_schedule_span(saved, extended, logged.append)
     assert kept.optimizer.schedule_steps == 60 and "keeps its 60-step span" in logged[0]
-    _check_resumable(saved, kept, force=False, log=logged.append)  # no other change
+    assert _config_differences(saved, kept) == []  # no other change
     _, schedule = make_optimizer(kept.optimizer, total_steps=60, d_model=64)
     rates = [float(schedule(step)) for step in (60, 61, 79)]
     np.testing.assert_allclose(rates, [1e-4] * 3, rtol=1e-5)  # stays at the end value
     # Stretching it is a choice: a changed config, refused without --force.
     stretched = load_config(None, ["train.steps=80", *common, "optimizer.schedule_steps=80"])
     assert keep_schedule_span(saved, stretched, logged.append) is stretched
-    with pytest.raises(ConfigError, match="optimizer.schedule_steps"):
-        _check_resumable(saved, stretched, force=False, log=logged.append)
+    (changed,) = _config_differences(saved, stretched)
+    assert changed.lines == ("  optimizer.schedule_steps: None -> 80",), changed
     # A third run with the same steps inherits the kept span without a change.
     assert keep_schedule_span(kept, extended, logged.append) == kept
 
@@ -317,7 +317,7 @@ def test_a_tokenizer_left_by_a_failed_attempt_is_refused_for_other_data(tmp_path
         raise ValueError("the optimizer failed")
 
     with monkeypatch.context() as patch:  # a failure after the tokenizer was saved
-        patch.setattr(loop_module, "make_optimizer", fail)
+        patch.setattr(loop_module, "build_train_state", fail)
         with pytest.raises(ValueError, match="the optimizer failed"):
             run(failing, progress=False, log=lambda _: None)
     assert (run_dir / "tokenizer").is_dir() and (run_dir / "inputs.json").is_file()

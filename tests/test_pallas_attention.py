@@ -24,7 +24,7 @@ from flaxformer_lite.aot.topology import H100_TARGET_CONFIG
 from flaxformer_lite.ops import attention_choice, pallas_attention
 from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.optim import make_optimizer
-from flaxformer_lite.train.restore import make_train_state
+from flaxformer_lite.train.program import make_train_state
 from flaxformer_lite.train.step import make_train_step
 
 T = 9  # not a multiple of the kernels' block: padded keys must stay hidden

@@ -36,6 +36,7 @@ def text_cfg(path, **kwargs):
 
 def build(cfg, tmp_path, *, task="lm", seed=0, batch_size=4, directory=None, **kwargs):
     directory = directory or tmp_path / "tokenizer"
+    kwargs.setdefault("prepared", tmp_path / "prepared")
     return build_data(
         cfg, task=task, seed=seed, batch_size=batch_size, directory=directory, **kwargs
     )

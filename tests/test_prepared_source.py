@@ -4,9 +4,10 @@ cached store on first use (one read path for both)."""
 import numpy as np
 import pytest
 
-from flaxformer_lite.data.pipeline import PREPARED_DIR, DataConfig, build_data
+from flaxformer_lite.data.pipeline import DataConfig, build_data
 from flaxformer_lite.data.store import prepare_store
 from flaxformer_lite.data.tokenizers import ByteTokenizer
+from flaxformer_lite.train.run_dir import RunDir
 
 LINES = [f"line {i} " + "abc"[i % 3] * (i % 11) for i in range(60)]
 
@@ -19,8 +20,15 @@ def corpus(tmp_path):
 
 
 def build(cfg, run_dir, **kwargs):
+    run = RunDir(run_dir)
     return build_data(
-        cfg, task="lm", seed=3, batch_size=4, directory=run_dir / "tokenizer", **kwargs
+        cfg,
+        task="lm",
+        seed=3,
+        batch_size=4,
+        directory=run.tokenizer,
+        prepared=run.prepared,
+        **kwargs,
     )
 
 
@@ -79,7 +87,7 @@ def test_a_text_source_is_prepared_once_per_documents_setting(tmp_path, corpus):
     cfg = DataConfig(source="text", path=str(corpus), seq_len=16, text_documents="lines")
     lines = build(cfg, tmp_path)
     whole = build(DataConfig(source="text", path=str(corpus), seq_len=16), tmp_path)
-    stores = sorted((tmp_path / PREPARED_DIR).iterdir())
+    stores = sorted(RunDir(tmp_path).prepared.iterdir())
     assert len(stores) == 2  # one store each: never one read as the other
     assert len(lines.eval_examples) == 6 and len(whole.eval_examples) == 1
 
@@ -87,7 +95,7 @@ def test_a_text_source_is_prepared_once_per_documents_setting(tmp_path, corpus):
 def test_a_text_source_is_prepared_once_into_the_run_directory(tmp_path, corpus):
     cfg = DataConfig(source="text", path=str(corpus), seq_len=16, tokenizer="char")
     first = build(cfg, tmp_path)
-    (store,) = (tmp_path / PREPARED_DIR).iterdir()
+    (store,) = RunDir(tmp_path).prepared.iterdir()
     manifest = store / "manifest.json"
     stamp = manifest.stat().st_mtime_ns
     second = build(cfg, tmp_path)  # a resumed run reads the same store

@@ -21,8 +21,8 @@ from tiny_models import make, tiny
 from flaxformer_lite.cli import train as train_cli
 from flaxformer_lite.data.pipeline import DataConfig, build_data
 from flaxformer_lite.data.store import open_store
+from flaxformer_lite.train.actions import evaluate
 from flaxformer_lite.train.console import Console
-from flaxformer_lite.train.loop import evaluate
 from flaxformer_lite.train.step import make_eval_step
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
@@ -40,7 +40,12 @@ def text_data(tmp_path, text=BOOK, name="book.txt", **settings):
     path.write_text(text)
     values = dict(source="text", path=str(path), tokenizer="char", seq_len=16) | settings
     return build_data(
-        DataConfig(**values), task="lm", seed=0, batch_size=4, directory=tmp_path / "tok"
+        DataConfig(**values),
+        task="lm",
+        seed=0,
+        batch_size=4,
+        directory=tmp_path / "tok",
+        prepared=tmp_path / "prepared",
     )
 
 
@@ -179,7 +184,14 @@ def test_a_task_that_must_cut_examples_says_how_much(tmp_path):
         seq_len=16,
         validation_fraction=0.25,
     )
-    data = build_data(cfg, task="seq2seq", seed=0, batch_size=4, directory=tmp_path / "tok")
+    data = build_data(
+        cfg,
+        task="seq2seq",
+        seed=0,
+        batch_size=4,
+        directory=tmp_path / "tok",
+        prepared=tmp_path / "prepared",
+    )
     data.train.close()
     sources = [len(line.split("\t")[0]) for line in pairs.splitlines()]
     targets = [len(line.split("\t")[1]) for line in pairs.splitlines()]
@@ -366,7 +378,14 @@ def test_prepare_writes_a_validation_store_with_the_training_tokenizer(tmp_path)
         validation_path=str(stores["valid"]),
         seq_len=16,
     )
-    data = build_data(cfg, task="lm", seed=0, batch_size=4, directory=tmp_path / "tok")
+    data = build_data(
+        cfg,
+        task="lm",
+        seed=0,
+        batch_size=4,
+        directory=tmp_path / "tok",
+        prepared=tmp_path / "prepared",
+    )
     data.train.close()
     assert data.train.get_state()["pipeline"]["train_tokens"] == len(BOOK)
     assert data.eval_tokens == len("Zebra quay!\n\nxyz\n") + 1
@@ -394,5 +413,12 @@ def test_prepare_writes_a_validation_store_with_the_training_tokenizer(tmp_path)
         match=r"holds 'parallel' data, but the training data .* are "
         r"text \(file documents\)",
     ):
-        build_data(other, task="lm", seed=0, batch_size=4, directory=tmp_path / "tok2")
+        build_data(
+            other,
+            task="lm",
+            seed=0,
+            batch_size=4,
+            directory=tmp_path / "tok2",
+            prepared=tmp_path / "prepared",
+        )
     assert prepare_main(args[:3] + args[5:]) == 2  # validation_path without --validation-out

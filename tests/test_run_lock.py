@@ -10,12 +10,14 @@ import pytest
 from subprocess_env import subprocess_env
 
 from flaxformer_lite.cli.train import train_main
-from flaxformer_lite.train.run_dir import LOCK_FILE, RunDirInUseError, locked_run_dir
+from flaxformer_lite.train.run_dir import RunDir, RunDirInUseError
+
+LOCK_FILE = RunDir(".").lock.name
 
 HOLD = """
 import pathlib, sys, time
-from flaxformer_lite.train.run_dir import locked_run_dir
-with locked_run_dir(pathlib.Path(sys.argv[1])):
+from flaxformer_lite.train.run_dir import RunDir
+with RunDir(pathlib.Path(sys.argv[1])).locked():
     print("held", flush=True)
     time.sleep(600)
 """
@@ -52,21 +54,21 @@ def test_a_second_run_on_a_held_run_dir_exits_2_naming_the_holder(holder, capsys
 
 def test_a_lock_left_by_a_killed_process_does_not_block(holder):
     run_dir, process = holder
-    with pytest.raises(RunDirInUseError), locked_run_dir(run_dir):
+    with pytest.raises(RunDirInUseError), RunDir(run_dir).locked():
         pass
     process.send_signal(signal.SIGKILL)
     process.wait()
     assert (run_dir / LOCK_FILE).read_text().strip() == str(process.pid)  # left behind
-    with locked_run_dir(run_dir):
+    with RunDir(run_dir).locked():
         assert (run_dir / LOCK_FILE).read_text().strip() == str(os.getpid())
 
 
 def test_the_lock_is_released_when_the_block_ends_or_raises(tmp_path):
     run_dir = tmp_path / "run"
-    with pytest.raises(KeyError), locked_run_dir(run_dir):
+    with pytest.raises(KeyError), RunDir(run_dir).locked():
         raise KeyError("the run failed")
     held = pytest.raises(RunDirInUseError, match=f"process {os.getpid()}")
-    with locked_run_dir(run_dir), held, locked_run_dir(run_dir):
+    with RunDir(run_dir).locked(), held, RunDir(run_dir).locked():
         pass
 
 
@@ -75,7 +77,37 @@ def test_fresh_moves_the_old_run_aside_and_locks_the_new_one(tmp_path):
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text("{}\n")
     messages = []
-    with locked_run_dir(run_dir, fresh=True, log=messages.append):
+    with RunDir(run_dir).locked(fresh=True, log=messages.append):
         assert (tmp_path / "run.old1" / "metrics.jsonl").exists()
         assert sorted(p.name for p in run_dir.iterdir()) == [LOCK_FILE]
     assert messages == [f"--fresh: moved the previous run to {tmp_path / 'run.old1'}"]
+
+
+def test_a_directory_that_is_not_a_run_is_refused_and_left_as_it_was(tmp_path, capsys):
+    run_dir = tmp_path / "mine"
+    run_dir.mkdir()
+    own = "# my own config\ntrain:\n  steps: 2\n"
+    (run_dir / "config.yaml").write_text(own)
+    for flags in (
+        [],
+        ["--fresh"],
+        ["--config", str(run_dir / "config.yaml")],
+    ):
+        status = train_main([f"run_dir={run_dir}", "--no-progress", *flags])
+        err = capsys.readouterr().err
+        assert status == 2, err
+        assert f"run_dir {run_dir} is not a run directory: it holds config.yaml" in err, err
+        assert len(err.strip().splitlines()) == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]  # nothing moved aside
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml"]
+    assert (run_dir / "config.yaml").read_text() == own
+
+
+def test_a_run_directory_is_known_by_what_a_run_writes_first(tmp_path):
+    assert RunDir(tmp_path / "new").is_run() is False
+    for name in ("run.lock", "metrics.jsonl", "inputs.json"):
+        (tmp_path / name).write_text("")
+        assert RunDir(tmp_path).is_run(), name
+        (tmp_path / name).unlink()
+    (tmp_path / "checkpoints").mkdir()
+    assert RunDir(tmp_path).is_run()

@@ -19,9 +19,10 @@ from flaxformer_lite.cli.train import train_main
 from flaxformer_lite.models import build_model
 from flaxformer_lite.train.checkpoint import Checkpointer
 from flaxformer_lite.train.config import ConfigError, load_config
-from flaxformer_lite.train.loop import TrainingError, run, to_savable
+from flaxformer_lite.train.loop import TrainingError, run
 from flaxformer_lite.train.metrics import MetricsWriter, read_metrics
 from flaxformer_lite.train.optim import make_optimizer
+from flaxformer_lite.train.restore import to_savable
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 
@@ -72,10 +73,12 @@ def test_the_default_run_learns(tmp_path):
 
 def test_logged_tokens_per_sec_times_the_training_steps_alone(tmp_path, monkeypatch):
     """A fake clock: each train step takes 1 s, each evaluation and checkpoint save 1000 s."""
-    from flaxformer_lite.train import loop
+    from flaxformer_lite.train import actions, loop
 
     clock = types.SimpleNamespace(now=0.0)
-    monkeypatch.setattr(loop, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
+    fake_time = types.SimpleNamespace(perf_counter=lambda: clock.now)
+    monkeypatch.setattr(loop, "time", fake_time)
+    monkeypatch.setattr(actions, "time", fake_time)
 
     def taking(seconds, fn):
         def call(*args, **kwargs):
@@ -89,8 +92,8 @@ def test_logged_tokens_per_sec_times_the_training_steps_alone(tmp_path, monkeypa
     monkeypatch.setattr(
         loop, "configured_train_step", lambda *a, **k: taking(1.0, make_train_step(*a, **k))
     )
-    monkeypatch.setattr(loop, "evaluate", taking(1000.0, loop.evaluate))
-    monkeypatch.setattr(loop, "to_savable", taking(1000.0, loop.to_savable))
+    monkeypatch.setattr(actions, "evaluate", taking(1000.0, actions.evaluate))
+    monkeypatch.setattr(actions, "to_savable", taking(1000.0, actions.to_savable))
     cfg = config(
         tmp_path / "run",
         "train.steps=12",

@@ -7,7 +7,7 @@ or the generation loop, built from abstract values (``jax.ShapeDtypeStruct``s th
     program.compiled.memory_analysis()
 
 The train step is the training loop's own (:mod:`flaxformer_lite.train.program`): the model
-and optimizer of ``make_train_state``, the layout of ``cfg.mesh`` and its rules, dropout on,
+and optimizer of ``build_train_state``, the layout of ``cfg.mesh`` and its rules, dropout on,
 traced under the same mesh and rules, for an abstract batch of the config's task with the
 arrays the input pipeline makes (:mod:`flaxformer_lite.data.features`).
 """
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
 import re
 
@@ -30,14 +29,12 @@ from flaxformer_lite.aot.topology import Topology, topology_devices
 from flaxformer_lite.decode import generate, seq2seq_generate
 from flaxformer_lite.models import build_model, training_flops_per_token
 from flaxformer_lite.train.config import TrainConfig
-from flaxformer_lite.train.optim import make_optimizer
 from flaxformer_lite.train.program import (
+    build_train_state,
     configured_train_step,
     resolve_mesh,
     tracing_layout,
-    train_and_eval_graphdefs,
 )
-from flaxformer_lite.train.restore import make_train_state
 from flaxformer_lite.train.step import task_of
 
 # ops.attention logs its automatic choice at trace time as "attention: <implementation> ...".
@@ -133,11 +130,9 @@ def _ordered(devices: list, sizes: tuple[int, ...]) -> list:
 
 
 def _train_step(cfg: TrainConfig, mesh, _max_new_tokens):
-    tx, _ = make_optimizer(cfg.optimizer, total_steps=cfg.train.steps, d_model=cfg.model.d_model)
-    create = functools.partial(make_train_state, cfg, tx)
-    graphdef, state, shardings = parallel.abstract_sharded(create, mesh, cfg.mesh.rules)
-    graphdef, _ = train_and_eval_graphdefs(graphdef, state)
-    step = configured_train_step(cfg, graphdef, shardings)
+    built = build_train_state(cfg, mesh, abstract=True)
+    state, shardings = built.state, built.shardings
+    step = configured_train_step(cfg, built.graphdef, shardings)
     batch = abstract_batch(cfg, parallel.batch_sharding(mesh, cfg.mesh.rules))
     params = _params(state[0], shardings[0])
     tokens = cfg.train.batch_size * cfg.data.seq_len

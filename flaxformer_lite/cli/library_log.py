@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import pathlib
 
-LIBRARY_LOG = "library.log"
 LIBRARY_LOGGERS = ("absl", "asyncio", "py.warnings", "jax", "orbax", "grain", "tensorstore")
 
 

@@ -16,8 +16,9 @@ import sys
 
 from flaxformer_lite.cli.errors import exit_on_signals, guarded, say
 from flaxformer_lite.cli.flags import CommandParser
-from flaxformer_lite.cli.library_log import LIBRARY_LOG, library_log_to
+from flaxformer_lite.cli.library_log import library_log_to
 from flaxformer_lite.train.config import load_config
+from flaxformer_lite.train.run_dir import RunDir
 
 DESCRIPTION = """Train a model as the config says, in its run directory: with no flags, the
 embedded default (a small GPT-2-style decoder learning multi-digit arithmetic on a CPU). Running
@@ -77,7 +78,7 @@ def _train(args) -> int:
 
     def train():
         cfg = load_config(args.config, args.overrides)
-        library_log_to(pathlib.Path(cfg.run_dir) / LIBRARY_LOG)
+        library_log_to(RunDir(cfg.run_dir).library_log)
         # A bar only on a terminal: written to a file or a pipe it is one line of carriage returns.
         bar = not args.no_progress and sys.stdout.isatty() and sys.stderr.isatty()
         last = run(cfg, fresh=args.fresh, force=args.force, progress=bar, log=say)

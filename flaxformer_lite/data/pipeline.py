@@ -1,6 +1,8 @@
 """Input pipelines: a source -> documents -> sharded, resumable numpy batches, made ahead.
 
-    data = build_data(cfg, task="lm", seed=0, batch_size=32, directory=run_dir / "tokenizer")
+    run = RunDir("runs/x")            # where a run keeps its tokenizer and prepared stores
+    data = build_data(cfg, task="lm", seed=0, batch_size=32, directory=run.tokenizer,
+                      prepared=run.prepared)
     batch = next(data.train)          # this process's share of the next global batch
     state = data.train.get_state()    # JSON-able: save it with the checkpoint, set_state to resume
     for batch in data.eval_batches(): ...
@@ -69,9 +71,6 @@ SOURCES = ("synthetic", "text", "jsonl", "parallel", "prepared")
 TOKENIZERS = ("byte", "char", "word", "bpe", "sentencepiece")
 TASKS = ("lm", "seq2seq", "mlm", "classify")  # as train.step.TASKS (data may not import train)
 LM_ROWS = ("documents", "windows")
-# A text, jsonl or parallel source is prepared into a store under this sibling of the run's
-# tokenizer directory, one per source (another source in the same run directory gets its own).
-PREPARED_DIR = "prepared"
 # Fitted tokenizers see all training records of a file source, or this many synthetic examples.
 FIT_EXAMPLES = 20_000
 
@@ -246,6 +245,7 @@ def build_data(
     seed: int,
     batch_size: int,
     directory: Path,
+    prepared: Path | None = None,
     process_index: int = 0,
     process_count: int = 1,
     save_tokenizer: bool | None = None,
@@ -260,7 +260,9 @@ def build_data(
       seed: shuffles the training stream (and, with it, the synthetic data and MLM masking).
       batch_size: the global batch size; each process gets ``batch_size // process_count`` rows.
       directory: where the tokenizer is saved. A tokenizer already saved there is loaded
-        instead of fitted again, so a resumed run sees the same ids. Nothing else is written.
+        instead of fitted again, so a resumed run sees the same ids.
+      prepared: where text, jsonl and parallel sources are prepared into token stores, one
+        per source, on first use (a run's ``RUN/prepared``); needed for those sources only.
       process_index, process_count: which of ``process_count`` equal blocks of rows of each
         global batch this process makes (processes that feed the same devices' rows share one).
       save_tokenizer: whether this process writes the tokenizer (default: ``process_index ==
@@ -293,7 +295,7 @@ def build_data(
     packing = task == "lm" if cfg.packing is None else cfg.packing
     _check_fits(cfg, task)
     save = process_index == 0 if save_tokenizer is None else save_tokenizer
-    tokenizer, corpus = _load(cfg, task, seed, Path(directory), save=save, given=tokenizer)
+    tokenizer, corpus = _load(cfg, task, seed, Path(directory), prepared, save, tokenizer)
     layout = Layout(
         task=task,
         rows=cfg.lm_rows if packing else "single",
@@ -376,7 +378,13 @@ def _check_kind(kind: str, given: str, task: str) -> None:
 
 
 def _load(
-    cfg: DataConfig, task: str, seed: int, directory: Path, save: bool, given: Tokenizer | None
+    cfg: DataConfig,
+    task: str,
+    seed: int,
+    directory: Path,
+    prepared: Path | None,
+    save: bool,
+    given: Tokenizer | None,
 ) -> tuple[Tokenizer, Corpus]:
     """The tokenizer and the source tokenized, with its validation split."""
     if cfg.source == "synthetic":
@@ -396,21 +404,26 @@ def _load(
             getattr(train, "labels", None),
         )
         return tokenizer, corpus
-    return _load_store(cfg, directory, save=save, given=given, task=task)
+    return _load_store(cfg, directory, prepared, save=save, given=given, task=task)
 
 
 def _load_store(
-    cfg: DataConfig, directory: Path, save: bool, given: Tokenizer | None, task: str
+    cfg: DataConfig,
+    directory: Path,
+    prepared: Path | None,
+    save: bool,
+    given: Tokenizer | None,
+    task: str,
 ) -> tuple[Tokenizer, Corpus]:
     """A prepared store (``data.source=prepared``), or a text, jsonl or parallel source prepared
-    into a store in ``directory``'s sibling ``prepared/`` on first use: one read path for all.
+    into a store in ``prepared`` on first use: one read path for all.
     The validation documents are ``data.validation_path``'s, prepared alike with the training
     store's tokenizer, or held out of the training store."""
     _check_sources(cfg)
     saved = _saved_tokenizer(cfg, directory, given)
-    store = _run_store(cfg, directory, saved or given)
+    store = _run_store(cfg, prepared, saved or given)
     _check_kind(kind_of(store), f"the store {store.path} ({kind_of(store)} documents)", task)
-    valid_store = None if cfg.validation_path is None else _validation_store(cfg, directory, store)
+    valid_store = None if cfg.validation_path is None else _validation_store(cfg, prepared, store)
     if save and saved is None:
         store.tokenizer.save(directory)
     documents = store.documents
@@ -449,9 +462,11 @@ def _check_sources(cfg: DataConfig) -> None:
             raise type(error)(f"data.{key}: {error}") from None
 
 
-def prepare_run_store(cfg: DataConfig, directory: Path, given: Tokenizer | None = None) -> None:
-    """Prepares the stores a run whose tokenizer lives in ``directory`` reads (see
-    :func:`build_data`), if its source needs them and they are not there yet.
+def prepare_run_store(
+    cfg: DataConfig, directory: Path, prepared: Path, given: Tokenizer | None = None
+) -> None:
+    """Prepares in ``prepared`` the stores a run whose tokenizer lives in ``directory`` reads
+    (see :func:`build_data`), if its source needs them and they are not there yet.
 
     A multi-process run calls this on one process before the others build their data, so that a
     shared run directory's cache is written once; on a file system of its own, a process that
@@ -459,17 +474,17 @@ def prepare_run_store(cfg: DataConfig, directory: Path, given: Tokenizer | None 
     if cfg.source == "synthetic":
         return
     _check_sources(cfg)
-    store = _run_store(cfg, directory, _saved_tokenizer(cfg, directory, given) or given)
+    store = _run_store(cfg, prepared, _saved_tokenizer(cfg, directory, given) or given)
     if cfg.validation_path is not None:
-        _validation_store(cfg, directory, store)
+        _validation_store(cfg, prepared, store)
 
 
-def _run_store(cfg: DataConfig, directory: Path, tokenizer: Tokenizer | None) -> Store:
+def _run_store(cfg: DataConfig, prepared: Path | None, tokenizer: Tokenizer | None) -> Store:
     """``data.path``'s store, or the source's in the run's cache (made with ``tokenizer`` if the
     run has one: a resumed run's saved copy, or ``init_from``'s), checked against ``tokenizer``
     and against ``data.text_documents``."""
     if cfg.source != "prepared":
-        return prepare_source(cfg, _cache_dir(cfg, cfg.path, directory), tokenizer)
+        return prepare_source(cfg, _cache_dir(cfg, cfg.path, prepared), tokenizer)
     store = open_store(cfg.path)
     if tokenizer is not None:
         check_tokenizer(store, tokenizer)
@@ -482,10 +497,10 @@ def _run_store(cfg: DataConfig, directory: Path, tokenizer: Tokenizer | None) ->
     return store
 
 
-def _validation_store(cfg: DataConfig, directory: Path, train: Store) -> Store:
+def _validation_store(cfg: DataConfig, prepared: Path | None, train: Store) -> Store:
     """``data.validation_path``'s store: prepared in the run's cache, or opened."""
     if cfg.source != "prepared":
-        return prepare_validation(cfg, _cache_dir(cfg, cfg.validation_path, directory), train)
+        return prepare_validation(cfg, _cache_dir(cfg, cfg.validation_path, prepared), train)
     store = open_store(cfg.validation_path)
     _check_same_kind(cfg, store, train)
     check_tokenizer(store, train.tokenizer)
@@ -538,14 +553,16 @@ def prepare_source(
     )
 
 
-def _cache_dir(cfg: DataConfig, path: str, directory: Path) -> Path:
-    """One cached store per source a run directory has read, ``prepared/text-<hash>`` beside
-    the tokenizer ``directory``: the hash is of the source, ``path``, field and documents."""
+def _cache_dir(cfg: DataConfig, path: str, prepared: Path | None) -> Path:
+    """One cached store per source a run has read, ``<prepared>/text-<hash>``: the hash is of
+    the source, ``path``, field and documents."""
+    if prepared is None:
+        raise ValueError(f"data.source={cfg.source} needs a directory to prepare its store in")
     field = cfg.field if cfg.source == "jsonl" else None
     documents = (cfg.text_documents or "file") if cfg.source == "text" else None
     key = json.dumps([cfg.source, path, field, documents])
     name = f"{cfg.source}-{hashlib.blake2b(key.encode(), digest_size=6).hexdigest()}"
-    return directory.parent / PREPARED_DIR / name
+    return prepared / name
 
 
 def kind_of(store) -> str:

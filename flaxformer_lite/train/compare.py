@@ -12,9 +12,9 @@ from typing import Any
 import yaml
 
 from flaxformer_lite.train.metrics import read_metrics
+from flaxformer_lite.train.run_dir import RunDir
 
 DEFAULT_METRICS = ("loss", "eval_loss")
-CONFIG_FILE = "config.yaml"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +48,8 @@ def load_runs(paths: Sequence[pathlib.Path | str]) -> list[Run]:
     for path in map(pathlib.Path, paths):
         records = read_metrics(path)
         if not any("step" in record for record in records):
-            raise ValueError(f"{path / 'metrics.jsonl'}: no metrics logged yet")
-        config = path / CONFIG_FILE
+            raise ValueError(f"{RunDir(path).metrics}: no metrics logged yet")
+        config = RunDir(path).config
         if not config.exists():
             raise FileNotFoundError(f"{config}: no resolved config (is {path} a run directory?)")
         runs.append(Run(str(path), records, _flatten(yaml.safe_load(config.read_text()))))

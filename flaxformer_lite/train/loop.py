@@ -1,6 +1,7 @@
-"""A training run, start to finish: resolve the config, build data, model and optimizer, resume
-from the newest checkpoint, run the jitted steps, log, evaluate, checkpoint, and stop cleanly on
-SIGTERM/SIGINT or on a non-finite step.
+"""A training run, start to finish: :func:`prepare` checks the run directory against the config
+and builds the data, the train state (restored from the newest checkpoint) and the steps;
+:func:`train` runs the steps, with logging, evaluation and checkpointing as actions that fire
+at their steps (:mod:`.actions`), and stops cleanly on SIGTERM/SIGINT or a non-finite step.
 
 Nothing here parses command lines; :mod:`flaxformer_lite.cli` does.
 """
@@ -9,71 +10,49 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-import itertools
-import math
-import pathlib
-import signal
 import time
+from collections.abc import Callable
+from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
-import yaml
 from flax import nnx
 
 from flaxformer_lite import parallel
 from flaxformer_lite.data.hf_tokenizer import load_hf_tokenizer
-from flaxformer_lite.data.pipeline import build_data, prepare_run_store
+from flaxformer_lite.data.pipeline import Data, build_data, prepare_run_store
 from flaxformer_lite.models import training_flops_per_token
-from flaxformer_lite.train.checkpoint import Checkpointer
-from flaxformer_lite.train.config import (
-    ConfigError,
-    TrainConfig,
-    config_diff,
-    config_from_dict,
-    is_runtime_key,
+from flaxformer_lite.train.actions import (
+    Evaluate,
+    FiniteCheck,
+    LogTrain,
+    SaveCheckpoint,
+    StepEnd,
+    Throughput,
+    TrainingError,
 )
+from flaxformer_lite.train.checkpoint import Checkpointer
+from flaxformer_lite.train.config import ConfigError, TrainConfig, config_from_dict
 from flaxformer_lite.train.console import Console
-from flaxformer_lite.train.decode_eval import continue_texts, decodable, decode_eval
 from flaxformer_lite.train.metrics import MetricsWriter, peak_flops, plot_run
-from flaxformer_lite.train.optim import make_optimizer, warmup_notice
+from flaxformer_lite.train.optim import warmup_notice
 from flaxformer_lite.train.program import (
+    TrainState,
+    build_train_state,
     configured_train_step,
     resolve_mesh,
     tracing_layout,
-    train_and_eval_graphdefs,
 )
-from flaxformer_lite.train.restore import (
-    from_savable,
-    load_hf_weights,
-    make_train_state,
-    restore_target,
-    to_savable,
-)
+from flaxformer_lite.train.restore import from_savable, load_hf_weights, restore_target
 from flaxformer_lite.train.resume import (
-    check_inputs,
-    has_checkpoint,
+    check_resume,
+    check_shapes,
     keep_schedule_span,
-    refuse_to_overwrite_metrics,
     restore_data_state,
-    schedule_span,
 )
-from flaxformer_lite.train.run_dir import locked_run_dir
+from flaxformer_lite.train.run_dir import RunDir
 from flaxformer_lite.train.run_inputs import built_inputs, write_inputs
+from flaxformer_lite.train.signals import Interrupted, SignalAgreement, stop_on_signals
 from flaxformer_lite.train.step import make_eval_step, task_of
-
-
-class TrainingError(RuntimeError):
-    """The run cannot go on (a non-finite step, a changed config); the message says why."""
-
-
-class Interrupted(RuntimeError):  # noqa: N818 - raised on a signal, not an error of the run
-    """SIGTERM or SIGINT arrived: a checkpoint was written and the run stopped."""
-
-    def __init__(self, signum: int, step: int):
-        super().__init__(f"{signal.Signals(signum).name} at step {step}: checkpoint saved")
-        self.signum, self.step = signum, step
 
 
 def run(
@@ -94,301 +73,235 @@ def run(
       log: where one-line messages go.
 
     Raises:
-      ConfigError: a changed config on resume (without ``force``), bad data or settings.
-      ValueError: a mesh that does not fit the devices, or shapes that do not divide over it.
-      RunDirInUseError: another live process holds ``cfg.run_dir`` (:mod:`.run_dir`).
+      ConfigError: differences from the run directory (without ``force``), bad data or settings.
+      ValueError: a mesh that does not fit the devices, shapes that do not divide over it, a
+        directory that is not a run (:class:`~.run_dir.NotARunError`) or one in use by another
+        process (:class:`~.run_dir.RunDirInUseError`).
       TrainingError: a non-finite loss or gradient (the last good checkpoint is kept).
       Interrupted: SIGTERM / SIGINT (after the checkpoint is written).
     """
     parallel.initialize(cfg.distributed)
     main = jax.process_index() == 0
     log, progress = (log, progress) if main else (_quiet, False)
-    run_dir = pathlib.Path(cfg.run_dir)
+    run_dir = RunDir(cfg.run_dir)
     # Process 0 holds the directory's lock for the whole run (other processes share it).
-    with locked_run_dir(run_dir, fresh=fresh, log=log) if main else contextlib.nullcontext():
+    with run_dir.locked(fresh=fresh, log=log) if main else contextlib.nullcontext():
         _sync_processes("run directory ready")
-        return _run(cfg, run_dir, main, force, progress, log)
+        prepared = prepare(cfg, run_dir, force=force, log=log)
+        # The data's prefetch thread ends with the run, however the run ends.
+        with contextlib.closing(prepared.checkpointer), contextlib.closing(prepared.data.train):
+            return train(prepared, progress=progress, log=log)
 
 
-def _run(cfg, run_dir, main, force, progress, log):
-    """:func:`run`, in a directory this run holds."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+@dataclasses.dataclass(frozen=True)
+class PreparedRun:
+    """A run ready to step: its settled config, data, restored state and compiled steps.
 
+    Attributes:
+      cfg: the config the run trains with (mesh sizes, vocabulary and schedule span settled),
+        as ``RUN/config.yaml`` records it.
+      run_dir: the run directory.
+      mesh: the device mesh.
+      data: the train and eval pipelines.
+      checkpointer: the run's checkpoints.
+      built: the train state's graphs, shardings and schedule.
+      state: the train state at ``step``.
+      step: the optimizer steps done (the restored checkpoint's, or 0).
+      resumed: whether ``state`` was restored from a checkpoint.
+      train_step: the jitted train step.
+      eval_step: the jitted eval step.
+      place: puts a batch of this process's rows onto the mesh.
+    """
+
+    cfg: TrainConfig
+    run_dir: RunDir
+    mesh: jax.sharding.Mesh
+    data: Data
+    checkpointer: Checkpointer
+    built: TrainState
+    state: Any
+    step: int
+    resumed: bool
+    train_step: Callable
+    eval_step: Callable
+    place: Callable
+
+
+def prepare(cfg: TrainConfig, run_dir: RunDir, *, force: bool, log) -> PreparedRun:
+    """Checks ``run_dir`` against ``cfg`` (every difference at once), builds the data and the
+    train state, restores the newest checkpoint into it, and records the config."""
+    main = jax.process_index() == 0
     cfg, mesh = resolve_mesh(cfg)
     batch_sharding = parallel.batch_sharding(mesh, cfg.mesh.rules)
     parallel.check_batch_size(
         cfg.train.batch_size, mesh, cfg.mesh.rules, cfg.train.grad_accum_steps
     )
-    shard_index, shard_count = parallel.process_batch_shard(batch_sharding, cfg.train.batch_size)
+    checkpointer = Checkpointer(
+        run_dir.checkpoints, keep=cfg.checkpoint.keep, every=cfg.checkpoint.every
+    )
+    try:
+        resumed_step = checkpointer.latest_step()
+        saved = None
+        if resumed_step is not None:
+            saved = config_from_dict(checkpointer.restore_config())
+        check_resume(run_dir, cfg, saved, resumed_step, force=force, main=main, log=log)
+        _sync_processes("inputs checked")
+        data = _build_data(cfg, run_dir, batch_sharding, main)
+        cfg = _settled_config(cfg, saved, data.vocab_size, log)
+        built = build_train_state(cfg, mesh, abstract=resumed_step is not None)
+        state, step = built.state, 0
+        if saved is not None:
+            if force:  # --force goes on with another config, never with other arrays
+                saved_built = build_train_state(saved, mesh, abstract=True)
+                check_shapes(restore_target(saved_built.state), restore_target(state), saved, cfg)
+            restored = checkpointer.restore(restore_target(state))
+            state = from_savable(restored.state, state)
+            restore_data_state(data.train, restored.data_state, force, log)
+            step = restored.step
+            log(f"resumed from step {step} of {checkpointer.directory}")
+        elif cfg.init_from is not None:  # a resumed run keeps its checkpoint
+            state = load_hf_weights(state, cfg.init_from)
+            log(f"initialized the model from {cfg.init_from}")
+    except BaseException:
+        checkpointer.close()
+        raise
+    if main:
+        run_dir.write_config(cfg.to_dict())
+    _log_layout(state, built.shardings, mesh, log)
+    return PreparedRun(
+        cfg=cfg,
+        run_dir=run_dir,
+        mesh=mesh,
+        data=data,
+        checkpointer=checkpointer,
+        built=built,
+        state=state,
+        step=step,
+        resumed=saved is not None,
+        train_step=configured_train_step(cfg, built.graphdef, built.shardings),
+        eval_step=make_eval_step(built.eval_graphdef, task=task_of(cfg.model)),
+        place=lambda batch: parallel.put_batch(batch, batch_sharding, cfg.train.batch_size),
+    )
+
+
+def train(run: PreparedRun, *, progress: bool, log) -> dict[str, float]:
+    """Steps ``run`` to ``train.steps``; returns the metrics logged last.
+
+    The host runs one step ahead of the devices: it dispatches step s, takes and places batch
+    s + 1 while s runs, and reads a step's results only when an action is due at it, or, for
+    its finite flag, one step late, once the next step is dispatched."""
+    cfg, data, step, total = run.cfg, run.data, run.step, run.cfg.train.steps
+    if step == total:
+        log(f"{run.run_dir} is at step {step} = train.steps already; raise train.steps to go on")
+    console = Console(total, step, bar=progress, log=log)
+    main = jax.process_index() == 0
+    writer = MetricsWriter(run.run_dir.path, resume_step=step, log=log) if main else _NoMetrics()
+    tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
+    flops_per_token = training_flops_per_token(cfg.model, cfg.data.seq_len)
+    throughput = Throughput(tokens_per_step, flops_per_token, peak_flops(), log)
+    resumed_step = run.step if run.resumed else None
+    finite = FiniteCheck(cfg.train.skip_nonfinite, run.checkpointer, resumed_step, log)
     task = task_of(cfg.model)
-    if not has_checkpoint(run_dir):
-        refuse_to_overwrite_metrics(run_dir)
-    check_inputs(cfg, run_dir, force, main, log)
-    _sync_processes("inputs checked")
+    actions = [
+        LogTrain(cfg.train.log_every, total, run.built.schedule, throughput, console),
+        Evaluate(cfg, data, task, run.eval_step, run.built.eval_graphdef, run.place, console),
+        SaveCheckpoint(run.checkpointer, cfg),
+    ]
+    for notice in (warmup_notice(cfg.optimizer, total), *data.notices):
+        if notice:
+            log(notice)
+    state, last = run.state, {}
+    batch = run.place(next(data.train)) if step < total else None
+    agree = SignalAgreement()
+    # The steps are traced under the mesh and rules: the layers pin their activations' layout.
+    with (
+        stop_on_signals() as stop,
+        contextlib.closing(writer),
+        contextlib.closing(console),
+        tracing_layout(run.mesh, cfg.mesh.rules),
+    ):
+        while step < total:
+            started = time.perf_counter()
+            state, metrics = run.train_step(state, batch)
+            step += 1
+            console.advance()
+            data_state = data.train.get_state()  # what a checkpoint at this step saves
+            if step < total:
+                batch = run.place(next(data.train))
+            finite.later(step, metrics)
+            signum = agree(stop.signum)
+            end = StepEnd(step, state, metrics, data_state, step == total or signum is not None)
+            due = [action for action in actions if action.due(end)]
+            if throughput.started is not None and not due:
+                continue
+            finite.now()  # a checkpoint is written only after its step's flag is read
+            if throughput.started is None:
+                throughput.compiled(step, started)
+            for action in due:
+                action(end)
+            if end.values:
+                writer.write(step, end.values)
+                last = end.values
+            if signum is not None:
+                run.checkpointer.wait()
+                raise Interrupted(signum, step)
+            if due:  # tokens/s times training steps alone, not evaluations or saves
+                throughput.restart(step)
+        run.checkpointer.wait()
+    if main:
+        plot_run(run.run_dir.path)
+    return last
+
+
+def _build_data(cfg: TrainConfig, run_dir: RunDir, batch_sharding, main: bool) -> Data:
+    """This process's data: its share of each global batch; the tokenizer saved by process 0."""
+    shard_index, shard_count = parallel.process_batch_shard(batch_sharding, cfg.train.batch_size)
     # init_from: the checkpoint's tokenizer, with its ids (a resumed run reads the saved copy).
     tokenizer = None if cfg.init_from is None else load_hf_tokenizer(cfg.init_from)
     if jax.process_count() > 1:  # process 0 fills a shared cache; the others then read it
         if main:
-            prepare_run_store(cfg.data, run_dir / "tokenizer", tokenizer)
+            prepare_run_store(cfg.data, run_dir.tokenizer, run_dir.prepared, tokenizer)
         _sync_processes("data prepared")
     data = build_data(
         cfg.data,
-        task=task,
+        task=task_of(cfg.model),
         seed=cfg.seed,
         batch_size=cfg.train.batch_size,
-        directory=run_dir / "tokenizer",
+        directory=run_dir.tokenizer,
+        prepared=run_dir.prepared,
         process_index=shard_index,
         process_count=shard_count,
         save_tokenizer=main,
         tokenizer=tokenizer,
     )
     if main:
-        write_inputs(run_dir, built_inputs(cfg.data, run_dir))
+        write_inputs(run_dir.inputs, built_inputs(cfg.data, run_dir.prepared))
+    return data
+
+
+def _settled_config(cfg: TrainConfig, saved: TrainConfig | None, vocab_size: int, log):
+    """``cfg`` with the tokenizer's vocabulary size and, resuming ``saved``, its schedule span.
+
+    Raises:
+      ConfigError: an ``init_from`` model with fewer embedding rows than its tokenizer's ids.
+    """
     if cfg.init_from is not None:  # the embedding table may have more rows than ids
-        if data.vocab_size > cfg.model.vocab_size:
+        if vocab_size > cfg.model.vocab_size:
             raise ConfigError(
-                f"init_from={cfg.init_from}: the tokenizer has {data.vocab_size} "
+                f"init_from={cfg.init_from}: the tokenizer has {vocab_size} "
                 f"ids, the model {cfg.model.vocab_size} rows"
             )
-    elif cfg.model.vocab_size != data.vocab_size:
-        log(f"model.vocab_size set to the tokenizer's {data.vocab_size}")
-        cfg = dataclasses.replace(cfg, model=cfg.model.replace(vocab_size=data.vocab_size))
-
-    checkpointer = Checkpointer(
-        run_dir / "checkpoints", keep=cfg.checkpoint.keep, every=cfg.checkpoint.every
-    )
-    # The data's prefetch thread ends with the run, however the run ends.
-    with contextlib.closing(checkpointer), contextlib.closing(data.train):
-        if checkpointer.latest_step() is not None:
-            saved = config_from_dict(checkpointer.restore_config())
-            cfg = keep_schedule_span(saved, cfg, log)
-            _check_resumable(saved, cfg, force, log)
-            if saved.mesh != cfg.mesh:
-                log(
-                    f"resuming on mesh {_mesh_text(cfg.mesh)}; the checkpoint was written on "
-                    f"{_mesh_text(saved.mesh)}: arrays are resharded as they are restored"
-                )
-        if main:
-            (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        return _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log, force)
-
-
-def _train(cfg, data, task, checkpointer, mesh, batch_sharding, progress, log, force):
-    run_dir, rules = pathlib.Path(cfg.run_dir), cfg.mesh.rules
-    if notice := warmup_notice(cfg.optimizer, cfg.train.steps):
-        log(notice)
-    tx, schedule = make_optimizer(
-        cfg.optimizer, total_steps=schedule_span(cfg), d_model=cfg.model.d_model
-    )
-
-    create = functools.partial(make_train_state, cfg, tx)
-    resuming = checkpointer.latest_step() is not None
-    make_state = parallel.abstract_sharded if resuming else parallel.create_sharded
-    graphdef, state, shardings = make_state(create, mesh, rules)
-    if cfg.init_from is not None and not resuming:  # a resumed run keeps its checkpoint
-        state = load_hf_weights(state, cfg.init_from)
-        log(f"initialized the model from {cfg.init_from}")
-    graphdef, eval_graphdef = train_and_eval_graphdefs(graphdef, state)
-    _log_layout(state, shardings, mesh, log)
-    step = 0
-    if resuming:
-        restored = checkpointer.restore(restore_target(state))
-        state = from_savable(restored.state, state)
-        restore_data_state(data.train, restored.data_state, force, log)
-        step = restored.step
-        log(f"resumed from step {step} of {checkpointer.directory}")
-
-    train_step = configured_train_step(cfg, graphdef, shardings)
-    eval_step = make_eval_step(eval_graphdef, task=task)
-    batch_size = cfg.train.batch_size
-
-    def place(batch):
-        return parallel.put_batch(batch, batch_sharding, batch_size)
-
-    tokens_per_step = batch_size * cfg.data.seq_len
-    flops_per_token = training_flops_per_token(cfg.model, cfg.data.seq_len)
-    peak = peak_flops()
-    main = jax.process_index() == 0
-    writer = MetricsWriter(run_dir, resume_step=step, log=log) if main else _NoMetrics()
-    for notice in data.notices:
-        log(notice)
-    total = cfg.train.steps
-    console = Console(total, step, bar=progress, log=log)
-    last: dict[str, float] = {}
-
-    def check_finite(at: int, metrics) -> None:
-        """Stops the run (or logs, with ``train.skip_nonfinite``) if step ``at`` was not finite;
-        waits for that step to finish."""
-        if bool(metrics["finite"]):
-            return
-        message = (
-            f"step {at}: the loss or a gradient is not finite (loss "
-            f"{float(metrics['loss'])}); the update was skipped"
-        )
-        if not cfg.train.skip_nonfinite:
-            checkpointer.wait()  # a save in flight is good: name it as the last one
-            good = checkpointer.latest_step()
-            where = "none written yet" if good is None else f"step {good}"
-            raise TrainingError(f"{message} and the run stopped; last good checkpoint: {where}")
-        log(message)
-
-    # The host runs one step ahead of the devices: it dispatches step s, takes and places batch
-    # s + 1 while s runs, and reads a step's results only when they are due (logging, eval, a
-    # checkpoint) or, for its finite flag, one step late, once the next step is dispatched.
-    batch = place(next(data.train)) if step < total else None
-    unchecked = None  # (step, metrics) of the step whose finite flag is not read yet
-    window_start, window_step = None, step  # tokens/s: steady-state training steps only
-    agree = _SignalAgreement()
-    # The steps are traced under the mesh and rules: the layers pin their activations' layout.
-    with (
-        _stop_on_signals() as stop,
-        contextlib.closing(writer),
-        contextlib.closing(console),
-        tracing_layout(mesh, rules),
-    ):
-        while step < total:
-            started = time.perf_counter()
-            state, metrics = train_step(state, batch)
-            step += 1
-            console.advance()
-            # The state a checkpoint at this step saves: the batches handed out so far.
-            data_state = data.train.get_state()
-            if step < total:
-                batch = place(next(data.train))
-            if unchecked is not None:  # the previous step: its successor is queued already
-                check_finite(*unchecked)
-            unchecked = (step, metrics)
-            signum = agree(stop.signum)
-            final = step == total or signum is not None
-            log_due = step % cfg.train.log_every == 0 or step == total
-            eval_due = step % cfg.train.eval_every == 0 or step == total
-            saving = final or step % cfg.checkpoint.every == 0
-            if window_start is not None and not (log_due or eval_due or saving):
-                continue
-            # Due: wait for this step; a checkpoint is written only after its flag is read.
-            check_finite(*unchecked)
-            unchecked = None
-            if window_start is None:  # the first step compiled: time the steady state after it
-                log(f"compiled the train step in {time.perf_counter() - started:.1f} s")
-                window_start, window_step = time.perf_counter(), step
-            values = {}
-            if log_due:
-                elapsed = time.perf_counter() - window_start
-                steps_timed = step - window_step
-                tokens_per_sec = steps_timed * tokens_per_step / elapsed if steps_timed else None
-                values = {k: float(metrics[k]) for k in ("loss", "accuracy", "grad_norm")}
-                values["learning_rate"] = float(schedule(step - 1))
-                values["tokens_per_sec"] = tokens_per_sec
-                values["mfu"] = (
-                    flops_per_token * tokens_per_sec / peak if peak and tokens_per_sec else None
-                )
-                console.logged(step, values)
-            if eval_due:
-                batches = map(place, data.eval_batches())
-                scores = evaluate(eval_step, state, batches, cfg.train.eval_batches)
-                if task in ("lm", "seq2seq"):
-                    scores["eval_perplexity"] = math.exp(min(scores["eval_loss"], 80.0))
-                model = nnx.merge(eval_graphdef, state)[0]
-                scores |= _decoded_eval(cfg, data, task, model, step, console.say)
-                console.evaluated(
-                    step, scores, _eval_coverage(cfg, data, task, scores["eval_tokens"])
-                )
-                values |= scores
-            if values:
-                writer.write(step, values)
-                last = values
-            if saving:  # no state conversion on other steps
-                checkpointer.save(
-                    step,
-                    to_savable(state),
-                    data_state=data_state,
-                    config=cfg.to_dict(),
-                    force=final,
-                    metrics={"eval_loss": values["eval_loss"]} if "eval_loss" in values else None,
-                )
-            if signum is not None:
-                checkpointer.wait()
-                raise Interrupted(signum, step)
-            if values or saving:  # tokens/s times training steps alone, not evals or saves
-                window_start, window_step = time.perf_counter(), step
-        checkpointer.wait()
-    if main:
-        plot_run(run_dir)
-    return last
-
-
-def evaluate(eval_step, state, batches, max_batches: int | None = None) -> dict[str, float]:
-    """Token-weighted ``eval_loss`` and ``eval_accuracy`` over every batch (or the first
-    ``max_batches``), and ``eval_tokens``, the number of (weighted) tokens they are over.
-
-    Each batch's means come back from the devices in float32; the sums over batches are made in
-    float64 on the host, so a long validation set adds up exactly."""
-    totals = {"loss": 0.0, "accuracy": 0.0, "num_tokens": 0.0}
-    for batch in itertools.islice(batches, max_batches):
-        metrics = eval_step(state, batch)
-        count = float(metrics["num_tokens"])
-        totals["num_tokens"] += count
-        for key in ("loss", "accuracy"):
-            totals[key] += float(metrics[key]) * count
-    count = max(totals["num_tokens"], 1e-8)
-    return {
-        "eval_loss": totals["loss"] / count,
-        "eval_accuracy": totals["accuracy"] / count,
-        "eval_tokens": round(totals["num_tokens"]),  # weights are 0 or 1: a count
-    }
-
-
-def _eval_coverage(cfg, data, task: str, counted: float) -> str:
-    """What an evaluation of ``counted`` weighted targets is over, in words: all the validation
-    targets (tokens; a classifier's examples; an MLM's masked tokens), or the share
-    ``train.eval_batches`` leaves."""
-    what = {"classify": "examples", "mlm": "masked tokens"}.get(task, "tokens")
-    capped = cfg.train.eval_batches
-    if capped is None or capped >= data.eval_batch_count:
-        return f"every one of {counted:,.0f} validation {what}"
-    batches = f"train.eval_batches={capped} of {data.eval_batch_count} batches"
-    if data.eval_tokens is None:
-        return f"{counted:,.0f} validation {what} of the first {batches}"
-    share = counted / max(data.eval_tokens, 1)
-    return f"{counted:,.0f} of the {data.eval_tokens:,} validation tokens, {share:.1%}: {batches}"
-
-
-def _decoded_eval(cfg, data, task, model, step: int, log) -> dict[str, float]:
-    """Greedy-decodes ``train.decode_examples`` validation examples, logs ``train.log_samples``
-    of them, and returns their scores; on plain text, logs ``train.log_samples`` sampled
-    continuations of validation prompts (no score: text has no answer to compare with)."""
-    if jax.process_count() > 1:  # the prompts are not split over processes
-        return {}
-    # One batch of prompts on whatever devices hold the parameters: no activation layout rules.
-    with nnx.logical_axis_rules(()):
-        if task == "lm" and cfg.train.log_samples and not decodable(task, data.eval_examples):
-            samples = continue_texts(
-                model,
-                data.tokenizer,
-                data.eval_examples,
-                num_samples=cfg.train.log_samples,
-                max_length=min(cfg.model.max_length, cfg.data.seq_len),
-                seed=cfg.seed + step,
-            )
-            for number, sample in enumerate(samples, 1):
-                log(f"step {step} sample {number} (prompt {sample.input!r}):\n{sample.prediction}")
-            return {}
-        if not cfg.train.decode_examples or not decodable(task, data.eval_examples):
-            return {}
-        values, samples = decode_eval(
-            model,
-            data.tokenizer,
-            data.eval_examples,
-            task=task,
-            num_examples=cfg.train.decode_examples,
-            max_length=cfg.model.max_length,
-        )
-    for sample in samples[: cfg.train.log_samples]:
+    elif cfg.model.vocab_size != vocab_size:
+        log(f"model.vocab_size set to the tokenizer's {vocab_size}")
+        cfg = dataclasses.replace(cfg, model=cfg.model.replace(vocab_size=vocab_size))
+    if saved is None:
+        return cfg
+    if saved.mesh != cfg.mesh:
         log(
-            f"step {step} sample {sample.input!r} -> {sample.prediction!r} "
-            f"(reference {sample.reference!r})"
+            f"resuming on mesh {_mesh_text(cfg.mesh)}; the checkpoint was written on "
+            f"{_mesh_text(saved.mesh)}: arrays are resharded as they are restored"
         )
-    return values
+    return keep_schedule_span(saved, cfg, log)
 
 
 def _log_layout(state, shardings, mesh, log) -> None:
@@ -424,35 +337,6 @@ def _sync_processes(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-class _SignalAgreement:
-    """The signal any process received, the same on all of them: they must stop at the same
-    step, since the checkpoint they then write is collective (a process saving alone would wait
-    forever for the others, already in the next step's collectives).
-
-    With several processes the agreement is a max over the processes' signals queued behind each
-    step and read one step late, like the finite flag: a blocking exchange every step would
-    make the host wait for the devices. All processes read the same step's agreement, so all
-    stop one step after the signal, at the same step."""
-
-    def __init__(self):
-        self._pending = None
-        if jax.process_count() > 1:
-            mesh = jax.sharding.Mesh(np.array(jax.devices()), ("devices",))
-            self._sharding = jax.NamedSharding(mesh, jax.P("devices"))
-            self._max = jax.jit(jnp.max, out_shardings=jax.NamedSharding(mesh, jax.P()))
-
-    def __call__(self, signum: int | None) -> int | None:
-        """The agreed signal, given this process's ``signum`` after a step (None: none)."""
-        if jax.process_count() == 1:
-            return signum
-        local = np.full(jax.local_device_count(), signum or 0, np.int32)
-        received = jax.make_array_from_process_local_data(
-            self._sharding, local, (jax.device_count(),)
-        )
-        agreed, self._pending = self._pending, self._max(received)
-        return None if agreed is None else int(agreed) or None
-
-
 def _quiet(_message: str) -> None:
     pass
 
@@ -467,39 +351,4 @@ class _NoMetrics:
         pass
 
 
-def _check_resumable(saved: TrainConfig, cfg: TrainConfig, force: bool, log) -> None:
-    diff = config_diff(saved, cfg)
-    if schedule_span(saved) == schedule_span(cfg):  # None and the steps it stood for
-        diff.pop("optimizer.schedule_steps", None)
-    changed = {k: v for k, v in diff.items() if not is_runtime_key(k)}
-    lines = [f"  {key}: {old!r} -> {new!r}" for key, (old, new) in changed.items()]
-    if changed and not force:
-        raise ConfigError(
-            "the config differs from the checkpoint's; pass --force to resume "
-            "anyway or --fresh to start over:\n" + "\n".join(lines)
-        )
-    if changed:
-        log("resuming with a changed config (--force):\n" + "\n".join(lines))
-
-
-class _StopFlag:
-    signum: int | None = None
-
-
-@contextlib.contextmanager
-def _stop_on_signals():
-    """Turns SIGTERM / SIGINT into a flag the loop checks after each step."""
-    flag = _StopFlag()
-
-    def handler(signum, _frame):
-        flag.signum = signum
-
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield flag
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-
-
-__all__ = ["Interrupted", "TrainingError", "evaluate", "from_savable", "run", "to_savable"]
+__all__ = ["Interrupted", "PreparedRun", "TrainingError", "prepare", "run", "train"]

@@ -1,16 +1,21 @@
-"""The pieces of a run's train step that the training loop and ahead-of-time compilation
-(:mod:`flaxformer_lite.aot`) share, so that both build and trace the very same program."""
+"""The pieces of a run's train step that the training loop, :func:`~.restore.load_run` and
+ahead-of-time compilation (:mod:`flaxformer_lite.aot`) share, so that all of them build and trace
+the very same program: the mesh, the train state (model, optimizer and schedule) and the step."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import jax
 from flax import nnx
 
 from flaxformer_lite import parallel
+from flaxformer_lite.models import build_model
 from flaxformer_lite.train.config import TrainConfig
+from flaxformer_lite.train.optim import make_optimizer
 from flaxformer_lite.train.step import make_train_step, task_of
 
 
@@ -25,6 +30,51 @@ def resolve_mesh(cfg: TrainConfig, devices=None) -> tuple[TrainConfig, jax.shard
     data_size, fsdp_size, tensor_size = mesh.shape.values()
     sizes = dict(data=data_size, fsdp=fsdp_size, tensor=tensor_size)
     return dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, **sizes)), mesh
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """A run's ``(model, optimizer)`` split for the jitted steps, laid out on a mesh.
+
+    Attributes:
+      graphdef: the graph with dropout on (the train step's).
+      eval_graphdef: the same graph with dropout off (evaluation, decoding, ``load_run``).
+      state: the split state: arrays (created), or ``ShapeDtypeStruct``s carrying their
+        shardings (abstract: what a checkpoint restores into, or what ``aot`` compiles).
+      shardings: the state's ``NamedSharding``s, by ``cfg.mesh.rules``.
+      schedule: the learning rate by optimizer step, over :func:`schedule_span` steps.
+    """
+
+    graphdef: nnx.GraphDef
+    eval_graphdef: nnx.GraphDef
+    state: Any
+    shardings: Any
+    schedule: Callable[[int], Any]
+
+
+def build_train_state(cfg: TrainConfig, mesh: jax.sharding.Mesh, *, abstract: bool) -> TrainState:
+    """The train state of ``cfg`` on ``mesh``: created (seeded by ``cfg.seed``) to start a run,
+    or ``abstract`` to restore a checkpoint into or to compile for."""
+    tx, schedule = make_optimizer(
+        cfg.optimizer, total_steps=schedule_span(cfg), d_model=cfg.model.d_model
+    )
+    make = parallel.abstract_sharded if abstract else parallel.create_sharded
+    graphdef, state, shardings = make(lambda: make_train_state(cfg, tx), mesh, cfg.mesh.rules)
+    graphdef, eval_graphdef = train_and_eval_graphdefs(graphdef, state)
+    return TrainState(graphdef, eval_graphdef, state, shardings, schedule)
+
+
+def schedule_span(cfg: TrainConfig) -> int:
+    """The steps the learning-rate schedule spans: ``optimizer.schedule_steps``, else the run's
+    ``train.steps``."""
+    return cfg.optimizer.schedule_steps or cfg.train.steps
+
+
+def make_train_state(cfg: TrainConfig, tx) -> tuple[nnx.Module, nnx.Optimizer]:
+    """The run's ``(model, optimizer)`` as ``train.py`` creates them (seeded by ``cfg.seed``);
+    their split state is what a checkpoint holds (through :func:`~.restore.to_savable`)."""
+    model = build_model(cfg.model, rngs=nnx.Rngs(params=cfg.seed, dropout=cfg.seed + 1))
+    return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
 def configured_train_step(cfg: TrainConfig, graphdef, shardings):

@@ -6,15 +6,14 @@ and config, ready for inference, plots and generation.
     logits = run.model(ids)                   # [1, T, V], dropout off
 
 The helpers that convert the training state to and from what a checkpoint holds
-(:func:`to_savable`, :func:`from_savable`, :func:`restore_target`, :func:`make_train_state`)
-live here and the training loop uses them too, so a run is restored exactly as it resumes;
+(:func:`to_savable`, :func:`from_savable`, :func:`restore_target`) live here and the training
+loop uses them too, so a run is restored exactly as it resumes;
 :func:`load_hf_weights` starts a run's state from a Hugging Face checkpoint (``init_from``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import pathlib
 from typing import Any
@@ -27,10 +26,10 @@ from jax.sharding import Mesh
 
 from flaxformer_lite import parallel
 from flaxformer_lite.data.tokenizers import Tokenizer, load_tokenizer
-from flaxformer_lite.models import build_model
 from flaxformer_lite.train.checkpoint import Checkpointer, CheckpointError
 from flaxformer_lite.train.config import TrainConfig, config_from_dict
-from flaxformer_lite.train.optim import make_optimizer
+from flaxformer_lite.train.program import build_train_state
+from flaxformer_lite.train.run_dir import RunDir
 
 logger = logging.getLogger(__name__)
 
@@ -71,13 +70,13 @@ def load_run(
         (the message names the path).
       ValueError: ``step`` has no checkpoint, or the checkpoint cannot be restored.
     """
-    run_dir = pathlib.Path(run_dir)
-    if not run_dir.is_dir():
-        raise FileNotFoundError(f"{run_dir}: no such run directory")
-    directory = run_dir / "checkpoints"
+    run = RunDir(run_dir)
+    if not run.path.is_dir():
+        raise FileNotFoundError(f"{run}: no such run directory")
+    directory = run.checkpoints
     # Checked before opening: the Checkpointer would create a missing directory.
     if not directory.is_dir():
-        raise FileNotFoundError(f"{directory}: no checkpoints directory; is {run_dir} a run?")
+        raise FileNotFoundError(f"{directory}: no checkpoints directory; is {run} a run?")
     if mesh is None:
         mesh = parallel.make_mesh(1, 1, 1, devices=jax.local_devices()[:1])
     # keep/every only matter when saving, which this never does.
@@ -85,7 +84,7 @@ def load_run(
         steps = checkpointer.all_steps()
         if not steps:
             raise FileNotFoundError(f"{directory}: no finished checkpoint")
-        tokenizer = load_tokenizer(run_dir / "tokenizer")
+        tokenizer = load_tokenizer(run.tokenizer)
         if step is not None and step not in steps:
             raise ValueError(f"{directory}: no checkpoint for step {step}; it has steps {steps}")
         candidates = [step] if step is not None else steps[::-1]
@@ -105,31 +104,21 @@ def load_run(
                     ) from error
                 logger.warning("%s; trying the previous one", error)
     model, _ = nnx.merge(graphdef, from_savable(restored.state, state))
-    model.eval()
     return LoadedRun(model, tokenizer, config_from_dict(restored.config), restored.step)
 
 
 def _restore_model_state(checkpointer: Checkpointer, step: int, mesh: Mesh):
-    """The graph, abstract state and restored checkpoint of ``step``, built from its config.
+    """The eval graph, abstract state and restored checkpoint of ``step``, built from its config.
 
     Raises:
       CheckpointError: a part of the checkpoint cannot be read.
     """
     cfg = config_from_dict(checkpointer.restore_config(step))
-    span = cfg.optimizer.schedule_steps or cfg.train.steps
-    tx, _ = make_optimizer(cfg.optimizer, total_steps=span, d_model=cfg.model.d_model)
     # The optimizer state is restored too (and dropped): the checkpoint holds one pytree, and
     # restoring a part of it would need orbax placeholders.
-    create = functools.partial(make_train_state, cfg, tx)
-    graphdef, state, _ = parallel.abstract_sharded(create, mesh, cfg.mesh.rules)
-    return graphdef, state, checkpointer.restore(restore_target(state), step=step)
-
-
-def make_train_state(cfg: TrainConfig, tx) -> tuple[nnx.Module, nnx.Optimizer]:
-    """The run's ``(model, optimizer)`` as ``train.py`` creates them (seeded by ``cfg.seed``);
-    their split state is what a checkpoint holds (through :func:`to_savable`)."""
-    model = build_model(cfg.model, rngs=nnx.Rngs(params=cfg.seed, dropout=cfg.seed + 1))
-    return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+    built = build_train_state(cfg, mesh, abstract=True)
+    restored = checkpointer.restore(restore_target(built.state), step=step)
+    return built.eval_graphdef, built.state, restored
 
 
 def load_hf_weights(state, path: pathlib.Path | str):
@@ -211,7 +200,6 @@ __all__ = [
     "from_savable",
     "load_hf_weights",
     "load_run",
-    "make_train_state",
     "restore_target",
     "to_savable",
 ]

@@ -1,17 +1,42 @@
-"""What a run checks before it starts or resumes, so that nothing is lost and nothing is
-trained on by mistake: logged steps without a checkpoint, data that changed since the run was
-started (:mod:`flaxformer_lite.train.run_inputs`), a data pipeline that changed since the
-checkpoint, and the learning-rate schedule of a run resumed with more steps."""
+"""What a run checks before it starts or resumes, so that nothing is lost and nothing is trained
+on by mistake: one check, :func:`check_resume`, that compares the run directory with the config
+(its tokenizer, the data it was started on, the checkpoint's config and step, logged steps
+without a checkpoint) and reports every difference at once, each with its way forward. After
+the data are built, :func:`restore_data_state` compares the data pipeline with the checkpoint's.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import pathlib
 
-from flaxformer_lite.train.config import ConfigError, TrainConfig
-from flaxformer_lite.train.metrics import METRICS_FILE
-from flaxformer_lite.train.run_dir import move_aside
+from flaxformer_lite.data.tokenizers import KIND_FILE
+from flaxformer_lite.train.config import ConfigError, TrainConfig, config_diff, is_runtime_key
+from flaxformer_lite.train.program import schedule_span
+from flaxformer_lite.train.run_dir import RunDir, move_aside
 from flaxformer_lite.train.run_inputs import current_inputs, input_changes, read_inputs, store_of
+
+_FRESH = "--fresh to move the run aside and start over"
+_CHANGED_DATA = "going on with changed data"
+
+
+@dataclasses.dataclass(frozen=True)
+class Difference:
+    """One way the run directory differs from the config it is run with.
+
+    Attributes:
+      what: what differs, as the heading of its lines.
+      lines: ``  key: before -> now`` lines.
+      way_forward: what the user can do about it.
+      forced: what ``--force`` goes on with, in words; None: ``--force`` does not.
+    """
+
+    what: str
+    lines: tuple[str, ...]
+    way_forward: str
+    forced: str | None = None
+
+    def text(self) -> str:
+        return "\n".join([f"{self.what}; {self.way_forward}:", *self.lines])
 
 
 def keep_schedule_span(saved: TrainConfig, cfg: TrainConfig, log) -> TrainConfig:
@@ -34,14 +59,197 @@ def keep_schedule_span(saved: TrainConfig, cfg: TrainConfig, log) -> TrainConfig
     return dataclasses.replace(cfg, optimizer=optimizer)
 
 
-def schedule_span(cfg: TrainConfig) -> int:
-    return cfg.optimizer.schedule_steps or cfg.train.steps
+def check_resume(
+    run: RunDir,
+    cfg: TrainConfig,
+    saved: TrainConfig | None,
+    saved_step: int | None,
+    *,
+    force: bool,
+    main: bool,
+    log,
+) -> None:
+    """Compares ``run`` (its checkpoint at ``saved_step`` written with config ``saved``, or
+    none) with ``cfg`` before the data are built, and refuses every difference at once unless
+    all of them are ones ``force`` goes on with; with ``force`` it logs them and moves aside what
+    the old data made (their cached store; without a checkpoint, the tokenizer).
+
+    Raises:
+      ConfigError: one paragraph per difference, each with its way forward.
+    """
+    resuming = saved_step is not None
+    differences = [
+        *_steps_done(run, cfg, saved_step),
+        *_tokenizer_gone(run, resuming),
+        *_metrics_without_checkpoint(run, resuming),
+        *_input_differences(run, cfg, resuming),
+        *([] if saved is None else _config_differences(saved, cfg)),
+    ]
+    if not differences:
+        return
+    if not force or any(d.forced is None for d in differences):
+        raise ConfigError("\n".join(d.text() for d in differences))
+    for difference in differences:
+        log(f"{difference.forced} (--force):\n" + "\n".join(difference.lines))
+    if main and any(d.forced == _CHANGED_DATA for d in differences):
+        _move_old_data_aside(run, cfg, resuming, log)
+
+
+def _steps_done(run: RunDir, cfg: TrainConfig, saved_step: int | None) -> list[Difference]:
+    if saved_step is None or saved_step <= cfg.train.steps:
+        return []
+    return [
+        Difference(
+            f"{run} is at step {saved_step} already, past train.steps={cfg.train.steps}",
+            (),
+            f"pass train.steps above {saved_step} to train on, or {_FRESH}",
+        )
+    ]
+
+
+def _tokenizer_gone(run: RunDir, resuming: bool) -> list[Difference]:
+    if not resuming or (run.tokenizer / KIND_FILE).is_file():
+        return []
+    return [
+        Difference(
+            f"{run.tokenizer} is missing: the checkpoint's token ids are that tokenizer's ids",
+            (),
+            f"put the run's tokenizer back in {run.tokenizer}, or pass {_FRESH}",
+        )
+    ]
+
+
+def _metrics_without_checkpoint(run: RunDir, resuming: bool) -> list[Difference]:
+    """A run with logged steps but no checkpoint (deleted, or never written) would start over at
+    step 0 and drop those steps' metrics and TensorBoard events: the user decides."""
+    if resuming or run.has_checkpoint() or not run.metrics.is_file():
+        return []
+    if run.metrics.stat().st_size == 0:
+        return []
+    return [
+        Difference(
+            f"{run.metrics} holds logged steps but {run.checkpoints} has no checkpoint to "
+            "resume from",
+            (),
+            f"pass {_FRESH}",
+        )
+    ]
+
+
+def _input_differences(run: RunDir, cfg: TrainConfig, resuming: bool) -> list[Difference]:
+    """The data files and settings against ``RUN/inputs.json``; a prepared store that is gone
+    is not a change ``--force`` can go on with."""
+    recorded = read_inputs(run.inputs)
+    if recorded is None:
+        return []
+    if cfg.data.source == "prepared":
+        missing = [
+            path
+            for path in (cfg.data.path, cfg.data.validation_path)
+            if path is not None and store_of(cfg.data, None, path) is None
+        ]
+        if missing:
+            return [
+                Difference(
+                    f"no prepared store at {', '.join(missing)} (no manifest.json): the run was "
+                    "started on the store there",
+                    (),
+                    "put the store back, or point data.path (data.validation_path) at a copy",
+                )
+            ]
+    changes = input_changes(recorded, current_inputs(cfg.data))
+    if not changes:
+        return []
+    started = "trained" if resuming else "started (no checkpoint yet; its tokenizer was made)"
+    return [
+        Difference(
+            f"the data differ from those {run} was {started} on",
+            tuple(changes),
+            f"pass --force to go on with these data, or {_FRESH}",
+            forced=_CHANGED_DATA,
+        )
+    ]
+
+
+def _config_differences(saved: TrainConfig, cfg: TrainConfig) -> list[Difference]:
+    changed = _changed_settings(saved, cfg)
+    if not changed:
+        return []
+    return [
+        Difference(
+            "the config differs from the checkpoint's",
+            tuple(f"  {key}: {old!r} -> {new!r}" for key, (old, new) in changed.items()),
+            f"pass --force to resume anyway, or {_FRESH}",
+            forced="resuming with a changed config",
+        )
+    ]
+
+
+def _changed_settings(saved: TrainConfig, cfg: TrainConfig) -> dict[str, tuple]:
+    """The settings that differ from the checkpoint's, but those a run may change when it
+    resumes (``train.steps``, the mesh, logging) and the vocabulary size (the tokenizer's)."""
+    diff = config_diff(saved, cfg)
+    if schedule_span(saved) == schedule_span(cfg):  # None and the steps it stood for
+        diff.pop("optimizer.schedule_steps", None)
+    diff.pop("model.vocab_size", None)
+    return {k: v for k, v in diff.items() if not is_runtime_key(k)}
+
+
+def _move_old_data_aside(run: RunDir, cfg: TrainConfig, resuming: bool, log) -> None:
+    """Under ``--force``, what the old data made: their cached store is prepared again (with the
+    run's tokenizer when there is a checkpoint to resume, whose ids it must keep; else the
+    tokenizer an earlier attempt left is made again from these data)."""
+    cached = store_of(cfg.data, run.prepared)
+    if cached is not None and cfg.data.source != "prepared":
+        log(f"moved the store prepared from the old data to {move_aside(cached[0])}")
+    if not resuming and run.tokenizer.exists():
+        log(f"moved the tokenizer made from the old data to {move_aside(run.tokenizer)}")
+
+
+def check_shapes(saved_target, target, saved: TrainConfig, cfg: TrainConfig) -> None:
+    """Refuses to restore a checkpoint whose arrays (the abstract ``saved_target``, built from
+    the checkpoint's config ``saved``) differ in shape or dtype from ``cfg``'s ``target``:
+    ``--force`` goes on with another config, but not with other parameters.
+
+    Raises:
+      ConfigError: naming the first arrays and the settings that changed them.
+    """
+    flat_saved, flat_now = _flat(saved_target), _flat(target)
+    differing = [
+        f"{path}: {_shape(flat_saved.get(path))} -> {_shape(flat_now.get(path))}"
+        for path in sorted(flat_saved.keys() | flat_now.keys())
+        if _shape(flat_saved.get(path)) != _shape(flat_now.get(path))
+    ]
+    if not differing:
+        return
+    keys = ", ".join(_changed_settings(saved, cfg))
+    raise ConfigError(
+        f"--force cannot change the shapes of the checkpoint's arrays ({keys} "
+        f"changed: {'; '.join(differing[:3])}"
+        + (f" and {len(differing) - 3} more" if len(differing) > 3 else "")
+        + f"); pass {_FRESH}"
+    )
+
+
+def _flat(tree) -> dict:
+    """``{dotted path: leaf}`` of a nested dict of arrays."""
+    import jax
+
+    return {
+        ".".join(str(getattr(k, "key", k)) for k in path): leaf
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+
+
+def _shape(leaf) -> str:
+    return "none" if leaf is None else f"{leaf.dtype}{list(leaf.shape)}"
 
 
 def restore_data_state(iterator, saved: dict, force: bool, log) -> None:
-    """Sets the data iterator to the checkpoint's position. Data that changed since (another
-    number of documents or tokens, batch size, sequence length or seed) are refused, showing
-    the differences; with ``force`` the new pipeline goes on from the same step."""
+    """Sets the data iterator to the checkpoint's position. A pipeline that differs from the
+    checkpoint's (another number of documents or tokens) though its config and inputs are the
+    same is refused, showing the differences; with ``force`` the new pipeline goes on from the
+    same step."""
     current = iterator.get_state()["pipeline"]
     before = saved.get("pipeline") if isinstance(saved, dict) else None
     if before is None or before == current:
@@ -60,46 +268,3 @@ def restore_data_state(iterator, saved: dict, force: bool, log) -> None:
         )
     log("resuming with changed data (--force), from the same step:\n" + "\n".join(lines))
     iterator.set_state({**saved, "pipeline": current})
-
-
-def has_checkpoint(run_dir: pathlib.Path) -> bool:
-    """Whether ``run_dir/checkpoints`` holds a step directory (finished or not)."""
-    directory = run_dir / "checkpoints"
-    return directory.is_dir() and any(p.name.isdigit() for p in directory.iterdir())
-
-
-def check_inputs(cfg: TrainConfig, run_dir: pathlib.Path, force: bool, main: bool, log) -> None:
-    """Refuses data that differ from those ``run_dir`` was started on (``RUN/inputs.json``),
-    showing the differences. With ``force`` the run goes on with them: their cached store is
-    prepared again (with the run's tokenizer when there is a checkpoint to resume, whose ids it
-    must keep; else the tokenizer an earlier attempt left is made again from these data)."""
-    recorded = read_inputs(run_dir)
-    changes = [] if recorded is None else input_changes(recorded, current_inputs(cfg.data))
-    if not changes:
-        return
-    resuming = has_checkpoint(run_dir)
-    started = "trained" if resuming else "started (no checkpoint yet; its tokenizer was made)"
-    if not force:
-        raise ConfigError(
-            f"the data differ from those {run_dir} was {started} on; pass --force to go on "
-            "with these data, or --fresh to start over:\n" + "\n".join(changes)
-        )
-    log("going on with changed data (--force):\n" + "\n".join(changes))
-    if not main:
-        return
-    cached = store_of(cfg.data, run_dir)
-    if cached is not None and cfg.data.source != "prepared":
-        log(f"moved the store prepared from the old data to {move_aside(cached[0])}")
-    if not resuming and (run_dir / "tokenizer").exists():
-        log(f"moved the tokenizer made from the old data to {move_aside(run_dir / 'tokenizer')}")
-
-
-def refuse_to_overwrite_metrics(run_dir: pathlib.Path) -> None:
-    """A run with logged steps but no checkpoint (deleted, or never written) would start over
-    at step 0 and drop those steps' metrics and TensorBoard events: the user decides."""
-    path = run_dir / METRICS_FILE
-    if path.exists() and path.stat().st_size > 0:
-        raise ConfigError(
-            f"{path} holds logged steps but {run_dir / 'checkpoints'} has no checkpoint to "
-            "resume from; pass --fresh to move the old run aside and start over"
-        )

@@ -3,10 +3,10 @@ checked when it starts again: the ``data`` settings and the source files (path a
 sha256 where a prepared store's manifest has it: the store hashed them, this module never
 does).
 
-    recorded = read_inputs(run_dir)
+    recorded = read_inputs(run.inputs)
     changes = input_changes(recorded, current_inputs(cfg.data)) if recorded else []
     ...build the data...
-    write_inputs(run_dir, built_inputs(cfg.data, run_dir))
+    write_inputs(run.inputs, built_inputs(cfg.data, run.prepared))
 """
 
 from __future__ import annotations
@@ -17,10 +17,8 @@ import pathlib
 from typing import Any
 
 from flaxformer_lite.data import sources
-from flaxformer_lite.data.pipeline import PREPARED_DIR, DataConfig
+from flaxformer_lite.data.pipeline import DataConfig
 from flaxformer_lite.data.store import MANIFEST
-
-INPUTS_FILE = "inputs.json"
 
 
 def current_inputs(cfg: DataConfig) -> dict[str, Any]:
@@ -29,15 +27,15 @@ def current_inputs(cfg: DataConfig) -> dict[str, Any]:
     return {"data": dataclasses.asdict(cfg), "files": files}
 
 
-def built_inputs(cfg: DataConfig, run_dir: pathlib.Path) -> dict[str, Any]:
+def built_inputs(cfg: DataConfig, prepared: pathlib.Path) -> dict[str, Any]:
     """The inputs the run's data were just built from: :func:`current_inputs` with each
     file's sha256 from the prepared store's manifest (``data.path`` and
-    ``data.validation_path`` for prepared sources, the run's cached stores of text, jsonl or
-    parallel ones)."""
+    ``data.validation_path`` for prepared sources, the run's stores in ``prepared`` of text,
+    jsonl or parallel ones)."""
     inputs = current_inputs(cfg)
     files = []
     for path in _paths(cfg):
-        found = store_of(cfg, run_dir, path)
+        found = store_of(cfg, prepared, path)
         files += _files_now(cfg, path) if found is None else _manifest_files(found[1])
     inputs["files"] = files
     return inputs
@@ -48,9 +46,8 @@ def _paths(cfg: DataConfig) -> list[str]:
     return [p for p in (cfg.path, cfg.validation_path) if p is not None]
 
 
-def read_inputs(run_dir: pathlib.Path) -> dict[str, Any] | None:
-    """The recorded inputs, or None when the run has no record (an older run)."""
-    path = run_dir / INPUTS_FILE
+def read_inputs(path: pathlib.Path) -> dict[str, Any] | None:
+    """The inputs recorded in ``path``, or None when the run has no record (an older run)."""
     if not path.is_file():
         return None
     try:
@@ -59,10 +56,9 @@ def read_inputs(run_dir: pathlib.Path) -> dict[str, Any] | None:
         raise ValueError(f"{path}: not a record of the run's inputs ({error})") from None
 
 
-def write_inputs(run_dir: pathlib.Path, inputs: dict[str, Any]) -> None:
-    """Writes ``RUN/inputs.json`` aside and renames it: a killed write keeps the old record."""
-    path = run_dir / INPUTS_FILE
-    partial = path.with_name(INPUTS_FILE + ".tmp")
+def write_inputs(path: pathlib.Path, inputs: dict[str, Any]) -> None:
+    """Writes the record ``path`` aside and renames it: a killed write keeps the old record."""
+    partial = path.with_name(path.name + ".tmp")
     partial.write_text(json.dumps(inputs, indent=1) + "\n", encoding="utf-8")
     partial.replace(path)
 
@@ -111,20 +107,20 @@ def _manifest_files(manifest: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def store_of(
-    cfg: DataConfig, run_dir: pathlib.Path | None, path: str | None = None
+    cfg: DataConfig, prepared: pathlib.Path | None, path: str | None = None
 ) -> tuple[pathlib.Path, dict[str, Any]] | None:
     """The directory and manifest of the store the data of ``path`` (default ``data.path``) are
-    read from (``path`` for a prepared source, the run's cached store of a file source), if
-    there is one yet."""
+    read from (``path`` for a prepared source, the run's store in ``prepared`` of a file
+    source), if there is one yet."""
     path = cfg.path if path is None else path
     if cfg.source == "synthetic":
         return None
     if cfg.source == "prepared":
         candidates = [pathlib.Path(path) / MANIFEST]
-    elif run_dir is None:
+    elif prepared is None:
         return None
     else:
-        found = (run_dir / PREPARED_DIR).glob(f"{cfg.source}-*/{MANIFEST}")
+        found = prepared.glob(f"{cfg.source}-*/{MANIFEST}")
         # A cached store is <source>-<hex>; one moved aside by --force has a .old<N> suffix.
         candidates = sorted(p for p in found if "." not in p.parent.name)
     for candidate in candidates:

@@ -1,0 +1,260 @@
+"""What the training loop does at the steps it is due, each an action with ``due(end)`` and
+``__call__(end)`` over the :class:`StepEnd` of a finished step: log the training metrics
+(:class:`LogTrain`), evaluate (:class:`Evaluate`), save a checkpoint (:class:`SaveCheckpoint`).
+:class:`FiniteCheck` reads each step's finite flag, and :class:`Throughput` times the steps in
+between.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import time
+from typing import Any
+
+import jax
+from flax import nnx
+
+from flaxformer_lite.train.checkpoint import Checkpointer
+from flaxformer_lite.train.console import Console
+from flaxformer_lite.train.decode_eval import continue_texts, decodable, decode_eval
+from flaxformer_lite.train.restore import to_savable
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (a non-finite step, a changed config); the message says why."""
+
+
+@dataclasses.dataclass
+class StepEnd:
+    """A finished step as the actions due at it see it.
+
+    Attributes:
+      step: the optimizer steps done.
+      state: the train state after it.
+      metrics: the step's metrics, on the devices.
+      data_state: the data iterator's state after the batches of steps up to ``step``.
+      final: the run's last step: ``train.steps``, or the step a stop signal ended.
+      values: the metrics the actions logged at this step (written to ``metrics.jsonl``).
+    """
+
+    step: int
+    state: Any
+    metrics: dict
+    data_state: dict
+    final: bool
+    values: dict = dataclasses.field(default_factory=dict)
+
+
+def every(interval: int, total: int, step: int) -> bool:
+    """Whether an action done every ``interval`` steps, and at the run's ``total``, is due."""
+    return step % interval == 0 or step == total
+
+
+class Throughput:
+    """Tokens/s and MFU over the steady-state training steps since :meth:`restart`: the first
+    step (compiled) and the steps' evaluations and saves are not timed."""
+
+    def __init__(self, tokens_per_step: int, flops_per_token: float, peak: float | None, log):
+        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
+        self.peak, self.log = peak, log
+        self.started: float | None = None
+        self.first_step = 0
+
+    def compiled(self, step: int, step_started: float) -> None:
+        """After the first step, which compiled the step function."""
+        self.log(f"compiled the train step in {time.perf_counter() - step_started:.1f} s")
+        self.restart(step)
+
+    def restart(self, step: int) -> None:
+        self.started, self.first_step = time.perf_counter(), step
+
+    def rates(self, step: int) -> tuple[float | None, float | None]:
+        """``(tokens_per_sec, mfu)`` since the restart; None before a step was timed."""
+        steps = step - self.first_step
+        if not steps:
+            return None, None
+        tokens_per_sec = steps * self.tokens_per_step / (time.perf_counter() - self.started)
+        mfu = self.flops_per_token * tokens_per_sec / self.peak if self.peak else None
+        return tokens_per_sec, mfu
+
+
+class FiniteCheck:
+    """Reads the steps' finite flags, each once its successor is dispatched (or at once when the
+    step is due for an action), and stops the run on a non-finite one (with
+    ``train.skip_nonfinite``, logs it)."""
+
+    def __init__(self, skip: bool, checkpointer: Checkpointer, resumed_step: int | None, log):
+        self.skip, self.checkpointer, self.log = skip, checkpointer, log
+        self.resumed_step = resumed_step
+        self._unchecked: tuple[int, dict] | None = None
+
+    def later(self, step: int, metrics: dict) -> None:
+        """Checks the step before ``step`` (queued behind it) and keeps ``step``'s flag."""
+        self.now()
+        self._unchecked = (step, metrics)
+
+    def now(self) -> None:
+        """Checks the step kept last, waiting for it."""
+        if self._unchecked is not None:
+            (step, metrics), self._unchecked = self._unchecked, None
+            self._check(step, metrics)
+
+    def _check(self, step: int, metrics: dict) -> None:
+        if bool(metrics["finite"]):
+            return
+        message = (
+            f"step {step}: the loss or a gradient is not finite (loss "
+            f"{float(metrics['loss'])}); the update was skipped"
+        )
+        if self.skip:
+            self.log(message)
+            return
+        self.checkpointer.wait()  # a save in flight is good: name it as the last one
+        newest = self.checkpointer.latest_step()
+        if newest is None:
+            where = "last good checkpoint: none written yet"
+        elif newest == self.resumed_step:  # restored, not saved from steps checked here
+            where = f"newest checkpoint: step {newest}, the one this run resumed from"
+        else:
+            where = f"last good checkpoint: step {newest}"
+        raise TrainingError(f"{message} and the run stopped; {where}")
+
+
+class LogTrain:
+    """Every ``train.log_every`` steps: the step's loss, accuracy, gradient norm, learning rate
+    and throughput."""
+
+    def __init__(self, interval: int, total: int, schedule, throughput: Throughput, console):
+        self.interval, self.total, self.schedule = interval, total, schedule
+        self.throughput, self.console = throughput, console
+
+    def due(self, end: StepEnd) -> bool:
+        return every(self.interval, self.total, end.step)
+
+    def __call__(self, end: StepEnd) -> None:
+        values = {k: float(end.metrics[k]) for k in ("loss", "accuracy", "grad_norm")}
+        values["learning_rate"] = float(self.schedule(end.step - 1))
+        values["tokens_per_sec"], values["mfu"] = self.throughput.rates(end.step)
+        self.console.logged(end.step, values)
+        end.values |= values
+
+
+class Evaluate:
+    """Every ``train.eval_every`` steps: the loss and accuracy over the validation batches
+    (``train.eval_batches`` of them, default all), perplexity, and decoded samples."""
+
+    def __init__(self, cfg, data, task: str, eval_step, eval_graphdef, place, console: Console):
+        self.cfg, self.data, self.task, self.eval_step = cfg, data, task, eval_step
+        self.eval_graphdef, self.place, self.console = eval_graphdef, place, console
+
+    def due(self, end: StepEnd) -> bool:
+        return every(self.cfg.train.eval_every, self.cfg.train.steps, end.step)
+
+    def __call__(self, end: StepEnd) -> None:
+        batches = map(self.place, self.data.eval_batches())
+        scores = evaluate(self.eval_step, end.state, batches, self.cfg.train.eval_batches)
+        if self.task in ("lm", "seq2seq"):
+            scores["eval_perplexity"] = math.exp(min(scores["eval_loss"], 80.0))
+        model = nnx.merge(self.eval_graphdef, end.state)[0]
+        scores |= decoded_eval(self.cfg, self.data, self.task, model, end.step, self.console.say)
+        over = eval_coverage(self.cfg, self.data, self.task, scores["eval_tokens"])
+        self.console.evaluated(end.step, scores, over)
+        end.values |= scores
+
+
+class SaveCheckpoint:
+    """Every ``checkpoint.every`` steps and at the run's last step (the end, or a stop signal):
+    the state, the data iterator's state, the config and the step's eval loss."""
+
+    def __init__(self, checkpointer: Checkpointer, cfg):
+        self.checkpointer, self.cfg = checkpointer, cfg
+
+    def due(self, end: StepEnd) -> bool:
+        return end.final or end.step % self.cfg.checkpoint.every == 0
+
+    def __call__(self, end: StepEnd) -> None:
+        eval_loss = end.values.get("eval_loss")
+        self.checkpointer.save(
+            end.step,
+            to_savable(end.state),
+            data_state=end.data_state,
+            config=self.cfg.to_dict(),
+            force=end.final,
+            metrics=None if eval_loss is None else {"eval_loss": eval_loss},
+        )
+
+
+def evaluate(eval_step, state, batches, max_batches: int | None = None) -> dict[str, float]:
+    """Token-weighted ``eval_loss`` and ``eval_accuracy`` over every batch (or the first
+    ``max_batches``), and ``eval_tokens``, the number of (weighted) tokens they are over.
+
+    Each batch's means come back from the devices in float32; the sums over batches are made in
+    float64 on the host, so a long validation set adds up exactly."""
+    totals = {"loss": 0.0, "accuracy": 0.0, "num_tokens": 0.0}
+    for batch in itertools.islice(batches, max_batches):
+        metrics = eval_step(state, batch)
+        count = float(metrics["num_tokens"])
+        totals["num_tokens"] += count
+        for key in ("loss", "accuracy"):
+            totals[key] += float(metrics[key]) * count
+    count = max(totals["num_tokens"], 1e-8)
+    return {
+        "eval_loss": totals["loss"] / count,
+        "eval_accuracy": totals["accuracy"] / count,
+        "eval_tokens": round(totals["num_tokens"]),  # weights are 0 or 1: a count
+    }
+
+
+def eval_coverage(cfg, data, task: str, counted: float) -> str:
+    """What an evaluation of ``counted`` weighted targets is over, in words: all the validation
+    targets (tokens; a classifier's examples; an MLM's masked tokens), or the share
+    ``train.eval_batches`` leaves."""
+    what = {"classify": "examples", "mlm": "masked tokens"}.get(task, "tokens")
+    capped = cfg.train.eval_batches
+    if capped is None or capped >= data.eval_batch_count:
+        return f"every one of {counted:,.0f} validation {what}"
+    batches = f"train.eval_batches={capped} of {data.eval_batch_count} batches"
+    if data.eval_tokens is None:
+        return f"{counted:,.0f} validation {what} of the first {batches}"
+    share = counted / max(data.eval_tokens, 1)
+    return f"{counted:,.0f} of the {data.eval_tokens:,} validation tokens, {share:.1%}: {batches}"
+
+
+def decoded_eval(cfg, data, task, model, step: int, log) -> dict[str, float]:
+    """Greedy-decodes ``train.decode_examples`` validation examples, logs ``train.log_samples``
+    of them, and returns their scores; on plain text, logs ``train.log_samples`` sampled
+    continuations of validation prompts (no score: text has no answer to compare with)."""
+    if jax.process_count() > 1:  # the prompts are not split over processes
+        return {}
+    # One batch of prompts on whatever devices hold the parameters: no activation layout rules.
+    with nnx.logical_axis_rules(()):
+        if task == "lm" and cfg.train.log_samples and not decodable(task, data.eval_examples):
+            samples = continue_texts(
+                model,
+                data.tokenizer,
+                data.eval_examples,
+                num_samples=cfg.train.log_samples,
+                max_length=min(cfg.model.max_length, cfg.data.seq_len),
+                seed=cfg.seed + step,
+            )
+            for number, sample in enumerate(samples, 1):
+                log(f"step {step} sample {number} (prompt {sample.input!r}):\n{sample.prediction}")
+            return {}
+        if not cfg.train.decode_examples or not decodable(task, data.eval_examples):
+            return {}
+        values, samples = decode_eval(
+            model,
+            data.tokenizer,
+            data.eval_examples,
+            task=task,
+            num_examples=cfg.train.decode_examples,
+            max_length=cfg.model.max_length,
+        )
+    for sample in samples[: cfg.train.log_samples]:
+        log(
+            f"step {step} sample {sample.input!r} -> {sample.prediction!r} "
+            f"(reference {sample.reference!r})"
+        )
+    return values

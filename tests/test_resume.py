@@ -1,0 +1,142 @@
+"""Resuming a run: one check compares the run directory with the config and reports every
+difference at once, each with its way forward, before anything is written (issue 34, items
+1, 12, 17, 18 and 19; issue 35's one resume check)."""
+
+import shutil
+
+import pytest
+
+from flaxformer_lite.cli.train import train_main
+from flaxformer_lite.data.pipeline import DataConfig
+from flaxformer_lite.data.store import prepare_store
+from flaxformer_lite.train.config import load_config
+from flaxformer_lite.train.loop import run
+from flaxformer_lite.train.run_dir import RunDir
+from flaxformer_lite.train.run_inputs import built_inputs, write_inputs
+
+pytestmark = pytest.mark.fast_compile
+
+TINY = [
+    "model.num_decoder_layers=1",
+    "model.d_model=32",
+    "model.num_heads=2",
+    "model.d_ff=64",
+    "train.batch_size=8",
+    "data.seq_len=16",
+    "optimizer.warmup_steps=0",
+    "train.eval_every=100",
+    "train.eval_batches=1",
+    "train.log_samples=0",
+    "train.decode_examples=0",
+]
+TEXT = "".join(f"line {i}: the quick brown fox {i * 7 % 13}\n" for i in range(60))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A run of 2 steps on a text file with a char tokenizer: ``(run_dir, its overrides)``."""
+    root = tmp_path_factory.mktemp("trained")
+    corpus = root / "corpus.txt"
+    corpus.write_text(TEXT)
+    overrides = [*TINY, "data.source=text", f"data.path={corpus}", "data.tokenizer=char"]
+    run_dir = root / "run"
+    run(load_config(None, [f"run_dir={run_dir}", *overrides, "train.steps=2"]), log=_quiet)
+    return run_dir, overrides
+
+
+def _quiet(_message):
+    pass
+
+
+def copy_of(trained, tmp_path):
+    run_dir, overrides = trained
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    return copy, [f"run_dir={copy}", *overrides, "--no-progress"]
+
+
+def snapshot(run_dir):
+    """Every file of ``run_dir`` but the lock, with its bytes."""
+    return {
+        p.relative_to(run_dir): p.read_bytes()
+        for p in sorted(run_dir.rglob("*"))
+        if p.is_file() and p.name != "run.lock"
+    }
+
+
+def refused(args, capsys) -> str:
+    status = train_main(args)
+    err = capsys.readouterr().err
+    assert status == 2, err
+    return err
+
+
+def test_resuming_with_fewer_steps_than_done_says_where_the_run_is(trained, tmp_path, capsys):
+    run_dir, args = copy_of(trained, tmp_path)
+    before = snapshot(run_dir)
+    err = refused([*args, "train.steps=1"], capsys)
+    assert f"{run_dir} is at step 2 already, past train.steps=1" in err, err
+    assert "pass train.steps above 2 to train on" in err
+    assert snapshot(run_dir) == before  # config.yaml not rewritten
+
+
+def test_a_finished_run_run_again_says_there_is_nothing_to_do(trained, tmp_path, capsys):
+    run_dir, args = copy_of(trained, tmp_path)
+    assert train_main([*args, "train.steps=2"]) == 0
+    out = capsys.readouterr().out
+    assert f"{run_dir} is at step 2 = train.steps already" in out, out
+
+
+def test_a_deleted_tokenizer_is_named(trained, tmp_path, capsys):
+    run_dir, args = copy_of(trained, tmp_path)
+    shutil.rmtree(run_dir / "tokenizer")
+    before = snapshot(run_dir)
+    err = refused([*args, "train.steps=3"], capsys)
+    assert f"{run_dir / 'tokenizer'} is missing" in err, err
+    assert "store" not in err and "--force" not in err  # --force cannot make its ids again
+    err = refused([*args, "train.steps=3", "--force"], capsys)
+    assert f"{run_dir / 'tokenizer'} is missing" in err, err
+    assert snapshot(run_dir) == before
+
+
+def test_every_difference_is_reported_at_once(trained, tmp_path, capsys):
+    run_dir, args = copy_of(trained, tmp_path)
+    corpus = tmp_path / "other.txt"
+    corpus.write_text(TEXT + "one more line\n")
+    before = snapshot(run_dir)
+    err = refused(
+        [*args, "train.steps=3", "model.d_ff=128", "optimizer.lr=1e-3", f"data.path={corpus}"],
+        capsys,
+    )
+    assert "the config differs from the checkpoint's; pass --force to resume anyway" in err
+    assert "model.d_ff: 64 -> 128" in err and "optimizer.lr:" in err, err
+    assert "the data differ from those" in err and "data.path: '" in err, err
+    assert snapshot(run_dir) == before
+
+
+def test_force_cannot_change_the_shapes_of_the_checkpoint(trained, tmp_path, capsys):
+    run_dir, args = copy_of(trained, tmp_path)
+    before = snapshot(run_dir)
+    err = refused([*args, "train.steps=3", "model.d_ff=128", "--force"], capsys)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "--force cannot change the shapes of the checkpoint's arrays (model.d_ff changed" in err
+    assert "[64, 32] -> " in err or "[32, 64] -> " in err, err
+    assert "pass --fresh" in err
+    assert snapshot(run_dir) == before
+    assert not list(run_dir.glob("checkpoints/*.corrupt*"))  # no checkpoint set aside
+
+
+def test_a_prepared_store_gone_from_under_a_run_is_named(tmp_path, capsys):
+    store, corpus = tmp_path / "store", tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    prepare_store(store, source="text", path=str(corpus), tokenizer_kind="char")
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.path.mkdir()
+    cfg = DataConfig(source="prepared", path=str(store), seq_len=16)
+    write_inputs(run_dir.inputs, built_inputs(cfg, run_dir.prepared))  # as a started run has
+    shutil.rmtree(store)
+    args = [f"run_dir={run_dir}", *TINY, "data.source=prepared", f"data.path={store}"]
+    err = refused([*args, "--no-progress"], capsys)
+    assert f"no prepared store at {store} (no manifest.json)" in err, err
+    assert f"{corpus}: gone" not in err and "--force" not in err, err
