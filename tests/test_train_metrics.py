@@ -1,9 +1,12 @@
 """A run's metrics (``flaxformer_lite.train.metrics``): TensorBoard events, a disk that fills
-while they are written; the devices' peak FLOP/s that MFU is taken against."""
+while they are written, a ``metrics.jsonl`` that is not a regular file; the devices' peak
+FLOP/s that MFU is taken against."""
 
 import builtins
 import io
+import os
 import pathlib
+import re
 import shlex
 import struct
 import subprocess
@@ -14,8 +17,12 @@ import jax
 import pytest
 from subprocess_env import subprocess_env
 
+from flaxformer_lite.cli import main
+from flaxformer_lite.cli.train import train_main
 from flaxformer_lite.train import metrics
-from flaxformer_lite.train.metrics import MetricsWriter
+from flaxformer_lite.train.config import load_config
+from flaxformer_lite.train.loop import run
+from flaxformer_lite.train.metrics import MetricsWriter, read_metrics
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 
@@ -155,3 +162,42 @@ def test_train_exits_2_when_the_disk_under_the_events_fills(tmp_path):
     last = err.strip().splitlines()[-1]
     assert last.startswith(f"error: cannot write {tb}/events.out.tfevents"), err[-3000:]
     assert "No space left on device" in last, last
+
+
+# A character device, as /dev/zero is (read whole, it never ends); /dev/null keeps a regression
+# from reading until the kernel kills the tests.
+NOT_REGULAR = {"a character device": "/dev/null", "a directory": None}
+
+
+def make_not_regular(path: pathlib.Path, kind: str) -> None:
+    if NOT_REGULAR[kind] is None:
+        path.mkdir()
+    else:
+        path.symlink_to(NOT_REGULAR[kind])
+
+
+@pytest.mark.parametrize("kind", NOT_REGULAR)
+def test_a_metrics_file_that_is_not_a_regular_file_is_refused(tmp_path, kind):
+    path = tmp_path / "metrics.jsonl"
+    make_not_regular(path, kind)
+    for read in (lambda: read_metrics(tmp_path), lambda: MetricsWriter(tmp_path, resume_step=3)):
+        with pytest.raises(ValueError, match=f"^{re.escape(str(path))}: not a regular file "):
+            read()
+    assert path.is_symlink() or path.is_dir()  # left as it was
+    assert main(["plot", str(tmp_path)]) == 2
+    assert not (tmp_path / "plots").exists()
+
+
+@pytest.mark.slow
+def test_resuming_with_metrics_on_a_character_device_exits_2_with_one_line(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    args = [f"run_dir={run_dir}", *TINY, "train.steps=2"]
+    run(load_config(None, args), progress=False, log=lambda _: None)
+    path = run_dir / "metrics.jsonl"
+    path.unlink()
+    make_not_regular(path, "a character device")
+    capsys.readouterr()
+    assert train_main(["--no-progress", *args[:-1], "train.steps=4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {path}: not a regular file (a character device, /dev/null)"]
+    assert os.readlink(path) == NOT_REGULAR["a character device"]

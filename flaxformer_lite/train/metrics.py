@@ -10,6 +10,7 @@ import math
 import os
 import pathlib
 import socket
+import stat
 import struct
 import sys
 import time
@@ -41,7 +42,8 @@ class MetricsWriter:
     so is a partial last line (a disk that filled mid-write), with a notice to ``log``.
 
     Raises:
-      ValueError: a line of ``metrics.jsonl`` before its last is not a record.
+      ValueError: ``metrics.jsonl`` is not a regular file, or a line before its last is not a
+        record.
       OSError: a file cannot be written (a full disk), naming the file.
     """
 
@@ -171,7 +173,13 @@ def read_metrics(run_dir: pathlib.Path, log=print) -> list[dict]:
 
 def _records(path: pathlib.Path, log) -> list[dict]:
     """The JSON records of ``path``, one a line; a last line that does not parse is what a
-    writer stopped mid-line leaves (killed, or a full disk): dropped with a notice."""
+    writer stopped mid-line leaves (killed, or a full disk): dropped with a notice.
+
+    Raises:
+      ValueError: ``path`` is not a regular file (read whole, a device such as /dev/zero never
+        ends and a FIFO never opens), or a line before the last is not a record.
+    """
+    _check_regular(path)
     lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
     records = []
     for n, line in lines:
@@ -186,6 +194,27 @@ def _records(path: pathlib.Path, log) -> list[dict]:
             continue
         records.append(record)
     return records
+
+
+# What stat's file types are called in messages, but regular files.
+_FILE_KINDS = {
+    stat.S_ISDIR: "a directory",
+    stat.S_ISCHR: "a character device",
+    stat.S_ISBLK: "a block device",
+    stat.S_ISFIFO: "a FIFO",
+    stat.S_ISSOCK: "a socket",
+}
+
+
+def _check_regular(path: pathlib.Path) -> None:
+    """Raises ``ValueError`` unless ``path`` is a regular file (or a link to one), naming what
+    it is instead."""
+    mode = path.stat().st_mode
+    if stat.S_ISREG(mode):
+        return
+    kind = next((name for test, name in _FILE_KINDS.items() if test(mode)), "another kind of file")
+    where = f", {path.resolve()}" if path.is_symlink() else ""
+    raise ValueError(f"{path}: not a regular file ({kind}{where})")
 
 
 def plot_run(run_dir: pathlib.Path) -> list[pathlib.Path]:
