@@ -1,6 +1,6 @@
 """A run's metrics (``flaxformer_lite.train.metrics``): TensorBoard events, a disk that fills
-while they are written, a ``metrics.jsonl`` that is not a regular file; the devices' peak
-FLOP/s that MFU is taken against."""
+while they are written, a ``metrics.jsonl`` that is not a regular file, a run with nothing to
+plot; the devices' peak FLOP/s that MFU is taken against."""
 
 import builtins
 import io
@@ -22,7 +22,7 @@ from flaxformer_lite.cli.train import train_main
 from flaxformer_lite.train import metrics
 from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.loop import run
-from flaxformer_lite.train.metrics import MetricsWriter, read_metrics
+from flaxformer_lite.train.metrics import MetricsWriter, plot_run, read_metrics
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 
@@ -201,3 +201,23 @@ def test_resuming_with_metrics_on_a_character_device_exits_2_with_one_line(tmp_p
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: {path}: not a regular file (a character device, /dev/null)"]
     assert os.readlink(path) == NOT_REGULAR["a character device"]
+
+
+@pytest.mark.parametrize("logged", ["", "\n"])
+def test_plot_refuses_a_run_with_nothing_logged_and_keeps_its_plots(tmp_path, capsys, logged):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(logged)
+    plots = tmp_path / "plots"
+    plots.mkdir()
+    (plots / "loss.png").write_bytes(b"the last run's plot")
+    assert plot_run(tmp_path) == []  # what the training loop calls at a run's end
+    assert main(["plot", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: {path}: no metrics logged yet, nothing to plot"
+    ]
+    assert sorted(plots.iterdir()) == [plots / "loss.png"]
+    assert (plots / "loss.png").read_bytes() == b"the last run's plot"
+    path.unlink()
+    assert main(["plot", str(tmp_path)]) == 2
+    assert "no metrics file" in capsys.readouterr().err
+    assert (plots / "loss.png").read_bytes() == b"the last run's plot"

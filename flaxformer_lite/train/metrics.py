@@ -218,13 +218,20 @@ def _check_regular(path: pathlib.Path) -> None:
 
 
 def plot_run(run_dir: pathlib.Path) -> list[pathlib.Path]:
-    """Writes ``plots/loss.png`` (train and eval loss) and ``plots/learning_rate.png``."""
+    """Writes ``plots/loss.png`` (train and eval loss) and ``plots/learning_rate.png``; writes
+    nothing and returns ``[]`` if no step is logged (the plots of an earlier run are kept).
+
+    Raises:
+      FileNotFoundError, ValueError: as :func:`read_metrics`.
+    """
+    records = read_metrics(run_dir)
+    if not records:
+        return []
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    records = read_metrics(run_dir)
     plots = pathlib.Path(run_dir) / "plots"
     plots.mkdir(exist_ok=True)
     written = []
