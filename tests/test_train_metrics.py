@@ -1,8 +1,43 @@
-"""The devices' peak FLOP/s that MFU is taken against (``flaxformer_lite.train.metrics``)."""
+"""A run's metrics (``flaxformer_lite.train.metrics``): TensorBoard events, a disk that fills
+while they are written, a ``metrics.jsonl`` that is not a regular file, a run with nothing to
+plot; the devices' peak FLOP/s that MFU is taken against."""
+
+import builtins
+import io
+import os
+import pathlib
+import re
+import shlex
+import struct
+import subprocess
+import sys
+import threading
 
 import jax
+import pytest
+from subprocess_env import subprocess_env
 
+from flaxformer_lite.cli import main
+from flaxformer_lite.cli.train import train_main
 from flaxformer_lite.train import metrics
+from flaxformer_lite.train.config import load_config
+from flaxformer_lite.train.loop import run
+from flaxformer_lite.train.metrics import MetricsWriter, plot_run, read_metrics
+
+pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TINY = [
+    "model.num_decoder_layers=1",
+    "train.batch_size=8",
+    "data.seq_len=32",
+    "optimizer.warmup_steps=0",
+    "train.log_every=1",
+    "train.eval_every=1000",
+    "train.eval_batches=1",
+    "data.eval_size=8",
+    "train.decode_examples=0",
+]
 
 
 def test_peak_flops_is_the_datasheet_on_accelerators_and_a_measured_matmul_on_cpu(monkeypatch):
@@ -14,3 +49,175 @@ def test_peak_flops_is_the_datasheet_on_accelerators_and_a_measured_matmul_on_cp
     assert metrics.peak_flops() == 2 * 989e12
     chip.device_kind = "a chip not in the table"
     assert metrics.peak_flops() is None
+
+
+def events(directory: pathlib.Path) -> list:
+    """The events of every TFRecord file in ``directory``, checksums checked."""
+    from tensorboardX.proto.event_pb2 import Event
+    from tensorboardX.record_writer import masked_crc32c
+
+    read = []
+    for path in sorted(directory.iterdir()):
+        data = path.read_bytes()
+        while data:
+            (length,) = struct.unpack("<Q", data[:8])
+            assert struct.unpack("<I", data[8:12])[0] == masked_crc32c(data[:8])
+            payload, data = data[12 : 12 + length], data[12 + length :]
+            assert struct.unpack("<I", data[:4])[0] == masked_crc32c(payload)
+            data = data[4:]
+            read.append(Event.FromString(payload))
+    return read
+
+
+def test_tensorboard_events_hold_the_scalars_and_purge_what_a_resumed_run_drops(tmp_path):
+    writer = MetricsWriter(tmp_path)
+    writer.write(1, {"loss": 2.0, "learning_rate": 1e-3, "mfu": None})
+    writer.write(2, {"loss": 1.5, "learning_rate": 1e-3, "mfu": None})
+    writer.close()
+    MetricsWriter(tmp_path, resume_step=1).close()
+    read = events(tmp_path / "tb")
+    scalars = [(e.step, v.tag, v.simple_value) for e in read for v in e.summary.value]
+    assert scalars == [
+        (1, "loss", 2.0),
+        (1, "learning_rate", pytest.approx(1e-3)),
+        (2, "loss", 1.5),
+        (2, "learning_rate", pytest.approx(1e-3)),
+    ]
+    # TensorBoard drops the steps from a session's start on, as metrics.jsonl drops them
+    starts = [e.step for e in read if e.HasField("session_log")]
+    assert starts == [1, 2]
+    assert all(e.file_version == "brain.Event:2" for e in read if e.HasField("file_version"))
+
+
+def test_a_full_disk_under_the_events_raises_naming_the_file(tmp_path, monkeypatch):
+    """The events file opened on /dev/full: every write past the buffer fails with ENOSPC, as
+    on a full disk. tensorboardX's writer thread died of it and the run blocked for good on its
+    queue; the writer raises an ``OSError`` naming the file instead (the CLI's exit 2)."""
+    real_open = io.open
+
+    def open_on_full_disk(file, mode="r", *args, **kwargs):
+        if "tfevents" in str(file):
+            return real_open("/dev/full", mode, *args, **kwargs)
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", open_on_full_disk)
+    monkeypatch.setattr(io, "open", open_on_full_disk)
+    raised = []
+
+    def log_steps():
+        try:
+            writer = MetricsWriter(tmp_path)
+            try:
+                for step in range(1, 100):
+                    writer.write(step, {"loss": 1.0, "accuracy": 0.5, "learning_rate": 1e-3})
+            finally:
+                writer.close()
+        except OSError as error:
+            raised.append(error)
+
+    logging = threading.Thread(target=log_steps, daemon=True)
+    logging.start()
+    logging.join(timeout=30)
+    assert not logging.is_alive(), "the metrics writer blocked on a full disk"
+    assert len(raised) == 1, raised
+    message = str(raised[0])
+    assert len(message.splitlines()) == 1, message
+    assert str(tmp_path / "tb" / "events.out.tfevents") in message, message
+    assert "No space left on device" in message, message
+
+
+def tmpfs_mount_works() -> bool:
+    probe = ["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=4k tmpfs /tmp"]
+    try:
+        return subprocess.run(probe, capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not tmpfs_mount_works(), reason="no user and mount namespaces here")
+def test_train_exits_2_when_the_disk_under_the_events_fills(tmp_path):
+    """The real thing: a 16 KiB tmpfs under ``RUN/tb`` fills after some tens of logged steps
+    (in a mount namespace, no root needed where user namespaces are allowed)."""
+    tb = tmp_path / "run" / "tb"
+    tb.mkdir(parents=True)
+    train = [sys.executable, "train.py", "--no-progress", f"run_dir={tmp_path / 'run'}", *TINY]
+    train += ["train.steps=2000", "checkpoint.every=1000"]
+    where = shlex.quote(str(tb))
+    mount = f"mount -t tmpfs -o size=16k tmpfs {where} && exec {shlex.join(train)}"
+    child = subprocess.Popen(
+        ["unshare", "-rm", "sh", "-c", mount],
+        cwd=REPO,
+        env=subprocess_env(1),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        out, err = child.communicate(timeout=120)  # it used to hang for good, signals ignored
+    finally:
+        child.kill()
+    assert child.returncode == 2, (out[-2000:], err[-3000:])
+    assert "Traceback" not in err, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"error: cannot write {tb}/events.out.tfevents"), err[-3000:]
+    assert "No space left on device" in last, last
+
+
+# A character device, as /dev/zero is (read whole, it never ends); /dev/null keeps a regression
+# from reading until the kernel kills the tests.
+NOT_REGULAR = {"a character device": "/dev/null", "a directory": None}
+
+
+def make_not_regular(path: pathlib.Path, kind: str) -> None:
+    if NOT_REGULAR[kind] is None:
+        path.mkdir()
+    else:
+        path.symlink_to(NOT_REGULAR[kind])
+
+
+@pytest.mark.parametrize("kind", NOT_REGULAR)
+def test_a_metrics_file_that_is_not_a_regular_file_is_refused(tmp_path, kind):
+    path = tmp_path / "metrics.jsonl"
+    make_not_regular(path, kind)
+    for read in (lambda: read_metrics(tmp_path), lambda: MetricsWriter(tmp_path, resume_step=3)):
+        with pytest.raises(ValueError, match=f"^{re.escape(str(path))}: not a regular file "):
+            read()
+    assert path.is_symlink() or path.is_dir()  # left as it was
+    assert main(["plot", str(tmp_path)]) == 2
+    assert not (tmp_path / "plots").exists()
+
+
+@pytest.mark.slow
+def test_resuming_with_metrics_on_a_character_device_exits_2_with_one_line(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    args = [f"run_dir={run_dir}", *TINY, "train.steps=2"]
+    run(load_config(None, args), progress=False, log=lambda _: None)
+    path = run_dir / "metrics.jsonl"
+    path.unlink()
+    make_not_regular(path, "a character device")
+    capsys.readouterr()
+    assert train_main(["--no-progress", *args[:-1], "train.steps=4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {path}: not a regular file (a character device, /dev/null)"]
+    assert os.readlink(path) == NOT_REGULAR["a character device"]
+
+
+@pytest.mark.parametrize("logged", ["", "\n"])
+def test_plot_refuses_a_run_with_nothing_logged_and_keeps_its_plots(tmp_path, capsys, logged):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(logged)
+    plots = tmp_path / "plots"
+    plots.mkdir()
+    (plots / "loss.png").write_bytes(b"the last run's plot")
+    assert plot_run(tmp_path) == []  # what the training loop calls at a run's end
+    assert main(["plot", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: {path}: no metrics logged yet, nothing to plot"
+    ]
+    assert sorted(plots.iterdir()) == [plots / "loss.png"]
+    assert (plots / "loss.png").read_bytes() == b"the last run's plot"
+    path.unlink()
+    assert main(["plot", str(tmp_path)]) == 2
+    assert "no metrics file" in capsys.readouterr().err
+    assert (plots / "loss.png").read_bytes() == b"the last run's plot"

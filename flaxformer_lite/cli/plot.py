@@ -10,7 +10,7 @@ from flaxformer_lite.cli.flags import CommandParser
 
 
 def plot_main(argv: list[str] | None = None) -> int:
-    """Writes the plots and prints their paths; a directory without metrics exits 2."""
+    """Writes the plots and prints their paths; a directory without logged metrics exits 2."""
     parser = CommandParser(
         prog="flaxformer-lite plot",
         description="Draw a run's logged curves (loss, learning rate, evaluations) as PNGs in "
@@ -23,8 +23,11 @@ def plot_main(argv: list[str] | None = None) -> int:
 
 
 def _plot(run_dir: pathlib.Path) -> int:
-    from flaxformer_lite.train.metrics import plot_run
+    from flaxformer_lite.train.metrics import METRICS_FILE, plot_run
 
-    for path in plot_run(run_dir):
+    written = plot_run(run_dir)
+    if not written:
+        raise ValueError(f"{run_dir / METRICS_FILE}: no metrics logged yet, nothing to plot")
+    for path in written:
         say(f"wrote {path}")
     return 0
