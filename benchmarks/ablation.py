@@ -51,12 +51,16 @@ def parser() -> argparse.ArgumentParser:
 
 
 def train(config: pathlib.Path, run_dir: pathlib.Path, steps: int | None) -> float:
-    """Trains ``config`` into ``run_dir`` afresh in a ``train.py`` subprocess; its wall seconds."""
+    """Trains ``config`` into ``run_dir`` afresh in a ``train.py`` subprocess; its wall seconds.
+    A run that fails ends the benchmark with its exit status (128 + signal if killed): train.py
+    has printed what went wrong."""
     command = [sys.executable, str(REPO / "train.py"), "--config", str(config), "--fresh"]
     command += ["--no-progress", f"run_dir={run_dir}"]
     command += [] if steps is None else [f"train.steps={steps}"]
     started = time.perf_counter()
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    status = subprocess.run(command, stdout=subprocess.DEVNULL).returncode
+    if status:
+        raise SystemExit(status if status > 0 else 128 - status)
     return time.perf_counter() - started
 
 

@@ -2,12 +2,15 @@
 
 import math
 import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from subprocess_env import subprocess_env
 
 from flaxformer_lite import ops
 from flaxformer_lite.attention_maps import (
@@ -379,6 +382,43 @@ def test_cli_plots_a_decoder_into_the_run_by_default(tmp_path, capsys):
     assert main(["attention", "--run_dir", str(run_dir), "--text", text]) == 0
     assert written(capsys) == ["decoder_layer0.png"]
     assert (run_dir / "plots" / "attention" / "decoder_layer0.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_cli_on_an_aft_decoder_says_it_has_no_attention_weights(tmp_path):
+    run_dir = untrained_run(
+        tmp_path / "run", "gpt2-tiny", "model.num_decoder_layers=1", "model.mixer=aft_simple"
+    )
+    command = "import sys; from flaxformer_lite.cli import main; sys.exit(main())"
+    argv = ["attention", "--run-dir", str(run_dir), "--text", "012+034="]
+    child = subprocess.run(
+        [sys.executable, "-c", command, *argv],
+        env=subprocess_env(1),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert (child.returncode, child.stdout) == (2, ""), child.stderr[-3000:]
+    assert child.stderr.splitlines()[-1:] == [
+        f"error: {run_dir}: the self-attention mixer is aft_simple, which has no attention weights"
+    ], child.stderr[-3000:]
+    assert not (run_dir / "plots").exists()
+
+
+@pytest.mark.slow
+def test_cli_on_an_aft_encoder_decoder_plots_the_cross_attention_only(tmp_path, capsys):
+    run_dir = untrained_run(
+        tmp_path / "run",
+        "transformer-tiny",
+        "model.num_encoder_layers=1",
+        "model.num_decoder_layers=1",
+        "model.mixer=aft_full",
+    )
+    argv = ["attention", "--run_dir", str(run_dir), "--text", "forty-two"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "mixer is aft_full" in err and "--target plots" in err, err
+    assert main([*argv, "--target", "42"]) == 0
+    assert written(capsys) == ["cross_layer0.png"]
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,12 @@
 """benchmarks/ablation.py at a tiny size: every config trained, the table, the figure, the JSON."""
 
 import json
+import subprocess
+import sys
 
 import pytest
-from benchmark_scripts import load_benchmark
+from benchmark_scripts import BENCHMARKS, load_benchmark
+from subprocess_env import subprocess_env
 
 from flaxformer_lite.train.metrics import read_metrics
 
@@ -47,3 +50,20 @@ def test_the_ablation_trains_every_config_and_compares_them(tmp_path, capsys):
         assert row["tokens_per_sec"] > 0 and row["wall_seconds"] > 0
     assert "model.mixer" in printed  # the setting in which the runs differ
     assert (runs / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_failing_run_ends_the_ablation_with_its_line_and_status(tmp_path):
+    """A config train.py refuses: its one line and its exit status 2, no traceback after them."""
+    config = tmp_path / "typo.yaml"
+    config.write_text(TINY.format(mixer="attention").replace("log_every", "log_evry"))
+    argv = ["--configs", str(config), "--runs", str(tmp_path / "runs")]
+    child = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "ablation.py"), *argv],
+        env=subprocess_env(1),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert child.returncode == 2, child.stderr[-3000:]
+    lines = child.stderr.strip().splitlines()
+    assert len(lines) == 1 and "train.log_evry" in lines[0], child.stderr[-3000:]

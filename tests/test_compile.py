@@ -202,6 +202,16 @@ def test_without_libtpu_it_says_what_to_install(capsys, monkeypatch):
     assert 'pip install "jax[tpu]==' in err[0] and '.[tpu]"' in err[0]
 
 
+def test_h100_without_jax_plugins_at_all_exits_2_saying_what_to_install(capsys, monkeypatch):
+    """Without any PJRT plugin there is no ``jax_plugins`` package, and ``find_spec`` of a module
+    inside it raises instead of returning None: the same line, exit 2 (not 1, "does not fit")."""
+    monkeypatch.setitem(sys.modules, "jax_plugins", None)  # import jax_plugins fails
+    monkeypatch.delitem(sys.modules, "jax_plugins.xla_cuda12", raising=False)
+    status, out, err = _run(["--topology", "h100-8", *TINY], capsys)
+    assert (status, out) == (2, [])
+    assert len(err) == 1 and "jax-cuda12-plugin==" in err[0] and ".[gpu-compile]" in err[0], err
+
+
 def test_cpu_devices_of_this_process(capsys):
     status, out, _ = _run(["--topology", "cpu-4", "mesh.data=2", "mesh.fsdp=2", *TINY], capsys)
     summary = json.loads(out[-1])

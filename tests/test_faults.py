@@ -270,6 +270,44 @@ def test_a_run_dir_naming_a_file_exits_2_with_one_line(tmp_path, capsys):
     assert len(err) == 1 and str(path) in err[0], err
 
 
+@pytest.mark.parametrize(
+    ("message", "figures"),
+    [
+        (  # the CPU's, as gpt2_small's first step on a laptop gives it
+            "RESOURCE_EXHAUSTED: Out of memory allocating 12884901888 bytes.",
+            "12.00 GiB asked for, the host has ",
+        ),
+        (  # the TPU compiler's, with the program's total and the HBM
+            "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory "
+            "space hbm. Used 20.25G of 15.48G hbm. Exceeded hbm capacity by 4.77G.",
+            "the program needs 20.25 GiB of 15.48 GiB",
+        ),
+    ],
+)
+def test_out_of_memory_exits_2_with_what_it_needed(tmp_path, capsys, monkeypatch, message, figures):
+    import jax
+
+    def run(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError(f"{message}\nBufferAssignment OOM Debugging.\n...")
+
+    monkeypatch.setattr(loop_module, "run", run)
+    assert train_main(["--no-progress", f"run_dir={tmp_path / 'run'}", *TINY]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: out of memory: {figures}"), err
+    assert "flaxformer-lite compile" in err[0] and "train.batch_size" in err[0], err
+
+
+def test_other_xla_runtime_errors_are_not_taken_for_user_errors(tmp_path, monkeypatch):
+    import jax
+
+    def run(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError("INTERNAL: a bug")
+
+    monkeypatch.setattr(loop_module, "run", run)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
+        train_main(["--no-progress", f"run_dir={tmp_path / 'run'}", *TINY])
+
+
 def test_more_train_steps_on_resume_keep_the_schedule_span():
     common = ["optimizer.lr=1e-3", "optimizer.warmup_steps=0"]
     saved = load_config(None, ["train.steps=60", *common])

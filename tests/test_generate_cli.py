@@ -7,10 +7,12 @@ import math
 import pathlib
 import re
 import runpy
+import subprocess
 import sys
 
 import numpy as np
 import pytest
+from subprocess_env import subprocess_env
 
 from flaxformer_lite.cli import main
 from flaxformer_lite.data import synthetic
@@ -240,3 +242,33 @@ def test_generate_command_bad_input_exits_2(lm_run, tmp_path, capsys, args, mess
     assert main(["generate", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
+        (["--top_p", "0"], "--top-p must be in (0, 1], got 0.0"),
+        (["--top-p", "nan"], "--top-p must be in (0, 1], got nan"),
+        (["--min-tokens-to-keep", "0"], "--min-tokens-to-keep must be positive, got 0"),
+    ],
+)
+def test_sampling_flags_out_of_range_are_named(tmp_path, capsys, flags, message):
+    """Checked before the run is read (it does not exist here): the flag, not the parameter."""
+    argv = ["generate", "--run-dir", str(tmp_path), "--prompt", "x", "--temperature", "1"]
+    assert main([*argv, *flags]) == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
+
+
+def test_sample_py_names_the_top_p_flag(tmp_path):
+    command = [sys.executable, "sample.py", "--run-dir", str(tmp_path), "--prompt", "x"]
+    child = subprocess.run(
+        [*command, "--top-p", "1.5"],
+        cwd=REPO,
+        env=subprocess_env(1),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert (child.returncode, child.stdout) == (2, ""), child.stderr[-3000:]
+    assert child.stderr.splitlines()[-1] == "error: --top-p must be in (0, 1], got 1.5"

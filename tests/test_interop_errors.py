@@ -4,18 +4,24 @@ layouts load. These tests write their checkpoints with ``save_hf``: no ``torch``
 """
 
 import json
+import pathlib
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from hf_checkpoints import VOCAB, edit_config, max_diff
+from hf_checkpoints import CORPUS, VOCAB, bpe_tokenizer, edit_config, max_diff
 from safetensors.numpy import load_file, save_file
+from subprocess_env import subprocess_env
 
 from flaxformer_lite.interop import SUPPORTED, load_hf, save_hf
 from flaxformer_lite.models import ModelConfig, build_model
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +64,62 @@ def test_missing_shard_is_named(tiny_gpt2_dir):
     (tiny_gpt2_dir / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(FileNotFoundError, match="model-00001-of-00002"):
         load_hf(tiny_gpt2_dir)
+
+
+def spoil(file: pathlib.Path, how: str) -> None:
+    """Cuts ``file`` to half its length (an interrupted download) or overwrites it with text."""
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) // 2] if how == "truncated" else b"<html>Not Found</html>")
+
+
+@pytest.mark.parametrize("how", ["truncated", "garbage"])
+def test_a_spoilt_weights_file_is_named(tiny_gpt2_dir, how):
+    single = tiny_gpt2_dir / "model.safetensors"
+    spoil(single, how)
+    with pytest.raises(ValueError, match=r"model\.safetensors is not a readable safetensors"):
+        load_hf(tiny_gpt2_dir)
+    shard = "model-00001-of-00001.safetensors"  # the same file as the one shard of an index
+    single.rename(tiny_gpt2_dir / shard)
+    index = {"weight_map": {"transformer.wte.weight": shard}}
+    (tiny_gpt2_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=f"{shard} is not a readable safetensors"):
+        load_hf(tiny_gpt2_dir)
+
+
+@pytest.mark.parametrize("command", ["sample.py", "train.py"])
+def test_commands_name_a_spoilt_weights_file_and_exit_2(tmp_path, command):
+    """``generate --hf-dir`` and ``train.py init_from=`` print one line naming the file."""
+    tokenizer = bpe_tokenizer()
+    cfg = ModelConfig.from_preset("gpt2-tiny", vocab_size=tokenizer.get_vocab_size())
+    checkpoint = tmp_path / "gpt2"
+    save_hf(build_model(cfg, rngs=nnx.Rngs(0)), cfg, checkpoint)
+    tokenizer.save(str(checkpoint / "tokenizer.json"))
+    edit_config(checkpoint, bos_token_id=0, eos_token_id=0)  # <|endoftext|>
+    spoil(checkpoint / "model.safetensors", "truncated")
+    if command == "sample.py":
+        args = ["--hf-dir", str(checkpoint), "--prompt", "hello"]
+    else:
+        (tmp_path / "corpus.txt").write_text("\n".join(CORPUS) + "\n")
+        args = [
+            f"init_from={checkpoint}",
+            f"run_dir={tmp_path / 'run'}",
+            "data.source=text",
+            f"data.path={tmp_path / 'corpus.txt'}",
+            "train.steps=1",
+            "--no-progress",
+        ]
+    child = subprocess.run(
+        [sys.executable, command, *args],
+        cwd=REPO,
+        env=subprocess_env(1),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert child.returncode == 2, child.stderr[-3000:]
+    assert "Traceback" not in child.stderr, child.stderr[-3000:]
+    last = child.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and f"{checkpoint}/model.safetensors" in last, last
 
 
 def test_missing_and_extra_tensors_are_named(tiny_gpt2_dir):

@@ -150,3 +150,17 @@ def test_warmup_longer_than_the_run_is_shortened_to_a_tenth_of_it(schedule):
 def test_a_run_of_fewer_than_ten_steps_has_no_warmup():
     cfg = OptimizerConfig(lr=1.0, schedule="cosine", warmup_steps=100, end_lr_ratio=0.0)
     assert float(make_schedule(cfg, total_steps=3, d_model=8)(0)) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
+def test_a_warmup_as_long_as_the_run_leaves_no_decay_span(schedule):
+    """train.steps == warmup_steps (``python train.py train.steps=100``): the warmup is kept (no
+    notice) and the run ends before it does; from there the rate is at its end value, the limit
+    of a decay span shrinking to 0 (cosine and linear reach their end at ``total_steps``)."""
+    cfg = OptimizerConfig(lr=2.0, schedule=schedule, warmup_steps=100, end_lr_ratio=0.1)
+    assert warmup_notice(cfg, 100) is None
+    lr_schedule = make_optimizer(cfg, total_steps=100, d_model=8)[1]
+    steps = np.array([0, 1, 50, 99, 100, 101, 500])
+    end = 2.0 if schedule == "constant" else 0.2
+    expected = np.where(steps < 100, 2.0 * steps / 100, end)
+    np.testing.assert_allclose(values(lr_schedule, steps), expected, rtol=1e-6)

@@ -7,6 +7,9 @@ The 8 devices are the simulated CPU devices of conftest.py.
 
 import inspect
 import json
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.extend.core
@@ -18,8 +21,9 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from parallel_helpers import B, T, tiny
+from subprocess_env import subprocess_env
 
-from flaxformer_lite.models import build_model
+from flaxformer_lite.models import ModelConfig, build_model
 from flaxformer_lite.nn.sharding import ACTIVATION_NAMES, constrain
 from flaxformer_lite.parallel import (
     DEFAULT_RULES,
@@ -35,6 +39,7 @@ from flaxformer_lite.parallel import (
     put_batch,
     rule_pairs,
 )
+from flaxformer_lite.parallel.rules import LOGICAL_NAMES, variable_names
 from flaxformer_lite.train.config import ConfigError, config_from_dict, load_config
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
@@ -150,6 +155,7 @@ def test_mesh_rules_from_yaml_and_command_line_are_laid_over_the_defaults(tmp_pa
         (["mesh.rules.mlp=model"], r"mesh.rules.mlp names mesh axis 'model'"),
         (["mesh.rules.batch=data,tensor,pipeline"], r"mesh.rules.batch names mesh axis 'pipeline'"),
         (["mesh.rules.batch=data,data"], r"mesh.rules.batch names a mesh axis twice"),
+        (["mesh.rules.mpl=none"], r"mesh.rules.mpl: no array .* 'mpl' \(did you mean 'mlp'\?\)"),
         (["mesh.data=0"], r"mesh.data must be a positive int or -1"),
         (["mesh.data=-1", "mesh.tensor=-1"], r"at most one mesh axis may be -1"),
     ],
@@ -157,6 +163,41 @@ def test_mesh_rules_from_yaml_and_command_line_are_laid_over_the_defaults(tmp_pa
 def test_bad_mesh_config_is_a_config_error(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+def test_logical_names_are_every_name_the_models_use():
+    """:data:`LOGICAL_NAMES`, which a rule must name, is what the parameters of every kind of
+    model and the activations are named: no name missing, none left over."""
+    variants = [
+        ("transformer-tiny", dict(positions="relative", scan_layers=True)),
+        ("transformer-tiny", dict(mixer="aft_full")),
+        ("gpt2-tiny", dict(input_dim=3, output_dim=2, tie_embeddings=False)),
+        ("gpt2-tiny", dict(fused_qkv=True)),
+        ("llama-tiny", dict(fused_qkv=True)),  # grouped query heads: qkv_heads
+        ("bert-tiny", dict(num_classes=3)),
+    ]
+    used = set(ACTIVATION_NAMES)
+    for preset, overrides in variants:
+        cfg = ModelConfig.from_preset(preset, **overrides)
+        state = nnx.state(nnx.eval_shape(lambda cfg=cfg: build_model(cfg, rngs=nnx.Rngs(0))))
+        used |= {n for _, v in nnx.to_flat_state(state) for n in variable_names(v) if n}
+    assert used == set(LOGICAL_NAMES)
+
+
+def test_train_py_refuses_a_rule_for_an_unknown_name(tmp_path):
+    run_dir = tmp_path / "run"
+    child = subprocess.run(
+        [sys.executable, "train.py", "mesh.rules.mpl=none", f"run_dir={run_dir}"],
+        cwd=pathlib.Path(__file__).resolve().parents[1],
+        env=subprocess_env(1),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert child.returncode == 2, child.stderr[-3000:]
+    last = child.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: mesh.rules.mpl: ") and "mlp, layers" in last, last
+    assert not run_dir.exists()  # nothing saved
 
 
 def test_unknown_mesh_axis_in_a_yaml_file_is_a_config_error(tmp_path):

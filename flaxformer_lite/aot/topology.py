@@ -255,7 +255,11 @@ def _gpu_devices(topology: Topology) -> list:
         f'pip install "jax-cuda12-plugin=={jax.__version__}" "jax-cuda12-pjrt=={jax.__version__}" '
         '"nvidia-cudnn-cu12>=9.8,<10" (or pip install -e ".[gpu-compile]")'
     )
-    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+    try:
+        plugin = importlib.util.find_spec("jax_plugins.xla_cuda12")
+    except ModuleNotFoundError:  # no plugin of any kind: find_spec imports jax_plugins first
+        plugin = None
+    if plugin is None:
         raise TopologyError(
             f"--topology {topology.name} compiles with jax's CUDA plugin, which is not "
             f"installed: {install}"

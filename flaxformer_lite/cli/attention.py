@@ -47,6 +47,14 @@ def _attention(args) -> int:
     from flaxformer_lite.train.restore import load_run
 
     run = load_run(args.run_dir, step=args.step)
+    model_cfg = run.config.model
+    # An AFT mixer has no attention weights: only an encoder-decoder's cross-attention has maps.
+    seq2seq = model_cfg.kind == "encoder_decoder"
+    if model_cfg.mixer != "attention" and (not seq2seq or args.target is None):
+        raise ValueError(
+            f"{args.run_dir}: the self-attention mixer is {model_cfg.mixer}, which has no "
+            "attention weights" + ("; --target plots the cross-attention" if seq2seq else "")
+        )
     out = args.out if args.out is not None else args.run_dir / "plots" / "attention"
     paths = write_text_attention_maps(
         run.model, run.tokenizer, args.text, out, target=args.target, note=f"step {run.step}"

@@ -1,14 +1,18 @@
-"""How a command ends: an error the user can fix (config, data, files, the disk) prints one line
-and the command exits with status 2, without a traceback; SIGINT / SIGTERM end it with
-128 + signal (the training loop first saves a checkpoint)."""
+"""How a command ends: an error the user can fix (config, data, files, the disk, a program too
+large for the device's memory) prints one line and the command exits with status 2, without a
+traceback; SIGINT / SIGTERM end it with 128 + signal (the training loop first saves a
+checkpoint)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable
+
+import jax
 
 from flaxformer_lite.cli.platforms import skip_absent_tpu
 from flaxformer_lite.train.config import ConfigError
@@ -19,8 +23,9 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def guarded(fn: Callable[[], int]) -> int:
-    """``fn()``'s exit status, or 2 after printing ``error: ...`` for one of :data:`USER_ERRORS`;
-    a stop signal while ``fn`` runs ends the process (:func:`exit_on_signals`)."""
+    """``fn()``'s exit status, or 2 after printing ``error: ...`` for one of :data:`USER_ERRORS`
+    or XLA's RESOURCE_EXHAUSTED (:func:`out_of_memory`); a stop signal while ``fn`` runs ends
+    the process (:func:`exit_on_signals`)."""
     skip_absent_tpu()
     try:
         with exit_on_signals():
@@ -28,6 +33,57 @@ def guarded(fn: Callable[[], int]) -> int:
     except USER_ERRORS as error:
         say(f"error: {error}", stream=sys.stderr)
         return 2
+    except jax.errors.JaxRuntimeError as error:
+        if "RESOURCE_EXHAUSTED" not in str(error):
+            raise
+        say(f"error: {out_of_memory(str(error))}", stream=sys.stderr)
+        return 2
+
+
+# The sizes in XLA's out-of-memory messages: "12884901888 bytes", "2147483648B", "2.00GiB",
+# "20.25G" (TPU).
+_SIZE = r"(\d+(?:\.\d+)?) ?(bytes|B|[KMGT]i?B?)\b"
+_USED_OF = re.compile(rf"Used {_SIZE} of {_SIZE}")  # TPU compiler: the program, the HBM
+_FREE = re.compile(rf"allocate {_SIZE}.*? There are {_SIZE} free", re.DOTALL)  # TPU runtime
+_ASKED = re.compile(rf"allocat\w*(?: request for)? {_SIZE}")  # CPU, GPU: one allocation
+
+
+def out_of_memory(message: str) -> str:
+    """The line for XLA's RESOURCE_EXHAUSTED ``message``: how much memory was asked for, of how
+    much (from the message, else the device's limit or the host's memory), and what to do."""
+    if found := _USED_OF.search(message):
+        what = f"the program needs {_gib(*found.group(1, 2))} of {_gib(*found.group(3, 4))}"
+    elif found := _FREE.search(message):
+        what = f"{_gib(*found.group(1, 2))} asked for, {_gib(*found.group(3, 4))} free"
+    else:
+        where, limit = _memory_limit()
+        has = f"the {where} has {limit / 2**30:.2f} GiB" if limit else f"on the {where}"
+        found = _ASKED.search(message)
+        what = f"{_gib(*found.group(1, 2))} asked for, {has}" if found else has
+    xla = message.strip().splitlines()[0].removeprefix("RESOURCE_EXHAUSTED: ")
+    return (
+        f"out of memory: {what} (XLA: {xla}); flaxformer-lite compile with the same --config "
+        "and overrides (--topology cpu-1, or the accelerator's) reports what a step needs; or "
+        "use a smaller train.batch_size (train.grad_accum_steps keeps the batch)"
+    )
+
+
+def _gib(number: str, unit: str) -> str:
+    power = "KMGT".find(unit[0]) + 1 if unit[0] in "KMGT" else 0
+    return f"{float(number) * 1024**power / 2**30:.2f} GiB"
+
+
+def _memory_limit() -> tuple[str, int | None]:
+    """Where the memory ran out and how much there is: the first local device's limit
+    (accelerators report it), else the host's memory."""
+    device = jax.local_devices()[0]
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+    if limit:
+        return f"{device.platform.upper()} device", limit
+    try:
+        return "host", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):  # not POSIX
+        return "host", None
 
 
 @contextlib.contextmanager

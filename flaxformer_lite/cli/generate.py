@@ -165,6 +165,10 @@ def check_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
     if args.top_k is not None and args.top_k < 1:
         raise ValueError(f"--top-k must be positive, got {args.top_k}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:  # NaN too
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.min_tokens_to_keep < 1:
+        raise ValueError(f"--min-tokens-to-keep must be positive, got {args.min_tokens_to_keep}")
     if args.beam_size > 1 and (args.temperature > 0 or args.num_samples > 1):
         raise ValueError(
             f"--beam-size {args.beam_size} is deterministic: it takes no --temperature "

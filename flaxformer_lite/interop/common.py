@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
+from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 CONFIG_FILE = "config.json"
@@ -55,11 +56,12 @@ def read_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
 
     Raises:
       FileNotFoundError: neither file is there, or a shard named by the index is missing.
-      ValueError: the index does not name where a tensor is, or a shard lacks a tensor it lists.
+      ValueError: the index does not name where a tensor is, a shard lacks a tensor it lists, or
+        a weights file is not safetensors (truncated, garbage).
     """
     single, index = os.path.join(path, WEIGHTS_FILE), os.path.join(path, INDEX_FILE)
     if os.path.isfile(single):
-        return load_file(single)
+        return _load_file(single)
     if not os.path.isfile(index):
         others = sorted(f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth", ".h5")))
         hint = f" (found {others}: only safetensors weights are read)" if others else ""
@@ -76,11 +78,20 @@ def read_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
         file = os.path.join(path, shard)
         if not os.path.isfile(file):
             raise FileNotFoundError(f"shard {shard!r} listed in {index} is missing")
-        tensors.update(load_file(file))
+        tensors.update(_load_file(file))
     missing = sorted(set(weight_map) - set(tensors))
     if missing:
         raise ValueError(f"the shards of {str(path)!r} lack tensors their index lists: {missing}")
     return tensors
+
+
+def _load_file(file: str) -> dict[str, np.ndarray]:
+    """``load_file(file)``, its error (a truncated download, a file of something else) named
+    as a ValueError with the file, which commands print as one line."""
+    try:
+        return load_file(file)
+    except SafetensorError as error:
+        raise ValueError(f"{file} is not a readable safetensors file ({error})") from None
 
 
 def write_checkpoint(

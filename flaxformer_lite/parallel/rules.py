@@ -14,6 +14,7 @@ with an empty one, are replicated.
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Mapping, Sequence
 
@@ -36,6 +37,15 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "layers": (),
     "activation_embed": (),
 }
+
+# Every logical name the library's parameters and activations use (tests/test_parallel.py checks
+# this against the models): a rule for another name would shard nothing, so it is refused.
+LOGICAL_NAMES = (
+    *DEFAULT_RULES,
+    *("length", "norm", "head_dim", "qkv", "qkv_heads", "relpos_buckets", "token_types"),
+    *("features", "embed_out", "outputs", "classes"),
+    *("aft_features", "aft_query_length", "aft_key_length"),
+)
 
 # The model config field behind each logical name, for error messages.
 CONFIG_FIELDS = {
@@ -64,8 +74,16 @@ def logical_spec(names: Sequence[str | None], rules: Rules) -> PartitionSpec:
 
 
 def check_rules(rules: Rules, mesh_axes: Sequence[str]) -> None:
-    """Raises ValueError naming a rule that uses an unknown mesh axis or one axis twice."""
+    """Raises ValueError naming a rule for a name no array has (:data:`LOGICAL_NAMES`), or one
+    that uses an unknown mesh axis or one axis twice."""
     for name, axes in rules.items():
+        if name not in LOGICAL_NAMES:
+            close = difflib.get_close_matches(name, LOGICAL_NAMES, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(
+                f"mesh.rules.{name}: no array has a logical axis {name!r}{hint}; the names are "
+                f"{', '.join(LOGICAL_NAMES)}"
+            )
         for axis in axes:
             if axis not in mesh_axes:
                 raise ValueError(

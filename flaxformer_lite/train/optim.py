@@ -89,6 +89,11 @@ def make_schedule(cfg: OptimizerConfig, *, total_steps: int, d_model: int) -> op
         return inverse_sqrt_schedule(cfg.lr, warmup_steps=cfg.warmup_steps, d_model=d_model)
     warmup_steps = fitted_warmup_steps(cfg, total_steps)
     end = cfg.lr * cfg.end_lr_ratio
+    warmup = optax.linear_schedule(0.0, cfg.lr, warmup_steps)
+    if cfg.schedule != "constant" and 0 < total_steps == warmup_steps:
+        # No steps left to decay over (optax refuses a span of 0): the limit of a shrinking
+        # span, the end value from total_steps on, as when a decay reaches its end there.
+        return optax.join_schedules([warmup, optax.constant_schedule(end)], [warmup_steps])
     if cfg.schedule == "cosine":
         # optax counts the warmup inside decay_steps.
         return optax.warmup_cosine_decay_schedule(
@@ -99,7 +104,6 @@ def make_schedule(cfg: OptimizerConfig, *, total_steps: int, d_model: int) -> op
         if cfg.schedule == "linear"
         else optax.constant_schedule(cfg.lr)
     )
-    warmup = optax.linear_schedule(0.0, cfg.lr, warmup_steps)
     return optax.join_schedules([warmup, decay], [warmup_steps])
 
 
