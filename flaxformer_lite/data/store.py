@@ -119,6 +119,8 @@ def prepare_store(
       ValueError: bad settings or data (naming the file and line), a source file changed while
         being prepared, or ``out_dir`` holding anything but a store of these inputs (named).
       FileNotFoundError: a missing source or tokenizer file.
+      OSError: a full disk (naming ``out_dir``; nothing of the store is kept), or another
+        error writing it.
     """
     out_dir = Path(out_dir)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -182,8 +184,15 @@ def prepare_store(
             shutil.rmtree(partial, ignore_errors=True)
             return _existing_store(out_dir, request, files, progress)
         fsync_directory(out_dir.absolute().parent)
-    except BaseException:
+    except BaseException as error:
         shutil.rmtree(partial, ignore_errors=True)
+        # Writes that fail for want of room name no file: say which store, and that no part of it
+        # is left taking up room.
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise OSError(
+                f"{out_dir}: {os.strerror(error.errno)} while preparing the store; nothing of it "
+                "was kept"
+            ) from error
         raise
     return open_store(out_dir)
 
