@@ -9,6 +9,7 @@ import pytest
 from flaxformer_lite.data.pipeline import PREPARED_DIR, DataConfig, build_data
 from flaxformer_lite.data.store import prepare_store
 from flaxformer_lite.data.tokenizers import ByteTokenizer
+from flaxformer_lite.train.config import load_config
 
 LINES = [f"line {i} " + "abc"[i % 3] * (i % 11) for i in range(60)]
 
@@ -168,4 +169,5 @@ def test_a_tokenizer_setting_other_than_the_stores_is_refused(tmp_path, corpus, 
     assert not run_dir.exists()
     # A file source's tokenizer is byte unless set; a store brings its own.
     assert DataConfig(source="text", path="a.txt").tokenizer == "byte"
-    assert DataConfig(source="prepared", path=str(store)).tokenizer is None
+    assert load_config(None, ["data.source=text", "data.path=a.txt"]).data.tokenizer == "byte"
+    assert load_config(None, ["data.source=prepared", f"data.path={store}"]).data.tokenizer is None

@@ -37,7 +37,7 @@ import itertools
 import json
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -141,12 +141,16 @@ class DataConfig:
     mlm_probability: float = 0.15
     train_size: int | None = None
     eval_size: int | None = None
+    _derived: ClassVar[frozenset[str]] = frozenset()  # the settings left unset, then resolved
 
     def __post_init__(self):
         _check_choice("source", self.source, SOURCES)
         _check_choice("lm_rows", self.lm_rows, LM_ROWS)
         # Unset means byte but for a store, which brings its own: resolved here, so the configs
         # and records of other sources say byte, as they did before the setting could be unset.
+        # That it was unset is kept (not a field) for to_dict.
+        if self.tokenizer is None:
+            object.__setattr__(self, "_derived", frozenset({"tokenizer"}))
         if self.tokenizer is None and self.source != "prepared":
             object.__setattr__(self, "tokenizer", "byte")
         if self.tokenizer is not None:
@@ -194,6 +198,15 @@ class DataConfig:
             )
         if not 0 < self.mlm_probability <= 1:
             raise ValueError(f"data.mlm_probability must be in (0, 1], got {self.mlm_probability}")
+
+    def to_dict(self, *, derived: bool = True) -> dict[str, Any]:
+        """Plain values. ``derived=False`` gives None for a setting left unset (``tokenizer``):
+        values laid over that dict (a partial ``data`` section, ``data.source=prepared``)
+        resolve it anew."""
+        values = dataclasses.asdict(self)
+        if not derived:
+            values.update(dict.fromkeys(self._derived))
+        return values
 
 
 @dataclasses.dataclass(frozen=True)
