@@ -182,6 +182,11 @@ def test_bad_init_from_settings_name_the_key(gpt2, tmp_path, capsys):
         load_config(None, [f"init_from={path}", "model.preset=gpt2-tiny"])
     with pytest.raises(ConfigError, match=r"data\.tokenizer cannot be set with init_from"):
         load_config(None, [f"init_from={path}", "data.tokenizer=bpe"])
+    # Not set, as the config.yaml of a run from a prepared store records it.
+    (tmp_path / "store.yaml").write_text(
+        f"init_from: {path}\ndata: {{source: prepared, path: store, tokenizer: null}}\n"
+    )
+    assert load_config(tmp_path / "store.yaml").data.tokenizer is None
     assert train_main([f"init_from={tmp_path / 'missing'}", f"run_dir={tmp_path}/r"]) == 2
     err = capsys.readouterr().err
     assert "init_from=" in err and "does not exist" in err

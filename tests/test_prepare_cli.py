@@ -1,13 +1,16 @@
 """``flaxformer-lite prepare``: a store from the data settings of a config, one summary line,
 a no-op when run again, and user errors as one line with exit status 2."""
 
+import errno
 import json
+import os
 import re
 
 import pytest
 import yaml
 
 from flaxformer_lite.cli import main
+from flaxformer_lite.data import store as store_module
 from flaxformer_lite.data.store import open_store
 from flaxformer_lite.data.tokenizers import BpeTokenizer
 
@@ -147,3 +150,24 @@ def test_help_describes_the_command_with_an_example(capsys):
     with pytest.raises(SystemExit) as info:
         main(["prepare", "data.source=text"])  # --out is required
     assert info.value.code == 2
+
+
+@pytest.mark.parametrize("number", [errno.ENOSPC, errno.EDQUOT])
+def test_a_full_disk_names_the_store_and_keeps_nothing(
+    corpus, tmp_path, capsys, monkeypatch, number
+):
+    write_documents = store_module.write_documents
+
+    def full(directory, *args, **kwargs):  # the disk fills up halfway through the tokens
+        write_documents(directory, *args, **kwargs)
+        raise OSError(number, os.strerror(number))
+
+    monkeypatch.setattr(store_module, "write_documents", full)
+    out = tmp_path / "store"
+    argv = ["--no-progress", "--out", out, "data.source=text", f"data.path={corpus}"]
+    status, lines, err = prepare(capsys, *argv)
+    assert status == 2 and lines == []
+    assert err.splitlines() == [
+        f"error: {out}: {os.strerror(number)} while preparing the store; nothing of it was kept"
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lines.txt"]

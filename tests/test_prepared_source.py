@@ -1,12 +1,15 @@
 """Training data from prepared stores: ``data.source=prepared``, and text sources prepared into a
 cached store on first use (one read path for both)."""
 
+import re
+
 import numpy as np
 import pytest
 
 from flaxformer_lite.data.pipeline import DataConfig, build_data
 from flaxformer_lite.data.store import prepare_store
 from flaxformer_lite.data.tokenizers import ByteTokenizer
+from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.run_dir import RunDir
 
 LINES = [f"line {i} " + "abc"[i % 3] * (i % 11) for i in range(60)]
@@ -147,3 +150,32 @@ def test_validation_texts_are_the_stores_even_when_the_source_changed(tmp_path, 
     assert set(expected) <= set(LINES)
     corpus.write_text("\n".join(f"other {i}" for i in range(len(LINES))) + "\n")  # same count
     assert [r["text"] for r in build(cfg, tmp_path / "b").eval_examples] == expected
+
+
+def test_a_tokenizer_setting_other_than_the_stores_is_refused(tmp_path, corpus, capsys):
+    from flaxformer_lite.cli.train import train_main
+
+    store = tmp_path / "store"
+    prepare_store(store, source="text", path=str(corpus), tokenizer_kind="bpe", vocab_size=300)
+    for kind in ("char", "byte"):
+        cfg = DataConfig(source="prepared", path=str(store), seq_len=16, tokenizer=kind)
+        message = (
+            f"{store}: the store's tokenizer is 'bpe'; data.tokenizer says {kind!r}: drop the "
+            "setting (data.tokenizer=null) or set it to 'bpe'"
+        )
+        with pytest.raises(ValueError, match=re.escape(message)):
+            build(cfg, tmp_path / kind)
+    for setting in (None, "bpe"):  # not set: the store's
+        cfg = DataConfig(source="prepared", path=str(store), seq_len=16, tokenizer=setting)
+        data = build(cfg, tmp_path / str(setting))
+        data.train.close()
+        assert data.tokenizer.kind == "bpe"
+    run_dir = tmp_path / "run"
+    overrides = ["data.source=prepared", f"data.path={store}", "data.tokenizer=char"]
+    assert train_main([f"run_dir={run_dir}", *overrides]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"error: {message.replace('byte', 'char')}"]
+    assert not run_dir.exists()
+    # A file source's tokenizer is byte unless set; a store brings its own.
+    assert DataConfig(source="text", path="a.txt").tokenizer == "byte"
+    assert load_config(None, ["data.source=text", "data.path=a.txt"]).data.tokenizer == "byte"
+    assert load_config(None, ["data.source=prepared", f"data.path={store}"]).data.tokenizer is None

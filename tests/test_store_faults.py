@@ -18,6 +18,7 @@ from store_cases import check_documents, make_corpus, make_lines
 
 from flaxformer_lite.data import store as store_module
 from flaxformer_lite.data import store_writer
+from flaxformer_lite.data.pipeline import DataConfig, build_data
 from flaxformer_lite.data.store import open_store, prepare_store
 from flaxformer_lite.data.tokenizers import (
     SPECIAL_TOKENS,
@@ -73,6 +74,19 @@ def edit_manifest(path, **values):
     path.write_text(json.dumps({**json.loads(path.read_text()), **values}))
 
 
+def scramble(path):
+    """Random bytes, as many as the file had: only a checksum tells."""
+    path.write_bytes(np.random.default_rng(0).bytes(path.stat().st_size))
+
+
+def move_an_offset(path):
+    """Document 5 starts where document 4 does: the offsets are still in order, from 0 to the
+    end."""
+    offsets = np.fromfile(path, np.int64)
+    offsets[5] = offsets[4]
+    offsets.tofile(path)
+
+
 @pytest.mark.parametrize(
     "name, damage, reason",
     [
@@ -82,6 +96,8 @@ def edit_manifest(path, **values):
         ("manifest.json", lambda p: edit_manifest(p, version=99), "store format version 99"),
         ("digests.u64", Path.unlink, "missing from the store"),
         ("text.offsets", swap_offsets, "corrupt"),
+        ("text.offsets", move_an_offset, "not the file the store was made with"),
+        ("digests.u64", scramble, "not the file the store was made with"),
         ("tokenizer/vocab.json", lambda p: p.write_text("{}"), "not the tokenizer file the store"),
         ("tokenizer/vocab.json", Path.unlink, "missing from the store"),
     ],
@@ -108,6 +124,71 @@ def test_a_damaged_store_is_refused_naming_the_file(corpus, tmp_path, name, dama
         )
     with pytest.raises(FileNotFoundError, match="no prepared store"):
         open_store(tmp_path / "nowhere")
+
+
+def test_a_store_prepared_before_checksums_opens_unchecked(corpus, tmp_path):
+    pattern, lines = corpus
+    out = tmp_path / "store"
+    prepare_store(out, source="text", path=pattern, documents="lines")
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert sorted(manifest["sha256"]) == ["digests.u64", "text.offsets"]  # not text.tokens
+    del manifest["sha256"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    check_documents(open_store(out), [(line,) for line in lines])
+
+
+def damaged_char_store(tmp_path, name, damage):
+    """A char store of 60 lines (the source kept), its file ``name`` damaged."""
+    (tmp_path / "lines.txt").write_text("\n".join(make_lines(60)) + "\n")
+    path = str(tmp_path / "lines.txt")
+    store = prepare_store(
+        tmp_path / "store", source="text", path=path, documents="lines", tokenizer_kind="char"
+    )
+    damage(store.path / name)
+    return store
+
+
+def big_ids(path):
+    """Ids far past the vocabulary, as many bytes as the file had."""
+    np.full(path.stat().st_size // 2, 60_000, np.uint16).tofile(path)
+
+
+def test_ids_past_the_vocabulary_are_refused_as_batches_are_made(tmp_path):
+    store = damaged_char_store(tmp_path, "text.tokens", big_ids)
+    vocab = store.tokenizer.vocab_size
+    for rows in ("documents", "windows"):
+        cfg = DataConfig(source="prepared", path=str(store.path), seq_len=16, lm_rows=rows)
+        data = build_data(cfg, task="lm", seed=0, batch_size=4, directory=tmp_path / rows)
+        message = f"{store.path / 'text.tokens'}: token id 60000 is not in the vocabulary"
+        with pytest.raises(ValueError, match=f"{message} of the store's tokenizer \\({vocab} ids"):
+            next(data.train)
+        with pytest.raises(ValueError, match=message):
+            next(data.eval_batches())
+    cfg = DataConfig(source="prepared", path=str(store.path), seq_len=16)
+    data = build_data(cfg, task="mlm", seed=0, batch_size=4, directory=tmp_path / "mlm")
+    with pytest.raises(ValueError, match=message):
+        next(data.train)
+
+
+@pytest.mark.parametrize(
+    "name, damage, reason",
+    [
+        ("digests.u64", scramble, "not the file the store was made with"),
+        # Found by the first batch, after the model is made: seconds.
+        pytest.param("text.tokens", big_ids, "token id 60000", marks=pytest.mark.slow),
+    ],
+)
+def test_train_from_a_damaged_store_exits_2_naming_the_file(tmp_path, capsys, name, damage, reason):
+    from flaxformer_lite.cli.train import train_main
+
+    store = damaged_char_store(tmp_path, name, damage)
+    run_dir = tmp_path / "run"
+    overrides = ["data.source=prepared", f"data.path={store.path}", "data.seq_len=16"]
+    overrides += ["model.preset=gpt2-tiny", "train.batch_size=8", "train.steps=2"]
+    assert train_main(["--no-progress", f"run_dir={run_dir}", *overrides]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ")
+    assert f"{store.path / name}: " in err[0] and reason in err[0]
 
 
 def test_a_leftover_partial_directory_is_never_picked_up(corpus, tmp_path):

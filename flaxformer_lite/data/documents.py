@@ -28,12 +28,17 @@ class Documents:
       digests: uint64 ``[N]``, a hash of each document's text: :func:`split_documents` holds out
         the documents of least digest, so the split depends on content, not on order or seed.
       labels: int32 ``[N]`` class indices of a classification corpus, else None.
+      vocab_size: every id is below it (a store's tokenizer's: :meth:`checked` refuses one
+        that is not, as it is read); None: not checked (ids made in memory).
+      files: field name -> the file its ids are read from, named by :meth:`checked`.
     """
 
     tokens: Mapping[str, np.ndarray]
     offsets: Mapping[str, np.ndarray]
     digests: np.ndarray
     labels: np.ndarray | None = None
+    vocab_size: int | None = None
+    files: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.digests)
@@ -45,7 +50,22 @@ class Documents:
     def document(self, field: str, index: int) -> np.ndarray:
         """The ids of document ``index`` of ``field``, a view ``[n]``."""
         start, stop = self.offsets[field][index : index + 2]
-        return self.tokens[field][start:stop]
+        return self.checked(field, self.tokens[field][start:stop])
+
+    def checked(self, field: str, ids: np.ndarray) -> np.ndarray:
+        """``ids`` read from ``field``, each checked to be below :attr:`vocab_size` (a max over
+        what is read: a store's sizes and checksums leave its tokens unchecked on open).
+
+        Raises:
+          ValueError: an id past the vocabulary, naming the file and the id (a corrupt store).
+        """
+        if self.vocab_size is not None and ids.size and (top := int(ids.max())) >= self.vocab_size:
+            raise ValueError(
+                f"{self.files.get(field, field)}: token id {top} is not in the vocabulary of the "
+                f"store's tokenizer ({self.vocab_size} ids): a corrupt file (prepare the store "
+                "again)"
+            )
+        return ids
 
     def lengths(self, field: str) -> np.ndarray:
         """int64 ``[N]``: every document's number of ids."""
@@ -121,7 +141,11 @@ def hold_out_tails(
             f"{where}: {int(lengths.sum())} tokens cannot be split by data.validation_fraction="
             f"{fraction} into non-empty training and validation parts"
         )
-    pieces = Documents(
-        {"text": documents.tokens["text"]}, {"text": offsets}, np.repeat(documents.digests, 2)
+    pieces = dataclasses.replace(
+        documents,
+        tokens={"text": documents.tokens["text"]},
+        offsets={"text": offsets},
+        digests=np.repeat(documents.digests, 2),
+        labels=None,
     )
     return pieces, train, valid

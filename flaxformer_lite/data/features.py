@@ -119,7 +119,9 @@ def framed(
     columns = np.arange(seq_len)
     body = (columns >= head) & (columns < (head + kept)[:, None])
     out = np.zeros((len(docs), seq_len), np.int32)
-    out[body] = documents.tokens[field][(starts[:, None] + columns - head)[body]]
+    out[body] = documents.checked(
+        field, documents.tokens[field][(starts[:, None] + columns - head)[body]]
+    )
     if head:
         out[:, 0] = sos_id
     out[np.arange(len(docs)), head + kept] = eos_id

@@ -39,7 +39,7 @@ import itertools
 import json
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -104,7 +104,8 @@ class DataConfig:
       validation_path: the validation data, of the same kind as ``path`` (files, or a prepared
         store), used whole; None: hold out ``validation_fraction`` of ``path``.
       tokenizer: ``byte``; ``char``, ``word`` or ``bpe`` fitted on the training texts; or
-        ``sentencepiece`` loaded from ``tokenizer_path``.
+        ``sentencepiece`` loaded from ``tokenizer_path``. None: ``byte``, or a prepared store's
+        own (set, it must be the store's).
       tokenizer_path: a SentencePiece ``.model`` file.
       vocab_size: the BPE target size (required, >= 260), or a cap on a word vocabulary.
       seq_len: tokens per row of every ``[B, seq_len]`` array; a longer ``lm`` document goes on
@@ -129,7 +130,7 @@ class DataConfig:
     field: str = "text"
     text_documents: str | None = None
     validation_path: str | None = None
-    tokenizer: str = "byte"
+    tokenizer: str | None = None
     tokenizer_path: str | None = None
     vocab_size: int | None = None
     seq_len: int = 64
@@ -139,11 +140,20 @@ class DataConfig:
     mlm_probability: float = 0.15
     train_size: int | None = None
     eval_size: int | None = None
+    _derived: ClassVar[frozenset[str]] = frozenset()  # the settings left unset, then resolved
 
     def __post_init__(self):
         _check_choice("source", self.source, SOURCES)
         _check_choice("lm_rows", self.lm_rows, LM_ROWS)
-        _check_choice("tokenizer", self.tokenizer, TOKENIZERS)
+        # Unset means byte but for a store, which brings its own: resolved here, so the configs
+        # and records of other sources say byte, as they did before the setting could be unset.
+        # That it was unset is kept (not a field) for to_dict.
+        if self.tokenizer is None:
+            object.__setattr__(self, "_derived", frozenset({"tokenizer"}))
+        if self.tokenizer is None and self.source != "prepared":
+            object.__setattr__(self, "tokenizer", "byte")
+        if self.tokenizer is not None:
+            _check_choice("tokenizer", self.tokenizer, TOKENIZERS)
         if self.source == "synthetic":
             _check_choice("task", self.task, tuple(synthetic.TASKS))
             try:
@@ -164,9 +174,10 @@ class DataConfig:
                 "data.validation_path needs a file source: synthetic tasks have "
                 "their own validation split"
             )
-        if self.tokenizer == "sentencepiece" and not self.tokenizer_path:
+        made = self.source != "prepared"  # a store's tokenizer is made already
+        if made and self.tokenizer == "sentencepiece" and not self.tokenizer_path:
             raise ValueError("data.tokenizer='sentencepiece' needs data.tokenizer_path")
-        if self.tokenizer == "bpe" and self.vocab_size is None:
+        if made and self.tokenizer == "bpe" and self.vocab_size is None:
             raise ValueError("data.tokenizer='bpe' needs data.vocab_size")
         _check_int("seq_len", self.seq_len, 4)
         min_vocab = NUM_SPECIAL + (256 if self.tokenizer == "bpe" else 1)
@@ -186,6 +197,15 @@ class DataConfig:
             )
         if not 0 < self.mlm_probability <= 1:
             raise ValueError(f"data.mlm_probability must be in (0, 1], got {self.mlm_probability}")
+
+    def to_dict(self, *, derived: bool = True) -> dict[str, Any]:
+        """Plain values. ``derived=False`` gives None for a setting left unset (``tokenizer``):
+        values laid over that dict (a partial ``data`` section, ``data.source=prepared``)
+        resolve it anew."""
+        values = dataclasses.asdict(self)
+        if not derived:
+            values.update(dict.fromkeys(self._derived))
+        return values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -482,7 +502,7 @@ def prepare_run_store(
 def _run_store(cfg: DataConfig, prepared: Path | None, tokenizer: Tokenizer | None) -> Store:
     """``data.path``'s store, or the source's in the run's cache (made with ``tokenizer`` if the
     run has one: a resumed run's saved copy, or ``init_from``'s), checked against ``tokenizer``
-    and against ``data.text_documents``."""
+    and against ``data.text_documents`` and ``data.tokenizer`` where they are set."""
     if cfg.source != "prepared":
         return prepare_source(cfg, _cache_dir(cfg, cfg.path, prepared), tokenizer)
     store = open_store(cfg.path)
@@ -493,6 +513,13 @@ def _run_store(cfg: DataConfig, prepared: Path | None, tokenizer: Tokenizer | No
         raise ValueError(
             f"{store.path}: prepared from {_store_kind(store)} data, not with "
             f"data.text_documents={cfg.text_documents!r}"
+        )
+    kind = store.tokenizer.kind
+    if cfg.tokenizer is not None and cfg.tokenizer != kind:
+        named = f" or set it to {kind!r}" if kind in TOKENIZERS else ""  # not a checkpoint's
+        raise ValueError(
+            f"{store.path}: the store's tokenizer is {kind!r}; data.tokenizer says "
+            f"{cfg.tokenizer!r}: drop the setting (data.tokenizer=null){named}"
         )
     return store
 

@@ -87,10 +87,10 @@ def assemble(
     firsts = np.cumsum(length) - length
     sos = firsts[start == 0]
     eos = (firsts + length - 1)[start + length == offsets[doc + 1] - offsets[doc] + 1]
-    inputs = tokens[index - 1]
+    inputs = documents.checked(field, tokens[index - 1])
     inputs[sos] = sos_id
     index[eos] = 0
-    targets = tokens[index]
+    targets = documents.checked(field, tokens[index])
     targets[eos] = eos_id
     per_row = np.bincount(row, minlength=count)
     segments = np.arange(row.size) - (np.cumsum(per_row) - per_row)[row] + 1

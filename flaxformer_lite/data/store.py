@@ -18,8 +18,13 @@ and any tool reads the files)::
 
 The manifest names the format and version, the source (kind, path, field, how a text file became
 documents, each file's size and sha256), the tokenizer (kind, its files' sha256, what a fitted
-one was fitted with), the number of documents, each field's number of tokens and dtype, and each
-data file's size.
+one was fitted with), the number of documents, each field's number of tokens and dtype, each
+data file's size, and the sha256 of the small ones (all but ``{field}.tokens``).
+
+Opening a store checks every file's size, the small files' sha256 (16 bytes a document of
+text, 24 of pairs: about 0.1 s per million documents) and the tokenizer's files. The tokens,
+which may be GBs, are not hashed: an id past the tokenizer's vocabulary is refused as batches
+read it (:meth:`~flaxformer_lite.data.documents.Documents.checked`, a max over what is read).
 
 :func:`prepare_store` writes into a sibling ``.NAME.partial-<host>-<pid>`` directory, flushes it
 to disk, writes the manifest and renames it into place: an interrupted prepare leaves nothing
@@ -114,6 +119,8 @@ def prepare_store(
       ValueError: bad settings or data (naming the file and line), a source file changed while
         being prepared, or ``out_dir`` holding anything but a store of these inputs (named).
       FileNotFoundError: a missing source or tokenizer file.
+      OSError: a full disk (naming ``out_dir``; nothing of the store is kept), or another
+        error writing it.
     """
     out_dir = Path(out_dir)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -177,8 +184,15 @@ def prepare_store(
             shutil.rmtree(partial, ignore_errors=True)
             return _existing_store(out_dir, request, files, progress)
         fsync_directory(out_dir.absolute().parent)
-    except BaseException:
+    except BaseException as error:
         shutil.rmtree(partial, ignore_errors=True)
+        # Writes that fail for want of room name no file: say which store, and that no part of it
+        # is left taking up room.
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise OSError(
+                f"{out_dir}: {os.strerror(error.errno)} while preparing the store; nothing of it "
+                "was kept"
+            ) from error
         raise
     return open_store(out_dir)
 
@@ -187,7 +201,9 @@ def open_store(path: Path | str) -> Store:
     """The store at ``path``, its arrays memory-mapped read-only.
 
     Checked: the manifest (JSON, format and version), every data file's size against it, the
-    offsets' bounds and order, and the sha256 of each tokenizer file.
+    sha256 of all but the tokens (where the manifest has them: stores prepared before it
+    recorded them are not hashed), the offsets' bounds and order, and the sha256 of each
+    tokenizer file. The documents refuse an id past the tokenizer's vocabulary as it is read.
 
     Raises:
       FileNotFoundError: ``path`` does not exist.
@@ -210,6 +226,9 @@ def open_store(path: Path | str) -> Store:
             raise ValueError(f"fields {fields}")
         if any(Path(name).name != name for name in tokenizer_files):
             raise ValueError(f"tokenizer files {list(tokenizer_files)}")
+        sha256 = {name: str(digest) for name, digest in manifest.get("sha256", {}).items()}
+        if sha256.keys() - sizes.keys():
+            raise ValueError(f"sha256 of {sorted(sha256)}")
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"{where}: not a valid store manifest ({e!r})") from None
     expected = {DIGESTS: 8 * count}
@@ -228,6 +247,12 @@ def open_store(path: Path | str) -> Store:
                 f"{file}: {actual} bytes, but the manifest says {size}: a truncated or changed "
                 "file (prepare the store again)"
             )
+    for name, digest in sha256.items():
+        if _file_sha256(path / name) != digest:
+            raise ValueError(
+                f"{path / name}: not the file the store was made with (its sha256 differs from "
+                "the manifest's): a changed or corrupt file (prepare the store again)"
+            )
     _check_tokenizer_files(path / TOKENIZER_DIR, tokenizer_files)
     tokenizer = tokenizers.load_tokenizer(path / TOKENIZER_DIR)
     if tokenizer.kind != tokenizer_info.get("kind"):
@@ -242,7 +267,9 @@ def open_store(path: Path | str) -> Store:
         if ends[0] != 0 or ends[-1] != n_tokens[name] or np.any(ends[1:] < ends[:-1]):
             raise ValueError(f"{path / f'{name}.offsets'}: corrupt (not 0 .. {n_tokens[name]})")
     labels = _map(path / LABELS, np.int32, count) if LABELS in sizes else None
-    documents = Documents(tokens, offsets, _map(path / DIGESTS, np.uint64, count), labels)
+    digests = _map(path / DIGESTS, np.uint64, count)
+    files = {name: str(path / f"{name}.tokens") for name in fields}
+    documents = Documents(tokens, offsets, digests, labels, tokenizer.vocab_size, files)
     return Store(path, documents, tokenizer, manifest)
 
 
@@ -270,6 +297,7 @@ def _manifest(
     """The manifest of the store written in ``directory`` from ``request``'s inputs."""
     dtype = token_dtype(tokenizer.vocab_size).name
     sha256, tokenizer_files = _files_sha256(tokenizer.files())
+    files = [p for p in sorted(directory.iterdir()) if p.is_file()]
     return {
         "format": FORMAT,
         "version": VERSION,
@@ -282,7 +310,8 @@ def _manifest(
         },
         "documents": documents,
         "fields": {name: {"tokens": count, "dtype": dtype} for name, count in tokens.items()},
-        "files": {p.name: p.stat().st_size for p in sorted(directory.iterdir()) if p.is_file()},
+        "files": {p.name: p.stat().st_size for p in files},
+        "sha256": {p.name: _file_sha256(p) for p in files if p.suffix != ".tokens"},
     }
 
 
@@ -368,6 +397,11 @@ def _check_tokenizer_files(directory: Path, expected: dict[str, Any]) -> None:
             raise ValueError(f"{file}: missing from the store")
         if hashlib.sha256(file.read_bytes()).hexdigest() != info.get("sha256"):
             raise ValueError(f"{file}: not the tokenizer file the store was made with")
+
+
+def _file_sha256(path: Path) -> str:
+    with path.open("rb") as file:
+        return hashlib.file_digest(file, "sha256").hexdigest()
 
 
 def _files_sha256(files: dict[str, bytes]) -> tuple[str, dict[str, dict[str, Any]]]:

@@ -328,8 +328,10 @@ def _checkpoint_model(path: str, values: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(model, Mapping) or not isinstance(data, Mapping):
         raise ConfigError("model and data must be mappings")
     for key in _TOKENIZER_KEYS:
-        # A run's resolved config.yaml repeats the (unused) defaults.
-        if key in data and _plain_json(data[key]) != _plain_json(getattr(DataConfig(), key)):
+        # A run's resolved config.yaml repeats the (unused) defaults, or None (not set: a
+        # prepared store's tokenizer).
+        default = _plain_json(getattr(DataConfig(), key))
+        if key in data and _plain_json(data[key]) not in (None, default):
             raise ConfigError(
                 f"data.{key} cannot be set with init_from: the data are encoded "
                 f"by the tokenizer of {path}"

@@ -94,7 +94,8 @@ HELP = {
     "null: file, or a prepared store's own",
     "data.validation_path": "validation data of data.path's kind, used whole; "
     "null: hold out data.validation_fraction",
-    "data.tokenizer": "byte; char, word or bpe fitted on the data; or sentencepiece",
+    "data.tokenizer": "byte; char, word or bpe fitted on the data; or sentencepiece; "
+    "null: byte, or a prepared store's own",
     "data.tokenizer_path": "a SentencePiece .model file",
     "data.vocab_size": "the BPE vocabulary size (required for bpe), or a cap on word's",
     "data.seq_len": "tokens per row of every [B, seq_len] batch",

@@ -13,6 +13,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
+from flaxformer_lite.data.pipeline import DataConfig
 from flaxformer_lite.models.config import PRESETS, ModelConfig
 
 
@@ -75,7 +76,8 @@ def _default_dict(field: dataclasses.Field) -> dict[str, Any] | None:
     default = field.default
     if field.default_factory is not dataclasses.MISSING:
         default = field.default_factory()
-    if isinstance(default, ModelConfig):  # derived defaults follow the values laid over them
+    # Derived defaults follow the values laid over them.
+    if isinstance(default, (ModelConfig, DataConfig)):
         return default.to_dict(derived=False)
     if dataclasses.is_dataclass(default):
         return dataclasses.asdict(default)
