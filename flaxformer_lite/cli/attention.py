@@ -45,6 +45,7 @@ def attention_main(argv: list[str] | None = None) -> int:
 def _attention(args) -> int:
     from flaxformer_lite.attention_maps import write_text_attention_maps
     from flaxformer_lite.train.restore import load_run
+    from flaxformer_lite.train.run_dir import RunDir
 
     run = load_run(args.run_dir, step=args.step)
     model_cfg = run.config.model
@@ -55,7 +56,7 @@ def _attention(args) -> int:
             f"{args.run_dir}: the self-attention mixer is {model_cfg.mixer}, which has no "
             "attention weights" + ("; --target plots the cross-attention" if seq2seq else "")
         )
-    out = args.out if args.out is not None else args.run_dir / "plots" / "attention"
+    out = args.out if args.out is not None else RunDir(args.run_dir).plots / "attention"
     paths = write_text_attention_maps(
         run.model, run.tokenizer, args.text, out, target=args.target, note=f"step {run.step}"
     )

@@ -23,11 +23,12 @@ def plot_main(argv: list[str] | None = None) -> int:
 
 
 def _plot(run_dir: pathlib.Path) -> int:
-    from flaxformer_lite.train.metrics import METRICS_FILE, plot_run
+    from flaxformer_lite.train.metrics import plot_run
+    from flaxformer_lite.train.run_dir import RunDir
 
     written = plot_run(run_dir)
     if not written:
-        raise ValueError(f"{run_dir / METRICS_FILE}: no metrics logged yet, nothing to plot")
+        raise ValueError(f"{RunDir(run_dir).metrics}: no metrics logged yet, nothing to plot")
     for path in written:
         say(f"wrote {path}")
     return 0

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-METRICS_FILE = "metrics.jsonl"
+from flaxformer_lite.train.run_dir import RunDir
 
 # Dense peak FLOP/s per chip for bf16 matmuls, by jax's device_kind; other devices: n/a.
 PEAK_FLOPS = {
@@ -48,17 +48,17 @@ class MetricsWriter:
     """
 
     def __init__(self, run_dir: pathlib.Path, *, resume_step: int = 0, log=print):
-        self.path = run_dir / METRICS_FILE
+        self.path = RunDir(run_dir).metrics
         if self.path.exists():
             kept = [r for r in _records(self.path, log) if r["step"] <= resume_step]
             # Written aside and renamed: a process killed meanwhile keeps the old file.
-            rewritten = self.path.with_name(METRICS_FILE + ".tmp")
+            rewritten = self.path.with_name(self.path.name + ".tmp")
             with _writing(rewritten):
                 rewritten.write_text("".join(json.dumps(record) + "\n" for record in kept))
             os.replace(rewritten, self.path)
         with _writing(self.path):
             self._file = self.path.open("a")
-        self._events = _Events(run_dir / "tb", purge_step=resume_step + 1)
+        self._events = _Events(RunDir(run_dir).tensorboard, purge_step=resume_step + 1)
 
     def write(self, step: int, values: Mapping[str, float]) -> None:
         record = {"step": step, **{k: _plain(v) for k, v in values.items()}}
@@ -165,7 +165,7 @@ def read_metrics(run_dir: pathlib.Path, log=print) -> list[dict]:
       FileNotFoundError: the run directory has no metrics file.
       ValueError: a line before the last is not a JSON record (naming the file and line).
     """
-    path = pathlib.Path(run_dir) / METRICS_FILE
+    path = RunDir(run_dir).metrics
     if not path.exists():
         raise FileNotFoundError(f"{path}: no metrics file (is {run_dir} a run directory?)")
     return _records(path, log)
@@ -232,7 +232,7 @@ def plot_run(run_dir: pathlib.Path) -> list[pathlib.Path]:
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    plots = pathlib.Path(run_dir) / "plots"
+    plots = RunDir(run_dir).plots
     plots.mkdir(exist_ok=True)
     written = []
     for name, keys in (("loss", ("loss", "eval_loss")), ("learning_rate", ("learning_rate",))):

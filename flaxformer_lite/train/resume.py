@@ -192,6 +192,8 @@ def _changed_settings(saved: TrainConfig, cfg: TrainConfig) -> dict[str, tuple]:
     if schedule_span(saved) == schedule_span(cfg):  # None and the steps it stood for
         diff.pop("optimizer.schedule_steps", None)
     diff.pop("model.vocab_size", None)
+    if cfg.data.source == "prepared" and cfg.data.tokenizer is None:
+        diff.pop("data.tokenizer", None)  # whatever was recorded, the store's own was used
     return {k: v for k, v in diff.items() if not is_runtime_key(k)}
 
 

@@ -70,6 +70,8 @@ def input_changes(recorded: dict[str, Any], current: dict[str, Any]) -> list[str
     before, now = dict(recorded.get("data", {})), current["data"]
     if before.get("source") == "text" and "text_documents" not in before:
         before["text_documents"] = "lines"  # recorded before the setting: a document per line
+    if now.get("source") == "prepared" and now.get("tokenizer") is None:
+        before["tokenizer"] = None  # whatever was recorded, the store's own tokenizer was used
     for key in sorted(before.keys() | now.keys()):
         if before.get(key) != now.get(key):
             lines.append(f"  data.{key}: {before.get(key)!r} -> {now.get(key)!r}")
