@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from flaxformer_lite.data import sources, synthetic
+from flaxformer_lite.data import sources, synthetic, tasks
 from flaxformer_lite.data.features import MASK_ID
 from flaxformer_lite.data.pipeline import DataConfig, build_data
 from flaxformer_lite.data.tokenizers import EOS_ID, SOS_ID, UNK_ID, ByteTokenizer
@@ -588,3 +588,23 @@ def test_packing_by_default_for_language_modelling_only(tmp_path):
         directory=tmp_path / "b",
     )
     assert "segment_ids" not in next(seq2seq.train)
+
+
+@pytest.mark.parametrize(
+    "task, generator, packing",
+    [
+        ("lm", "arithmetic", None),
+        ("lm", "arithmetic", False),
+        ("seq2seq", "number_words", None),
+        ("mlm", "sentiment", None),
+        ("classify", "sentiment", None),
+    ],
+)
+def test_batches_are_as_the_tasks_description_says(tmp_path, task, generator, packing):
+    cfg = DataConfig(task=generator, packing=packing, seq_len=24, train_size=16, eval_size=6)
+    data = build(cfg, tmp_path, task=task)
+    wanted = tasks.batch_shapes(
+        task, packed=tasks.is_packed(task, packing), batch_size=4, seq_len=24
+    )
+    for batch in (next(data.train), next(data.eval_batches())):
+        assert {key: (value.shape, value.dtype) for key, value in batch.items()} == wanted

@@ -7,11 +7,11 @@
 
 Batches are dicts of numpy arrays ``[B, T]`` with ``B = batch_size // process_count`` and
 ``T = seq_len`` (int32 unless noted; ``weights`` float32, 0 exactly at padding; masks bool, False at
-padding; padding ids are ``<pad> = 0``), the formats ``train.step.model_loss`` reads (``<sos>`` and
-``<eos>`` are the tokenizer's ``sos_id`` and ``eos_id``: a Hugging Face checkpoint's tokenizer has
-its own, and padding, marked by weights and masks, stays id 0 even where 0 is a real token, so no
-pad token is needed: GPT-2 has none, and its ``<eos>`` targets keep weight 1). Each task's
-arrays are listed in :mod:`flaxformer_lite.data.features`.
+padding; padding ids are ``<pad> = 0``), each task's arrays as :mod:`flaxformer_lite.data.tasks`
+describes them (``<sos>`` and ``<eos>`` are the tokenizer's ``sos_id`` and ``eos_id``: a Hugging
+Face checkpoint's tokenizer has its own, and padding, marked by weights and masks, stays id 0 even
+where 0 is a real token, so no pad token is needed: GPT-2 has none, and its ``<eos>`` targets keep
+weight 1).
 
 Every source first becomes tokenized :class:`~flaxformer_lite.data.documents.Documents` with a
 tokenizer and a validation split; one path then batches them
@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from flaxformer_lite.data import sources, synthetic, tokenizers
+from flaxformer_lite.data import sources, synthetic, tasks, tokenizers
 from flaxformer_lite.data.batches import (
     Layout,
     TrainBatches,
@@ -67,7 +67,6 @@ from flaxformer_lite.data.tokenizers import NUM_SPECIAL, Tokenizer
 
 SOURCES = ("synthetic", "text", "jsonl", "parallel", "prepared")
 TOKENIZERS = ("byte", "char", "word", "bpe", "sentencepiece")
-TASKS = ("lm", "seq2seq", "mlm", "classify")  # as train.step.TASKS (data may not import train)
 LM_ROWS = ("documents", "windows")
 # A text, jsonl or parallel source is prepared into a store under this sibling of the run's
 # tokenizer directory, one per source (another source in the same run directory gets its own).
@@ -256,7 +255,7 @@ def build_data(
 
     Args:
       cfg: the data config.
-      task: ``lm``, ``seq2seq``, ``mlm`` or ``classify`` (``train.step.task_of``).
+      task: one of :data:`~flaxformer_lite.data.tasks.TASKS` (``train.step.task_of``).
       seed: shuffles the training stream (and, with it, the synthetic data and MLM masking).
       batch_size: the global batch size; each process gets ``batch_size // process_count`` rows.
       directory: where the tokenizer is saved. A tokenizer already saved there is loaded
@@ -275,8 +274,7 @@ def build_data(
         tokenizer of another kind, or bad data (the message names the file).
       FileNotFoundError: a missing data or tokenizer file.
     """
-    if task not in TASKS:
-        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    tasks.check_task(task)
     if not 0 <= process_index < process_count:
         raise ValueError(f"process_index {process_index} is not in [0, {process_count})")
     if batch_size < 1 or batch_size % process_count:
@@ -290,7 +288,7 @@ def build_data(
         raise ValueError(
             f"data.packing=true and data.lm_rows apply to task 'lm' only, not {task!r}"
         )
-    packing = task == "lm" if cfg.packing is None else cfg.packing
+    packing = tasks.is_packed(task, cfg.packing)
     _check_fits(cfg, task)
     save = process_index == 0 if save_tokenizer is None else save_tokenizer
     tokenizer, corpus = _load(cfg, task, seed, Path(directory), save=save, given=tokenizer)
