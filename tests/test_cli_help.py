@@ -104,3 +104,12 @@ def test_train_py_show_config_equals_the_config_command(capsys):
 def test_show_config_with_a_bad_key_exits_2_naming_it(capsys):
     assert train_main(["--show-config", "train.stepz=3"]) == 2
     assert "train.steps" in capsys.readouterr().err
+
+
+def test_the_old_data_task_key_gives_one_line_naming_the_new_one(capsys):
+    assert main(["config", "data.task=reverse"]) == 0
+    out, err = capsys.readouterr()
+    assert err.splitlines() == [
+        "notice: data.task=reverse: data.task is now data.generator (read as data.generator)"
+    ]
+    assert load_config(None, ["data.generator=reverse"]) == config_from_dict(yaml.safe_load(out))

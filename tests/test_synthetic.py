@@ -399,13 +399,13 @@ def test_whole_chunks_of_validation_and_train_share_no_input(name):
     assert (valid.digests < np.uint64(int(syn.VALIDATION_FRACTION * 2**64))).all()
 
 
-def test_task_options_come_from_the_data_config_and_bad_ones_are_named():
+def test_generator_options_come_from_the_data_config_and_bad_ones_are_named():
     from flaxformer_lite.train.config import ConfigError, load_config
 
-    options = ["data.task_options.max_digits=2", "data.task_options.fixed_width=true"]
+    options = ["data.generator_options.max_digits=2", "data.generator_options.fixed_width=true"]
     cfg = load_config(None, options)
-    assert cfg.data.task_options["max_digits"] == 2
-    with pytest.raises(ConfigError, match="data.task_options.*max_digit.*valid options"):
-        load_config(None, ["data.task_options.max_digit=2"])
-    with pytest.raises(ConfigError, match="data.task_options.*max_length"):
-        load_config(None, ["data.task=reverse", "data.task_options.max_length=0"])
+    assert cfg.data.generator_options["max_digits"] == 2
+    with pytest.raises(ConfigError, match="data.generator_options.*max_digit.*valid options"):
+        load_config(None, ["data.generator_options.max_digit=2"])
+    with pytest.raises(ConfigError, match="data.generator_options.*max_length"):
+        load_config(None, ["data.generator=reverse", "data.generator_options.max_length=0"])

@@ -74,13 +74,13 @@ PREPARED_DIR = "prepared"
 # Fitted tokenizers see all training records of a file source, or this many synthetic examples.
 FIT_EXAMPLES = 20_000
 
-_TEXT = "text (data.source text or jsonl, or a synthetic lm task)"
+_TEXT = "text (data.source text or jsonl, or a synthetic lm generator)"
 # The kinds of records each model task trains on, and how to say so.
 _NEEDS = {
     "lm": (("lm", "classification"), _TEXT),
     "mlm": (("lm", "classification"), _TEXT),
     "seq2seq": (("seq2seq",), "source/target pairs (data.source parallel, or number_words)"),
-    "classify": (("classification",), "labelled text (the synthetic sentiment task)"),
+    "classify": (("classification",), "labelled text (data.generator sentiment)"),
 }
 
 
@@ -89,13 +89,15 @@ class DataConfig:
     """Where the data comes from and how it becomes batches.
 
     Attributes:
-      source: ``synthetic`` (the built-in ``task``), ``text`` (``path`` a glob of text files, or
-        ``builtin:tinyshakespeare``; documents as ``text_documents`` says), ``jsonl`` (``path``
-        a glob of JSONL files, the text in ``field``), ``parallel`` (``path`` a TSV file or
-        ``"src_file,tgt_file"``) or ``prepared`` (``path`` a store from ``prepare``).
-      task: synthetic task name (``synthetic.TASKS``), used when ``source`` is ``synthetic``.
-      task_options: the synthetic task's own options (``data.task_options.max_digits=4``; see
-        its class in :mod:`~flaxformer_lite.data.synthetic`); empty: the task's defaults.
+      source: ``synthetic`` (made by ``generator``), ``text`` (``path`` a glob of text files,
+        or ``builtin:tinyshakespeare``; documents as ``text_documents`` says), ``jsonl``
+        (``path`` a glob of JSONL files, the text in ``field``), ``parallel`` (``path`` a TSV
+        file or ``"src_file,tgt_file"``) or ``prepared`` (``path`` a store from ``prepare``).
+      generator: the synthetic data's generator (``synthetic.TASKS``: ``arithmetic``,
+        ``reverse``, ``number_words``, ``sentiment``), used when ``source`` is ``synthetic``.
+        The config's old name for it, ``data.task``, is still read.
+      generator_options: the generator's own options (``data.generator_options.max_digits=4``;
+        see its class in :mod:`~flaxformer_lite.data.synthetic`); empty: its defaults.
       path: the files of a non-synthetic source.
       field: the JSONL field that holds the text.
       text_documents: how a text file becomes documents: ``file`` (whole, line breaks and blank
@@ -116,15 +118,15 @@ class DataConfig:
         documents end to end, cut into rows: no padding; a document may continue in the next
         row, as a new segment).
       validation_fraction: share of a file source held out for validation: of its documents,
-        or the tail of each ``file`` document (synthetic tasks have their own split).
+        or the tail of each ``file`` document (synthetic generators have their own split).
       mlm_probability: share of an ``mlm`` example's tokens to predict.
       train_size: at most this many training examples (None: all; synthetic: 1,000,000).
       eval_size: at most this many validation examples (None: all; synthetic: 1,000).
     """
 
     source: str = "synthetic"
-    task: str = "arithmetic"
-    task_options: dict[str, int | bool] = dataclasses.field(default_factory=dict)
+    generator: str = "arithmetic"
+    generator_options: dict[str, int | bool] = dataclasses.field(default_factory=dict)
     path: str | None = None
     field: str = "text"
     text_documents: str | None = None
@@ -145,11 +147,11 @@ class DataConfig:
         _check_choice("lm_rows", self.lm_rows, LM_ROWS)
         _check_choice("tokenizer", self.tokenizer, TOKENIZERS)
         if self.source == "synthetic":
-            _check_choice("task", self.task, tuple(synthetic.TASKS))
+            _check_choice("generator", self.generator, tuple(synthetic.TASKS))
             try:
-                synthetic.make_task(self.task, size=1, **self.task_options)
+                synthetic.make_task(self.generator, size=1, **self.generator_options)
             except ValueError as error:
-                raise ValueError(f"data.task_options: {error}") from None
+                raise ValueError(f"data.generator_options: {error}") from None
         elif not self.path:
             raise ValueError(f"data.path is required with data.source={self.source!r}")
         if self.text_documents is not None:
@@ -161,7 +163,7 @@ class DataConfig:
                 )
         if self.validation_path is not None and self.source == "synthetic":
             raise ValueError(
-                "data.validation_path needs a file source: synthetic tasks have "
+                "data.validation_path needs a file source: synthetic generators have "
                 "their own validation split"
             )
         if self.tokenizer == "sentencepiece" and not self.tokenizer_path:
@@ -357,8 +359,8 @@ def _truncation_notice(
 
 def _check_fits(cfg: DataConfig, task: str) -> None:
     if cfg.source == "synthetic":
-        kind = synthetic.TASKS[cfg.task].kind
-        given = f"data.task={cfg.task!r} ({kind} examples)"
+        kind = synthetic.TASKS[cfg.generator].kind
+        given = f"data.generator={cfg.generator!r} ({kind} examples)"
     elif cfg.source == "prepared":  # checked against the store's manifest once it is open
         return
     else:
@@ -378,12 +380,12 @@ def _load(
 ) -> tuple[Tokenizer, Corpus]:
     """The tokenizer and the source tokenized, with its validation split."""
     if cfg.source == "synthetic":
-        options = cfg.task_options
+        options = cfg.generator_options
         train = synthetic.make_task(
-            cfg.task, split="train", seed=seed, size=cfg.train_size, **options
+            cfg.generator, split="train", seed=seed, size=cfg.train_size, **options
         )
         valid = synthetic.make_task(
-            cfg.task, split="validation", seed=seed, size=cfg.eval_size, **options
+            cfg.generator, split="validation", seed=seed, size=cfg.eval_size, **options
         )
         fit = [train[i] for i in range(min(len(train), FIT_EXAMPLES))]
         tokenizer = _tokenizer(cfg, fit, directory, save=save, given=given)

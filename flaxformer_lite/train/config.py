@@ -19,7 +19,7 @@ import json
 import pathlib
 import re
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import yaml
@@ -195,11 +195,20 @@ RUNTIME_KEYS = (
     "distributed.",
 )
 
+# Keys renamed since runs saved their configs: old dotted key -> new, in the same section. An
+# old key is read as its new name wherever it appears (a config file, an override, an older
+# run's config.yaml or checkpoint), so an older run resumes without a difference.
+RENAMED_KEYS = {"data.task": "data.generator", "data.task_options": "data.generator_options"}
+
 
 def load_config(
-    path: str | pathlib.Path | None = None, overrides: Sequence[str] = ()
+    path: str | pathlib.Path | None = None,
+    overrides: Sequence[str] = (),
+    notify: Callable[[str], None] | None = None,
 ) -> TrainConfig:
-    """The config of a YAML file (or the defaults) with ``key=value`` overrides applied.
+    """The config of a YAML file (or the defaults) with ``key=value`` overrides applied;
+    ``notify`` gets a line for each old key name (:data:`RENAMED_KEYS`) the file or an override
+    uses.
 
     Raises:
       ConfigError: a missing or malformed file, an unknown key (with the closest valid key), a
@@ -224,12 +233,12 @@ def load_config(
             raise ConfigError(
                 f"config file {path} must hold a mapping, got {type(loaded).__name__}"
             )
-        values = loaded or {}
+        values = renamed_keys(loaded or {}, f"config file {path}", notify)
     for override in overrides:
         key, sep, raw = override.partition("=")
         if not sep or not key:
             raise ConfigError(f"overrides are key=value, got {override!r}")
-        _set_dotted(values, key.strip(), OverrideText(raw))
+        _set_dotted(values, _renamed_key(key.strip(), override, notify), OverrideText(raw))
     init_from = values.get("init_from")
     if isinstance(init_from, OverrideText) and init_from.strip().lower() in ("", "none", "null"):
         init_from = values["init_from"] = None
@@ -276,9 +285,10 @@ def _yaml_line(error: yaml.YAMLError) -> str:
 
 
 def config_from_dict(values: Mapping[str, Any]) -> TrainConfig:
-    """A :class:`TrainConfig` from nested plain values, checked key by key."""
+    """A :class:`TrainConfig` from nested plain values, checked key by key; old key names
+    (:data:`RENAMED_KEYS`, as older runs saved them) are read as their new ones."""
     try:
-        return build(TrainConfig, values, "")
+        return build(TrainConfig, renamed_keys(values, "the config"), "")
     except UnknownKeyError as error:
         close = difflib.get_close_matches(error.key, valid_keys(), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -293,6 +303,48 @@ def config_diff(old: TrainConfig, new: TrainConfig) -> dict[str, tuple[Any, Any]
         for key in sorted(old_flat.keys() | new_flat.keys())
         if old_flat.get(key) != new_flat.get(key)
     }
+
+
+def renamed_keys(
+    values: Mapping[str, Any], where: str, notify: Callable[[str], None] | None = None
+) -> dict[str, Any]:
+    """Nested ``values`` with each old key of :data:`RENAMED_KEYS` under its new name (the
+    sections on the way copied, ``values`` left as it is); ``notify`` gets a line for each.
+
+    Raises:
+      ConfigError: an old key and its new name both given.
+    """
+    values = dict(values)
+    for old, new in RENAMED_KEYS.items():
+        *sections, old_name = old.split(".")
+        new_name = new.rpartition(".")[2]
+        node = values
+        for section in sections:
+            if not isinstance(node.get(section), Mapping):
+                break
+            node[section] = node = dict(node[section])
+        else:
+            if old_name not in node:
+                continue
+            if new_name in node:
+                raise ConfigError(
+                    f"{where}: {old} and {new} are one setting ({old} is its old name): "
+                    f"give only {new}"
+                )
+            node[new_name] = node.pop(old_name)
+            if notify is not None:
+                notify(f"{where}: {old} is now {new} (read as {new})")
+    return values
+
+
+def _renamed_key(key: str, override: str, notify: Callable[[str], None] | None) -> str:
+    """The dotted ``key`` of ``override`` with an old name (:data:`RENAMED_KEYS`) replaced."""
+    for old, new in RENAMED_KEYS.items():
+        if key == old or key.startswith(old + "."):
+            if notify is not None:
+                notify(f"{override}: {old} is now {new} (read as {new})")
+            return new + key[len(old) :]
+    return key
 
 
 def is_runtime_key(key: str) -> bool:

@@ -84,9 +84,10 @@ HELP = {
     "model.global_tokens": "with local_window: the first N positions see and are seen by all",
     "model.mixer": "self-attention's mixer: attention, aft_full, aft_local or aft_simple (AFT)",
     "model.aft_window": "aft_local: its pairwise bias counts within this many positions",
-    "data.source": "synthetic (a built-in task), text, jsonl, parallel or prepared (a store)",
-    "data.task": "the synthetic task: arithmetic, reverse, number_words or sentiment",
-    "data.task_options": "the synthetic task's options, e.g. {max_digits: 4}; {}: its defaults",
+    "data.source": "synthetic (a built-in generator), text, jsonl, parallel or prepared (a store)",
+    "data.generator": "the synthetic data: arithmetic, reverse, number_words or sentiment "
+    "(old name: data.task)",
+    "data.generator_options": "the generator's options, e.g. {max_digits: 4}; {}: its defaults",
     "data.path": "the files of a text, jsonl or parallel source (or builtin:tinyshakespeare), "
     "or a prepared store",
     "data.field": "the JSONL field that holds the text",
