@@ -1,4 +1,4 @@
-"""Data sources and Grain pipelines: records, batch formats, packing, sharding and resumption."""
+"""Data sources and the pipeline: records, batch formats, packing, sharding and resumption."""
 
 import dataclasses
 import json

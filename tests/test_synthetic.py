@@ -351,13 +351,6 @@ def test_a_domain_too_small_for_a_split_fails_at_construction():
     assert failures == [s for s in syn.SPLITS if s != syn.split_of("zero")]
 
 
-def test_grain_wraps_a_task_as_a_random_access_source():
-    grain = pytest.importorskip("grain")
-    task = syn.make_task("number_words", size=8, seed=5)
-    dataset = grain.MapDataset.source(task)
-    assert len(dataset) == 8 and [dataset[i] for i in range(8)] == [task[i] for i in range(8)]
-
-
 # --- documents: every example tokenized at once ---------------------------------------------
 
 

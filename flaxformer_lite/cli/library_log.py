@@ -12,7 +12,7 @@ import logging
 import pathlib
 
 LIBRARY_LOG = "library.log"
-LIBRARY_LOGGERS = ("absl", "asyncio", "py.warnings", "jax", "orbax", "grain", "tensorstore")
+LIBRARY_LOGGERS = ("absl", "asyncio", "py.warnings", "jax", "orbax", "tensorstore")
 
 
 def library_log_to(path: pathlib.Path | None) -> None:

@@ -4,9 +4,9 @@ A task is a random-access sequence of plain-text examples, generated in NumPy ma
 ``task[i]`` (the same as ``task.example(i)``) is a pure function of ``(seed, split, i)``: example
 ``i`` is number ``i % CHUNK`` of chunk ``i // CHUNK``, and a chunk is drawn from its own generator
 ``numpy.random.default_rng([seed, split_id, chunk])``, so a resumed run sees exactly the examples
-it would have seen, call order does not matter, and ``grain.MapDataset.source(task)`` wraps a
-task as it is. Records hold text, never token ids, so any tokenizer fits; ``task.documents
-(tokenizer)`` tokenizes all of them at once (:class:`~flaxformer_lite.data.documents.Documents`).
+it would have seen and call order does not matter. Records hold text, never token ids, so any
+tokenizer fits; ``task.documents(tokenizer)`` tokenizes all of them at once
+(:class:`~flaxformer_lite.data.documents.Documents`).
 Record keys by ``Task.kind``:
 
 - ``"lm"`` (``arithmetic``, ``reverse``): ``{"text": "123+045=8610"}``, a prompt ending at the
