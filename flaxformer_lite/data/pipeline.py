@@ -64,6 +64,7 @@ from flaxformer_lite.data.store import (
     text_documents,
 )
 from flaxformer_lite.data.tokenizers import NUM_SPECIAL, Tokenizer
+from flaxformer_lite.settings import setting
 
 SOURCES = ("synthetic", "text", "jsonl", "parallel", "prepared")
 TOKENIZERS = ("byte", "char", "word", "bpe", "sentencepiece")
@@ -86,61 +87,70 @@ _NEEDS = {
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """Where the data comes from and how it becomes batches.
-
-    Attributes:
-      source: ``synthetic`` (made by ``generator``), ``text`` (``path`` a glob of text files,
-        or ``builtin:tinyshakespeare``; documents as ``text_documents`` says), ``jsonl``
-        (``path`` a glob of JSONL files, the text in ``field``), ``parallel`` (``path`` a TSV
-        file or ``"src_file,tgt_file"``) or ``prepared`` (``path`` a store from ``prepare``).
-      generator: the synthetic data's generator (``synthetic.TASKS``: ``arithmetic``,
-        ``reverse``, ``number_words``, ``sentiment``), used when ``source`` is ``synthetic``.
-        The config's old name for it, ``data.task``, is still read.
-      generator_options: the generator's own options (``data.generator_options.max_digits=4``;
-        see its class in :mod:`~flaxformer_lite.data.synthetic`); empty: its defaults.
-      path: the files of a non-synthetic source.
-      field: the JSONL field that holds the text.
-      text_documents: how a text file becomes documents: ``file`` (whole, line breaks and blank
-        lines kept), ``paragraphs`` (runs of non-blank lines) or ``lines`` (each non-blank
-        line); None: ``file``, or for a prepared store what it was prepared with.
-      validation_path: the validation data, of the same kind as ``path`` (files, or a prepared
-        store), used whole; None: hold out ``validation_fraction`` of ``path``.
-      tokenizer: ``byte``; ``char``, ``word`` or ``bpe`` fitted on the training texts; or
-        ``sentencepiece`` loaded from ``tokenizer_path``.
-      tokenizer_path: a SentencePiece ``.model`` file.
-      vocab_size: the BPE target size (required, >= 260), or a cap on a word vocabulary.
-      seq_len: tokens per row of every ``[B, seq_len]`` array; a longer ``lm`` document goes on
-        in the next piece, a longer example of another task is cut (the run says how much).
-      packing: pack several documents into each training row (``lm`` only); None (the default)
-        packs for ``lm`` and pads for the other tasks (one document per row).
-      lm_rows: how ``lm`` rows are packed: ``documents`` (documents in pieces of at most
-        ``seq_len``, next-fit; a document that fits a row is never cut) or ``windows`` (all
-        documents end to end, cut into rows: no padding; a document may continue in the next
-        row, as a new segment).
-      validation_fraction: share of a file source held out for validation: of its documents,
-        or the tail of each ``file`` document (synthetic generators have their own split).
-      mlm_probability: share of an ``mlm`` example's tokens to predict.
-      train_size: at most this many training examples (None: all; synthetic: 1,000,000).
-      eval_size: at most this many validation examples (None: all; synthetic: 1,000).
+    """Where the data comes from and how it becomes batches; each field's help is beside it.
+    A ``generator``'s options are the fields of its class in :mod:`~flaxformer_lite.data.synthetic`.
     """
 
-    source: str = "synthetic"
-    generator: str = "arithmetic"
-    generator_options: dict[str, int | bool] = dataclasses.field(default_factory=dict)
-    path: str | None = None
-    field: str = "text"
-    text_documents: str | None = None
-    validation_path: str | None = None
-    tokenizer: str = "byte"
-    tokenizer_path: str | None = None
-    vocab_size: int | None = None
-    seq_len: int = 64
-    packing: bool | None = None
-    lm_rows: str = "documents"
-    validation_fraction: float = 0.1
-    mlm_probability: float = 0.15
-    train_size: int | None = None
-    eval_size: int | None = None
+    source: str = setting(
+        "synthetic",
+        help="synthetic (made by data.generator), text, jsonl, parallel or prepared (a store)",
+    )
+    generator: str = setting(
+        "arithmetic",
+        help="the synthetic data: arithmetic, reverse, number_words or sentiment (old name: "
+        "data.task)",
+    )
+    generator_options: dict[str, int | bool] = setting(
+        factory=dict, help="the generator's options, e.g. {max_digits: 4}; {}: its defaults"
+    )
+    path: str | None = setting(
+        None,
+        help="a glob of text (or builtin:tinyshakespeare) or jsonl files, a TSV file or "
+        "src_file,tgt_file (parallel), or a prepared store",
+    )
+    field: str = setting("text", help="the JSONL field that holds the text")
+    text_documents: str | None = setting(
+        None,
+        help="a text file's documents: file (whole, line breaks kept), paragraphs (runs of "
+        "non-blank lines) or lines; null: file, or a prepared store's own",
+    )
+    validation_path: str | None = setting(
+        None,
+        help="validation data of data.path's kind, used whole; null: hold out "
+        "data.validation_fraction",
+    )
+    tokenizer: str = setting(
+        "byte", help="byte; char, word or bpe fitted on the data; or sentencepiece"
+    )
+    tokenizer_path: str | None = setting(None, help="a SentencePiece .model file")
+    vocab_size: int | None = setting(
+        None, help="the BPE vocabulary size (required for bpe, >= 260), or a cap on word's"
+    )
+    seq_len: int = setting(
+        64,
+        help="tokens per row of every [B, seq_len] batch; a longer lm document goes on in the next "
+        "row, a longer example of another task is cut (the run says how much)",
+    )
+    packing: bool | None = setting(
+        None, help="pack several documents into each row (LM); null: pack LM, pad others"
+    )
+    lm_rows: str = setting(
+        "documents",
+        help="lm rows: documents (in pieces of at most seq_len, packed next-fit) or windows (all "
+        "documents end to end, cut into rows)",
+    )
+    validation_fraction: float = setting(
+        0.1,
+        help="share held out for validation: of the documents, or each whole file's tail "
+        "(synthetic data have their own split)",
+    )
+    mlm_probability: float = setting(0.15, help="share of an MLM example's tokens to predict")
+    train_size: int | None = setting(
+        None, help="at most this many training examples; null: all (synthetic: 1,000,000)"
+    )
+    eval_size: int | None = setting(
+        None, help="at most this many validation examples; null: all (synthetic: 1,000)"
+    )
 
     def __post_init__(self):
         _check_choice("source", self.source, SOURCES)
