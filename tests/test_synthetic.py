@@ -16,17 +16,17 @@ NAMES = sorted(syn.TASKS)
 
 def _key(task, record):
     """The input a record is judged on: what must never cross from validation into train."""
-    if task.kind == "lm":
+    if task.records == "lm":
         return syn.split_prompt(record["text"])[0]
-    if task.kind == "seq2seq":
+    if task.records == "seq2seq":
         return record["source"]
     return record["text"]
 
 
 def _reference(task, record):
-    if task.kind == "lm":
+    if task.records == "lm":
         return syn.split_prompt(record["text"])[1]
-    if task.kind == "seq2seq":
+    if task.records == "seq2seq":
         return record["target"]
     return record["label"]
 
@@ -106,7 +106,7 @@ def test_records_hold_the_documented_keys():
         task = syn.make_task(name)
         for i in range(20):
             record = task[i]
-            assert {k: type(v) for k, v in record.items()} == expected[task.kind], name
+            assert {k: type(v) for k, v in record.items()} == expected[task.records], name
 
 
 def test_arithmetic_answers_are_correct():
@@ -267,7 +267,7 @@ def test_score(name):
     task = syn.make_task(name, split="validation", size=10)
     examples = [task[i] for i in range(len(task))]
     right = [_reference(task, e) for e in examples]
-    if task.kind == "classification":
+    if task.records == "classification":
         wrong = [(label + 1) % len(syn.LABELS) for label in right]
     else:
         wrong = [answer + "1" for answer in right]
@@ -365,7 +365,7 @@ def test_documents_hold_the_records_tokenized_across_chunks(name):
         record = task[i]
         for field in documents.fields:
             assert tokenizer.decode(documents.document(field, i)) == record[field]
-        if task.kind == "classification":
+        if task.records == "classification":
             assert documents.labels[i] == record["label"]
     # The digests are the hashes that assigned each input to this split.
     keys = [_key(task, task[i]) for i in range(50)]

@@ -76,7 +76,7 @@ PREPARED_DIR = "prepared"
 FIT_EXAMPLES = 20_000
 
 _TEXT = "text (data.source text or jsonl, or a synthetic lm generator)"
-# The kinds of records each model task trains on, and how to say so.
+# The types of records each task trains on, and how to say so.
 _NEEDS = {
     "lm": (("lm", "classification"), _TEXT),
     "mlm": (("lm", "classification"), _TEXT),
@@ -369,19 +369,19 @@ def _truncation_notice(
 
 def _check_fits(cfg: DataConfig, task: str) -> None:
     if cfg.source == "synthetic":
-        kind = synthetic.TASKS[cfg.generator].kind
-        given = f"data.generator={cfg.generator!r} ({kind} examples)"
+        records = synthetic.TASKS[cfg.generator].records
+        given = f"data.generator={cfg.generator!r} ({records} examples)"
     elif cfg.source == "prepared":  # checked against the store's manifest once it is open
         return
     else:
-        kind = "seq2seq" if cfg.source == "parallel" else "lm"
+        records = "seq2seq" if cfg.source == "parallel" else "lm"
         given = f"data.source={cfg.source!r}"
-    _check_kind(kind, given, task)
+    _check_records(records, given, task)
 
 
-def _check_kind(kind: str, given: str, task: str) -> None:
-    kinds, needs = _NEEDS[task]
-    if kind not in kinds:
+def _check_records(records: str, given: str, task: str) -> None:
+    wanted, needs = _NEEDS[task]
+    if records not in wanted:
         raise ValueError(f"task {task!r} cannot train on {given}: it needs {needs}")
 
 
@@ -419,7 +419,8 @@ def _load_store(
     _check_sources(cfg)
     saved = _saved_tokenizer(cfg, directory, given)
     store = _run_store(cfg, directory, saved or given)
-    _check_kind(kind_of(store), f"the store {store.path} ({kind_of(store)} documents)", task)
+    records = records_of(store)
+    _check_records(records, f"the store {store.path} ({records} documents)", task)
     valid_store = None if cfg.validation_path is None else _validation_store(cfg, directory, store)
     if save and saved is None:
         store.tokenizer.save(directory)
@@ -558,8 +559,8 @@ def _cache_dir(cfg: DataConfig, path: str, directory: Path) -> Path:
     return directory.parent / PREPARED_DIR / name
 
 
-def kind_of(store) -> str:
-    """``"seq2seq"`` for a store of source/target pairs, else ``"lm"``."""
+def records_of(store) -> str:
+    """The type of records of a store: ``"seq2seq"`` for source/target pairs, else ``"lm"``."""
     return "seq2seq" if store.manifest["source"]["kind"] == "parallel" else "lm"
 
 
