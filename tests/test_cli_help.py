@@ -4,6 +4,7 @@ one flag style with the old underscore spellings as aliases, and ``--show-config
 
 import dataclasses
 import re
+import typing
 
 import pytest
 import yaml
@@ -12,8 +13,9 @@ from flaxformer_lite.cli import COMMANDS, main
 from flaxformer_lite.cli import generate as generate_cli
 from flaxformer_lite.cli.attention import attention_parser
 from flaxformer_lite.cli.train import train_main
+from flaxformer_lite.settings import help_of, setting
 from flaxformer_lite.train.config import TrainConfig, config_from_dict, load_config
-from flaxformer_lite.train.config_help import HELP, annotated_yaml, leaf_keys, type_name
+from flaxformer_lite.train.config_help import annotated_yaml, help_lines, leaf_keys, type_name
 
 REPO_CONFIGS = ["configs/default.yaml", "configs/transformer_tiny.yaml", "configs/bert_tiny.yaml"]
 
@@ -71,14 +73,13 @@ def test_show_config_of_the_defaults_loads_back_as_the_defaults(capsys):
 def test_show_config_has_every_key_with_its_type_default_and_help(capsys):
     assert main(["config", "train.steps=7", "optimizer.lr=0.01"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    defaults = TrainConfig()
+    defaults, helps = TrainConfig(), help_lines()
     for key, annotation in leaf_keys().items():
         *section, name = key.split(".")
         at = [i for i, line in enumerate(lines) if line.strip().startswith(f"{name}:")]
         comments = [lines[i - 1].strip() for i in at]
         wanted = f"# {type_name(annotation)}, default "
-        assert any(c.startswith(wanted) and c.endswith(HELP[key]) for c in comments), key
-    assert sorted(HELP) == sorted(leaf_keys())
+        assert any(c.startswith(wanted) and c.endswith(helps[key]) for c in comments), key
     shown = config_from_dict(yaml.safe_load("\n".join(lines)))
     assert shown == dataclasses.replace(
         defaults,
@@ -104,3 +105,36 @@ def test_train_py_show_config_equals_the_config_command(capsys):
 def test_show_config_with_a_bad_key_exits_2_naming_it(capsys):
     assert train_main(["--show-config", "train.stepz=3"]) == 2
     assert "train.steps" in capsys.readouterr().err
+
+
+def test_the_old_data_task_key_gives_one_line_naming_the_new_one(capsys):
+    assert main(["config", "data.task=reverse"]) == 0
+    out, err = capsys.readouterr()
+    assert err.splitlines() == [
+        "notice: data.task=reverse: data.task is now data.generator (read as data.generator)"
+    ]
+    assert load_config(None, ["data.generator=reverse"]) == config_from_dict(yaml.safe_load(out))
+
+
+def test_every_config_field_has_its_help_beside_it():
+    """Each field of each section, nested ones too, declares its help (settings.setting): a
+    field added without it fails here."""
+
+    def fields(cls, prefix=""):
+        hints = typing.get_type_hints(cls)
+        for field in dataclasses.fields(cls):
+            yield prefix + field.name, field
+            if dataclasses.is_dataclass(hints[field.name]):
+                yield from fields(hints[field.name], f"{prefix}{field.name}.")
+
+    missing = [key for key, field in fields(TrainConfig) if not help_of(field)]
+    assert not missing, f"config fields without help: {missing}"
+    assert set(help_lines()) == {key for key, _ in fields(TrainConfig)}
+
+    @dataclasses.dataclass(frozen=True)
+    class Section:
+        kept: int = setting(1, help="a field with its help")
+        added: int = 2
+
+    with pytest.raises(TypeError, match="config key added has no help"):
+        help_lines(Section)

@@ -66,6 +66,14 @@ def test_differing_settings_and_tokens_per_step(two_runs):
     assert [run.tokens_per_step for run in runs] == [32 * 64, 64 * 64]
 
 
+def test_a_run_saved_with_the_old_data_task_key_compares_by_the_new_name(two_runs):
+    old = yaml.safe_load((two_runs[0] / "config.yaml").read_text())
+    data = old["data"]
+    data["task"], data["task_options"] = data.pop("generator"), data.pop("generator_options")
+    (two_runs[0] / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
+    assert set(differing_settings(load_runs(two_runs))) == {"optimizer.lr", "train.batch_size"}
+
+
 def test_several_metrics_in_one_flag_and_repeated(two_runs, tmp_path):
     a, b = two_runs
     out = tmp_path / "c.png"

@@ -12,8 +12,16 @@ import jax
 import pytest
 from subprocess_env import subprocess_env
 
-from flaxformer_lite.aot import TopologyError, collective_counts, parse_topology, topology
+from flaxformer_lite.aot import (
+    TopologyError,
+    abstract_batch,
+    collective_counts,
+    parse_topology,
+    topology,
+)
 from flaxformer_lite.cli import main
+from flaxformer_lite.data import tasks
+from flaxformer_lite.train.config import load_config
 
 TINY = ["train.batch_size=8", "data.seq_len=16"]
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
@@ -105,6 +113,23 @@ def test_the_train_step_compiles_for_h100s_without_a_gpu(tmp_path):
 def test_unknown_topologies_are_refused(name):
     with pytest.raises(TopologyError, match="topology"):
         parse_topology(name)
+
+
+@pytest.mark.parametrize(
+    "config, overrides, task, packed",
+    [
+        (None, [], "lm", True),
+        (None, ["data.packing=false"], "lm", False),
+        ("transformer_tiny.yaml", [], "seq2seq", False),
+        ("bert_tiny.yaml", ["model.num_classes=null"], "mlm", False),
+        ("bert_tiny.yaml", [], "classify", False),
+    ],
+)
+def test_the_abstract_batch_is_the_tasks_description(config, overrides, task, packed):
+    cfg = load_config(config and CONFIGS / config, [*TINY, *overrides])
+    batch = abstract_batch(cfg, None)
+    wanted = tasks.batch_shapes(task, packed=packed, batch_size=8, seq_len=16)
+    assert {key: (array.shape, array.dtype) for key, array in batch.items()} == wanted
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,7 @@ from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.loop import run
 
 SHORT = [
-    "data.task_options.max_digits=2",
+    "data.generator_options.max_digits=2",
     "train.steps=400",
     "train.eval_every=100",
     "train.log_every=50",

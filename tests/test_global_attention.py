@@ -245,7 +245,7 @@ def test_the_local_global_ablation_config_loads():
 
     config = load_config("configs/ablations/local_global.yaml")
     assert (config.model.local_window, config.model.global_tokens) == ((8, 0), 4)
-    assert config.data.task == "arithmetic"
+    assert config.data.generator == "arithmetic"
 
 
 def test_global_tokens_refuse_packed_rows_and_hugging_face_export(tmp_path):

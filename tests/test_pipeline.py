@@ -1,4 +1,4 @@
-"""Data sources and Grain pipelines: records, batch formats, packing, sharding and resumption."""
+"""Data sources and the pipeline: records, batch formats, packing, sharding and resumption."""
 
 import dataclasses
 import json
@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from flaxformer_lite.data import sources, synthetic
+from flaxformer_lite.data import sources, synthetic, tasks
 from flaxformer_lite.data.features import MASK_ID
 from flaxformer_lite.data.pipeline import DataConfig, build_data
 from flaxformer_lite.data.tokenizers import EOS_ID, SOS_ID, UNK_ID, ByteTokenizer
@@ -170,7 +170,7 @@ def test_a_glob_without_matches_and_misaligned_parallel_files_are_errors(tmp_pat
     "kwargs, key",
     [
         ({"source": "csv"}, "data.source"),
-        ({"task": "chess"}, "data.task"),
+        ({"generator": "chess"}, "data.generator"),
         ({"source": "text"}, "data.path"),
         ({"tokenizer": "bpe"}, "data.vocab_size"),
         ({"tokenizer": "bpe", "vocab_size": 100}, "data.vocab_size"),
@@ -198,9 +198,9 @@ def test_config_rejects_bad_values_naming_the_key(kwargs, key):
             "task 'lm' cannot train on",
         ),
         (DataConfig(packing=False, source="text", path="x.txt"), "classify", 4, "labelled text"),
-        (DataConfig(packing=False, task="arithmetic"), "seq2seq", 4, "source/target pairs"),
-        (DataConfig(task="sentiment", packing=True), "mlm", 4, "'lm' only"),
-        (DataConfig(task="sentiment", lm_rows="windows"), "classify", 4, "'lm' only"),
+        (DataConfig(packing=False, generator="arithmetic"), "seq2seq", 4, "source/target pairs"),
+        (DataConfig(generator="sentiment", packing=True), "mlm", 4, "'lm' only"),
+        (DataConfig(generator="sentiment", lm_rows="windows"), "classify", 4, "'lm' only"),
         (DataConfig(packing=False), "lm", 3, "positive multiple of the process count 2"),
         (DataConfig(packing=False), "translate", 4, "task must be one of"),
     ],
@@ -296,7 +296,7 @@ def test_seq2seq_batches_from_two_parallel_files(tmp_path):
 
 
 def test_classify_batches_carry_labels_and_pad_the_last_eval_batch(tmp_path):
-    cfg = DataConfig(packing=False, task="sentiment", seq_len=160, train_size=12, eval_size=6)
+    cfg = DataConfig(packing=False, generator="sentiment", seq_len=160, train_size=12, eval_size=6)
     data = build(cfg, tmp_path, task="classify")
     assert data.labels == synthetic.LABELS
     task = synthetic.make_task("sentiment", size=12)
@@ -313,7 +313,7 @@ def test_classify_batches_carry_labels_and_pad_the_last_eval_batch(tmp_path):
 
 
 def test_mlm_masks_15_percent_split_80_10_10_deterministically(tmp_path):
-    cfg = DataConfig(packing=False, task="sentiment", seq_len=128, train_size=2000)
+    cfg = DataConfig(packing=False, generator="sentiment", seq_len=128, train_size=2000)
     batches = take(build(cfg, tmp_path, task="mlm", batch_size=16).train, 20)
     counts = {"mask": 0, "random": 0, "kept": 0}
     for batch in batches:
@@ -582,10 +582,30 @@ def test_packing_by_default_for_language_modelling_only(tmp_path):
     lm = build_data(DataConfig(), task="lm", seed=0, batch_size=4, directory=tmp_path / "a")
     assert "segment_ids" in next(lm.train)
     seq2seq = build_data(
-        DataConfig(task="number_words"),
+        DataConfig(generator="number_words"),
         task="seq2seq",
         seed=0,
         batch_size=4,
         directory=tmp_path / "b",
     )
     assert "segment_ids" not in next(seq2seq.train)
+
+
+@pytest.mark.parametrize(
+    "task, generator, packing",
+    [
+        ("lm", "arithmetic", None),
+        ("lm", "arithmetic", False),
+        ("seq2seq", "number_words", None),
+        ("mlm", "sentiment", None),
+        ("classify", "sentiment", None),
+    ],
+)
+def test_batches_are_as_the_tasks_description_says(tmp_path, task, generator, packing):
+    cfg = DataConfig(generator=generator, packing=packing, seq_len=24, train_size=16, eval_size=6)
+    data = build(cfg, tmp_path, task=task)
+    wanted = tasks.batch_shapes(
+        task, packed=tasks.is_packed(task, packing), batch_size=4, seq_len=24
+    )
+    for batch in (next(data.train), next(data.eval_batches())):
+        assert {key: (value.shape, value.dtype) for key, value in batch.items()} == wanted

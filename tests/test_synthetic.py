@@ -16,17 +16,17 @@ NAMES = sorted(syn.TASKS)
 
 def _key(task, record):
     """The input a record is judged on: what must never cross from validation into train."""
-    if task.kind == "lm":
+    if task.records == "lm":
         return syn.split_prompt(record["text"])[0]
-    if task.kind == "seq2seq":
+    if task.records == "seq2seq":
         return record["source"]
     return record["text"]
 
 
 def _reference(task, record):
-    if task.kind == "lm":
+    if task.records == "lm":
         return syn.split_prompt(record["text"])[1]
-    if task.kind == "seq2seq":
+    if task.records == "seq2seq":
         return record["target"]
     return record["label"]
 
@@ -106,7 +106,7 @@ def test_records_hold_the_documented_keys():
         task = syn.make_task(name)
         for i in range(20):
             record = task[i]
-            assert {k: type(v) for k, v in record.items()} == expected[task.kind], name
+            assert {k: type(v) for k, v in record.items()} == expected[task.records], name
 
 
 def test_arithmetic_answers_are_correct():
@@ -267,7 +267,7 @@ def test_score(name):
     task = syn.make_task(name, split="validation", size=10)
     examples = [task[i] for i in range(len(task))]
     right = [_reference(task, e) for e in examples]
-    if task.kind == "classification":
+    if task.records == "classification":
         wrong = [(label + 1) % len(syn.LABELS) for label in right]
     else:
         wrong = [answer + "1" for answer in right]
@@ -351,13 +351,6 @@ def test_a_domain_too_small_for_a_split_fails_at_construction():
     assert failures == [s for s in syn.SPLITS if s != syn.split_of("zero")]
 
 
-def test_grain_wraps_a_task_as_a_random_access_source():
-    grain = pytest.importorskip("grain")
-    task = syn.make_task("number_words", size=8, seed=5)
-    dataset = grain.MapDataset.source(task)
-    assert len(dataset) == 8 and [dataset[i] for i in range(8)] == [task[i] for i in range(8)]
-
-
 # --- documents: every example tokenized at once ---------------------------------------------
 
 
@@ -372,7 +365,7 @@ def test_documents_hold_the_records_tokenized_across_chunks(name):
         record = task[i]
         for field in documents.fields:
             assert tokenizer.decode(documents.document(field, i)) == record[field]
-        if task.kind == "classification":
+        if task.records == "classification":
             assert documents.labels[i] == record["label"]
     # The digests are the hashes that assigned each input to this split.
     keys = [_key(task, task[i]) for i in range(50)]
@@ -399,13 +392,13 @@ def test_whole_chunks_of_validation_and_train_share_no_input(name):
     assert (valid.digests < np.uint64(int(syn.VALIDATION_FRACTION * 2**64))).all()
 
 
-def test_task_options_come_from_the_data_config_and_bad_ones_are_named():
+def test_generator_options_come_from_the_data_config_and_bad_ones_are_named():
     from flaxformer_lite.train.config import ConfigError, load_config
 
-    options = ["data.task_options.max_digits=2", "data.task_options.fixed_width=true"]
+    options = ["data.generator_options.max_digits=2", "data.generator_options.fixed_width=true"]
     cfg = load_config(None, options)
-    assert cfg.data.task_options["max_digits"] == 2
-    with pytest.raises(ConfigError, match="data.task_options.*max_digit.*valid options"):
-        load_config(None, ["data.task_options.max_digit=2"])
-    with pytest.raises(ConfigError, match="data.task_options.*max_length"):
-        load_config(None, ["data.task=reverse", "data.task_options.max_length=0"])
+    assert cfg.data.generator_options["max_digits"] == 2
+    with pytest.raises(ConfigError, match="data.generator_options.*max_digit.*valid options"):
+        load_config(None, ["data.generator_options.max_digit=2"])
+    with pytest.raises(ConfigError, match="data.generator_options.*max_length"):
+        load_config(None, ["data.generator=reverse", "data.generator_options.max_length=0"])

@@ -10,7 +10,7 @@ from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.loop import run
 
 SHORT = [
-    "data.task_options.max_digits=2",
+    "data.generator_options.max_digits=2",
     "train.steps=80",
     "optimizer.warmup_steps=10",
     "train.eval_every=80",

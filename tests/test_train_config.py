@@ -174,3 +174,38 @@ def test_valid_keys_cover_every_section():
         "optimizer.lr",
     ):
         assert key in keys
+
+
+def old_style(values: dict) -> dict:
+    """``values`` as runs before the rename saved them: ``data.task`` and ``data.task_options``."""
+    data = dict(values["data"])
+    data["task"], data["task_options"] = data.pop("generator"), data.pop("generator_options")
+    return {**values, "data": data}
+
+
+def test_the_old_data_task_keys_are_read_as_data_generator_with_a_notice(tmp_path):
+    path = tmp_path / "old.yaml"
+    path.write_text("data:\n  task: reverse\n  task_options: {max_length: 5}\n")
+    notices = []
+    cfg = load_config(path, ["data.task_options.max_length=6"], notify=notices.append)
+    assert cfg.data.generator == "reverse" and cfg.data.generator_options == {"max_length": 6}
+    assert notices == [
+        f"config file {path}: data.task is now data.generator (read as data.generator)",
+        f"config file {path}: data.task_options is now data.generator_options "
+        "(read as data.generator_options)",
+        "data.task_options.max_length=6: data.task_options is now data.generator_options "
+        "(read as data.generator_options)",
+    ]
+    # The new name on the command line wins over the old one in the file, as any override does.
+    path.write_text("data:\n  task: reverse\n")
+    assert load_config(path, ["data.generator=sentiment"]).data.generator == "sentiment"
+    path.write_text("data:\n  task: reverse\n  generator: arithmetic\n")
+    with pytest.raises(ConfigError, match=r"old.yaml: data.task and data.generator are one set"):
+        load_config(path)
+
+
+def test_a_saved_config_with_the_old_keys_loads_as_the_same_config():
+    """An older run's config.yaml or checkpoint config: resuming it shows no difference."""
+    for cfg in (TrainConfig(), load_config(None, ["data.generator=reverse", "seed=3"])):
+        saved = config_from_dict(old_style(cfg.to_dict()))
+        assert saved == cfg and config_diff(saved, cfg) == {}

@@ -7,6 +7,7 @@ import optax
 import pytest
 from flax import nnx
 
+from flaxformer_lite.data import tasks
 from flaxformer_lite.models import ModelConfig, build_model
 from flaxformer_lite.train.optim import OptimizerConfig, make_optimizer
 from flaxformer_lite.train.step import make_eval_step, make_train_step, model_loss, task_of
@@ -174,3 +175,44 @@ def test_a_scanned_stack_is_one_program_whatever_its_depth():
     # (benchmarks/train_step.py --scan-layers reports it).
     assert step_program_ops(24, scan_layers=True) == step_program_ops(2, scan_layers=True)
     assert step_program_ops(6, scan_layers=False) > 2 * step_program_ops(2, scan_layers=False)
+
+
+@pytest.mark.parametrize(
+    "preset, overrides, packed",
+    [
+        ("gpt2-tiny", {}, False),
+        ("gpt2-tiny", {}, True),
+        ("transformer-tiny", {}, False),
+        ("bert-tiny", {}, False),
+        ("bert-tiny", dict(num_classes=2), False),
+    ],
+)
+def test_the_loss_reads_every_array_of_the_tasks_batch(preset, overrides, packed):
+    """A batch as :mod:`flaxformer_lite.data.tasks` describes it: the loss reads each array (a
+    changed array changes the loss) and needs no other."""
+    cfg, model, _ = setup(preset, **overrides)
+    task = task_of(cfg)
+    rng = np.random.default_rng(0)
+    batch = {}
+    for key, (shape, dtype) in tasks.batch_shapes(
+        task, packed=packed, batch_size=B, seq_len=T
+    ).items():
+        values = rng.integers(0, 2 if key == "labels" else 32, shape)
+        batch[key] = values > 8 if dtype == np.bool_ else values.astype(dtype)
+    if packed:
+        halves = np.arange(T) // (T // 2)  # two segments a row
+        batch["segment_ids"] = np.tile(1 + halves, (B, 1)).astype(np.int32)
+        batch["positions"] = np.tile(np.arange(T) % (T // 2), (B, 1)).astype(np.int32)
+    loss_of = nnx.jit(lambda model, batch: model_loss(model, batch, task=task)[0])
+    loss = float(loss_of(model, batch))
+    for key, value in batch.items():
+        if key in ("segment_ids", "positions"):  # one segment: positions from 0 to T
+            value = np.zeros_like(value) + (key == "segment_ids")
+        elif key == "labels":
+            value = 1 - value
+        elif value.ndim == 1:
+            value = np.where(np.arange(B) == 0, 0, value)
+        else:
+            value = np.roll(value, 1, axis=-1)
+        changed = dict(batch, **{key: value})
+        assert float(loss_of(model, changed)) != loss, key

@@ -26,6 +26,7 @@ from jax.experimental import mesh_utils
 
 from flaxformer_lite import parallel
 from flaxformer_lite.aot.topology import Topology, topology_devices
+from flaxformer_lite.data import tasks
 from flaxformer_lite.decode import generate, seq2seq_generate
 from flaxformer_lite.models import build_model, training_flops_per_token
 from flaxformer_lite.train.config import TrainConfig
@@ -174,32 +175,26 @@ def _params(state: nnx.State, shardings: nnx.State) -> tuple[nnx.State, nnx.Stat
 
 def abstract_batch(cfg: TrainConfig, sharding) -> dict[str, jax.ShapeDtypeStruct]:
     """The abstract global batch of ``cfg``'s task, each array split by ``sharding`` along its
-    first axis: the arrays and dtypes of :mod:`flaxformer_lite.data.features` (packed ``lm``
-    rows also carry ``segment_ids`` and ``positions``).
+    first axis: the arrays of :mod:`flaxformer_lite.data.tasks`, packed as the data pipeline
+    packs them (``data.packing``; by default ``lm`` rows).
 
     Raises:
-      ValueError: a model with continuous inputs or outputs (no token batches to describe).
+      ValueError: a model with continuous inputs or outputs (no token batches to describe), or
+        ``data.packing=true`` for a task other than ``lm``.
     """
     if cfg.model.input_dim is not None or cfg.model.output_dim is not None:
         raise ValueError("compile takes token models; model.input_dim/output_dim are set")
     task = task_of(cfg.model)
-    rows = (cfg.train.batch_size, cfg.data.seq_len)
-    ids, floats, flags = jnp.int32, jnp.float32, jnp.bool_
-    arrays = {"lm": {"inputs": ids, "targets": ids, "weights": floats}}
-    if cfg.data.packing is not False:
-        arrays["lm"] |= {"segment_ids": ids, "positions": ids}
-    arrays["seq2seq"] = {"src": ids, "src_mask": flags, "inputs": ids, "targets": ids}
-    arrays["seq2seq"]["weights"] = floats
-    arrays["mlm"] = {"inputs": ids, "targets": ids, "weights": floats, "mask": flags}
-    arrays["classify"] = {"inputs": ids, "mask": flags}
-    batch = {
-        name: jax.ShapeDtypeStruct(rows, dtype, sharding=sharding)
-        for name, dtype in arrays[task].items()
+    shapes = tasks.batch_shapes(
+        task,
+        packed=tasks.is_packed(task, cfg.data.packing),
+        batch_size=cfg.train.batch_size,
+        seq_len=cfg.data.seq_len,
+    )
+    return {
+        name: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+        for name, (shape, dtype) in shapes.items()
     }
-    if task == "classify":
-        for name, dtype in (("labels", ids), ("weights", floats)):
-            batch[name] = jax.ShapeDtypeStruct(rows[:1], dtype, sharding=sharding)
-    return batch
 
 
 @contextlib.contextmanager

@@ -22,7 +22,7 @@ import argparse
 import json
 import pathlib
 
-from flaxformer_lite.cli.errors import guarded, say
+from flaxformer_lite.cli.errors import guarded, notice, say
 from flaxformer_lite.cli.flags import CommandParser
 from flaxformer_lite.train.config import load_config
 
@@ -73,7 +73,7 @@ def _compile(args) -> int:
     prepare_host(topology)  # before anything starts a JAX backend
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, notify=notice)
     program = compile_for(cfg, topology, decode=args.decode, max_new_tokens=args.max_new_tokens)
     report = analyse(program, topology)
     for line in report.lines():

@@ -106,6 +106,12 @@ def exit_on_signals():
             signal.signal(s, handler)
 
 
+def notice(message: str) -> None:
+    """Says ``message`` on stderr, as a notice: what the command did differently from what it
+    was told, without stopping (stdout may be a command's result, as ``config``'s YAML)."""
+    say(f"notice: {message}", stream=sys.stderr)
+
+
 def say(message: str, stream=None) -> None:
     """Prints ``message`` to ``stream`` (default stdout) at once, so it shows before a long step."""
     print(message, file=stream or sys.stdout, flush=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import pathlib
 
-LIBRARY_LOGGERS = ("absl", "asyncio", "py.warnings", "jax", "orbax", "grain", "tensorstore")
+LIBRARY_LOGGERS = ("absl", "asyncio", "py.warnings", "jax", "orbax", "tensorstore")
 
 
 def library_log_to(path: pathlib.Path | None) -> None:

@@ -18,7 +18,7 @@ import functools
 import pathlib
 import time
 
-from flaxformer_lite.cli.errors import guarded, say
+from flaxformer_lite.cli.errors import guarded, notice, say
 from flaxformer_lite.cli.flags import CommandParser
 
 EXAMPLE = (
@@ -68,7 +68,7 @@ def _prepare(args) -> int:
     from flaxformer_lite.data.pipeline import prepare_source, prepare_validation
     from flaxformer_lite.train.config import load_config
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, notify=notice)
     data = cfg.data
     if data.source not in ("text", "jsonl", "parallel"):
         raise ValueError(

@@ -14,7 +14,7 @@ import argparse
 import pathlib
 import sys
 
-from flaxformer_lite.cli.errors import exit_on_signals, guarded, say
+from flaxformer_lite.cli.errors import exit_on_signals, guarded, notice, say
 from flaxformer_lite.cli.flags import CommandParser
 from flaxformer_lite.cli.library_log import library_log_to
 from flaxformer_lite.train.config import load_config
@@ -77,7 +77,7 @@ def _train(args) -> int:
     from flaxformer_lite.train.loop import Interrupted, TrainingError, run
 
     def train():
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides, notify=notice)
         library_log_to(RunDir(cfg.run_dir).library_log)
         # A bar only on a terminal: written to a file or a pipe it is one line of carriage returns.
         bar = not args.no_progress and sys.stdout.isatty() and sys.stderr.isatty()
@@ -105,5 +105,5 @@ def show_config(path: pathlib.Path | None, overrides: list[str]) -> int:
     """Prints the config of ``path`` and ``overrides`` as commented YAML; returns 0."""
     from flaxformer_lite.train.config_help import annotated_yaml
 
-    say(annotated_yaml(load_config(path, overrides)).rstrip("\n"))
+    say(annotated_yaml(load_config(path, overrides, notify=notice)).rstrip("\n"))
     return 0

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from flaxformer_lite.data import rows
+from flaxformer_lite.data import rows, tasks
 from flaxformer_lite.data.documents import Documents
 from flaxformer_lite.data.features import document_rows
 
@@ -143,7 +143,7 @@ def _eval_pieces(documents: Documents, ids: np.ndarray, layout: Layout) -> rows.
 
 def _unpacked(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """An unpacked ``lm`` layout's keys: one segment per row, positions from 0 need no arrays."""
-    return {key: batch[key] for key in ("inputs", "targets", "weights")}
+    return {key: batch[key] for key in tasks.batch_arrays("lm", packed=False)}
 
 
 def _padded(batch: dict[str, np.ndarray], layout: Layout) -> dict[str, np.ndarray]:

@@ -1,22 +1,13 @@
 """Rows of one document each, per task: the ``seq2seq``, ``mlm`` and ``classify`` rows.
 
-Every array is int32 unless noted; ``<sos>`` and ``<eos>`` are the tokenizer's ``sos_id`` and
-``eos_id``; rows are ``[T]`` (``T = seq_len``), zero-padded (ids ``<pad> = 0``, weights 0, masks
-False). Per task, the rows hold:
-
-- ``lm`` (made by :mod:`flaxformer_lite.data.rows`, never cut): ``inputs = <sos> + tokens``,
-  ``targets = tokens + <eos>``, ``weights``; packed rows also have ``segment_ids`` (1, 2, ... per
-  document piece in a row, 0 at padding) and ``positions`` (from 0 in every segment).
-- ``seq2seq``: ``src = source tokens + <eos>`` and ``src_mask``; ``inputs = <sos> + target``,
-  ``targets = target + <eos>``, ``weights``.
-- ``mlm``: ``<sos> tokens <eos>`` (``<sos>`` doubles as BERT's [CLS], ``<eos>`` as [SEP]); BERT
-  masking picks ``max(1, round(mlm_probability * n))`` of the ``n`` regular tokens, of which 80%
-  become :data:`MASK_ID`, 10% a random regular token and 10% stay; ``inputs`` (masked),
-  ``targets`` (the original tokens), ``weights`` (1 at the picked tokens), ``mask``. The draw is a
-  pure function of ``(seed, stream, index of the example in its stream)``, so a resumed run masks
-  alike.
-- ``classify``: ``inputs`` (``<sos> tokens <eos>``), ``mask``, ``labels`` ``[B]`` and ``weights``
-  float32 ``[B]`` (1 for real rows, 0 for the padding rows of the last eval batch).
+Their arrays (keys, shapes, dtypes) are :data:`flaxformer_lite.data.tasks.BATCHES`'; ``lm`` rows
+are made by :mod:`flaxformer_lite.data.rows` (never cut). ``<sos>`` and ``<eos>`` are the
+tokenizer's ``sos_id`` and ``eos_id``; rows are ``[T]`` (``T = seq_len``), zero-padded (ids
+``<pad> = 0``, weights 0, masks False). ``mlm`` rows are ``<sos> tokens <eos>`` (``<sos>`` doubles
+as BERT's [CLS], ``<eos>`` as [SEP]); BERT masking picks ``max(1, round(mlm_probability * n))`` of
+the ``n`` regular tokens, of which 80% become :data:`MASK_ID`, 10% a random regular token and 10%
+stay. The draw is a pure function of ``(seed, stream, index of the example in its stream)``, so a
+resumed run masks alike.
 
 Longer documents are cut to fit ``seq_len`` (:func:`truncation` counts what is lost): on the
 target side of ``seq2seq`` the sequence ``<sos> tokens <eos>`` is cut to ``seq_len + 1`` tokens

@@ -9,11 +9,11 @@
 
 Batches are dicts of numpy arrays ``[B, T]`` with ``B = batch_size // process_count`` and
 ``T = seq_len`` (int32 unless noted; ``weights`` float32, 0 exactly at padding; masks bool, False at
-padding; padding ids are ``<pad> = 0``), the formats ``train.step.model_loss`` reads (``<sos>`` and
-``<eos>`` are the tokenizer's ``sos_id`` and ``eos_id``: a Hugging Face checkpoint's tokenizer has
-its own, and padding, marked by weights and masks, stays id 0 even where 0 is a real token, so no
-pad token is needed: GPT-2 has none, and its ``<eos>`` targets keep weight 1). Each task's
-arrays are listed in :mod:`flaxformer_lite.data.features`.
+padding; padding ids are ``<pad> = 0``), each task's arrays as :mod:`flaxformer_lite.data.tasks`
+describes them (``<sos>`` and ``<eos>`` are the tokenizer's ``sos_id`` and ``eos_id``: a Hugging
+Face checkpoint's tokenizer has its own, and padding, marked by weights and masks, stays id 0 even
+where 0 is a real token, so no pad token is needed: GPT-2 has none, and its ``<eos>`` targets keep
+weight 1).
 
 Every source first becomes tokenized :class:`~flaxformer_lite.data.documents.Documents` with a
 tokenizer and a validation split; one path then batches them
@@ -43,7 +43,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from flaxformer_lite.data import sources, synthetic, tokenizers
+from flaxformer_lite.data import sources, synthetic, tasks, tokenizers
 from flaxformer_lite.data.batches import (
     Layout,
     TrainBatches,
@@ -66,80 +66,92 @@ from flaxformer_lite.data.store import (
     text_documents,
 )
 from flaxformer_lite.data.tokenizers import NUM_SPECIAL, Tokenizer
+from flaxformer_lite.settings import setting
 
 SOURCES = ("synthetic", "text", "jsonl", "parallel", "prepared")
 TOKENIZERS = ("byte", "char", "word", "bpe", "sentencepiece")
-TASKS = ("lm", "seq2seq", "mlm", "classify")  # as train.step.TASKS (data may not import train)
 LM_ROWS = ("documents", "windows")
 # Fitted tokenizers see all training records of a file source, or this many synthetic examples.
 FIT_EXAMPLES = 20_000
 
-_TEXT = "text (data.source text or jsonl, or a synthetic lm task)"
-# The kinds of records each model task trains on, and how to say so.
+_TEXT = "text (data.source text or jsonl, or a synthetic lm generator)"
+# The types of records each task trains on, and how to say so.
 _NEEDS = {
     "lm": (("lm", "classification"), _TEXT),
     "mlm": (("lm", "classification"), _TEXT),
     "seq2seq": (("seq2seq",), "source/target pairs (data.source parallel, or number_words)"),
-    "classify": (("classification",), "labelled text (the synthetic sentiment task)"),
+    "classify": (("classification",), "labelled text (data.generator sentiment)"),
 }
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """Where the data comes from and how it becomes batches.
-
-    Attributes:
-      source: ``synthetic`` (the built-in ``task``), ``text`` (``path`` a glob of text files, or
-        ``builtin:tinyshakespeare``; documents as ``text_documents`` says), ``jsonl`` (``path``
-        a glob of JSONL files, the text in ``field``), ``parallel`` (``path`` a TSV file or
-        ``"src_file,tgt_file"``) or ``prepared`` (``path`` a store from ``prepare``).
-      task: synthetic task name (``synthetic.TASKS``), used when ``source`` is ``synthetic``.
-      task_options: the synthetic task's own options (``data.task_options.max_digits=4``; see
-        its class in :mod:`~flaxformer_lite.data.synthetic`); empty: the task's defaults.
-      path: the files of a non-synthetic source.
-      field: the JSONL field that holds the text.
-      text_documents: how a text file becomes documents: ``file`` (whole, line breaks and blank
-        lines kept), ``paragraphs`` (runs of non-blank lines) or ``lines`` (each non-blank
-        line); None: ``file``, or for a prepared store what it was prepared with.
-      validation_path: the validation data, of the same kind as ``path`` (files, or a prepared
-        store), used whole; None: hold out ``validation_fraction`` of ``path``.
-      tokenizer: ``byte``; ``char``, ``word`` or ``bpe`` fitted on the training texts; or
-        ``sentencepiece`` loaded from ``tokenizer_path``. None: ``byte``, or a prepared store's
-        own (set, it must be the store's).
-      tokenizer_path: a SentencePiece ``.model`` file.
-      vocab_size: the BPE target size (required, >= 260), or a cap on a word vocabulary.
-      seq_len: tokens per row of every ``[B, seq_len]`` array; a longer ``lm`` document goes on
-        in the next piece, a longer example of another task is cut (the run says how much).
-      packing: pack several documents into each training row (``lm`` only); None (the default)
-        packs for ``lm`` and pads for the other tasks (one document per row).
-      lm_rows: how ``lm`` rows are packed: ``documents`` (documents in pieces of at most
-        ``seq_len``, next-fit; a document that fits a row is never cut) or ``windows`` (all
-        documents end to end, cut into rows: no padding; a document may continue in the next
-        row, as a new segment).
-      validation_fraction: share of a file source held out for validation: of its documents,
-        or the tail of each ``file`` document (synthetic tasks have their own split).
-      mlm_probability: share of an ``mlm`` example's tokens to predict.
-      train_size: at most this many training examples (None: all; synthetic: 1,000,000).
-      eval_size: at most this many validation examples (None: all; synthetic: 1,000).
+    """Where the data comes from and how it becomes batches; each field's help is beside it.
+    A ``generator``'s options are the fields of its class in :mod:`~flaxformer_lite.data.synthetic`.
     """
 
-    source: str = "synthetic"
-    task: str = "arithmetic"
-    task_options: dict[str, int | bool] = dataclasses.field(default_factory=dict)
-    path: str | None = None
-    field: str = "text"
-    text_documents: str | None = None
-    validation_path: str | None = None
-    tokenizer: str | None = None
-    tokenizer_path: str | None = None
-    vocab_size: int | None = None
-    seq_len: int = 64
-    packing: bool | None = None
-    lm_rows: str = "documents"
-    validation_fraction: float = 0.1
-    mlm_probability: float = 0.15
-    train_size: int | None = None
-    eval_size: int | None = None
+    source: str = setting(
+        "synthetic",
+        help="synthetic (made by data.generator), text, jsonl, parallel or prepared (a store)",
+    )
+    generator: str = setting(
+        "arithmetic",
+        help="the synthetic data: arithmetic, reverse, number_words or sentiment (old name: "
+        "data.task)",
+    )
+    generator_options: dict[str, int | bool] = setting(
+        factory=dict, help="the generator's options, e.g. {max_digits: 4}; {}: its defaults"
+    )
+    path: str | None = setting(
+        None,
+        help="a glob of text (or builtin:tinyshakespeare) or jsonl files, a TSV file or "
+        "src_file,tgt_file (parallel), or a prepared store",
+    )
+    field: str = setting("text", help="the JSONL field that holds the text")
+    text_documents: str | None = setting(
+        None,
+        help="a text file's documents: file (whole, line breaks kept), paragraphs (runs of "
+        "non-blank lines) or lines; null: file, or a prepared store's own",
+    )
+    validation_path: str | None = setting(
+        None,
+        help="validation data of data.path's kind, used whole; null: hold out "
+        "data.validation_fraction",
+    )
+    tokenizer: str | None = setting(
+        None,
+        help="byte; char, word or bpe fitted on the data; or sentencepiece; null: byte, or a "
+        "prepared store's own (set, it must be the store's)",
+    )
+    tokenizer_path: str | None = setting(None, help="a SentencePiece .model file")
+    vocab_size: int | None = setting(
+        None, help="the BPE vocabulary size (required for bpe, >= 260), or a cap on word's"
+    )
+    seq_len: int = setting(
+        64,
+        help="tokens per row of every [B, seq_len] batch; a longer lm document goes on in the next "
+        "row, a longer example of another task is cut (the run says how much)",
+    )
+    packing: bool | None = setting(
+        None, help="pack several documents into each row (LM); null: pack LM, pad others"
+    )
+    lm_rows: str = setting(
+        "documents",
+        help="lm rows: documents (in pieces of at most seq_len, packed next-fit) or windows (all "
+        "documents end to end, cut into rows)",
+    )
+    validation_fraction: float = setting(
+        0.1,
+        help="share held out for validation: of the documents, or each whole file's tail "
+        "(synthetic data have their own split)",
+    )
+    mlm_probability: float = setting(0.15, help="share of an MLM example's tokens to predict")
+    train_size: int | None = setting(
+        None, help="at most this many training examples; null: all (synthetic: 1,000,000)"
+    )
+    eval_size: int | None = setting(
+        None, help="at most this many validation examples; null: all (synthetic: 1,000)"
+    )
     _derived: ClassVar[frozenset[str]] = frozenset()  # the settings left unset, then resolved
 
     def __post_init__(self):
@@ -155,11 +167,11 @@ class DataConfig:
         if self.tokenizer is not None:
             _check_choice("tokenizer", self.tokenizer, TOKENIZERS)
         if self.source == "synthetic":
-            _check_choice("task", self.task, tuple(synthetic.TASKS))
+            _check_choice("generator", self.generator, tuple(synthetic.TASKS))
             try:
-                synthetic.make_task(self.task, size=1, **self.task_options)
+                synthetic.make_task(self.generator, size=1, **self.generator_options)
             except ValueError as error:
-                raise ValueError(f"data.task_options: {error}") from None
+                raise ValueError(f"data.generator_options: {error}") from None
         elif not self.path:
             raise ValueError(f"data.path is required with data.source={self.source!r}")
         if self.text_documents is not None:
@@ -171,7 +183,7 @@ class DataConfig:
                 )
         if self.validation_path is not None and self.source == "synthetic":
             raise ValueError(
-                "data.validation_path needs a file source: synthetic tasks have "
+                "data.validation_path needs a file source: synthetic generators have "
                 "their own validation split"
             )
         made = self.source != "prepared"  # a store's tokenizer is made already
@@ -276,7 +288,7 @@ def build_data(
 
     Args:
       cfg: the data config.
-      task: ``lm``, ``seq2seq``, ``mlm`` or ``classify`` (``train.step.task_of``).
+      task: one of :data:`~flaxformer_lite.data.tasks.TASKS` (``train.step.task_of``).
       seed: shuffles the training stream (and, with it, the synthetic data and MLM masking).
       batch_size: the global batch size; each process gets ``batch_size // process_count`` rows.
       directory: where the tokenizer is saved. A tokenizer already saved there is loaded
@@ -297,8 +309,7 @@ def build_data(
         tokenizer of another kind, or bad data (the message names the file).
       FileNotFoundError: a missing data or tokenizer file.
     """
-    if task not in TASKS:
-        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    tasks.check_task(task)
     if not 0 <= process_index < process_count:
         raise ValueError(f"process_index {process_index} is not in [0, {process_count})")
     if batch_size < 1 or batch_size % process_count:
@@ -312,7 +323,7 @@ def build_data(
         raise ValueError(
             f"data.packing=true and data.lm_rows apply to task 'lm' only, not {task!r}"
         )
-    packing = task == "lm" if cfg.packing is None else cfg.packing
+    packing = tasks.is_packed(task, cfg.packing)
     _check_fits(cfg, task)
     save = process_index == 0 if save_tokenizer is None else save_tokenizer
     tokenizer, corpus = _load(cfg, task, seed, Path(directory), prepared, save, tokenizer)
@@ -381,19 +392,19 @@ def _truncation_notice(
 
 def _check_fits(cfg: DataConfig, task: str) -> None:
     if cfg.source == "synthetic":
-        kind = synthetic.TASKS[cfg.task].kind
-        given = f"data.task={cfg.task!r} ({kind} examples)"
+        records = synthetic.TASKS[cfg.generator].records
+        given = f"data.generator={cfg.generator!r} ({records} examples)"
     elif cfg.source == "prepared":  # checked against the store's manifest once it is open
         return
     else:
-        kind = "seq2seq" if cfg.source == "parallel" else "lm"
+        records = "seq2seq" if cfg.source == "parallel" else "lm"
         given = f"data.source={cfg.source!r}"
-    _check_kind(kind, given, task)
+    _check_records(records, given, task)
 
 
-def _check_kind(kind: str, given: str, task: str) -> None:
-    kinds, needs = _NEEDS[task]
-    if kind not in kinds:
+def _check_records(records: str, given: str, task: str) -> None:
+    wanted, needs = _NEEDS[task]
+    if records not in wanted:
         raise ValueError(f"task {task!r} cannot train on {given}: it needs {needs}")
 
 
@@ -408,12 +419,12 @@ def _load(
 ) -> tuple[Tokenizer, Corpus]:
     """The tokenizer and the source tokenized, with its validation split."""
     if cfg.source == "synthetic":
-        options = cfg.task_options
+        options = cfg.generator_options
         train = synthetic.make_task(
-            cfg.task, split="train", seed=seed, size=cfg.train_size, **options
+            cfg.generator, split="train", seed=seed, size=cfg.train_size, **options
         )
         valid = synthetic.make_task(
-            cfg.task, split="validation", seed=seed, size=cfg.eval_size, **options
+            cfg.generator, split="validation", seed=seed, size=cfg.eval_size, **options
         )
         fit = [train[i] for i in range(min(len(train), FIT_EXAMPLES))]
         tokenizer = _tokenizer(cfg, fit, directory, save=save, given=given)
@@ -442,7 +453,8 @@ def _load_store(
     _check_sources(cfg)
     saved = _saved_tokenizer(cfg, directory, given)
     store = _run_store(cfg, prepared, saved or given)
-    _check_kind(kind_of(store), f"the store {store.path} ({kind_of(store)} documents)", task)
+    records = records_of(store)
+    _check_records(records, f"the store {store.path} ({records} documents)", task)
     valid_store = None if cfg.validation_path is None else _validation_store(cfg, prepared, store)
     if save and saved is None:
         store.tokenizer.save(directory)
@@ -592,8 +604,8 @@ def _cache_dir(cfg: DataConfig, path: str, prepared: Path | None) -> Path:
     return prepared / name
 
 
-def kind_of(store) -> str:
-    """``"seq2seq"`` for a store of source/target pairs, else ``"lm"``."""
+def records_of(store) -> str:
+    """The type of records of a store: ``"seq2seq"`` for source/target pairs, else ``"lm"``."""
     return "seq2seq" if store.manifest["source"]["kind"] == "parallel" else "lm"
 
 

@@ -4,10 +4,10 @@ A task is a random-access sequence of plain-text examples, generated in NumPy ma
 ``task[i]`` (the same as ``task.example(i)``) is a pure function of ``(seed, split, i)``: example
 ``i`` is number ``i % CHUNK`` of chunk ``i // CHUNK``, and a chunk is drawn from its own generator
 ``numpy.random.default_rng([seed, split_id, chunk])``, so a resumed run sees exactly the examples
-it would have seen, call order does not matter, and ``grain.MapDataset.source(task)`` wraps a
-task as it is. Records hold text, never token ids, so any tokenizer fits; ``task.documents
-(tokenizer)`` tokenizes all of them at once (:class:`~flaxformer_lite.data.documents.Documents`).
-Record keys by ``Task.kind``:
+it would have seen and call order does not matter. Records hold text, never token ids, so any
+tokenizer fits; ``task.documents(tokenizer)`` tokenizes all of them at once
+(:class:`~flaxformer_lite.data.documents.Documents`).
+Record keys by ``Task.records``, the type of records a task makes:
 
 - ``"lm"`` (``arithmetic``, ``reverse``): ``{"text": "123+045=8610"}``, a prompt ending at the
   first ``=`` followed by the answer (:func:`split_prompt`). A generator is prompted with
@@ -127,7 +127,7 @@ class Task(abc.ABC):
     """
 
     name: ClassVar[str]
-    kind: ClassVar[str]
+    records: ClassVar[str]
     metric: ClassVar[str] = "exact_match"
 
     split: str = "train"
@@ -232,7 +232,7 @@ class Task(abc.ABC):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class _LMTask(Task):
-    kind: ClassVar[str] = "lm"
+    records: ClassVar[str] = "lm"
 
     def _is_correct(self, prediction: str, example: dict[str, Any]) -> bool:
         return prediction.strip() == split_prompt(example["text"])[1]
@@ -316,7 +316,7 @@ class NumberWordsTask(Task):
     """
 
     name: ClassVar[str] = "number_words"
-    kind: ClassVar[str] = "seq2seq"
+    records: ClassVar[str] = "seq2seq"
     max_value: int = 999_999
 
     def _check_options(self) -> None:
@@ -377,7 +377,7 @@ class SentimentTask(Task):
     """
 
     name: ClassVar[str] = "sentiment"
-    kind: ClassVar[str] = "classification"
+    records: ClassVar[str] = "classification"
     metric: ClassVar[str] = "accuracy"
     labels: ClassVar[tuple[str, ...]] = LABELS
     max_clauses: int = 3

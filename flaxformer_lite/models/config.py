@@ -14,6 +14,7 @@ from flaxformer_lite.nn.dense import INIT_SCHEMES, KernelInit
 from flaxformer_lite.nn.mlp import ACTIVATIONS
 from flaxformer_lite.nn.norms import NORMS
 from flaxformer_lite.nn.stack import REMAT_POLICIES
+from flaxformer_lite.settings import setting
 
 NORM_POSITIONS = ("pre", "post")
 POSITIONS = ("sinusoidal", "learned", "rope", "relative", "alibi", "none")
@@ -31,69 +32,127 @@ class ModelConfig:
     ``EncoderDecoder``, only decoder layers a ``DecoderLM``, only encoder layers an ``Encoder``.
     """
 
-    vocab_size: int = 37000
-    d_model: int = 512
-    num_heads: int = 8
-    # None: derived in __post_init__ (the instance holds ints): num_kv_heads = num_heads,
-    # head_dim = d_model // num_heads. Fewer key/value heads is GQA, 1 is MQA.
-    num_kv_heads: int | None = None
-    head_dim: int | None = None
-    d_ff: int = 2048
-    num_encoder_layers: int = 6
-    num_decoder_layers: int = 6
-    max_length: int = 512  # longest sequence (learned positions have this many rows)
-    # Dropout on the embedding sum, on the attention weights, and on each sublayer's output.
-    embedding_dropout: float = 0.1
-    attention_dropout: float = 0.0
-    residual_dropout: float = 0.1
-    norm: str = "layernorm"
-    norm_eps: float = 1e-6
-    norm_bias: bool = True  # LayerNorm's additive bias (nanoGPT's bias=False has none)
-    norm_position: str = "post"
-    embed_norm: bool = False  # normalize the embedding sum (BERT)
-    positions: str = "sinusoidal"
-    sinusoidal_layout: str = "interleaved"  # sin/cos "interleaved" (the paper) or "concat" (Marian)
-    rope_base: float = 10000.0
-    rope_layout: str = "half"
-    rope_scaling: ops.RopeScaling | None = None
-    relative_buckets: int = 32
-    relative_max_distance: int = 128
-    activation: str = "relu"
-    tie_embeddings: bool = True  # output projection = token embedding transposed
-    share_src_tgt_embeddings: bool = True  # encoder-decoder: one table for both languages
-    scale_embeddings: bool = True  # multiply token embeddings by sqrt(d_model)
-    parallel_block: bool = False
-    fused_qkv: bool = False
-    qkv_bias: bool = True
-    attention_out_bias: bool = True
-    mlp_bias: bool = True
-    output_bias: bool = False  # a bias on the vocabulary logits (BERT, Marian)
-    type_vocab_size: int = 0  # token-type (segment A/B) embeddings, BERT
-    mlm_transform: bool = False  # BERT's dense + activation + norm before the MLM decoder
-    num_classes: int | None = None  # Encoder: a sequence-classification head
-    pooling: str = "first"  # Encoder classification: first token ([CLS]) or mean of real tokens
-    pooler_dense: bool = False  # BERT's dense + tanh on the pooled vector
-    # Continuous inputs [B, T, input_dim] instead of token ids (the source of an encoder-decoder).
-    input_dim: int | None = None
-    # A regression head [B, T, output_dim] instead of logits; an encoder-decoder's decoder then
-    # also reads continuous [B, T, output_dim] targets (it consumes what it predicts).
-    output_dim: int | None = None
-    init: str = "xavier"  # Glorot uniform (Tensor2Tensor) or "normal" with init_std (GPT-2, BERT)
-    init_std: float = 0.02
-    scale_residual_init: bool = False  # GPT-2: residual projections' init times 1/sqrt(2 layers)
-    dtype: str = "float32"  # compute
-    param_dtype: str = "float32"  # storage
-    scan_layers: bool = False
-    remat: str = "none"
-    attention_implementation: str | None = None  # None: chosen per input by ops
-    # Sparse self-attention (Longformer, BigBird): each position sees (left, right) neighbours,
-    # and the first global_tokens positions see and are seen by all (within causality).
-    local_window: tuple[int, int] | None = None
-    global_tokens: int = 0
-    # Self-attention's token mixer: attention, or the Attention Free Transformer (aft_full,
-    # aft_local with its window aft_window, aft_simple); cross-attention stays attention.
-    mixer: str = "attention"
-    aft_window: int | None = None
+    vocab_size: int = setting(37000, help="token ids (set to the tokenizer's size when it differs)")
+    d_model: int = setting(512, help="the model width D")
+    num_heads: int = setting(8, help="query heads H")
+    # None derives num_kv_heads and head_dim in __post_init__: the instance holds ints.
+    num_kv_heads: int | None = setting(
+        None, help="key/value heads Hk (fewer is GQA, 1 is MQA); null: num_heads"
+    )
+    head_dim: int | None = setting(None, help="Dh; null: d_model // num_heads")
+    d_ff: int = setting(2048, help="the MLP's hidden width F")
+    num_encoder_layers: int = setting(
+        6, help="encoder layers (0 with decoder layers: a decoder-only LM)"
+    )
+    num_decoder_layers: int = setting(
+        6, help="decoder layers (0 with encoder layers: an encoder, e.g. BERT)"
+    )
+    max_length: int = setting(
+        512, help="the longest sequence (learned positions have this many rows)"
+    )
+    embedding_dropout: float = setting(0.1, help="dropout on the embedding sum")
+    attention_dropout: float = setting(0.0, help="dropout on the attention weights")
+    residual_dropout: float = setting(0.1, help="dropout on each sublayer's output")
+    norm: str = setting("layernorm", help="layernorm or rmsnorm")
+    norm_eps: float = setting(1e-6, help="the norms' epsilon")
+    norm_bias: bool = setting(
+        True, help="LayerNorm's additive bias (false: none, as nanoGPT's bias=False)"
+    )
+    norm_position: str = setting(
+        "post", help="pre (GPT-2, Llama) or post (the paper, BERT) the sublayer"
+    )
+    embed_norm: bool = setting(False, help="normalize the embedding sum (BERT)")
+    positions: str = setting(
+        "sinusoidal", help="sinusoidal, learned, rope, relative (T5 buckets), alibi or none"
+    )
+    sinusoidal_layout: str = setting(
+        "interleaved", help="sin/cos interleaved (the paper) or concat (Marian)"
+    )
+    rope_base: float = setting(10000.0, help="RoPE's base wavelength theta")
+    rope_layout: str = setting(
+        "half", help="RoPE's pairing of features: half (GPT-NeoX, Llama) or interleaved"
+    )
+    rope_scaling: ops.RopeScaling | None = setting(
+        None, help="null, or {kind: linear|ntk|llama3|dynamic, factor: ...} to stretch RoPE"
+    )
+    relative_buckets: int = setting(32, help="relative positions: the number of distance buckets")
+    relative_max_distance: int = setting(
+        128, help="relative positions: distances from here share a bucket"
+    )
+    activation: str = setting(
+        "relu", help="the MLP's activation (relu, gelu, gelu_tanh, swiglu, ...)"
+    )
+    tie_embeddings: bool = setting(
+        True, help="the output projection is the token embedding transposed"
+    )
+    share_src_tgt_embeddings: bool = setting(
+        True, help="encoder-decoder: one embedding table for both sides"
+    )
+    scale_embeddings: bool = setting(
+        True, help="multiply token embeddings by sqrt(d_model) (the paper)"
+    )
+    parallel_block: bool = setting(
+        False, help="attention and MLP side by side from one norm (GPT-J)"
+    )
+    fused_qkv: bool = setting(False, help="one projection for queries, keys and values")
+    qkv_bias: bool = setting(True, help="biases on the query, key and value projections")
+    attention_out_bias: bool = setting(True, help="a bias on the attention output projection")
+    mlp_bias: bool = setting(True, help="biases in the MLP")
+    output_bias: bool = setting(False, help="a bias on the vocabulary logits (BERT, Marian)")
+    type_vocab_size: int = setting(0, help="token-type (segment A/B) embeddings, BERT; 0: none")
+    mlm_transform: bool = setting(
+        False, help="BERT's dense + activation + norm before the MLM decoder"
+    )
+    num_classes: int | None = setting(
+        None, help="encoder: a sequence-classification head with this many classes"
+    )
+    pooling: str = setting(
+        "first", help="classification: the first token ([CLS]) or the mean of real tokens"
+    )
+    pooler_dense: bool = setting(False, help="BERT's dense + tanh on the pooled vector")
+    input_dim: int | None = setting(
+        None,
+        help="continuous inputs [B, T, input_dim] instead of token ids (an encoder-decoder's "
+        "source)",
+    )
+    output_dim: int | None = setting(
+        None,
+        help="a regression head [B, T, output_dim] instead of logits (an encoder-decoder's decoder "
+        "then reads such targets too)",
+    )
+    init: str = setting(
+        "xavier", help="xavier (Glorot uniform) or normal with init_std (GPT-2, BERT)"
+    )
+    init_std: float = setting(0.02, help="the standard deviation of init=normal")
+    scale_residual_init: bool = setting(
+        False, help="GPT-2: residual projections' init times 1/sqrt(2 layers)"
+    )
+    dtype: str = setting("float32", help="the compute dtype: float32, bfloat16 or float16")
+    param_dtype: str = setting("float32", help="the parameters' storage dtype")
+    scan_layers: bool = setting(False, help="run the layers in a lax.scan (one layer compiled)")
+    remat: str = setting(
+        "none", help="recompute activations in the backward pass: none, full, ... (saves memory)"
+    )
+    attention_implementation: str | None = setting(
+        None, help="null (chosen per input), xla, chunked, cudnn or pallas"
+    )
+    local_window: tuple[int, int] | None = setting(
+        None,
+        help="null, or [left, right]: self-attention sees only that many neighbours (Longformer, "
+        "BigBird)",
+    )
+    global_tokens: int = setting(
+        0,
+        help="with local_window: the first N positions see and are seen by all (within causality)",
+    )
+    mixer: str = setting(
+        "attention",
+        help="self-attention's mixer: attention, aft_full, aft_local or aft_simple (AFT); "
+        "cross-attention stays attention",
+    )
+    aft_window: int | None = setting(
+        None, help="aft_local: its pairwise bias counts within this many positions"
+    )
 
     # ----------------------------------------------------------------------- construction
     @classmethod

@@ -17,6 +17,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from flaxformer_lite.settings import setting
+
 # The variables a launcher sets for every process (the first is also read by JAX itself).
 ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = (
     "JAX_COORDINATOR_ADDRESS",
@@ -27,27 +29,26 @@ ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = (
 
 @dataclasses.dataclass(frozen=True)
 class DistributedConfig:
-    """How this process joins a multi-process run (``jax.distributed.initialize``).
+    """How this process joins a multi-process run (``jax.distributed.initialize``); each
+    field's help is beside it. The address, count and id may also come from
+    ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID``."""
 
-    Attributes:
-      enabled: None connects when a coordinator address or a process count is given (here or in
-        ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID``); True always
-        connects, letting JAX detect what is not given (SLURM, Open MPI, TPU pods, GKE);
-        False never connects.
-      coordinator_address: ``host:port`` of process 0's coordination service.
-      num_processes: how many processes take part.
-      process_id: this process's index in ``[0, num_processes)``.
-      initialization_timeout: seconds to wait for every process to connect.
-      heartbeat_timeout: seconds without a heartbeat after which a process counts as dead; the
-        others then stop with an error instead of waiting forever in a collective.
-    """
-
-    enabled: bool | None = None
-    coordinator_address: str | None = None
-    num_processes: int | None = None
-    process_id: int | None = None
-    initialization_timeout: int = 300
-    heartbeat_timeout: int = 100
+    enabled: bool | None = setting(
+        None,
+        help="null: connect when an address or count is given (here or in JAX_* variables); true: "
+        "always, JAX detecting the rest (SLURM, Open MPI, TPU pods, GKE); false: never",
+    )
+    coordinator_address: str | None = setting(
+        None, help="host:port of process 0's coordination service"
+    )
+    num_processes: int | None = setting(None, help="how many processes take part")
+    process_id: int | None = setting(None, help="this process's index in [0, num_processes)")
+    initialization_timeout: int = setting(300, help="seconds to wait for every process to connect")
+    heartbeat_timeout: int = setting(
+        100,
+        help="seconds without a heartbeat before a process counts dead (the others then stop with "
+        "an error)",
+    )
 
     def __post_init__(self):
         for name in ("initialization_timeout", "heartbeat_timeout"):

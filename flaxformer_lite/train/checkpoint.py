@@ -151,7 +151,7 @@ class Checkpointer:
         Args:
           step: the optimizer step the state is at.
           state: a pytree of arrays (``jax.Array`` or numpy; typed PRNG keys work too).
-          data_state: the data iterator's state, JSON-able (a Grain ``get_state()`` dict).
+          data_state: the data iterator's state, JSON-able (its ``get_state()`` dict).
           config: the resolved config, JSON-able (``TrainConfig.to_dict()``).
           metrics: scalars stored with the checkpoint; ``metrics["eval_loss"]`` ranks "best".
           force: save even when ``step`` is not a multiple of ``every`` (last step, SIGTERM).

@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from flaxformer_lite.train.config import renamed_keys
 from flaxformer_lite.train.metrics import read_metrics
 from flaxformer_lite.train.run_dir import RunDir
 
@@ -52,7 +53,8 @@ def load_runs(paths: Sequence[pathlib.Path | str]) -> list[Run]:
         config = RunDir(path).config
         if not config.exists():
             raise FileNotFoundError(f"{config}: no resolved config (is {path} a run directory?)")
-        runs.append(Run(str(path), records, _flatten(yaml.safe_load(config.read_text()))))
+        settings = renamed_keys(yaml.safe_load(config.read_text()), str(config))
+        runs.append(Run(str(path), records, _flatten(settings)))
     return runs
 
 

@@ -19,7 +19,7 @@ import json
 import pathlib
 import re
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import yaml
@@ -27,6 +27,7 @@ import yaml
 from flaxformer_lite.data.pipeline import DataConfig
 from flaxformer_lite.models.config import ModelConfig
 from flaxformer_lite.parallel import DEFAULT_RULES, MESH_AXES, DistributedConfig, check_rules
+from flaxformer_lite.settings import setting
 from flaxformer_lite.train.optim import OptimizerConfig
 from flaxformer_lite.train.schema import ConfigError, OverrideText, UnknownKeyError, build
 
@@ -54,17 +55,23 @@ class LoopConfig:
     0 turns decoding off. On plain text, it logs ``log_samples`` continuations of validation
     prompts instead."""
 
-    steps: int = 3000
-    batch_size: int = 32
-    grad_accum_steps: int = 1
-    log_every: int = 50
-    eval_every: int = 500
-    eval_batches: int | None = None
-    decode_examples: int = 256
-    log_samples: int = 3
-    label_smoothing: float = 0.0
-    z_loss: float = 0.0
-    skip_nonfinite: bool = False
+    steps: int = setting(3000, help="optimizer steps of the whole run (may be raised on resume)")
+    batch_size: int = setting(32, help="examples (rows) per optimizer step, over all devices")
+    grad_accum_steps: int = setting(1, help="microbatches per step (batch_size must be a multiple)")
+    log_every: int = setting(50, help="log training metrics every this many steps")
+    eval_every: int = setting(500, help="evaluate every this many steps (and at the end)")
+    eval_batches: int | None = setting(
+        None, help="validation batches per evaluation; null: all (every token)"
+    )
+    decode_examples: int = setting(
+        256, help="validation examples greedy-decoded and scored per evaluation"
+    )
+    log_samples: int = setting(3, help="decoded examples printed per evaluation")
+    label_smoothing: float = setting(0.0, help="label smoothing of the loss, in [0, 1)")
+    z_loss: float = setting(0.0, help="weight of the log(Z)^2 penalty on the logits (PaLM); 0: off")
+    skip_nonfinite: bool = setting(
+        False, help="skip a step with a non-finite loss or gradient instead of stopping"
+    )
 
     def __post_init__(self):
         if self.batch_size % max(self.grad_accum_steps, 1):
@@ -98,8 +105,8 @@ class LoopConfig:
 class CheckpointConfig:
     """Orbax checkpoints every ``every`` steps (and at the end), keeping the last ``keep``."""
 
-    every: int = 500
-    keep: int = 3
+    every: int = setting(500, help="save every this many steps (and at the end)")
+    keep: int = setting(3, help="keep the last this many checkpoints (and the best by eval loss)")
 
     def __post_init__(self):
         _check_positive("checkpoint.every", self.every)
@@ -117,11 +124,14 @@ class MeshConfig:
     of :data:`~flaxformer_lite.parallel.DEFAULT_RULES` in place; new names come last.
     """
 
-    data: int = -1
-    fsdp: int = 1
-    tensor: int = 1
-    rules: dict[str, tuple[str, ...]] = dataclasses.field(
-        default_factory=lambda: dict(DEFAULT_RULES)
+    data: int = setting(-1, help="the data-parallel axis size; -1: the remaining devices")
+    fsdp: int = setting(
+        1, help="the fully-sharded-data-parallel axis size; -1: the remaining devices"
+    )
+    tensor: int = setting(1, help="the tensor-parallel axis size; -1: the remaining devices")
+    rules: dict[str, tuple[str, ...]] = setting(
+        factory=lambda: dict(DEFAULT_RULES),
+        help="logical axis -> the mesh axes that shard it ([] replicates)",
     )
 
     def __post_init__(self):
@@ -144,25 +154,42 @@ class TrainConfig:
     The defaults are the embedded default run (``configs/default.yaml`` spells them out): a
     GPT-2-style decoder of 0.1M parameters (no dropout: the data never repeat) learning
     three-digit addition and subtraction on a CPU in a few minutes.
-    ``init_from``: a Hugging Face checkpoint directory (GPT-2, Llama or Marian) to fine-tune:
-    ``load_config`` takes ``model`` from its ``config.json``, a fresh run starts from its
-    weights, and the data are encoded by its tokenizer, with its ids.
     """
 
-    run_dir: str = "runs/default"
-    seed: int = 0
-    init_from: str | None = None
-    model: ModelConfig = dataclasses.field(
-        default_factory=lambda: ModelConfig.from_preset(
-            "gpt2-tiny", embedding_dropout=0.0, attention_dropout=0.0, residual_dropout=0.0
-        )
+    run_dir: str = setting(
+        "runs/default",
+        help="the run's directory: config, metrics, checkpoints; the same one resumes",
     )
-    data: DataConfig = dataclasses.field(default_factory=DataConfig)
-    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
-    train: LoopConfig = dataclasses.field(default_factory=LoopConfig)
-    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
-    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
-    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+    seed: int = setting(0, help="the seed of initialization, data order and dropout")
+    init_from: str | None = setting(
+        None,
+        help="a Hugging Face checkpoint directory to fine-tune (GPT-2, Llama, Marian): "
+        "the model is its config.json, a fresh run starts from its weights, with its tokenizer",
+    )
+    model: ModelConfig = setting(
+        factory=lambda: ModelConfig.from_preset(
+            "gpt2-tiny", embedding_dropout=0.0, attention_dropout=0.0, residual_dropout=0.0
+        ),
+        help="the architecture (model.preset=NAME starts from a preset, e.g. gpt2-tiny)",
+    )
+    data: DataConfig = setting(
+        factory=DataConfig, help="where the data come from and how they become batches"
+    )
+    optimizer: OptimizerConfig = setting(
+        factory=OptimizerConfig, help="AdamW, its learning-rate schedule and clipping"
+    )
+    train: LoopConfig = setting(factory=LoopConfig, help="the training loop")
+    checkpoint: CheckpointConfig = setting(
+        factory=CheckpointConfig, help="Orbax checkpoints in <run_dir>/checkpoints"
+    )
+    mesh: MeshConfig = setting(
+        factory=MeshConfig,
+        help="the device mesh (devices = data x fsdp x tensor) and how arrays are sharded on it",
+    )
+    distributed: DistributedConfig = setting(
+        factory=DistributedConfig,
+        help="how this process joins a multi-process run (jax.distributed)",
+    )
 
     def __post_init__(self):
         model = self.model
@@ -195,11 +222,20 @@ RUNTIME_KEYS = (
     "distributed.",
 )
 
+# Keys renamed since runs saved their configs: old dotted key -> new, in the same section. An
+# old key is read as its new name wherever it appears (a config file, an override, an older
+# run's config.yaml or checkpoint), so an older run resumes without a difference.
+RENAMED_KEYS = {"data.task": "data.generator", "data.task_options": "data.generator_options"}
+
 
 def load_config(
-    path: str | pathlib.Path | None = None, overrides: Sequence[str] = ()
+    path: str | pathlib.Path | None = None,
+    overrides: Sequence[str] = (),
+    notify: Callable[[str], None] | None = None,
 ) -> TrainConfig:
-    """The config of a YAML file (or the defaults) with ``key=value`` overrides applied.
+    """The config of a YAML file (or the defaults) with ``key=value`` overrides applied;
+    ``notify`` gets a line for each old key name (:data:`RENAMED_KEYS`) the file or an override
+    uses.
 
     Raises:
       ConfigError: a missing or malformed file, an unknown key (with the closest valid key), a
@@ -224,12 +260,12 @@ def load_config(
             raise ConfigError(
                 f"config file {path} must hold a mapping, got {type(loaded).__name__}"
             )
-        values = loaded or {}
+        values = renamed_keys(loaded or {}, f"config file {path}", notify)
     for override in overrides:
         key, sep, raw = override.partition("=")
         if not sep or not key:
             raise ConfigError(f"overrides are key=value, got {override!r}")
-        _set_dotted(values, key.strip(), OverrideText(raw))
+        _set_dotted(values, _renamed_key(key.strip(), override, notify), OverrideText(raw))
     init_from = values.get("init_from")
     if isinstance(init_from, OverrideText) and init_from.strip().lower() in ("", "none", "null"):
         init_from = values["init_from"] = None
@@ -276,9 +312,10 @@ def _yaml_line(error: yaml.YAMLError) -> str:
 
 
 def config_from_dict(values: Mapping[str, Any]) -> TrainConfig:
-    """A :class:`TrainConfig` from nested plain values, checked key by key."""
+    """A :class:`TrainConfig` from nested plain values, checked key by key; old key names
+    (:data:`RENAMED_KEYS`, as older runs saved them) are read as their new ones."""
     try:
-        return build(TrainConfig, values, "")
+        return build(TrainConfig, renamed_keys(values, "the config"), "")
     except UnknownKeyError as error:
         close = difflib.get_close_matches(error.key, valid_keys(), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -293,6 +330,48 @@ def config_diff(old: TrainConfig, new: TrainConfig) -> dict[str, tuple[Any, Any]
         for key in sorted(old_flat.keys() | new_flat.keys())
         if old_flat.get(key) != new_flat.get(key)
     }
+
+
+def renamed_keys(
+    values: Mapping[str, Any], where: str, notify: Callable[[str], None] | None = None
+) -> dict[str, Any]:
+    """Nested ``values`` with each old key of :data:`RENAMED_KEYS` under its new name (the
+    sections on the way copied, ``values`` left as it is); ``notify`` gets a line for each.
+
+    Raises:
+      ConfigError: an old key and its new name both given.
+    """
+    values = dict(values)
+    for old, new in RENAMED_KEYS.items():
+        *sections, old_name = old.split(".")
+        new_name = new.rpartition(".")[2]
+        node = values
+        for section in sections:
+            if not isinstance(node.get(section), Mapping):
+                break
+            node[section] = node = dict(node[section])
+        else:
+            if old_name not in node:
+                continue
+            if new_name in node:
+                raise ConfigError(
+                    f"{where}: {old} and {new} are one setting ({old} is its old name): "
+                    f"give only {new}"
+                )
+            node[new_name] = node.pop(old_name)
+            if notify is not None:
+                notify(f"{where}: {old} is now {new} (read as {new})")
+    return values
+
+
+def _renamed_key(key: str, override: str, notify: Callable[[str], None] | None) -> str:
+    """The dotted ``key`` of ``override`` with an old name (:data:`RENAMED_KEYS`) replaced."""
+    for old, new in RENAMED_KEYS.items():
+        if key == old or key.startswith(old + "."):
+            if notify is not None:
+                notify(f"{override}: {old} is now {new} (read as {new})")
+            return new + key[len(old) :]
+    return key
 
 
 def is_runtime_key(key: str) -> bool:

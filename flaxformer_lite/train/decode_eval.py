@@ -40,7 +40,7 @@ def decodable(task: str, examples: Sequence[dict]) -> bool:
     of the synthetic prompt=answer tasks (plain text has no answer to compare with)."""
     if task == "seq2seq":
         return True
-    return task == "lm" and isinstance(examples, synthetic.Task) and examples.kind == "lm"
+    return task == "lm" and isinstance(examples, synthetic.Task) and examples.records == "lm"
 
 
 def decode_eval(

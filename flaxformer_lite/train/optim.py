@@ -15,42 +15,53 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from flaxformer_lite.settings import setting
+
 SCHEDULES = ("cosine", "linear", "constant", "inverse_sqrt")
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
     """AdamW, its schedule and clipping. Defaults suit the small CPU models; the paper presets use
-    ``schedule="inverse_sqrt", lr=1.0, warmup_steps=4000, b2=0.98, eps=1e-9``.
-
-    Attributes:
-      lr: the peak learning rate; for ``inverse_sqrt`` the multiplier of the paper's formula
-        (1.0 is the paper's schedule).
-      schedule: ``cosine``, ``linear`` (to ``end_lr_ratio * lr`` at the last step),
-        ``constant`` (after warmup) or ``inverse_sqrt``.
-      warmup_steps: linear warmup from 0 to ``lr`` (the paper's ``warmup_steps``); a run
-        shorter than it warms up over a tenth of its steps (:func:`fitted_warmup_steps`).
-      end_lr_ratio: the final learning rate of ``cosine`` / ``linear`` as a fraction of ``lr``.
-      b1, b2, eps: Adam's moment decays and epsilon.
-      weight_decay: decoupled weight decay (AdamW); 0 is Adam.
-      decay_embeddings: also decay embedding tables (and norms and biases never).
-      clip_norm: clip the global gradient norm to this; None disables clipping.
-      schedule_steps: the steps ``cosine`` / ``linear`` decay over; None: ``train.steps``. A run
-        resumed with more ``train.steps`` keeps the span it had (the rate stays at its end
-        value after it), unless this is set (with ``--force``) to stretch the schedule.
+    ``schedule="inverse_sqrt", lr=1.0, warmup_steps=4000, b2=0.98, eps=1e-9``. Each field's
+    help is beside it. A run resumed with more ``train.steps`` keeps the span its schedule had
+    (the rate stays at its end value after it), unless ``schedule_steps`` is set (with
+    ``--force``) to stretch it.
     """
 
-    lr: float = 3e-3
-    schedule: str = "cosine"
-    warmup_steps: int = 100
-    end_lr_ratio: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.01
-    decay_embeddings: bool = False
-    clip_norm: float | None = 1.0
-    schedule_steps: int | None = None
+    lr: float = setting(
+        3e-3,
+        help="the peak learning rate (inverse_sqrt: the multiplier of the paper's formula, 1.0 the "
+        "paper's)",
+    )
+    schedule: str = setting(
+        "cosine",
+        help="cosine, linear (to end_lr_ratio * lr at the last step), constant (after warmup) or "
+        "inverse_sqrt",
+    )
+    warmup_steps: int = setting(
+        100,
+        help="linear warmup steps from 0 to lr (a run shorter than it warms up over a tenth of its "
+        "steps)",
+    )
+    end_lr_ratio: float = setting(
+        0.1, help="the last learning rate of cosine / linear, as a share of lr"
+    )
+    b1: float = setting(0.9, help="Adam's first-moment decay")
+    b2: float = setting(0.999, help="Adam's second-moment decay")
+    eps: float = setting(1e-8, help="Adam's epsilon")
+    weight_decay: float = setting(
+        0.01, help="decoupled weight decay (AdamW) of the kernels; 0 is Adam"
+    )
+    decay_embeddings: bool = setting(
+        False, help="also decay the embedding tables (norms and biases never)"
+    )
+    clip_norm: float | None = setting(
+        1.0, help="clip the global gradient norm to this; null: no clipping"
+    )
+    schedule_steps: int | None = setting(
+        None, help="steps the cosine / linear decay spans; null: train.steps (kept on resume)"
+    )
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:

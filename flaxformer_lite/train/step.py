@@ -17,9 +17,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from flaxformer_lite import ops
+from flaxformer_lite.data.tasks import check_task
 from flaxformer_lite.models.config import ModelConfig
-
-TASKS = ("lm", "seq2seq", "mlm", "classify")
 
 
 def task_of(cfg: ModelConfig) -> str:
@@ -35,18 +34,11 @@ def task_of(cfg: ModelConfig) -> str:
 def model_loss(
     model, batch: dict, *, task: str, label_smoothing: float = 0.0, z_loss: float = 0.0
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """``ops.cross_entropy`` of the model's predictions for ``batch``.
-
-    Batches (int32 unless noted; weights float32, 0 at padding):
-      ``lm``: ``inputs``, ``targets``, ``weights`` ``[B, T]``; optional ``positions`` and
-        ``segment_ids`` for packed rows.
-      ``seq2seq``: ``src`` and bool ``src_mask`` ``[B, S]``; ``inputs`` (``<sos>`` + target),
-        ``targets`` (target + ``<eos>``), ``weights`` ``[B, T]``.
-      ``mlm``: ``inputs`` (with masked tokens), ``targets``, ``weights`` (1 where masked), bool
-        ``mask`` ``[B, T]`` (False at padding).
-      ``classify``: ``inputs``, bool ``mask`` ``[B, T]``, ``labels`` ``[B]``; optional
-        ``weights`` ``[B]`` (0 for the padding rows of a last eval batch).
+    """``ops.cross_entropy`` of the model's predictions for ``batch``, a batch of ``task`` as
+    :data:`flaxformer_lite.data.tasks.BATCHES` describes it (packed ``lm`` rows add
+    ``segment_ids`` and ``positions``; a ``classify`` batch may leave out its ``weights``).
     """
+    check_task(task)
     if task == "lm":
         logits = model(
             batch["inputs"], positions=batch.get("positions"), segment_ids=batch.get("segment_ids")
@@ -55,7 +47,7 @@ def model_loss(
         logits = model(batch["src"], batch["inputs"], padding_mask=batch["src_mask"])
     elif task == "mlm":
         logits = model(batch["inputs"], padding_mask=batch["mask"])
-    elif task == "classify":
+    else:  # classify
         logits = model.classify(batch["inputs"], padding_mask=batch["mask"])
         return ops.cross_entropy(
             logits,
@@ -64,8 +56,6 @@ def model_loss(
             label_smoothing=label_smoothing,
             z_loss=z_loss,
         )
-    else:
-        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
     return ops.cross_entropy(
         logits,
         batch["targets"],
