@@ -89,7 +89,8 @@ def test_first_step_loss_is_the_hf_loss_and_it_falls(hf, gpt2, finetuned, tmp_pa
         task="lm",
         seed=cfg.seed,
         batch_size=cfg.train.batch_size,
-        directory=tmp_path,
+        directory=tmp_path / "tokenizer",
+        prepared=tmp_path / "prepared",
         tokenizer=tokenizer,
     )
     batch = next(data.train)
@@ -222,6 +223,7 @@ def test_a_saved_tokenizer_of_another_checkpoint_is_refused(gpt2, tmp_path, caps
     shutil.copytree(gpt2[1], other)
     (other / "tokenizer.json").write_text(hf_checkpoints.bpe_tokenizer(vocab_size=280).to_str())
     load_hf_tokenizer(other).save(tmp_path / "run" / "tokenizer")
+    (tmp_path / "run" / "run.lock").touch()  # as the failed run left it
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(hf_checkpoints.CORPUS) + "\n")
     argv = [
