@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from subprocess_env import subprocess_env
@@ -195,6 +196,7 @@ def test_a_corrupt_metrics_item_sets_its_checkpoint_aside(tmp_path, caplog):
             checkpointer.save(step, state, data_state={}, config={}, metrics={"eval_loss": 1.0})
     (directory / "2" / "metrics" / "metrics").write_text("")
     with Checkpointer(directory, keep=3) as checkpointer:
+        assert checkpointer.restore({"a": jnp.zeros(3, jnp.float32)}).step == 1
         assert checkpointer.all_steps() == [1]
     assert (directory / "2.corrupt").is_dir()
     assert any("metrics/metrics is unreadable" in r.getMessage() for r in caplog.records)
