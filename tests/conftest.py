@@ -24,7 +24,9 @@ Compiling is most of the suite's time on a CPU:
 
 import os
 import shutil
+import sys
 import tempfile
+import threading
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -88,6 +90,15 @@ def _keep_malloc_defaults(monkeypatch):
     """``train_main`` called in-process would set glibc's malloc for the rest of the worker's
     tests (``flaxformer_lite.train.host_memory``); tests that need the setting start a process."""
     monkeypatch.setattr(host_memory, "reuse_freed_host_memory", lambda: False)
+
+
+@pytest.fixture(autouse=True)
+def _keep_exception_hooks(monkeypatch):
+    """``train_main`` or ``generate`` called in-process would send unraisable exceptions and
+    threads' uncaught ones to a library log (``flaxformer_lite.cli.library_log``) for the rest
+    of the worker's tests; pytest's hooks, which report them, are put back after each test."""
+    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)
+    monkeypatch.setattr(threading, "excepthook", threading.excepthook)
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@
 import logging
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import pytest
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from flaxformer_lite.train.checkpoint import Checkpointer, CheckpointError
+from flaxformer_lite.train.checkpoint import Checkpointer, CheckpointError, CheckpointShapeError
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 
@@ -247,6 +248,101 @@ def test_all_corrupted_raises_naming_the_directory(tmp_path):
         with pytest.raises(CheckpointError, match=f"none of the checkpoints in {tmp_path}"):
             ckpt.restore(single_device(make_state(1)))
         assert ckpt.all_steps() == [1, 2]  # nothing is set aside when nothing restores
+
+
+def _overwrite_every_file(step_dir: pathlib.Path) -> None:
+    """Garbage of the same size in every file of a checkpoint (metadata, metrics, arrays)."""
+    for path in step_dir.rglob("*"):
+        if path.is_file():
+            path.write_bytes(b"\xde\xad" * (path.stat().st_size // 2 + 1))
+
+
+def test_every_file_overwritten_raises_and_moves_nothing(tmp_path):
+    with Checkpointer(tmp_path, keep=3) as ckpt:
+        save_steps(ckpt, [1, 2], losses=[2.0, 1.0])
+    for step in (1, 2):
+        _overwrite_every_file(tmp_path / str(step))
+    with Checkpointer(tmp_path, keep=3) as ckpt:  # orbax would fail on the metrics items
+        assert ckpt.all_steps() == [1, 2]
+        for restore in (ckpt.restore_config, lambda: ckpt.restore(single_device(make_state(1)))):
+            with pytest.raises(CheckpointError) as info:
+                restore()
+            message = str(info.value)
+            assert len(message.splitlines()) == 1, message
+            assert f"none of the checkpoints in {tmp_path} (steps [1, 2])" in message
+            assert "pass --fresh" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2"]
+
+
+def test_an_unreadable_metrics_item_is_set_aside_once_an_older_one_restores(tmp_path, caplog):
+    with Checkpointer(tmp_path, keep=3) as ckpt:
+        save_steps(ckpt, [1, 2, 3], losses=[1.0, 2.0, 3.0])  # step 1 is best
+    (tmp_path / "3" / "metrics" / "metrics").write_text("{")
+    with Checkpointer(tmp_path, keep=2) as ckpt:
+        assert ckpt.latest_step() == 3  # not moved before a restore says which one is used
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            assert ckpt.restore(single_device(make_state(2))).step == 2
+        assert ckpt.all_steps() == [1, 2] and (tmp_path / "3.corrupt").is_dir()
+        warnings = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+        assert len(warnings) == 1 and "3/metrics/metrics is unreadable" in warnings[0], warnings
+        save_steps(ckpt, [3, 4])  # the metrics were read again: step 1 is still the best
+        assert ckpt.all_steps() == [1, 3, 4]
+
+
+def _damage(step_dir: pathlib.Path, key: str, index: int) -> None:
+    """Changes one element of array ``key`` in place: the checkpoint stays readable, as after
+    flipped bits that a compressed chunk still decodes."""
+    import tensorstore as ts
+
+    kvstore = {"driver": "ocdbt", "base": f"file://{step_dir}/state/", "path": f"{key}/"}
+    array = ts.open({"driver": "zarr", "kvstore": kvstore}).result()
+    array[index].write(array[index].read().result() + 1).result()
+
+
+def test_damaged_array_data_are_detected_and_the_previous_one_used(tmp_path, caplog):
+    mesh = jax.make_mesh((2, 4), ("data", "model"), devices=jax.devices()[:8])
+    with Checkpointer(tmp_path, keep=3) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, make_state(step, mesh), data_state={}, config=CONFIG)
+        ckpt.wait()
+    _damage(tmp_path / "2", "params.kernel", (5, 9))
+    # Restored onto another mesh: the fingerprints do not depend on the sharding.
+    mesh_42 = jax.make_mesh((4, 2), ("data", "model"), devices=jax.devices()[:8])
+    target = onto(make_state(1), lambda _: NamedSharding(mesh_42, P()))
+    with Checkpointer(tmp_path, keep=3) as ckpt:
+        with pytest.raises(CheckpointError, match=r"step 2 .*DamagedArrayError: .*\['kernel'\]"):
+            ckpt.restore(target, step=2)
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            restored = ckpt.restore(target)
+        assert restored.step == 1
+        assert_trees_equal(restored.state, make_state(1))
+    assert (tmp_path / "2.corrupt").is_dir()
+    assert any("DamagedArrayError" in r.getMessage() for r in caplog.records)
+
+
+def test_checkpoints_without_fingerprints_still_restore(tmp_path):
+    with Checkpointer(tmp_path, keep=3) as ckpt:
+        save_steps(ckpt, [1])
+    shutil.rmtree(tmp_path / "1" / "fingerprints")  # as written before they were recorded
+    with Checkpointer(tmp_path, keep=3) as ckpt:
+        assert_trees_equal(ckpt.restore(single_device(make_state(1))).state, make_state(1))
+
+
+def test_changed_shapes_are_not_an_unreadable_checkpoint(tmp_path):
+    with Checkpointer(tmp_path, keep=3) as ckpt:
+        save_steps(ckpt, [1, 2])
+    target = single_device(make_state(1))
+    wider = jax.ShapeDtypeStruct((8, 32), jnp.float32, sharding=target["opt"]["mu"].sharding)
+    target["params"]["kernel"] = target["opt"]["mu"] = wider
+    with Checkpointer(tmp_path, keep=3) as ckpt:
+        with pytest.raises(CheckpointShapeError) as info:
+            ckpt.restore(target)
+        assert str(info.value) == (
+            f"checkpoint step 2 in {tmp_path} holds other arrays than this model: "
+            "opt/mu has shape (8, 16) there, (8, 32) here (2 arrays differ)"
+        )
+        assert ckpt.all_steps() == [1, 2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2"]
 
 
 KILLED_RUN = textwrap.dedent(

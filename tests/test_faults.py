@@ -7,15 +7,18 @@ import os
 import pathlib
 import random
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from subprocess_env import subprocess_env
 
+from flaxformer_lite.cli.library_log import library_log_to
 from flaxformer_lite.cli.train import train_main
 from flaxformer_lite.train import loop as loop_module
 from flaxformer_lite.train.checkpoint import Checkpointer, CheckpointError
@@ -49,6 +52,7 @@ def makedirs(path, *args, **kwargs):
         raise OSError(errno.EROFS, "Read-only file system", str(path))
     return real(path, *args, **kwargs)
 os.makedirs = makedirs
+from flaxformer_lite.cli.library_log import library_log_to
 from flaxformer_lite.cli.train import train_main
 sys.exit(train_main(sys.argv[1:]))
 """
@@ -140,6 +144,42 @@ def test_train_exits_2_on_a_read_only_bind_mounted_checkpoints_directory(tmp_pat
     assert err.strip().splitlines()[-1].startswith("error: cannot write a checkpoint in "), err
 
 
+def tmpfs_mount_works() -> bool:
+    probe = ["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /tmp"]
+    try:
+        return subprocess.run(probe, capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not tmpfs_mount_works(), reason="no user and mount namespaces here")
+def test_a_full_disk_during_a_save_ends_with_one_line(tmp_path):
+    """A 2 MiB tmpfs as the checkpoints directory: two checkpoints fit, the third save fails
+    inside TensorStore, whose threads then report "Event loop is closed" many times."""
+    checkpoints = tmp_path / "run" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    train = [sys.executable, "train.py", "--no-progress", f"run_dir={tmp_path / 'run'}", *TINY]
+    train += ["train.steps=4", "checkpoint.every=1"]
+    where = shlex.quote(str(checkpoints))
+    mount = f"mount -t tmpfs -o size=2m tmpfs {where} && exec {shlex.join(train)}"
+    child = subprocess.Popen(
+        ["unshare", "-rm", "sh", "-c", mount],
+        cwd=REPO,
+        env=subprocess_env(1),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    out, err = child.communicate(timeout=300)
+    assert child.returncode == 2, (out, err[-3000:])
+    assert "Traceback" not in out + err and "Event loop" not in out + err, err[-3000:]
+    assert len(err.strip().splitlines()) == 1, err[-3000:]
+    assert err.startswith("error: cannot write a checkpoint in "), err
+    assert "No space left on device" in err
+    assert "No space left on device" in (tmp_path / "run" / "library.log").read_text()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_during_start_up_exits_128_plus_signal(tmp_path, signum):
@@ -195,6 +235,7 @@ def test_a_corrupt_metrics_item_sets_its_checkpoint_aside(tmp_path, caplog):
             checkpointer.save(step, state, data_state={}, config={}, metrics={"eval_loss": 1.0})
     (directory / "2" / "metrics" / "metrics").write_text("")
     with Checkpointer(directory, keep=3) as checkpointer:
+        assert checkpointer.restore({"a": jnp.zeros(3, jnp.float32)}).step == 1
         assert checkpointer.all_steps() == [1]
     assert (directory / "2.corrupt").is_dir()
     assert any("metrics/metrics is unreadable" in r.getMessage() for r in caplog.records)
@@ -387,3 +428,125 @@ def test_changed_data_on_resume_are_shown_and_force_goes_on(tmp_path):
     assert any("going on with changed data" in line for line in logged)
     assert any("resuming with changed data" in line for line in logged)  # the pipeline's diff
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3]
+
+
+def test_unraisable_and_thread_exceptions_go_to_the_library_log(tmp_path, capfd):
+    """What TensorStore's and orbax's threads report outside of logging (conftest.py puts
+    pytest's hooks back after the test)."""
+    library_log_to(tmp_path / "library.log")
+
+    class Closing:
+        def __del__(self):
+            raise RuntimeError("Event loop is closed")
+
+    Closing()  # collected at once: its exception is unraisable
+    thread = threading.Thread(target=lambda: 1 / 0, name="a-library-thread")
+    thread.start()
+    thread.join()
+    assert capfd.readouterr().err == ""
+    text = (tmp_path / "library.log").read_text()
+    assert "RuntimeError: Event loop is closed" in text
+    assert "exception in a-library-thread" in text and "ZeroDivisionError" in text
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """A run of 2 steps with a checkpoint at each, trained once for the tests that copy it."""
+    run_dir = tmp_path_factory.mktemp("saved") / "run"
+    cfg = load_config(None, [f"run_dir={run_dir}", *TINY, "train.steps=2", "checkpoint.every=1"])
+    run(cfg, progress=False, log=lambda _: None)
+    return run_dir
+
+
+def copied_run(saved_run, tmp_path) -> pathlib.Path:
+    run_dir = tmp_path / "run"
+    shutil.copytree(saved_run, run_dir)
+    (run_dir / "library.log").unlink(missing_ok=True)
+    return run_dir
+
+
+def listing(directory: pathlib.Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(directory)): p.read_bytes() for p in directory.rglob("*") if p.is_file()
+    }
+
+
+@pytest.mark.slow
+def test_no_restorable_checkpoint_exits_2_and_moves_nothing(saved_run, tmp_path):
+    run_dir = copied_run(saved_run, tmp_path)
+    for path in (run_dir / "checkpoints").rglob("*"):
+        if path.is_file():  # garbage of the same size, metadata and metrics included
+            path.write_bytes(bytes(range(256)) * (path.stat().st_size // 256 + 1))
+    before = listing(run_dir)
+    child = start(
+        ["train.py", "--no-progress", f"run_dir={run_dir}", *TINY, "train.steps=3"], tmp_path
+    )
+    out, err = child.communicate(timeout=300)
+    assert child.returncode == 2, (out, err[-3000:])
+    assert len(err.strip().splitlines()) == 1, err[-3000:]
+    assert err.startswith(
+        f"error: none of the checkpoints in {run_dir / 'checkpoints'} (steps [1, 2]) can be "
+        "restored"
+    ), err
+    assert "pass --fresh" in err
+    after = listing(run_dir)
+    for written in ("library.log", "run.lock"):  # this run's own files
+        before.pop(written, None)
+        after.pop(written, None)
+    assert after == before  # nothing set aside, metrics.jsonl as it was
+
+
+def truncate_arrays(step_dir: pathlib.Path) -> None:
+    for path in (step_dir / "state").rglob("d/*"):
+        os.truncate(path, path.stat().st_size // 2)
+
+
+def change_an_array(step_dir: pathlib.Path) -> None:
+    """One element of a layer norm's scale changed, in a checkpoint that stays readable: as
+    damaged bytes that still decode."""
+    import tensorstore as ts
+
+    base = f"file://{step_dir}/state/"
+    kvstore = {"driver": "ocdbt", "base": base, "path": "0.decoder.final_norm.scale/"}
+    array = ts.open({"driver": "zarr", "kvstore": kvstore}).result()
+    array[3].write(array[3].read().result() * 2).result()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("damage", "why"),
+    [(truncate_arrays, "OUT_OF_RANGE"), (change_an_array, "DamagedArrayError")],
+)
+def test_an_unreadable_newest_checkpoint_is_set_aside_in_one_line(saved_run, tmp_path, damage, why):
+    """Resumed from the previous checkpoint, with one warning and no library output; step 2
+    then trains again to the same loss."""
+    run_dir = copied_run(saved_run, tmp_path)
+    damage(run_dir / "checkpoints" / "2")
+    child = start(
+        ["train.py", "--no-progress", f"run_dir={run_dir}", *TINY, "train.steps=3"], tmp_path
+    )
+    out, err = child.communicate(timeout=300)
+    assert child.returncode == 0, (out, err[-3000:])
+    assert "Traceback" not in out + err and "Event loop" not in out + err, err[-3000:]
+    warnings = err.strip().splitlines()
+    assert len(warnings) == 1, err[-3000:]
+    assert "checkpoint step 2 cannot be restored, moved to " in warnings[0] and why in warnings[0]
+    assert f"resumed from step 1 of {run_dir / 'checkpoints'}" in out
+    assert (run_dir / "checkpoints" / "2.corrupt").is_dir()
+    # (the saved run was trained in-process, at another matmul precision: conftest.py)
+    losses = {r["step"]: r["loss"] for r in read_metrics(saved_run)}
+    assert {r["step"]: r["loss"] for r in read_metrics(run_dir)}[2] == pytest.approx(losses[2])
+
+
+@pytest.mark.slow
+def test_changed_parameter_shapes_with_force_exit_2_and_keep_the_checkpoints(saved_run, tmp_path):
+    run_dir = copied_run(saved_run, tmp_path)
+    before = listing(run_dir / "checkpoints")
+    args = [f"run_dir={run_dir}", *TINY, "train.steps=3", "model.d_model=32"]
+    child = start(["train.py", "--no-progress", "--force", *args], tmp_path)
+    out, err = child.communicate(timeout=300)
+    assert child.returncode == 2, (out, err[-3000:])
+    assert "Traceback" not in out + err, err[-3000:]
+    assert len(err.strip().splitlines()) == 1, err
+    assert "cannot be restored" not in err and "unreadable" not in err, err
+    assert listing(run_dir / "checkpoints") == before

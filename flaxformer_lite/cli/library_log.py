@@ -3,29 +3,70 @@
 Orbax logs a failed save's traceback from each of its threads (through absl), TensorStore errors
 carry a many-line spec of the array, asyncio reports closed event loops and never-awaited
 coroutines of cancelled saves: the command says what went wrong in one line, and this file keeps
-the details for whoever wants them.
+the details for whoever wants them. Some of these are not log records: TensorStore's threads
+report an exception they cannot hand back ("Event loop is closed", when a failed save or restore
+has closed orbax's event loop) through ``sys.unraisablehook``, as Python does for a coroutine
+garbage-collected with an exception in it; a thread's uncaught exception goes through
+``threading.excepthook``. Both are logged here too (this package's own threads hand their errors
+to the thread that waits for them).
 """
 
 from __future__ import annotations
 
 import logging
 import pathlib
+import sys
+import threading
 
-LIBRARY_LOGGERS = ("absl", "asyncio", "py.warnings", "jax", "orbax", "tensorstore")
+UNRAISABLE, THREADS = "py.unraisable", "py.threads"  # the loggers of the two hooks
+LIBRARY_LOGGERS = (
+    "absl",
+    "asyncio",
+    "py.warnings",
+    UNRAISABLE,
+    THREADS,
+    "jax",
+    "orbax",
+    "tensorstore",
+)
 
 
 def library_log_to(path: pathlib.Path | None) -> None:
-    """Sends the records of :data:`LIBRARY_LOGGERS` (Python warnings included) to ``path``
-    (appended, created at the first record), or nowhere with ``None``. This package's own
-    warnings still reach the terminal; the whole errors they shorten are logged at debug
-    level."""
+    """Sends the records of :data:`LIBRARY_LOGGERS` (Python warnings, unraisable exceptions and
+    threads' uncaught exceptions included) to ``path`` (appended, created at the first record),
+    or nowhere with ``None``. This package's own warnings still reach the terminal; the whole
+    errors they shorten are logged at debug level."""
     logging.captureWarnings(True)
+    sys.unraisablehook = _log_unraisable
+    threading.excepthook = _log_thread_exception
     handler = _QuietFileHandler(path) if path is not None else logging.NullHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     for name in LIBRARY_LOGGERS:
         logger = logging.getLogger(name)
         logger.handlers[:] = [handler]
         logger.propagate = False
+
+
+def _log_unraisable(unraisable) -> None:
+    """``sys.unraisablehook``: the report Python would print, as a record of :data:`UNRAISABLE`."""
+    where = f": {unraisable.object!r}" if unraisable.object is not None else ""
+    logging.getLogger(UNRAISABLE).error(
+        "%s%s",
+        unraisable.err_msg or "Exception ignored",
+        where,
+        exc_info=(unraisable.exc_type, unraisable.exc_value, unraisable.exc_traceback),
+    )
+
+
+def _log_thread_exception(args) -> None:
+    """``threading.excepthook``: the report Python would print, as a record of :data:`THREADS`
+    (a ``SystemExit`` ends its thread quietly, as by default)."""
+    if args.exc_type is SystemExit:
+        return
+    name = args.thread.name if args.thread is not None else "a thread"
+    logging.getLogger(THREADS).error(
+        "exception in %s", name, exc_info=(args.exc_type, args.exc_value, args.exc_traceback)
+    )
 
 
 class _QuietFileHandler(logging.FileHandler):

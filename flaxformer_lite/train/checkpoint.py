@@ -9,11 +9,13 @@
     ckpt.close()
 
 A checkpoint holds one pytree of arrays (``state``: parameters, optimizer state, step, RNG key
-data), the data-iterator state and the resolved config (both JSON). Orbax's on-disk layout::
+data), the data-iterator state and the resolved config (both JSON), and a fingerprint of each
+array. Orbax's on-disk layout::
 
     <directory>/<step>/state/        the arrays: TensorStore (OCDBT + Zarr), written per shard
     <directory>/<step>/data_state/   JSON
     <directory>/<step>/config/       JSON
+    <directory>/<step>/fingerprints/ JSON, each array's dtype and fingerprint (see below)
     <directory>/<step>/metrics/      JSON, the ``metrics`` given to ``save`` (for "best" retention)
     <directory>/<step>.orbax-checkpoint-tmp/   a save in flight
 
@@ -26,11 +28,18 @@ Guarantees, and where they come from:
     the new one is committed.
   * Retention (orbax preservation policies): the newest ``keep`` checkpoints, plus the single one
     with the lowest ``metrics["eval_loss"]`` among the saves that reported it.
-  * Corruption (this module): a checkpoint that fails to restore (a truncated or missing file)
-    is reported with a warning naming its step and the error, and the previous one is tried.
-    When an older one restores, the newer, unreadable ones are renamed ``<step>.corrupt`` so the
-    resumed run can write those steps again. Orbax checksums its metadata but not array data:
-    flipped bits inside an array file are *not* detected.
+  * Corruption (this module): a checkpoint that fails to restore (a truncated or missing file,
+    an unreadable metrics item, arrays that differ from their fingerprints) is reported with a
+    warning naming its step and the error, and the previous one is tried. When an older one
+    restores, the unreadable ones are renamed ``<step>.corrupt`` so the resumed run can write
+    those steps again; when none restores, nothing is moved and :class:`CheckpointError` says
+    so. Orbax checksums its metadata but not array data: ``save`` records a uint32 fingerprint
+    of each array (computed on its devices, independent of the sharding) and ``restore``
+    checks the restored arrays against it, so damaged bytes of the right size are caught too.
+    Checkpoints written without fingerprints restore unchecked.
+  * Changed shapes (this module): a restore target whose array shapes differ from the
+    checkpoint's raises :class:`CheckpointShapeError` (nothing is set aside: the checkpoint is
+    fine, the model is not the one it was saved from).
   * Resharding (orbax): ``restore`` places every array on the sharding its abstract target
     carries, whatever the mesh the checkpoint was written from.
 """
@@ -49,6 +58,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
@@ -58,11 +69,22 @@ from orbax.checkpoint._src.futures import future as ocp_future
 logger = logging.getLogger(__name__)
 
 BEST_METRIC = "eval_loss"  # lower is better
+FINGERPRINTS = "fingerprints"  # the item holding each array's fingerprint
+FINGERPRINT_ALGORITHM = "uint32 sum of words x (2 index + 1)"
 
 
 class CheckpointError(OSError):
     """A checkpoint could not be written, or none could be restored; the message names the
     directory (and step) and what to do. An ``OSError``: the run's environment, not its code."""
+
+
+class CheckpointShapeError(ValueError):
+    """The restore target's arrays have other shapes (or other names) than the checkpoint's:
+    the model changed since it was saved. The checkpoint itself is readable and kept."""
+
+
+class DamagedArrayError(ValueError):
+    """A restored array differs from the fingerprint recorded when it was saved."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,8 +124,10 @@ class Checkpointer:
                 raise ValueError(f"checkpoint {name} must be a positive int, got {value!r}")
         self.directory = pathlib.Path(directory).absolute()
         self.read_only = read_only
+        # step -> why it cannot be restored; set aside only once an older one restores.
+        self._unreadable: dict[int, str] = {}
         if not read_only:
-            self._set_aside(_unreadable_metrics(self.directory), reload=False)
+            self._unreadable = _unreadable_metrics(self.directory)
         options = ocp.CheckpointManagerOptions(
             save_decision_policy=policies.FixedIntervalPolicy(every),
             preservation_policy=policies.AnyPreservationPolicy(
@@ -126,7 +150,9 @@ class Checkpointer:
             enable_async_checkpointing=async_save,
             create=not read_only,
             read_only=read_only,
-            lightweight_initialize=read_only,  # no metrics (nor commit times) read at start
+            # No metrics (nor commit times) read at start: read-only needs none, and orbax
+            # fails on an unreadable one (they are read once those are set aside).
+            lightweight_initialize=read_only or bool(self._unreadable),
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
         self._in_flight: int | None = None
@@ -160,10 +186,12 @@ class Checkpointer:
             return False
         # Checked here: orbax would only fail in the background thread, after save returned.
         data_state, config = _json_dict("data_state", data_state), _json_dict("config", config)
+        fingerprints = {"algorithm": FINGERPRINT_ALGORITHM, "arrays": _fingerprints(state)}
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(state),
             data_state=ocp.args.JsonSave(data_state),
             config=ocp.args.JsonSave(config),
+            **{FINGERPRINTS: ocp.args.JsonSave(fingerprints)},
         )
         plain_metrics = {key: float(value) for key, value in (metrics or {}).items()}
         with self._stopping_on_failure():  # the previous save's error surfaces here too
@@ -228,6 +256,11 @@ class Checkpointer:
     def restore(self, abstract_state: Any, step: int | None = None) -> Restored:
         """The checkpoint at ``step`` (default: the newest that can be read).
 
+        The restored arrays are checked against the fingerprints saved with them (those whose
+        dtype the target changes are not). Without ``step``, unreadable checkpoints are skipped
+        with a warning; once an older one restores they are set aside (``<step>.corrupt``),
+        unless ``read_only``.
+
         Args:
           abstract_state: the pytree ``save`` was given, as ``jax.ShapeDtypeStruct`` leaves (or
             arrays) whose ``.sharding`` says where each restored array goes: a ``NamedSharding``
@@ -236,25 +269,53 @@ class Checkpointer:
           step: restore this step, with no fallback.
 
         Raises:
-          CheckpointError: no checkpoint, ``step`` missing, or none could be restored.
+          CheckpointError: no checkpoint, ``step`` missing, or none could be restored (nothing
+            is set aside then).
+          CheckpointShapeError: the checkpoint's arrays have other shapes or names than
+            ``abstract_state``'s.
           ValueError: a leaf of ``abstract_state`` without a concrete sharding.
         """
         target = jax.tree_util.tree_map_with_path(_abstract_leaf, abstract_state)
-        args = ocp.args.Composite(
-            state=ocp.args.StandardRestore(target),
-            data_state=ocp.args.JsonRestore(),
-            config=ocp.args.JsonRestore(),
-        )
-        step, items = self._restore(args, step)
+
+        def read(candidate: int):
+            items = {
+                "state": ocp.args.StandardRestore(target),
+                "data_state": ocp.args.JsonRestore(),
+                "config": ocp.args.JsonRestore(),
+            }
+            checked = (self.directory / str(candidate) / FINGERPRINTS).is_dir()  # older: none
+            if checked:
+                items[FINGERPRINTS] = ocp.args.JsonRestore()
+            try:
+                restored = self._manager.restore(candidate, args=ocp.args.Composite(**items))
+            except Exception as error:
+                if changed := _changed_arrays(self.directory / str(candidate), target):
+                    raise CheckpointShapeError(
+                        f"checkpoint step {candidate} in {self.directory} holds other arrays "
+                        f"than this model: {changed}"
+                    ) from error
+                raise
+            if checked:
+                _verify(restored.state, restored[FINGERPRINTS])
+            return restored
+
+        step, items = self._restore(read, step, final=True)
         return Restored(step, items.state, dict(items.data_state), dict(items.config))
 
     def restore_config(self, step: int | None = None) -> dict[str, Any]:
-        """Only the config of checkpoint ``step`` (default: the newest readable one)."""
-        _, items = self._restore(ocp.args.Composite(config=ocp.args.JsonRestore()), step)
+        """Only the config of checkpoint ``step`` (default: the newest readable one). The
+        unreadable ones are reported and set aside by the :meth:`restore` that follows, once it
+        knows which one restores."""
+        args = ocp.args.Composite(config=ocp.args.JsonRestore())
+        _, items = self._restore(
+            lambda candidate: self._manager.restore(candidate, args=args), step, final=False
+        )
         return dict(items.config)
 
-    def _restore(self, args: ocp.args.Composite, step: int | None) -> tuple[int, Any]:
-        """Restores ``args`` from ``step``, or from the newest checkpoint that can be read."""
+    def _restore(self, read, step: int | None, final: bool) -> tuple[int, Any]:
+        """``read(step)``, or ``read`` of the newest checkpoint that can be read. The newer
+        ones are remembered as unreadable; once one is read, a ``final`` read reports them
+        (and, unless ``read_only``, sets them aside). None readable: one error, nothing moved."""
         steps = self.all_steps()
         if not steps:
             raise CheckpointError(f"no finished checkpoint in {self.directory}")
@@ -264,63 +325,75 @@ class Checkpointer:
                     f"no checkpoint for step {step} in {self.directory} (it has steps {steps})"
                 )
             try:
-                return step, self._manager.restore(step, args=args)
+                return step, read(step)
+            except CheckpointShapeError:
+                raise
             except Exception as error:
                 logger.debug("checkpoint step %d cannot be restored", step, exc_info=error)
                 raise CheckpointError(
                     f"checkpoint step {step} in {self.directory} cannot be restored: "
                     f"{_error_line(error)}"
                 ) from error
-        unreadable = []
         for candidate in reversed(steps):
+            if candidate in self._unreadable:
+                continue
             try:
-                items = self._manager.restore(candidate, args=args)
+                items = read(candidate)
+            except CheckpointShapeError:
+                raise
             except Exception as error:  # orbax and TensorStore raise many types
                 logger.debug("checkpoint step %d cannot be restored", candidate, exc_info=error)
-                logger.warning(
-                    "checkpoint step %d in %s cannot be restored, trying the previous one: %s",
-                    candidate,
-                    self.directory,
-                    _error_line(error),
-                )
-                unreadable.append((candidate, error))
+                self._unreadable[candidate] = _error_line(error)
                 continue
-            if not self.read_only:
-                self._set_aside([bad for bad, _ in unreadable])
+            if final:
+                self._report_unreadable()
             return candidate, items
-        newest, error = unreadable[0]
+        newest = max(self._unreadable)
         hint = "" if self.read_only else "; pass --fresh to move the run aside and start over"
         raise CheckpointError(
-            f"none of the checkpoints in {self.directory} (steps {steps}) can be restored; "
-            f"the newest, step {newest}, failed with {_error_line(error)}{hint}"
-        ) from error
+            f"none of the checkpoints in {self.directory} (steps {steps}) can be restored "
+            f"(step {newest}: {self._unreadable[newest]}){hint}"
+        )
 
-    def _set_aside(self, steps: list[int], reload: bool = True) -> None:
-        """Renames unreadable step directories to ``<step>.corrupt`` (kept for inspection, no
-        longer listed), so the run resumed from an older step can save those steps again."""
-        if not steps:
+    def _report_unreadable(self) -> None:
+        """A warning for each unreadable checkpoint; unless ``read_only``, renames their step
+        directories to ``<step>.corrupt`` (kept for inspection, no longer listed), so the run
+        resumed from an older step can save those steps again."""
+        if not self._unreadable:
+            return
+        if self.read_only:
+            for step, why in sorted(self._unreadable.items()):
+                logger.warning(
+                    "checkpoint step %d in %s cannot be restored, skipped: %s",
+                    step,
+                    self.directory,
+                    why,
+                )
+            self._unreadable.clear()
             return
         if jax.process_index() == 0:
-            for step in steps:
+            for step, why in sorted(self._unreadable.items()):
                 path = self.directory / str(step)
                 aside = path.with_name(f"{step}.corrupt")
                 suffix = 1
                 while aside.exists():
                     aside, suffix = path.with_name(f"{step}.corrupt-{suffix}"), suffix + 1
                 path.rename(aside)
-                logger.warning("moved unreadable checkpoint %s to %s", path, aside)
+                logger.warning(
+                    "checkpoint step %d cannot be restored, moved to %s: %s", step, aside, why
+                )
         if jax.process_count() > 1:  # the others list the steps only once they are moved
             from jax.experimental import multihost_utils
 
             multihost_utils.sync_global_devices("unreadable checkpoints set aside")
-        if reload:
-            self._manager.reload()
+        self._unreadable.clear()
+        self._manager.reload()  # reads the metrics of the steps left
 
 
-def _unreadable_metrics(directory: pathlib.Path) -> list[int]:
-    """The steps in ``directory`` whose metrics item is not a JSON object: orbax reads every
-    step's metrics when it opens the directory and would fail on the first bad one."""
-    unreadable = []
+def _unreadable_metrics(directory: pathlib.Path) -> dict[int, str]:
+    """The steps in ``directory`` whose metrics item is not a JSON object, and why: orbax reads
+    every step's metrics when it opens the directory and would fail on the first bad one."""
+    unreadable = {}
     for path in sorted(directory.glob("*/metrics/metrics")):
         step_dir = path.parent.parent
         if not step_dir.name.isdigit():
@@ -331,8 +404,7 @@ def _unreadable_metrics(directory: pathlib.Path) -> list[int]:
             logger.debug("%s", path, exc_info=error)
             ok = False
         if not ok:
-            logger.warning("checkpoint step %s: %s is unreadable", step_dir.name, path)
-            unreadable.append(int(step_dir.name))
+            unreadable[int(step_dir.name)] = f"its metrics item {path} is unreadable"
     return unreadable
 
 
@@ -344,6 +416,118 @@ def _error_line(error: BaseException) -> str:
     line = text.splitlines()[0][:300]
     array = re.search(r"'path': '([^/'][^']*?)/?'", full)  # the spec's array, by its key path
     return f"{type(error).__name__}: {line}" + (f" (array {array[1]})" if array else "")
+
+
+def _fingerprints(tree: Any) -> dict[str, list]:
+    """``[dtype, fingerprint]`` of each array of ``tree``, by its key path (``None`` for a dtype
+    that has no fingerprint): one jitted program per set of devices, whose result is a few
+    bytes fetched from them."""
+    arrays = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if jax.dtypes.issubdtype(getattr(leaf, "dtype", None), jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        elif not isinstance(leaf, jax.Array):
+            leaf = np.asarray(leaf)
+        arrays[jax.tree_util.keystr(path)] = leaf
+    groups: dict[Any, list[str]] = {}
+    for name, array in arrays.items():
+        if _words_dtype(array.dtype) is not None:
+            devices = array.sharding.device_set if isinstance(array, jax.Array) else None
+            groups.setdefault(None if devices is None else frozenset(devices), []).append(name)
+    values = {}
+    for names in groups.values():
+        sums = np.asarray(_fingerprint_arrays([arrays[name] for name in names]))
+        values.update(zip(names, (int(value) for value in sums), strict=True))
+    return {name: [str(array.dtype), values.get(name)] for name, array in arrays.items()}
+
+
+def _words_dtype(dtype) -> Any:
+    """The unsigned dtype an array of ``dtype`` is read as (bitcast) to fingerprint it, or
+    None (complex, 4-bit: never in a train state)."""
+    if dtype == np.bool_:
+        return jnp.uint8
+    if jnp.issubdtype(dtype, jnp.integer):
+        bits = jnp.iinfo(dtype).bits
+    elif jnp.issubdtype(dtype, jnp.floating):
+        bits = jnp.finfo(dtype).bits
+    else:
+        return None
+    return {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32, 64: jnp.uint32}.get(bits)
+
+
+@jax.jit
+def _fingerprint_arrays(arrays: list[jax.Array]) -> jax.Array:
+    """One uint32 per array: the sum of its words (bitcast) times their odd position weights
+    ``2 i + 1``, modulo 2^32. Integer sums do not depend on the order of their terms, so the
+    value is the same however the array is sharded; an odd weight makes any one changed word
+    change it, and the position, words moved."""
+    sums = []
+    for array in arrays:
+        words = array.astype(jnp.uint8) if array.dtype == jnp.bool_ else array
+        words = jax.lax.bitcast_convert_type(words, _words_dtype(array.dtype))
+        words = words.astype(jnp.uint32)  # an 8-byte dtype gained a last axis of 2 words
+        index, stride = jnp.zeros((), jnp.uint32), 1
+        for axis in reversed(range(words.ndim)):
+            iota = jax.lax.broadcasted_iota(jnp.uint32, words.shape, axis)
+            index, stride = index + iota * jnp.uint32(stride % 2**32), stride * words.shape[axis]
+        sums.append(jnp.sum(words * (2 * index + 1), dtype=jnp.uint32))
+    return jnp.stack(sums)
+
+
+def _verify(state: Any, saved: Mapping[str, Any]) -> None:
+    """Raises :class:`DamagedArrayError` if an array of the restored ``state`` differs from the
+    fingerprint saved with it (arrays restored to another dtype are not checked)."""
+    if saved.get("algorithm") != FINGERPRINT_ALGORITHM:
+        return  # written by another version: nothing to compare with
+    expected = saved["arrays"]
+    restored = _fingerprints(state)
+    damaged = [
+        name
+        for name, (dtype, value) in restored.items()
+        if name in expected and expected[name][0] == dtype and expected[name][1] != value
+    ]
+    if damaged:
+        raise DamagedArrayError(
+            f"the data of {len(damaged)} array(s) differ from the fingerprints saved with "
+            f"them, e.g. state{damaged[0]}"
+        )
+
+
+def _changed_arrays(step_dir: pathlib.Path, target: Any) -> str | None:
+    """How the arrays saved in ``step_dir`` differ from ``target``'s in shape or name, or None
+    if they do not, or if the checkpoint's metadata cannot be read (an unreadable one)."""
+    try:
+        metadata = ocp.StandardCheckpointHandler().metadata(step_dir / "state")
+        saved = {_names(path): leaf.shape for path, leaf in _flat(metadata)}
+    except Exception as error:  # orbax and TensorStore raise many types
+        logger.debug("metadata of %s", step_dir, exc_info=error)
+        return None
+    wanted = {_names(path): leaf for path, leaf in _flat(target)}
+    changes = [
+        f"{'/'.join(name)} has shape {tuple(saved[name])} there, {leaf.shape} here"
+        for name, leaf in wanted.items()
+        if name in saved
+        and tuple(saved[name]) != leaf.shape
+        and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)  # saved as key data
+    ]
+    changes += [f"{'/'.join(name)} is not there" for name in wanted if name not in saved]
+    changes += [f"{'/'.join(name)} is not in this model" for name in saved if name not in wanted]
+    if not changes:
+        return None
+    more = f" ({len(changes)} arrays differ)" if len(changes) > 1 else ""
+    return f"{changes[0]}{more}"
+
+
+def _flat(tree: Any) -> list:
+    return jax.tree_util.tree_flatten_with_path(tree)[0]
+
+
+def _names(path: tuple) -> tuple[str, ...]:
+    """A key path as names, whatever the key types (orbax's metadata has its own)."""
+    return tuple(
+        str(next(getattr(key, a) for a in ("key", "idx", "name") if hasattr(key, a)))
+        for key in path
+    )
 
 
 def _stop_background_saves(timeout: float = 5.0) -> None:
