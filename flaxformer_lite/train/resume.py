@@ -36,7 +36,7 @@ class Difference:
     forced: str | None = None
 
     def text(self) -> str:
-        return "\n".join([f"{self.what}; {self.way_forward}:", *self.lines])
+        return "\n".join([f"{self.what}; {self.way_forward}" + ":" * bool(self.lines), *self.lines])
 
 
 def keep_schedule_span(saved: TrainConfig, cfg: TrainConfig, log) -> TrainConfig:
