@@ -393,7 +393,7 @@ def test_text_prompts_continue_as_generate_writes_them():
     # An empty prompt still starts with sos_id: generation needs a token to read.
     assert rows[:2] == [tokenizer.encode("12+34="), [tokenizer.sos_id]]
     assert text.prompt_ids(tokenizer, "ab") == [tokenizer.sos_id, *tokenizer.encode("ab")]
-    got = text.continue_prompts(model, tokenizer, prompts, add_bos=False, max_new_tokens=NEW)
+    got = text.continue_or_translate(model, tokenizer, prompts, add_bos=False, max_new_tokens=NEW)
     batch, lengths = right_pad(rows, tokenizer.pad_id)
     out = np.asarray(
         generate(model, batch, max_new_tokens=NEW, prompt_lengths=lengths, eos_id=2, pad_id=0)
@@ -401,7 +401,7 @@ def test_text_prompts_continue_as_generate_writes_them():
     # Only each row's new tokens: not the padding after a shorter prompt's continuation.
     assert got == [until_eos(row[n : n + NEW], 2) for row, n in zip(out, lengths, strict=True)]
     with pytest.raises(ValueError, match="prompt of 33 tokens leaves no room below max_length=32"):
-        text.continue_prompts(model, tokenizer, ["x" * 32], add_bos=True, max_new_tokens=1)
+        text.continue_or_translate(model, tokenizer, ["x" * 32], add_bos=True, max_new_tokens=1)
 
 
 def test_text_sources_translate_as_seq2seq_generate_writes_them():
@@ -409,7 +409,7 @@ def test_text_sources_translate_as_seq2seq_generate_writes_them():
     texts = ["forty-two", "x" * 40]
     sources = [text.source_ids(tokenizer, t, max_length=32) for t in texts]
     assert sources[0] == [*tokenizer.encode("forty-two"), 2] and len(sources[1]) == 32
-    got = text.translate(model, tokenizer, texts, max_new_tokens=NEW)
+    got = text.continue_or_translate(model, tokenizer, texts, max_new_tokens=NEW)
     batch, lengths = right_pad(sources)
     out = np.asarray(seq2seq_generate(model, batch, max_new_tokens=NEW, src_lengths=lengths))
     assert got == [until_eos(row, 2) for row in out]

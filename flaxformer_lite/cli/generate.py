@@ -25,7 +25,7 @@ from flaxformer_lite.cli.errors import guarded, say
 from flaxformer_lite.cli.flags import CommandParser
 from flaxformer_lite.cli.library_log import library_log_to
 from flaxformer_lite.data.tokenizers import Tokenizer
-from flaxformer_lite.decode.text import continue_prompts, translate, translate_beam
+from flaxformer_lite.decode.text import continue_or_translate, translate_beam
 from flaxformer_lite.models import DecoderLM, EncoderDecoder
 
 
@@ -120,19 +120,7 @@ def run(args: argparse.Namespace, say=print) -> int:
         min_tokens_to_keep=args.min_tokens_to_keep,
         rng=rng,
     )
-    if isinstance(model, DecoderLM):
-        outputs = continue_prompts(
-            model,
-            tokenizer,
-            prompts,
-            add_bos=add_bos,
-            max_new_tokens=args.max_new_tokens,
-            **sampling,
-        )
-        for prompt, ids in zip(prompts, outputs, strict=True):
-            say(f"{prompt}{tokenizer.decode(ids)}")
-        return 0
-    if args.beam_size > 1:
+    if args.beam_size > 1:  # an encoder-decoder: a decoder LM was refused above
         tokens, scores = translate_beam(
             model,
             tokenizer,
@@ -146,9 +134,17 @@ def run(args: argparse.Namespace, say=print) -> int:
             for beam, score in list(zip(beams, beam_scores, strict=True))[: args.n_best]:
                 say(f"  {score:9.4f}  {tokenizer.decode(beam)}")
         return 0
-    outputs = translate(model, tokenizer, prompts, max_new_tokens=args.max_new_tokens, **sampling)
+    outputs = continue_or_translate(
+        model,
+        tokenizer,
+        prompts,
+        max_new_tokens=args.max_new_tokens,
+        add_bos=add_bos,
+        **sampling,
+    )
+    arrow = " -> " if isinstance(model, EncoderDecoder) else ""
     for prompt, ids in zip(prompts, outputs, strict=True):
-        say(f"{prompt} -> {tokenizer.decode(ids)}")
+        say(f"{prompt}{arrow}{tokenizer.decode(ids)}")
     return 0
 
 

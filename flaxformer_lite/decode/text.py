@@ -33,17 +33,23 @@ def source_ids(tokenizer, text: str, max_length: int) -> list[int]:
 
 
 def new_tokens(
-    model: DecoderLM,
+    model: DecoderLM | EncoderDecoder,
     tokenizer,
-    prompts: list[list[int]],
+    rows: list[list[int]],
     *,
     max_new_tokens: int,
     **sampling,
 ) -> list[np.ndarray]:
-    """The ``max_new_tokens`` tokens :func:`~flaxformer_lite.decode.generate` adds to each of the
-    token lists ``prompts`` (``pad_id`` after an ``eos_id``). ``sampling``: ``temperature``,
-    ``top_k``, ``top_p``, ``min_tokens_to_keep``, ``rng`` of ``generate`` (default greedy)."""
-    batch, lengths = right_pad(prompts, tokenizer.pad_id)
+    """What the model writes for each token list in ``rows``, ``max_new_tokens`` tokens each
+    (``pad_id`` after an ``eos_id``): a ``DecoderLM`` the tokens
+    :func:`~flaxformer_lite.decode.generate` adds to each prompt, an ``EncoderDecoder`` the target
+    :func:`~flaxformer_lite.decode.seq2seq_generate` decodes from ``sos_id`` for each source.
+    ``sampling``: ``temperature``, ``top_k``, ``top_p``, ``min_tokens_to_keep``, ``rng`` of
+    ``generate`` (default greedy)."""
+    batch, lengths = right_pad(rows, tokenizer.pad_id)
+    if isinstance(model, EncoderDecoder):
+        ids = _seq2seq_ids(tokenizer, lengths, max_new_tokens)
+        return list(np.asarray(seq2seq_generate(model, batch, **ids, **sampling)))
     out = generate(
         model,
         batch,
@@ -56,64 +62,39 @@ def new_tokens(
     return [row[n : n + max_new_tokens] for row, n in zip(np.asarray(out), lengths, strict=True)]
 
 
-def targets(
-    model: EncoderDecoder,
-    tokenizer,
-    sources: list[list[int]],
-    *,
-    max_new_tokens: int,
-    **sampling,
-) -> list[np.ndarray]:
-    """The ``max_new_tokens`` target tokens :func:`~flaxformer_lite.decode.seq2seq_generate`
-    writes for each of the token lists ``sources``, decoding from ``sos_id`` (``pad_id`` after an
-    ``eos_id``); ``sampling`` as in :func:`new_tokens`."""
-    batch, lengths = right_pad(sources, tokenizer.pad_id)
-    out = seq2seq_generate(
-        model, batch, **_seq2seq_ids(tokenizer, lengths, max_new_tokens), **sampling
-    )
-    return list(np.asarray(out))
-
-
-def continue_prompts(
-    model: DecoderLM,
-    tokenizer,
-    prompts: list[str],
-    *,
-    add_bos: bool,
-    max_new_tokens: int,
-    **sampling,
-) -> list[list[int]]:
-    """The new tokens of each text in ``prompts`` (:func:`prompt_ids`), up to (not including)
-    the first ``eos_id``; ``sampling`` as in :func:`new_tokens`. ``max_new_tokens`` is capped so
-    that prompt and continuation fit in ``model.config.max_length``.
-
-    Raises:
-      ValueError: if the longest prompt leaves no room for a new token.
-    """
-    rows = [prompt_ids(tokenizer, prompt, add_bos=add_bos) for prompt in prompts]
-    width, max_length = max(map(len, rows)), model.config.max_length
-    new = min(max_new_tokens, max_length - width)
-    if new < 1:
-        raise ValueError(f"a prompt of {width} tokens leaves no room below max_length={max_length}")
-    outputs = new_tokens(model, tokenizer, rows, max_new_tokens=new, **sampling)
-    return [until_eos(ids, tokenizer.eos_id) for ids in outputs]
-
-
-def translate(
-    model: EncoderDecoder,
+def continue_or_translate(
+    model: DecoderLM | EncoderDecoder,
     tokenizer,
     texts: list[str],
     *,
     max_new_tokens: int,
+    add_bos: bool = True,
     **sampling,
 ) -> list[list[int]]:
-    """Greedy (or sampled, ``sampling`` as in :func:`new_tokens`) targets of ``texts``
-    (:func:`source_ids`), each up to (not including) its first ``eos_id``; at most
-    ``model.config.max_length - 1`` tokens."""
+    """Greedy (or sampled, ``sampling`` as in :func:`new_tokens`) token ids a ``DecoderLM``
+    adds to each prompt of ``texts`` (:func:`prompt_ids`, ``add_bos``), or an ``EncoderDecoder``
+    writes as each one's target (:func:`source_ids`), each up to (not including) its first
+    ``eos_id``. ``max_new_tokens`` is capped so that prompt and continuation, or the target, fit
+    in ``model.config.max_length``.
+
+    Raises:
+      ValueError: if the longest prompt leaves no room for a new token.
+    """
     max_length = model.config.max_length
-    sources = [source_ids(tokenizer, text, max_length) for text in texts]
-    new = min(max_new_tokens, max_length - 1)
-    outputs = targets(model, tokenizer, sources, max_new_tokens=new, **sampling)
+    if isinstance(model, EncoderDecoder):
+        rows = [source_ids(tokenizer, text, max_length) for text in texts]
+        room = max_length - 1
+    else:
+        rows = [prompt_ids(tokenizer, text, add_bos=add_bos) for text in texts]
+        room = max_length - max(map(len, rows))
+        if room < 1:
+            raise ValueError(
+                f"a prompt of {max_length - room} tokens leaves no room below "
+                f"max_length={max_length}"
+            )
+    outputs = new_tokens(
+        model, tokenizer, rows, max_new_tokens=min(max_new_tokens, room), **sampling
+    )
     return [until_eos(ids, tokenizer.eos_id) for ids in outputs]
 
 

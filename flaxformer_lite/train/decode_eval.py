@@ -24,7 +24,7 @@ import sacrebleu
 from flaxformer_lite.data import synthetic
 from flaxformer_lite.data.tokenizers import Tokenizer
 from flaxformer_lite.decode import until_eos
-from flaxformer_lite.decode.text import new_tokens, prompt_ids, source_ids, targets
+from flaxformer_lite.decode.text import new_tokens, prompt_ids, source_ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,8 +77,7 @@ def decode_eval(
     references = [[*encode(reference), tokenizer.eos_id] for _, reference in pairs]
     budget = max_length - max(map(len, inputs)) if task == "lm" else max_length - 1
     max_new_tokens = max(1, min(max(len(r) for r in references) + 2, budget))
-    write = new_tokens if task == "lm" else targets
-    outputs = write(model, tokenizer, inputs, max_new_tokens=max_new_tokens)
+    outputs = new_tokens(model, tokenizer, inputs, max_new_tokens=max_new_tokens)
     predictions = [tokenizer.decode(until_eos(ids, tokenizer.eos_id)) for ids in outputs]
     samples = [
         Sample(input=source, reference=reference, prediction=prediction)
