@@ -1,5 +1,6 @@
 """Tests for flaxformer_lite.decode: cached generation against repeated full forward passes,
-per-row EOS, sampling filters, seq2seq decoding and beam search.
+per-row EOS, sampling filters, seq2seq decoding and beam search, and decoding from text
+(decode/text.py).
 
 The references recompute the whole prefix with the model's ordinary (uncached) forward pass on a
 fixed-size buffer: a causal model's logits at position p do not depend on later slots, so one
@@ -19,7 +20,10 @@ from flaxformer_lite.decode import (
     filter_logits,
     generate,
     next_token,
+    right_pad,
     seq2seq_generate,
+    text,
+    until_eos,
 )
 from flaxformer_lite.models import ModelConfig, build_model
 
@@ -371,3 +375,41 @@ def test_seq2seq_bad_arguments():
         generate(model, SOURCES, max_new_tokens=2)
     with pytest.raises(ValueError, match="takes a EncoderDecoder, got DecoderLM"):
         beam_search(make("gpt2-tiny"), SOURCES, max_new_tokens=2)
+
+
+class LetterTokenizer:
+    """Each character one id below ``VOCAB``, with the library's special ids."""
+
+    pad_id, sos_id, eos_id = 0, 1, 2
+
+    def encode(self, string):
+        return [4 + ord(c) % (VOCAB - 4) for c in string]
+
+
+def test_text_prompts_continue_as_generate_writes_them():
+    model, tokenizer = make("gpt2-tiny"), LetterTokenizer()
+    prompts = ["12+34=", "", "a longer prompt"]
+    rows = [text.prompt_ids(tokenizer, p, add_bos=False) for p in prompts]
+    # An empty prompt still starts with sos_id: generation needs a token to read.
+    assert rows[:2] == [tokenizer.encode("12+34="), [tokenizer.sos_id]]
+    assert text.prompt_ids(tokenizer, "ab") == [tokenizer.sos_id, *tokenizer.encode("ab")]
+    got = text.continue_or_translate(model, tokenizer, prompts, add_bos=False, max_new_tokens=NEW)
+    batch, lengths = right_pad(rows, tokenizer.pad_id)
+    out = np.asarray(
+        generate(model, batch, max_new_tokens=NEW, prompt_lengths=lengths, eos_id=2, pad_id=0)
+    )
+    # Only each row's new tokens: not the padding after a shorter prompt's continuation.
+    assert got == [until_eos(row[n : n + NEW], 2) for row, n in zip(out, lengths, strict=True)]
+    with pytest.raises(ValueError, match="prompt of 33 tokens leaves no room below max_length=32"):
+        text.continue_or_translate(model, tokenizer, ["x" * 32], add_bos=True, max_new_tokens=1)
+
+
+def test_text_sources_translate_as_seq2seq_generate_writes_them():
+    model, tokenizer = make("transformer-tiny", norm_position="pre"), LetterTokenizer()
+    texts = ["forty-two", "x" * 40]
+    sources = [text.source_ids(tokenizer, t, max_length=32) for t in texts]
+    assert sources[0] == [*tokenizer.encode("forty-two"), 2] and len(sources[1]) == 32
+    got = text.continue_or_translate(model, tokenizer, texts, max_new_tokens=NEW)
+    batch, lengths = right_pad(sources)
+    out = np.asarray(seq2seq_generate(model, batch, max_new_tokens=NEW, src_lengths=lengths))
+    assert got == [until_eos(row, 2) for row in out]

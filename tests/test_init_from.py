@@ -12,10 +12,11 @@ import hf_checkpoints
 import numpy as np
 import pytest
 
-from flaxformer_lite.cli import generate, main
+from flaxformer_lite.cli import main
 from flaxformer_lite.cli.train import train_main
 from flaxformer_lite.data.hf_tokenizer import HfTokenizer, load_hf_tokenizer
 from flaxformer_lite.data.pipeline import build_data
+from flaxformer_lite.decode.text import continue_or_translate
 from flaxformer_lite.train.config import ConfigError, load_config
 from flaxformer_lite.train.loop import run
 from flaxformer_lite.train.restore import load_run
@@ -137,7 +138,7 @@ def test_the_finetuned_run_generates(finetuned, capsys):
     run_dir = finetuned[0] / "run"
     loaded = load_run(run_dir)
     assert isinstance(loaded.tokenizer, HfTokenizer)
-    [new] = generate.continue_prompts(
+    [new] = continue_or_translate(
         loaded.model, loaded.tokenizer, ["the quick"], add_bos=True, max_new_tokens=8
     )
     assert (

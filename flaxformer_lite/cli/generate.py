@@ -7,10 +7,11 @@ a Hugging Face checkpoint directory and its own tokenizer.
     flaxformer-lite generate --run-dir runs/translate --prompt "forty-two" --beam-size 4 --n-best 2
     flaxformer-lite generate --hf-dir path/to/gpt2 --prompt "Hello, my name is"
 
-Token ids come from the tokenizer: a run's prompts start with ``<sos>`` (as its training rows
-did); a Hugging Face checkpoint's prompts start with its ``bos`` only when its tokenizer adds one
-(``HfTokenizer.add_bos``: Llama yes, GPT-2 no), encoder inputs end with ``eos``, and decoding
-starts from ``sos_id`` (Marian: ``decoder_start_token_id``, its pad) and stops at ``eos_id``.
+The command reads its flags, loads the model and tokenizer, and prints; the prompts, the decoding
+and the cut at ``eos`` are :mod:`flaxformer_lite.decode.text`'s. A run's prompts start with
+``<sos>`` (as its training rows did); a Hugging Face checkpoint's start with its ``bos`` only when
+its tokenizer adds one (``HfTokenizer.add_bos``: Llama yes, GPT-2 no); Marian decodes from its
+``decoder_start_token_id`` (its pad), the tokenizer's ``sos_id``.
 """
 
 from __future__ import annotations
@@ -19,13 +20,12 @@ import argparse
 import pathlib
 
 import jax
-import numpy as np
 
 from flaxformer_lite.cli.errors import guarded, say
 from flaxformer_lite.cli.flags import CommandParser
 from flaxformer_lite.cli.library_log import library_log_to
 from flaxformer_lite.data.tokenizers import Tokenizer
-from flaxformer_lite.decode import beam_search, generate, right_pad, seq2seq_generate, until_eos
+from flaxformer_lite.decode.text import continue_or_translate, translate_beam
 from flaxformer_lite.models import DecoderLM, EncoderDecoder
 
 
@@ -120,19 +120,7 @@ def run(args: argparse.Namespace, say=print) -> int:
         min_tokens_to_keep=args.min_tokens_to_keep,
         rng=rng,
     )
-    if isinstance(model, DecoderLM):
-        outputs = continue_prompts(
-            model,
-            tokenizer,
-            prompts,
-            add_bos=add_bos,
-            max_new_tokens=args.max_new_tokens,
-            **sampling,
-        )
-        for prompt, ids in zip(prompts, outputs, strict=True):
-            say(f"{prompt}{tokenizer.decode(ids)}")
-        return 0
-    if args.beam_size > 1:
+    if args.beam_size > 1:  # an encoder-decoder: a decoder LM was refused above
         tokens, scores = translate_beam(
             model,
             tokenizer,
@@ -146,9 +134,17 @@ def run(args: argparse.Namespace, say=print) -> int:
             for beam, score in list(zip(beams, beam_scores, strict=True))[: args.n_best]:
                 say(f"  {score:9.4f}  {tokenizer.decode(beam)}")
         return 0
-    outputs = translate(model, tokenizer, prompts, max_new_tokens=args.max_new_tokens, **sampling)
+    outputs = continue_or_translate(
+        model,
+        tokenizer,
+        prompts,
+        max_new_tokens=args.max_new_tokens,
+        add_bos=add_bos,
+        **sampling,
+    )
+    arrow = " -> " if isinstance(model, EncoderDecoder) else ""
     for prompt, ids in zip(prompts, outputs, strict=True):
-        say(f"{prompt} -> {tokenizer.decode(ids)}")
+        say(f"{prompt}{arrow}{tokenizer.decode(ids)}")
     return 0
 
 
@@ -201,93 +197,3 @@ def load_hf_checkpoint(directory: pathlib.Path) -> tuple[DecoderLM | EncoderDeco
             f"only {model.config.vocab_size} embedding rows"
         )
     return model, tokenizer
-
-
-def continue_prompts(
-    model: DecoderLM,
-    tokenizer: Tokenizer,
-    prompts: list[str],
-    *,
-    add_bos: bool,
-    max_new_tokens: int,
-    **sampling,
-) -> list[list[int]]:
-    """The new tokens of each prompt, up to (not including) the first ``eos_id``.
-
-    Each prompt is ``[sos_id] + encode(prompt)`` if ``add_bos`` (or if it encodes to nothing),
-    else ``encode(prompt)``. ``sampling``: ``temperature``, ``top_k``, ``top_p``,
-    ``min_tokens_to_keep``, ``rng`` of :func:`flaxformer_lite.decode.generate` (default greedy).
-    ``max_new_tokens`` is capped so that prompt and continuation fit in
-    ``model.config.max_length``.
-    """
-    rows = []
-    for prompt in prompts:
-        ids = tokenizer.encode(prompt)
-        rows.append([tokenizer.sos_id, *ids] if add_bos or not ids else ids)
-    batch, lengths = right_pad(rows, tokenizer.pad_id)
-    max_length = model.config.max_length
-    new = min(max_new_tokens, max_length - batch.shape[1])
-    if new < 1:
-        raise ValueError(
-            f"a prompt of {batch.shape[1]} tokens leaves no room below max_length={max_length}"
-        )
-    out = np.asarray(
-        generate(
-            model,
-            batch,
-            max_new_tokens=new,
-            prompt_lengths=lengths,
-            eos_id=tokenizer.eos_id,
-            pad_id=tokenizer.pad_id,
-            **sampling,
-        )
-    )
-    return [until_eos(row[n:], tokenizer.eos_id) for row, n in zip(out, lengths, strict=True)]
-
-
-def _sources(model: EncoderDecoder, tokenizer: Tokenizer, texts: list[str], max_new_tokens: int):
-    """Encoder inputs ``encode(text) + [eos_id]`` (cut to ``max_length``), right-padded, and the
-    decoding arguments shared by greedy, sampled and beam decoding."""
-    max_length = model.config.max_length
-    rows = [[*tokenizer.encode(t)[: max_length - 1], tokenizer.eos_id] for t in texts]
-    batch, lengths = right_pad(rows, tokenizer.pad_id)
-    common = dict(
-        max_new_tokens=min(max_new_tokens, max_length - 1),
-        src_lengths=lengths,
-        sos_id=tokenizer.sos_id,
-        eos_id=tokenizer.eos_id,
-        pad_id=tokenizer.pad_id,
-    )
-    return batch, common
-
-
-def translate(
-    model: EncoderDecoder,
-    tokenizer: Tokenizer,
-    texts: list[str],
-    *,
-    max_new_tokens: int,
-    **sampling,
-) -> list[list[int]]:
-    """Greedy (or sampled) targets of ``texts``, decoding from ``sos_id``, each up to (not
-    including) its first ``eos_id``."""
-    batch, common = _sources(model, tokenizer, texts, max_new_tokens)
-    out = np.asarray(seq2seq_generate(model, batch, **common, **sampling))
-    return [until_eos(row, tokenizer.eos_id) for row in out]
-
-
-def translate_beam(
-    model: EncoderDecoder,
-    tokenizer: Tokenizer,
-    texts: list[str],
-    *,
-    beam_size: int,
-    alpha: float,
-    max_new_tokens: int,
-):
-    """Beam search: per text, ``beam_size`` hypotheses (best first, each up to its ``eos_id``)
-    and their length-penalized scores."""
-    batch, common = _sources(model, tokenizer, texts, max_new_tokens)
-    tokens, scores = beam_search(model, batch, beam_size=beam_size, alpha=alpha, **common)
-    beams = [[until_eos(b, tokenizer.eos_id) for b in row] for row in np.asarray(tokens)]
-    return beams, np.asarray(scores).tolist()

@@ -1,4 +1,5 @@
-"""Generation: KV-cache decoding for decoder LMs and encoder-decoders, sampling, beam search."""
+"""Generation: KV-cache decoding for decoder LMs and encoder-decoders, sampling, beam search;
+from text and back to tokens cut at ``eos`` in :mod:`flaxformer_lite.decode.text`."""
 
 from flaxformer_lite.decode.generate import generate, right_pad, until_eos
 from flaxformer_lite.decode.sampling import filter_logits, next_token

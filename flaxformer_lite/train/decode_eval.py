@@ -1,5 +1,6 @@
 """Evaluation by decoding: the model writes answers (LM prompts) or targets (seq2seq sources) for
-validation examples, which are scored as text.
+validation examples, which are scored as text. Here are which examples and prompts, and the
+scores; the writing is :mod:`flaxformer_lite.decode.text`'s, as for ``flaxformer-lite generate``.
 
 * exact match: the synthetic task's own scoring (``Task.score``), else stripped string equality;
 * token accuracy: the fraction of reference tokens (and the closing ``<eos>``) that the greedy
@@ -18,12 +19,12 @@ import dataclasses
 from collections.abc import Sequence
 
 import jax
-import numpy as np
 import sacrebleu
 
 from flaxformer_lite.data import synthetic
 from flaxformer_lite.data.tokenizers import Tokenizer
-from flaxformer_lite.decode import generate, right_pad, seq2seq_generate, until_eos
+from flaxformer_lite.decode import until_eos
+from flaxformer_lite.decode.text import new_tokens, prompt_ids, source_ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,40 +69,15 @@ def decode_eval(
     records = [examples[i] for i in range(min(num_examples, len(examples)))]
     if task == "lm":
         pairs = [synthetic.split_prompt(r["text"]) for r in records]
-        inputs = [[tokenizer.sos_id, *tokenizer.encode(prompt)] for prompt, _ in pairs]
+        inputs = [prompt_ids(tokenizer, prompt) for prompt, _ in pairs]
     else:
         pairs = [(r["source"], r["target"]) for r in records]
-        inputs = [
-            [*tokenizer.encode(source)[: max_length - 1], tokenizer.eos_id] for source, _ in pairs
-        ]
+        inputs = [source_ids(tokenizer, source, max_length) for source, _ in pairs]
     encode = tokenizer.encode if task == "lm" else tokenizer.encode_target
     references = [[*encode(reference), tokenizer.eos_id] for _, reference in pairs]
-    batch, lengths = right_pad(inputs, tokenizer.pad_id)
-    budget = max_length - batch.shape[1] if task == "lm" else max_length - 1
+    budget = max_length - max(map(len, inputs)) if task == "lm" else max_length - 1
     max_new_tokens = max(1, min(max(len(r) for r in references) + 2, budget))
-    if task == "lm":
-        out = generate(
-            model,
-            batch,
-            max_new_tokens=max_new_tokens,
-            prompt_lengths=lengths,
-            eos_id=tokenizer.eos_id,
-            pad_id=tokenizer.pad_id,
-        )
-        outputs = [
-            row[n : n + max_new_tokens] for row, n in zip(np.asarray(out), lengths, strict=True)
-        ]
-    else:
-        out = seq2seq_generate(
-            model,
-            batch,
-            max_new_tokens=max_new_tokens,
-            src_lengths=lengths,
-            sos_id=tokenizer.sos_id,
-            eos_id=tokenizer.eos_id,
-            pad_id=tokenizer.pad_id,
-        )
-        outputs = list(np.asarray(out))
+    outputs = new_tokens(model, tokenizer, inputs, max_new_tokens=max_new_tokens)
     predictions = [tokenizer.decode(until_eos(ids, tokenizer.eos_id)) for ids in outputs]
     samples = [
         Sample(input=source, reference=reference, prediction=prediction)
@@ -155,25 +131,21 @@ def continue_texts(
         head = [tokenizer.sos_id] if offset == 0 else []
         ids = tokenizer.encode(text[offset : offset + 8 * prompt_length])
         prompts.append([*head, *ids][:prompt_length])
-    batch, lengths = right_pad(prompts, tokenizer.pad_id)
-    new_tokens = max(1, max_length - int(lengths.max()))
-    out = generate(
+    outputs = new_tokens(
         model,
-        batch,
-        max_new_tokens=new_tokens,
+        tokenizer,
+        prompts,
+        max_new_tokens=max(1, max_length - max(map(len, prompts))),
         temperature=temperature,
-        eos_id=tokenizer.eos_id,
         rng=jax.random.key(seed),
-        prompt_lengths=lengths,
-        pad_id=tokenizer.pad_id,
     )
     return [
         Sample(
             input=tokenizer.decode(prompt),
             reference="",
-            prediction=tokenizer.decode(until_eos(row[n : n + new_tokens], tokenizer.eos_id)),
+            prediction=tokenizer.decode(until_eos(ids, tokenizer.eos_id)),
         )
-        for prompt, row, n in zip(prompts, np.asarray(out), lengths.tolist(), strict=True)
+        for prompt, ids in zip(prompts, outputs, strict=True)
     ]
 
 
