@@ -58,19 +58,18 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
 # Private: stopping a failed save's threads has no public API (orbax 0.11 - 0.12).
 from orbax.checkpoint._src.futures import future as ocp_future
 
+from flaxformer_lite.train.fingerprints import ALGORITHM, fingerprints_of, verify
+
 logger = logging.getLogger(__name__)
 
 BEST_METRIC = "eval_loss"  # lower is better
 FINGERPRINTS = "fingerprints"  # the item holding each array's fingerprint
-FINGERPRINT_ALGORITHM = "uint32 sum of words x (2 index + 1)"
 
 
 class CheckpointError(OSError):
@@ -81,10 +80,6 @@ class CheckpointError(OSError):
 class CheckpointShapeError(ValueError):
     """The restore target's arrays have other shapes (or other names) than the checkpoint's:
     the model changed since it was saved. The checkpoint itself is readable and kept."""
-
-
-class DamagedArrayError(ValueError):
-    """A restored array differs from the fingerprint recorded when it was saved."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +181,7 @@ class Checkpointer:
             return False
         # Checked here: orbax would only fail in the background thread, after save returned.
         data_state, config = _json_dict("data_state", data_state), _json_dict("config", config)
-        fingerprints = {"algorithm": FINGERPRINT_ALGORITHM, "arrays": _fingerprints(state)}
+        fingerprints = {"algorithm": ALGORITHM, "arrays": fingerprints_of(state)}
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(state),
             data_state=ocp.args.JsonSave(data_state),
@@ -296,7 +291,7 @@ class Checkpointer:
                     ) from error
                 raise
             if checked:
-                _verify(restored.state, restored[FINGERPRINTS])
+                verify(restored.state, restored[FINGERPRINTS])
             return restored
 
         step, items = self._restore(read, step, final=True)
@@ -416,81 +411,6 @@ def _error_line(error: BaseException) -> str:
     line = text.splitlines()[0][:300]
     array = re.search(r"'path': '([^/'][^']*?)/?'", full)  # the spec's array, by its key path
     return f"{type(error).__name__}: {line}" + (f" (array {array[1]})" if array else "")
-
-
-def _fingerprints(tree: Any) -> dict[str, list]:
-    """``[dtype, fingerprint]`` of each array of ``tree``, by its key path (``None`` for a dtype
-    that has no fingerprint): one jitted program per set of devices, whose result is a few
-    bytes fetched from them."""
-    arrays = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if jax.dtypes.issubdtype(getattr(leaf, "dtype", None), jax.dtypes.prng_key):
-            leaf = jax.random.key_data(leaf)
-        elif not isinstance(leaf, jax.Array):
-            leaf = np.asarray(leaf)
-        arrays[jax.tree_util.keystr(path)] = leaf
-    groups: dict[Any, list[str]] = {}
-    for name, array in arrays.items():
-        if _words_dtype(array.dtype) is not None:
-            devices = array.sharding.device_set if isinstance(array, jax.Array) else None
-            groups.setdefault(None if devices is None else frozenset(devices), []).append(name)
-    values = {}
-    for names in groups.values():
-        sums = np.asarray(_fingerprint_arrays([arrays[name] for name in names]))
-        values.update(zip(names, (int(value) for value in sums), strict=True))
-    return {name: [str(array.dtype), values.get(name)] for name, array in arrays.items()}
-
-
-def _words_dtype(dtype) -> Any:
-    """The unsigned dtype an array of ``dtype`` is read as (bitcast) to fingerprint it, or
-    None (complex, 4-bit: never in a train state)."""
-    if dtype == np.bool_:
-        return jnp.uint8
-    if jnp.issubdtype(dtype, jnp.integer):
-        bits = jnp.iinfo(dtype).bits
-    elif jnp.issubdtype(dtype, jnp.floating):
-        bits = jnp.finfo(dtype).bits
-    else:
-        return None
-    return {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32, 64: jnp.uint32}.get(bits)
-
-
-@jax.jit
-def _fingerprint_arrays(arrays: list[jax.Array]) -> jax.Array:
-    """One uint32 per array: the sum of its words (bitcast) times their odd position weights
-    ``2 i + 1``, modulo 2^32. Integer sums do not depend on the order of their terms, so the
-    value is the same however the array is sharded; an odd weight makes any one changed word
-    change it, and the position, words moved."""
-    sums = []
-    for array in arrays:
-        words = array.astype(jnp.uint8) if array.dtype == jnp.bool_ else array
-        words = jax.lax.bitcast_convert_type(words, _words_dtype(array.dtype))
-        words = words.astype(jnp.uint32)  # an 8-byte dtype gained a last axis of 2 words
-        index, stride = jnp.zeros((), jnp.uint32), 1
-        for axis in reversed(range(words.ndim)):
-            iota = jax.lax.broadcasted_iota(jnp.uint32, words.shape, axis)
-            index, stride = index + iota * jnp.uint32(stride % 2**32), stride * words.shape[axis]
-        sums.append(jnp.sum(words * (2 * index + 1), dtype=jnp.uint32))
-    return jnp.stack(sums)
-
-
-def _verify(state: Any, saved: Mapping[str, Any]) -> None:
-    """Raises :class:`DamagedArrayError` if an array of the restored ``state`` differs from the
-    fingerprint saved with it (arrays restored to another dtype are not checked)."""
-    if saved.get("algorithm") != FINGERPRINT_ALGORITHM:
-        return  # written by another version: nothing to compare with
-    expected = saved["arrays"]
-    restored = _fingerprints(state)
-    damaged = [
-        name
-        for name, (dtype, value) in restored.items()
-        if name in expected and expected[name][0] == dtype and expected[name][1] != value
-    ]
-    if damaged:
-        raise DamagedArrayError(
-            f"the data of {len(damaged)} array(s) differ from the fingerprints saved with "
-            f"them, e.g. state{damaged[0]}"
-        )
 
 
 def _changed_arrays(step_dir: pathlib.Path, target: Any) -> str | None:

@@ -30,7 +30,7 @@ from flaxformer_lite.train.actions import (
     Throughput,
     TrainingError,
 )
-from flaxformer_lite.train.checkpoint import Checkpointer
+from flaxformer_lite.train.checkpoint import Checkpointer, CheckpointShapeError
 from flaxformer_lite.train.config import ConfigError, TrainConfig, config_from_dict
 from flaxformer_lite.train.console import Console
 from flaxformer_lite.train.metrics import MetricsWriter, peak_flops, plot_run
@@ -45,9 +45,9 @@ from flaxformer_lite.train.program import (
 from flaxformer_lite.train.restore import from_savable, load_hf_weights, restore_target
 from flaxformer_lite.train.resume import (
     check_resume,
-    check_shapes,
     keep_schedule_span,
     restore_data_state,
+    shapes_changed,
 )
 from flaxformer_lite.train.run_dir import RunDir
 from flaxformer_lite.train.run_inputs import built_inputs, write_inputs
@@ -151,10 +151,10 @@ def prepare(cfg: TrainConfig, run_dir: RunDir, *, force: bool, log) -> PreparedR
         built = build_train_state(cfg, mesh, abstract=resumed_step is not None)
         state, step = built.state, 0
         if saved is not None:
-            if force:  # --force goes on with another config, never with other arrays
-                saved_built = build_train_state(saved, mesh, abstract=True)
-                check_shapes(restore_target(saved_built.state), restore_target(state), saved, cfg)
-            restored = checkpointer.restore(restore_target(state))
+            try:
+                restored = checkpointer.restore(restore_target(state))
+            except CheckpointShapeError as error:  # --force takes another config, not arrays
+                raise shapes_changed(error, saved, cfg) from None
             state = from_savable(restored.state, state)
             restore_data_state(data.train, restored.data_state, force, log)
             step = restored.step

@@ -208,43 +208,13 @@ def _move_old_data_aside(run: RunDir, cfg: TrainConfig, resuming: bool, log) -> 
         log(f"moved the tokenizer made from the old data to {move_aside(run.tokenizer)}")
 
 
-def check_shapes(saved_target, target, saved: TrainConfig, cfg: TrainConfig) -> None:
-    """Refuses to restore a checkpoint whose arrays (the abstract ``saved_target``, built from
-    the checkpoint's config ``saved``) differ in shape or dtype from ``cfg``'s ``target``:
-    ``--force`` goes on with another config, but not with other parameters.
-
-    Raises:
-      ConfigError: naming the first arrays and the settings that changed them.
-    """
-    flat_saved, flat_now = _flat(saved_target), _flat(target)
-    differing = [
-        f"{path}: {_shape(flat_saved.get(path))} -> {_shape(flat_now.get(path))}"
-        for path in sorted(flat_saved.keys() | flat_now.keys())
-        if _shape(flat_saved.get(path)) != _shape(flat_now.get(path))
-    ]
-    if not differing:
-        return
-    keys = ", ".join(_changed_settings(saved, cfg))
-    raise ConfigError(
-        f"--force cannot change the shapes of the checkpoint's arrays ({keys} "
-        f"changed: {'; '.join(differing[:3])}"
-        + (f" and {len(differing) - 3} more" if len(differing) > 3 else "")
-        + f"); pass {_FRESH}"
+def shapes_changed(error: Exception, saved: TrainConfig, cfg: TrainConfig) -> ConfigError:
+    """The error for a checkpoint whose arrays ``cfg``'s model and optimizer do not have
+    (``error`` says which): ``--force`` goes on with another config, but not other arrays."""
+    keys = ", ".join(_changed_settings(saved, cfg)) or "no setting"
+    return ConfigError(
+        f"--force cannot change the checkpoint's arrays ({keys} changed): {error}; pass {_FRESH}"
     )
-
-
-def _flat(tree) -> dict:
-    """``{dotted path: leaf}`` of a nested dict of arrays."""
-    import jax
-
-    return {
-        ".".join(str(getattr(k, "key", k)) for k in path): leaf
-        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
-    }
-
-
-def _shape(leaf) -> str:
-    return "none" if leaf is None else f"{leaf.dtype}{list(leaf.shape)}"
 
 
 def restore_data_state(iterator, saved: dict, force: bool, log) -> None:
