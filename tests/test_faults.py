@@ -6,7 +6,6 @@ import errno
 import os
 import pathlib
 import random
-import shlex
 import shutil
 import signal
 import subprocess
@@ -16,6 +15,7 @@ import threading
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from mounts import mount_works, read_only, tmpfs, train_under
 from subprocess_env import subprocess_env
 
 from flaxformer_lite.cli.library_log import library_log_to
@@ -112,67 +112,28 @@ def test_train_exits_2_in_seconds_when_checkpoints_cannot_be_written(tmp_path):
     assert "Read-only" in (tmp_path / "run" / "library.log").read_text()
 
 
-def read_only_mount_works() -> bool:
-    probe = ["unshare", "-rm", "sh", "-c", "mount --bind -o ro /tmp /tmp && ! touch /tmp/.ro"]
-    try:
-        return subprocess.run(probe, capture_output=True, timeout=30).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not read_only_mount_works(), reason="no user and mount namespaces here")
+@pytest.mark.skipif(not mount_works(read_only), reason="no user and mount namespaces here")
 def test_train_exits_2_on_a_read_only_bind_mounted_checkpoints_directory(tmp_path):
-    """The real thing: EROFS from the kernel, in a mount namespace (no root needed where user
-    namespaces are allowed)."""
-    checkpoints = tmp_path / "run" / "checkpoints"
-    checkpoints.mkdir(parents=True)
-    train = [sys.executable, "train.py", "--no-progress", f"run_dir={tmp_path / 'run'}", *TINY]
-    where = shlex.quote(str(checkpoints))
-    mount = f"mount --bind -o ro {where} {where} && exec {shlex.join([*train, 'train.steps=2'])}"
-    child = subprocess.Popen(
-        ["unshare", "-rm", "sh", "-c", mount],
-        cwd=REPO,
-        env=subprocess_env(1),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    """The real thing: EROFS from the kernel."""
+    run_dir = tmp_path / "run"
+    status, out, err = train_under(
+        read_only, run_dir / "checkpoints", run_dir, [*TINY, "train.steps=2"]
     )
-    out, err = child.communicate(timeout=300)
-    assert child.returncode == 2, (out, err[-3000:])
+    assert status == 2, (out, err[-3000:])
     assert "Traceback" not in err, err[-3000:]
     assert err.strip().splitlines()[-1].startswith("error: cannot write a checkpoint in "), err
 
 
-def tmpfs_mount_works() -> bool:
-    probe = ["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /tmp"]
-    try:
-        return subprocess.run(probe, capture_output=True, timeout=30).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not tmpfs_mount_works(), reason="no user and mount namespaces here")
+@pytest.mark.skipif(not mount_works(tmpfs("1m")), reason="no user and mount namespaces here")
 def test_a_full_disk_during_a_save_ends_with_one_line(tmp_path):
     """A 2 MiB tmpfs as the checkpoints directory: two checkpoints fit, the third save fails
     inside TensorStore, whose threads then report "Event loop is closed" many times."""
-    checkpoints = tmp_path / "run" / "checkpoints"
-    checkpoints.mkdir(parents=True)
-    train = [sys.executable, "train.py", "--no-progress", f"run_dir={tmp_path / 'run'}", *TINY]
-    train += ["train.steps=4", "checkpoint.every=1"]
-    where = shlex.quote(str(checkpoints))
-    mount = f"mount -t tmpfs -o size=2m tmpfs {where} && exec {shlex.join(train)}"
-    child = subprocess.Popen(
-        ["unshare", "-rm", "sh", "-c", mount],
-        cwd=REPO,
-        env=subprocess_env(1),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    out, err = child.communicate(timeout=300)
-    assert child.returncode == 2, (out, err[-3000:])
+    run_dir = tmp_path / "run"
+    args = [*TINY, "train.steps=4", "checkpoint.every=1"]
+    status, out, err = train_under(tmpfs("2m"), run_dir / "checkpoints", run_dir, args)
+    assert status == 2, (out, err[-3000:])
     assert "Traceback" not in out + err and "Event loop" not in out + err, err[-3000:]
     assert len(err.strip().splitlines()) == 1, err[-3000:]
     assert err.startswith("error: cannot write a checkpoint in "), err

@@ -10,7 +10,7 @@ import pytest
 from subprocess_env import subprocess_env
 
 from flaxformer_lite.cli.train import train_main
-from flaxformer_lite.train.run_dir import RunDir, RunDirInUseError
+from flaxformer_lite.train.run_dir import NotARunError, RunDir, RunDirInUseError
 
 LOCK_FILE = RunDir(".").lock.name
 
@@ -111,3 +111,11 @@ def test_a_run_directory_is_known_by_what_a_run_writes_first(tmp_path):
         (tmp_path / name).unlink()
     (tmp_path / "checkpoints").mkdir()
     assert RunDir(tmp_path).is_run()
+
+
+def test_a_directory_of_empty_folders_is_no_one_s_work(tmp_path):
+    (tmp_path / "run" / "tb").mkdir(parents=True)
+    RunDir(tmp_path / "run").refuse_if_not_a_run()
+    (tmp_path / "run" / "tb" / "notes.txt").write_text("mine")
+    with pytest.raises(NotARunError, match="it holds tb/, and no run.lock"):
+        RunDir(tmp_path / "run").refuse_if_not_a_run()

@@ -7,15 +7,12 @@ import io
 import os
 import pathlib
 import re
-import shlex
 import struct
-import subprocess
-import sys
 import threading
 
 import jax
 import pytest
-from subprocess_env import subprocess_env
+from mounts import mount_works, tmpfs, train_under
 
 from flaxformer_lite.cli import main
 from flaxformer_lite.cli.train import train_main
@@ -126,38 +123,16 @@ def test_a_full_disk_under_the_events_raises_naming_the_file(tmp_path, monkeypat
     assert "No space left on device" in message, message
 
 
-def tmpfs_mount_works() -> bool:
-    probe = ["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=4k tmpfs /tmp"]
-    try:
-        return subprocess.run(probe, capture_output=True, timeout=30).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not tmpfs_mount_works(), reason="no user and mount namespaces here")
+@pytest.mark.skipif(not mount_works(tmpfs("4k")), reason="no user and mount namespaces here")
 def test_train_exits_2_when_the_disk_under_the_events_fills(tmp_path):
-    """The real thing: a 16 KiB tmpfs under ``RUN/tb`` fills after some tens of logged steps
-    (in a mount namespace, no root needed where user namespaces are allowed)."""
-    tb = tmp_path / "run" / "tb"
-    tb.mkdir(parents=True)
-    train = [sys.executable, "train.py", "--no-progress", f"run_dir={tmp_path / 'run'}", *TINY]
-    train += ["train.steps=2000", "checkpoint.every=1000"]
-    where = shlex.quote(str(tb))
-    mount = f"mount -t tmpfs -o size=16k tmpfs {where} && exec {shlex.join(train)}"
-    child = subprocess.Popen(
-        ["unshare", "-rm", "sh", "-c", mount],
-        cwd=REPO,
-        env=subprocess_env(1),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        out, err = child.communicate(timeout=120)  # it used to hang for good, signals ignored
-    finally:
-        child.kill()
-    assert child.returncode == 2, (out[-2000:], err[-3000:])
+    """The real thing: a 16 KiB tmpfs under ``RUN/tb`` fills after some tens of logged steps."""
+    run_dir = tmp_path / "run"
+    tb = run_dir / "tb"
+    args = [*TINY, "train.steps=2000", "checkpoint.every=1000"]
+    # It used to hang for good, signals ignored: killed after 120 s.
+    status, out, err = train_under(tmpfs("16k"), tb, run_dir, args, timeout=120)
+    assert status == 2, (out[-2000:], err[-3000:])
     assert "Traceback" not in err, err[-3000:]
     last = err.strip().splitlines()[-1]
     assert last.startswith(f"error: cannot write {tb}/events.out.tfevents"), err[-3000:]

@@ -75,8 +75,8 @@ class RunDir:
         return directory.is_dir() and any(p.name.isdigit() for p in directory.iterdir())
 
     def refuse_if_not_a_run(self) -> None:
-        """Refuses an existing directory with files in it that is not a run: the run would write
-        its ``config.yaml`` and the rest over the user's own files.
+        """Refuses an existing directory with files in it (empty folders aside) that is not a
+        run: the run would write its ``config.yaml`` and the rest over the user's own files.
 
         Raises:
           NotARunError: naming some of the files.
@@ -85,8 +85,12 @@ class RunDir:
             if self.path.exists() and not self.path.is_dir():
                 raise NotARunError(f"run_dir {self.path} is a file, not a directory")
             return
-        held = sorted(p.name + ("/" if p.is_dir() else "") for p in self.path.iterdir())
-        if held:
+        held = sorted(
+            p.name + ("/" if p.is_dir() else "")
+            for p in self.path.iterdir()
+            if not p.is_dir() or any(f.is_file() for f in p.rglob("*"))
+        )
+        if held:  # empty folders are not the user's work
             shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
             raise NotARunError(
                 f"run_dir {self.path} is not a run directory: it holds {shown}, and no "
