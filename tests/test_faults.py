@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from mounts import mount_works, read_only, tmpfs, train_under
 from subprocess_env import subprocess_env
+from tiny_runs import TINY
 
 from flaxformer_lite.cli.library_log import library_log_to
 from flaxformer_lite.cli.train import train_main
@@ -31,17 +32,6 @@ from flaxformer_lite.train.resume import _config_differences, keep_schedule_span
 pytestmark = pytest.mark.fast_compile
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-TINY = [
-    "model.num_decoder_layers=1",
-    "train.batch_size=8",
-    "data.seq_len=32",
-    "optimizer.warmup_steps=0",
-    "train.log_every=1",
-    "train.eval_every=100",
-    "train.eval_batches=1",
-    "data.eval_size=8",
-    "train.decode_examples=0",
-]
 # Makes the checkpoint writer fail as a read-only checkpoints directory does (EROFS), without
 # root for a read-only bind mount: orbax creates each step in <step>.orbax-checkpoint-tmp.
 FAILING_WRITER = """

@@ -39,12 +39,18 @@ def text_data(tmp_path, text=BOOK, name="book.txt", **settings):
     path = tmp_path / name
     path.write_text(text)
     values = dict(source="text", path=str(path), tokenizer="char", seq_len=16) | settings
+    return built(DataConfig(**values), tmp_path)
+
+
+def built(cfg, tmp_path, task="lm", tokenizer="tok"):
+    """The data of ``cfg`` for ``task``, batches of 4, its tokenizer in ``tmp_path/<tokenizer>``,
+    a file source prepared in ``tmp_path/prepared``."""
     return build_data(
-        DataConfig(**values),
-        task="lm",
+        cfg,
+        task=task,
         seed=0,
         batch_size=4,
-        directory=tmp_path / "tok",
+        directory=tmp_path / tokenizer,
         prepared=tmp_path / "prepared",
     )
 
@@ -184,14 +190,7 @@ def test_a_task_that_must_cut_examples_says_how_much(tmp_path):
         seq_len=16,
         validation_fraction=0.25,
     )
-    data = build_data(
-        cfg,
-        task="seq2seq",
-        seed=0,
-        batch_size=4,
-        directory=tmp_path / "tok",
-        prepared=tmp_path / "prepared",
-    )
+    data = built(cfg, tmp_path, task="seq2seq")
     data.train.close()
     sources = [len(line.split("\t")[0]) for line in pairs.splitlines()]
     targets = [len(line.split("\t")[1]) for line in pairs.splitlines()]
@@ -378,14 +377,7 @@ def test_prepare_writes_a_validation_store_with_the_training_tokenizer(tmp_path)
         validation_path=str(stores["valid"]),
         seq_len=16,
     )
-    data = build_data(
-        cfg,
-        task="lm",
-        seed=0,
-        batch_size=4,
-        directory=tmp_path / "tok",
-        prepared=tmp_path / "prepared",
-    )
+    data = built(cfg, tmp_path)
     data.train.close()
     assert data.train.get_state()["pipeline"]["train_tokens"] == len(BOOK)
     assert data.eval_tokens == len("Zebra quay!\n\nxyz\n") + 1
@@ -413,12 +405,5 @@ def test_prepare_writes_a_validation_store_with_the_training_tokenizer(tmp_path)
         match=r"holds 'parallel' data, but the training data .* are "
         r"text \(file documents\)",
     ):
-        build_data(
-            other,
-            task="lm",
-            seed=0,
-            batch_size=4,
-            directory=tmp_path / "tok2",
-            prepared=tmp_path / "prepared",
-        )
+        built(other, tmp_path, tokenizer="tok2")
     assert prepare_main(args[:3] + args[5:]) == 2  # validation_path without --validation-out

@@ -13,6 +13,7 @@ import threading
 import jax
 import pytest
 from mounts import mount_works, tmpfs, train_under
+from tiny_runs import TINY
 
 from flaxformer_lite.cli import main
 from flaxformer_lite.cli.train import train_main
@@ -24,17 +25,6 @@ from flaxformer_lite.train.metrics import MetricsWriter, plot_run, read_metrics
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-TINY = [
-    "model.num_decoder_layers=1",
-    "train.batch_size=8",
-    "data.seq_len=32",
-    "optimizer.warmup_steps=0",
-    "train.log_every=1",
-    "train.eval_every=1000",
-    "train.eval_batches=1",
-    "data.eval_size=8",
-    "train.decode_examples=0",
-]
 
 
 def test_peak_flops_is_the_datasheet_on_accelerators_and_a_measured_matmul_on_cpu(monkeypatch):
