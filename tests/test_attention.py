@@ -344,3 +344,38 @@ def test_segment_ids_equal_their_mask_beside_a_key_padding_mask(implementation):
     mask = ops.combine_masks(valid, ops.segment_mask(ids))
     by_mask = attend(q, k, v, mask=mask, is_causal=True, implementation=implementation)
     np.testing.assert_allclose(by_ids, by_mask, atol=ATOL, rtol=0)
+
+
+def test_an_attention_mask_at_a_cache_offset_equals_its_explicit_mask():
+    # A KV cache's write index (traced under jit) as the query offset: the same attention as
+    # the causal and window masks written out at the cache positions.
+    q, k, v = make_qkv(7, tq=3, tk=9)
+    offset, window = jnp.int32(4), (2, 0)
+    pieces = AttentionMask(
+        is_causal=True, local_window=window, global_tokens=1, query_offset=offset
+    )
+    explicit = ops.combine_masks(
+        ops.causal_mask(3, 9, offset),
+        ops.local_window_mask(3, 9, window, offset) | ops.global_tokens_mask(3, 9, 1, offset),
+    )
+    for implementation in ("xla", "chunked"):
+        got = jax.jit(functools.partial(ops.dot_product_attention, implementation=implementation))(
+            q, k, v, mask=pieces
+        )
+        np.testing.assert_allclose(got, ops.reference_attention(q, k, v, mask=explicit), atol=ATOL)
+    with pytest.raises(ValueError, match="not beside it"):
+        ops.dot_product_attention(q, k, v, mask=pieces, is_causal=True)
+
+
+def test_the_choices_of_a_trace_are_recorded_with_the_reasons_passed_over():
+    q, k, v = make_qkv(0)
+    with attention_choice.recorded_choices() as choices:
+        jax.jit(functools.partial(ops.dot_product_attention, implementation="pallas")).lower(
+            q, k, v
+        )
+        jax.jit(ops.dot_product_attention).lower(q, k, v)
+    assert [(c.requested, c.backend) for c in choices] == [("pallas", "xla"), (None, "xla")]
+    assert ("pallas", f"needs a TPU or GPU, the platform is {target_platform()!r}") in choices[
+        0
+    ].passed_over
+    assert [name for name, _ in choices[1].passed_over] == ["cudnn", "pallas", "chunked"]
