@@ -64,9 +64,7 @@ def reference_attention(
     Arguments, shapes and result as :func:`dot_product_attention`, without dropout. Memory is
     O(B·H·T·S): for reading, testing and small inputs.
     """
-    mask = AttentionMask.of(
-        mask, is_causal=is_causal, local_window=local_window, global_tokens=global_tokens
-    )
+    mask = AttentionMask.of(mask, is_causal, local_window, global_tokens)
     call = validated_call(query, key, value, bias, mask)
     query, key, value, bias = call.query, call.key, call.value, call.bias
     group = query.shape[2] // key.shape[2]  # G query heads share each key/value head
@@ -139,13 +137,7 @@ def dot_product_attention(
       ValueError: on wrong ranks, mismatched shapes, ``H % Hk != 0``, masks or biases that do
         not broadcast, a non-boolean mask, or an implementation that cannot run these inputs.
     """
-    mask = AttentionMask.of(
-        mask,
-        is_causal=is_causal,
-        local_window=local_window,
-        global_tokens=global_tokens,
-        segment_ids=segment_ids,
-    )
+    mask = AttentionMask.of(mask, is_causal, local_window, global_tokens, segment_ids)
     dropout = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng)
     call = validated_call(query, key, value, bias, mask, scale=scale, **dropout)
     return attention_choice.run(call, implementation)
@@ -169,7 +161,5 @@ def attention_weights(
     Returns:
       float32 ``[B, H, T, S]``; each row sums to 1, or is all zeros if fully masked.
     """
-    mask = AttentionMask.of(
-        mask, is_causal=is_causal, local_window=local_window, global_tokens=global_tokens
-    )
+    mask = AttentionMask.of(mask, is_causal, local_window, global_tokens)
     return xla_weights(validated_call(query, key, key, bias, mask, scale=scale))

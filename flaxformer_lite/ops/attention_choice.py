@@ -69,20 +69,9 @@ def _small(call: AttentionCall) -> str | None:
 
 
 def _chunked(call: AttentionCall) -> jax.Array:
-    mask = call.mask
-    return chunked_attention(
-        call.query,
-        call.key,
-        call.value,
-        call.bias,
-        mask.given(),
-        scale=call.scale,
-        is_causal=mask.is_causal,
-        local_window=mask.local_window,
-        global_tokens=mask.global_tokens,
-        dropout_rate=call.dropout_rate,
-        dropout_rng=call.dropout_rng,
-    )
+    args, flags = call.arguments()
+    dropout = dict(dropout_rate=call.dropout_rate, dropout_rng=call.dropout_rng)
+    return chunked_attention(*args, **flags, global_tokens=call.mask.global_tokens, **dropout)
 
 
 # In the order the automatic choice tries them: the first that runs a call and is not passed

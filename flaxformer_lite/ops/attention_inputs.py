@@ -40,6 +40,14 @@ class AttentionCall:
     dropout_rate: float = 0.0
     dropout_rng: jax.Array | None = None
 
+    def arguments(self) -> tuple[tuple, dict]:
+        """``(query, key, value, bias, mask)`` and the keywords ``scale``, ``is_causal`` and
+        ``local_window``: the call as functions that take a mask array and flags take it (the
+        segment ids folded into the mask)."""
+        mask = self.mask
+        flags = dict(scale=self.scale, is_causal=mask.is_causal, local_window=mask.local_window)
+        return (self.query, self.key, self.value, self.bias, mask.given()), flags
+
 
 def validated_call(
     query, key, value, bias, mask: AttentionMask, *, scale=None, dropout_rate=0.0, dropout_rng=None

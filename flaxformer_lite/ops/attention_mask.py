@@ -55,7 +55,6 @@ class AttentionMask:
     def of(
         cls,
         mask: jax.Array | AttentionMask | None,
-        *,
         is_causal: bool = False,
         local_window: tuple[int, int] | None = None,
         global_tokens: int = 0,

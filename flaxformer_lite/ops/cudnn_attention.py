@@ -44,18 +44,8 @@ def cudnn_unsupported_reason(call: AttentionCall) -> str | None:
 
 def cudnn_attention(call: AttentionCall) -> jax.Array:
     """``[B, T, H, Dv]``: cuDNN's attention of a ``call`` it supports."""
-    mask = call.mask
-    return jax_nn_attention(
-        call.query,
-        call.key,
-        call.value,
-        call.bias,
-        mask.given(),
-        scale=call.scale,
-        is_causal=mask.is_causal,
-        local_window=mask.local_window,
-        implementation="cudnn",
-    )
+    args, flags = call.arguments()
+    return jax_nn_attention(*args, **flags, implementation="cudnn")
 
 
 def jax_nn_attention(
