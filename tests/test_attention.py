@@ -14,7 +14,8 @@ from attention_cases import ATOL, CASES, build_case, make_qkv, naive
 from attention_reference import naive_attention, naive_attention_probs
 
 from flaxformer_lite import ops
-from flaxformer_lite.ops import attention as attention_module
+from flaxformer_lite.ops import AttentionMask, attention_choice, cudnn_attention
+from flaxformer_lite.ops.attention_inputs import AttentionCall, target_platform
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 
@@ -56,7 +57,7 @@ def test_jax_nn_delegation_follows_our_conventions():
     mask[0, :, 2, :] = False
     kwargs = dict(scale=0.3, is_causal=True, local_window=(4, 0))
     ours = attend(q, k, v, inputs["bias"], mask, **kwargs, implementation="xla")
-    delegate = functools.partial(attention_module.jax_nn_attention, **kwargs, implementation="xla")
+    delegate = functools.partial(cudnn_attention.jax_nn_attention, **kwargs, implementation="xla")
     delegated = jax.jit(delegate)(q, k, v, inputs["bias"], mask)
     np.testing.assert_allclose(delegated, ours, atol=ATOL)
     assert np.all(np.asarray(delegated)[0, 2] == 0)
@@ -241,10 +242,13 @@ def test_cudnn_off_gpu_is_a_clear_error_and_never_chosen():
     q, k, v = make_qkv(0, dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match="needs a GPU"):
         attend(q, k, v, implementation="cudnn")
-    choose = functools.partial(
-        attention_module.select_implementation, is_causal=True, local_window=None, dropout_rate=0.0
-    )
-    assert choose(q, k, v) == "xla"
+    assert choose(q, k, v, AttentionMask(is_causal=True)) == "xla"
+
+
+def choose(query, key, value, mask):
+    """The implementation the automatic choice picks for these inputs (arrays or shapes)."""
+    call = AttentionCall(query, key, value, None, mask, target_platform())
+    return attention_choice.choose(call).backend
 
 
 def gpu_shapes(tq=8, tk=8, d=64, dtype=jnp.bfloat16, dv=None):
@@ -272,21 +276,22 @@ def gpu_shapes(tq=8, tk=8, d=64, dtype=jnp.bfloat16, dv=None):
 def test_cudnn_eligibility_rules(shapes, extra, reason):
     # The rules the automatic choice applies on a GPU, checked without one.
     extra = {"is_causal": False, "local_window": None, "dropout_rate": 0.0, **extra}
-    mask = jnp.ones((1, 1, 1, shapes[1].shape[1]), bool) if extra.pop("mask", False) else None
-    found = attention_module.cudnn_unsupported_reason(*shapes, None, mask, **extra, backend="gpu")
-    assert (reason in found and found) if reason else found == ""
+    explicit = jnp.ones((1, 1, 1, shapes[1].shape[1]), bool) if extra.pop("mask", False) else None
+    rate = extra.pop("dropout_rate")
+    mask = AttentionMask(**extra, explicit=explicit)
+    call = AttentionCall(*shapes, None, mask, "gpu", dropout_rate=rate)
+    found = cudnn_attention.cudnn_unsupported_reason(call)
+    assert (reason in found and found) if reason else found is None
 
 
 def test_automatic_choice_by_size(caplog):
     def shapes(t):
         return (jax.ShapeDtypeStruct((1, t, 8, 64), jnp.float32),) * 3
 
-    choose = functools.partial(
-        attention_module.select_implementation, is_causal=True, local_window=None, dropout_rate=0.0
-    )
+    causal = AttentionMask(is_causal=True)
     with caplog.at_level(logging.DEBUG, logger="flaxformer_lite.ops.attention"):
-        assert choose(*shapes(1024)) == "xla"
-        assert choose(*shapes(8192)) == "chunked"
+        assert choose(*shapes(1024), causal) == "xla"
+        assert choose(*shapes(8192), causal) == "chunked"
     assert "chunked" in caplog.text and "xla" in caplog.text
 
 
@@ -339,3 +344,38 @@ def test_segment_ids_equal_their_mask_beside_a_key_padding_mask(implementation):
     mask = ops.combine_masks(valid, ops.segment_mask(ids))
     by_mask = attend(q, k, v, mask=mask, is_causal=True, implementation=implementation)
     np.testing.assert_allclose(by_ids, by_mask, atol=ATOL, rtol=0)
+
+
+def test_an_attention_mask_at_a_cache_offset_equals_its_explicit_mask():
+    # A KV cache's write index (traced under jit) as the query offset: the same attention as
+    # the causal and window masks written out at the cache positions.
+    q, k, v = make_qkv(7, tq=3, tk=9)
+    offset, window = jnp.int32(4), (2, 0)
+    pieces = AttentionMask(
+        is_causal=True, local_window=window, global_tokens=1, query_offset=offset
+    )
+    explicit = ops.combine_masks(
+        ops.causal_mask(3, 9, offset),
+        ops.local_window_mask(3, 9, window, offset) | ops.global_tokens_mask(3, 9, 1, offset),
+    )
+    for implementation in ("xla", "chunked"):
+        got = jax.jit(functools.partial(ops.dot_product_attention, implementation=implementation))(
+            q, k, v, mask=pieces
+        )
+        np.testing.assert_allclose(got, ops.reference_attention(q, k, v, mask=explicit), atol=ATOL)
+    with pytest.raises(ValueError, match="not beside it"):
+        ops.dot_product_attention(q, k, v, mask=pieces, is_causal=True)
+
+
+def test_the_choices_of_a_trace_are_recorded_with_the_reasons_passed_over():
+    q, k, v = make_qkv(0)
+    with attention_choice.recorded_choices() as choices:
+        jax.jit(functools.partial(ops.dot_product_attention, implementation="pallas")).lower(
+            q, k, v
+        )
+        jax.jit(ops.dot_product_attention).lower(q, k, v)
+    assert [(c.requested, c.backend) for c in choices] == [("pallas", "xla"), (None, "xla")]
+    assert ("pallas", f"needs a TPU or GPU, the platform is {target_platform()!r}") in choices[
+        0
+    ].passed_over
+    assert [name for name, _ in choices[1].passed_over] == ["cudnn", "pallas", "chunked"]

@@ -11,7 +11,7 @@ import pytest
 from attention_cases import ATOL, CASES, assert_close_to_scale, build_case, make_qkv, naive
 
 from flaxformer_lite import ops
-from flaxformer_lite.ops import attention as attention_module
+from flaxformer_lite.ops import xla_attention as xla_module
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 
@@ -126,9 +126,9 @@ def test_xla_gradients_equal_reference(case):
 def test_query_blocks_hold_every_visible_key(
     monkeypatch, q_len, kv_len, is_causal, window, max_blocks, global_tokens
 ):
-    monkeypatch.setattr(attention_module, "QUERY_BLOCK_ROWS", 4)
-    monkeypatch.setattr(attention_module, "MAX_QUERY_BLOCKS", max_blocks)
-    blocks = attention_module._query_blocks(q_len, kv_len, is_causal, window, global_tokens)
+    monkeypatch.setattr(xla_module, "QUERY_BLOCK_ROWS", 4)
+    monkeypatch.setattr(xla_module, "MAX_QUERY_BLOCKS", max_blocks)
+    blocks = xla_module._query_blocks(q_len, kv_len, is_causal, window, global_tokens)
     position = np.arange(q_len)[:, None] + kv_len - q_len  # of each query; keys are at 0..
     key = np.arange(kv_len)[None, :]
     visible = np.ones((q_len, kv_len), bool)
@@ -151,16 +151,16 @@ def test_query_blocks_hold_every_visible_key(
 
 
 def test_default_query_blocks_skip_a_quarter_of_causal_logits_at_256():
-    blocks = attention_module._query_blocks(256, 256, True, None)
+    blocks = xla_module._query_blocks(256, 256, True, None)
     assert blocks == [((0, 128), ((0, 128),)), ((128, 256), ((0, 256),))]
-    assert len(attention_module._query_blocks(8192, 8192, True, None)) == 8  # larger blocks
+    assert len(xla_module._query_blocks(8192, 8192, True, None)) == 8  # larger blocks
 
 
 @pytest.mark.parametrize("max_blocks", [8, 2])
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_query_blocks_equal_reference(monkeypatch, case, max_blocks):
-    monkeypatch.setattr(attention_module, "QUERY_BLOCK_ROWS", 4)
-    monkeypatch.setattr(attention_module, "MAX_QUERY_BLOCKS", max_blocks)
+    monkeypatch.setattr(xla_module, "QUERY_BLOCK_ROWS", 4)
+    monkeypatch.setattr(xla_module, "MAX_QUERY_BLOCKS", max_blocks)
     q, k, v, inputs, flags = build_case(case)
     out = jax.jit(functools.partial(ops.dot_product_attention, **flags, implementation="xla"))(
         q, k, v, **inputs
@@ -185,7 +185,7 @@ def test_query_blocks_keep_gradients_and_dropout(monkeypatch):
         )
 
     whole = grads()
-    monkeypatch.setattr(attention_module, "QUERY_BLOCK_ROWS", 4)
+    monkeypatch.setattr(xla_module, "QUERY_BLOCK_ROWS", 4)
     blocked = grads()
     for a, b in zip(whole, blocked, strict=True):
         assert_close_to_scale(b, a)

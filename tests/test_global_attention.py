@@ -11,8 +11,10 @@ import pytest
 from attention_cases import ATOL, assert_close_to_scale, make_qkv
 
 from flaxformer_lite import ops
-from flaxformer_lite.ops import attention_choice
+from flaxformer_lite.ops import AttentionMask, attention_choice
+from flaxformer_lite.ops.attention_inputs import AttentionCall
 from flaxformer_lite.ops.chunked_attention import _Geometry
+from flaxformer_lite.ops.cudnn_attention import cudnn_unsupported_reason
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 
@@ -191,16 +193,8 @@ def test_pallas_falls_back_with_the_reason_logged(caplog):
     assert 'implementation="pallas" falls back (global tokens are not supported)' in caplog.text
     np.testing.assert_allclose(out, ops.reference_attention(q, k, v, **run), atol=ATOL)
     bf16 = [x.astype(jnp.bfloat16) for x in (q, k, v)]
-    reason = attention_choice.cudnn_unsupported_reason(
-        *bf16,
-        None,
-        None,
-        is_causal=True,
-        local_window=(2, 0),
-        dropout_rate=0.0,
-        backend="gpu",
-        global_tokens=2,
-    )
+    mask = AttentionMask(is_causal=True, local_window=(2, 0), global_tokens=2)
+    reason = cudnn_unsupported_reason(AttentionCall(*bf16, None, mask, "gpu"))
     assert reason == "global tokens are not supported"
 
 

@@ -82,3 +82,37 @@ def test_combine_masks():
         ops.combine_masks(a, jnp.ones((4, 4)))
     with pytest.raises(ValueError, match="do not broadcast"):
         ops.combine_masks(a, jnp.ones((1, 1, 3, 4), bool))
+
+
+@pytest.mark.parametrize("offset", [None, 3, jnp.array([0, 4])])
+def test_attention_mask_pieces_follow_the_index_formula(offset):
+    q_len, kv_len, (left, right), global_tokens = 3, 8, (2, 1), 2
+    pieces = ops.AttentionMask(
+        is_causal=True,
+        local_window=(left, right),
+        global_tokens=global_tokens,
+        query_offset=offset,
+        segment_ids=(jnp.array([[1, 1, 2], [1, 1, 1]]), jnp.array([[1] * 4 + [2] * 4, [1] * 8])),
+        explicit=jnp.arange(kv_len) != 6,
+    )
+    offsets = np.broadcast_to(kv_len - q_len if offset is None else np.asarray(offset), (2,))
+    q_ids, kv_ids = (np.asarray(ids) for ids in pieces.segment_ids)
+    expected = np.zeros((2, 1, q_len, kv_len), bool)
+    for b, i, j in np.ndindex(2, q_len, kv_len):
+        position = i + offsets[b]
+        window = position - left <= j <= position + right
+        window |= j < global_tokens or position < global_tokens
+        same_segment = q_ids[b, i] == kv_ids[b, j]
+        expected[b, 0, i, j] = window and j <= position and same_segment and j != 6
+    dense = np.broadcast_to(pieces.dense(q_len, kv_len), expected.shape)
+    np.testing.assert_array_equal(dense, expected)
+    aligned = pieces.aligned(q_len, kv_len)
+    # The implementations take the pieces at the S - T alignment only: any other offset
+    # becomes part of the explicit mask.
+    assert aligned.is_causal == (offset is None) and aligned.query_offset is None
+    np.testing.assert_array_equal(np.broadcast_to(aligned.dense(q_len, kv_len), dense.shape), dense)
+
+
+def test_attention_mask_without_a_window_drops_its_global_tokens():
+    aligned = ops.AttentionMask(is_causal=True, global_tokens=3).aligned(4, 4)
+    assert aligned == ops.AttentionMask(is_causal=True)

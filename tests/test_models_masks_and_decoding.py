@@ -265,7 +265,7 @@ def test_segment_ids_reach_the_attention_as_ids_and_equal_the_bool_mask(preset, 
     attention = ops.dot_product_attention
 
     def spy(query, key, value, bias, mask, **kwargs):
-        calls.append((mask, kwargs["segment_ids"]))
+        calls.append((mask.explicit, mask.segment_ids))
         return attention(query, key, value, bias, mask, **kwargs)
 
     monkeypatch.setattr(ops, "dot_product_attention", spy)

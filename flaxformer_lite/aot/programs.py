@@ -14,10 +14,7 @@ arrays the input pipeline makes (:mod:`flaxformer_lite.data.features`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import logging
-import re
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +26,7 @@ from flaxformer_lite.aot.topology import Topology, topology_devices
 from flaxformer_lite.data import tasks
 from flaxformer_lite.decode import generate, seq2seq_generate
 from flaxformer_lite.models import build_model, training_flops_per_token
+from flaxformer_lite.ops.attention_choice import recorded_choices
 from flaxformer_lite.train.config import TrainConfig
 from flaxformer_lite.train.program import (
     build_train_state,
@@ -37,10 +35,6 @@ from flaxformer_lite.train.program import (
     tracing_layout,
 )
 from flaxformer_lite.train.step import task_of
-
-# ops.attention logs its automatic choice at trace time as "attention: <implementation> ...".
-_ATTENTION_LOGGER = "flaxformer_lite.ops.attention"
-_ATTENTION_CHOICE = re.compile(r"^attention: (\w+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,10 +90,10 @@ def compile_for(
     parallel.check_batch_size(cfg.train.batch_size, mesh, rules, microbatches)
     build = _generation if decode else _train_step
     program, args, parts, model_flops, weight_reads = build(cfg, mesh, max_new_tokens)
-    with tracing_layout(mesh, rules), _attention_choices() as chosen:
+    with tracing_layout(mesh, rules), recorded_choices() as choices:
         lowered = program.lower(*args)
-    explicit = cfg.model.attention_implementation
-    attention = explicit or "+".join(dict.fromkeys(chosen)) or "none"
+    chosen = "+".join(dict.fromkeys(choice.backend for choice in choices))
+    attention = cfg.model.attention_implementation or chosen or "none"
     compiled, out_of_memory = None, None
     try:
         compiled = lowered.compile()
@@ -195,28 +189,3 @@ def abstract_batch(cfg: TrainConfig, sharding) -> dict[str, jax.ShapeDtypeStruct
         name: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
         for name, (shape, dtype) in shapes.items()
     }
-
-
-@contextlib.contextmanager
-def _attention_choices():
-    """Collects the attention implementations ``ops.dot_product_attention`` picks while the
-    block traces (it logs each automatic choice)."""
-    chosen: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record):
-            if match := _ATTENTION_CHOICE.match(record.getMessage()):
-                chosen.append(match.group(1))
-
-    logger, handler = logging.getLogger(_ATTENTION_LOGGER), Collect(logging.DEBUG)
-    level, propagate = logger.level, logger.propagate
-    logger.addHandler(handler)
-    # Debug records for this handler alone, not for the handlers the user configured.
-    logger.setLevel(logging.DEBUG)
-    logger.propagate = False
-    try:
-        yield chosen
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-        logger.propagate = propagate

@@ -238,24 +238,22 @@ class MultiHeadAttention(nnx.Module):
                 positions = start + jnp.arange(length)
             q, k = self.rope(q, positions), self.rope(k, positions)
 
+        offset = None
         if cache_index is not None and not self.cross:
             if context is not None:
                 raise ValueError("a self-attention KV cache takes no context")
             k, v = self._update_cache(k, v, cache_index)
-            mask = ops.combine_masks(mask, self._sparse_mask(length, k.shape[1], cache_index))
-            if is_causal:
-                causal = ops.causal_mask(length, k.shape[1], offset=cache_index)
-                mask = causal if mask is None else ops.combine_masks(mask, causal)
-                is_causal = False
-
-        # Without a cache the window is the ops' own (their blocks skip what it hides).
-        sparse = dict(local_window=self.local_window, global_tokens=self.global_tokens)
-        if cache_index is not None:
-            sparse = dict(local_window=None, global_tokens=0)
+            offset = cache_index  # the queries' positions in the cache
+        mask = ops.AttentionMask(
+            is_causal=is_causal,
+            local_window=self.local_window,
+            global_tokens=self.global_tokens,
+            query_offset=offset,
+            segment_ids=segment_pair,
+            explicit=mask,
+        )
         if self.sow_weights:
-            weights = ops.attention_weights(
-                q, k, bias, with_segments(mask, segment_pair), is_causal=is_causal, **sparse
-            )
+            weights = ops.attention_weights(q, k, bias, mask)
             self.sow(nnx.Intermediate, "attention_weights", weights)
         dropout_rate = 0.0 if self.deterministic else self.dropout_rate
         dropout = dict(
@@ -264,22 +262,13 @@ class MultiHeadAttention(nnx.Module):
         )
         if self.attention_fn is None:
             out = ops.dot_product_attention(
-                q,
-                k,
-                v,
-                bias,
-                mask,
-                is_causal=is_causal,
-                implementation=self.implementation,
-                segment_ids=segment_pair,
-                **sparse,
-                **dropout,
+                q, k, v, bias, mask, implementation=self.implementation, **dropout
             )
         else:
-            mask = with_segments(mask, segment_pair)
-            if cache_index is None:
-                mask = ops.combine_masks(mask, self._sparse_mask(length, k.shape[1], 0))
-            out = self.attention_fn(q, k, v, bias, mask, is_causal=is_causal, **dropout)
+            # A custom function takes the causal flag and every other piece as one mask.
+            aligned = mask.aligned(length, k.shape[1])
+            flat = dataclasses.replace(aligned, is_causal=False).dense(length, k.shape[1])
+            out = self.attention_fn(q, k, v, bias, flat, is_causal=aligned.is_causal, **dropout)
         return self.out(out)
 
     def _split_qkv(self, qkv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -288,16 +277,6 @@ class MultiHeadAttention(nnx.Module):
             return tuple(y[:, :, 0] for y in jnp.split(qkv, 3, axis=2))
         num_heads = qkv.shape[2] - 2 * self.num_kv_heads
         return tuple(jnp.split(qkv, [num_heads, num_heads + self.num_kv_heads], axis=2))
-
-    def _sparse_mask(self, length: int, kv_len: int, offset) -> jax.Array | None:
-        """The local window and global tokens as a bool ``[1, 1, T, S]`` mask for queries at
-        positions ``offset + arange(T)``, or ``None`` without a window."""
-        if self.local_window is None:
-            return None
-        window = ops.local_window_mask(length, kv_len, self.local_window, offset)
-        if self.global_tokens:
-            window = window | ops.global_tokens_mask(length, kv_len, self.global_tokens, offset)
-        return window
 
     def _segment_pair(self, segment_ids, context, cache_index):
         """``(ids, ids)``, the query and key ids of self-attention over packed rows, or ``None``."""
@@ -346,11 +325,3 @@ class MultiHeadAttention(nnx.Module):
         )
         self.cached_key[...], self.cached_value[...] = cached_key, cached_value
         return tuple(x.swapaxes(1, 2).astype(self.dtype) for x in (cached_key, cached_value))
-
-
-def with_segments(mask: jax.Array | None, segment_pair) -> jax.Array | None:
-    """``mask`` and the ``[B, 1, T, S]`` mask of ``segment_pair`` (query and key ids) combined,
-    for the consumers of masks only: ``ops.attention_weights`` and a custom ``attention_fn``."""
-    if segment_pair is None:
-        return mask
-    return ops.combine_masks(mask, ops.segment_mask(*segment_pair))

@@ -32,6 +32,7 @@ from flaxformer_lite.ops.attention import (
     reference_attention,
 )
 from flaxformer_lite.ops.attention_free import aft
+from flaxformer_lite.ops.attention_mask import AttentionMask
 from flaxformer_lite.ops.chunked_attention import chunked_attention
 from flaxformer_lite.ops.losses import cross_entropy
 from flaxformer_lite.ops.masks import (
@@ -53,6 +54,7 @@ from flaxformer_lite.ops.projection import project
 from flaxformer_lite.ops.rope import RopeScaling, apply_rope, rope_frequencies
 
 __all__ = [
+    "AttentionMask",
     "RopeScaling",
     "aft",
     "alibi_bias",

@@ -1,18 +1,28 @@
-"""Which attention implementation runs: the rules of each kernel and the automatic choice.
+"""The implementations of attention, what each can run, and which one a call runs.
 
-The choice is logged at trace time under the logger ``flaxformer_lite.ops.attention`` (that of
-:func:`flaxformer_lite.ops.dot_product_attention`, where users look for it).
+Each :class:`Backend` says why it cannot take a call (a reason, or ``None``) and how to run it.
+:func:`choose` returns a :class:`Choice`: the implementation that runs and why it passed over the
+others. The choice is logged at trace time under the logger ``flaxformer_lite.ops.attention``
+(that of :func:`flaxformer_lite.ops.dot_product_attention`, where users look for it), and
+:func:`recorded_choices` hands the choices of a trace to a caller (``aot`` reports them).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 import functools
 import logging
+from collections.abc import Callable, Iterator
 
-import jax.numpy as jnp
+import jax
 
-from flaxformer_lite.ops.masks import combine_masks, segment_mask
-from flaxformer_lite.ops.pallas_attention import pallas_unsupported_reason, target_platform
+from flaxformer_lite.ops.attention_inputs import AttentionCall
+from flaxformer_lite.ops.chunked_attention import chunked_attention
+from flaxformer_lite.ops.cudnn_attention import cudnn_attention, cudnn_unsupported_reason
+from flaxformer_lite.ops.pallas_attention import pallas_attention, pallas_unsupported_reason
+from flaxformer_lite.ops.xla_attention import xla_attention
 
 logger = logging.getLogger("flaxformer_lite.ops.attention")
 
@@ -21,48 +31,131 @@ logger = logging.getLogger("flaxformer_lite.ops.attention")
 # of "xla" would grow past hundreds of MiB.
 CHUNKED_MIN_LOGITS = 8 * 2048 * 2048
 
-GLOBAL_TOKENS_UNSUPPORTED = "global tokens are not supported"
+
+def _no_reason(call: AttentionCall) -> None:
+    return None
 
 
-def cudnn_unsupported_reason(
-    query,
-    key,
-    value,
-    bias,
-    mask,
-    *,
-    is_causal,
-    local_window,
-    dropout_rate,
-    backend=None,
-    global_tokens=0,
-) -> str:
-    """Why cuDNN flash attention cannot run these inputs, or ``""`` if it can.
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """One implementation of :func:`flaxformer_lite.ops.dot_product_attention`.
 
-    ``backend`` defaults to the platform compiled for (:func:`.pallas_attention.target_platform`);
-    tests pass ``"gpu"`` to check the rules.
+    Attributes:
+      name: its ``implementation`` name.
+      run: ``[B, T, H, Dv]`` of a call it can run.
+      unsupported: why it cannot run a call, or ``None`` if it can.
+      not_automatic: why the automatic choice passes over it for a call, or ``None``.
+      home: the platform whose own kernel it is: passed over there, it is logged once at INFO.
+      falls_back: a request for it that it cannot run falls back on the automatic choice
+        (else it is a ValueError).
     """
-    backend = target_platform() if backend is None else backend
-    head_dim, value_dim = query.shape[-1], value.shape[-1]
-    if backend != "gpu":
-        return f"needs a GPU, the backend is {backend!r}"
-    if query.dtype not in (jnp.bfloat16, jnp.float16):
-        return f"needs bfloat16 or float16 inputs, got {query.dtype}"
-    if not query.dtype == key.dtype == value.dtype:
-        return f"needs equal dtypes, got {query.dtype}, {key.dtype}, {value.dtype}"
-    if head_dim != value_dim or head_dim > 128 or head_dim % 8:
-        return f"needs equal head dims <= 128 divisible by 8, got {head_dim}, {value_dim}"
-    if dropout_rate > 0.0:
-        return "attention dropout is not supported"
-    if global_tokens:
-        return GLOBAL_TOKENS_UNSUPPORTED
-    if (is_causal or local_window is not None) and query.shape[1] != key.shape[1]:
-        return "causal or windowed masks with T != S align differently in cuDNN"
-    if local_window is not None and local_window[1] != 0 and not is_causal:
-        return f"a right window needs is_causal, got local_window={local_window}"
-    if (bias is not None or mask is not None) and (query.shape[1] % 2 or key.shape[1] % 2):
-        return f"a bias or mask needs even lengths, got T={query.shape[1]}, S={key.shape[1]}"
-    return ""
+
+    name: str
+    run: Callable[[AttentionCall], jax.Array]
+    unsupported: Callable[[AttentionCall], str | None] = _no_reason
+    not_automatic: Callable[[AttentionCall], str | None] = _no_reason
+    home: str | None = None
+    falls_back: bool = False
+
+
+def _not_on_tpu(call: AttentionCall) -> str | None:
+    return None if call.platform == "tpu" else "chosen automatically on TPU only"
+
+
+def _small(call: AttentionCall) -> str | None:
+    b, t, h, _ = call.query.shape
+    logits = b * h * t * call.key.shape[1]
+    return f"{logits} logits < {CHUNKED_MIN_LOGITS}" if logits < CHUNKED_MIN_LOGITS else None
+
+
+def _chunked(call: AttentionCall) -> jax.Array:
+    args, flags = call.arguments()
+    dropout = dict(dropout_rate=call.dropout_rate, dropout_rng=call.dropout_rng)
+    return chunked_attention(*args, **flags, global_tokens=call.mask.global_tokens, **dropout)
+
+
+# In the order the automatic choice tries them: the first that runs a call and is not passed
+# over automatically runs it.
+BACKENDS = {
+    backend.name: backend
+    for backend in (
+        Backend("cudnn", cudnn_attention, cudnn_unsupported_reason, home="gpu"),
+        Backend(
+            "pallas",
+            pallas_attention,
+            pallas_unsupported_reason,
+            _not_on_tpu,
+            home="tpu",
+            falls_back=True,
+        ),
+        Backend("chunked", _chunked, not_automatic=_small),
+        Backend("xla", xla_attention),
+    )
+}
+IMPLEMENTATIONS = tuple(BACKENDS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The implementation a call runs (``backend``), the one it asked for (``requested``,
+    ``None`` for the automatic choice), and ``(implementation, reason)`` for each passed over,
+    in the order tried."""
+
+    backend: str
+    requested: str | None
+    passed_over: tuple[tuple[str, str], ...] = ()
+
+
+def choose(call: AttentionCall, implementation: str | None = None) -> Choice:
+    """The implementation that runs ``call``, when ``implementation`` is requested (``None``:
+    the automatic choice); logged, and recorded for :func:`recorded_choices`.
+
+    Raises:
+      ValueError: an unknown implementation, or one that cannot run ``call`` and does not fall
+        back.
+    """
+    passed_over = []
+    if implementation is not None:
+        if implementation not in BACKENDS:
+            raise ValueError(
+                f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}"
+            )
+        backend = BACKENDS[implementation]
+        reason = backend.unsupported(call)
+        if reason is None:
+            return _recorded(Choice(implementation, implementation), call)
+        if not backend.falls_back:
+            raise ValueError(f'implementation="{implementation}" cannot run these inputs: {reason}')
+        passed_over.append((implementation, reason))
+    for backend in BACKENDS.values():
+        if backend.name == implementation:
+            continue
+        reason = backend.not_automatic(call) or backend.unsupported(call)
+        if reason is None:
+            break  # "xla", the last, runs every call
+        passed_over.append((backend.name, reason))
+    return _recorded(Choice(backend.name, implementation, tuple(passed_over)), call)
+
+
+def run(call: AttentionCall, implementation: str | None = None) -> jax.Array:
+    """``[B, T, H, Dv]``: ``call`` run by the implementation :func:`choose` picks."""
+    return BACKENDS[choose(call, implementation).backend].run(call)
+
+
+_RECORDS: contextvars.ContextVar[list[Choice] | None] = contextvars.ContextVar(
+    "attention_choices", default=None
+)
+
+
+@contextlib.contextmanager
+def recorded_choices() -> Iterator[list[Choice]]:
+    """Collects the :class:`Choice` of every attention traced in the block, in order."""
+    choices: list[Choice] = []
+    token = _RECORDS.set(choices)
+    try:
+        yield choices
+    finally:
+        _RECORDS.reset(token)
 
 
 @functools.lru_cache(maxsize=64)
@@ -71,47 +164,17 @@ def log_once(message: str) -> None:
     logger.info(message)
 
 
-def select_implementation(
-    query,
-    key,
-    value,
-    bias=None,
-    mask=None,
-    *,
-    is_causal,
-    local_window,
-    dropout_rate,
-    segment_ids=None,
-    global_tokens=0,
-) -> str:
-    """The automatic choice: cuDNN where it runs, else on TPU "pallas" where it runs, else
-    "chunked" for large logits, else "xla". ``mask`` rank 4 (or None) as the caller's, and
-    ``segment_ids`` and ``global_tokens`` as :func:`flaxformer_lite.ops.dot_product_attention`
-    takes them."""
-    features = dict(is_causal=is_causal, local_window=local_window, dropout_rate=dropout_rate)
-    full_mask = mask if segment_ids is None else combine_masks(mask, segment_mask(*segment_ids))
-    reason = cudnn_unsupported_reason(
-        query, key, value, bias, full_mask, **features, global_tokens=global_tokens
-    )
-    if not reason:
-        logger.debug("attention: cudnn")
-        return "cudnn"
-    platform = target_platform()
-    if platform == "gpu":
-        log_once(f"attention: cuDNN not used ({reason})")
-    if platform == "tpu":
-        reason = GLOBAL_TOKENS_UNSUPPORTED if global_tokens else ""
-        reason = reason or pallas_unsupported_reason(
-            query, key, value, bias, mask, **features, platform=platform, segment_ids=segment_ids
-        )
-        if not reason:
-            logger.debug("attention: pallas")
-            return "pallas"
-        log_once(f"attention: Pallas kernel not used ({reason})")
-    b, t, h, _ = query.shape
-    num_logits = b * h * t * key.shape[1]
-    if num_logits >= CHUNKED_MIN_LOGITS:
-        logger.debug("attention: chunked (%d logits >= %d)", num_logits, CHUNKED_MIN_LOGITS)
-        return "chunked"
-    logger.debug("attention: xla (%d logits < %d)", num_logits, CHUNKED_MIN_LOGITS)
-    return "xla"
+def _recorded(choice: Choice, call: AttentionCall) -> Choice:
+    """``choice``, logged and recorded."""
+    for name, reason in choice.passed_over:
+        if name == choice.requested:
+            log_once(f'attention: implementation="{name}" falls back ({reason})')
+        elif BACKENDS[name].home == call.platform:
+            log_once(f"attention: {name} not used ({reason})")
+    if choice.requested != choice.backend:
+        reasons = "; ".join(f"not {name}: {reason}" for name, reason in choice.passed_over)
+        logger.debug("attention: %s (%s)", choice.backend, reasons)
+    records = _RECORDS.get()
+    if records is not None:
+        records.append(choice)
+    return choice

@@ -8,22 +8,89 @@ reports something less readable.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import config as jax_config
 
-from flaxformer_lite.ops.masks import (
-    causal_mask,
-    check_global_tokens,
-    check_local_window,
-    combine_masks,
-    global_tokens_mask,
-    local_window_mask,
-)
+from flaxformer_lite.ops.attention_mask import AttentionMask
+from flaxformer_lite.ops.masks import check_global_tokens, check_local_window
 
 # Fill for masked logits. Finite, so that max() and exp(max_old - max_new) of a row whose keys
 # are all masked stay NaN-free; implementations zero such rows explicitly.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCall:
+    """One call of :func:`flaxformer_lite.ops.dot_product_attention` as its implementations see
+    it: validated arrays (or ``jax.ShapeDtypeStruct``s, for the choice alone), the mask
+    :meth:`~AttentionMask.aligned` with its ``explicit`` part rank 4, and the platform compiled
+    for (:func:`target_platform`)."""
+
+    query: jax.Array
+    key: jax.Array
+    value: jax.Array
+    bias: jax.Array | None
+    mask: AttentionMask
+    platform: str
+    scale: float | None = None
+    dropout_rate: float = 0.0
+    dropout_rng: jax.Array | None = None
+
+    def arguments(self) -> tuple[tuple, dict]:
+        """``(query, key, value, bias, mask)`` and the keywords ``scale``, ``is_causal`` and
+        ``local_window``: the call as functions that take a mask array and flags take it (the
+        segment ids folded into the mask)."""
+        mask = self.mask
+        flags = dict(scale=self.scale, is_causal=mask.is_causal, local_window=mask.local_window)
+        return (self.query, self.key, self.value, self.bias, mask.given()), flags
+
+
+def validated_call(
+    query, key, value, bias, mask: AttentionMask, *, scale=None, dropout_rate=0.0, dropout_rng=None
+) -> AttentionCall:
+    """The :class:`AttentionCall` of these inputs, after checking that they fit together.
+
+    Raises:
+      ValueError: naming the offending shapes or values.
+    """
+    query, key, value, bias, explicit = validated_attention_inputs(
+        query,
+        key,
+        value,
+        bias,
+        mask.explicit,
+        mask.local_window,
+        dropout_rate,
+        dropout_rng,
+        mask.global_tokens,
+    )
+    mask = dataclasses.replace(
+        mask,
+        explicit=as_rank4("mask", explicit, attention_logits_shape(query, key)),
+        segment_ids=validated_segment_ids(mask.segment_ids, query, key),
+    )
+    mask = mask.aligned(query.shape[1], key.shape[1])
+    platform = target_platform()
+    return AttentionCall(query, key, value, bias, mask, platform, scale, dropout_rate, dropout_rng)
+
+
+def target_platform() -> str:
+    """The platform the attention compiles for, "cpu", "gpu" or "tpu": "tpu" under Pallas' TPU
+    interpret mode (tests on CPU), else that of the active mesh (a compile-only topology on a
+    CPU host), else the default backend."""
+    # jax exposes the interpret mode's switch only as a config state; absent, it is off.
+    interpret_mode = getattr(jax_config, "pallas_tpu_interpret_mode_context_manager", None)
+    if interpret_mode is not None and interpret_mode.value is not None:
+        return "tpu"
+    mesh = jax.sharding.get_abstract_mesh()
+    platform = jax.default_backend()
+    if not mesh.empty and mesh.abstract_device is not None:
+        platform = mesh.abstract_device.platform
+    return "gpu" if platform in ("cuda", "rocm") else platform
 
 
 def validated_attention_inputs(
@@ -152,25 +219,6 @@ def group_heads(x, num_kv_heads: int):
     if h == 1:
         return x.reshape(b, 1, 1, t, s)
     return x.reshape(b, num_kv_heads, h // num_kv_heads, t, s)
-
-
-def structural_mask(q_len: int, kv_len: int, is_causal: bool, local_window, global_tokens: int = 0):
-    """The causal / sliding-window mask ``[1, 1, T, S]``, or ``None`` if neither applies.
-
-    The last query is aligned with the last key (``offset = S - T``), as when decoding
-    against a KV cache. ``global_tokens`` widen a window (see ``masks.global_tokens_mask``);
-    without a window they change nothing.
-    """
-    offset = kv_len - q_len
-    masks = []
-    if is_causal:
-        masks.append(causal_mask(q_len, kv_len, offset))
-    if local_window is not None:
-        window = local_window_mask(q_len, kv_len, local_window, offset)
-        if global_tokens:
-            window = window | global_tokens_mask(q_len, kv_len, global_tokens, offset)
-        masks.append(window)
-    return combine_masks(*masks)
 
 
 def default_scale(query, scale):

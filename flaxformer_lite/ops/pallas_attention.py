@@ -27,10 +27,11 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax._src import config as jax_config
 from jax.experimental.pallas.ops.gpu import attention as gpu_attention
 from jax.experimental.pallas.ops.tpu import flash_attention as tpu_attention
 from jax.sharding import PartitionSpec
+
+from flaxformer_lite.ops.attention_inputs import AttentionCall, default_scale
 
 # Query and key blocks of both kernels: their defaults, and the TPU kernel's minimum (its lane
 # width). Lengths are padded to a multiple of this.
@@ -45,30 +46,23 @@ HEAD_MESH_AXES = ("tensor",)
 PADDED_KEY_ID = 1
 
 
-def pallas_unsupported_reason(
-    query,
-    key,
-    value,
-    bias,
-    mask,
-    *,
-    is_causal,
-    local_window,
-    dropout_rate,
-    platform,
-    segment_ids=None,
-) -> str:
-    """Why the Pallas kernel of ``platform`` ("tpu" or "gpu") cannot run these validated
-    inputs, or ``""`` if it can. ``mask`` (rank 4) may be a key padding mask ``[B | 1, 1, 1, S]``
-    and ``segment_ids`` given on TPU."""
+def pallas_unsupported_reason(call: AttentionCall) -> str | None:
+    """Why the Pallas kernel of ``call.platform`` ("tpu" or "gpu") cannot run ``call``, or
+    ``None`` if it can. Its explicit mask may be a key padding mask ``[B | 1, 1, 1, S]``, and
+    segment ids are taken on TPU."""
+    query, key, value, mask = call.query, call.key, call.value, call.mask
+    platform, is_causal = call.platform, mask.is_causal
+    has_mask = mask.explicit is not None or mask.segment_ids is not None
     (_, t, _, head_dim), s, value_dim = query.shape, key.shape[1], value.shape[-1]
+    if mask.global_tokens:
+        return "global tokens are not supported"
     if platform not in ("tpu", "gpu"):
         return f"needs a TPU or GPU, the platform is {platform!r}"
-    if bias is not None:
+    if call.bias is not None:
         return "an additive bias is not supported"
-    if local_window is not None:
+    if mask.local_window is not None:
         return "local windows are not supported"
-    if dropout_rate > 0.0:
+    if call.dropout_rate > 0.0:
         return "attention dropout is not supported"
     if is_causal and t != s:
         return f"a causal mask needs T == S (the kernels align it top-left), got T={t}, S={s}"
@@ -80,11 +74,11 @@ def pallas_unsupported_reason(
         return f"needs T == S unless both are multiples of {BLOCK}, got T={t}, S={s}"
     if platform == "tpu" and head_dim > BLOCK and head_dim % BLOCK:
         return f"needs Dh <= {BLOCK} or a multiple of {BLOCK}, got {head_dim}"
-    if platform == "gpu" and (mask is not None or segment_ids is not None):
+    if platform == "gpu" and has_mask:
         return "masks and segment ids are not supported (the GPU kernel takes causal masks only)"
-    if mask is not None and mask.shape[1:3] != (1, 1):
-        return f"only key padding masks [B, 1, 1, S] are supported, got {mask.shape}"
-    return ""
+    if mask.explicit is not None and mask.explicit.shape[1:3] != (1, 1):
+        return f"only key padding masks [B, 1, 1, S] are supported, got {mask.explicit.shape}"
+    return None
 
 
 def tpu_flash_attention(
@@ -260,33 +254,21 @@ def _zero_rows_without_keys(out, ids, is_causal):
     return jnp.where(has_key[:, :, None, None], out, 0).astype(out.dtype)
 
 
-def target_platform() -> str:
-    """The platform the attention compiles for, "cpu", "gpu" or "tpu": "tpu" under Pallas' TPU
-    interpret mode (tests on CPU), else that of the active mesh (a compile-only topology on a
-    CPU host), else the default backend."""
-    # jax exposes the interpret mode's switch only as a config state; absent, it is off.
-    interpret_mode = getattr(jax_config, "pallas_tpu_interpret_mode_context_manager", None)
-    if interpret_mode is not None and interpret_mode.value is not None:
-        return "tpu"
-    mesh = jax.sharding.get_abstract_mesh()
-    platform = jax.default_backend()
-    if not mesh.empty and mesh.abstract_device is not None:
-        platform = mesh.abstract_device.platform
-    return "gpu" if platform in ("cuda", "rocm") else platform
-
-
-def pallas_attention(query, key, value, mask, *, scale, is_causal, segment_ids, platform):
-    """The Pallas kernel of ``platform`` on inputs that :func:`pallas_unsupported_reason`
-    accepts; ``mask`` a key padding mask ``[B | 1, 1, 1, S]`` or ``None``."""
-    if platform == "gpu":
-        return gpu_flash_attention(query, key, value, scale=scale, is_causal=is_causal)
-    key_valid = None if mask is None else mask.reshape(mask.shape[0], mask.shape[-1])
+def pallas_attention(call: AttentionCall) -> jax.Array:
+    """``[B, T, H, Dh]``: the Pallas kernel of ``call.platform`` on a ``call`` that
+    :func:`pallas_unsupported_reason` accepts."""
+    query, key, value, mask = call.query, call.key, call.value, call.mask
+    scale = default_scale(query, call.scale)
+    if call.platform == "gpu":
+        return gpu_flash_attention(query, key, value, scale=scale, is_causal=mask.is_causal)
+    explicit = mask.explicit  # a key padding mask [B | 1, 1, 1, S]
+    key_valid = None if explicit is None else explicit.reshape(explicit.shape[0], -1)
     return tpu_flash_attention(
         query,
         key,
         value,
         scale=scale,
-        is_causal=is_causal,
+        is_causal=mask.is_causal,
         key_valid=key_valid,
-        segment_ids=segment_ids,
+        segment_ids=mask.segment_ids,
     )
