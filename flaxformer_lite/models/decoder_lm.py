@@ -26,10 +26,9 @@ class DecoderLM(nnx.Module):
     Args:
       cfg: a config with ``num_decoder_layers > 0`` (encoder layers are ignored).
       rngs: ``nnx.Rngs`` with ``params`` (and ``dropout``, else ``default``) streams.
-      attention_fn: replaces ``ops.dot_product_attention`` in every layer.
     """
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, attention_fn=None):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         if not cfg.num_decoder_layers:
             raise ValueError("DecoderLM needs num_decoder_layers > 0")
         self.config = cfg
@@ -41,7 +40,6 @@ class DecoderLM(nnx.Module):
             causal=True,
             cross_attention=False,
             rngs=rngs,
-            attention_fn=attention_fn,
         )
         self.head = OutputHead(cfg, tokens=tokens, rngs=rngs)
         self.decode_state = nnx.data(None)  # a DecodeState after init_cache

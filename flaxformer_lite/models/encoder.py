@@ -36,10 +36,9 @@ class Encoder(nnx.Module):
     Args:
       cfg: a config with ``num_encoder_layers > 0`` (decoder layers are ignored).
       rngs: ``nnx.Rngs`` with ``params`` (and ``dropout``, else ``default``) streams.
-      attention_fn: replaces ``ops.dot_product_attention`` in every layer.
     """
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, attention_fn=None):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         if not cfg.num_encoder_layers:
             raise ValueError("Encoder needs num_encoder_layers > 0")
         self.config = cfg
@@ -51,7 +50,6 @@ class Encoder(nnx.Module):
             causal=False,
             cross_attention=False,
             rngs=rngs,
-            attention_fn=attention_fn,
         )
         self.head = OutputHead(cfg, tokens=tokens, rngs=rngs)
         common = dict(init=cfg.kernel_init, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)

@@ -29,10 +29,9 @@ class EncoderDecoder(nnx.Module):
     Args:
       cfg: a config with encoder and decoder layers.
       rngs: ``nnx.Rngs`` with ``params`` (and ``dropout``, else ``default``) streams.
-      attention_fn: replaces ``ops.dot_product_attention`` in every layer.
     """
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, attention_fn=None):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         if not (cfg.num_encoder_layers and cfg.num_decoder_layers):
             raise ValueError(
                 "EncoderDecoder needs num_encoder_layers > 0 and num_decoder_layers > 0"
@@ -53,7 +52,6 @@ class EncoderDecoder(nnx.Module):
             causal=False,
             cross_attention=False,
             rngs=rngs,
-            attention_fn=attention_fn,
         )
         self.decoder = Tower(
             cfg,
@@ -61,7 +59,6 @@ class EncoderDecoder(nnx.Module):
             causal=True,
             cross_attention=True,
             rngs=rngs,
-            attention_fn=attention_fn,
         )
         self.head = OutputHead(cfg, tokens=tgt_tokens, rngs=rngs)
         self.decode_state = nnx.data(None)  # a DecodeState after init_cache

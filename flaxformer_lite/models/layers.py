@@ -40,7 +40,7 @@ def residual_init(cfg: ModelConfig, num_layers: int) -> KernelInit:
 
 
 def make_attention(
-    cfg: ModelConfig, *, num_layers: int, cross: bool, rngs: nnx.Rngs, attention_fn=None
+    cfg: ModelConfig, *, num_layers: int, cross: bool, rngs: nnx.Rngs
 ) -> MultiHeadAttention:
     """A ``MultiHeadAttention`` configured by ``cfg`` (self- or cross-attention)."""
     return MultiHeadAttention(
@@ -56,7 +56,6 @@ def make_attention(
         local_window=None if cross else cfg.local_window,
         global_tokens=0 if cross else cfg.global_tokens,
         dropout_rate=cfg.attention_dropout,
-        attention_fn=attention_fn,
         implementation=cfg.attention_implementation,
         init=cfg.kernel_init,
         out_init=residual_init(cfg, num_layers),
@@ -67,16 +66,12 @@ def make_attention(
 
 
 def make_self_attention(
-    cfg: ModelConfig, *, num_layers: int, rngs: nnx.Rngs, attention_fn=None
+    cfg: ModelConfig, *, num_layers: int, rngs: nnx.Rngs
 ) -> MultiHeadAttention | AttentionFree:
     """The token mixer ``cfg.mixer`` asks for: self-attention, or an Attention Free Transformer
     (``aft_full``, ``aft_local``, ``aft_simple``)."""
     if cfg.mixer == "attention":
-        return make_attention(
-            cfg, num_layers=num_layers, cross=False, rngs=rngs, attention_fn=attention_fn
-        )
-    if attention_fn is not None:
-        raise ValueError(f"an attention_fn replaces attention; model.mixer is {cfg.mixer}")
+        return make_attention(cfg, num_layers=num_layers, cross=False, rngs=rngs)
     return AttentionFree(
         cfg.d_model,
         mixer=cfg.mixer,
@@ -106,7 +101,6 @@ class TransformerLayer(nnx.Module):
       num_layers: layers in the stack (GPT-2's init scales residual projections by it).
       causal: self-attention sees only earlier positions.
       cross_attention: attend to an encoder's output after self-attention.
-      attention_fn: overrides ``ops.dot_product_attention`` in every attention.
     """
 
     def __init__(
@@ -117,18 +111,13 @@ class TransformerLayer(nnx.Module):
         causal: bool,
         cross_attention: bool,
         rngs: nnx.Rngs,
-        attention_fn=None,
     ):
         self.causal, self.pre_norm = causal, cfg.norm_position == "pre"
         self.parallel = cfg.parallel_block
-        self.self_attention = make_self_attention(
-            cfg, num_layers=num_layers, rngs=rngs, attention_fn=attention_fn
-        )
+        self.self_attention = make_self_attention(cfg, num_layers=num_layers, rngs=rngs)
         self.self_attention_norm = make_layer_norm(cfg, rngs)
         if cross_attention:
-            self.cross_attention = make_attention(
-                cfg, num_layers=num_layers, cross=True, rngs=rngs, attention_fn=attention_fn
-            )
+            self.cross_attention = make_attention(cfg, num_layers=num_layers, cross=True, rngs=rngs)
             self.cross_attention_norm = make_layer_norm(cfg, rngs)
         else:
             self.cross_attention = self.cross_attention_norm = None
@@ -240,14 +229,13 @@ class TransformerLayer(nnx.Module):
 class EncoderLayer(TransformerLayer):
     """Bidirectional self-attention and MLP (the paper's encoder layer, BERT's layer)."""
 
-    def __init__(self, cfg: ModelConfig, *, num_layers: int, rngs: nnx.Rngs, attention_fn=None):
+    def __init__(self, cfg: ModelConfig, *, num_layers: int, rngs: nnx.Rngs):
         super().__init__(
             cfg,
             num_layers=num_layers,
             causal=False,
             cross_attention=False,
             rngs=rngs,
-            attention_fn=attention_fn,
         )
 
 
@@ -261,7 +249,6 @@ class DecoderLayer(TransformerLayer):
         num_layers: int,
         cross_attention: bool,
         rngs: nnx.Rngs,
-        attention_fn=None,
     ):
         super().__init__(
             cfg,
@@ -269,5 +256,4 @@ class DecoderLayer(TransformerLayer):
             causal=True,
             cross_attention=cross_attention,
             rngs=rngs,
-            attention_fn=attention_fn,
         )

@@ -132,7 +132,6 @@ class Tower(nnx.Module):
         causal: bool,
         cross_attention: bool,
         rngs: nnx.Rngs,
-        attention_fn=None,
     ):
         self.num_heads, self.positions = cfg.num_heads, cfg.positions
         self.relative_bias = (
@@ -151,15 +150,12 @@ class Tower(nnx.Module):
 
         def make_layer(layer_rngs):
             if not causal:
-                return EncoderLayer(
-                    cfg, num_layers=num_layers, rngs=layer_rngs, attention_fn=attention_fn
-                )
+                return EncoderLayer(cfg, num_layers=num_layers, rngs=layer_rngs)
             return DecoderLayer(
                 cfg,
                 num_layers=num_layers,
                 cross_attention=cross_attention,
                 rngs=layer_rngs,
-                attention_fn=attention_fn,
             )
 
         self.layers = LayerStack(
