@@ -7,15 +7,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flaxformer_lite.models.config import ModelConfig
-from flaxformer_lite.models.parts import (
+from flaxformer_lite.models.embedding import (
     InputEmbedding,
-    OutputHead,
-    Tower,
     check_length,
     default_positions,
-    key_mask,
     token_embedding,
 )
+from flaxformer_lite.models.heads import OutputHead
+from flaxformer_lite.models.layers import Tower, key_mask
 from flaxformer_lite.nn.dense import Dense
 
 
