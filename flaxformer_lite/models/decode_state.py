@@ -71,24 +71,25 @@ class DecoderInputs:
 
 
 def decoder_inputs(
-    cfg: ModelConfig,
-    state: DecodeState | None,
-    shape: tuple[int, int],
+    model,
+    tokens: jax.Array,
     *,
     decode: bool,
+    what: str,
     padding_mask: jax.Array | None = None,
     positions: jax.Array | None = None,
     segment_ids: jax.Array | None = None,
-    what: str,
 ) -> DecoderInputs:
-    """The :class:`DecoderInputs` of a call of ``shape = (B, T)`` tokens.
+    """The :class:`DecoderInputs` of a call of ``model`` (``DecoderLM``, ``EncoderDecoder``) on
+    ``tokens [B, T, ...]``.
 
     Without ``decode`` the keys are the call's own tokens (``what`` names them in the length
-    error). With it the tokens are appended to ``state`` after those of earlier calls.
-    ``padding_mask`` is bool ``[B, T]``, False at padding; ``positions`` default to the
+    error). With it the tokens are appended to ``model.decode_state`` after those of earlier
+    calls. ``padding_mask`` is bool ``[B, T]``, False at padding; ``positions`` default to the
     tokens' slots.
     """
-    batch, length = shape
+    batch, length = tokens.shape[:2]
+    state = model.decode_state
     if decode:
         if state is None:
             raise ValueError("decode=True needs model.init_cache(batch_size, max_length) first")
@@ -98,7 +99,7 @@ def decoder_inputs(
         cache_index, mask, overflow = state.append(valid)
         kv_length = state.max_length
     else:
-        check_length(cfg, length, what)
+        check_length(model.config, length, what)
         mask = key_mask(padding_mask)
         cache_index, kv_length, overflow = None, length, None
     if positions is None:

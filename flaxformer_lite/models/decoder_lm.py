@@ -63,14 +63,13 @@ class DecoderLM(nnx.Module):
           compute dtype.
         """
         step = decoder_inputs(
-            self.config,
-            self.decode_state,
-            inputs.shape[:2],
+            self,
+            inputs,
             decode=decode,
+            what="input",
             padding_mask=padding_mask,
             positions=positions,
             segment_ids=segment_ids,
-            what="input",
         )
         x = self.embed(inputs, step.positions)
         x = self.decoder(

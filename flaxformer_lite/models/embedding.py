@@ -16,14 +16,8 @@ from flaxformer_lite.nn.embed import Embed
 
 def token_embedding(cfg: ModelConfig, rngs: nnx.Rngs) -> Embed:
     """The ``[vocab, D]`` token table."""
-    return Embed(
-        cfg.vocab_size,
-        cfg.d_model,
-        init=cfg.kernel_init,
-        dtype=cfg.dtype,
-        param_dtype=cfg.param_dtype,
-        rngs=rngs,
-    )
+    common = dict(init=cfg.kernel_init, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
+    return Embed(cfg.vocab_size, cfg.d_model, **common)
 
 
 def default_positions(length: int, start=0) -> jax.Array:

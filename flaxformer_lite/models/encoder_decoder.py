@@ -95,14 +95,7 @@ class EncoderDecoder(nnx.Module):
         cross-attention keys/values: the first call passes ``encoded``, later calls ``None``
         (the encoder output is projected once, not at every step).
         """
-        step = decoder_inputs(
-            self.config,
-            self.decode_state,
-            tgt.shape[:2],
-            decode=decode,
-            positions=tgt_positions,
-            what="target",
-        )
+        step = decoder_inputs(self, tgt, decode=decode, what="target", positions=tgt_positions)
         x = self.tgt_embed(tgt, step.positions)
         x = self.decoder(
             x,
