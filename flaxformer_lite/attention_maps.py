@@ -13,9 +13,6 @@ relative / ALiBi biases the model builds). :func:`attention_maps` switches the f
 dropout off, runs the model under ``nnx.capture``, and switches both back: the model is neither
 copied nor rewired. A scanned layer stack (``scan_layers=True``) sows inside ``nnx.scan``, which
 stacks what its layers sow along the scan axis: one map per layer, as from a loop stack.
-
-The weights follow ``ops.dot_product_attention``'s formula: a model built with another
-``attention_fn`` still runs it, and its maps are the softmax of the same queries and keys.
 """
 
 from __future__ import annotations

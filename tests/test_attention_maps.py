@@ -41,9 +41,9 @@ MAPS_ATOL = 1e-5
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def make(preset, *, attention_fn=None, seed=0, **overrides):
+def make(preset, *, seed=0, **overrides):
     cfg = ModelConfig.from_preset(preset, vocab_size=64, **overrides)
-    model = build_model(cfg, rngs=nnx.Rngs(seed), attention_fn=attention_fn)
+    model = build_model(cfg, rngs=nnx.Rngs(seed))
     model.eval()
     return model
 
@@ -141,19 +141,26 @@ def naive_weights(q, k, bias, mask, is_causal):
         ("transformer-tiny", {"positions": "relative"}),  # self + cross, padded source
     ],
 )
-def test_weights_are_the_ones_the_model_attends_with(preset, overrides):
-    """Independently of attention_maps: the model's own attention hook records what every
-    layer passes to its attention function (q after RoPE, k, v, bias, mask) and what it gets
+def test_weights_are_the_ones_the_model_attends_with(preset, overrides, monkeypatch):
+    """Independently of attention_maps: a spy in place of ``ops.dot_product_attention``
+    records what every layer passes to it (q after RoPE, k, v, bias, mask) and what it gets
     back. The maps equal a float64 numpy softmax of those q and k, and applied to those v
     they give the attention output the layer went on with."""
     calls = []
+    attention = ops.dot_product_attention
 
-    def spy(q, k, v, bias, mask, *, is_causal, dropout_rate, dropout_rng):
-        out = ops.dot_product_attention(q, k, v, bias, mask, is_causal=is_causal)
-        calls.append(dict(q=q, k=k, v=v, bias=bias, mask=mask, is_causal=is_causal, out=out))
+    def spy(q, k, v, bias, mask, **kwargs):
+        # These presets have no segments, no window and no cache offset: q, k, bias, the
+        # explicit mask and causality are all that shapes the weights.
+        assert mask.segment_ids is None and mask.local_window is None
+        assert mask.query_offset is None
+        out = attention(q, k, v, bias, mask, **kwargs)
+        explicit, is_causal = mask.explicit, mask.is_causal
+        calls.append(dict(q=q, k=k, v=v, bias=bias, mask=explicit, is_causal=is_causal, out=out))
         return out
 
-    model = make(preset, attention_fn=spy, **overrides)
+    monkeypatch.setattr(ops, "dot_product_attention", spy)
+    model = make(preset, **overrides)
     if isinstance(model, EncoderDecoder):
         maps = attention_maps(
             model, tokens((B, S), seed=1), tokens((B, T)), padding_mask=lengths_mask([S, 4], S)

@@ -3,11 +3,11 @@ position schemes, incremental and ragged decoding against the full forward pass,
 sequences, and padding invariance of the three architectures, on tiny models (``tiny_models.py``).
 """
 
-import jax
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from tiny_models import (
     VOCAB,
     B,
@@ -29,7 +29,6 @@ from tiny_models import (
 )
 
 from flaxformer_lite import ops
-from flaxformer_lite.models import build_model
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 
@@ -246,19 +245,10 @@ def test_encoder_ignores_padding(positions):
 PACKED_IDS = jnp.asarray([[1, 1, 1, 2, 2, 2, 2, 0], [1, 1, 2, 2, 3, 3, 3, 3]], jnp.int32)
 
 
-def mask_only_attention(query, key, value, bias, mask, **kwargs):
-    """ "xla" as an ``attention_fn``, which gets the segment ids folded into its bool mask."""
-    return ops.dot_product_attention(query, key, value, bias, mask, implementation="xla", **kwargs)
-
-
 @pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny", "bert-tiny"])
 def test_segment_ids_reach_the_attention_as_ids_and_equal_the_bool_mask(preset, monkeypatch):
     cfg = tiny(preset, attention_implementation="xla")
-    with_ids = make(cfg)
-    with_mask = build_model(
-        cfg, rngs=nnx.Rngs(jax.random.key(0, impl="rbg")), attention_fn=mask_only_attention
-    )
-    with_mask.eval()
+    model = make(cfg)
     inputs = dict(segment_ids=PACKED_IDS, padding_mask=lengths_mask([T, 7], T))
     x = tokens((B, T))
     calls = []
@@ -268,8 +258,16 @@ def test_segment_ids_reach_the_attention_as_ids_and_equal_the_bool_mask(preset, 
         calls.append((mask.explicit, mask.segment_ids))
         return attention(query, key, value, bias, mask, **kwargs)
 
+    def mask_only(query, key, value, bias, mask, **kwargs):
+        """The segment ids folded into the bool mask."""
+        explicit = ops.combine_masks(mask.explicit, ops.segment_mask(*mask.segment_ids))
+        mask = dataclasses.replace(mask, segment_ids=None, explicit=explicit)
+        return attention(query, key, value, bias, mask, **kwargs)
+
     monkeypatch.setattr(ops, "dot_product_attention", spy)
-    out = with_ids(x, **inputs)
+    out = model(x, **inputs)
+    monkeypatch.setattr(ops, "dot_product_attention", mask_only)
+    with_mask = model(x, **inputs)
     monkeypatch.undo()
     # Every layer got the ids as a pair and a key padding mask, not a [B, 1, T, T] mask.
     assert len(calls) == cfg.num_encoder_layers + cfg.num_decoder_layers
@@ -277,7 +275,7 @@ def test_segment_ids_reach_the_attention_as_ids_and_equal_the_bool_mask(preset, 
         assert mask.shape == (B, 1, 1, T)
         np.testing.assert_array_equal(q_ids, PACKED_IDS)
         np.testing.assert_array_equal(kv_ids, PACKED_IDS)
-    assert_close(out, with_mask(x, **inputs), atol=1e-6, rtol=1e-6)
+    assert_close(out, with_mask, atol=1e-6, rtol=1e-6)
 
 
 def test_segment_ids_are_refused_where_they_have_no_meaning():

@@ -1,5 +1,6 @@
 """flaxformer_lite.nn.MultiHeadAttention (self, cross, GQA/MQA, fused q/k/v, RoPE), its KV
-cache, dropout and ``attention_fn`` against float64 NumPy references.
+cache, dropout and the arguments it passes ``ops.dot_product_attention``, against float64 NumPy
+references.
 
 Every reference here reads the module's parameters and recomputes the output with NumPy only
 (``attention_reference.naive_attention`` for the softmax attention itself), so a bug in ``ops``
@@ -14,6 +15,7 @@ from attention_reference import naive_attention
 from flax import nnx
 from nn_numpy import DH, TOL, B, D, H, T, build, f32, f64, normal, padding_mask
 
+from flaxformer_lite import ops
 from flaxformer_lite.nn import MultiHeadAttention, Rope
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
@@ -250,7 +252,7 @@ def test_decode_without_cache_raises():
 
 
 # --------------------------------------------------------------------------------------------
-# Attention dropout and attention_fn
+# Attention dropout and what ops.dot_product_attention gets
 
 
 def test_attention_dropout_train_differs_eval_is_deterministic():
@@ -271,34 +273,27 @@ def test_attention_dropout_train_differs_eval_is_deterministic():
     assert not np.allclose(np.asarray(_attend(mha, f32(x))), without_dropout, atol=1e-3)
 
 
-def test_attention_fn_is_used_with_dropout_arguments():
+def test_attention_gets_the_dropout_arguments(monkeypatch):
     calls = []
 
-    def zeros_attention(q, k, v, bias, mask, *, is_causal, dropout_rate, dropout_rng):
+    def zeros_attention(q, k, v, bias, mask, *, dropout_rate, dropout_rng, **kwargs):
         calls.append(
             dict(
                 q=q.shape,
                 k=k.shape,
                 v=v.shape,
-                is_causal=is_causal,
+                is_causal=mask.is_causal,
                 rate=dropout_rate,
                 rng=dropout_rng is not None,
-                mask=mask is not None,
+                mask=mask.explicit is not None,
             )
         )
         return jnp.zeros(q.shape[:3] + v.shape[-1:], q.dtype)
 
     mha = build(
-        lambda: MultiHeadAttention(
-            D,
-            H,
-            num_kv_heads=2,
-            dropout_rate=0.25,
-            attention_fn=zeros_attention,
-            rngs=nnx.Rngs(0),
-        ),
-        1,
+        lambda: MultiHeadAttention(D, H, num_kv_heads=2, dropout_rate=0.25, rngs=nnx.Rngs(0)), 1
     )
+    monkeypatch.setattr(ops, "dot_product_attention", zeros_attention)
     mask = jnp.ones((B, 1, 1, T), bool)
     y = mha(f32(normal(2, (B, T, D))), mask=mask, is_causal=True)
     # The heads are zero, so only the output bias remains.

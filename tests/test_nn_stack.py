@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 from nn_numpy import B, D, H, T, build, f32, f64, gelu_exact, layer_norm_ref, normal, padding_mask
 
-from flaxformer_lite.models import EncoderLayer, ModelConfig
+from flaxformer_lite.models import ModelConfig, TransformerLayer
 from flaxformer_lite.nn import MLP, Dense, LayerNorm, LayerStack, stack_layer_states
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
@@ -52,7 +52,7 @@ def _tiny_encoder_layer(rngs):
         residual_dropout=0.0,
         attention_dropout=0.0,
     )
-    return EncoderLayer(cfg, num_layers=2, rngs=rngs)
+    return TransformerLayer(cfg, num_layers=2, causal=False, cross_attention=False, rngs=rngs)
 
 
 @nnx.jit

@@ -10,15 +10,13 @@ from flaxformer_lite.models.config import PRESETS, ModelConfig
 from flaxformer_lite.models.decoder_lm import DecoderLM
 from flaxformer_lite.models.encoder import Encoder
 from flaxformer_lite.models.encoder_decoder import EncoderDecoder
-from flaxformer_lite.models.layers import DecoderLayer, EncoderLayer, TransformerLayer
+from flaxformer_lite.models.layers import TransformerLayer
 
 __all__ = [
     "PRESETS",
     "DecoderLM",
-    "DecoderLayer",
     "Encoder",
     "EncoderDecoder",
-    "EncoderLayer",
     "ModelConfig",
     "TransformerLayer",
     "abstract_model",

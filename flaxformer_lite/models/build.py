@@ -12,9 +12,9 @@ from flaxformer_lite.models.encoder_decoder import EncoderDecoder
 MODEL_CLASSES = {"encoder_decoder": EncoderDecoder, "decoder": DecoderLM, "encoder": Encoder}
 
 
-def build_model(cfg: ModelConfig, *, rngs: nnx.Rngs, attention_fn=None):
+def build_model(cfg: ModelConfig, *, rngs: nnx.Rngs):
     """The model ``cfg`` describes: ``EncoderDecoder``, ``DecoderLM`` or ``Encoder``."""
-    return MODEL_CLASSES[cfg.kind](cfg, rngs=rngs, attention_fn=attention_fn)
+    return MODEL_CLASSES[cfg.kind](cfg, rngs=rngs)
 
 
 def abstract_model(cfg: ModelConfig):

@@ -3,21 +3,13 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from flaxformer_lite.models.config import ModelConfig
-from flaxformer_lite.models.parts import (
-    DecodeState,
-    InputEmbedding,
-    OutputHead,
-    Tower,
-    check_length,
-    default_positions,
-    key_mask,
-    poison_if,
-    token_embedding,
-)
+from flaxformer_lite.models.decode_state import decoder_inputs, new_decode_state
+from flaxformer_lite.models.embedding import InputEmbedding, token_embedding
+from flaxformer_lite.models.heads import OutputHead
+from flaxformer_lite.models.layers import Tower
 
 
 class DecoderLM(nnx.Module):
@@ -26,10 +18,9 @@ class DecoderLM(nnx.Module):
     Args:
       cfg: a config with ``num_decoder_layers > 0`` (encoder layers are ignored).
       rngs: ``nnx.Rngs`` with ``params`` (and ``dropout``, else ``default``) streams.
-      attention_fn: replaces ``ops.dot_product_attention`` in every layer.
     """
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, attention_fn=None):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         if not cfg.num_decoder_layers:
             raise ValueError("DecoderLM needs num_decoder_layers > 0")
         self.config = cfg
@@ -41,7 +32,6 @@ class DecoderLM(nnx.Module):
             causal=True,
             cross_attention=False,
             rngs=rngs,
-            attention_fn=attention_fn,
         )
         self.head = OutputHead(cfg, tokens=tokens, rngs=rngs)
         self.decode_state = nnx.data(None)  # a DecodeState after init_cache
@@ -72,36 +62,27 @@ class DecoderLM(nnx.Module):
           ``[B, T, V]`` logits (``[B, T, output_dim]`` with a regression head) in the
           compute dtype.
         """
-        batch, length = inputs.shape[:2]
-        if decode:
-            if self.decode_state is None:
-                raise ValueError("decode=True needs model.init_cache(batch_size, max_length) first")
-            if segment_ids is not None:
-                raise ValueError("segment_ids (packing) are not supported when decoding")
-            valid = jnp.ones((batch, length), jnp.bool_) if padding_mask is None else padding_mask
-            cache_index, mask, overflow = self.decode_state.append(valid)
-            kv_length = self.decode_state.max_length
-        else:
-            check_length(self.config, length, "input")
-            mask = key_mask(padding_mask)
-            cache_index, kv_length, overflow = None, length, None
-        if positions is None:
-            positions = default_positions(length, 0 if cache_index is None else cache_index)
-        x = self.embed(inputs, positions)
-        x = self.decoder(
-            x,
-            mask=mask,
+        step = decoder_inputs(
+            self,
+            inputs,
+            decode=decode,
+            what="input",
+            padding_mask=padding_mask,
             positions=positions,
-            cache_index=cache_index,
-            kv_length=kv_length,
             segment_ids=segment_ids,
         )
-        logits = self.head(x)
-        return logits if overflow is None else poison_if(overflow, logits)
+        x = self.embed(inputs, step.positions)
+        x = self.decoder(
+            x,
+            mask=step.mask,
+            positions=step.positions,
+            cache_index=step.cache_index,
+            kv_length=step.kv_length,
+            segment_ids=segment_ids,
+        )
+        return step.poisoned(self.head(x))
 
     def init_cache(self, batch_size: int, max_length: int | None = None, *, dtype=None) -> None:
         """Empties the KV cache for ``batch_size`` rows of up to ``max_length`` tokens."""
-        max_length = max_length or self.config.max_length
-        check_length(self.config, max_length, "the cache")
-        self.decode_state = DecodeState(batch_size, max_length)
-        self.decoder.init_cache(batch_size, max_length, dtype=dtype)
+        self.decode_state = new_decode_state(self.config, batch_size, max_length)
+        self.decoder.init_cache(batch_size, self.decode_state.max_length, dtype=dtype)

@@ -7,15 +7,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flaxformer_lite.models.config import ModelConfig
-from flaxformer_lite.models.parts import (
+from flaxformer_lite.models.embedding import (
     InputEmbedding,
-    OutputHead,
-    Tower,
     check_length,
     default_positions,
-    key_mask,
     token_embedding,
 )
+from flaxformer_lite.models.heads import OutputHead
+from flaxformer_lite.models.layers import Tower, key_mask
 from flaxformer_lite.nn.dense import Dense
 
 
@@ -36,10 +35,9 @@ class Encoder(nnx.Module):
     Args:
       cfg: a config with ``num_encoder_layers > 0`` (decoder layers are ignored).
       rngs: ``nnx.Rngs`` with ``params`` (and ``dropout``, else ``default``) streams.
-      attention_fn: replaces ``ops.dot_product_attention`` in every layer.
     """
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, attention_fn=None):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         if not cfg.num_encoder_layers:
             raise ValueError("Encoder needs num_encoder_layers > 0")
         self.config = cfg
@@ -51,7 +49,6 @@ class Encoder(nnx.Module):
             causal=False,
             cross_attention=False,
             rngs=rngs,
-            attention_fn=attention_fn,
         )
         self.head = OutputHead(cfg, tokens=tokens, rngs=rngs)
         common = dict(init=cfg.kernel_init, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)

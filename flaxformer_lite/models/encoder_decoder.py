@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from flaxformer_lite.models.config import ModelConfig
-from flaxformer_lite.models.parts import (
-    DecodeState,
+from flaxformer_lite.models.decode_state import decoder_inputs, new_decode_state
+from flaxformer_lite.models.embedding import (
     InputEmbedding,
-    OutputHead,
-    Tower,
     check_length,
     default_positions,
-    key_mask,
-    poison_if,
     token_embedding,
 )
+from flaxformer_lite.models.heads import OutputHead
+from flaxformer_lite.models.layers import Tower, key_mask
 
 
 class EncoderDecoder(nnx.Module):
@@ -29,10 +26,9 @@ class EncoderDecoder(nnx.Module):
     Args:
       cfg: a config with encoder and decoder layers.
       rngs: ``nnx.Rngs`` with ``params`` (and ``dropout``, else ``default``) streams.
-      attention_fn: replaces ``ops.dot_product_attention`` in every layer.
     """
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, attention_fn=None):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         if not (cfg.num_encoder_layers and cfg.num_decoder_layers):
             raise ValueError(
                 "EncoderDecoder needs num_encoder_layers > 0 and num_decoder_layers > 0"
@@ -53,7 +49,6 @@ class EncoderDecoder(nnx.Module):
             causal=False,
             cross_attention=False,
             rngs=rngs,
-            attention_fn=attention_fn,
         )
         self.decoder = Tower(
             cfg,
@@ -61,7 +56,6 @@ class EncoderDecoder(nnx.Module):
             causal=True,
             cross_attention=True,
             rngs=rngs,
-            attention_fn=attention_fn,
         )
         self.head = OutputHead(cfg, tokens=tgt_tokens, rngs=rngs)
         self.decode_state = nnx.data(None)  # a DecodeState after init_cache
@@ -101,30 +95,18 @@ class EncoderDecoder(nnx.Module):
         cross-attention keys/values: the first call passes ``encoded``, later calls ``None``
         (the encoder output is projected once, not at every step).
         """
-        length = tgt.shape[1]
-        if decode:
-            if self.decode_state is None:
-                raise ValueError("decode=True needs model.init_cache(batch_size, max_length) first")
-            valid = jnp.ones(tgt.shape[:2], jnp.bool_)
-            cache_index, mask, overflow = self.decode_state.append(valid)
-            kv_length = self.decode_state.max_length
-        else:
-            check_length(self.config, length, "target")
-            cache_index, mask, kv_length, overflow = None, None, length, None
-        if tgt_positions is None:
-            tgt_positions = default_positions(length, 0 if cache_index is None else cache_index)
-        x = self.tgt_embed(tgt, tgt_positions)
+        step = decoder_inputs(self, tgt, decode=decode, what="target", positions=tgt_positions)
+        x = self.tgt_embed(tgt, step.positions)
         x = self.decoder(
             x,
             encoded,
-            mask=mask,
+            mask=step.mask,
             context_mask=key_mask(padding_mask),
-            positions=tgt_positions,
-            cache_index=cache_index,
-            kv_length=kv_length,
+            positions=step.positions,
+            cache_index=step.cache_index,
+            kv_length=step.kv_length,
         )
-        outputs = self.head(x)
-        return outputs if overflow is None else poison_if(overflow, outputs)
+        return step.poisoned(self.head(x))
 
     def __call__(
         self,
@@ -150,7 +132,7 @@ class EncoderDecoder(nnx.Module):
     ) -> None:
         """Empties the decoder's KV cache for ``batch_size`` rows of up to ``max_length`` target
         tokens; with ``source_length`` also the cross-attention cache of the encoder output."""
-        max_length = max_length or self.config.max_length
-        check_length(self.config, max_length, "the cache")
-        self.decode_state = DecodeState(batch_size, max_length)
-        self.decoder.init_cache(batch_size, max_length, context_length=source_length, dtype=dtype)
+        self.decode_state = new_decode_state(self.config, batch_size, max_length)
+        self.decoder.init_cache(
+            batch_size, self.decode_state.max_length, context_length=source_length, dtype=dtype
+        )

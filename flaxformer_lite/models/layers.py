@@ -1,5 +1,7 @@
-"""Transformer layers: self-attention, optional cross-attention and the MLP, each a residual
-sublayer with its norm before (pre-LN) or after (post-LN, the paper) the residual sum.
+"""The layer stack of every model: :class:`TransformerLayer` (self-attention, optional
+cross-attention and the MLP, each a residual sublayer with its norm before (pre-LN) or after
+(post-LN, the paper) the residual sum), and :class:`Tower`, ``num_layers`` of them with their
+position bias and final norm.
 
 The layers and their parts are built from a :class:`ModelConfig`; the modules they are made of
 (``nn``) take explicit arguments.
@@ -8,6 +10,7 @@ The layers and their parts are built from a :class:`ModelConfig`; the modules th
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from flaxformer_lite.models.config import ModelConfig
@@ -16,6 +19,8 @@ from flaxformer_lite.nn.attention_free import AttentionFree
 from flaxformer_lite.nn.dense import KernelInit, residual_scale
 from flaxformer_lite.nn.mlp import MLP
 from flaxformer_lite.nn.norms import make_norm
+from flaxformer_lite.nn.positions import RelativePositionBias, alibi
+from flaxformer_lite.nn.stack import LayerStack
 
 
 def make_layer_norm(cfg: ModelConfig, rngs: nnx.Rngs):
@@ -40,7 +45,7 @@ def residual_init(cfg: ModelConfig, num_layers: int) -> KernelInit:
 
 
 def make_attention(
-    cfg: ModelConfig, *, num_layers: int, cross: bool, rngs: nnx.Rngs, attention_fn=None
+    cfg: ModelConfig, *, num_layers: int, cross: bool, rngs: nnx.Rngs
 ) -> MultiHeadAttention:
     """A ``MultiHeadAttention`` configured by ``cfg`` (self- or cross-attention)."""
     return MultiHeadAttention(
@@ -56,7 +61,6 @@ def make_attention(
         local_window=None if cross else cfg.local_window,
         global_tokens=0 if cross else cfg.global_tokens,
         dropout_rate=cfg.attention_dropout,
-        attention_fn=attention_fn,
         implementation=cfg.attention_implementation,
         init=cfg.kernel_init,
         out_init=residual_init(cfg, num_layers),
@@ -67,16 +71,12 @@ def make_attention(
 
 
 def make_self_attention(
-    cfg: ModelConfig, *, num_layers: int, rngs: nnx.Rngs, attention_fn=None
+    cfg: ModelConfig, *, num_layers: int, rngs: nnx.Rngs
 ) -> MultiHeadAttention | AttentionFree:
     """The token mixer ``cfg.mixer`` asks for: self-attention, or an Attention Free Transformer
     (``aft_full``, ``aft_local``, ``aft_simple``)."""
     if cfg.mixer == "attention":
-        return make_attention(
-            cfg, num_layers=num_layers, cross=False, rngs=rngs, attention_fn=attention_fn
-        )
-    if attention_fn is not None:
-        raise ValueError(f"an attention_fn replaces attention; model.mixer is {cfg.mixer}")
+        return make_attention(cfg, num_layers=num_layers, cross=False, rngs=rngs)
     return AttentionFree(
         cfg.d_model,
         mixer=cfg.mixer,
@@ -93,8 +93,10 @@ def make_self_attention(
 
 
 class TransformerLayer(nnx.Module):
-    """Self-attention, optional cross-attention, MLP; see :class:`EncoderLayer`,
-    :class:`DecoderLayer`.
+    """Self-attention, optional cross-attention, MLP.
+
+    The paper's encoder layer (BERT's layer) is bidirectional without cross-attention; its
+    decoder layer causal with cross-attention; a decoder-only LM's layer causal without.
 
     Post-LN (the paper): ``x = Norm(x + Dropout(Sublayer(x)))``. Pre-LN (GPT-2, LLaMA):
     ``x = x + Dropout(Sublayer(Norm(x)))``. A parallel block (GPT-J, PaLM) feeds attention and
@@ -106,7 +108,6 @@ class TransformerLayer(nnx.Module):
       num_layers: layers in the stack (GPT-2's init scales residual projections by it).
       causal: self-attention sees only earlier positions.
       cross_attention: attend to an encoder's output after self-attention.
-      attention_fn: overrides ``ops.dot_product_attention`` in every attention.
     """
 
     def __init__(
@@ -117,18 +118,13 @@ class TransformerLayer(nnx.Module):
         causal: bool,
         cross_attention: bool,
         rngs: nnx.Rngs,
-        attention_fn=None,
     ):
         self.causal, self.pre_norm = causal, cfg.norm_position == "pre"
         self.parallel = cfg.parallel_block
-        self.self_attention = make_self_attention(
-            cfg, num_layers=num_layers, rngs=rngs, attention_fn=attention_fn
-        )
+        self.self_attention = make_self_attention(cfg, num_layers=num_layers, rngs=rngs)
         self.self_attention_norm = make_layer_norm(cfg, rngs)
         if cross_attention:
-            self.cross_attention = make_attention(
-                cfg, num_layers=num_layers, cross=True, rngs=rngs, attention_fn=attention_fn
-            )
+            self.cross_attention = make_attention(cfg, num_layers=num_layers, cross=True, rngs=rngs)
             self.cross_attention_norm = make_layer_norm(cfg, rngs)
         else:
             self.cross_attention = self.cross_attention_norm = None
@@ -237,37 +233,99 @@ class TransformerLayer(nnx.Module):
         return norm(x + self.dropout(fn(x)))
 
 
-class EncoderLayer(TransformerLayer):
-    """Bidirectional self-attention and MLP (the paper's encoder layer, BERT's layer)."""
-
-    def __init__(self, cfg: ModelConfig, *, num_layers: int, rngs: nnx.Rngs, attention_fn=None):
-        super().__init__(
-            cfg,
-            num_layers=num_layers,
-            causal=False,
-            cross_attention=False,
-            rngs=rngs,
-            attention_fn=attention_fn,
-        )
-
-
-class DecoderLayer(TransformerLayer):
-    """Causal self-attention, cross-attention to the encoder (if ``cross_attention``) and MLP."""
+class Tower(nnx.Module):
+    """``num_layers`` :class:`TransformerLayer` (a loop or one ``nnx.scan``, ``nn.LayerStack``)
+    with their position bias (relative / ALiBi) and, for pre-LN, the final norm."""
 
     def __init__(
         self,
         cfg: ModelConfig,
         *,
         num_layers: int,
+        causal: bool,
         cross_attention: bool,
         rngs: nnx.Rngs,
-        attention_fn=None,
     ):
-        super().__init__(
-            cfg,
-            num_layers=num_layers,
-            causal=True,
-            cross_attention=cross_attention,
-            rngs=rngs,
-            attention_fn=attention_fn,
+        self.num_heads, self.positions = cfg.num_heads, cfg.positions
+        self.relative_bias = (
+            RelativePositionBias(
+                cfg.num_heads,
+                num_buckets=cfg.relative_buckets,
+                max_distance=cfg.relative_max_distance,
+                bidirectional=not causal,
+                init=cfg.kernel_init,
+                param_dtype=cfg.param_dtype,
+                rngs=rngs,
+            )
+            if cfg.positions == "relative"
+            else None
         )
+
+        def make_layer(layer_rngs):
+            return TransformerLayer(
+                cfg,
+                num_layers=num_layers,
+                causal=causal,
+                cross_attention=cross_attention,
+                rngs=layer_rngs,
+            )
+
+        self.layers = LayerStack(
+            num_layers, make_layer, scan=cfg.scan_layers, remat=cfg.remat, rngs=rngs
+        )
+        self.final_norm = make_layer_norm(cfg, rngs) if cfg.norm_position == "pre" else None
+
+    def __call__(
+        self,
+        x,
+        context=None,
+        *,
+        mask=None,
+        context_mask=None,
+        positions=None,
+        cache_index=None,
+        kv_length=None,
+        segment_ids=None,
+    ):
+        """``x [B, T, D]`` -> ``[B, T, D]``.
+
+        ``kv_length`` is the self-attention key count (the cache length when decoding; T
+        otherwise); ``cache_index`` the first cache slot of ``x``; ``segment_ids`` int
+        ``[B, T]`` those of packed rows, for the self-attention.
+        """
+        length = x.shape[1]
+        kv_length = kv_length or length
+        bias = None
+        if self.relative_bias is not None:
+            start = 0 if cache_index is None else cache_index
+            bias = self.relative_bias(start + jnp.arange(length), jnp.arange(kv_length))
+        elif self.positions == "alibi":
+            bias = alibi(self.num_heads, length, kv_length, cache_index)
+        x = self.layers(
+            x,
+            context,
+            mask=mask,
+            bias=bias,
+            context_mask=context_mask,
+            positions=positions,
+            cache_index=cache_index,
+            segment_ids=segment_ids,
+        )
+        return x if self.final_norm is None else self.final_norm(x)
+
+    def init_cache(
+        self, batch_size: int, max_length: int, *, context_length: int | None = None, dtype=None
+    ) -> None:
+        self.layers.init_cache(batch_size, max_length, context_length=context_length, dtype=dtype)
+
+
+def key_mask(valid: jax.Array | None) -> jax.Array | None:
+    """``[B, S]`` bool (True = real key) -> an attention mask ``[B, 1, 1, S]``."""
+    if valid is None:
+        return None
+    valid = jnp.asarray(valid)
+    if valid.ndim != 2 or valid.dtype != jnp.bool_:
+        raise ValueError(
+            f"a padding mask must be bool [batch, length], got {valid.dtype}{valid.shape}"
+        )
+    return valid[:, None, None, :]

@@ -54,10 +54,7 @@ class MultiHeadAttention(nnx.Module):
         (Longformer, BigBird). With a KV cache both become an explicit mask at the cache
         positions.
       dropout_rate: dropout on the attention weights.
-      attention_fn: ``fn(q, k, v, bias, mask, *, is_causal, dropout_rate, dropout_rng)``; the
-        default is ``ops.dot_product_attention`` with ``implementation``. It receives segment
-        ids, the local window and the global tokens folded into ``mask``.
-      implementation: passed to the default ``attention_fn`` (None = chosen per input).
+      implementation: passed to ``ops.dot_product_attention`` (None = chosen per input).
       init, out_init: initializers of the input and output projections.
       dtype, param_dtype: compute and storage dtypes.
       sow_weights: at every call, sow the attention weights ``[B, H, T, S]`` (float32, those
@@ -82,7 +79,6 @@ class MultiHeadAttention(nnx.Module):
         local_window: tuple[int, int] | None = None,
         global_tokens: int = 0,
         dropout_rate: float = 0.0,
-        attention_fn=None,
         implementation: str | None = None,
         init: KernelInit = XAVIER,
         out_init: KernelInit | None = None,
@@ -105,9 +101,7 @@ class MultiHeadAttention(nnx.Module):
             raise ValueError("local_window and global_tokens are for self-attention")
         self.local_window = None if local_window is None else tuple(local_window)
         self.global_tokens = global_tokens
-        # The function and the implementation name are static attributes: kept as given (not
-        # wrapped in a new partial) so that equal configs give equal graphs and share compiles.
-        self.attention_fn, self.implementation = attention_fn, implementation
+        self.implementation = implementation
         common = dict(init=init, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         context_features = context_features or d_model
         if fused_qkv and num_kv_heads < num_heads:
@@ -260,15 +254,9 @@ class MultiHeadAttention(nnx.Module):
             dropout_rate=dropout_rate,
             dropout_rng=self.dropout_rngs() if dropout_rate > 0 else None,
         )
-        if self.attention_fn is None:
-            out = ops.dot_product_attention(
-                q, k, v, bias, mask, implementation=self.implementation, **dropout
-            )
-        else:
-            # A custom function takes the causal flag and every other piece as one mask.
-            aligned = mask.aligned(length, k.shape[1])
-            flat = dataclasses.replace(aligned, is_causal=False).dense(length, k.shape[1])
-            out = self.attention_fn(q, k, v, bias, flat, is_causal=aligned.is_causal, **dropout)
+        out = ops.dot_product_attention(
+            q, k, v, bias, mask, implementation=self.implementation, **dropout
+        )
         return self.out(out)
 
     def _split_qkv(self, qkv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
