@@ -38,8 +38,9 @@ import jax
 import numpy as np
 
 from flaxformer_lite.data.batches import Layout, TrainBatches
+from flaxformer_lite.data.config import DataConfig
 from flaxformer_lite.data.documents import split_documents
-from flaxformer_lite.data.pipeline import DataConfig, build_data
+from flaxformer_lite.data.pipeline import build_data
 from flaxformer_lite.data.sources import iter_text_records
 from flaxformer_lite.data.store import prepare_store
 from flaxformer_lite.data.tokenizers import make_tokenizer

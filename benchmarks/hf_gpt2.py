@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from flaxformer_lite.data.pipeline import DataConfig, build_data
+from flaxformer_lite.data.config import DataConfig
+from flaxformer_lite.data.pipeline import build_data
 from flaxformer_lite.train.run_dir import RunDir
 
 if TYPE_CHECKING:  # annotations only: importing them would import JAX

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from flaxformer_lite.data import sources, synthetic, tasks
+from flaxformer_lite.data.config import DataConfig
 from flaxformer_lite.data.features import MASK_ID
-from flaxformer_lite.data.pipeline import DataConfig, build_data
+from flaxformer_lite.data.pipeline import build_data
 from flaxformer_lite.data.tokenizers import EOS_ID, SOS_ID, UNK_ID, ByteTokenizer
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py

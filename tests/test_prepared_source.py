@@ -6,7 +6,8 @@ import re
 import numpy as np
 import pytest
 
-from flaxformer_lite.data.pipeline import DataConfig, build_data
+from flaxformer_lite.data.config import DataConfig
+from flaxformer_lite.data.pipeline import build_data
 from flaxformer_lite.data.store import prepare_store
 from flaxformer_lite.data.tokenizers import ByteTokenizer
 from flaxformer_lite.train.config import load_config

@@ -19,7 +19,8 @@ from subprocess_env import subprocess_env
 from tiny_models import make, tiny
 
 from flaxformer_lite.cli import train as train_cli
-from flaxformer_lite.data.pipeline import DataConfig, build_data
+from flaxformer_lite.data.config import DataConfig
+from flaxformer_lite.data.pipeline import build_data
 from flaxformer_lite.data.store import open_store
 from flaxformer_lite.train.actions import evaluate
 from flaxformer_lite.train.console import Console

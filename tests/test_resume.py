@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from flaxformer_lite.cli.train import train_main
-from flaxformer_lite.data.pipeline import DataConfig
+from flaxformer_lite.data.config import DataConfig
 from flaxformer_lite.data.store import prepare_store
 from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.loop import run

@@ -18,7 +18,8 @@ from store_cases import check_documents, make_corpus, make_lines
 
 from flaxformer_lite.data import store as store_module
 from flaxformer_lite.data import store_writer
-from flaxformer_lite.data.pipeline import DataConfig, build_data
+from flaxformer_lite.data.config import DataConfig
+from flaxformer_lite.data.pipeline import build_data
 from flaxformer_lite.data.store import open_store, prepare_store
 from flaxformer_lite.data.tokenizers import (
     SPECIAL_TOKENS,

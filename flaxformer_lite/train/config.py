@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from flaxformer_lite.data.pipeline import DataConfig
+from flaxformer_lite.data.config import DataConfig
 from flaxformer_lite.models.config import ModelConfig
 from flaxformer_lite.parallel import DEFAULT_RULES, MESH_AXES, DistributedConfig, check_rules
 from flaxformer_lite.settings import setting

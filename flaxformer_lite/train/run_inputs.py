@@ -17,7 +17,7 @@ import pathlib
 from typing import Any
 
 from flaxformer_lite.data import sources
-from flaxformer_lite.data.pipeline import DataConfig
+from flaxformer_lite.data.config import DataConfig
 from flaxformer_lite.data.store import MANIFEST
 
 

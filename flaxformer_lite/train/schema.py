@@ -13,8 +13,9 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-from flaxformer_lite.data.pipeline import DataConfig
-from flaxformer_lite.models.config import PRESETS, ModelConfig
+from flaxformer_lite.data.config import DataConfig
+from flaxformer_lite.models.config import ModelConfig
+from flaxformer_lite.models.presets import PRESETS
 
 
 class ConfigError(ValueError):

@@ -1,0 +1,161 @@
+"""The ``data`` section of a run's config: where the data come from and how they become
+batches (:func:`flaxformer_lite.data.pipeline.build_data` reads it)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+from flaxformer_lite.data import sources, synthetic
+from flaxformer_lite.data.tokenizers import NUM_SPECIAL
+from flaxformer_lite.settings import setting
+
+SOURCES = ("synthetic", "text", "jsonl", "parallel", "prepared")
+TOKENIZERS = ("byte", "char", "word", "bpe", "sentencepiece")
+LM_ROWS = ("documents", "windows")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where the data comes from and how it becomes batches; each field's help is beside it.
+    A ``generator``'s options are the fields of its class in :mod:`~flaxformer_lite.data.synthetic`.
+    """
+
+    source: str = setting(
+        "synthetic",
+        help="synthetic (made by data.generator), text, jsonl, parallel or prepared (a store)",
+    )
+    generator: str = setting(
+        "arithmetic",
+        help="the synthetic data: arithmetic, reverse, number_words or sentiment (old name: "
+        "data.task)",
+    )
+    generator_options: dict[str, int | bool] = setting(
+        factory=dict, help="the generator's options, e.g. {max_digits: 4}; {}: its defaults"
+    )
+    path: str | None = setting(
+        None,
+        help="a glob of text (or builtin:tinyshakespeare) or jsonl files, a TSV file or "
+        "src_file,tgt_file (parallel), or a prepared store",
+    )
+    field: str = setting("text", help="the JSONL field that holds the text")
+    text_documents: str | None = setting(
+        None,
+        help="a text file's documents: file (whole, line breaks kept), paragraphs (runs of "
+        "non-blank lines) or lines; null: file, or a prepared store's own",
+    )
+    validation_path: str | None = setting(
+        None,
+        help="validation data of data.path's kind, used whole; null: hold out "
+        "data.validation_fraction",
+    )
+    tokenizer: str | None = setting(
+        None,
+        help="byte; char, word or bpe fitted on the data; or sentencepiece; null: byte, or a "
+        "prepared store's own (set, it must be the store's)",
+    )
+    tokenizer_path: str | None = setting(None, help="a SentencePiece .model file")
+    vocab_size: int | None = setting(
+        None, help="the BPE vocabulary size (required for bpe, >= 260), or a cap on word's"
+    )
+    seq_len: int = setting(
+        64,
+        help="tokens per row of every [B, seq_len] batch; a longer lm document goes on in the next "
+        "row, a longer example of another task is cut (the run says how much)",
+    )
+    packing: bool | None = setting(
+        None, help="pack several documents into each row (LM); null: pack LM, pad others"
+    )
+    lm_rows: str = setting(
+        "documents",
+        help="lm rows: documents (in pieces of at most seq_len, packed next-fit) or windows (all "
+        "documents end to end, cut into rows)",
+    )
+    validation_fraction: float = setting(
+        0.1,
+        help="share held out for validation: of the documents, or each whole file's tail "
+        "(synthetic data have their own split)",
+    )
+    mlm_probability: float = setting(0.15, help="share of an MLM example's tokens to predict")
+    train_size: int | None = setting(
+        None, help="at most this many training examples; null: all (synthetic: 1,000,000)"
+    )
+    eval_size: int | None = setting(
+        None, help="at most this many validation examples; null: all (synthetic: 1,000)"
+    )
+    _derived: ClassVar[frozenset[str]] = frozenset()  # the settings left unset, then resolved
+
+    def __post_init__(self):
+        _check_choice("source", self.source, SOURCES)
+        _check_choice("lm_rows", self.lm_rows, LM_ROWS)
+        # Unset means byte but for a store, which brings its own: resolved here, so the configs
+        # and records of other sources say byte, as they did before the setting could be unset.
+        # That it was unset is kept (not a field) for to_dict.
+        if self.tokenizer is None:
+            object.__setattr__(self, "_derived", frozenset({"tokenizer"}))
+        if self.tokenizer is None and self.source != "prepared":
+            object.__setattr__(self, "tokenizer", "byte")
+        if self.tokenizer is not None:
+            _check_choice("tokenizer", self.tokenizer, TOKENIZERS)
+        if self.source == "synthetic":
+            _check_choice("generator", self.generator, tuple(synthetic.TASKS))
+            try:
+                synthetic.make_task(self.generator, size=1, **self.generator_options)
+            except ValueError as error:
+                raise ValueError(f"data.generator_options: {error}") from None
+        elif not self.path:
+            raise ValueError(f"data.path is required with data.source={self.source!r}")
+        if self.text_documents is not None:
+            _check_choice("text_documents", self.text_documents, sources.TEXT_DOCUMENTS)
+            if self.source not in ("text", "prepared"):
+                raise ValueError(
+                    "data.text_documents says how text files become documents: it needs "
+                    f"data.source text or prepared, not {self.source!r}"
+                )
+        if self.validation_path is not None and self.source == "synthetic":
+            raise ValueError(
+                "data.validation_path needs a file source: synthetic generators have "
+                "their own validation split"
+            )
+        made = self.source != "prepared"  # a store's tokenizer is made already
+        if made and self.tokenizer == "sentencepiece" and not self.tokenizer_path:
+            raise ValueError("data.tokenizer='sentencepiece' needs data.tokenizer_path")
+        if made and self.tokenizer == "bpe" and self.vocab_size is None:
+            raise ValueError("data.tokenizer='bpe' needs data.vocab_size")
+        _check_int("seq_len", self.seq_len, 4)
+        min_vocab = NUM_SPECIAL + (256 if self.tokenizer == "bpe" else 1)
+        for name, low in (("vocab_size", min_vocab), ("train_size", 1), ("eval_size", 1)):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), low)
+        if self.packing is not None and not isinstance(self.packing, bool):
+            raise ValueError(f"data.packing must be a bool or None, got {self.packing!r}")
+        if self.lm_rows == "windows" and self.packing is False:
+            raise ValueError(
+                "data.lm_rows='windows' packs documents into rows: it needs data.packing true "
+                "or null"
+            )
+        if not 0 < self.validation_fraction < 1:
+            raise ValueError(
+                f"data.validation_fraction must be in (0, 1), got {self.validation_fraction!r}"
+            )
+        if not 0 < self.mlm_probability <= 1:
+            raise ValueError(f"data.mlm_probability must be in (0, 1], got {self.mlm_probability}")
+
+    def to_dict(self, *, derived: bool = True) -> dict[str, Any]:
+        """Plain values. ``derived=False`` gives None for a setting left unset (``tokenizer``):
+        values laid over that dict (a partial ``data`` section, ``data.source=prepared``)
+        resolve it anew."""
+        values = dataclasses.asdict(self)
+        if not derived:
+            values.update(dict.fromkeys(self._derived))
+        return values
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"data.{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _check_int(name: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"data.{name} must be an int >= {low}, got {value!r}")
