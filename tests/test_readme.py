@@ -25,9 +25,11 @@ from flaxformer_lite.cli import generate
 from flaxformer_lite.cli.attention import attention_parser
 from flaxformer_lite.cli.compare import compare_parser
 from flaxformer_lite.cli.compile import compile_parser
+from flaxformer_lite.cli.config import config_parser
 from flaxformer_lite.cli.prepare import prepare_parser
 from flaxformer_lite.cli.train import add_train_arguments
 from flaxformer_lite.train.config import load_config
+from flaxformer_lite.train.recipes import recipe_path
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DOCS = {name: (REPO / name).read_text() for name in ("README.md", "benchmarks/README.md")}
@@ -129,6 +131,11 @@ def _gpt2_config(directory: pathlib.Path) -> None:
     (directory / "config.json").write_text(json.dumps(config))
 
 
+def _config_file(config: pathlib.Path | None) -> pathlib.Path | None:
+    """A command's ``--config``: a file of the repository, or a shipped recipe's name as is."""
+    return config if config is None or recipe_path(config) else REPO / config
+
+
 def _check_training_command(argv, command, tmp_path, monkeypatch):
     parser = argparse.ArgumentParser(prog="train.py")
     add_train_arguments(parser)
@@ -137,7 +144,7 @@ def _check_training_command(argv, command, tmp_path, monkeypatch):
         key, _, value = override.partition("=")
         if key == "init_from":
             _gpt2_config(tmp_path / value)
-    config = None if args.config is None else REPO / args.config
+    config = _config_file(args.config)
     monkeypatch.chdir(tmp_path)  # relative paths of overrides resolve here
     cfg = load_config(config, args.overrides)
     assert cfg.train.steps > 0
@@ -162,11 +169,13 @@ def test_documented_command_is_valid(name, command, tmp_path, monkeypatch):
         elif subcommand == "compare":
             _parse(compare_parser().parse_intermixed_args, rest, command)
         elif subcommand == "config":
-            _check_training_command(rest, command, tmp_path, monkeypatch)
+            args = _parse(config_parser().parse_args, rest, command)
+            if not args.list:
+                _check_training_command(rest, command, tmp_path, monkeypatch)
         elif subcommand == "compile":
             args = _parse(compile_parser().parse_intermixed_args, rest, command)
             parse_topology(args.topology)
-            load_config(None if args.config is None else REPO / args.config, args.overrides)
+            load_config(_config_file(args.config), args.overrides)
         elif subcommand == "plot":
             assert len(rest) == 1 and not rest[0].startswith("-"), command  # plot RUN_DIR
         else:
