@@ -2,7 +2,8 @@
 
 Every ``train.py`` / ``sample.py`` / ``flaxformer-lite`` command in README.md and
 benchmarks/README.md parses with that command's own parser, and a training command loads a valid
-config; every ``benchmarks/NAME.py`` command parses with that benchmark's parser. README.md stays
+config; every ``benchmarks/NAME.py`` command parses with that benchmark's parser; every Python
+block of README.md runs as written, in an empty directory. README.md stays
 within 250 lines and points at nothing outside the repository; every relative link and every
 file path the docs name exists.
 
@@ -45,6 +46,7 @@ COMMAND = re.compile(
     r"python benchmarks/\w+\.py)(?: .*)?)$"
 )
 SHELL_BLOCK = re.compile(r"^```(?:bash|sh)\n(.*?)^```", re.M | re.S)
+PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
 FENCED_BLOCK = re.compile(r"^```.*?^```", re.M | re.S)
 CODE_SPAN = re.compile(r"(?<!`)(`+)(?!`)(.+?)(?<!`)\1(?!`)", re.S)  # `x`, ``` ``x`` ```
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
@@ -189,6 +191,22 @@ def test_documented_command_is_valid(name, command, tmp_path, monkeypatch):
     else:
         benchmark = pathlib.Path(script).stem
         _parse(load_benchmark(benchmark).parser().parse_args, rest, command)
+
+
+def _python_blocks() -> list:
+    """README.md's Python blocks, each with the line it starts on."""
+    return [
+        pytest.param(match.group(1), id=f"line{README.count(chr(10), 0, match.start()) + 2}")
+        for match in PYTHON_BLOCK.finditer(README)
+    ]
+
+
+@pytest.mark.parametrize("code", _python_blocks())
+def test_python_block_runs_as_written(code, request, tmp_path, monkeypatch):
+    """Each block defines what it uses: run alone, in a fresh namespace and an empty directory."""
+    monkeypatch.chdir(tmp_path)
+    where = f"README.md, the Python block at {request.node.callspec.id}"
+    exec(compile(code, where, "exec"), {"__name__": "__readme__"})  # noqa: S102 - our own docs
 
 
 def test_readme_length():
