@@ -35,7 +35,7 @@ COMMANDS = {
     "train": (train_main, "train or resume a run (as python train.py)"),
     "config": (config_main, "print the resolved config as YAML, every key explained"),
     "prepare": (prepare_main, "tokenize a text, jsonl or parallel source once into a store"),
-    "plot": (plot_main, "draw a run's loss, learning-rate and eval curves as PNGs"),
+    "plot": (plot_main, "draw every metric a run logged (loss, evals, ...) as PNGs"),
     "compare": (compare_main, "put runs side by side: curves, final metrics, config diff"),
     "generate": (generate_main, "continue or translate prompts with a run (as sample.py)"),
     "attention": (attention_main, "plot a run's attention weights on a text"),
