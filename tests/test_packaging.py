@@ -37,12 +37,13 @@ def installed(tmp_path_factory) -> Path:
         ignore=shutil.ignore_patterns("__pycache__"),
     )
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
-    _run(pip + ["wheel", "--no-deps", "--no-build-isolation", "-w", root, source], cwd=root)
+    offline = ["--no-deps", "--no-index"]  # the build and its dependencies are this interpreter's
+    _run(pip + ["wheel", *offline, "--no-build-isolation", "-w", root, source], cwd=root)
     (wheel,) = root.glob("flaxformer_lite-*.whl")
     env_dir = root / "venv"
     venv.create(env_dir, with_pip=False)
     python = env_dir / "bin" / "python"
-    _run(pip + ["--python", python, "install", "--no-deps", "--no-index", wheel], cwd=root)
+    _run(pip + ["--python", python, "install", *offline, wheel], cwd=root)
     purelib = _run(
         [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], root
     )
