@@ -16,6 +16,7 @@ from flaxformer_lite.cli.train import train_main
 from flaxformer_lite.settings import help_of, setting
 from flaxformer_lite.train.config import TrainConfig, config_from_dict, load_config
 from flaxformer_lite.train.config_help import annotated_yaml, help_lines, leaf_keys, type_name
+from flaxformer_lite.train.recipes import recipes, summary
 
 REPO_CONFIGS = ["configs/default.yaml", "configs/transformer_tiny.yaml", "configs/bert_tiny.yaml"]
 
@@ -100,6 +101,20 @@ def test_train_py_show_config_equals_the_config_command(capsys):
     from_train = capsys.readouterr().out
     assert main(["config", "--config", "configs/default.yaml", "seed=3"]) == 0
     assert capsys.readouterr().out == from_train
+
+
+def test_config_list_names_each_shipped_recipe_with_its_line(capsys):
+    assert main(["config", "--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split("  ")[0].strip() for line in lines] == list(recipes())
+    default = next(line for line in lines if line.startswith("default "))
+    assert default.split(None, 1)[1] == summary(recipes()["default"])
+    assert "gpt2-tiny learning three-digit arithmetic" in default
+
+
+def test_config_of_a_recipe_by_name_shows_that_recipe(capsys):
+    assert main(["config", "--config", "shakespeare_char"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["run_dir"] == "runs/shakespeare_char"
 
 
 def test_show_config_with_a_bad_key_exits_2_naming_it(capsys):

@@ -4,6 +4,7 @@ trained by it."""
 
 import dataclasses
 import json
+import re
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ import yaml
 from PIL import Image
 
 from flaxformer_lite.cli import main
-from flaxformer_lite.train.compare import differing_settings, load_runs
+from flaxformer_lite.train.compare import comparison_figure, differing_settings, load_runs
 from flaxformer_lite.train.config import TrainConfig
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
@@ -80,6 +81,37 @@ def test_several_metrics_in_one_flag_and_repeated(two_runs, tmp_path):
     argv = ["compare", str(a), str(b), "--metric", "loss", "learning_rate"]
     assert main([*argv, "--metric", "eval_loss", "--out", str(out)]) == 0
     assert Image.open(out).size[1] > Image.open(out).size[0] / 2  # three rows of plots
+
+
+def test_each_panel_is_titled_and_a_single_eval_point_is_drawn_as_a_marker(two_runs):
+    """As after benchmarks/ablation.py --steps 400: each run evaluated once, at its end."""
+    runs = load_runs(two_runs)
+    figure = comparison_figure(runs, ["loss", "eval_loss", "eval_exact_match"])
+    panels = figure.axes
+    assert [ax.get_title() for ax in panels] == [
+        f"{metric} by {by}"
+        for metric in ("loss", "eval_loss", "eval_exact_match")
+        for by in ("step", "tokens")
+    ]
+    tokens = "tokens (steps x batch_size x seq_len)"
+    assert [ax.get_xlabel() for ax in panels[:2]] == ["step", tokens]
+    assert all(ax.has_data() for ax in panels)
+    (legend,) = figure.legends  # one for the figure: a run keeps its colour in every panel
+    assert [text.get_text() for text in legend.get_texts()] == [str(path) for path in two_runs]
+    (point,) = panels[3].lines  # eval_loss by tokens: run a's one evaluation
+    assert list(point.get_xdata()) == [30 * 32 * 64] and point.get_marker() == "o"
+    assert [t.get_text() for t in panels[3].texts] == ["0.5", f"not logged by {two_runs[1]}"]
+
+
+def test_the_tokens_axis_has_short_labels(two_runs):
+    figure = comparison_figure(load_runs(two_runs), ["loss"])
+    figure.canvas.draw()
+    ax = figure.axes[1]
+    low, high = ax.get_xlim()
+    ticks = zip(ax.get_xticks(), ax.get_xticklabels(), strict=True)
+    labels = [label.get_text() for x, label in ticks if low <= x <= high]
+    assert 3 <= len(labels) <= 7, labels  # in full (131072) they ran into each other
+    assert all(re.fullmatch(r"\d+(\.\d+)?[kM]?", label) for label in labels), labels
 
 
 def test_an_unknown_metric_or_a_directory_without_a_run_exits_2(two_runs, tmp_path, capsys):

@@ -2,7 +2,8 @@
 
 Every ``train.py`` / ``sample.py`` / ``flaxformer-lite`` command in README.md and
 benchmarks/README.md parses with that command's own parser, and a training command loads a valid
-config; every ``benchmarks/NAME.py`` command parses with that benchmark's parser. README.md stays
+config; every ``benchmarks/NAME.py`` command parses with that benchmark's parser; every Python
+block of README.md runs as written, in an empty directory. README.md stays
 within 250 lines and points at nothing outside the repository; every relative link and every
 file path the docs name exists.
 
@@ -25,9 +26,11 @@ from flaxformer_lite.cli import generate
 from flaxformer_lite.cli.attention import attention_parser
 from flaxformer_lite.cli.compare import compare_parser
 from flaxformer_lite.cli.compile import compile_parser
+from flaxformer_lite.cli.config import config_parser
 from flaxformer_lite.cli.prepare import prepare_parser
 from flaxformer_lite.cli.train import add_train_arguments
 from flaxformer_lite.train.config import load_config
+from flaxformer_lite.train.recipes import recipe_path
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DOCS = {name: (REPO / name).read_text() for name in ("README.md", "benchmarks/README.md")}
@@ -43,6 +46,7 @@ COMMAND = re.compile(
     r"python benchmarks/\w+\.py)(?: .*)?)$"
 )
 SHELL_BLOCK = re.compile(r"^```(?:bash|sh)\n(.*?)^```", re.M | re.S)
+PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
 FENCED_BLOCK = re.compile(r"^```.*?^```", re.M | re.S)
 CODE_SPAN = re.compile(r"(?<!`)(`+)(?!`)(.+?)(?<!`)\1(?!`)", re.S)  # `x`, ``` ``x`` ```
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
@@ -129,6 +133,11 @@ def _gpt2_config(directory: pathlib.Path) -> None:
     (directory / "config.json").write_text(json.dumps(config))
 
 
+def _config_file(config: pathlib.Path | None) -> pathlib.Path | None:
+    """A command's ``--config``: a file of the repository, or a shipped recipe's name as is."""
+    return config if config is None or recipe_path(config) else REPO / config
+
+
 def _check_training_command(argv, command, tmp_path, monkeypatch):
     parser = argparse.ArgumentParser(prog="train.py")
     add_train_arguments(parser)
@@ -137,7 +146,7 @@ def _check_training_command(argv, command, tmp_path, monkeypatch):
         key, _, value = override.partition("=")
         if key == "init_from":
             _gpt2_config(tmp_path / value)
-    config = None if args.config is None else REPO / args.config
+    config = _config_file(args.config)
     monkeypatch.chdir(tmp_path)  # relative paths of overrides resolve here
     cfg = load_config(config, args.overrides)
     assert cfg.train.steps > 0
@@ -162,11 +171,13 @@ def test_documented_command_is_valid(name, command, tmp_path, monkeypatch):
         elif subcommand == "compare":
             _parse(compare_parser().parse_intermixed_args, rest, command)
         elif subcommand == "config":
-            _check_training_command(rest, command, tmp_path, monkeypatch)
+            args = _parse(config_parser().parse_args, rest, command)
+            if not args.list:
+                _check_training_command(rest, command, tmp_path, monkeypatch)
         elif subcommand == "compile":
             args = _parse(compile_parser().parse_intermixed_args, rest, command)
             parse_topology(args.topology)
-            load_config(None if args.config is None else REPO / args.config, args.overrides)
+            load_config(_config_file(args.config), args.overrides)
         elif subcommand == "plot":
             assert len(rest) == 1 and not rest[0].startswith("-"), command  # plot RUN_DIR
         else:
@@ -180,6 +191,22 @@ def test_documented_command_is_valid(name, command, tmp_path, monkeypatch):
     else:
         benchmark = pathlib.Path(script).stem
         _parse(load_benchmark(benchmark).parser().parse_args, rest, command)
+
+
+def _python_blocks() -> list:
+    """README.md's Python blocks, each with the line it starts on."""
+    return [
+        pytest.param(match.group(1), id=f"line{README.count(chr(10), 0, match.start()) + 2}")
+        for match in PYTHON_BLOCK.finditer(README)
+    ]
+
+
+@pytest.mark.parametrize("code", _python_blocks())
+def test_python_block_runs_as_written(code, request, tmp_path, monkeypatch):
+    """Each block defines what it uses: run alone, in a fresh namespace and an empty directory."""
+    monkeypatch.chdir(tmp_path)
+    where = f"README.md, the Python block at {request.node.callspec.id}"
+    exec(compile(code, where, "exec"), {"__name__": "__readme__"})  # noqa: S102 - our own docs
 
 
 def test_readme_length():

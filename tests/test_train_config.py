@@ -16,6 +16,7 @@ from flaxformer_lite.train.config import (
     load_config,
     valid_keys,
 )
+from flaxformer_lite.train.recipes import recipes, summary
 
 
 def test_defaults_and_typed_overrides():
@@ -142,6 +143,45 @@ def test_malformed_files_name_the_file(tmp_path, text, message):
 def test_missing_file_names_the_file(tmp_path):
     with pytest.raises(ConfigError, match="cannot read config file .*nope.yaml"):
         load_config(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize("name", ["gpt2_small", "gpt2_small.yaml", "ablations/aft_local"])
+def test_a_shipped_recipe_loads_by_name_from_anywhere(name, tmp_path, monkeypatch):
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(tmp_path)
+    stem = name.removesuffix(".yaml")
+    assert load_config(name) == load_config(repo / "configs" / f"{stem}.yaml")
+    assert load_config(name).run_dir == f"runs/{stem}"
+
+
+def test_a_file_of_a_recipe_name_is_read_before_the_recipe(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "gpt2_small").write_text("seed: 5\n")
+    assert load_config("gpt2_small") == dataclasses.replace(TrainConfig(), seed=5)
+
+
+def test_neither_a_file_nor_a_recipe_is_one_line_with_the_closest_recipe(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as error:
+        load_config("configs/gpt2_smal.yaml")
+    assert str(error.value) == (
+        "cannot read config file configs/gpt2_smal.yaml: No such file or directory (did you mean "
+        "'gpt2_small'? flaxformer-lite config --list names the shipped recipes)"
+    )
+
+
+def test_the_checkouts_configs_are_the_packages_recipes():
+    """configs/ (README's paths) links to the recipes that the package ships."""
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    shipped = recipes()
+    assert {"default", "gpt2_small", "shakespeare_char", "ablations/attention"} <= set(shipped)
+    files = sorted((repo / "configs").rglob("*.yaml"))
+    assert [p.relative_to(repo / "configs").with_suffix("").as_posix() for p in files] == list(
+        shipped
+    )
+    for name, path in shipped.items():
+        line = summary(path)
+        assert 20 <= len(line) <= 90 and line.endswith("."), (name, line)
 
 
 def test_diff_and_runtime_keys():

@@ -1,9 +1,11 @@
 """A run's metrics (``flaxformer_lite.train.metrics``): TensorBoard events, a disk that fills
 while they are written, a ``metrics.jsonl`` that is not a regular file, a run with nothing to
-plot; the devices' peak FLOP/s that MFU is taken against."""
+plot, and the figures of one that has: every logged metric, titled and labelled; the devices'
+peak FLOP/s that MFU is taken against."""
 
 import builtins
 import io
+import json
 import os
 import pathlib
 import re
@@ -12,13 +14,14 @@ import threading
 
 import jax
 import pytest
+import yaml
 from mounts import mount_works, tmpfs, train_under
 from tiny_runs import TINY
 
 from flaxformer_lite.cli import main
 from flaxformer_lite.cli.train import train_main
 from flaxformer_lite.train import metrics
-from flaxformer_lite.train.config import load_config
+from flaxformer_lite.train.config import TrainConfig, load_config
 from flaxformer_lite.train.loop import run
 from flaxformer_lite.train.metrics import MetricsWriter, plot_run, read_metrics
 
@@ -186,3 +189,88 @@ def test_plot_refuses_a_run_with_nothing_logged_and_keeps_its_plots(tmp_path, ca
     assert main(["plot", str(tmp_path)]) == 2
     assert "no metrics file" in capsys.readouterr().err
     assert (plots / "loss.png").read_bytes() == b"the last run's plot"
+
+
+def short_run(directory: pathlib.Path) -> pathlib.Path:
+    """A run directory as a short ``train.py`` run leaves it: training metrics every 50 steps,
+    one evaluation at the end (a single point of each eval metric), MFU not known (null)."""
+    directory.mkdir()
+    (directory / "config.yaml").write_text(yaml.safe_dump(TrainConfig().to_dict()))
+    logs = [
+        {"step": s, "loss": 3 / s**0.5, "accuracy": s / 500, "learning_rate": 1e-3}
+        | {"grad_norm": 1 / s, "tokens_per_sec": 25_000.0 + s, "mfu": None}
+        for s in range(50, 401, 50)
+    ]
+    evals = {"eval_loss": 0.2, "eval_accuracy": 0.75, "eval_perplexity": 1.22, "eval_tokens": 512}
+    records = logs + [{"step": 400, **evals, "eval_exact_match": 0.5}]
+    (directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return directory
+
+
+def test_plot_draws_every_logged_metric_titled_with_the_run_and_marks_single_points(tmp_path):
+    run_dir = short_run(tmp_path / "run")
+    figures = metrics.run_figures(run_dir)
+    assert list(figures) == ["loss", "learning_rate", "metrics"]
+    panels = figures["metrics"].axes
+    assert [ax.get_title() for ax in panels] == [
+        "loss",
+        "learning rate",
+        "accuracy",
+        "grad norm",
+        "tokens per sec",
+        "eval perplexity",
+        "eval tokens",
+        "eval exact match",
+    ]  # mfu was never known: no panel
+    assert figures["metrics"].get_suptitle() == (
+        f"{run_dir}: every logged metric; tokens (2,048 a step: batch_size x seq_len)"
+    )
+    for name in ("loss", "learning_rate"):
+        assert figures[name].axes[0].get_title() == f"{run_dir}: {name.replace('_', ' ')}"
+    for ax in [*panels, figures["loss"].axes[0], figures["learning_rate"].axes[0]]:
+        assert ax.get_xlabel() == "step"
+        (tokens,) = ax.child_axes  # the tokens trained by each step, on top
+        assert tokens.get_xlabel().startswith("tokens")
+        assert [line.get_label() for line in ax.get_legend().get_lines()] == [
+            line.get_label() for line in ax.lines
+        ]
+    assert figures["loss"].axes[0].child_axes[0].get_xlabel() == (
+        "tokens (2,048 a step: batch_size x seq_len)"
+    )
+    loss, eval_loss = figures["loss"].axes[0].lines
+    assert eval_loss.get_label() == "eval_loss = 0.2" and len(loss.get_xdata()) == 8
+    assert list(eval_loss.get_xdata()) == [400]
+    assert eval_loss.get_marker() == "o"  # a line through one point draws nothing
+    accuracy = panels[2]
+    assert accuracy.get_ylabel() == "accuracy"
+    assert [line.get_label() for line in accuracy.lines] == ["accuracy", "eval_accuracy = 0.75"]
+    assert [line.get_label() for line in panels[6].lines] == ["eval_tokens = 512"]
+    assert plot_run(run_dir) == [run_dir / "plots" / f"{name}.png" for name in figures]
+    assert sorted(p.name for p in (run_dir / "plots").iterdir()) == [
+        "learning_rate.png",
+        "loss.png",
+        "metrics.png",
+    ]
+
+
+def test_plot_ticks_read_as_numbers_not_run_together(tmp_path):
+    figure = metrics.run_figures(short_run(tmp_path / "run"))["metrics"]
+    figure.canvas.draw()
+    axes = figure.axes[4]  # tokens_per_sec: 25,050 to 25,400
+    assert axes.get_title() == "tokens per sec"
+    labels = [t.get_text() for t in axes.get_yticklabels() + axes.child_axes[0].get_xticklabels()]
+    assert labels and all(re.fullmatch(r"−?\d+(\.\d+)?k?", label) for label in labels), labels
+    assert len(axes.get_xticks()) <= 7
+
+
+def test_a_loss_spanning_decades_is_on_a_log_axis_in_decimals(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    records = [{"step": s, "loss": 10 / s} for s in (1, 10, 100, 1000)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    figures = metrics.run_figures(run_dir)
+    assert list(figures) == ["loss", "metrics"]  # no config.yaml: no tokens axis, else as usual
+    (axes,) = figures["loss"].axes
+    assert axes.get_yscale() == "log" and axes.child_axes == []
+    figures["loss"].canvas.draw()
+    assert {t.get_text() for t in axes.get_yticklabels()} >= {"0.1", "1", "10"}

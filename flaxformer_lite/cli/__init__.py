@@ -3,14 +3,14 @@ flaxformer_lite.train`` and ``flaxformer-lite
 train|config|prepare|plot|compare|generate|attention|compile``, one module each.
 
     python train.py                                   # the embedded default
-    python train.py --config configs/gpt2_small.yaml train.steps=200 optimizer.lr=3e-4
+    python train.py --config gpt2_small train.steps=200 optimizer.lr=3e-4
     flaxformer-lite config train.steps=200            # every setting, as YAML
     flaxformer-lite prepare --out stores/lines data.source=text data.path=lines.txt
     flaxformer-lite plot runs/default
     flaxformer-lite compare runs/a runs/b --metric loss eval_exact_match
     flaxformer-lite generate --run-dir runs/default --prompt "012+034="
     flaxformer-lite attention --run-dir runs/default --text "012+034=" --out maps
-    flaxformer-lite compile --config configs/gpt2_small.yaml --topology v5e-8
+    flaxformer-lite compile --config gpt2_small --topology v5e-8
 
 Errors the user can fix (config, data, files) print one line and exit with status 2; a run
 stopped by a non-finite step exits 1; SIGTERM/SIGINT save a checkpoint and exit 128 + signal.
@@ -35,7 +35,7 @@ COMMANDS = {
     "train": (train_main, "train or resume a run (as python train.py)"),
     "config": (config_main, "print the resolved config as YAML, every key explained"),
     "prepare": (prepare_main, "tokenize a text, jsonl or parallel source once into a store"),
-    "plot": (plot_main, "draw a run's loss, learning-rate and eval curves as PNGs"),
+    "plot": (plot_main, "draw every metric a run logged (loss, evals, ...) as PNGs"),
     "compare": (compare_main, "put runs side by side: curves, final metrics, config diff"),
     "generate": (generate_main, "continue or translate prompts with a run (as sample.py)"),
     "attention": (attention_main, "plot a run's attention weights on a text"),
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         "'flaxformer-lite COMMAND --help' explains a command.",
         examples=(
             "flaxformer-lite train train.steps=200",
-            "flaxformer-lite config --config configs/gpt2_small.yaml",
+            "flaxformer-lite config --list",
             'flaxformer-lite generate --run-dir runs/default --prompt "012+034="',
         ),
     )

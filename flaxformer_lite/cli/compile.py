@@ -1,7 +1,7 @@
 """``flaxformer-lite compile``: compile a config's train step (or generation) ahead of time for a
 TPU slice or H100s, from any host, and report what it needs per chip.
 
-    flaxformer-lite compile --config configs/gpt2_small.yaml --topology v5e-8 mesh.fsdp=8
+    flaxformer-lite compile --config gpt2_small --topology v5e-8 mesh.fsdp=8
     flaxformer-lite compile --topology v5p-8 --decode
     flaxformer-lite compile --topology cpu-8 mesh.data=2 mesh.tensor=4
 
@@ -23,7 +23,7 @@ import json
 import pathlib
 
 from flaxformer_lite.cli.errors import guarded, notice, say
-from flaxformer_lite.cli.flags import CommandParser
+from flaxformer_lite.cli.flags import CONFIG_HELP, CommandParser
 from flaxformer_lite.train.config import load_config
 
 
@@ -43,12 +43,12 @@ def compile_parser() -> argparse.ArgumentParser:
         "MFU. Exit 0: it fits; 1: it does not; 2: an unknown topology or a mesh that does not "
         "match it.",
         examples=(
-            "flaxformer-lite compile --config configs/gpt2_small.yaml --topology v5e-8",
+            "flaxformer-lite compile --config gpt2_small --topology v5e-8",
             "flaxformer-lite compile --topology v5p-8 mesh.data=1 mesh.fsdp=-1",
             "flaxformer-lite compile --topology cpu-4 --decode",
         ),
     )
-    parser.add_argument("--config", type=pathlib.Path, help="a YAML preset (see configs/)")
+    parser.add_argument("--config", type=pathlib.Path, help=CONFIG_HELP)
     parser.add_argument(
         "--topology",
         required=True,

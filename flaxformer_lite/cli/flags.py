@@ -8,6 +8,9 @@ import sys
 import textwrap
 from collections.abc import Sequence
 
+# --config of every command that reads a training config (train/config.py's load_config).
+CONFIG_HELP = "a YAML file, or a shipped recipe's name (flaxformer-lite config --list)"
+
 
 class CommandParser(argparse.ArgumentParser):
     """``argparse.ArgumentParser`` with a wrapped ``description`` and an ``examples`` block

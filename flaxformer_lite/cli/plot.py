@@ -1,5 +1,5 @@
-"""``flaxformer-lite plot RUN_DIR``: a run's loss and learning-rate curves as PNGs in
-``RUN_DIR/plots``."""
+"""``flaxformer-lite plot RUN_DIR``: the run's loss and learning rate, and a panel for every
+metric it logged (a training metric with its ``eval_`` twin), as PNGs in ``RUN_DIR/plots``."""
 
 from __future__ import annotations
 
@@ -13,8 +13,11 @@ def plot_main(argv: list[str] | None = None) -> int:
     """Writes the plots and prints their paths; a directory without logged metrics exits 2."""
     parser = CommandParser(
         prog="flaxformer-lite plot",
-        description="Draw a run's logged curves (loss, learning rate, evaluations) as PNGs in "
-        "RUN_DIR/plots and print their paths. To put several runs side by side: compare.",
+        description="Draw every metric a run logged (loss with eval_loss, learning rate, "
+        "accuracy, the evaluations' scores, ...) against steps and tokens as PNGs in "
+        "RUN_DIR/plots: loss.png, learning_rate.png and metrics.png (a panel each); print "
+        "their paths. An evaluation logged once is a marked point. Several runs side by side: "
+        "compare.",
         examples=("flaxformer-lite plot runs/default",),
     )
     parser.add_argument("run_dir", type=pathlib.Path, help="a train.py run directory")

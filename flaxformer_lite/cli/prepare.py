@@ -19,7 +19,7 @@ import pathlib
 import time
 
 from flaxformer_lite.cli.errors import guarded, notice, say
-from flaxformer_lite.cli.flags import CommandParser
+from flaxformer_lite.cli.flags import CONFIG_HELP, CommandParser
 
 EXAMPLE = (
     "flaxformer-lite prepare --out stores/lines data.source=text "
@@ -39,7 +39,7 @@ def prepare_parser() -> argparse.ArgumentParser:
         "it again on the same inputs does nothing.",
         examples=(EXAMPLE,),
     )
-    parser.add_argument("--config", type=pathlib.Path, help="a YAML preset (see configs/)")
+    parser.add_argument("--config", type=pathlib.Path, help=CONFIG_HELP)
     parser.add_argument(
         "--out", type=pathlib.Path, required=True, help="the store directory to write"
     )

@@ -2,7 +2,7 @@
 (or resume) the configured run.
 
     python train.py                                   # the embedded default
-    python train.py --config configs/gpt2_small.yaml train.steps=200 optimizer.lr=3e-4
+    python train.py --config gpt2_small train.steps=200 optimizer.lr=3e-4
 
 A user error exits 2 (:mod:`flaxformer_lite.cli.errors`); a run stopped by a non-finite step
 exits 1; SIGTERM/SIGINT save a checkpoint and exit 128 + signal.
@@ -15,7 +15,7 @@ import pathlib
 import sys
 
 from flaxformer_lite.cli.errors import exit_on_signals, guarded, notice, say
-from flaxformer_lite.cli.flags import CommandParser
+from flaxformer_lite.cli.flags import CONFIG_HELP, CommandParser
 from flaxformer_lite.cli.library_log import library_log_to
 from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.run_dir import RunDir
@@ -25,7 +25,7 @@ embedded default (a small GPT-2-style decoder learning multi-digit arithmetic on
 the same command again resumes from the newest checkpoint. --show-config lists every setting."""
 EXAMPLES = (
     "python train.py",
-    "python train.py --config configs/transformer_tiny.yaml train.steps=600 optimizer.lr=1e-3",
+    "python train.py --config transformer_tiny train.steps=600 optimizer.lr=1e-3",
     "python train.py --show-config train.steps=200",
 )
 
@@ -41,7 +41,7 @@ def train_main(argv: list[str] | None = None) -> int:
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """``train.py``'s flags and its ``key=value`` overrides."""
-    parser.add_argument("--config", type=pathlib.Path, help="a YAML preset (see configs/)")
+    parser.add_argument("--config", type=pathlib.Path, help=CONFIG_HELP)
     parser.add_argument(
         "--fresh", action="store_true", help="move an existing run directory aside and start over"
     )

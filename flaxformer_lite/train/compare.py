@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 
 from flaxformer_lite.train.config import renamed_keys
+from flaxformer_lite.train.figures import draw, log_scale_if_wide, pyplot, readable_ticks
 from flaxformer_lite.train.metrics import read_metrics
 from flaxformer_lite.train.run_dir import RunDir
 
@@ -115,34 +116,59 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence]) -> str:
 
 
 def plot_comparison(runs: Sequence[Run], metrics: Sequence[str], out: pathlib.Path) -> pathlib.Path:
-    """One row of axes per metric: the runs' curves against steps (left) and against tokens
-    (right); losses on a log scale. Returns ``out`` (a PNG)."""
-    import matplotlib
+    """Writes :func:`comparison_figure` to ``out`` (a PNG) and returns ``out``."""
+    figure = comparison_figure(runs, metrics)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, dpi=100)
+    pyplot().close(figure)
+    return out
 
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
 
-    figure, axes = plt.subplots(len(metrics), 2, figsize=(11, 3.6 * len(metrics)), squeeze=False)
+def comparison_figure(runs: Sequence[Run], metrics: Sequence[str]):
+    """One row of axes per metric, each titled with it: the runs' curves against steps (left)
+    and against tokens (right), losses on a log scale where they span a decade, a run's single
+    point a marker with its value; one legend above, a run in one colour throughout. A metric
+    that some runs did not log says which in its panels."""
+    from matplotlib.lines import Line2D
+
+    plt = pyplot()
+    figure, axes = plt.subplots(
+        len(metrics), 2, figsize=(11, 3.6 * len(metrics) + 0.4), squeeze=False, layout="constrained"
+    )
+    colors = {run.name: f"C{i % 10}" for i, run in enumerate(runs)}
     for row, metric in zip(axes, metrics, strict=True):
+        missing = []
         for run in runs:
             points = [(r["step"], r[metric]) for r in run.records if r.get(metric) is not None]
             if not points:
+                missing.append(run.name)
                 continue
             steps, values = zip(*points, strict=True)
-            row[0].plot(steps, values, label=run.name)
-            row[1].plot([s * run.tokens_per_step for s in steps], values, label=run.name)
-        for ax, x_label in zip(row, ("step", "tokens (rows x seq_len)"), strict=True):
+            draw(row[0], steps, values, label=run.name, color=colors[run.name])
+            tokens = [s * run.tokens_per_step for s in steps]
+            draw(row[1], tokens, values, label=run.name, color=colors[run.name])
+        x_labels = ("step", "tokens (steps x batch_size x seq_len)")
+        for ax, x_label, by in zip(row, x_labels, ("step", "tokens"), strict=True):
+            ax.set_title(f"{metric} by {by}")
             ax.set_xlabel(x_label)
             ax.set_ylabel(metric)
-            if "loss" in metric and ax.has_data():
-                ax.set_yscale("log")
-            if ax.has_data():
-                ax.legend(fontsize="small")
-    figure.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out, dpi=100)
-    plt.close(figure)
-    return out
+            if "loss" in metric:
+                log_scale_if_wide(ax)
+            readable_ticks(ax)
+            if missing:
+                ax.text(
+                    0.5,
+                    0.02,
+                    f"not logged by {', '.join(missing)}",
+                    transform=ax.transAxes,
+                    ha="center",
+                    va="bottom",
+                    fontsize="small",
+                    color="0.4",
+                )
+    handles = [Line2D([], [], color=c, marker="o", label=name) for name, c in colors.items()]
+    figure.legend(handles=handles, loc="outside upper center", ncols=min(len(runs), 3))
+    return figure
 
 
 def _cell(value) -> str:

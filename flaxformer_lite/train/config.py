@@ -1,7 +1,10 @@
 """The typed training configuration: nested frozen dataclasses, read from YAML presets and
 ``key=value`` command-line overrides, every key and type checked with a message that names it.
 
-    cfg = load_config("configs/gpt2_small.yaml", ["train.steps=200", "optimizer.lr=3e-4"])
+    cfg = load_config("gpt2_small", ["train.steps=200", "optimizer.lr=3e-4"])
+
+``load_config``'s file is a path, or the name of a recipe the package ships
+(:mod:`flaxformer_lite.train.recipes`: ``gpt2_small``, ``ablations/aft_full``).
 
 A YAML file mirrors the dataclasses (``model:``, ``optimizer:``, ``train:``, ...). The ``model``
 section may start from a preset (``model: {preset: gpt2-tiny, num_heads: 4}``), or, with
@@ -29,6 +32,7 @@ from flaxformer_lite.models.config import ModelConfig
 from flaxformer_lite.parallel import DEFAULT_RULES, MESH_AXES, DistributedConfig, check_rules
 from flaxformer_lite.settings import setting
 from flaxformer_lite.train.optim import OptimizerConfig
+from flaxformer_lite.train.recipes import recipe_path, unknown_recipe_hint
 from flaxformer_lite.train.schema import ConfigError, OverrideText, UnknownKeyError, build
 
 # The model keys that may be set with init_from: they change how the checkpoint's architecture
@@ -151,9 +155,9 @@ class MeshConfig:
 class TrainConfig:
     """Everything a run needs. ``run_dir`` holds its config, metrics and checkpoints.
 
-    The defaults are the embedded default run (``configs/default.yaml`` spells them out): a
-    GPT-2-style decoder of 0.1M parameters (no dropout: the data never repeat) learning
-    three-digit addition and subtraction on a CPU in a few minutes.
+    The defaults are the embedded default run (the recipe ``default``, ``configs/default.yaml``,
+    spells them out): a GPT-2-style decoder of 0.1M parameters (no dropout: the data never repeat)
+    learning three-digit addition and subtraction on a CPU in a few minutes.
     """
 
     run_dir: str = setting(
@@ -233,9 +237,9 @@ def load_config(
     overrides: Sequence[str] = (),
     notify: Callable[[str], None] | None = None,
 ) -> TrainConfig:
-    """The config of a YAML file (or the defaults) with ``key=value`` overrides applied;
-    ``notify`` gets a line for each old key name (:data:`RENAMED_KEYS`) the file or an override
-    uses.
+    """The config of a YAML file (or the defaults) with ``key=value`` overrides applied; ``path``
+    that is no file but a shipped recipe's name (``gpt2_small``) reads that recipe. ``notify``
+    gets a line for each old key name (:data:`RENAMED_KEYS`) the file or an override uses.
 
     Raises:
       ConfigError: a missing or malformed file, an unknown key (with the closest valid key), a
@@ -244,10 +248,13 @@ def load_config(
     values: dict[str, Any] = {}
     if path is not None:
         path = pathlib.Path(path)
+        if not path.is_file():
+            path = recipe_path(path) or path
         try:
             loaded = yaml.load(path.read_text(encoding="utf-8"), Loader=_ConfigLoader)  # noqa: S506 - a SafeLoader
         except OSError as error:
-            raise ConfigError(f"cannot read config file {path}: {error.strerror}") from None
+            hint = "" if path.exists() else f" ({unknown_recipe_hint(path)})"
+            raise ConfigError(f"cannot read config file {path}: {error.strerror}{hint}") from None
         except UnicodeDecodeError as error:
             raise ConfigError(
                 f"config file {path} is not UTF-8 text (byte {error.start}: {error.reason})"

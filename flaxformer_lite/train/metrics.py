@@ -1,6 +1,6 @@
 """A run's metrics: one JSON object per logged step in ``metrics.jsonl``, the same scalars as
-TensorBoard events, PNG plots of the loss and learning-rate curves, and the devices' peak FLOP/s
-that MFU is taken against."""
+TensorBoard events, a PNG plot of each logged metric, and the devices' peak FLOP/s that MFU is
+taken against."""
 
 from __future__ import annotations
 
@@ -19,6 +19,14 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
+from flaxformer_lite.train.figures import (
+    draw,
+    log_scale_if_wide,
+    readable_ticks,
+    tokens_axis,
+    tokens_label,
+)
+from flaxformer_lite.train.figures import pyplot as figure_pyplot
 from flaxformer_lite.train.run_dir import RunDir
 
 # Dense peak FLOP/s per chip for bf16 matmuls, by jax's device_kind; other devices: n/a.
@@ -218,43 +226,124 @@ def _check_regular(path: pathlib.Path) -> None:
 
 
 def plot_run(run_dir: pathlib.Path) -> list[pathlib.Path]:
-    """Writes ``plots/loss.png`` (train and eval loss) and ``plots/learning_rate.png``; writes
-    nothing and returns ``[]`` if no step is logged (the plots of an earlier run are kept).
+    """Writes :func:`run_figures` to ``plots/`` (``loss.png``, ``learning_rate.png``,
+    ``metrics.png``); writes nothing and returns ``[]`` if no step is logged (the plots of an
+    earlier run are kept).
+
+    Raises:
+      FileNotFoundError, ValueError: as :func:`read_metrics`.
+    """
+    figures = run_figures(run_dir)
+    if not figures:
+        return []
+    plots = RunDir(run_dir).plots
+    plots.mkdir(exist_ok=True)
+    written = []
+    for name, figure in figures.items():
+        written.append(plots / f"{name}.png")
+        figure.savefig(written[-1], dpi=100)
+        figure_pyplot().close(figure)
+    return written
+
+
+def run_figures(run_dir: pathlib.Path) -> dict:
+    """The figures of ``run_dir``'s logged metrics, by file name: ``loss`` (with ``eval_loss``)
+    and ``learning_rate`` alone, and ``metrics``, a panel for every metric the run logged (a
+    training metric with its ``eval_`` twin; one only evaluated, ``eval_bleu``, alone). Titles
+    name the run and the metric; x is the step, with the tokens trained on top when the run's
+    config is there; a metric logged once is a marked point, its value in the legend.
 
     Raises:
       FileNotFoundError, ValueError: as :func:`read_metrics`.
     """
     records = read_metrics(run_dir)
-    if not records:
-        return []
-    import matplotlib
+    groups = _metric_groups(records)
+    if not groups:
+        return {}
+    plt = figure_pyplot()
+    tokens_per_step = _tokens_per_step(run_dir)
+    figures = {}
+    for name in ("loss", "learning_rate"):
+        if name in groups:
+            figures[name], axes = plt.subplots(figsize=(6.4, 4.2))
+            _panel(axes, records, groups[name], f"{run_dir}: {_words(name)}")
+            if tokens_per_step:
+                tokens_axis(axes, tokens_per_step)
+            figures[name].tight_layout()
+    # Fixed margins, in inches: 1.4 above a row (its titles and tokens axes), 0.6 below the
+    # last, 0.9 between columns, axes of 4.3 x 2.8; tight_layout would measure them by drawing
+    # the whole figure once more (most of its cost).
+    columns = min(len(groups), 3)
+    rows = -(-len(groups) // columns)
+    width, height = 5.2 * columns, 4.2 * rows + 0.5
+    figure, panels = plt.subplots(rows, columns, figsize=(width, height), squeeze=False)
+    figure.subplots_adjust(
+        left=0.8 / width,
+        right=1 - 0.1 / width,
+        top=1 - 1.4 / height,
+        bottom=0.6 / height,
+        wspace=0.9 / 4.3,
+        hspace=1.4 / 2.8,
+    )
+    for axes, (name, keys) in zip(panels.flat, groups.items(), strict=False):
+        _panel(axes, records, keys, _words(name))
+        if tokens_per_step:
+            tokens_axis(axes, tokens_per_step, "tokens")
+    for axes in panels.flat[len(groups) :]:
+        axes.remove()
+    title = f"{run_dir}: every logged metric"
+    title += f"; {tokens_label(tokens_per_step)}" if tokens_per_step else ""
+    figure.suptitle(title, y=1 - 0.12 / height, va="top")
+    figures["metrics"] = figure
+    return figures
 
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
 
-    plots = RunDir(run_dir).plots
-    plots.mkdir(exist_ok=True)
-    written = []
-    for name, keys in (("loss", ("loss", "eval_loss")), ("learning_rate", ("learning_rate",))):
-        figure, axes = plt.subplots(figsize=(6, 4))
-        plotted = False
-        for key in keys:
-            points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
-            if points:
-                axes.plot(*zip(*points, strict=True), label=key)
-                plotted = True
-        axes.set_xlabel("step")
-        axes.set_ylabel(name.replace("_", " "))
-        if plotted:  # a run stopped before its first log has nothing to draw
-            axes.legend()
-            if name == "loss":
-                axes.set_yscale("log")
-        figure.tight_layout()
-        path = plots / f"{name}.png"
-        figure.savefig(path, dpi=100)
-        plt.close(figure)
-        written.append(path)
-    return written
+def _panel(axes, records: list[dict], keys: list[str], title: str) -> None:
+    """``keys``' values in ``records`` against their steps on ``axes``."""
+    for key in keys:
+        points = [(r["step"], r[key]) for r in records if _number(r.get(key))]
+        draw(axes, *zip(*points, strict=True), label=key, value_in_legend=True)
+    axes.set_title(title)
+    axes.set_xlabel("step")
+    axes.set_ylabel(_words(keys[0].removeprefix("eval_")))
+    if "loss" in keys[0]:
+        log_scale_if_wide(axes)
+    readable_ticks(axes)
+    axes.legend(fontsize="small")
+
+
+def _words(name: str) -> str:
+    return name.replace("_", " ")
+
+
+def _metric_groups(records: list[dict]) -> dict[str, list[str]]:
+    """The metrics of ``records`` by figure, in the order first logged (``loss`` and
+    ``learning_rate`` first): ``{"loss": ["loss", "eval_loss"], "eval_bleu": ["eval_bleu"]}``."""
+    logged = dict.fromkeys(["loss", "learning_rate"])
+    for record in records:
+        logged |= dict.fromkeys(k for k, v in record.items() if k != "step" and _number(v))
+    logged = [key for key in logged if any(_number(r.get(key)) for r in records)]
+    groups = {}
+    for key in logged:
+        train = key.removeprefix("eval_")
+        groups.setdefault(train if train in logged else key, []).append(key)
+    return groups
+
+
+def _number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _tokens_per_step(run_dir: pathlib.Path) -> int | None:
+    """Token positions a step of the run trains on (``train.batch_size`` rows of
+    ``data.seq_len``), from its ``config.yaml``; None where that is missing or unreadable."""
+    import yaml
+
+    try:
+        config = yaml.safe_load(RunDir(run_dir).config.read_text())
+        return int(config["train"]["batch_size"]) * int(config["data"]["seq_len"])
+    except (OSError, ValueError, yaml.YAMLError, KeyError, TypeError):
+        return None
 
 
 def matmul_peak_flops(n: int = 2048, repeats: int = 5) -> float:
