@@ -218,6 +218,33 @@ def test_encoder_decoder_export_translates_as_the_run(hf, tmp_path, capsys):
     assert generated(["--hf-dir", str(exported.path), *flags], capsys) == [text]
 
 
+@pytest.mark.slow
+def test_save_hf_writes_the_tokenizer_ids(tmp_path):
+    """Given the tokenizer's ids, config.json and generation_config.json carry them (not
+    GPT-2's 50256 in a vocabulary of 260, not Marian's OPUS-MT ids); without, no generation
+    config is written, as before."""
+    from flax import nnx
+
+    from flaxformer_lite.interop import save_hf
+    from flaxformer_lite.models import ModelConfig, build_model
+
+    ids = {"pad": 0, "bos": 1, "eos": 2}
+    marian = dict(norm_eps=1e-5, sinusoidal_layout="concat", output_bias=True)
+    for preset, extra in (("gpt2-tiny", {}), ("transformer-tiny", marian)):
+        cfg = ModelConfig.from_preset(preset, **extra)
+        model = build_model(cfg, rngs=nnx.Rngs(0))
+        save_hf(model, cfg, tmp_path / preset, special_ids=ids)
+        config = json.loads((tmp_path / preset / "config.json").read_text())
+        generation = json.loads((tmp_path / preset / "generation_config.json").read_text())
+        expected = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+        if preset == "transformer-tiny":
+            expected["decoder_start_token_id"] = 1
+            assert config["forced_eos_token_id"] is None
+        assert generation == expected and expected.items() <= config.items()
+        save_hf(model, cfg, tmp_path / f"{preset}-plain")
+        assert not (tmp_path / f"{preset}-plain" / "generation_config.json").exists()
+
+
 def export_command(*args):
     code = "import sys; from flaxformer_lite.cli import main; sys.exit(main(sys.argv[1:]))"
     return subprocess.run(
@@ -235,7 +262,8 @@ def test_a_model_without_a_hugging_face_counterpart_is_refused(tmp_path):
     child = export_command("--run-dir", run_dir, "--out", tmp_path / "hf")
     assert child.returncode == 2, child.stderr
     (line,) = [line for line in child.stderr.splitlines() if line.startswith("error:")]
-    assert "cannot be exported: model.mixer=aft_simple" in line and "no Hugging Face" in line
+    assert line.startswith(f"error: export of {run_dir}: model.mixer=aft_simple")
+    assert "has no Hugging Face counterpart" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing written, nothing left
 
 

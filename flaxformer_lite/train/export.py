@@ -67,7 +67,7 @@ def export_run(
         )
     loaded = load_run(run_dir, step=step)
     model_config = loaded.config.model
-    family = writable_family(model_config, who=f"{run_dir} cannot be exported")
+    family = writable_family(model_config, who=f"export of {run_dir}")
     tokenizer = loaded.tokenizer
     task = task_of(model_config)
     files = hf_tokenizer_files(tokenizer, task=task, max_length=model_config.max_length)
