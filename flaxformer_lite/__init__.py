@@ -1,3 +1,29 @@
-"""flaxformer_lite: a readable, exact and shardable JAX/Flax Transformer library."""
+"""flaxformer_lite: a readable, exact and shardable JAX/Flax Transformer library.
+
+from flaxformer_lite import load_run, export_run
+run = load_run("runs/default")                        # model, tokenizer, config, step
+export_run("runs/default", "exports/default")         # a Hugging Face directory
+"""
 
 __version__ = "0.1.0"
+
+# Where the names this package exports at its top live; imported on first use, so that
+# importing a submodule (``flaxformer_lite.ops``) does not import the training code.
+_LAZY = {
+    "load_run": "flaxformer_lite.train.restore",
+    "LoadedRun": "flaxformer_lite.train.restore",
+    "export_run": "flaxformer_lite.train.export",
+}
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'flaxformer_lite' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

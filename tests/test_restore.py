@@ -112,6 +112,16 @@ def test_loads_onto_a_given_mesh(run_dir):
     np.testing.assert_allclose(loaded.model(TOKENS), load_run(run_dir).model(TOKENS), atol=1e-5)
 
 
+def test_loads_onto_given_devices(run_dir):
+    devices = jax.devices()[2:4]
+    loaded = load_run(run_dir, devices=devices)
+    for x in jax.tree.leaves(nnx.state(loaded.model, nnx.Param)):
+        assert x.sharding.device_set == set(devices) and x.sharding.is_fully_replicated
+    np.testing.assert_allclose(loaded.model(TOKENS), load_run(run_dir).model(TOKENS), atol=1e-5)
+    with pytest.raises(ValueError, match="mesh= or devices=, not both"):
+        load_run(run_dir, devices=devices, mesh=parallel.make_mesh(1, 1, 1, devices=devices[:1]))
+
+
 def test_errors_name_the_path(run_dir, tmp_path):
     missing = tmp_path / "nope"
     with pytest.raises(FileNotFoundError, match=f"{missing}: no such run directory"):

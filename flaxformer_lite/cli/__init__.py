@@ -1,6 +1,6 @@
 """The user commands: ``python train.py``, ``python sample.py``, ``python -m
 flaxformer_lite.train`` and ``flaxformer-lite
-train|config|prepare|plot|compare|generate|attention|compile``, one module each.
+train|config|prepare|plot|compare|generate|export|attention|compile``, one module each.
 
     python train.py                                   # the embedded default
     python train.py --config gpt2_small train.steps=200 optimizer.lr=3e-4
@@ -9,6 +9,7 @@ train|config|prepare|plot|compare|generate|attention|compile``, one module each.
     flaxformer-lite plot runs/default
     flaxformer-lite compare runs/a runs/b --metric loss eval_exact_match
     flaxformer-lite generate --run-dir runs/default --prompt "012+034="
+    flaxformer-lite export --run-dir runs/default --out exports/default
     flaxformer-lite attention --run-dir runs/default --text "012+034=" --out maps
     flaxformer-lite compile --config gpt2_small --topology v5e-8
 
@@ -24,6 +25,7 @@ from flaxformer_lite.cli.attention import attention_main
 from flaxformer_lite.cli.compare import compare_main
 from flaxformer_lite.cli.compile import compile_main
 from flaxformer_lite.cli.config import config_main
+from flaxformer_lite.cli.export import export_main
 from flaxformer_lite.cli.flags import CommandParser
 from flaxformer_lite.cli.generate import generate_main
 from flaxformer_lite.cli.plot import plot_main
@@ -38,6 +40,7 @@ COMMANDS = {
     "plot": (plot_main, "draw every metric a run logged (loss, evals, ...) as PNGs"),
     "compare": (compare_main, "put runs side by side: curves, final metrics, config diff"),
     "generate": (generate_main, "continue or translate prompts with a run (as sample.py)"),
+    "export": (export_main, "write a run as a Hugging Face directory (model and tokenizer)"),
     "attention": (attention_main, "plot a run's attention weights on a text"),
     "compile": (compile_main, "compile a config's step for a TPU slice: memory, collectives, MFU"),
 }

@@ -24,6 +24,7 @@ from safetensors.numpy import load_file, save_file
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 
 
 # --------------------------------------------------------------------------- files
@@ -95,23 +96,35 @@ def _load_file(file: str) -> dict[str, np.ndarray]:
 
 
 def write_checkpoint(
-    path: str | os.PathLike, config: Mapping[str, Any], tensors: Mapping[str, np.ndarray]
+    path: str | os.PathLike,
+    config: Mapping[str, Any],
+    tensors: Mapping[str, np.ndarray],
+    *,
+    generation_config: Mapping[str, Any] | None = None,
 ) -> None:
     """Writes ``config.json`` and one ``model.safetensors`` (tagged ``format: pt``, which
-    ``transformers`` expects) into ``path``, creating the directory.
+    ``transformers`` expects) into ``path``, creating the directory, and ``generation_config``
+    (if given) as ``generation_config.json``.
 
     Each file is written under a temporary name and then renamed over the old one, weights
     first, so an interrupted save leaves no half-written file (at worst, when overwriting, new
     weights beside the previous ``config.json``)."""
     os.makedirs(path, exist_ok=True)
-    weights, config_file = os.path.join(path, WEIGHTS_FILE), os.path.join(path, CONFIG_FILE)
+    weights = os.path.join(path, WEIGHTS_FILE)
     contiguous = {name: np.ascontiguousarray(x) for name, x in tensors.items()}
     save_file(contiguous, weights + ".tmp", metadata={"format": "pt"})
     os.replace(weights + ".tmp", weights)
-    with open(config_file + ".tmp", "w", encoding="utf-8") as f:
-        json.dump(dict(config), f, indent=2, sort_keys=True)
+    if generation_config is not None:
+        write_json(os.path.join(path, GENERATION_CONFIG_FILE), generation_config)
+    write_json(os.path.join(path, CONFIG_FILE), config)
+
+
+def write_json(file: str | os.PathLike, content: Mapping[str, Any]) -> None:
+    """``content`` as indented JSON in ``file``, written under a temporary name, then renamed."""
+    with open(f"{file}.tmp", "w", encoding="utf-8") as f:
+        json.dump(dict(content), f, indent=2, sort_keys=True, ensure_ascii=False)
         f.write("\n")
-    os.replace(config_file + ".tmp", config_file)
+    os.replace(f"{file}.tmp", file)
 
 
 # --------------------------------------------------------------------------- rules

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from types import ModuleType
 
 import jax
@@ -115,7 +116,13 @@ def load_hf(path: str | os.PathLike, *, dtype=None) -> tuple[Model, ModelConfig]
     return model, cfg
 
 
-def save_hf(model: Model, config: ModelConfig, path: str | os.PathLike) -> None:
+def save_hf(
+    model: Model,
+    config: ModelConfig,
+    path: str | os.PathLike,
+    *,
+    special_ids: Mapping[str, int | None] | None = None,
+) -> None:
     """Writes ``config.json`` and ``model.safetensors`` that ``transformers``' ``from_pretrained``
     loads as the matching HF model (GPT-2, Llama, BERT or Marian, chosen by ``config``; a BERT
     with ``num_classes`` as ``BertForSequenceClassification``, see ``interop.bert``).
@@ -124,23 +131,17 @@ def save_hf(model: Model, config: ModelConfig, path: str | os.PathLike) -> None:
       model: our ``DecoderLM``, ``Encoder`` or ``EncoderDecoder`` (loop or scanned layers).
       config: its ``ModelConfig``.
       path: the output directory (created if needed; existing files are overwritten).
+      special_ids: the tokenizer's ``pad``, ``bos`` (what a decoder's input starts with) and
+        ``eos`` ids; given, they go into ``config.json`` (``pad_token_id``, ``bos_token_id``,
+        ``eos_token_id``, an encoder-decoder's ``decoder_start_token_id`` = ``bos``) and a
+        ``generation_config.json``, so that ``generate`` starts and stops where ours does.
+        None: each family's defaults (HF's own, Marian's OPUS-MT ids), no generation config.
 
     Raises:
       ValueError: ``config`` fits none of the families (lists what does not fit each), its
         ``mixer`` is not attention, or its attention is sparse (``local_window``).
     """
-    if config.mixer != "attention":
-        raise ValueError(
-            f"save_hf: model.mixer={config.mixer} (the Attention Free Transformer) has no "
-            "Hugging Face counterpart; only models with mixer=attention are written"
-        )
-    if config.local_window is not None:
-        raise ValueError(
-            f"save_hf: model.local_window={list(config.local_window)} (global_tokens="
-            f"{config.global_tokens}) has no counterpart in the Hugging Face families written "
-            "here: they attend to every position"
-        )
-    family = _family_of_config(config)
+    family = writable_family(config)
     hf_config = family.config_to_hf(config)
     params = _layer_params(model, config)
     unwritten = family.unwritten(config) if hasattr(family, "unwritten") else ()
@@ -149,7 +150,42 @@ def save_hf(model: Model, config: ModelConfig, path: str | os.PathLike) -> None:
         tensors = {
             ("transformer." + n if n != "lm_head.weight" else n): x for n, x in tensors.items()
         }
-    common.write_checkpoint(path, hf_config, tensors)
+    generation = None
+    if special_ids is not None:
+        generation = _generation_ids(config, special_ids)
+        hf_config = {**hf_config, **generation}
+        if "forced_eos_token_id" in hf_config:  # Marian's OPUS-MT id; our decoding forces none
+            hf_config["forced_eos_token_id"] = None
+    common.write_checkpoint(path, hf_config, tensors, generation_config=generation)
+
+
+def writable_family(config: ModelConfig, who: str = "save_hf") -> ModuleType:
+    """The family module that :func:`save_hf` writes ``config`` as.
+
+    Raises:
+      ValueError: starting with ``who``: the model's ``mixer`` is not attention, its attention
+        is sparse (``local_window``), or it fits none of the families (what does not fit each).
+    """
+    if config.mixer != "attention":
+        raise ValueError(
+            f"{who}: model.mixer={config.mixer} (the Attention Free Transformer) has no "
+            "Hugging Face counterpart; only models with mixer=attention are written"
+        )
+    if config.local_window is not None:
+        raise ValueError(
+            f"{who}: model.local_window={list(config.local_window)} (global_tokens="
+            f"{config.global_tokens}) has no counterpart in the Hugging Face families written "
+            "here: they attend to every position"
+        )
+    problems = {family: family.mismatches(config) for family in _MODULES}
+    for family, found in problems.items():
+        if not found:
+            return family
+    details = " | ".join(
+        f"not {'/'.join(_architectures(family))}: {'; '.join(found)}"
+        for family, found in problems.items()
+    )
+    raise ValueError(f"{who} writes only {', '.join(SUPPORTED)} models; {details}")
 
 
 # --------------------------------------------------------------------------- helpers
@@ -191,13 +227,16 @@ def _layer_params(model, config: ModelConfig) -> dict[str, np.ndarray]:
     return params
 
 
-def _family_of_config(config: ModelConfig) -> ModuleType:
-    problems = {family: family.mismatches(config) for family in _MODULES}
-    for family, found in problems.items():
-        if not found:
-            return family
-    details = " | ".join(
-        f"not {'/'.join(_architectures(family))}: {'; '.join(found)}"
-        for family, found in problems.items()
-    )
-    raise ValueError(f"save_hf writes only {', '.join(SUPPORTED)} models; {details}")
+def _generation_ids(config: ModelConfig, ids: Mapping[str, int | None]) -> dict[str, int | None]:
+    """HF's token-id keys for our ``pad``/``bos``/``eos`` ids, each checked to be a token."""
+    for name in ("pad", "bos", "eos"):
+        value = ids.get(name)
+        if value is not None and not 0 <= value < config.vocab_size:
+            raise ValueError(
+                f"save_hf: the {name} id {value} is outside the vocabulary [0, {config.vocab_size})"
+            )
+    found = {"pad_token_id": ids.get("pad"), "bos_token_id": ids.get("bos")}
+    found["eos_token_id"] = ids.get("eos")
+    if config.kind == "encoder_decoder":
+        found["decoder_start_token_id"] = ids.get("bos")
+    return found

@@ -1,7 +1,7 @@
 """Loading a trained run: the model of a checkpoint written by ``train.py``, with its tokenizer
 and config, ready for inference, plots and generation.
 
-    run = load_run("runs/default")            # the newest checkpoint (or step=N)
+    run = load_run("runs/default")            # the newest checkpoint (or step=N; mesh=, devices=)
     ids = jnp.asarray([[run.tokenizer.sos_id, *run.tokenizer.encode("012+034=")]])
     logits = run.model(ids)                   # [1, T, V], dropout off
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import pathlib
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -52,7 +53,11 @@ class LoadedRun:
 
 
 def load_run(
-    run_dir: pathlib.Path | str, *, step: int | None = None, mesh: Mesh | None = None
+    run_dir: pathlib.Path | str,
+    *,
+    step: int | None = None,
+    mesh: Mesh | None = None,
+    devices: Sequence[jax.Device] | None = None,
 ) -> LoadedRun:
     """Restores the model of ``run_dir/checkpoints`` at ``step`` (default: the newest).
 
@@ -62,14 +67,24 @@ def load_run(
     Args:
       run_dir: a directory written by ``train.py``.
       step: the checkpoint to load; default the newest finished one.
-      mesh: where the parameters go, laid out by the run's ``mesh.rules``; default one
+      mesh: where the parameters go, laid out by the run's ``mesh.rules`` (e.g.
+        ``parallel.make_mesh(1, 1, 4)``: heads and MLP units split over 4 devices); default one
         ``(data, fsdp, tensor)`` mesh of size 1 on the first local device.
+      devices: instead of ``mesh``: the parameters whole on each of these devices (a ``data``
+        mesh over them).
 
     Raises:
       FileNotFoundError: ``run_dir`` is not a directory, or has no checkpoints or tokenizer
         (the message names the path).
-      ValueError: ``step`` has no checkpoint, or the checkpoint cannot be restored.
+      ValueError: ``step`` has no checkpoint, or the checkpoint cannot be restored; both
+        ``mesh`` and ``devices``, or an empty ``devices``.
     """
+    if devices is not None:
+        if mesh is not None:
+            raise ValueError("load_run takes mesh= or devices=, not both")
+        if not devices:
+            raise ValueError("load_run: devices= is empty; give at least one device")
+        mesh = parallel.make_mesh(len(devices), 1, 1, devices=devices)
     run = RunDir(run_dir)
     if not run.path.is_dir():
         raise FileNotFoundError(f"{run}: no such run directory")

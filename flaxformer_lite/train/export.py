@@ -1,0 +1,92 @@
+"""A trained run as a Hugging Face directory that ``transformers`` loads offline as it is:
+
+    exported = export_run("runs/default", "exports/default")   # the newest checkpoint (or step=N)
+    # transformers.AutoModelForCausalLM.from_pretrained("exports/default")
+    # transformers.AutoTokenizer.from_pretrained("exports/default")
+
+The directory holds ``config.json`` and ``model.safetensors`` (``interop.save_hf``) with the
+tokenizer's pad, bos and eos ids in ``config.json`` and ``generation_config.json``, and the run's
+tokenizer as ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json``
+(:mod:`flaxformer_lite.data.tokenizer_export`). ``flaxformer-lite generate --hf-dir`` reads it too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import shutil
+
+from flaxformer_lite.data.tokenizer_export import hf_tokenizer_files
+from flaxformer_lite.interop.hf import save_hf, writable_family
+from flaxformer_lite.train.restore import load_run
+from flaxformer_lite.train.step import task_of
+
+# The transformers Auto class that loads each architecture save_hf writes.
+AUTO_CLASSES = {
+    "GPT2LMHeadModel": "AutoModelForCausalLM",
+    "LlamaForCausalLM": "AutoModelForCausalLM",
+    "BertForMaskedLM": "AutoModelForMaskedLM",
+    "BertForSequenceClassification": "AutoModelForSequenceClassification",
+    "MarianMTModel": "AutoModelForSeq2SeqLM",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Exported:
+    """What :func:`export_run` wrote: the directory, the HF architecture and the ``transformers``
+    Auto class that loads it, the run's checkpoint step and tokenizer kind."""
+
+    path: pathlib.Path
+    architecture: str
+    auto_class: str
+    step: int
+    tokenizer: str
+
+
+def export_run(
+    run_dir: pathlib.Path | str, out: pathlib.Path | str, *, step: int | None = None
+) -> Exported:
+    """Writes the model of ``run_dir``'s checkpoint ``step`` (default the newest) and the run's
+    tokenizer into the new directory ``out``.
+
+    The files are written into a temporary directory beside ``out``, which is renamed to ``out``
+    once complete: an export that fails leaves nothing behind.
+
+    Raises:
+      FileExistsError: ``out`` exists and is not an empty directory.
+      FileNotFoundError: ``run_dir`` is no run (as ``load_run``).
+      ValueError: the model has no Hugging Face counterpart (the AFT mixer, sparse attention, a
+        layout none of GPT-2, Llama, BERT, Marian has: the message says which setting), or
+        ``step`` has no checkpoint.
+    """
+    out = pathlib.Path(out)
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+        raise FileExistsError(
+            f"{out} exists and is not an empty directory; export writes a new one"
+        )
+    loaded = load_run(run_dir, step=step)
+    model_config = loaded.config.model
+    family = writable_family(model_config, who=f"export of {run_dir}")
+    tokenizer = loaded.tokenizer
+    task = task_of(model_config)
+    files = hf_tokenizer_files(tokenizer, task=task, max_length=model_config.max_length)
+    special_ids = {"pad": tokenizer.pad_id, "bos": tokenizer.sos_id, "eos": tokenizer.eos_id}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}.export-{os.getpid()}"
+    staging.mkdir()  # with the umask's permissions, which the export keeps
+    try:
+        save_hf(loaded.model, model_config, staging, special_ids=special_ids)
+        for name, content in files.items():
+            (staging / name).write_bytes(content)
+        if out.exists():  # empty, checked above
+            out.rmdir()
+        os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    architecture = family.config_to_hf(model_config)["architectures"][0]
+    return Exported(out, architecture, AUTO_CLASSES[architecture], loaded.step, tokenizer.kind)
+
+
+__all__ = ["AUTO_CLASSES", "Exported", "export_run"]
