@@ -3,7 +3,7 @@
 Every ``train.py`` / ``sample.py`` / ``flaxformer-lite`` command in README.md and
 benchmarks/README.md parses with that command's own parser, and a training command loads a valid
 config; every ``benchmarks/NAME.py`` command parses with that benchmark's parser; every Python
-block of README.md runs as written, in an empty directory. README.md stays
+block of README.md and docs/reference.md runs as written, in an empty directory. README.md stays
 within 250 lines and points at nothing outside the repository; every relative link and every
 file path the docs name exists.
 
@@ -27,6 +27,7 @@ from flaxformer_lite.cli.attention import attention_parser
 from flaxformer_lite.cli.compare import compare_parser
 from flaxformer_lite.cli.compile import compile_parser
 from flaxformer_lite.cli.config import config_parser
+from flaxformer_lite.cli.export import export_parser
 from flaxformer_lite.cli.prepare import prepare_parser
 from flaxformer_lite.cli.train import add_train_arguments
 from flaxformer_lite.train.config import load_config
@@ -35,7 +36,12 @@ from flaxformer_lite.train.recipes import recipe_path
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DOCS = {name: (REPO / name).read_text() for name in ("README.md", "benchmarks/README.md")}
 README = DOCS["README.md"]
-CONTRIBUTOR_DOCS = {**DOCS, "docs/design.md": (REPO / "docs" / "design.md").read_text()}
+REFERENCE = (REPO / "docs" / "reference.md").read_text()
+CONTRIBUTOR_DOCS = {
+    **DOCS,
+    "docs/design.md": (REPO / "docs" / "design.md").read_text(),
+    "docs/reference.md": REFERENCE,
+}
 MAX_README_LINES = 250
 
 SETUP = re.compile(r"^python3 -m venv .*$", re.M)
@@ -178,6 +184,8 @@ def test_documented_command_is_valid(name, command, tmp_path, monkeypatch):
             args = _parse(compile_parser().parse_intermixed_args, rest, command)
             parse_topology(args.topology)
             load_config(_config_file(args.config), args.overrides)
+        elif subcommand == "export":
+            _parse(export_parser().parse_args, rest, command)
         elif subcommand == "plot":
             assert len(rest) == 1 and not rest[0].startswith("-"), command  # plot RUN_DIR
         else:
@@ -194,10 +202,11 @@ def test_documented_command_is_valid(name, command, tmp_path, monkeypatch):
 
 
 def _python_blocks() -> list:
-    """README.md's Python blocks, each with the line it starts on."""
+    """The Python blocks of README.md and docs/reference.md, each with where it starts."""
     return [
-        pytest.param(match.group(1), id=f"line{README.count(chr(10), 0, match.start()) + 2}")
-        for match in PYTHON_BLOCK.finditer(README)
+        pytest.param(match.group(1), id=f"{name}:{text.count(chr(10), 0, match.start()) + 2}")
+        for name, text in (("README.md", README), ("docs/reference.md", REFERENCE))
+        for match in PYTHON_BLOCK.finditer(text)
     ]
 
 
@@ -205,7 +214,7 @@ def _python_blocks() -> list:
 def test_python_block_runs_as_written(code, request, tmp_path, monkeypatch):
     """Each block defines what it uses: run alone, in a fresh namespace and an empty directory."""
     monkeypatch.chdir(tmp_path)
-    where = f"README.md, the Python block at {request.node.callspec.id}"
+    where = f"the Python block at {request.node.callspec.id}"
     exec(compile(code, where, "exec"), {"__name__": "__readme__"})  # noqa: S102 - our own docs
 
 

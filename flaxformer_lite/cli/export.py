@@ -17,6 +17,13 @@ from flaxformer_lite.cli.library_log import library_log_to
 def export_main(argv: list[str] | None = None) -> int:
     """Writes the directory and prints what loads it; a model without a Hugging Face
     counterpart, a missing run or a non-empty ``--out`` exits 2 with one line."""
+    args = export_parser().parse_args(argv)
+    library_log_to(None)  # a read of the run: the one-line errors say what went wrong
+    return guarded(lambda: _export(args))
+
+
+def export_parser() -> CommandParser:
+    """``flaxformer-lite export``'s flags."""
     parser = CommandParser(
         prog="flaxformer-lite export",
         description="Write a run's checkpoint and tokenizer as a Hugging Face directory "
@@ -35,9 +42,7 @@ def export_main(argv: list[str] | None = None) -> int:
         "--out", type=pathlib.Path, required=True, help="the directory to write (new or empty)"
     )
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
-    args = parser.parse_args(argv)
-    library_log_to(None)  # a read of the run: the one-line errors say what went wrong
-    return guarded(lambda: _export(args))
+    return parser
 
 
 def _export(args) -> int:
