@@ -7,9 +7,17 @@ import optax
 import pytest
 from flax import nnx
 
+from flaxformer_lite import parallel
 from flaxformer_lite.data import tasks
 from flaxformer_lite.models import ModelConfig, build_model
+from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.optim import OptimizerConfig, make_optimizer
+from flaxformer_lite.train.program import (
+    build_train_state,
+    configured_train_step,
+    resolve_mesh,
+    tracing_layout,
+)
 from flaxformer_lite.train.step import make_eval_step, make_train_step, model_loss, task_of
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
@@ -246,3 +254,20 @@ def test_the_loss_reads_every_array_of_the_tasks_batch(preset, overrides, packed
             value = np.roll(value, 1, axis=-1)
         changed = dict(batch, **{key: value})
         assert float(loss_of(model, changed)) != loss, key
+
+
+@pytest.mark.slow  # two sharded train steps compiled on 8 CPU devices
+def test_a_chunked_loss_step_equals_the_plain_step_under_fsdp_and_tensor_parallelism():
+    """The head's parameters are gathered over fsdp before the blocks (its vocabulary stays split
+    over tensor): the same metrics as the whole-batch loss on the same mesh."""
+    overrides = ["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2", "train.batch_size=8"]
+    metrics = {}
+    for chunk in ("null", "3"):
+        cfg, mesh = resolve_mesh(load_config(None, [*overrides, f"train.loss_chunk={chunk}"]))
+        built = build_train_state(cfg, mesh, abstract=False)
+        batch = jax.device_put(make_batch("lm"), parallel.batch_sharding(mesh, cfg.mesh.rules))
+        with tracing_layout(mesh, cfg.mesh.rules):
+            step = configured_train_step(cfg, built.graphdef, built.shardings)
+            _, metrics[chunk] = step(built.state, batch)
+    for key in ("loss", "accuracy", "num_tokens", "grad_norm"):
+        np.testing.assert_allclose(metrics["3"][key], metrics["null"][key], rtol=1e-5, err_msg=key)
