@@ -248,6 +248,20 @@ def test_cpu_devices_of_this_process(capsys):
     assert out[0] == "train step for cpu-4 (4 CPU devices), mesh data 2 x fsdp 2 x tensor 1"
 
 
+@pytest.mark.slow  # two compiles of the train step, ~25 s each on a loaded 2-core CPU
+def test_a_chunked_loss_needs_less_temporary_memory_per_device(capsys):
+    """The float32 logits of 4 rows x 64 positions x 16384 words per device (16 MiB, their
+    gradient as much again) become those of 16 positions at a time."""
+    argv = ["--topology", "cpu-2", "mesh.data=2", "train.batch_size=8", "data.seq_len=64"]
+    argv.append("model.vocab_size=16384")
+    temp = {}
+    for chunk in ("null", "16"):
+        status, out, _ = _run([*argv, f"train.loss_chunk={chunk}"], capsys)
+        assert status == 0, out
+        temp[chunk] = json.loads(out[-1])["per_chip_bytes"]["temp"]
+    assert temp["null"] - temp["16"] > 8 * 2**20, temp  # half the whole batch's logits or more
+
+
 def test_decode_compiles_the_generation_loop(capsys):
     argv = ["--topology", "cpu-2", "--decode", "--max_new_tokens", "4", "mesh.data=2", *TINY]
     status, out, _ = _run(argv, capsys)

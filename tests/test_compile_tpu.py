@@ -91,3 +91,23 @@ def test_a_program_larger_than_the_chips_exits_1(capsys):
     assert summary["per_chip_bytes"]["total"] > summary["hbm_bytes"] == 16 * 2**30
     assert abs(summary["per_chip_bytes"]["params"] - 33554432 * 64 * 4) < 2**20
     assert re.match(r"does not fit: [\d.]+ GiB per chip is [\d.]+ GiB more than", out[-2])
+
+
+@pytest.mark.parametrize(
+    "recipe, layout",
+    [("gpt2_small", ["mesh.data=4"]), ("llama_style", ["mesh.data=1", "mesh.fsdp=4"])],
+)
+def test_the_decoder_recipes_train_with_the_pallas_kernel_on_v5e(recipe, layout, capsys):
+    """The recipe's dtype, dropout, head size and sequence length as shipped; one narrow layer
+    (GQA's ratio kept), a small vocabulary and 8 rows keep the compile short."""
+    shrink = ["model.num_decoder_layers=1", "model.vocab_size=1024", "train.batch_size=8"]
+    shrink += ["model.d_model=256", "model.num_heads=4", "model.d_ff=512"]
+    if recipe == "llama_style":
+        shrink.append("model.num_kv_heads=1")
+    argv = ["compile", "--config", recipe, "--topology", "v5e-4", *layout, *shrink]
+    # conftest.py's "highest" precision asks the kernel for float32 products of bfloat16 blocks,
+    # which Mosaic refuses; a run has the default.
+    with jax.default_matmul_precision("default"):
+        status = main(argv)
+    out = capsys.readouterr().out.strip().splitlines()
+    assert status == 0 and out[1] == "attention: pallas", out

@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 
-from flaxformer_lite.ops.losses import cross_entropy
+from flaxformer_lite.ops.losses import chunked_cross_entropy, cross_entropy
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 
@@ -258,3 +258,99 @@ def test_float_targets_rejected(data):
     logits, targets, _ = data
     with pytest.raises(TypeError, match="float32"):
         cross_entropy(logits, targets.astype(jnp.float32))
+
+
+# The chunked loss: hidden features [B, T, D] and an output projection (with a bias, so that the
+# projection's own gradients are checked too) instead of logits.
+D = 5
+
+
+@pytest.fixture
+def projected(data):
+    _, targets, weights = data
+    gen = np.random.default_rng(1)
+    hidden = jnp.asarray(gen.standard_normal((B, T, D)), jnp.float32)
+    params = {
+        "kernel": jnp.asarray(gen.standard_normal((D, V)), jnp.float32),
+        "bias": jnp.asarray(gen.standard_normal(V), jnp.float32),
+    }
+    return hidden, params, targets, weights
+
+
+def _project(params, h):
+    return h @ params["kernel"] + params["bias"]
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 6, 100])  # 4 does not divide T = 6; 100 exceeds it
+@pytest.mark.parametrize("alpha, z", [(0.0, 0.0), (0.1, 1e-2)])
+def test_chunked_equals_plain_in_values_and_gradients(projected, chunk, alpha, z):
+    hidden, params, targets, weights = projected
+    # weights: padding (0), fractional and whole, as a packed or masked batch has them.
+    weights = jnp.where(weights, jnp.linspace(0.25, 1.0, T), 0.0)
+    kwargs = dict(weights=weights, label_smoothing=alpha, z_loss=z)
+
+    def plain(hidden, params):
+        return cross_entropy(_project(params, hidden), targets, **kwargs)
+
+    def chunked(hidden, params):
+        project = lambda h: _project(params, h)  # noqa: E731
+        return chunked_cross_entropy(hidden, targets, project, chunk=chunk, **kwargs)
+
+    (want, want_metrics), want_grads = jax.value_and_grad(plain, (0, 1), has_aux=True)(
+        hidden, params
+    )
+    (got, got_metrics), got_grads = jax.jit(jax.value_and_grad(chunked, (0, 1), has_aux=True))(
+        hidden, params
+    )
+    np.testing.assert_allclose(got, want, rtol=RTOL)
+    for key in want_metrics:
+        np.testing.assert_allclose(got_metrics[key], want_metrics[key], rtol=RTOL, err_msg=key)
+    jax.tree.map(
+        lambda g, w: np.testing.assert_allclose(g, w, rtol=RTOL, atol=1e-7), got_grads, want_grads
+    )
+    # And the float64 formula, through the logits the projection gives.
+    logits = _f64(_project(params, hidden))
+    ref = _smoothed_ce_ref(logits, targets, alpha) + z * _lse(logits) ** 2
+    w = np.asarray(weights, np.float64)
+    np.testing.assert_allclose(got, (ref * w).sum() / w.sum(), rtol=RTOL)
+
+
+def test_chunked_bf16_projection_equals_plain(projected):
+    hidden, params, targets, weights = projected
+
+    def project(h):
+        return _project(params, h).astype(jnp.bfloat16)
+
+    want = cross_entropy(project(hidden), targets, weights=weights)[1]
+    got = chunked_cross_entropy(hidden, targets, project, chunk=4, weights=weights)[1]
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=RTOL, err_msg=key)
+
+
+def test_chunked_keeps_one_block_of_logits_in_the_backward_pass():
+    """The gradient's compiled program holds no [B, T, V] array: XLA's temporaries shrink."""
+    b, t, d, v = 4, 256, 32, 4096
+    hidden = jax.ShapeDtypeStruct((b, t, d), jnp.float32)
+    kernel = jax.ShapeDtypeStruct((d, v), jnp.float32)
+    targets = jax.ShapeDtypeStruct((b, t), jnp.int32)
+
+    def temp_bytes(loss):
+        grad = jax.jit(jax.grad(lambda h, k, y: loss(h, k, y)[0], (0, 1)))
+        return grad.lower(hidden, kernel, targets).compile().memory_analysis().temp_size_in_bytes
+
+    plain = temp_bytes(lambda h, k, y: cross_entropy(h @ k, y))
+    chunked = temp_bytes(lambda h, k, y: chunked_cross_entropy(h, y, lambda x: x @ k, chunk=32))
+    logits_bytes = b * t * v * 4  # 16 MiB; a block's are 2 MiB
+    assert plain >= logits_bytes and 4 * chunked < plain, (plain, chunked)
+
+
+@pytest.mark.parametrize(
+    "hidden_shape, chunk, match",
+    [((B, T), 2, r"hidden must be \[B, T, D\]"), ((B, T, D), 0, "chunk must be a positive")],
+)
+def test_chunked_shape_and_chunk_errors(projected, hidden_shape, chunk, match):
+    _, params, targets, _ = projected
+    with pytest.raises(ValueError, match=match):
+        chunked_cross_entropy(
+            jnp.zeros(hidden_shape), targets, lambda h: _project(params, h), chunk=chunk
+        )

@@ -4,6 +4,7 @@ import dataclasses
 import pathlib
 
 import pytest
+import yaml
 
 from flaxformer_lite.models import ModelConfig
 from flaxformer_lite.ops import RopeScaling
@@ -16,7 +17,7 @@ from flaxformer_lite.train.config import (
     load_config,
     valid_keys,
 )
-from flaxformer_lite.train.recipes import recipes, summary
+from flaxformer_lite.train.recipes import recipe_path, recipes, summary
 
 
 def test_defaults_and_typed_overrides():
@@ -69,6 +70,20 @@ def test_every_preset_file_loads(name):
     assert cfg.run_dir == f"runs/{name}"
 
 
+@pytest.mark.parametrize("name", ["transformer_base", "gpt2_small", "bert_base", "llama_style"])
+def test_the_accelerator_recipes_compute_in_bf16_on_float32_parameters(name):
+    """Each sets its remat policy; the decoders train on real text without attention dropout
+    (the Pallas kernel takes none) and compute their loss in blocks."""
+    cfg = load_config(name)
+    model = cfg.model
+    assert (model.dtype, model.param_dtype) == ("bfloat16", "float32")
+    assert "remat" in yaml.safe_load(recipe_path(name).read_text())["model"]
+    if model.kind == "decoder":
+        assert model.attention_dropout == 0.0 and cfg.train.loss_chunk is not None
+        assert (cfg.data.source, cfg.data.path) == ("text", "builtin:tinyshakespeare")
+        assert cfg.data.vocab_size == model.vocab_size  # the BPE aims at the preset's words
+
+
 def test_yaml_file_with_a_model_preset_and_overrides_on_top(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text(
@@ -114,6 +129,7 @@ def test_round_trip_through_plain_values():
         (["train.steps"], "overrides are key=value"),
         (["train.label_smoothing=1.5"], "train.label_smoothing"),
         (["checkpoint.keep=0"], "checkpoint.keep must be a positive int"),
+        (["train.loss_chunk=0"], "train.loss_chunk must be a positive int"),
         (["optimizer.schedule=noam"], "optimizer.schedule must be one of"),
     ],
 )

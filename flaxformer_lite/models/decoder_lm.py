@@ -44,6 +44,7 @@ class DecoderLM(nnx.Module):
         segment_ids: jax.Array | None = None,
         padding_mask: jax.Array | None = None,
         decode: bool = False,
+        features: bool = False,
     ) -> jax.Array:
         """Next-token logits.
 
@@ -57,6 +58,8 @@ class DecoderLM(nnx.Module):
           decode: run incrementally through the KV cache set up by :meth:`init_cache`; the
             tokens are appended after those of earlier calls. Tokens beyond the cache's
             ``max_length`` get NaN logits.
+          features: return the ``[B, T, D]`` input of ``self.head`` instead of its output (a
+            chunked loss applies the head a block at a time).
 
         Returns:
           ``[B, T, V]`` logits (``[B, T, output_dim]`` with a regression head) in the
@@ -80,7 +83,7 @@ class DecoderLM(nnx.Module):
             kv_length=step.kv_length,
             segment_ids=segment_ids,
         )
-        return step.poisoned(self.head(x))
+        return step.poisoned(x if features else self.head(x))
 
     def init_cache(self, batch_size: int, max_length: int | None = None, *, dtype=None) -> None:
         """Empties the KV cache for ``batch_size`` rows of up to ``max_length`` tokens."""

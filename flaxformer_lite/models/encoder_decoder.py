@@ -84,6 +84,7 @@ class EncoderDecoder(nnx.Module):
         padding_mask: jax.Array | None = None,
         tgt_positions: jax.Array | None = None,
         decode: bool = False,
+        features: bool = False,
     ) -> jax.Array:
         """Logits ``[B, T, V]`` for the shifted target ``tgt`` given ``encoded [B, S, D]``, whose
         source padding ``padding_mask`` (bool ``[B, S]``) the cross-attention leaves out.
@@ -93,7 +94,8 @@ class EncoderDecoder(nnx.Module):
         the KV cache from :meth:`init_cache` (one or more positions at a time); positions beyond
         its ``max_length`` get NaN outputs. A cache made with ``source_length`` also keeps the
         cross-attention keys/values: the first call passes ``encoded``, later calls ``None``
-        (the encoder output is projected once, not at every step).
+        (the encoder output is projected once, not at every step). ``features`` returns the
+        ``[B, T, D]`` input of ``self.head`` instead of its output.
         """
         step = decoder_inputs(self, tgt, decode=decode, what="target", positions=tgt_positions)
         x = self.tgt_embed(tgt, step.positions)
@@ -106,7 +108,7 @@ class EncoderDecoder(nnx.Module):
             cache_index=step.cache_index,
             kv_length=step.kv_length,
         )
-        return step.poisoned(self.head(x))
+        return step.poisoned(x if features else self.head(x))
 
     def __call__(
         self,
@@ -116,11 +118,18 @@ class EncoderDecoder(nnx.Module):
         padding_mask: jax.Array | None = None,
         src_positions=None,
         tgt_positions=None,
+        features: bool = False,
     ) -> jax.Array:
         """Teacher-forced logits ``[B, T, V]`` (``[B, T, output_dim]`` for regression);
-        ``padding_mask`` is the source's, bool ``[B, S]``."""
+        ``padding_mask`` is the source's, bool ``[B, S]``; ``features``: as for :meth:`decode`."""
         encoded = self.encode(src, padding_mask=padding_mask, src_positions=src_positions)
-        return self.decode(tgt, encoded, padding_mask=padding_mask, tgt_positions=tgt_positions)
+        return self.decode(
+            tgt,
+            encoded,
+            padding_mask=padding_mask,
+            tgt_positions=tgt_positions,
+            features=features,
+        )
 
     def init_cache(
         self,

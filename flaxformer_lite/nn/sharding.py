@@ -23,3 +23,21 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     if not rules or jax.sharding.get_abstract_mesh().empty:
         return x
     return jax.lax.with_sharding_constraint(x, linen.logical_to_mesh_axes(tuple(names), rules))
+
+
+def gathered_for_compute(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """Parameter ``x`` (logical ``names``) constrained to its layout without the mesh axes that
+    split the batch: FSDP's gather, done once where a loop over blocks would repeat it in every
+    iteration (XLA gathers a sharded loop-invariant operand inside the loop). A no-op outside a
+    mesh and rules, as :func:`constrain`."""
+    rules = spmd.get_logical_axis_rules()
+    if not rules or jax.sharding.get_abstract_mesh().empty:
+        return x
+
+    def axes(entry) -> tuple[str, ...]:
+        return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+    batch_axes = set(axes(linen.logical_to_mesh_axes(("batch",), rules)[0]))
+    spec = linen.logical_to_mesh_axes(tuple(names), rules)
+    kept = [tuple(a for a in axes(entry) if a not in batch_axes) or None for entry in spec]
+    return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(*kept))

@@ -34,7 +34,7 @@ from flaxformer_lite.ops.attention import (
 from flaxformer_lite.ops.attention_free import aft
 from flaxformer_lite.ops.attention_mask import AttentionMask
 from flaxformer_lite.ops.chunked_attention import chunked_attention
-from flaxformer_lite.ops.losses import cross_entropy
+from flaxformer_lite.ops.losses import chunked_cross_entropy, cross_entropy
 from flaxformer_lite.ops.masks import (
     causal_mask,
     combine_masks,
@@ -63,6 +63,7 @@ __all__ = [
     "attention_weights",
     "causal_mask",
     "chunked_attention",
+    "chunked_cross_entropy",
     "combine_masks",
     "cross_entropy",
     "dot_product_attention",

@@ -3,8 +3,12 @@
 Everything is computed in float32 whatever the logits dtype. The smoothed loss is evaluated in
 closed form from ``logsumexp``, the target logit and the mean logit, so no ``[..., V]`` one-hot or
 smoothed-label array is ever built: with a 256k vocabulary that array would be as large as the
-logits themselves.
+logits themselves. :func:`chunked_cross_entropy` goes further and never holds the logits of the
+whole batch: it applies the output projection a block of positions at a time, and again in the
+backward pass (levanter's blockwise cross-entropy, MaxText's vocabulary tiling).
 """
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -102,7 +106,14 @@ def cross_entropy(
     targets = jnp.asarray(targets)
     weights = None if weights is None else jnp.asarray(weights)
     _check_inputs(logits, targets, weights, label_smoothing)
+    return _weighted_mean(*_token_terms(logits, targets, label_smoothing, z_loss), weights)
 
+
+def _token_terms(
+    logits: jax.Array, targets: jax.Array, label_smoothing: float, z_loss: float
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per token, in float32: the smoothed cross-entropy ``ce``, the z-loss ``z`` and whether the
+    target is the argmax (1.0 or 0.0), as :func:`cross_entropy` documents them."""
     logits = logits.astype(jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)
     # A gather, not a one-hot product: O(tokens) memory instead of O(tokens * V).
@@ -113,8 +124,14 @@ def cross_entropy(
     ce = lse - smoothed_logit
     z = z_loss * jnp.square(lse)
     correct = _target_is_argmax(logits, targets, target_logit).astype(jnp.float32)
+    return ce, z, correct
 
-    w = jnp.ones(targets.shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
+
+def _weighted_mean(
+    ce: jax.Array, z: jax.Array, correct: jax.Array, weights: jax.Array | None
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The loss and metrics of :func:`cross_entropy` from its per-token terms."""
+    w = jnp.ones(ce.shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
     num_tokens = jnp.sum(w)
     denominator = jnp.maximum(num_tokens, 1e-8)
     # An out-of-range padding target gathers NaN (JAX's default "fill" mode), and NaN * 0 is NaN, so
@@ -132,3 +149,76 @@ def cross_entropy(
         "num_tokens": num_tokens,
     }
     return metrics["loss"] + metrics["z_loss"], metrics
+
+
+def chunked_cross_entropy(
+    hidden: jax.Array,
+    targets: jax.Array,
+    project: Callable[[jax.Array], jax.Array],
+    *,
+    chunk: int,
+    weights: jax.Array | None = None,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """:func:`cross_entropy` of ``project(hidden)``, computed ``chunk`` positions at a time.
+
+    The sequence is cut into blocks of ``chunk`` positions (the last one padded, its padding
+    dropped); a ``lax.scan`` projects each block to its ``[B, chunk, V]`` logits and reduces them
+    to per-token terms at once, under ``jax.checkpoint``, so the backward pass projects each block
+    again rather than keeping its logits. Peak memory holds the logits (and their gradient) of
+    one block instead of the whole ``[B, T, V]``; the loss, metrics and gradients are those of
+    :func:`cross_entropy` up to the order of floating-point sums.
+
+    Args:
+      hidden: ``[B, T, D]`` features, the input of the output layer.
+      targets: ``[B, T]`` integer class ids, as for :func:`cross_entropy`.
+      project: ``[B, chunk, D] -> [B, chunk, V]`` logits, any float dtype; it may close over
+        parameters (their gradients flow through it).
+      chunk: positions per block, >= 1; one that does not divide ``T`` is fine.
+      weights, label_smoothing, z_loss: as for :func:`cross_entropy`.
+
+    Returns:
+      ``(loss, metrics)`` as :func:`cross_entropy` returns them.
+
+    Raises:
+      ValueError: if ``hidden`` is not ``[B, T, D]`` over ``targets [B, T]``, ``chunk`` is not a
+        positive integer, or as :func:`cross_entropy` raises for the logits of a block.
+    """
+    hidden = jnp.asarray(hidden)
+    targets = jnp.asarray(targets)
+    weights = None if weights is None else jnp.asarray(weights)
+    if hidden.ndim != 3 or targets.shape != hidden.shape[:2]:
+        raise ValueError(
+            f"hidden must be [B, T, D] over targets [B, T]; got hidden with shape {hidden.shape} "
+            f"and targets with shape {targets.shape}"
+        )
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be a positive integer; got {chunk!r}")
+    if weights is not None and weights.shape != targets.shape:
+        raise ValueError(
+            f"weights must have the shape of targets {targets.shape}; got weights with shape "
+            f"{weights.shape}"
+        )
+    batch, length, width = hidden.shape
+    chunk = min(chunk, length)
+    blocks = -(-length // chunk)
+    pad = blocks * chunk - length
+    # Padded positions hold class 0 and zero features: finite terms, sliced off below.
+    hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+    padded_targets = jnp.pad(targets, ((0, 0), (0, pad)))
+    # [n, B, chunk, ...]: the scan walks the blocks; the batch axis keeps its sharding.
+    hidden = hidden.reshape(batch, blocks, chunk, width).swapaxes(0, 1)
+    padded_targets = padded_targets.reshape(batch, blocks, chunk).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def block_terms(block_hidden, block_targets):
+        logits = project(block_hidden)
+        _check_inputs(logits, block_targets, None, label_smoothing)
+        return _token_terms(logits, block_targets, label_smoothing, z_loss)
+
+    _, terms = jax.lax.scan(
+        lambda carry, block: (carry, block_terms(*block)), None, (hidden, padded_targets)
+    )
+    ce, z, correct = (t.swapaxes(0, 1).reshape(batch, blocks * chunk)[:, :length] for t in terms)
+    return _weighted_mean(ce, z, correct, weights)

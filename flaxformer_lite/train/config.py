@@ -73,6 +73,11 @@ class LoopConfig:
     log_samples: int = setting(3, help="decoded examples printed per evaluation")
     label_smoothing: float = setting(0.0, help="label smoothing of the loss, in [0, 1)")
     z_loss: float = setting(0.0, help="weight of the log(Z)^2 penalty on the logits (PaLM); 0: off")
+    loss_chunk: int | None = setting(
+        None,
+        help="positions per block of the training loss: the logits of batch x loss_chunk tokens "
+        "at a time, recomputed in the backward pass (same loss, less memory); null: all at once",
+    )
     skip_nonfinite: bool = setting(
         False, help="skip a step with a non-finite loss or gradient instead of stopping"
     )
@@ -92,8 +97,9 @@ class LoopConfig:
         )
         for name in names:
             _check_positive(f"train.{name}", getattr(self, name))
-        if self.eval_batches is not None:
-            _check_positive("train.eval_batches", self.eval_batches)
+        for name in ("eval_batches", "loss_chunk"):
+            if getattr(self, name) is not None:
+                _check_positive(f"train.{name}", getattr(self, name))
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ConfigError(
                 f"train.label_smoothing must be in [0, 1), got {self.label_smoothing}"

@@ -85,6 +85,7 @@ def configured_train_step(cfg: TrainConfig, graphdef, shardings):
         task=task_of(cfg.model),
         label_smoothing=cfg.train.label_smoothing,
         z_loss=cfg.train.z_loss,
+        loss_chunk=cfg.train.loss_chunk,
         grad_accum_steps=cfg.train.grad_accum_steps,
         state_shardings=shardings,
     )

@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from flaxformer_lite import ops
 from flaxformer_lite.data.tasks import check_task
 from flaxformer_lite.models.config import ModelConfig
+from flaxformer_lite.nn.sharding import gathered_for_compute
 
 
 def task_of(cfg: ModelConfig) -> str:
@@ -32,22 +33,24 @@ def task_of(cfg: ModelConfig) -> str:
 
 
 def model_loss(
-    model, batch: dict, *, task: str, label_smoothing: float = 0.0, z_loss: float = 0.0
+    model,
+    batch: dict,
+    *,
+    task: str,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    loss_chunk: int | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """``ops.cross_entropy`` of the model's predictions for ``batch``, a batch of ``task`` as
     :data:`flaxformer_lite.data.tasks.BATCHES` describes it (packed ``lm`` rows add
     ``segment_ids`` and ``positions``; a ``classify`` batch may leave out its ``weights``).
+
+    With ``loss_chunk`` the token tasks take ``ops.chunked_cross_entropy`` of the model's
+    features and output head instead: the same loss, never the logits of the whole batch at once
+    (``classify`` has one logit row per example and ignores it).
     """
     check_task(task)
-    if task == "lm":
-        logits = model(
-            batch["inputs"], positions=batch.get("positions"), segment_ids=batch.get("segment_ids")
-        )
-    elif task == "seq2seq":
-        logits = model(batch["src"], batch["inputs"], padding_mask=batch["src_mask"])
-    elif task == "mlm":
-        logits = model(batch["inputs"], padding_mask=batch["mask"])
-    else:  # classify
+    if task == "classify":
         logits = model.classify(batch["inputs"], padding_mask=batch["mask"])
         return ops.cross_entropy(
             logits,
@@ -56,13 +59,37 @@ def model_loss(
             label_smoothing=label_smoothing,
             z_loss=z_loss,
         )
-    return ops.cross_entropy(
-        logits,
-        batch["targets"],
-        weights=batch["weights"],
-        label_smoothing=label_smoothing,
-        z_loss=z_loss,
-    )
+    features = loss_chunk is not None
+    if task == "lm":
+        outputs = model(
+            batch["inputs"],
+            positions=batch.get("positions"),
+            segment_ids=batch.get("segment_ids"),
+            features=features,
+        )
+    elif task == "seq2seq":
+        outputs = model(
+            batch["src"], batch["inputs"], padding_mask=batch["src_mask"], features=features
+        )
+    else:  # mlm
+        mlm = model.encode if features else model
+        outputs = mlm(batch["inputs"], padding_mask=batch["mask"])
+    loss_kwargs = dict(weights=batch["weights"], label_smoothing=label_smoothing, z_loss=z_loss)
+    if features:
+        head_def, head_state = nnx.split(model.head)
+        head_state = jax.tree.map(
+            lambda v: v.replace(gathered_for_compute(v[...], v.out_sharding)),
+            head_state,
+            is_leaf=lambda x: isinstance(x, nnx.Variable),
+        )
+        return ops.chunked_cross_entropy(
+            outputs,
+            batch["targets"],
+            lambda x: nnx.merge(head_def, head_state)(x),
+            chunk=loss_chunk,
+            **loss_kwargs,
+        )
+    return ops.cross_entropy(outputs, batch["targets"], **loss_kwargs)
 
 
 def make_train_step(
@@ -71,6 +98,7 @@ def make_train_step(
     task: str,
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
+    loss_chunk: int | None = None,
     grad_accum_steps: int = 1,
     state_shardings=None,
 ):
@@ -81,13 +109,16 @@ def make_train_step(
     batch, run one after another (``lax.scan``), for k times less activation memory; every
     device keeps computing on its own rows. Metrics: ``loss``, ``z_loss``, ``accuracy``,
     ``num_tokens``, ``grad_norm`` and ``finite`` (False when the loss or a gradient was NaN/Inf;
-    the state is then returned unchanged).
+    the state is then returned unchanged). ``loss_chunk`` positions at a time: as
+    :func:`model_loss`.
 
     ``state_shardings`` (:func:`flaxformer_lite.parallel.state_shardings`) keeps the new state in
     the layout of the old one and returns the metrics replicated. Traced under
     ``jax.set_mesh`` and ``nnx.logical_axis_rules``, the layers pin their activations' layout.
     """
-    loss_kwargs = dict(task=task, label_smoothing=label_smoothing, z_loss=z_loss)
+    loss_kwargs = dict(
+        task=task, label_smoothing=label_smoothing, z_loss=z_loss, loss_chunk=loss_chunk
+    )
     out_shardings = None
     if state_shardings is not None:
         mesh = jax.tree.leaves(state_shardings)[0].mesh
