@@ -17,6 +17,7 @@ from flaxformer_lite.train.program import (
     configured_train_step,
     resolve_mesh,
     tracing_layout,
+    train_and_eval_graphdefs,
 )
 from flaxformer_lite.train.step import make_eval_step, make_train_step, model_loss, task_of
 
@@ -154,6 +155,11 @@ def test_a_chunked_loss_step_equals_the_plain_step(preset, overrides):
     rtol = 1e-2 if cfg.dtype == "bfloat16" else 1e-5
     for key in ("loss", "z_loss", "accuracy", "num_tokens", "grad_norm"):
         np.testing.assert_allclose(chunked_metrics[key], plain_metrics[key], rtol=rtol, err_msg=key)
+    _, eval_graphdef = train_and_eval_graphdefs(graphdef, chunked)  # dropout off
+    plain_eval = make_eval_step(eval_graphdef, task=task)(chunked, batch)
+    chunked_eval = make_eval_step(eval_graphdef, task=task, loss_chunk=3)(chunked, batch)
+    for key in ("loss", "accuracy", "num_tokens"):
+        np.testing.assert_allclose(chunked_eval[key], plain_eval[key], rtol=rtol, err_msg=key)
     if cfg.dtype == "float32":  # bf16 rounding flips the sign of Adam's first step on tiny grads
         jax.tree.map(
             lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),

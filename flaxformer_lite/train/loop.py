@@ -179,7 +179,9 @@ def prepare(cfg: TrainConfig, run_dir: RunDir, *, force: bool, log) -> PreparedR
         step=step,
         resumed=saved is not None,
         train_step=configured_train_step(cfg, built.graphdef, built.shardings),
-        eval_step=make_eval_step(built.eval_graphdef, task=task_of(cfg.model)),
+        eval_step=make_eval_step(
+            built.eval_graphdef, task=task_of(cfg.model), loss_chunk=cfg.train.loss_chunk
+        ),
         place=lambda batch: parallel.put_batch(batch, batch_sharding, cfg.train.batch_size),
     )
 

@@ -188,9 +188,9 @@ def make_train_step(
     return step
 
 
-def make_eval_step(eval_graphdef, *, task: str):
+def make_eval_step(eval_graphdef, *, task: str, loss_chunk: int | None = None):
     """``eval_step(state, batch) -> metrics`` with ``loss``, ``accuracy`` and ``num_tokens``
-    (for token-weighted averages over batches).
+    (for token-weighted averages over batches); ``loss_chunk`` as for :func:`model_loss`.
 
     ``eval_graphdef`` is ``nnx.split((model, optimizer))[0]`` taken after ``model.eval()``: the
     dropout switches are part of the graph, the state is the training state unchanged.
@@ -199,7 +199,7 @@ def make_eval_step(eval_graphdef, *, task: str):
     @jax.jit
     def eval_step(state, batch):
         model, _ = nnx.merge(eval_graphdef, state)
-        _, metrics = model_loss(model, batch, task=task)
+        _, metrics = model_loss(model, batch, task=task, loss_chunk=loss_chunk)
         return metrics
 
     return eval_step
