@@ -1,8 +1,8 @@
 """A trained run as a Hugging Face directory that ``transformers`` loads offline as it is:
 
     exported = export_run("runs/default", "exports/default")   # the newest checkpoint (or step=N)
-    # transformers.AutoModelForCausalLM.from_pretrained("exports/default")
-    # transformers.AutoTokenizer.from_pretrained("exports/default")
+    # then, offline: transformers.AutoModelForCausalLM / AutoTokenizer
+    #     .from_pretrained(exported.path, local_files_only=True)
 
 The directory holds ``config.json`` and ``model.safetensors`` (``interop.save_hf``) with the
 tokenizer's pad, bos and eos ids in ``config.json`` and ``generation_config.json``, and the run's
