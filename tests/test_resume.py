@@ -60,11 +60,12 @@ def copy_of(trained, tmp_path):
 
 
 def snapshot(run_dir):
-    """Every file of ``run_dir`` but the lock, with its bytes."""
+    """Every file of ``run_dir`` with its bytes, but the refused run's own: the lock, and the
+    libraries' log (a failed restore's asyncio and orbax records, whenever they are collected)."""
     return {
         p.relative_to(run_dir): p.read_bytes()
         for p in sorted(run_dir.rglob("*"))
-        if p.is_file() and p.name != "run.lock"
+        if p.is_file() and p.name not in ("run.lock", "library.log")
     }
 
 
