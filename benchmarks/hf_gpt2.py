@@ -1,7 +1,7 @@
-"""The benchmarks' peer: Hugging Face transformers' ``GPT2LMHeadModel`` (PyTorch, CPU, eager) of
-the shape of a flaxformer_lite GPT-2 config, generating (``generate.py``) or training
+"""The benchmarks' peer: Hugging Face transformers' ``GPT2LMHeadModel`` (PyTorch, eager) of the
+shape of a flaxformer_lite GPT-2 config, generating (``generate.py``) or training on the CPU
 (``train_step.py``; ``shakespeare_char.py``, on our data pipeline's batches, in a process of its
-own: this module imports no JAX).
+own: this module imports no JAX) or in bfloat16 on a GPU (``gpu.py``).
 
 torch runs with ``torch.set_num_threads(os.cpu_count())`` (XLA's CPU backend uses every core too)
 and ``OMP_WAIT_POLICY=PASSIVE`` unless the environment sets it: on a shared machine, OpenMP
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import resource
 import time
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
@@ -226,4 +227,77 @@ def train_lm(job: dict) -> dict:
         "step_seconds": seconds,
         "eval_losses": eval_losses,
         "eval_targets": targets,
+    }
+
+
+def train_bf16(job: dict) -> dict:
+    """A ``GPT2LMHeadModel`` trained the way an accelerator user trains it: float32 weights under
+    ``torch.autocast`` to bfloat16 (ours computes in bf16 on float32 parameters too), SDPA
+    attention, ``torch.optim.AdamW`` (fused on a GPU), on a GPU when torch sees one.
+
+    ``job`` (JSON): ``model``, the ``ModelConfig`` fields that :func:`gpt2_model` reads, with
+    ``vocab_size``; ``optimizer``, ``lr``, ``b1``, ``b2``, ``eps``, ``weight_decay``,
+    ``clip_norm``; ``seed``, ``batch_size``, ``seq_len``, ``steps``, ``log_every``. Every step
+    trains on the same batch of random tokens, the loss over all ``seq_len`` targets of a row.
+
+    Returns ``{"skipped": why}`` if torch or transformers cannot be imported, else the versions,
+    the device, the attention implementation the model ran, the tokens/s of each window of
+    ``log_every`` steps (timed until its last loss is on the host) and the peak memory: the GPU's
+    ``max_memory_allocated``, or on a CPU the process's peak resident set.
+    """
+    libraries, skipped = load_torch()
+    if libraries is None:
+        return {"skipped": skipped}
+    torch, transformers = libraries
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shape = SimpleNamespace(**job["model"])
+    model = gpt2_model(libraries, shape, job["seed"], attn_implementation="sdpa")
+    model = model.to(device).train()
+    o = job["optimizer"]
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=o["lr"],
+        betas=(o["b1"], o["b2"]),
+        eps=o["eps"],
+        weight_decay=o["weight_decay"],
+        fused=device == "cuda",
+    )
+    generator = torch.Generator().manual_seed(job["seed"])
+    size = (job["batch_size"], job["seq_len"] + 1)
+    tokens = torch.randint(0, shape.vocab_size, size, generator=generator).to(device)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+
+    def step():
+        with torch.autocast(device_type=device, dtype=torch.bfloat16):
+            logits = model(input_ids=inputs, use_cache=False).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if o["clip_norm"] is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), o["clip_norm"])
+        optimizer.step()
+        return loss
+
+    window_tokens_per_sec, losses = [], []
+    for _ in range(job["steps"] // job["log_every"]):
+        start = time.perf_counter()
+        for _ in range(job["log_every"]):
+            loss = step()
+        losses.append(loss.item())  # waits for the window's last step
+        seconds = time.perf_counter() - start
+        window_tokens_per_sec.append(job["log_every"] * inputs.numel() / seconds)
+    if device == "cuda":
+        peak, name = torch.cuda.max_memory_allocated(), torch.cuda.get_device_name()
+    else:
+        peak, name = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "cpu"
+    return {
+        "skipped": None,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": name,
+        "attention": model.config._attn_implementation,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "window_tokens_per_sec": window_tokens_per_sec,
+        "losses": losses,
+        "peak_memory_bytes": peak,
     }

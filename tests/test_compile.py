@@ -28,11 +28,13 @@ CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 SUMMARY_KEYS = {
     "topology",
     "chips",
+    "mesh",
     "per_chip_bytes",
     "hbm_bytes",
     "fits",
     "flops_per_step",
     "collectives",
+    "collectives_exact",
     "attention",
     "estimated_step_seconds",
     "estimated_mfu",
@@ -195,6 +197,13 @@ def test_a_loop_bound_is_read_from_either_side_of_its_condition():
     flipped = HLO.replace("compare(%i, %n), direction=LT", "compare(%n, %i), direction=GT")
     assert flipped != HLO
     assert collective_counts(flipped, num_devices=4)["all-gather"]["executed"] == 3
+    # The TPU compiler's collective matmuls count their loops in unsigned integers.
+    unsigned = HLO.replace("s32[]{:T(128)} constant(3)", "u32[]{:T(128)} constant(3)")
+    assert unsigned != HLO
+    assert (
+        collective_counts(unsigned, num_devices=4)["all-gather"]
+        == (collective_counts(HLO, num_devices=4)["all-gather"])
+    )
     unknown = HLO.replace("direction=LT", "direction=NE")
     assert collective_counts(unknown, num_devices=4)["all-gather"]["exact"] is False
 

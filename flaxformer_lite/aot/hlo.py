@@ -32,8 +32,9 @@ _CALLED = re.compile(
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CONDITION = re.compile(r"\bcondition=%?([\w.\-]+)")
 # A loop condition `counter < N` or `N > counter` (lax.scan and fori_loop count from 0): N
-# trips. The TPU compiler leaves out the known_trip_count that the CPU's writes.
-_CONSTANT = re.compile(r"^\s*%?([\w.\-]+)\s*=\s*s32\[\]\S*\s+constant\((\d+)\)")
+# trips. The TPU compiler leaves out the known_trip_count that the CPU's writes, and counts its
+# collective matmuls' loops (windowed_dot_general) in unsigned integers.
+_CONSTANT = re.compile(r"^\s*%?([\w.\-]+)\s*=\s*[su](?:32|64)\[\]\S*\s+constant\((\d+)\)")
 _BOUND = re.compile(
     r"^\s*ROOT\s+%?[\w.\-]+\s*=\s*pred\[\]\S*\s+compare\(%?([\w.\-]+),\s*%?([\w.\-]+)\),"
     r"\s*direction=(LT|GT)\b"

@@ -74,6 +74,7 @@ class Report:
         return {
             "topology": self.topology.name,
             "chips": self.topology.chips,
+            "mesh": self.mesh,
             "per_chip_bytes": {
                 "params": self.params,
                 "optimizer": self.optimizer,
@@ -86,6 +87,9 @@ class Report:
             "flops_per_step": self.xla_flops or self.model_flops / self.topology.chips,
             "collectives": self.collectives
             and {op: self.collectives[op]["executed"] for op in COLLECTIVES},
+            # False: a loop of unknown length holds some, counted once (a lower bound)
+            "collectives_exact": self.collectives
+            and all(self.collectives[op]["exact"] for op in COLLECTIVES),
             "attention": self.attention,
             "estimated_step_seconds": estimate and estimate.step_seconds,
             "estimated_mfu": estimate and estimate.mfu,
