@@ -81,11 +81,12 @@ def in_own_process(function: str, job: dict, directory: pathlib.Path) -> dict:
     job_file = directory / f"{function}-job.json"
     result_file = directory / f"{function}-result.json"
     job_file.write_text(json.dumps(job))
-    flags = re.sub(
-        r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")
-    )
+    count = r"--xla_force_host_platform_device_count=\d+"
+    flags = re.sub(count, "", os.environ.get("XLA_FLAGS", "")).strip()
     first_gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
-    env = {**os.environ, "XLA_FLAGS": flags, "CUDA_VISIBLE_DEVICES": first_gpu}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": first_gpu, "XLA_FLAGS": flags}
+    if not flags:  # XLA reads a value that is not a flag as a file of flags
+        del env["XLA_FLAGS"]
     command = [sys.executable, "-c", CHILD, str(BENCHMARKS), str(job_file), str(result_file)]
     subprocess.run([*command, function], check=True, env=env)
     return json.loads(result_file.read_text())
@@ -158,7 +159,8 @@ def run(args) -> dict:
             ours = in_own_process("gpu.train_ours", job, directory)
             ours |= {
                 "tokens_per_sec": steady(ours["window_tokens_per_sec"]),
-                "mfu": steady(ours["window_mfu"]),
+                # None: a device whose peak train/metrics.py's table does not know
+                "mfu": None if None in ours["window_mfu"] else steady(ours["window_mfu"]),
             }
             result = {"ours": ours, "peer": {"skipped": "--no-hf"}}
             if not args.no_hf:
@@ -171,11 +173,21 @@ def run(args) -> dict:
                 if peer["skipped"] is None:
                     peer["tokens_per_sec"] = steady(peer["window_tokens_per_sec"])
                     result["ratio"] = ours["tokens_per_sec"] / peer["tokens_per_sec"]
-                    peer["mfu"] = ours["mfu"] / result["ratio"]  # the same FLOPs and peak
+                    peer["mfu"] = ours["mfu"] and ours["mfu"] / result["ratio"]  # same FLOPs, peak
                 result["peer"] = peer
             summary["models"][name] = result
             print(f"{name} done", file=sys.stderr, flush=True)
     return summary
+
+
+def table_row(shape: str, trainer: str, run: dict) -> str:
+    """A trainer's line: its device, attention, tokens/s, MFU and peak memory."""
+    mfu = "n/a" if run["mfu"] is None else f"{run['mfu']:.1%}"
+    memory = f"{run['peak_memory_bytes'] / 2**30:.2f}"
+    if run["peak_memory_of"] == "process":
+        memory += " (process)"
+    cells = [shape, trainer, run["device"], run["attention"], f"{run['tokens_per_sec']:.0f}"]
+    return "| " + " | ".join([*cells, mfu, memory]) + " |"
 
 
 def table(summary: dict) -> list[str]:
@@ -186,23 +198,11 @@ def table(summary: dict) -> list[str]:
     for name, result in summary["models"].items():
         ours, peer = result["ours"], result["peer"]
         shape = f"{name} (B {ours['batch_size']}, T {ours['seq_len']})"
-        memory = f"{ours['peak_memory_bytes'] / 2**30:.2f}"
-        if ours["peak_memory_of"] == "process":
-            memory += " (process)"
-        lines.append(
-            f"| {shape} | flaxformer_lite (JAX {ours['jax']}) | {ours['device']} | "
-            f"{ours['attention']} | {ours['tokens_per_sec']:.0f} | {ours['mfu']:.1%} | {memory} |"
-        )
-        if peer["skipped"] is not None:
+        lines.append(table_row(shape, f"flaxformer_lite (JAX {ours['jax']})", ours))
+        if peer["skipped"] is None:
+            lines.append(table_row(shape, f"GPT2LMHeadModel (torch {peer['torch']})", peer))
+        else:
             lines.append(f"| {shape} | Hugging Face: skipped ({peer['skipped']}) | | | | | |")
-            continue
-        memory = f"{peer['peak_memory_bytes'] / 2**30:.2f}"
-        if peer["device"] == "cpu":
-            memory += " (process)"
-        lines.append(
-            f"| {shape} | GPT2LMHeadModel (torch {peer['torch']}) | {peer['device']} | "
-            f"{peer['attention']} | {peer['tokens_per_sec']:.0f} | {peer['mfu']:.1%} | {memory} |"
-        )
     return lines
 
 

@@ -300,4 +300,5 @@ def train_bf16(job: dict) -> dict:
         "window_tokens_per_sec": window_tokens_per_sec,
         "losses": losses,
         "peak_memory_bytes": peak,
+        "peak_memory_of": "device" if device == "cuda" else "process",
     }
