@@ -7,10 +7,8 @@ from benchmark_scripts import hf_available, load_benchmark
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("peer", [True, False], ids=["with_hf", "no_hf"])
-def test_gpu_benchmark_runs_at_tiny_size(peer, capsys):
-    if peer and not hf_available():
-        pytest.skip("torch or transformers is not installed")
+def test_gpu_benchmark_runs_at_tiny_size(capsys):
+    peer = hf_available()  # without torch or transformers: ours alone, the peer skipped
     benchmark = load_benchmark("gpu")
     argv = ["--tiny", "--models", "gpt2-small", "--steps", "4", "--log-every", "2"]
     summary = benchmark.main(argv + ([] if peer else ["--no-hf"]))
@@ -37,6 +35,27 @@ def test_gpu_benchmark_runs_at_tiny_size(peer, capsys):
     assert result["ratio"] == pytest.approx(ours["tokens_per_sec"] / hf["tokens_per_sec"])
     assert hf["mfu"] == pytest.approx(ours["mfu"] * hf["tokens_per_sec"] / ours["tokens_per_sec"])
     assert f"gpt2-small: ours / Hugging Face tokens/s = {result['ratio']:.2f}" in out
+
+
+def test_a_skipped_peer_is_a_line_of_the_table():
+    ours = {
+        "jax": "0.10.2",
+        "device": "cpu",
+        "attention": "xla",
+        "tokens_per_sec": 1234.4,
+        "mfu": None,  # a device whose peak is not known
+        "peak_memory_bytes": 2**30,
+        "peak_memory_of": "process",
+        "batch_size": 4,
+        "seq_len": 64,
+    }
+    summary = {"models": {"gpt2-small": {"ours": ours, "peer": {"skipped": "--no-hf"}}}}
+    lines = load_benchmark("gpu").table(summary)
+    assert lines[2] == (
+        "| gpt2-small (B 4, T 64) | flaxformer_lite (JAX 0.10.2) | cpu | xla | 1234 | n/a "
+        "| 1.00 (process) |"
+    )
+    assert lines[3] == "| gpt2-small (B 4, T 64) | Hugging Face: skipped (--no-hf) | | | | | |"
 
 
 def test_too_few_steps_for_a_timed_window_are_refused():
