@@ -5,11 +5,12 @@ layout, compiled by ``flaxformer-lite compile`` in a process of its own.
     python benchmarks/compile_table.py --out compile_rows.jsonl --topologies h100-8
 
 Each row's JSON line (the compile's last line, with the row's name, command and compile time) is
-appended to ``--out`` as soon as it is compiled; rows already there are not compiled again, so an
-interrupted table goes on where it stopped. The markdown table of every row in ``--out`` that
-was asked for is printed at the end. ``h100-N`` rows need jax's CUDA plugin (the ``gpu-compile``
+appended to ``--out`` as soon as it is compiled; rows already there are not compiled again (but
+failed ones), so an interrupted table goes on where it stopped. The markdown table of every row
+asked for is printed at the end. ``h100-N`` rows need jax's CUDA plugin (the ``gpu-compile``
 extra), TPU rows libtpu (``tpu``); each compile starts JAX on the CPU (``JAX_PLATFORMS=cpu``).
-``--set key=value`` adds overrides to every row (the tests shrink the recipes with it).
+``--set key=value`` adds overrides to every row (the tests shrink the recipes with it); rows of
+other overrides are other rows.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def compile_row(model: str, topology: str, layout: str, extra: list[str]) -> dic
         text=True,
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )
-    row = {"model": model, "topology": topology, "layout": layout}
+    row = {"model": model, "topology": topology, "layout": layout, "set": extra}
     row["command"] = "flaxformer-lite " + " ".join(arguments)
     row["compile_seconds"] = round(time.perf_counter() - start, 1)
     lines = done.stdout.strip().splitlines()
@@ -96,12 +97,22 @@ def compile_row(model: str, topology: str, layout: str, extra: list[str]) -> dic
     return row
 
 
-def read_rows(path: pathlib.Path) -> dict[tuple[str, str, str], dict]:
-    """The rows already in ``path``, by (model, topology, layout)."""
+def row_key(model: str, topology: str, layout: str, extra: list[str]) -> tuple:
+    """What names a row: rows compiled with other ``--set`` overrides are other rows."""
+    return model, topology, layout, tuple(extra)
+
+
+def read_rows(path: pathlib.Path) -> dict[tuple, dict]:
+    """The rows already in ``path`` by :func:`row_key`, but those that failed (a missing extra,
+    say), which are compiled again; a later line of a row replaces an earlier one."""
     if not path.exists():
         return {}
     rows = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
-    return {(row["model"], row["topology"], row["layout"]): row for row in rows}
+    return {
+        row_key(row["model"], row["topology"], row["layout"], row.get("set", [])): row
+        for row in rows
+        if "error" not in row
+    }
 
 
 def table_line(row: dict) -> str:
@@ -124,7 +135,7 @@ def table_line(row: dict) -> str:
     if row.get("collectives_exact") is False:  # a loop of unknown length counted once
         collectives = f"at least {collectives}"
     seconds, mfu = row["estimated_step_seconds"], row["estimated_mfu"]
-    estimate = [f"{seconds * 1e3:.0f}", f"{mfu:.0%}"] if seconds else ["", ""]
+    estimate = [f"{seconds * 1e3:.3g}", f"{mfu:.0%}"] if seconds else ["", ""]
     return (
         "| "
         + " | ".join([*cells, memory, fits, collectives or "none", row["attention"], *estimate])
@@ -149,17 +160,17 @@ def main(argv: list[str] | None = None) -> None:
         for model in args.models
         for layout in args.layouts
     ]
-    for key in wanted:
+    for row in wanted:
+        key = row_key(*row, args.set)
         if key in done:
             continue
-        row = compile_row(*key, args.set)
-        done[key] = row
+        done[key] = compile_row(*row, args.set)
         with args.out.open("a") as out:
-            out.write(json.dumps(row) + "\n")
-        print(f"{' '.join(key)}: {row['compile_seconds']} s", file=sys.stderr, flush=True)
+            out.write(json.dumps(done[key]) + "\n")
+        print(f"{' '.join(row)}: {done[key]['compile_seconds']} s", file=sys.stderr, flush=True)
     print(HEADER)
-    for key in wanted:
-        print(table_line(done[key]))
+    for row in wanted:
+        print(table_line(done[row_key(*row, args.set)]))
 
 
 if __name__ == "__main__":

@@ -53,11 +53,12 @@ def load_torch():
 
 def gpt2_model(libraries, cfg: ModelConfig, seed: int, **config):
     """A ``GPT2LMHeadModel`` of ``cfg``'s shape, its random weights drawn from ``seed``, dropout
-    off; ``config``: more ``GPT2Config`` fields. Sets torch's threads to every core."""
+    off; ``config``: more ``GPT2Config`` fields, or other values of these. Sets torch's threads
+    to every core."""
     torch, transformers = libraries
     torch.set_num_threads(os.cpu_count())
     torch.manual_seed(seed)
-    config = transformers.GPT2Config(
+    fields = dict(
         vocab_size=cfg.vocab_size,
         n_positions=cfg.max_length,
         n_embd=cfg.d_model,
@@ -71,9 +72,8 @@ def gpt2_model(libraries, cfg: ModelConfig, seed: int, **config):
         attn_pdrop=0.0,
         bos_token_id=None,
         eos_token_id=None,
-        **config,
     )
-    return transformers.GPT2LMHeadModel(config)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(**fields | config))
 
 
 def generate(libraries, model, prompt: np.ndarray, new_tokens: int):
@@ -233,7 +233,8 @@ def train_lm(job: dict) -> dict:
 def train_bf16(job: dict) -> dict:
     """A ``GPT2LMHeadModel`` trained the way an accelerator user trains it: float32 weights under
     ``torch.autocast`` to bfloat16 (ours computes in bf16 on float32 parameters too), SDPA
-    attention, ``torch.optim.AdamW`` (fused on a GPU), on a GPU when torch sees one.
+    attention, torch's own tanh GELU, ``torch.optim.AdamW`` (fused on a GPU), eager (no
+    ``torch.compile``), on a GPU when torch sees one.
 
     ``job`` (JSON): ``model``, the ``ModelConfig`` fields that :func:`gpt2_model` reads, with
     ``vocab_size``; ``optimizer``, ``lr``, ``b1``, ``b2``, ``eps``, ``weight_decay``,
@@ -251,7 +252,14 @@ def train_bf16(job: dict) -> dict:
     torch, transformers = libraries
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shape = SimpleNamespace(**job["model"])
-    model = gpt2_model(libraries, shape, job["seed"], attn_implementation="sdpa")
+    # gelu_pytorch_tanh: the function of gelu_new (and ours) in one kernel instead of several
+    model = gpt2_model(
+        libraries,
+        shape,
+        job["seed"],
+        attn_implementation="sdpa",
+        activation_function="gelu_pytorch_tanh",
+    )
     model = model.to(device).train()
     o = job["optimizer"]
     optimizer = torch.optim.AdamW(

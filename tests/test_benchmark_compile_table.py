@@ -50,6 +50,18 @@ def test_rows_are_compiled_once_kept_and_tabulated(tmp_path, capsys, monkeypatch
     assert len(out.read_text().splitlines()) == 2
     assert len([line for line in capsys.readouterr().out.splitlines() if line[:1] == "|"]) == 4
 
+    # A row that failed is compiled again; a row of other overrides is another row.
+    failed = {"model": "gpt2-small", "topology": "cpu-8", "layout": "fsdp x tensor", "set": SHRUNK}
+    with out.open("a") as rows:
+        rows.write(json.dumps({**failed, "error": "no libtpu"}) + "\n")
+    compiled.clear()
+    benchmark.main([*argv, "--layouts", "fsdp x tensor", "--set", *SHRUNK])
+    benchmark.main([*argv, "--layouts", "data", "--set", *SHRUNK, "train.batch_size=16"])
+    assert compiled == [
+        ("gpt2-small", "cpu-8", "fsdp x tensor", SHRUNK),
+        ("gpt2-small", "cpu-8", "data", [*SHRUNK, "train.batch_size=16"]),
+    ]
+
 
 def test_a_refused_or_failed_row_says_so():
     benchmark = load_benchmark("compile_table")

@@ -1,6 +1,7 @@
 """benchmarks/gpu.py at its CPU size: ours and the Hugging Face peer, each in its own process."""
 
 import json
+import subprocess
 
 import pytest
 from benchmark_scripts import hf_available, load_benchmark
@@ -37,6 +38,24 @@ def test_gpu_benchmark_runs_at_tiny_size(capsys):
     assert f"gpt2-small: ours / Hugging Face tokens/s = {result['ratio']:.2f}" in out
 
 
+def test_a_failed_peer_is_reported_and_ours_stands(monkeypatch):
+    benchmark = load_benchmark("gpu")
+    ours = {key: 1 for key in ("model", "optimizer", "seed", "batch_size", "seq_len")}
+    ours |= {"window_tokens_per_sec": [1.0, 2.0, 3.0], "window_mfu": [0.1, 0.2, 0.3]}
+
+    def in_own_process(function, job, directory):
+        if function == "hf_gpt2.train_bf16":  # the peer runs out of memory, say
+            raise subprocess.CalledProcessError(137, ["python"])
+        return dict(ours)
+
+    monkeypatch.setattr(benchmark, "in_own_process", in_own_process)
+    monkeypatch.setattr(benchmark, "table", lambda summary: [])
+    summary = benchmark.main(["--models", "default", "--steps", "6", "--log-every", "2"])
+    result = summary["models"]["default"]
+    assert result["peer"] == {"skipped": "failed, exit 137"} and "ratio" not in result
+    assert (result["ours"]["tokens_per_sec"], result["ours"]["mfu"]) == (2.5, 0.25)
+
+
 def test_a_skipped_peer_is_a_line_of_the_table():
     ours = {
         "jax": "0.10.2",
@@ -59,5 +78,6 @@ def test_a_skipped_peer_is_a_line_of_the_table():
 
 
 def test_too_few_steps_for_a_timed_window_are_refused():
-    with pytest.raises(SystemExit, match="at least 2 x --log-every"):
-        load_benchmark("gpu").main(["--tiny", "--steps", "3", "--log-every", "2"])
+    for steps in ("2", "5"):  # one window only; a window cut short
+        with pytest.raises(SystemExit, match="a multiple of --log-every, at least 2 x"):
+            load_benchmark("gpu").main(["--tiny", "--steps", steps, "--log-every", "2"])
