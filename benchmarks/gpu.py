@@ -101,7 +101,9 @@ def in_own_process(function: str, job: dict, directory: pathlib.Path) -> dict:
 
 
 def steady(windows: list[float]) -> float:
-    """The median of the windows after the first (which holds the compile), or the one."""
+    """The median of the windows after the first, or the one: the peer's first warms up (its
+    kernels, its allocator); ours times its first from after the compiling step, and drops it
+    alike so that both medians cover the same steps."""
     return statistics.median(windows[1:] or windows)
 
 
@@ -200,7 +202,8 @@ def table_row(shape: str, trainer: str, run: dict) -> str:
 
 def table(summary: dict) -> list[str]:
     lines = [
-        "| model | trainer | device | attention | tokens/s | MFU | peak memory GiB |",
+        "| model | trainer | device | attention | tokens/s (median window after the first) | MFU "
+        "| peak memory GiB |",
         "|---|---|---|---|---|---|---|",
     ]
     for name, result in summary["models"].items():
