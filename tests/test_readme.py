@@ -187,7 +187,7 @@ def test_documented_command_is_valid(name, command, tmp_path, monkeypatch):
         elif subcommand == "export":
             _parse(export_parser().parse_args, rest, command)
         elif subcommand == "plot":
-            assert len(rest) == 1 and not rest[0].startswith("-"), command  # plot RUN_DIR
+            assert rest in ([rest[0]], ["--run-dir", rest[-1]]), command  # plot [--run-dir] RUN
         else:
             pytest.fail(f"{name}: unknown subcommand in {command!r}")
         return

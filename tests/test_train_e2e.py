@@ -227,6 +227,14 @@ def test_plot_subcommand(tmp_path, capsys):
     (tmp_path / "run" / "plots" / "loss.png").unlink()
     assert main(["plot", str(tmp_path / "run")]) == 0
     assert (tmp_path / "run" / "plots" / "loss.png").exists()
+    (tmp_path / "run" / "plots" / "loss.png").unlink()
+    assert main(["plot", "--run-dir", str(tmp_path / "run")]) == 0  # as the other commands
+    assert (tmp_path / "run" / "plots" / "loss.png").exists()
+    for neither_or_both in ([], [str(tmp_path / "run"), "--run-dir", str(tmp_path / "run")]):
+        with pytest.raises(SystemExit) as exit_:
+            main(["plot", *neither_or_both])
+        assert exit_.value.code == 2
+        assert "name the run directory once" in capsys.readouterr().err
     assert main(["plot", str(tmp_path / "nothing")]) == 2
     assert "no metrics file" in capsys.readouterr().err
 

@@ -18,10 +18,20 @@ def plot_main(argv: list[str] | None = None) -> int:
         "RUN_DIR/plots: loss.png, learning_rate.png and metrics.png (a panel each); print "
         "their paths. An evaluation logged once is a marked point. Several runs side by side: "
         "compare.",
-        examples=("flaxformer-lite plot runs/default",),
+        examples=(
+            "flaxformer-lite plot runs/default",
+            "flaxformer-lite plot --run-dir runs/default",
+        ),
     )
-    parser.add_argument("run_dir", type=pathlib.Path, help="a train.py run directory")
-    run_dir = parser.parse_args(argv).run_dir
+    parser.add_argument("run_dir", nargs="?", type=pathlib.Path, help="a train.py run directory")
+    # The other commands name the run with --run-dir; either spelling works here.
+    parser.add_argument(
+        "--run-dir", dest="run_dir_flag", metavar="RUN_DIR", type=pathlib.Path, help="the same"
+    )
+    args = parser.parse_args(argv)
+    if (args.run_dir is None) == (args.run_dir_flag is None):
+        parser.error("name the run directory once: RUN_DIR or --run-dir RUN_DIR")
+    run_dir = args.run_dir or args.run_dir_flag
     return guarded(lambda: _plot(run_dir))
 
 
