@@ -400,6 +400,29 @@ def test_unraisable_and_thread_exceptions_go_to_the_library_log(tmp_path, capfd)
     assert "exception in a-library-thread" in text and "ZeroDivisionError" in text
 
 
+@pytest.mark.parametrize("absl_first", [True, False])
+def test_the_package_s_warnings_reach_the_terminal_as_plain_lines(absl_first):
+    """absl sets the root logger up as ``logging.basicConfig()`` does at its first record
+    (orbax logs one as it is imported), before or after a command starts."""
+    absl = "from absl import logging as absl; absl.vlog(1, 'set up')"
+    code = "\n".join(
+        [
+            "import logging",
+            "from flaxformer_lite.cli.errors import guarded",
+            absl if absl_first else "",
+            "def command():",
+            "    " + ("" if absl_first else absl),
+            "    logging.getLogger('flaxformer_lite.train.checkpoint').warning('step %d', 2)",
+            "    return 0",
+            "raise SystemExit(guarded(command))",
+        ]
+    )
+    child = subprocess.run(
+        [sys.executable, "-c", code], env=subprocess_env(1), capture_output=True, text=True
+    )
+    assert (child.returncode, child.stderr) == (0, "warning: step 2\n")
+
+
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory):
     """A run of 2 steps with a checkpoint at each, trained once for the tests that copy it."""
@@ -481,7 +504,8 @@ def test_an_unreadable_newest_checkpoint_is_set_aside_in_one_line(saved_run, tmp
     assert "Traceback" not in out + err and "Event loop" not in out + err, err[-3000:]
     warnings = err.strip().splitlines()
     assert len(warnings) == 1, err[-3000:]
-    assert "checkpoint step 2 cannot be restored, moved to " in warnings[0] and why in warnings[0]
+    assert warnings[0].startswith("warning: checkpoint step 2 cannot be restored, moved to ")
+    assert why in warnings[0]
     assert f"resumed from step 1 of {run_dir / 'checkpoints'}" in out
     assert (run_dir / "checkpoints" / "2.corrupt").is_dir()
     # (the saved run was trained in-process, at another matmul precision: conftest.py)

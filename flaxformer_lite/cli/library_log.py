@@ -34,8 +34,9 @@ LIBRARY_LOGGERS = (
 def library_log_to(path: pathlib.Path | None) -> None:
     """Sends the records of :data:`LIBRARY_LOGGERS` (Python warnings, unraisable exceptions and
     threads' uncaught exceptions included) to ``path`` (appended, created at the first record),
-    or nowhere with ``None``. This package's own warnings still reach the terminal; the whole
-    errors they shorten are logged at debug level."""
+    or nowhere with ``None``. This package's own warnings still reach the terminal (as
+    :func:`plain_terminal_records` writes them); the whole errors they shorten are logged at
+    debug level."""
     logging.captureWarnings(True)
     sys.unraisablehook = _log_unraisable
     threading.excepthook = _log_thread_exception
@@ -45,6 +46,40 @@ def library_log_to(path: pathlib.Path | None) -> None:
         logger = logging.getLogger(name)
         logger.handlers[:] = [handler]
         logger.propagate = False
+
+
+def plain_terminal_records() -> None:
+    """Records that reach the terminal read as the commands' other lines (``warning: ...``).
+
+    absl's first record (orbax logs one as it is imported) calls ``logging.basicConfig()``, whose
+    handler prints ``WARNING:flaxformer_lite.train.checkpoint:...``; setting the root logger up
+    first makes absl's call do nothing, and a handler it set up already is given this format."""
+    root = logging.getLogger()
+    if not root.handlers:
+        root.addHandler(_Stderr())
+    for handler in root.handlers:
+        if type(handler) in (logging.StreamHandler, _Stderr):
+            handler.setFormatter(_Plain())
+
+
+class _Plain(logging.Formatter):
+    """``warning: message``, the level in lower case as in the commands' ``error: ...`` lines."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"{record.levelname.lower()}: {super().format(record)}"
+
+
+class _Stderr(logging.StreamHandler):
+    """A handler that writes to ``sys.stderr`` as it is at each record (as
+    ``logging.lastResort`` does), so a replaced ``sys.stderr`` is followed."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _stream) -> None:
+        pass
 
 
 def _log_unraisable(unraisable) -> None:
