@@ -64,6 +64,7 @@ from orbax.checkpoint import checkpoint_managers as policies
 # Private: stopping a failed save's threads has no public API (orbax 0.11 - 0.12).
 from orbax.checkpoint._src.futures import future as ocp_future
 
+from flaxformer_lite.train.checkpoint_target import abstract_leaf, changed_arrays
 from flaxformer_lite.train.fingerprints import ALGORITHM, fingerprints_of, verify
 
 logger = logging.getLogger(__name__)
@@ -270,7 +271,7 @@ class Checkpointer:
             ``abstract_state``'s.
           ValueError: a leaf of ``abstract_state`` without a concrete sharding.
         """
-        target = jax.tree_util.tree_map_with_path(_abstract_leaf, abstract_state)
+        target = jax.tree_util.tree_map_with_path(abstract_leaf, abstract_state)
 
         def read(candidate: int):
             items = {
@@ -284,7 +285,7 @@ class Checkpointer:
             try:
                 restored = self._manager.restore(candidate, args=ocp.args.Composite(**items))
             except Exception as error:
-                if changed := _changed_arrays(self.directory / str(candidate), target):
+                if changed := changed_arrays(self.directory / str(candidate), target):
                     raise CheckpointShapeError(
                         f"checkpoint step {candidate} in {self.directory} holds other arrays "
                         f"than this model: {changed}"
@@ -413,43 +414,6 @@ def _error_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {line}" + (f" (array {array[1]})" if array else "")
 
 
-def _changed_arrays(step_dir: pathlib.Path, target: Any) -> str | None:
-    """How the arrays saved in ``step_dir`` differ from ``target``'s in shape or name, or None
-    if they do not, or if the checkpoint's metadata cannot be read (an unreadable one)."""
-    try:
-        metadata = ocp.StandardCheckpointHandler().metadata(step_dir / "state")
-        saved = {_names(path): leaf.shape for path, leaf in _flat(metadata)}
-    except Exception as error:  # orbax and TensorStore raise many types
-        logger.debug("metadata of %s", step_dir, exc_info=error)
-        return None
-    wanted = {_names(path): leaf for path, leaf in _flat(target)}
-    changes = [
-        f"{'/'.join(name)} has shape {tuple(saved[name])} there, {leaf.shape} here"
-        for name, leaf in wanted.items()
-        if name in saved
-        and tuple(saved[name]) != leaf.shape
-        and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)  # saved as key data
-    ]
-    changes += [f"{'/'.join(name)} is not there" for name in wanted if name not in saved]
-    changes += [f"{'/'.join(name)} is not in this model" for name in saved if name not in wanted]
-    if not changes:
-        return None
-    more = f" ({len(changes)} arrays differ)" if len(changes) > 1 else ""
-    return f"{changes[0]}{more}"
-
-
-def _flat(tree: Any) -> list:
-    return jax.tree_util.tree_flatten_with_path(tree)[0]
-
-
-def _names(path: tuple) -> tuple[str, ...]:
-    """A key path as names, whatever the key types (orbax's metadata has its own)."""
-    return tuple(
-        str(next(getattr(key, a) for a in ("key", "idx", "name") if hasattr(key, a)))
-        for key in path
-    )
-
-
 def _stop_background_saves(timeout: float = 5.0) -> None:
     """Cancels orbax's save threads and wakes those waiting for a signal that a failed thread
     will never send (they wait for ``multihost.coordination_timeout()``, many minutes, and are
@@ -485,26 +449,3 @@ def _eval_loss(metrics: Mapping[str, Any]) -> float:
     """The ranking of a checkpoint's metrics: its eval loss, +inf when missing or NaN."""
     loss = metrics.get(BEST_METRIC) if isinstance(metrics, Mapping) else None
     return math.inf if loss is None or math.isnan(loss) else float(loss)
-
-
-def _abstract_leaf(path, leaf) -> jax.ShapeDtypeStruct:
-    """A leaf of a restore target, checked to carry a sharding on real devices."""
-    where = f"abstract_state{jax.tree_util.keystr(path)}"
-    if isinstance(leaf, jax.Array):
-        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
-    if not isinstance(leaf, jax.ShapeDtypeStruct):
-        raise ValueError(f"{where} must be a jax.ShapeDtypeStruct or jax.Array, got {leaf!r}")
-    sharding = leaf.sharding
-    if sharding is None:
-        raise ValueError(
-            f"{where} has no sharding; give it the sharding to restore onto "
-            "(restoring never falls back to the device layout the checkpoint was saved from)"
-        )
-    if isinstance(sharding, jax.sharding.NamedSharding) and isinstance(
-        sharding.mesh, jax.sharding.AbstractMesh
-    ):
-        raise ValueError(
-            f"{where} is sharded over an AbstractMesh (as jax.eval_shape returns); use a "
-            f"NamedSharding on a concrete mesh, e.g. jax.make_mesh(...), spec {sharding.spec}"
-        )
-    return leaf
