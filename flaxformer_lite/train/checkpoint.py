@@ -53,7 +53,6 @@ import logging
 import math
 import pathlib
 import re
-import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -61,11 +60,9 @@ import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
-# Private: stopping a failed save's threads has no public API (orbax 0.11 - 0.12).
-from orbax.checkpoint._src.futures import future as ocp_future
-
 from flaxformer_lite.train.checkpoint_target import abstract_leaf, changed_arrays
 from flaxformer_lite.train.fingerprints import ALGORITHM, fingerprints_of, verify
+from flaxformer_lite.train.orbax_threads import stop_background_saves
 
 logger = logging.getLogger(__name__)
 
@@ -225,7 +222,7 @@ class Checkpointer:
             yield
         except Exception as error:  # orbax re-raises the background thread's error as it is
             self._failed = True
-            _stop_background_saves()
+            stop_background_saves()
             raise CheckpointError(
                 f"cannot write a checkpoint in {self.directory}: {error}; make it writable "
                 "(or free disk space) and run again to resume from the last checkpoint"
@@ -412,22 +409,6 @@ def _error_line(error: BaseException) -> str:
     line = text.splitlines()[0][:300]
     array = re.search(r"'path': '([^/'][^']*?)/?'", full)  # the spec's array, by its key path
     return f"{type(error).__name__}: {line}" + (f" (array {array[1]})" if array else "")
-
-
-def _stop_background_saves(timeout: float = 5.0) -> None:
-    """Cancels orbax's save threads and wakes those waiting for a signal that a failed thread
-    will never send (they wait for ``multihost.coordination_timeout()``, many minutes, and are
-    not daemons), then joins them for at most ``timeout`` seconds each."""
-    threads = [
-        thread
-        for thread in threading.enumerate()
-        if isinstance(thread, ocp_future._SignalingThread) and thread.is_alive()
-    ]
-    for thread in threads:
-        thread.cancel()
-        ocp_future.set_signals(thread._receive_signals, operation_id=thread._operation_id)
-    for thread in threads:
-        threading.Thread.join(thread, timeout)  # orbax's join re-raises the cancellation
 
 
 def _json_dict(name: str, value: Mapping[str, Any]) -> dict[str, Any]:
