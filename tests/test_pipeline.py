@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from flaxformer_lite.data import sources, synthetic, tasks
+from flaxformer_lite.data import sentiment_words, sources, synthetic, tasks
 from flaxformer_lite.data.config import DataConfig
 from flaxformer_lite.data.features import MASK_ID
 from flaxformer_lite.data.pipeline import build_data
@@ -299,7 +299,7 @@ def test_seq2seq_batches_from_two_parallel_files(tmp_path):
 def test_classify_batches_carry_labels_and_pad_the_last_eval_batch(tmp_path):
     cfg = DataConfig(packing=False, generator="sentiment", seq_len=160, train_size=12, eval_size=6)
     data = build(cfg, tmp_path, task="classify")
-    assert data.labels == synthetic.LABELS
+    assert data.labels == sentiment_words.LABELS
     task = synthetic.make_task("sentiment", size=12)
     label_of = {task[i]["text"]: task[i]["label"] for i in range(12)}
     for batch in take(data.train, 3):

@@ -9,6 +9,13 @@ import pytest
 
 import flaxformer_lite.data.synthetic as syn
 from flaxformer_lite.data.byte_texts import ByteTexts, stable_hash
+from flaxformer_lite.data.sentiment_words import (
+    LABELS,
+    NEGATIONS,
+    NEGATIVE_WORDS,
+    NEUTRAL_WORDS,
+    POSITIVE_WORDS,
+)
 from flaxformer_lite.data.tokenizers import ByteTokenizer, make_tokenizer
 
 NAMES = sorted(syn.TASKS)
@@ -225,9 +232,9 @@ def _sentiment_rule(text):
     total = 0
     for clause in text.split(" and "):
         words = clause.split()
-        polarity = (words[-1] in syn.POSITIVE_WORDS) - (words[-1] in syn.NEGATIVE_WORDS)
-        total += -polarity if set(words) & set(syn.NEGATIONS) else polarity
-    return syn.LABELS.index({-1: "negative", 0: "neutral", 1: "positive"}[total])
+        polarity = (words[-1] in POSITIVE_WORDS) - (words[-1] in NEGATIVE_WORDS)
+        total += -polarity if set(words) & set(NEGATIONS) else polarity
+    return LABELS.index({-1: "negative", 0: "neutral", 1: "positive"}[total])
 
 
 def test_sentiment_labels_follow_words_and_negation_and_are_balanced():
@@ -236,7 +243,7 @@ def test_sentiment_labels_follow_words_and_negation_and_are_balanced():
     assert [r["label"] for r in records] == [_sentiment_rule(r["text"]) for r in records]
 
     counts = collections.Counter(r["label"] for r in records)
-    assert all(abs(counts[c] / len(records) - 1 / 3) < 0.04 for c in range(len(syn.LABELS)))
+    assert all(abs(counts[c] / len(records) - 1 / 3) < 0.04 for c in range(len(LABELS)))
 
     # Negation flips: each polar adjective shows up under both polar labels, and a negation word
     # shows up in every class, so neither alone gives the label away.
@@ -244,22 +251,22 @@ def test_sentiment_labels_follow_words_and_negation_and_are_balanced():
     negated_in = set()
     for r in records:
         words = r["text"].split()
-        for word in set(words) & set(syn.POSITIVE_WORDS + syn.NEGATIVE_WORDS):
-            labels_of[word].add(syn.LABELS[r["label"]])
-        if set(words) & set(syn.NEGATIONS):
+        for word in set(words) & set(POSITIVE_WORDS + NEGATIVE_WORDS):
+            labels_of[word].add(LABELS[r["label"]])
+        if set(words) & set(NEGATIONS):
             negated_in.add(r["label"])
-    assert set(labels_of) == set(syn.POSITIVE_WORDS + syn.NEGATIVE_WORDS)
+    assert set(labels_of) == set(POSITIVE_WORDS + NEGATIVE_WORDS)
     assert all(labels == {"positive", "negative"} for labels in labels_of.values())
     assert negated_in == {0, 1, 2}
     # The clause that carries the label can stand anywhere, so position gives nothing away.
     polar_positions = set()
     for r in records:
         for position, clause in enumerate(r["text"].split(" and ")):
-            if clause.split()[-1] not in syn.NEUTRAL_WORDS:
+            if clause.split()[-1] not in NEUTRAL_WORDS:
                 polar_positions.add(position)
     assert polar_positions == {0, 1, 2}
     assert {r["text"].count(" and ") + 1 for r in records} == {1, 2, 3}
-    assert syn.make_task("sentiment").labels == syn.LABELS
+    assert syn.make_task("sentiment").labels == LABELS
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -268,7 +275,7 @@ def test_score(name):
     examples = [task[i] for i in range(len(task))]
     right = [_reference(task, e) for e in examples]
     if task.records == "classification":
-        wrong = [(label + 1) % len(syn.LABELS) for label in right]
+        wrong = [(label + 1) % len(LABELS) for label in right]
     else:
         wrong = [answer + "1" for answer in right]
         right = [f" {answer}\n" for answer in right]  # surrounding whitespace is ignored

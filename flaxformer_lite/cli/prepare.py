@@ -65,7 +65,7 @@ def prepare_main(argv: list[str] | None = None) -> int:
 
 
 def _prepare(args) -> int:
-    from flaxformer_lite.data.pipeline import prepare_source, prepare_validation
+    from flaxformer_lite.data.run_stores import prepare_source, prepare_validation
     from flaxformer_lite.train.config import load_config
 
     cfg = load_config(args.config, args.overrides, notify=notice)

@@ -58,6 +58,14 @@ from flaxformer_lite.data.number_words import (  # number_to_words: part of this
     below_thousand,
     number_to_words,  # noqa: F401
 )
+from flaxformer_lite.data.sentiment_words import (
+    ADJECTIVES,
+    CLAUSE_WORDS,
+    INTENSIFIERS,
+    LABELS,
+    NEGATIONS,
+    NOUNS,
+)
 from flaxformer_lite.data.tokenizers import Tokenizer
 
 SPLITS = ("train", "validation")
@@ -94,10 +102,6 @@ def split_prompt(text: str) -> tuple[str, str]:
     if not sep:
         raise ValueError(f"no {ANSWER_SEP!r} separating prompt and answer in {text!r}")
     return prompt + sep, answer
-
-
-def _words(text: str) -> tuple[str, ...]:
-    return tuple(text.split())
 
 
 def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
@@ -343,26 +347,6 @@ class NumberWordsTask(Task):
         return prediction.strip() == example["target"]
 
 
-LABELS = ("negative", "neutral", "positive")
-POSITIVE_WORDS = _words(
-    "good great excellent wonderful pleasant delightful superb lovely fantastic enjoyable"
-)
-NEGATIVE_WORDS = _words(
-    "bad terrible awful horrible poor dreadful boring disappointing unpleasant mediocre"
-)
-NEUTRAL_WORDS = _words("red blue green square round wooden metal tall wide plastic")
-NEGATIONS = ("not", "never")
-_NOUNS = _words("food movie service room book song hotel game show car table door")
-_INTENSIFIERS = ("very", "really", "quite")
-_ADJECTIVES = table(NEGATIVE_WORDS + NEUTRAL_WORDS + POSITIVE_WORDS)  # 10 of each, by label
-_CLAUSE_WORDS = {
-    "noun": table([f"the {noun} " for noun in _NOUNS]),
-    "verb": table(["was", "is"]),
-    "negation": table([f" {word}" for word in NEGATIONS]),
-    "intensifier": table([f" {word}" for word in _INTENSIFIERS]),
-}
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SentimentTask(Task):
     """Three-way sentiment of template reviews, ``{"text": ..., "label": index into LABELS}``.
@@ -389,18 +373,18 @@ class SentimentTask(Task):
         label = rng.integers(len(LABELS), size=count)
         negated = rng.integers(2, size=(count, self.max_clauses)).astype(bool)
         # The class clause's adjective: neutral for the neutral class, else of the polarity
-        # that its negation flips into the label's (indices into _ADJECTIVES, 10 per label).
+        # that its negation flips into the label's (indices into ADJECTIVES, 10 per label).
         polarity = np.where(negated[:, 0], 2 - label, label)
         adjective = rng.integers(10, size=(count, self.max_clauses)) + 10  # neutral
         adjective[:, 0] += 10 * (polarity - 1)
         clauses = rng.integers(self.max_clauses, size=count) + 1
         # Clause slot s shows clause (s - place) % clauses: the class clause (0) at ``place``.
         place = rng.integers(0, clauses)
-        nouns = rng.integers(len(_NOUNS), size=(count, self.max_clauses))
+        nouns = rng.integers(len(NOUNS), size=(count, self.max_clauses))
         verbs = rng.integers(2, size=(count, self.max_clauses))
         negations = rng.integers(len(NEGATIONS), size=(count, self.max_clauses))
         strong = rng.random((count, self.max_clauses)) < 0.5
-        intensifiers = rng.integers(len(_INTENSIFIERS), size=(count, self.max_clauses))
+        intensifiers = rng.integers(len(INTENSIFIERS), size=(count, self.max_clauses))
         rows = np.arange(count)
         parts = []
         for slot in range(self.max_clauses):
@@ -408,16 +392,16 @@ class SentimentTask(Task):
             c = (slot - place) % clauses
             parts += [
                 literal(" and ", count, shown & (slot > 0)),
-                lookup(_CLAUSE_WORDS["noun"], nouns[rows, c], shown),
-                lookup(_CLAUSE_WORDS["verb"], verbs[rows, c], shown),
-                lookup(_CLAUSE_WORDS["negation"], negations[rows, c], shown & negated[rows, c]),
+                lookup(CLAUSE_WORDS["noun"], nouns[rows, c], shown),
+                lookup(CLAUSE_WORDS["verb"], verbs[rows, c], shown),
+                lookup(CLAUSE_WORDS["negation"], negations[rows, c], shown & negated[rows, c]),
                 lookup(
-                    _CLAUSE_WORDS["intensifier"],
+                    CLAUSE_WORDS["intensifier"],
                     intensifiers[rows, c],
                     shown & strong[rows, c],
                 ),
                 literal(" ", count, shown),
-                lookup(_ADJECTIVES, adjective[rows, c], shown),
+                lookup(ADJECTIVES, adjective[rows, c], shown),
             ]
         text = render(parts)
         return Drawn({"text": text}, "text", text.lengths, label)

@@ -53,7 +53,6 @@ import logging
 import math
 import pathlib
 import re
-import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -61,10 +60,9 @@ import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
-# Private: stopping a failed save's threads has no public API (orbax 0.11 - 0.12).
-from orbax.checkpoint._src.futures import future as ocp_future
-
+from flaxformer_lite.train.checkpoint_target import abstract_leaf, changed_arrays
 from flaxformer_lite.train.fingerprints import ALGORITHM, fingerprints_of, verify
+from flaxformer_lite.train.orbax_threads import stop_background_saves
 
 logger = logging.getLogger(__name__)
 
@@ -224,7 +222,7 @@ class Checkpointer:
             yield
         except Exception as error:  # orbax re-raises the background thread's error as it is
             self._failed = True
-            _stop_background_saves()
+            stop_background_saves()
             raise CheckpointError(
                 f"cannot write a checkpoint in {self.directory}: {error}; make it writable "
                 "(or free disk space) and run again to resume from the last checkpoint"
@@ -270,7 +268,7 @@ class Checkpointer:
             ``abstract_state``'s.
           ValueError: a leaf of ``abstract_state`` without a concrete sharding.
         """
-        target = jax.tree_util.tree_map_with_path(_abstract_leaf, abstract_state)
+        target = jax.tree_util.tree_map_with_path(abstract_leaf, abstract_state)
 
         def read(candidate: int):
             items = {
@@ -284,7 +282,7 @@ class Checkpointer:
             try:
                 restored = self._manager.restore(candidate, args=ocp.args.Composite(**items))
             except Exception as error:
-                if changed := _changed_arrays(self.directory / str(candidate), target):
+                if changed := changed_arrays(self.directory / str(candidate), target):
                     raise CheckpointShapeError(
                         f"checkpoint step {candidate} in {self.directory} holds other arrays "
                         f"than this model: {changed}"
@@ -413,59 +411,6 @@ def _error_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {line}" + (f" (array {array[1]})" if array else "")
 
 
-def _changed_arrays(step_dir: pathlib.Path, target: Any) -> str | None:
-    """How the arrays saved in ``step_dir`` differ from ``target``'s in shape or name, or None
-    if they do not, or if the checkpoint's metadata cannot be read (an unreadable one)."""
-    try:
-        metadata = ocp.StandardCheckpointHandler().metadata(step_dir / "state")
-        saved = {_names(path): leaf.shape for path, leaf in _flat(metadata)}
-    except Exception as error:  # orbax and TensorStore raise many types
-        logger.debug("metadata of %s", step_dir, exc_info=error)
-        return None
-    wanted = {_names(path): leaf for path, leaf in _flat(target)}
-    changes = [
-        f"{'/'.join(name)} has shape {tuple(saved[name])} there, {leaf.shape} here"
-        for name, leaf in wanted.items()
-        if name in saved
-        and tuple(saved[name]) != leaf.shape
-        and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)  # saved as key data
-    ]
-    changes += [f"{'/'.join(name)} is not there" for name in wanted if name not in saved]
-    changes += [f"{'/'.join(name)} is not in this model" for name in saved if name not in wanted]
-    if not changes:
-        return None
-    more = f" ({len(changes)} arrays differ)" if len(changes) > 1 else ""
-    return f"{changes[0]}{more}"
-
-
-def _flat(tree: Any) -> list:
-    return jax.tree_util.tree_flatten_with_path(tree)[0]
-
-
-def _names(path: tuple) -> tuple[str, ...]:
-    """A key path as names, whatever the key types (orbax's metadata has its own)."""
-    return tuple(
-        str(next(getattr(key, a) for a in ("key", "idx", "name") if hasattr(key, a)))
-        for key in path
-    )
-
-
-def _stop_background_saves(timeout: float = 5.0) -> None:
-    """Cancels orbax's save threads and wakes those waiting for a signal that a failed thread
-    will never send (they wait for ``multihost.coordination_timeout()``, many minutes, and are
-    not daemons), then joins them for at most ``timeout`` seconds each."""
-    threads = [
-        thread
-        for thread in threading.enumerate()
-        if isinstance(thread, ocp_future._SignalingThread) and thread.is_alive()
-    ]
-    for thread in threads:
-        thread.cancel()
-        ocp_future.set_signals(thread._receive_signals, operation_id=thread._operation_id)
-    for thread in threads:
-        threading.Thread.join(thread, timeout)  # orbax's join re-raises the cancellation
-
-
 def _json_dict(name: str, value: Mapping[str, Any]) -> dict[str, Any]:
     """``value`` as a dict that JSON stores exactly (no tuples, no non-string keys)."""
     value = dict(value)
@@ -485,26 +430,3 @@ def _eval_loss(metrics: Mapping[str, Any]) -> float:
     """The ranking of a checkpoint's metrics: its eval loss, +inf when missing or NaN."""
     loss = metrics.get(BEST_METRIC) if isinstance(metrics, Mapping) else None
     return math.inf if loss is None or math.isnan(loss) else float(loss)
-
-
-def _abstract_leaf(path, leaf) -> jax.ShapeDtypeStruct:
-    """A leaf of a restore target, checked to carry a sharding on real devices."""
-    where = f"abstract_state{jax.tree_util.keystr(path)}"
-    if isinstance(leaf, jax.Array):
-        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
-    if not isinstance(leaf, jax.ShapeDtypeStruct):
-        raise ValueError(f"{where} must be a jax.ShapeDtypeStruct or jax.Array, got {leaf!r}")
-    sharding = leaf.sharding
-    if sharding is None:
-        raise ValueError(
-            f"{where} has no sharding; give it the sharding to restore onto "
-            "(restoring never falls back to the device layout the checkpoint was saved from)"
-        )
-    if isinstance(sharding, jax.sharding.NamedSharding) and isinstance(
-        sharding.mesh, jax.sharding.AbstractMesh
-    ):
-        raise ValueError(
-            f"{where} is sharded over an AbstractMesh (as jax.eval_shape returns); use a "
-            f"NamedSharding on a concrete mesh, e.g. jax.make_mesh(...), spec {sharding.spec}"
-        )
-    return leaf

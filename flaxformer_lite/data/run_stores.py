@@ -1,0 +1,139 @@
+"""The token stores a run reads: a text, jsonl or parallel source prepared into the run's cache on
+first use (one store per source, ``<prepared>/<source>-<hash>``), or a prepared store opened
+(``data.source=prepared``); either one checked against the run's tokenizer and its data settings.
+:func:`~flaxformer_lite.data.pipeline.build_data` reads them; ``flaxformer-lite prepare`` makes
+them ahead (:func:`prepare_source`, :func:`prepare_validation`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+from flaxformer_lite.data import sources
+from flaxformer_lite.data.config import TOKENIZERS, DataConfig
+from flaxformer_lite.data.store import (
+    Store,
+    check_tokenizer,
+    open_store,
+    prepare_store,
+    text_documents,
+)
+from flaxformer_lite.data.tokenizers import Tokenizer
+
+
+def check_sources(cfg: DataConfig) -> None:
+    """Refuses a missing source, or a file with nothing but blanks, before anything is written;
+    the message names the setting and the file."""
+    for key in ("path", "validation_path"):
+        path = getattr(cfg, key)
+        if path is None:
+            continue
+        try:
+            if cfg.source == "prepared":
+                open_store(path)
+            else:
+                for file in sources.source_files(cfg.source, path):
+                    sources.check_not_blank(file)
+        except (FileNotFoundError, ValueError) as error:
+            raise type(error)(f"data.{key}: {error}") from None
+
+
+def run_store(cfg: DataConfig, prepared: Path | None, tokenizer: Tokenizer | None) -> Store:
+    """``data.path``'s store, or the source's in the run's cache (made with ``tokenizer`` if the
+    run has one: a resumed run's saved copy, or ``init_from``'s), checked against ``tokenizer``
+    and against ``data.text_documents`` and ``data.tokenizer`` where they are set."""
+    if cfg.source != "prepared":
+        return prepare_source(cfg, _cache_dir(cfg, cfg.path, prepared), tokenizer)
+    store = open_store(cfg.path)
+    if tokenizer is not None:
+        check_tokenizer(store, tokenizer)
+    made = text_documents(store.manifest)
+    if cfg.text_documents is not None and made != cfg.text_documents:
+        raise ValueError(
+            f"{store.path}: prepared from {_store_kind(store)} data, not with "
+            f"data.text_documents={cfg.text_documents!r}"
+        )
+    kind = store.tokenizer.kind
+    if cfg.tokenizer is not None and cfg.tokenizer != kind:
+        named = f" or set it to {kind!r}" if kind in TOKENIZERS else ""  # not a checkpoint's
+        raise ValueError(
+            f"{store.path}: the store's tokenizer is {kind!r}; data.tokenizer says "
+            f"{cfg.tokenizer!r}: drop the setting (data.tokenizer=null){named}"
+        )
+    return store
+
+
+def validation_store(cfg: DataConfig, prepared: Path | None, train: Store) -> Store:
+    """``data.validation_path``'s store: prepared in the run's cache, or opened."""
+    if cfg.source != "prepared":
+        return prepare_validation(cfg, _cache_dir(cfg, cfg.validation_path, prepared), train)
+    store = open_store(cfg.validation_path)
+    _check_same_kind(cfg, store, train)
+    check_tokenizer(store, train.tokenizer)
+    return store
+
+
+def prepare_validation(cfg: DataConfig, out_dir: Path, train: Store, progress=None) -> Store:
+    """``data.validation_path``'s files prepared into a store at ``out_dir`` as ``data.path``'s
+    were into ``train`` (the same source kind and documents), with ``train``'s tokenizer."""
+    valid_cfg = dataclasses.replace(cfg, path=cfg.validation_path)
+    return prepare_source(valid_cfg, out_dir, train.tokenizer, progress)
+
+
+def _check_same_kind(cfg: DataConfig, store: Store, train: Store) -> None:
+    path = cfg.validation_path
+    made, wanted = _store_kind(store), _store_kind(train)
+    if made != wanted:
+        raise ValueError(
+            f"data.validation_path={path}: holds {made} data, but the training data "
+            f"(data.path={cfg.path}) are {wanted}"
+        )
+
+
+def _store_kind(store: Store) -> str:
+    """What a store holds, in words: its source kind and, for text, its documents."""
+    source = store.manifest["source"]
+    documents = text_documents(store.manifest)
+    return f"{source['kind']} ({documents} documents)" if documents else repr(source["kind"])
+
+
+def prepare_source(
+    cfg: DataConfig, out_dir: Path, tokenizer: Tokenizer | None = None, progress=None
+) -> Store:
+    """The text, jsonl or parallel source ``cfg`` names, prepared into a store at ``out_dir``
+    (:func:`~flaxformer_lite.data.store.prepare_store`, with ``tokenizer`` or the one ``cfg``
+    names, fitted on all of it when ``data.validation_path`` names the validation data); the
+    store already there when it was made from the same inputs."""
+    return prepare_store(
+        out_dir,
+        source=cfg.source,
+        path=cfg.path,
+        field=cfg.field,
+        documents=cfg.text_documents or "file",
+        tokenizer=tokenizer,
+        tokenizer_kind=cfg.tokenizer,
+        vocab_size=cfg.vocab_size,
+        tokenizer_path=cfg.tokenizer_path,
+        validation_fraction=None if cfg.validation_path else cfg.validation_fraction,
+        progress=progress,
+    )
+
+
+def _cache_dir(cfg: DataConfig, path: str, prepared: Path | None) -> Path:
+    """One cached store per source a run has read, ``<prepared>/text-<hash>``: the hash is of
+    the source, ``path``, field and documents."""
+    if prepared is None:
+        raise ValueError(f"data.source={cfg.source} needs a directory to prepare its store in")
+    field = cfg.field if cfg.source == "jsonl" else None
+    documents = (cfg.text_documents or "file") if cfg.source == "text" else None
+    key = json.dumps([cfg.source, path, field, documents])
+    name = f"{cfg.source}-{hashlib.blake2b(key.encode(), digest_size=6).hexdigest()}"
+    return prepared / name
+
+
+def records_of(store) -> str:
+    """The type of records of a store: ``"seq2seq"`` for source/target pairs, else ``"lm"``."""
+    return "seq2seq" if store.manifest["source"]["kind"] == "parallel" else "lm"
