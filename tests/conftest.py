@@ -101,6 +101,26 @@ def _keep_exception_hooks(monkeypatch):
     monkeypatch.setattr(threading, "excepthook", threading.excepthook)
 
 
+_PEAK_FLOPS = []  # this worker's measured peak, once it is measured
+
+
+@pytest.fixture(autouse=True)
+def _peak_flops_once_per_worker(monkeypatch):
+    """On a CPU every run of the training loop measures the host's peak FLOP/s for its MFU, a
+    2048^3 matmul timed 6 times (about 2 s on a small machine: more than many short runs take to
+    train). The peak is the host's, so a worker measures it once, at its first run, and its later
+    in-process runs reuse it; ``metrics.peak_flops`` itself, the benchmarks and the subprocesses
+    measure as before."""
+    from flaxformer_lite.train import loop, metrics
+
+    def once():
+        if not _PEAK_FLOPS:
+            _PEAK_FLOPS.append(metrics.peak_flops())
+        return _PEAK_FLOPS[0]
+
+    monkeypatch.setattr(loop, "peak_flops", once)
+
+
 @pytest.fixture
 def full_optimization():
     """XLA's backend optimizations on for what the test compiles: for runs of many steps."""

@@ -339,6 +339,7 @@ def trained_seq2seq_run(tmp_path_factory):
         "optimizer.warmup_steps=1",
         "train.eval_batches=1",
         "data.eval_size=8",
+        "train.decode_examples=0",
     ]
     cfg = load_config(REPO / "configs" / "transformer_tiny.yaml", overrides)
     run(cfg, progress=False, log=lambda _: None)

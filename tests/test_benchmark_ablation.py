@@ -30,7 +30,12 @@ optimizer:
 
 
 @pytest.mark.slow
-def test_the_ablation_trains_every_config_and_compares_them(tmp_path, capsys):
+def test_the_ablation_trains_every_config_and_compares_them(tmp_path, capsys, monkeypatch):
+    # The benchmark's train.py subprocesses inherit this process's environment: that of
+    # subprocess_env (one device, XLA's backend optimizations off, the session's compilation
+    # cache for every program) rather than conftest.py's 8 devices compiled with optimizations.
+    for name, value in subprocess_env(1).items():
+        monkeypatch.setenv(name, value)
     configs = []
     for mixer in ("attention", "aft_simple"):
         configs.append(tmp_path / f"{mixer}.yaml")

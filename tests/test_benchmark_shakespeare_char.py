@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 from benchmark_scripts import hf_available, load_benchmark
+from subprocess_env import subprocess_env
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 
@@ -68,6 +69,11 @@ iter 5: loss 3.6000, time 40.00ms, mfu 1.00%
 def test_the_benchmark_at_a_tiny_size(tmp_path, monkeypatch, capsys):
     benchmark = load_benchmark("shakespeare_char")
     monkeypatch.setattr(benchmark, "STEP_WINDOW", 4)
+    # Its train.py subprocess inherits this process's environment: subprocess_env's, on the 8
+    # devices of the step it is paired with, compiled as that step is (backend optimizations
+    # off) and through the session's compilation cache.
+    for name, value in subprocess_env(8).items():
+        monkeypatch.setenv(name, value)
     text = "".join(f"Line {i}: to be, or not to be {i % 7}.\n" for i in range(120))
     (tmp_path / "text.txt").write_text(text)
     config = tmp_path / "tiny.yaml"

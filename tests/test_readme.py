@@ -33,6 +33,11 @@ from flaxformer_lite.cli.train import add_train_arguments
 from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.recipes import recipe_path
 
+# XLA's backend optimizations off (conftest.py): the Python blocks train, decode and export
+# tiny models, where compiling is most of the time; the documentation's other checks compile
+# nothing.
+pytestmark = pytest.mark.fast_compile
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DOCS = {name: (REPO / name).read_text() for name in ("README.md", "benchmarks/README.md")}
 README = DOCS["README.md"]
