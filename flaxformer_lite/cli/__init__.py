@@ -1,9 +1,10 @@
 """The user commands: ``python train.py``, ``python sample.py``, ``python -m
 flaxformer_lite.train`` and ``flaxformer-lite
-train|config|prepare|plot|compare|generate|export|attention|compile``, one module each.
+train|sweep|config|prepare|plot|compare|generate|export|attention|compile``, one module each.
 
     python train.py                                   # the embedded default
     python train.py --config gpt2_small train.steps=200 optimizer.lr=3e-4
+    flaxformer-lite sweep --vary seed=0,1,2 --vary optimizer.lr=1e-3,3e-3 run_dir=runs/lr
     flaxformer-lite config train.steps=200            # every setting, as YAML
     flaxformer-lite prepare --out stores/lines data.source=text data.path=lines.txt
     flaxformer-lite plot runs/default
@@ -30,11 +31,13 @@ from flaxformer_lite.cli.flags import CommandParser
 from flaxformer_lite.cli.generate import generate_main
 from flaxformer_lite.cli.plot import plot_main
 from flaxformer_lite.cli.prepare import prepare_main
+from flaxformer_lite.cli.sweep import sweep_main
 from flaxformer_lite.cli.train import train_main
 
 # name: (entry point, what it does); each command's --help has its flags and examples.
 COMMANDS = {
     "train": (train_main, "train or resume a run (as python train.py)"),
+    "sweep": (sweep_main, "train several runs (seeds, settings) as one program; mean ± std"),
     "config": (config_main, "print the resolved config as YAML, every key explained"),
     "prepare": (prepare_main, "tokenize a text, jsonl or parallel source once into a store"),
     "plot": (plot_main, "draw every metric a run logged (loss, evals, ...) as PNGs"),

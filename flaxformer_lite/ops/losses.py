@@ -33,7 +33,7 @@ def _check_inputs(
             f"weights must have the shape of targets {targets.shape}; got weights with shape "
             f"{weights.shape}"
         )
-    if not 0.0 <= label_smoothing < 1.0:
+    if isinstance(label_smoothing, int | float) and not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1); got {label_smoothing}")
 
 
@@ -86,8 +86,9 @@ def cross_entropy(
       targets: ``[...]`` integer class ids in ``[0, V)`` wherever the weight is non-zero.
       weights: optional ``[...]`` float or bool per-token weights; None means all ones. Padding
         positions should have weight 0.
-      label_smoothing: Python float ``α`` in ``[0, 1)``.
-      z_loss: Python float coefficient of the z-loss term; 0 disables it.
+      label_smoothing: ``α`` in ``[0, 1)``: a Python float, or a scalar array (checked only as
+        a float).
+      z_loss: the coefficient of the z-loss term (a float or a scalar array); 0 disables it.
 
     Returns:
       A pair ``(loss, metrics)``. ``loss`` is a float32 scalar: the weighted mean of ``ce + z``,
@@ -119,7 +120,8 @@ def _token_terms(
     # A gather, not a one-hot product: O(tokens) memory instead of O(tokens * V).
     target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     smoothed_logit = (1.0 - label_smoothing) * target_logit
-    if label_smoothing:
+    # An array (a sweep member's number) always adds the term; 0 adds exactly nothing.
+    if not isinstance(label_smoothing, int | float) or label_smoothing:
         smoothed_logit = smoothed_logit + label_smoothing * jnp.mean(logits, axis=-1)
     ce = lse - smoothed_logit
     z = z_loss * jnp.square(lse)

@@ -164,19 +164,44 @@ def weight_decay_mask(params, *, decay_embeddings: bool = False):
     return jax.tree_util.tree_map_with_path(decays, params)
 
 
+# The optimizer's numbers besides its schedule: floats in a run's step, arrays in a sweep's (one
+# compiled step for members that differ in them).
+NUMBERS = ("b1", "b2", "eps", "weight_decay", "clip_norm")
+
+
 def make_optimizer(
     cfg: OptimizerConfig, *, total_steps: int, d_model: int
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """``(transformation, schedule)``: clipping, then AdamW with the decay mask."""
     schedule = make_schedule(cfg, total_steps=total_steps, d_model=d_model)
+    numbers = {name: getattr(cfg, name) for name in NUMBERS}
+    return optimizer_of(cfg, schedule, numbers), schedule
+
+
+def optimizer_of(
+    cfg: OptimizerConfig, learning_rate: optax.Schedule, numbers: dict
+) -> optax.GradientTransformation:
+    """Clipping (if ``cfg.clip_norm`` is set), then AdamW with ``cfg``'s decay mask, at
+    ``learning_rate`` by step and with the :data:`NUMBERS` of ``numbers``: floats, or scalar
+    arrays traced in a step. The transformation's state has the same structure either way."""
     adamw = optax.adamw(
-        schedule,
-        b1=cfg.b1,
-        b2=cfg.b2,
-        eps=cfg.eps,
-        weight_decay=cfg.weight_decay,
+        learning_rate,
+        b1=numbers["b1"],
+        b2=numbers["b2"],
+        eps=numbers["eps"],
+        weight_decay=numbers["weight_decay"],
         mask=lambda params: weight_decay_mask(params, decay_embeddings=cfg.decay_embeddings),
     )
     if cfg.clip_norm is None:
-        return adamw, schedule
-    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw), schedule
+        return adamw
+    return optax.chain(optax.clip_by_global_norm(numbers["clip_norm"]), adamw)
+
+
+def schedule_table(schedule: optax.Schedule, steps: int) -> jax.Array:
+    """``[steps]`` float32: the learning rate at optimizer steps ``0 .. steps - 1``."""
+    return jax.jit(jax.vmap(schedule))(jnp.arange(steps)).astype(jnp.float32)
+
+
+def table_schedule(table: jax.Array) -> optax.Schedule:
+    """The schedule of a :func:`schedule_table`: its last rate after its last step."""
+    return lambda count: table[jnp.minimum(count, table.shape[0] - 1)]

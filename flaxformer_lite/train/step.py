@@ -102,90 +102,110 @@ def make_train_step(
     grad_accum_steps: int = 1,
     state_shardings=None,
 ):
-    """``step(state, batch) -> (state, metrics)``, jitted with ``state`` donated.
-
-    ``graphdef, state = nnx.split((model, optimizer))``; ``optimizer`` an ``nnx.Optimizer`` over
-    ``nnx.Param``. With ``grad_accum_steps = k`` microbatch ``i`` is rows ``i, i + k, ...`` of the
-    batch, run one after another (``lax.scan``), for k times less activation memory; every
-    device keeps computing on its own rows. Metrics: ``loss``, ``z_loss``, ``accuracy``,
-    ``num_tokens``, ``grad_norm`` and ``finite`` (False when the loss or a gradient was NaN/Inf;
-    the state is then returned unchanged). ``loss_chunk`` positions at a time: as
-    :func:`model_loss`.
+    """``step(state, batch) -> (state, metrics)``: :func:`train_step` jitted, ``state`` donated.
 
     ``state_shardings`` (:func:`flaxformer_lite.parallel.state_shardings`) keeps the new state in
     the layout of the old one and returns the metrics replicated. Traced under
     ``jax.set_mesh`` and ``nnx.logical_axis_rules``, the layers pin their activations' layout.
     """
-    loss_kwargs = dict(
-        task=task, label_smoothing=label_smoothing, z_loss=z_loss, loss_chunk=loss_chunk
-    )
     out_shardings = None
     if state_shardings is not None:
         mesh = jax.tree.leaves(state_shardings)[0].mesh
         out_shardings = (state_shardings, NamedSharding(mesh, PartitionSpec()))
-
-    @functools.partial(jax.jit, donate_argnums=0, out_shardings=out_shardings)
-    def step(state, batch):
-        model, _ = nnx.merge(graphdef, state)
-        model_def, params, rest = nnx.split(model, nnx.Param, ...)
-
-        def micro_step(carry, micro):
-            grads_sum, rest, totals = carry
-
-            def token_sum(params):
-                # Fresh Variables: those of `rest` belong to the scan's trace, not grad's.
-                micro_model = nnx.merge(model_def, params, rest, copy=True)
-                loss, metrics = model_loss(micro_model, micro, **loss_kwargs)
-                count = metrics["num_tokens"]
-                return loss * count, (metrics, nnx.state(micro_model, nnx.Not(nnx.Param)))
-
-            grads, (metrics, rest) = jax.grad(token_sum, has_aux=True)(params)
-            count = metrics["num_tokens"]
-            totals = {
-                k: totals[k] + metrics[k] * (1 if k == "num_tokens" else count) for k in totals
-            }
-            return (jax.tree.map(jnp.add, grads_sum, grads), rest, totals), None
-
-        batch_size = jax.tree.leaves(batch)[0].shape[0]
-        if batch_size % grad_accum_steps:
-            raise ValueError(
-                f"batch size {batch_size} is not divisible by grad_accum_steps={grad_accum_steps}"
-            )
-        microbatches = jax.tree.map(
-            lambda x: x.reshape(
-                x.shape[0] // grad_accum_steps, grad_accum_steps, *x.shape[1:]
-            ).swapaxes(0, 1),
-            batch,
-        )
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        totals = {
-            k: jnp.zeros((), jnp.float32) for k in ("loss", "z_loss", "accuracy", "num_tokens")
-        }
-        (grads_sum, rest, totals), _ = jax.lax.scan(micro_step, (zeros, rest, totals), microbatches)
-        count = jnp.maximum(totals["num_tokens"], 1e-8)
-        grads = jax.tree.map(lambda g: g / count, grads_sum)
-        metrics = {k: v / count if k != "num_tokens" else v for k, v in totals.items()}
-        metrics["grad_norm"] = optax.tree_utils.tree_norm(grads)
-        finite = jnp.isfinite(metrics["loss"] + metrics["z_loss"]) & jnp.isfinite(
-            metrics["grad_norm"]
-        )
-        metrics["finite"] = finite
-
-        def apply_update(state):
-            model, optimizer = nnx.merge(graphdef, state)
-            nnx.update(model, rest)
-            optimizer.update(model, grads)
-            return nnx.state((model, optimizer))
-
-        # The update runs inside the taken branch, so XLA writes the new state over the donated
-        # old one; choosing between an updated copy and the old state afterwards would keep both
-        # alive: the whole state once more in temporary memory, mapped afresh every step.
-        state = jax.lax.cond(finite, apply_update, lambda state: state, state)
-        return state, metrics
-
+    step = functools.partial(
+        train_step,
+        graphdef,
+        task=task,
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+        loss_chunk=loss_chunk,
+        grad_accum_steps=grad_accum_steps,
+    )
     if grad_accum_steps < 1:
         raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
-    return step
+    return jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
+
+
+def train_step(
+    graphdef,
+    state,
+    batch: dict,
+    *,
+    task: str,
+    label_smoothing=0.0,
+    z_loss=0.0,
+    loss_chunk: int | None = None,
+    grad_accum_steps: int = 1,
+    tx: optax.GradientTransformation | None = None,
+):
+    """One optimizer step of the split ``(model, optimizer)`` state on ``batch``: ``(state,
+    metrics)``, to be jitted (:func:`make_train_step`) or vmapped over a sweep's members.
+
+    ``graphdef, state = nnx.split((model, optimizer))``; ``optimizer`` an ``nnx.Optimizer`` over
+    ``nnx.Param``, which applies the update, or ``tx`` in its place (a transformation with the
+    same state, whose numbers may be arrays). With ``grad_accum_steps = k`` microbatch ``i`` is
+    rows ``i, i + k, ...`` of the batch, run one after another (``lax.scan``), for k times less
+    activation memory; every device keeps computing on its own rows. Metrics: ``loss``,
+    ``z_loss``, ``accuracy``, ``num_tokens``, ``grad_norm`` and ``finite`` (False when the loss
+    or a gradient was NaN/Inf; the state is then returned unchanged). ``label_smoothing`` and
+    ``z_loss`` (floats or scalar arrays) and ``loss_chunk`` positions at a time: as
+    :func:`model_loss`.
+    """
+    loss_kwargs = dict(
+        task=task, label_smoothing=label_smoothing, z_loss=z_loss, loss_chunk=loss_chunk
+    )
+    model, _ = nnx.merge(graphdef, state)
+    model_def, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def micro_step(carry, micro):
+        grads_sum, rest, totals = carry
+
+        def token_sum(params):
+            # Fresh Variables: those of `rest` belong to the scan's trace, not grad's.
+            micro_model = nnx.merge(model_def, params, rest, copy=True)
+            loss, metrics = model_loss(micro_model, micro, **loss_kwargs)
+            count = metrics["num_tokens"]
+            return loss * count, (metrics, nnx.state(micro_model, nnx.Not(nnx.Param)))
+
+        grads, (metrics, rest) = jax.grad(token_sum, has_aux=True)(params)
+        count = metrics["num_tokens"]
+        totals = {k: totals[k] + metrics[k] * (1 if k == "num_tokens" else count) for k in totals}
+        return (jax.tree.map(jnp.add, grads_sum, grads), rest, totals), None
+
+    batch_size = jax.tree.leaves(batch)[0].shape[0]
+    if batch_size % grad_accum_steps:
+        raise ValueError(
+            f"batch size {batch_size} is not divisible by grad_accum_steps={grad_accum_steps}"
+        )
+    microbatches = jax.tree.map(
+        lambda x: x.reshape(
+            x.shape[0] // grad_accum_steps, grad_accum_steps, *x.shape[1:]
+        ).swapaxes(0, 1),
+        batch,
+    )
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    totals = {k: jnp.zeros((), jnp.float32) for k in ("loss", "z_loss", "accuracy", "num_tokens")}
+    (grads_sum, rest, totals), _ = jax.lax.scan(micro_step, (zeros, rest, totals), microbatches)
+    count = jnp.maximum(totals["num_tokens"], 1e-8)
+    grads = jax.tree.map(lambda g: g / count, grads_sum)
+    metrics = {k: v / count if k != "num_tokens" else v for k, v in totals.items()}
+    metrics["grad_norm"] = optax.tree_utils.tree_norm(grads)
+    finite = jnp.isfinite(metrics["loss"] + metrics["z_loss"]) & jnp.isfinite(metrics["grad_norm"])
+    metrics["finite"] = finite
+
+    def apply_update(state):
+        model, optimizer = nnx.merge(graphdef, state)
+        if tx is not None:
+            optimizer.tx = tx
+        nnx.update(model, rest)
+        optimizer.update(model, grads)
+        return nnx.state((model, optimizer))
+
+    # The update runs inside the taken branch, so XLA writes the new state over the donated
+    # old one; choosing between an updated copy and the old state afterwards would keep both
+    # alive: the whole state once more in temporary memory, mapped afresh every step.
+    state = jax.lax.cond(finite, apply_update, lambda state: state, state)
+    return state, metrics
 
 
 def make_eval_step(eval_graphdef, *, task: str, loss_chunk: int | None = None):

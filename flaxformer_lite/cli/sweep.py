@@ -1,0 +1,78 @@
+"""``flaxformer-lite sweep``: train the members of a sweep (the product of ``--vary`` values) in
+one command, those that share a program as one compiled step (:mod:`flaxformer_lite.train.
+sweep`), and print each seed group's metrics as mean ± std.
+
+    flaxformer-lite sweep --vary seed=0,1,2 --vary optimizer.lr=1e-3,3e-3 run_dir=runs/lr
+
+Exit status as ``train``'s: 2 for bad input, 128 + signal after SIGTERM/SIGINT (the members'
+checkpoints written; the same command resumes).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+from flaxformer_lite.cli.errors import exit_on_signals, guarded, notice, say
+from flaxformer_lite.cli.flags import CONFIG_HELP, CommandParser
+from flaxformer_lite.cli.library_log import library_log_to
+
+DESCRIPTION = """Train a sweep: one run for each combination of the --vary values, in
+run_dir/<member> (each a run: generate, export, plot, compare and load_run read it). Members that
+differ only in numbers (the seed, the optimizer's numbers and schedule, label smoothing, z-loss,
+an initialization scale) train together as one compiled program; settings that change the model's
+graph or shapes split them into programs run one after another. At the end, each group of
+members that differ only in their seed gets its metrics as mean ± std, in run_dir/sweep.json.
+The same command resumes."""
+EXAMPLES = (
+    "flaxformer-lite sweep --vary seed=0,1,2,3 run_dir=runs/seeds train.steps=300",
+    "flaxformer-lite sweep --config shakespeare_char --vary seed=0,1,2 "
+    "--vary optimizer.lr=1e-3,2e-3 run_dir=runs/sc_lr",
+    "flaxformer-lite compare runs/seeds runs/sc_lr:lr=1e-3",
+)
+
+
+def sweep_main(argv: list[str] | None = None) -> int:
+    """``flaxformer-lite sweep``: train (or resume) the sweep."""
+    parser = CommandParser(prog="flaxformer-lite sweep", description=DESCRIPTION, examples=EXAMPLES)
+    parser.add_argument("--config", type=pathlib.Path, help=CONFIG_HELP)
+    parser.add_argument(
+        "--vary",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2,...",
+        help="a setting and its values (repeatable; the members are the product)",
+    )
+    parser.add_argument(
+        "--fresh", action="store_true", help="move an existing sweep directory aside first"
+    )
+    parser.add_argument(
+        "--force", action="store_true", help="resume members whose settings changed"
+    )
+    parser.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="settings of every member"
+    )
+    args = parser.parse_intermixed_args(argv)
+    with exit_on_signals():
+        return _sweep(args)
+
+
+def _sweep(args) -> int:
+    from flaxformer_lite.train.config import load_config
+    from flaxformer_lite.train.loop import Interrupted
+    from flaxformer_lite.train.sweep import sweep
+    from flaxformer_lite.train.sweep_members import parse_vary
+
+    def train():
+        vary = parse_vary(args.vary)
+        cfg = load_config(args.config, args.overrides, notify=notice)
+        library_log_to(pathlib.Path(cfg.run_dir) / "library.log")
+        sweep(cfg, vary, fresh=args.fresh, force=args.force, log=say)
+        say(f"done: {cfg.run_dir} (sweep.json: every member's results and each group's)")
+        return 0
+
+    try:
+        return guarded(train)
+    except Interrupted as error:
+        say(str(error), stream=sys.stderr)
+        return 128 + error.signum

@@ -1,0 +1,447 @@
+"""A sweep: the members of :mod:`.sweep_members` trained in one command, those that share a
+program stacked on a leading member axis and advanced by one vmapped, compiled step.
+
+    summary = sweep(load_config(None, ["run_dir=runs/seeds", "train.steps=200"]),
+                    {"seed": [0, 1, 2], "optimizer.lr": [1e-3, 3e-3]})
+    summary["groups"]["lr=0.001"]["eval_loss"]  # {"mean": ..., "std": ..., "n": 3, ...}
+
+Each member is a run (``<run_dir>/<member>``: config.yaml, metrics.jsonl, tb/, checkpoints,
+tokenizer), prepared by :func:`.loop.prepare` as ``train.py`` prepares one, so everything that
+reads a run reads a member. A group's members step in lockstep: their states stacked, their
+own batches stacked, their numbers (the learning rate by step, Adam's betas and epsilon, weight
+decay, clipping, label smoothing, z-loss) passed as arrays. A member whose step is not finite is
+frozen in the program at its last finite state and trains no further; the others go on.
+``<run_dir>/sweep.json`` records the sweep (its members, the diverged ones) and, at the end, the
+summary (:mod:`.sweep_summary`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import pathlib
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from flaxformer_lite import parallel
+from flaxformer_lite.models import training_flops_per_token
+from flaxformer_lite.train.actions import Evaluate, LogTrain, SaveCheckpoint, StepEnd, Throughput
+from flaxformer_lite.train.config import ConfigError, TrainConfig, config_diff, is_runtime_key
+from flaxformer_lite.train.console import Console
+from flaxformer_lite.train.loop import PreparedRun, _NoMetrics, prepare
+from flaxformer_lite.train.metrics import MetricsWriter, peak_flops
+from flaxformer_lite.train.optim import NUMBERS, optimizer_of, schedule_table, table_schedule
+from flaxformer_lite.train.program import build_train_state, resolve_mesh, tracing_layout
+from flaxformer_lite.train.restore import from_savable, restore_target
+from flaxformer_lite.train.resume import restore_data_state
+from flaxformer_lite.train.run_dir import RunDir, move_aside
+from flaxformer_lite.train.signals import Interrupted, SignalAgreement, stop_on_signals
+from flaxformer_lite.train.step import make_eval_step, task_of, train_step
+from flaxformer_lite.train.sweep_members import (
+    LOSS_NUMBERS,
+    Member,
+    program_key,
+    split_settings,
+    sweep_members,
+)
+from flaxformer_lite.train.sweep_summary import summarize, summary_table
+
+SWEEP_FILE = "sweep.json"
+
+
+def sweep(
+    cfg: TrainConfig,
+    vary: Mapping[str, Sequence[Any]],
+    *,
+    fresh: bool = False,
+    force: bool = False,
+    log=print,
+) -> dict:
+    """Trains every member of the sweep of ``cfg`` over ``vary`` in ``cfg.run_dir/<member>``,
+    resuming them from their checkpoints; returns the summary (also in ``cfg.run_dir/sweep.json``).
+
+    >>> from flaxformer_lite.train.config import load_config
+    >>> cfg = load_config(None, ["run_dir=runs/seeds", "train.steps=300"])
+    >>> summary = sweep(cfg, {"seed": [0, 1, 2, 3]})  # doctest: +SKIP
+    >>> summary["groups"]["all"]["eval_loss"]["mean"]  # doctest: +SKIP
+
+    Args:
+      cfg: the settings every member starts from (its ``run_dir`` is the sweep's directory).
+      vary: dotted keys and the values each takes; the members are their product.
+      fresh: move an existing sweep directory aside first.
+      force: resume members whose settings changed (as ``train.py --force``).
+      log: where one-line messages go.
+
+    Raises:
+      ConfigError: a bad varied key or value, a directory that holds a run or another sweep,
+        and what ``train.py`` refuses of a member.
+    """
+    members = sweep_members(cfg, vary)
+    directory = pathlib.Path(cfg.run_dir)
+    record = {"vary": {k: [_plain(v) for v in values] for k, values in vary.items()}}
+    record["config"] = dataclasses.replace(cfg, run_dir="").to_dict()
+    record["members"] = {m.name: {k: _plain(v) for k, v in m.settings.items()} for m in members}
+    diverged = _open_directory(directory, record, fresh=fresh, force=force, log=log)
+    parallel.initialize(cfg.distributed)
+    groups = _groups([m for m in members if m.name not in diverged])
+    _announce(members, groups, diverged, log)
+    with contextlib.ExitStack() as stack:
+        for member in members:
+            if member.name not in diverged:
+                stack.enter_context(RunDir(member.cfg.run_dir).locked(log=log))
+        for group in groups:
+            _train_group(group, directory, record, diverged, force=force, log=log)
+    summary = summarize(directory, members, diverged)
+    _write_json(directory / SWEEP_FILE, record | {"diverged": diverged, "summary": summary})
+    log(summary_table(summary))
+    return summary
+
+
+def _open_directory(directory: pathlib.Path, record: dict, *, fresh: bool, force: bool, log):
+    """Checks ``directory`` for this sweep (new, empty, or the same sweep's), moves it aside
+    with ``fresh``, records the sweep; returns its diverged members ``{name: step}``.
+
+    Raises:
+      ConfigError: a file, a run, a directory of other files, or another sweep."""
+    if directory.exists() and not directory.is_dir():
+        raise ConfigError(f"run_dir {directory} is a file, not a sweep directory")
+    if RunDir(directory).is_run():
+        raise ConfigError(
+            f"run_dir {directory} holds a run (train.py's), not a sweep: choose another run_dir"
+        )
+    path = directory / SWEEP_FILE
+    held = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
+    held = [name for name in held if name != "library.log"]  # the command's, written first
+    if held and not path.exists():
+        held = ", ".join(held[:5])
+        raise ConfigError(
+            f"run_dir {directory} is not a sweep directory: it holds {held} and no {SWEEP_FILE}; "
+            "choose a new or empty run_dir"
+        )
+    if fresh and path.exists():
+        log(f"--fresh: moved the previous sweep to {move_aside(directory)}")
+    diverged = {}
+    if path.exists():
+        old = _read_json(path)
+        _check_same_sweep(directory, old, record, force)
+        diverged = dict(old.get("diverged", {}))
+    directory.mkdir(parents=True, exist_ok=True)
+    _write_json(path, record | {"diverged": diverged})
+    return diverged
+
+
+def _check_same_sweep(directory: pathlib.Path, old: dict, new: dict, force: bool) -> None:
+    """Raises ConfigError listing what differs between the sweep in ``directory`` and this one:
+    other members always, other settings unless ``force`` (train.py's runtime keys may change)."""
+    problems = []
+    if old.get("members") != new["members"]:
+        gone = sorted(set(old.get("members", {})) - set(new["members"]))
+        added = sorted(set(new["members"]) - set(old.get("members", {})))
+        problems.append(f"members not in this sweep {gone}, members new in it {added}")
+    from flaxformer_lite.train.config import config_from_dict
+
+    changed = config_diff(config_from_dict(old["config"]), config_from_dict(new["config"]))
+    changed = {k: v for k, v in changed.items() if not is_runtime_key(k)}
+    if changed and not force:
+        problems += [f"{key}: {a!r} -> {b!r}" for key, (a, b) in changed.items()]
+    if problems:
+        raise ConfigError(
+            f"run_dir {directory} holds another sweep: " + "; ".join(problems) + " (pass --fresh "
+            "to move it aside, or choose another run_dir"
+            + ("" if force else "; --force takes changed settings")
+            + ")"
+        )
+
+
+def _groups(members: list[Member]) -> list[list[Member]]:
+    """The members by program: those whose :func:`program_key` is equal, in the sweep's order."""
+    groups: list[tuple[tuple, list[Member]]] = []
+    for member in members:
+        cfg, mesh = resolve_mesh(member.cfg)
+        built = build_train_state(cfg, mesh, abstract=True)
+        key = program_key(cfg, built.graphdef, built.state)
+        same = next((group for known, group in groups if known == key), None)
+        if same is None:
+            groups.append((key, [member]))
+        else:
+            same.append(member)
+    return [group for _, group in groups]
+
+
+def _announce(members, groups, diverged, log) -> None:
+    splits = split_settings(members, groups)
+    why = f", split by {', '.join(splits)}" if splits else ""
+    sizes = " + ".join(str(len(group)) for group in groups)
+    log(
+        f"sweep: {len(members)} members, {len(groups)} compiled program"
+        f"{'s' if len(groups) != 1 else ''} ({sizes} members{why})"
+    )
+    for name, step in diverged.items():
+        log(f"{name}: diverged at step {step} in an earlier session; not trained")
+
+
+@dataclasses.dataclass
+class _Lane:
+    """A member in its group's program: its prepared run and what it writes."""
+
+    member: Member
+    run: PreparedRun
+    writer: Any
+    console: Console
+    actions: list
+
+
+def _train_group(group: list[Member], directory, record, diverged: dict, *, force: bool, log):
+    """Prepares the group's members as runs, stacks them, and steps them to ``train.steps``."""
+    lanes: list[_Lane] = []
+    try:
+        for member in group:
+            say = _prefixed(member.name, log)
+            run = prepare(member.cfg, RunDir(member.cfg.run_dir), force=force, log=say)
+            lanes.append(_lane(member, run, say))
+        _align_steps(lanes, log)
+        _step_group(lanes, directory, record, diverged, log)
+    finally:
+        for lane in lanes:
+            lane.run.checkpointer.close()
+            lane.run.data.train.close()
+
+
+def _lane(member: Member, run: PreparedRun, say) -> _Lane:
+    cfg = run.cfg
+    main = jax.process_index() == 0
+    writer = (
+        MetricsWriter(run.run_dir.path, resume_step=run.step, log=say) if main else _NoMetrics()
+    )
+    console = Console(cfg.train.steps, run.step, bar=False, log=say)
+    return _Lane(member, run, writer, console, [])
+
+
+def _align_steps(lanes: list[_Lane], log) -> None:
+    """Restores the members that are ahead (a sweep stopped while some members' saves were in
+    flight) to the newest step every member has a checkpoint of, so that they step together.
+
+    Raises:
+      ConfigError: a member with no checkpoint beside members with some."""
+    common = min(lane.run.step for lane in lanes)
+    for index, lane in enumerate(lanes):
+        run = lane.run
+        if run.step == common:
+            continue
+        if common == 0:
+            raise ConfigError(
+                f"{run.run_dir} is at step {run.step}, other members have no checkpoint: pass "
+                "--fresh to move the sweep aside and start over"
+            )
+        restored = run.checkpointer.restore(restore_target(run.state), step=common)
+        restore_data_state(run.data.train, restored.data_state, False, log)
+        state = from_savable(restored.state, run.state)
+        log(f"{lane.member.name}: back to step {common}, the step every member reached")
+        lane.writer.close()
+        aligned = dataclasses.replace(run, state=state, step=common)
+        lanes[index] = _lane(lane.member, aligned, _prefixed(lane.member.name, log))
+
+
+def _step_group(lanes: list[_Lane], directory, record, diverged: dict, log) -> None:
+    """The group's steps, one vmapped program for every member, and each member's actions at
+    the steps they are due (as :func:`.loop.train`)."""
+    first = lanes[0].run
+    cfg, mesh, step, total = first.cfg, first.mesh, first.step, first.cfg.train.steps
+    task = task_of(cfg.model)
+    tables = [schedule_table(lane.run.built.schedule, max(total, 1)) for lane in lanes]
+    numbers = _member_numbers([lane.run.cfg for lane in lanes], tables, mesh)
+    step_fn = _group_step(first, len(lanes))
+    eval_step = make_eval_step(
+        first.built.eval_graphdef, task=task, loss_chunk=cfg.train.loss_chunk
+    )
+    flops_per_token = training_flops_per_token(cfg.model, cfg.data.seq_len)
+    throughput = Throughput(
+        cfg.train.batch_size * cfg.data.seq_len, flops_per_token, peak_flops(), lambda message: None
+    )
+    for lane in lanes:
+        run = lane.run
+        lane.actions = [
+            LogTrain(cfg.train.log_every, total, run.built.schedule, throughput, lane.console),
+            Evaluate(
+                run.cfg, run.data, task, eval_step, run.built.eval_graphdef, run.place, lane.console
+            ),
+            SaveCheckpoint(run.checkpointer, run.cfg),
+        ]
+    stacked = _stack([lane.run.state for lane in lanes], mesh)
+    active = jnp.ones(len(lanes), bool)
+    place = _stacked_place(first, len(lanes))
+    batch = place([next(lane.run.data.train) for lane in lanes]) if step < total else None
+    alive = [True] * len(lanes)
+    pending = None  # (step, finite flags) read one step late
+    agree = SignalAgreement()
+    started = time.perf_counter()
+    with stop_on_signals() as stop, tracing_layout(mesh, cfg.mesh.rules):
+        while step < total:
+            stacked, metrics, active = step_fn(stacked, batch, numbers, active)
+            step += 1
+            data_states = [lane.run.data.train.get_state() for lane in lanes]
+            if step < total:
+                batch = place([next(lane.run.data.train) for lane in lanes])
+            if pending is not None:
+                _note_divergence(lanes, alive, *pending, directory, record, diverged, log)
+            pending = (step, active)
+            signum = agree(stop.signum)
+            final = step == total or signum is not None
+            due = [
+                any(action.due(StepEnd(step, None, {}, {}, final)) for action in lane.actions)
+                for lane in lanes
+            ]
+            if throughput.started is None:
+                jax.block_until_ready(metrics)
+                log(
+                    f"compiled the sweep's step for {len(lanes)} members in "
+                    f"{time.perf_counter() - started:.1f} s"
+                )
+                throughput.restart(step)
+                continue
+            if not any(due):
+                continue
+            _note_divergence(lanes, alive, *pending, directory, record, diverged, log)
+            pending = None
+            for index, lane in enumerate(lanes):
+                if not alive[index]:
+                    continue
+                member_state = jax.tree.map(lambda x, i=index: x[i], stacked)
+                member_metrics = {k: v[index] for k, v in metrics.items()}
+                end = StepEnd(step, member_state, member_metrics, data_states[index], final)
+                for action in lane.actions:
+                    if action.due(end):
+                        action(end)
+                if end.values:
+                    lane.writer.write(step, end.values)
+            if signum is not None:
+                for lane in lanes:
+                    lane.run.checkpointer.wait()
+                raise Interrupted(signum, step)
+            throughput.restart(step)
+        if pending is not None:
+            _note_divergence(lanes, alive, *pending, directory, record, diverged, log)
+        for lane in lanes:
+            lane.run.checkpointer.wait()
+            lane.writer.close()
+            lane.console.close()
+
+
+def _note_divergence(lanes, alive, step, active, directory, record, diverged, log) -> None:
+    """Marks the members whose step ``step`` was not finite (their flag in ``active`` fell)."""
+    flags = np.asarray(active)
+    for index, lane in enumerate(lanes):
+        if alive[index] and not flags[index]:
+            alive[index] = False
+            diverged[lane.member.name] = step
+            lane.writer.close()
+            log(
+                f"{lane.member.name}: the loss or a gradient is not finite at step {step}; the "
+                f"member is frozen at step {step - 1} and trains no further (the others go on)"
+            )
+            _write_json(directory / SWEEP_FILE, record | {"diverged": diverged})
+
+
+def _group_step(first: PreparedRun, size: int):
+    """``step(stacked, batch, numbers, active) -> (stacked, metrics, active)``: every member's
+    :func:`~.step.train_step` at once (``jax.vmap``), jitted with the stacked state donated.
+
+    A member whose flag in ``active`` is off keeps its state; one whose step is not finite
+    turns its flag off (unless ``train.skip_nonfinite``: then only that step is skipped)."""
+    cfg, built = first.cfg, first.built
+    skip = cfg.train.skip_nonfinite
+
+    def member_step(state, batch, numbers, active):
+        tx = optimizer_of(cfg.optimizer, table_schedule(numbers["lr"]), numbers)
+        new_state, metrics = train_step(
+            built.graphdef,
+            state,
+            batch,
+            task=task_of(cfg.model),
+            label_smoothing=numbers["label_smoothing"],
+            z_loss=numbers["z_loss"],
+            loss_chunk=cfg.train.loss_chunk,
+            grad_accum_steps=cfg.train.grad_accum_steps,
+            tx=tx,
+        )
+        state = jax.lax.cond(active, lambda: new_state, lambda: state)
+        return state, metrics, active & (metrics["finite"] | skip)
+
+    shardings = _stacked_shardings(built.shardings, first.mesh)
+    replicated = NamedSharding(first.mesh, PartitionSpec())
+    return jax.jit(
+        jax.vmap(member_step),
+        donate_argnums=0,
+        out_shardings=(shardings, replicated, replicated),
+    )
+
+
+def _member_numbers(configs: list[TrainConfig], tables: list, mesh) -> dict[str, jax.Array]:
+    """Each member's numbers, stacked: ``lr`` ``[M, steps]`` (its schedule's rate by step),
+    the optimizer's :data:`~.optim.NUMBERS` and the loss's, ``[M]`` float32."""
+    numbers = {"lr": jnp.stack(tables)}
+    for name in NUMBERS:  # an unset clip_norm clips nothing: its group's transformation has none
+        values = [getattr(c.optimizer, name) for c in configs]
+        numbers[name] = jnp.asarray([0.0 if v is None else v for v in values], jnp.float32)
+    for name in LOSS_NUMBERS:
+        numbers[name] = jnp.asarray([getattr(c.train, name) for c in configs], jnp.float32)
+    return jax.device_put(numbers, NamedSharding(mesh, PartitionSpec()))
+
+
+def _stacked_shardings(shardings, mesh):
+    """Each array's sharding with the member axis in front (whole on every device)."""
+    return jax.tree.map(
+        lambda s: NamedSharding(mesh, PartitionSpec(None, *s.spec)),
+        shardings,
+        is_leaf=lambda x: isinstance(x, NamedSharding),
+    )
+
+
+def _stack(states: list, mesh):
+    """The members' states stacked on a leading member axis."""
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+
+
+def _stacked_place(first: PreparedRun, size: int):
+    """``place([batch per member]) -> {key: [M, B, ...]}`` on the mesh, the rows of each
+    member's batch laid out as a run's are."""
+    sharding = parallel.batch_sharding(first.mesh, first.cfg.mesh.rules)
+    stacked = NamedSharding(first.mesh, PartitionSpec(None, *sharding.spec))
+    global_batch = first.cfg.train.batch_size
+
+    def place(batches):
+        keys = batches[0].keys()
+        local = {key: np.stack([batch[key] for batch in batches]) for key in keys}
+        shapes = {key: (size, global_batch, *value.shape[2:]) for key, value in local.items()}
+        return jax.make_array_from_process_local_data(stacked, local, shapes)
+
+    return place
+
+
+def _prefixed(name: str, log):
+    return lambda message: log(f"{name}: {message}")
+
+
+def _plain(value):
+    return value if isinstance(value, str | int | float | bool) or value is None else str(value)
+
+
+def _read_json(path: pathlib.Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{path}: not a readable sweep record ({error})") from None
+
+
+def _write_json(path: pathlib.Path, values: dict) -> None:
+    """Written aside and renamed: a killed write keeps the old file."""
+    partial = path.with_name(path.name + ".tmp")
+    partial.write_text(json.dumps(values, indent=1) + "\n", encoding="utf-8")
+    partial.replace(path)

@@ -1,0 +1,199 @@
+"""A sweep's members: the product of the varied settings, each a run's config with a readable
+name, and the groups of members that can train as one compiled program.
+
+    members = sweep_members(cfg, {"seed": [0, 1, 2], "optimizer.lr": ["1e-3", "3e-3"]})
+    # six members, "lr=1e-3,seed=0" ... in cfg.run_dir/<name>
+
+Which members share a program is read from what the program is made of, not from a list of
+settings: the model's graph (its static attributes: widths, depth, norms, dropout rates, the
+attention variant), the train state's structure, shapes and dtypes, and the step's own settings
+(:func:`program_key`). Members that differ only in numbers the step takes as arrays (the seed,
+the learning-rate schedule, the optimizer's :data:`~.optim.NUMBERS`, label smoothing, z-loss, an
+initialization scale) have equal keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import pathlib
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+from flax import nnx
+
+from flaxformer_lite.train.config import (
+    ConfigError,
+    TrainConfig,
+    _flatten,
+    _set_dotted,
+    config_from_dict,
+    valid_keys,
+)
+from flaxformer_lite.train.optim import NUMBERS
+from flaxformer_lite.train.schema import OverrideText
+
+# The loss settings the sweep's step takes as arrays, one number per member.
+LOSS_NUMBERS = ("label_smoothing", "z_loss")
+# The optimizer's settings that make up its learning-rate schedule, which a member's step reads
+# from a table of rates computed for it (:func:`~.optim.schedule_table`).
+SCHEDULE_SETTINGS = ("lr", "schedule", "warmup_steps", "end_lr_ratio", "schedule_steps")
+
+
+@dataclasses.dataclass(frozen=True)
+class Member:
+    """One run of a sweep.
+
+    Attributes:
+      name: the directory under the sweep's, from the varied values (``lr=1e-3,seed=0``).
+      settings: the varied keys and this member's values, as given.
+      cfg: the member's config; ``cfg.run_dir`` is ``<sweep run_dir>/<name>``.
+    """
+
+    name: str
+    settings: dict[str, Any]
+    cfg: TrainConfig
+
+
+def parse_vary(texts: Sequence[str]) -> dict[str, list[str]]:
+    """``["seed=0,1,2", "optimizer.lr=1e-3,3e-3"]`` -> ``{"seed": ["0", "1", "2"], ...}``.
+
+    Raises:
+      ConfigError: a text that is not ``KEY=V1,V2,...``, or a key given twice.
+    """
+    vary: dict[str, list[str]] = {}
+    for text in texts:
+        key, sep, values = text.partition("=")
+        key = key.strip()
+        listed = [value.strip() for value in values.split(",")]
+        if not sep or not key or not all(listed):
+            raise ConfigError(f"--vary takes KEY=V1,V2,..., got {text!r}")
+        if key in vary:
+            raise ConfigError(f"--vary {key} is given twice: give its values once, V1,V2,...")
+        vary[key] = listed
+    return vary
+
+
+def sweep_members(cfg: TrainConfig, vary: Mapping[str, Sequence[Any]]) -> list[Member]:
+    """The members of the sweep of ``cfg`` over the product of ``vary``'s values (strings as
+    on the command line, or Python values), in ``cfg.run_dir/<name>``.
+
+    Raises:
+      ConfigError: nothing varied, a key that is not a setting (with the closest one), a value
+        of the wrong type, ``run_dir`` varied, or two members with one name or one config.
+    """
+    if not vary or not all(vary.values()):
+        raise ConfigError("a sweep varies at least one setting: --vary KEY=V1,V2,...")
+    leaves = set(_flatten(cfg.to_dict()))
+    for key in vary:
+        if key == "run_dir":
+            raise ConfigError("run_dir is the sweep's: each member runs in <run_dir>/<member>")
+        if key not in valid_keys():
+            config_from_dict(_nested(key, 0))  # raises, naming the closest key
+        if key not in leaves:
+            raise ConfigError(f"--vary {key}: not a setting a sweep can vary; vary its keys")
+    labels = _labels(list(vary))
+    members, names, configs = [], {}, {}
+    for values in itertools.product(*vary.values()):
+        settings = dict(zip(vary, values, strict=True))
+        name = ",".join(f"{labels[key]}={_path_text(value)}" for key, value in settings.items())
+        member_cfg = member_config(cfg, settings, pathlib.Path(cfg.run_dir) / name)
+        if name in names:
+            raise ConfigError(f"two members are named {name!r}: {names[name]} and {settings}")
+        key = repr(dataclasses.replace(member_cfg, run_dir=""))
+        if key in configs:
+            raise ConfigError(f"members {configs[key]!r} and {name!r} have the same config")
+        names[name], configs[key] = settings, name
+        members.append(Member(name, settings, member_cfg))
+    return members
+
+
+def member_config(cfg: TrainConfig, settings: Mapping[str, Any], run_dir) -> TrainConfig:
+    """``cfg`` with ``settings`` (dotted keys; strings read as overrides are) and ``run_dir``.
+
+    Raises:
+      ConfigError: a value of the wrong type, naming its key.
+    """
+    values = cfg.to_dict()
+    for key, value in settings.items():
+        _set_dotted(values, key, OverrideText(value) if isinstance(value, str) else value)
+    values["run_dir"] = str(run_dir)
+    try:
+        return config_from_dict(values)
+    except (ConfigError, ValueError) as error:
+        raise ConfigError(f"--vary {', '.join(settings)}: {error}") from None
+
+
+def program_key(cfg: TrainConfig, graphdef, state) -> tuple:
+    """What a member's compiled step is made of: equal keys, one program.
+
+    ``graphdef, state``: the member's train state (:class:`~.program.TrainState`, abstract);
+    the optimizer's transformation is left out of the graph (its numbers are the member's), its
+    state's structure is kept."""
+    model_def = nnx.split(nnx.merge(graphdef, state, copy=True)[0])[0]
+    shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(state))
+    per_member = {f"train.{n}" for n in LOSS_NUMBERS}
+    per_member |= {f"optimizer.{n}" for n in (*NUMBERS, *SCHEDULE_SETTINGS)}
+    per_member |= {"seed", "run_dir", "optimizer.clip_norm"}
+    settings = {
+        key: value
+        for key, value in _flatten(cfg.to_dict()).items()
+        if key.split(".")[0] in ("train", "optimizer", "checkpoint", "mesh")
+        or key == "data.seq_len"
+    }
+    settings = {k: v for k, v in settings.items() if k not in per_member}
+    clipped = cfg.optimizer.clip_norm is not None
+    return model_def, jax.tree.structure(state), shapes, repr(sorted(settings.items())), clipped
+
+
+def split_settings(members: Sequence[Member], groups: Sequence[Sequence[Member]]) -> list[str]:
+    """The varied keys whose values tell the groups apart: equal within every group, not
+    across them."""
+    if len(groups) < 2:
+        return []
+    return [
+        key
+        for key in members[0].settings
+        if all(len({repr(m.settings[key]) for m in group}) == 1 for group in groups)
+        and len({repr(group[0].settings[key]) for group in groups}) > 1
+    ]
+
+
+def group_of(member: Member) -> str:
+    """The name of ``member``'s seed group: its varied values but the seed (``all`` when the
+    seed is all it varies); the members of a group differ only in their seed."""
+    labels = _labels(list(member.settings))
+    parts = [
+        f"{labels[key]}={_path_text(value)}"
+        for key, value in member.settings.items()
+        if key != "seed"
+    ]
+    return ",".join(parts) or "all"
+
+
+def _labels(keys: list[str]) -> dict[str, str]:
+    """Each dotted key's shortest suffix that no other key ends with (``lr``, ``model.dropout``)."""
+    labels = {}
+    for key in keys:
+        parts = key.split(".")
+        for size in range(1, len(parts) + 1):
+            label = ".".join(parts[-size:])
+            if not any(other != key and other.endswith("." + label) for other in keys) and not any(
+                other == label for other in keys if other != key
+            ):
+                break
+        labels[key] = label
+    return labels
+
+
+def _path_text(value: Any) -> str:
+    """``value`` as a directory name's piece: as written, no slashes or spaces."""
+    return re.sub(r"[/\s\\]+", "_", str(value)) or "_"
+
+
+def _nested(key: str, value: Any) -> dict:
+    nested: dict = {}
+    _set_dotted(nested, key, value)
+    return nested

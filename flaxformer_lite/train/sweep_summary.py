@@ -1,0 +1,129 @@
+"""A sweep's numbers with their noise: each member's final metrics (the last value it logged of
+each) and best eval loss, read from its ``metrics.jsonl``; for each group of members that differ
+only in their seed, the mean and the sample standard deviation (``ddof=1``) over its n members;
+the difference of two groups' means with its standard error.
+
+    summary = summarize(pathlib.Path("runs/seeds"), members, diverged={})
+    print(summary_table(summary))
+    difference(summary["groups"]["lr=1e-3"], summary["groups"]["lr=3e-3"], "eval_loss")
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import statistics
+from collections.abc import Sequence
+
+from flaxformer_lite.train.compare import format_table
+from flaxformer_lite.train.metrics import read_metrics
+from flaxformer_lite.train.sweep_members import Member, group_of
+
+BEST = "best_eval_loss"  # the lowest eval_loss a member logged
+# The table's columns when logged; sweep.json has every metric.
+TABLE_METRICS = ("loss", "eval_loss", BEST, "eval_accuracy", "eval_exact_match")
+# Throughput is the program's, not a member's result: not summarized.
+NOT_RESULTS = ("step", "learning_rate", "tokens_per_sec", "mfu", "eval_tokens")
+
+
+def member_results(run_dir: pathlib.Path) -> dict[str, float]:
+    """The last value of each metric the run logged, and :data:`BEST`; ``step``: its last
+    logged step."""
+    records = read_metrics(run_dir, log=lambda _: None)
+    results: dict[str, float] = {}
+    for record in records:
+        results.update({k: v for k, v in record.items() if isinstance(v, int | float)})
+    losses = [r["eval_loss"] for r in records if isinstance(r.get("eval_loss"), int | float)]
+    if losses:
+        results[BEST] = min(losses)
+    return results
+
+
+def summarize(directory: pathlib.Path, members: Sequence[Member], diverged: dict) -> dict:
+    """``{"members": {name: ...}, "groups": {group: {metric: {mean, std, n}, "members": [...],
+    "diverged": [...]}}}``; a diverged member is listed in its group, not counted in it."""
+    summary: dict = {"members": {}, "groups": {}}
+    for member in members:
+        path = directory / member.name
+        results = member_results(path) if (path / "metrics.jsonl").exists() else {}
+        group = group_of(member)
+        summary["members"][member.name] = {
+            "group": group,
+            "settings": {k: _plain(v) for k, v in member.settings.items()},
+            "results": results,
+            "diverged_at": diverged.get(member.name),
+        }
+        entry = summary["groups"].setdefault(group, {"members": [], "diverged": []})
+        entry["diverged" if member.name in diverged else "members"].append(member.name)
+    for group in summary["groups"].values():
+        counted = [summary["members"][name]["results"] for name in group["members"]]
+        metrics = sorted({k for results in counted for k in results} - set(NOT_RESULTS))
+        for metric in metrics:
+            values = [results[metric] for results in counted if metric in results]
+            group[metric] = mean_std(values)
+    return summary
+
+
+def mean_std(values: Sequence[float]) -> dict:
+    """``{"mean", "std", "n"}``: the sample standard deviation (None for one value)."""
+    n = len(values)
+    return {
+        "mean": statistics.fmean(values),
+        "std": statistics.stdev(values) if n > 1 else None,
+        "n": n,
+    }
+
+
+def difference(a: dict, b: dict, metric: str) -> dict:
+    """``b``'s mean of ``metric`` minus ``a``'s, its standard error ``sqrt(s_a^2/n_a +
+    s_b^2/n_b)`` and whether it is within noise (under two standard errors); the error is None
+    when a group has one member (no spread to go by).
+
+    Raises:
+      KeyError: a group that has no value of ``metric``.
+    """
+    x, y = a[metric], b[metric]
+    diff = y["mean"] - x["mean"]
+    if x["std"] is None or y["std"] is None:
+        return {"difference": diff, "stderr": None, "within_noise": None}
+    stderr = math.sqrt(x["std"] ** 2 / x["n"] + y["std"] ** 2 / y["n"])
+    return {"difference": diff, "stderr": stderr, "within_noise": abs(diff) < 2 * stderr}
+
+
+def summary_table(summary: dict) -> str:
+    """The groups' metrics as ``mean ± std (n)``, one row a group."""
+    groups = summary["groups"]
+    metrics = [m for m in TABLE_METRICS if any(m in g for g in groups.values())]
+    rows = []
+    for name, group in groups.items():
+        cells = [_spread(group.get(metric)) for metric in metrics]
+        note = f" ({len(group['diverged'])} diverged)" if group["diverged"] else ""
+        rows.append([name + note, *cells])
+    return format_table(["group (mean ± std over seeds, n)", *metrics], rows)
+
+
+def difference_text(metric: str, diff: dict) -> str:
+    """One line: the difference, its standard error, and what it means."""
+    if diff["stderr"] is None:
+        return f"{metric}: difference {diff['difference']:+.4g} (one member: no error bar)"
+    verdict = (
+        "within noise (under 2 standard errors)"
+        if diff["within_noise"]
+        else f"{abs(diff['difference']) / diff['stderr']:.1f} standard errors"
+    )
+    return (
+        f"{metric}: difference {diff['difference']:+.4g} ± {diff['stderr']:.2g} "
+        f"(standard error): {verdict}"
+    )
+
+
+def _spread(stats: dict | None) -> str:
+    if stats is None:
+        return "-"
+    if stats["std"] is None:
+        return f"{stats['mean']:.4g} (n=1)"
+    return f"{stats['mean']:.4g} ± {stats['std']:.2g} ({stats['n']})"
+
+
+def _plain(value):
+    return value if isinstance(value, str | int | float | bool) or value is None else str(value)
