@@ -24,13 +24,22 @@ def compare_parser() -> CommandParser:
         prog="flaxformer-lite compare",
         description="Put several runs side by side, as after an ablation: their curves of "
         "each metric on one figure (against steps and against tokens), a table of their "
-        "final metrics, and a table of the settings in which their configs differ.",
+        "final metrics, and a table of the settings in which their configs differ. Two sweeps "
+        "(or two groups of sweeps): the difference of each metric's mean over seeds, with "
+        "its standard error, and whether it is within noise.",
         examples=(
             "flaxformer-lite compare runs/a runs/b",
             "flaxformer-lite compare runs/a runs/b --metric loss eval_exact_match --out ab.png",
+            "flaxformer-lite compare runs/sweep:lr=1e-3 runs/sweep:lr=3e-3",
         ),
     )
-    parser.add_argument("runs", nargs="+", type=pathlib.Path, metavar="RUN", help="run dirs")
+    parser.add_argument(
+        "runs",
+        nargs="+",
+        type=pathlib.Path,
+        metavar="RUN",
+        help="run dirs, or two sweeps (DIR, or DIR:GROUP for one group of a sweep)",
+    )
     parser.add_argument(
         "--metric",
         action="extend",
@@ -48,7 +57,13 @@ def compare_parser() -> CommandParser:
 
 
 def _compare(args) -> int:
-    from flaxformer_lite.train import compare
+    from flaxformer_lite.train import compare, sweep_summary
+
+    sweeps = [sweep_summary.is_sweep(path) for path in args.runs]
+    if any(sweeps):
+        if not all(sweeps) or len(args.runs) != 2:
+            raise ValueError("compare takes two sweeps (DIR or DIR:GROUP), or run directories")
+        return _compare_sweeps(*args.runs, args.metric)
 
     runs = compare.load_runs(args.runs)
     metrics = args.metric or [
@@ -59,4 +74,23 @@ def _compare(args) -> int:
     say("")
     say(compare.settings_table(runs))
     say(f"wrote {compare.plot_comparison(runs, metrics, args.out)}")
+    return 0
+
+
+def _compare_sweeps(first: pathlib.Path, second: pathlib.Path, metrics) -> int:
+    """Each pair of groups: the second's mean minus the first's, with its standard error."""
+    from flaxformer_lite.train import sweep_summary
+
+    a, b = sweep_summary.sweep_groups(first), sweep_summary.sweep_groups(second)
+    for label_a, label_b in sweep_summary.compare_groups(a, b):
+        group_a, group_b = a[label_a], b[label_b]
+        shared = [m for m in sweep_summary.TABLE_METRICS if m in group_a and m in group_b]
+        chosen = metrics or shared
+        missing = [m for m in chosen if m not in group_a or m not in group_b]
+        if missing:
+            raise ValueError(f"{label_a} and {label_b} do not both have {', '.join(missing)}")
+        say(f"{label_b} - {label_a} (n = {group_b[chosen[0]]['n']} and {group_a[chosen[0]]['n']}):")
+        for metric in chosen:
+            diff = sweep_summary.difference(group_a, group_b, metric)
+            say("  " + sweep_summary.difference_text(metric, diff))
     return 0

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import jax
 
+from flaxformer_lite import parallel
 from flaxformer_lite.cli.library_log import plain_terminal_records
 from flaxformer_lite.cli.platforms import skip_absent_tpu
 from flaxformer_lite.train.config import ConfigError
@@ -58,7 +59,7 @@ def out_of_memory(message: str) -> str:
     elif found := _FREE.search(message):
         what = f"{_gib(*found.group(1, 2))} asked for, {_gib(*found.group(3, 4))} free"
     else:
-        where, limit = _memory_limit()
+        where, limit = parallel.device_memory_limit()
         has = f"the {where} has {limit / 2**30:.2f} GiB" if limit else f"on the {where}"
         found = _ASKED.search(message)
         what = f"{_gib(*found.group(1, 2))} asked for, {has}" if found else has
@@ -73,19 +74,6 @@ def out_of_memory(message: str) -> str:
 def _gib(number: str, unit: str) -> str:
     power = "KMGT".find(unit[0]) + 1 if unit[0] in "KMGT" else 0
     return f"{float(number) * 1024**power / 2**30:.2f} GiB"
-
-
-def _memory_limit() -> tuple[str, int | None]:
-    """Where the memory ran out and how much there is: the first local device's limit
-    (accelerators report it), else the host's memory."""
-    device = jax.local_devices()[0]
-    limit = (device.memory_stats() or {}).get("bytes_limit")
-    if limit:
-        return f"{device.platform.upper()} device", limit
-    try:
-        return "host", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):  # not POSIX
-        return "host", None
 
 
 @contextlib.contextmanager

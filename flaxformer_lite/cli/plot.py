@@ -16,11 +16,13 @@ def plot_main(argv: list[str] | None = None) -> int:
         description="Draw every metric a run logged (loss with eval_loss, learning rate, "
         "accuracy, the evaluations' scores, ...) against steps and tokens as PNGs in "
         "RUN_DIR/plots: loss.png, learning_rate.png and metrics.png (a panel each); print "
-        "their paths. An evaluation logged once is a marked point. Several runs side by side: "
-        "compare.",
+        "their paths. An evaluation logged once is a marked point. A sweep's directory: each "
+        "group's mean curve over its seeds with a band of one standard deviation, in "
+        "DIR/plots/sweep.png. Several runs side by side: compare.",
         examples=(
             "flaxformer-lite plot runs/default",
             "flaxformer-lite plot --run-dir runs/default",
+            "flaxformer-lite plot runs/seeds",
         ),
     )
     parser.add_argument("run_dir", nargs="?", type=pathlib.Path, help="a train.py run directory")
@@ -38,8 +40,10 @@ def plot_main(argv: list[str] | None = None) -> int:
 def _plot(run_dir: pathlib.Path) -> int:
     from flaxformer_lite.train.metrics import plot_run
     from flaxformer_lite.train.run_dir import RunDir
+    from flaxformer_lite.train.sweep_plot import plot_sweep
 
-    written = plot_run(run_dir)
+    sweep = (run_dir / "sweep.json").is_file()
+    written = plot_sweep(run_dir) if sweep else plot_run(run_dir)
     if not written:
         raise ValueError(f"{RunDir(run_dir).metrics}: no metrics logged yet, nothing to plot")
     for path in written:

@@ -22,6 +22,7 @@ from flaxformer_lite.parallel.rules import (
 from flaxformer_lite.parallel.summary import (
     array_layouts,
     device_bytes,
+    device_memory_limit,
     replicated_warnings,
 )
 
@@ -37,6 +38,7 @@ __all__ = [
     "create_sharded",
     "describe_mesh",
     "device_bytes",
+    "device_memory_limit",
     "initialize",
     "logical_spec",
     "make_mesh",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import jax
 from flax import nnx
@@ -76,3 +77,16 @@ def _shape_dtype(value) -> tuple[tuple[int, ...], object]:
         data = jax.eval_shape(jax.random.key_data, value)
         return data.shape, data.dtype
     return value.shape, value.dtype
+
+
+def device_memory_limit() -> tuple[str, int | None]:
+    """Where arrays live and how much memory there is: the first local device's limit
+    (accelerators report it), else the host's memory (None where it cannot be read)."""
+    device = jax.local_devices()[0]
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+    if limit:
+        return f"{device.platform.upper()} device", limit
+    try:
+        return "host", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):  # not POSIX
+        return "host", None

@@ -198,8 +198,9 @@ def optimizer_of(
 
 
 def schedule_table(schedule: optax.Schedule, steps: int) -> jax.Array:
-    """``[steps]`` float32: the learning rate at optimizer steps ``0 .. steps - 1``."""
-    return jax.jit(jax.vmap(schedule))(jnp.arange(steps)).astype(jnp.float32)
+    """``[steps]`` float32: the learning rate at optimizer steps ``0 .. steps - 1`` (computed op
+    by op: a jitted table would compile once per schedule)."""
+    return jax.vmap(schedule)(jnp.arange(steps)).astype(jnp.float32)
 
 
 def table_schedule(table: jax.Array) -> optax.Schedule:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import pathlib
 import time
 from collections.abc import Mapping, Sequence
@@ -28,7 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from flaxformer_lite import parallel
 from flaxformer_lite.models import training_flops_per_token
@@ -189,13 +190,14 @@ def _announce(members, groups, diverged, log) -> None:
 
 @dataclasses.dataclass
 class _Lane:
-    """A member in its group's program: its prepared run and what it writes."""
+    """A member in its group's program: its prepared run, and while it steps, what it writes
+    and the actions due at its steps."""
 
     member: Member
     run: PreparedRun
-    writer: Any
-    console: Console
-    actions: list
+    writer: Any = None
+    console: Console | None = None
+    actions: list = dataclasses.field(default_factory=list)
 
 
 def _train_group(group: list[Member], directory, record, diverged: dict, *, force: bool, log):
@@ -204,24 +206,17 @@ def _train_group(group: list[Member], directory, record, diverged: dict, *, forc
     try:
         for member in group:
             say = _prefixed(member.name, log)
-            run = prepare(member.cfg, RunDir(member.cfg.run_dir), force=force, log=say)
-            lanes.append(_lane(member, run, say))
+            lanes.append(
+                _Lane(member, prepare(member.cfg, RunDir(member.cfg.run_dir), force=force, log=say))
+            )
         _align_steps(lanes, log)
         _step_group(lanes, directory, record, diverged, log)
     finally:
         for lane in lanes:
+            if lane.writer is not None:
+                lane.writer.close()
             lane.run.checkpointer.close()
             lane.run.data.train.close()
-
-
-def _lane(member: Member, run: PreparedRun, say) -> _Lane:
-    cfg = run.cfg
-    main = jax.process_index() == 0
-    writer = (
-        MetricsWriter(run.run_dir.path, resume_step=run.step, log=say) if main else _NoMetrics()
-    )
-    console = Console(cfg.train.steps, run.step, bar=False, log=say)
-    return _Lane(member, run, writer, console, [])
 
 
 def _align_steps(lanes: list[_Lane], log) -> None:
@@ -231,7 +226,7 @@ def _align_steps(lanes: list[_Lane], log) -> None:
     Raises:
       ConfigError: a member with no checkpoint beside members with some."""
     common = min(lane.run.step for lane in lanes)
-    for index, lane in enumerate(lanes):
+    for lane in lanes:
         run = lane.run
         if run.step == common:
             continue
@@ -244,94 +239,95 @@ def _align_steps(lanes: list[_Lane], log) -> None:
         restore_data_state(run.data.train, restored.data_state, False, log)
         state = from_savable(restored.state, run.state)
         log(f"{lane.member.name}: back to step {common}, the step every member reached")
-        lane.writer.close()
-        aligned = dataclasses.replace(run, state=state, step=common)
-        lanes[index] = _lane(lane.member, aligned, _prefixed(lane.member.name, log))
+        lane.run = dataclasses.replace(run, state=state, step=common)
 
 
 def _step_group(lanes: list[_Lane], directory, record, diverged: dict, log) -> None:
     """The group's steps, one vmapped program for every member, and each member's actions at
-    the steps they are due (as :func:`.loop.train`)."""
+    the steps they are due (as :func:`.loop.train`), each under its own run's mesh."""
     first = lanes[0].run
-    cfg, mesh, step, total = first.cfg, first.mesh, first.step, first.cfg.train.steps
+    cfg, step, total = first.cfg, first.step, first.cfg.train.steps
     task = task_of(cfg.model)
-    tables = [schedule_table(lane.run.built.schedule, max(total, 1)) for lane in lanes]
-    numbers = _member_numbers([lane.run.cfg for lane in lanes], tables, mesh)
-    step_fn = _group_step(first, len(lanes))
+    program = _GroupProgram(lanes)
     eval_step = make_eval_step(
         first.built.eval_graphdef, task=task, loss_chunk=cfg.train.loss_chunk
     )
     flops_per_token = training_flops_per_token(cfg.model, cfg.data.seq_len)
-    throughput = Throughput(
-        cfg.train.batch_size * cfg.data.seq_len, flops_per_token, peak_flops(), lambda message: None
-    )
+    tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
+    throughput = Throughput(tokens_per_step, flops_per_token, peak_flops(), log)
+    rates = _StepRates()
+    stacked = program.stack([lane.run.state for lane in lanes])
+    active = program.active()
+    batch = program.place([next(lane.run.data.train) for lane in lanes]) if step < total else None
+    if step < total:
+        step_fn = program.compiled(stacked, batch, active, log)
+    main = jax.process_index() == 0
     for lane in lanes:
-        run = lane.run
+        run, say = lane.run, _prefixed(lane.member.name, log)
+        lane.writer = (
+            MetricsWriter(run.run_dir.path, resume_step=run.step, log=say) if main else _NoMetrics()
+        )
+        lane.console = Console(total, step, bar=False, log=say)
         lane.actions = [
-            LogTrain(cfg.train.log_every, total, run.built.schedule, throughput, lane.console),
+            LogTrain(cfg.train.log_every, total, run.built.schedule, rates, lane.console),
             Evaluate(
                 run.cfg, run.data, task, eval_step, run.built.eval_graphdef, run.place, lane.console
             ),
             SaveCheckpoint(run.checkpointer, run.cfg),
         ]
-    stacked = _stack([lane.run.state for lane in lanes], mesh)
-    active = jnp.ones(len(lanes), bool)
-    place = _stacked_place(first, len(lanes))
-    batch = place([next(lane.run.data.train) for lane in lanes]) if step < total else None
     alive = [True] * len(lanes)
-    pending = None  # (step, finite flags) read one step late
+    pending = None  # (step, the members' flags after it), read one step late
     agree = SignalAgreement()
-    started = time.perf_counter()
-    with stop_on_signals() as stop, tracing_layout(mesh, cfg.mesh.rules):
+    throughput.restart(step)
+    with stop_on_signals() as stop:
         while step < total:
-            stacked, metrics, active = step_fn(stacked, batch, numbers, active)
+            stacked, metrics, active = step_fn(stacked, batch, program.numbers, active)
             step += 1
             data_states = [lane.run.data.train.get_state() for lane in lanes]
             if step < total:
-                batch = place([next(lane.run.data.train) for lane in lanes])
+                batch = program.place([next(lane.run.data.train) for lane in lanes])
             if pending is not None:
                 _note_divergence(lanes, alive, *pending, directory, record, diverged, log)
             pending = (step, active)
             signum = agree(stop.signum)
             final = step == total or signum is not None
-            due = [
-                any(action.due(StepEnd(step, None, {}, {}, final)) for action in lane.actions)
-                for lane in lanes
-            ]
-            if throughput.started is None:
-                jax.block_until_ready(metrics)
-                log(
-                    f"compiled the sweep's step for {len(lanes)} members in "
-                    f"{time.perf_counter() - started:.1f} s"
-                )
-                throughput.restart(step)
-                continue
-            if not any(due):
+            probe = StepEnd(step, None, {}, {}, final)
+            if not any(action.due(probe) for lane in lanes for action in lane.actions):
                 continue
             _note_divergence(lanes, alive, *pending, directory, record, diverged, log)
             pending = None
+            rates.now = throughput.rates(step)  # every member's, over the same steps
             for index, lane in enumerate(lanes):
-                if not alive[index]:
-                    continue
-                member_state = jax.tree.map(lambda x, i=index: x[i], stacked)
-                member_metrics = {k: v[index] for k, v in metrics.items()}
-                end = StepEnd(step, member_state, member_metrics, data_states[index], final)
-                for action in lane.actions:
-                    if action.due(end):
-                        action(end)
-                if end.values:
-                    lane.writer.write(step, end.values)
+                if alive[index]:
+                    member = program.member(stacked, index, lane.run)
+                    metrics_of = {k: v[index] for k, v in metrics.items()}
+                    end = StepEnd(step, member, metrics_of, data_states[index], final)
+                    with tracing_layout(lane.run.mesh, cfg.mesh.rules):
+                        for action in lane.actions:
+                            if action.due(end):
+                                action(end)
+                    if end.values:
+                        lane.writer.write(step, end.values)
             if signum is not None:
                 for lane in lanes:
                     lane.run.checkpointer.wait()
                 raise Interrupted(signum, step)
-            throughput.restart(step)
+            throughput.restart(step)  # tokens/s times training steps alone, not evaluations
         if pending is not None:
             _note_divergence(lanes, alive, *pending, directory, record, diverged, log)
-        for lane in lanes:
-            lane.run.checkpointer.wait()
-            lane.writer.close()
-            lane.console.close()
+    for lane in lanes:
+        lane.run.checkpointer.wait()
+        lane.console.close()
+
+
+class _StepRates:
+    """The program's tokens/s and MFU per member at a logged step, taken once for all members
+    (:class:`~.actions.LogTrain` asks for them member by member, between evaluations)."""
+
+    now: tuple[float | None, float | None] = (None, None)
+
+    def rates(self, step: int) -> tuple[float | None, float | None]:
+        return self.now
 
 
 def _note_divergence(lanes, alive, step, active, directory, record, diverged, log) -> None:
@@ -341,7 +337,6 @@ def _note_divergence(lanes, alive, step, active, directory, record, diverged, lo
         if alive[index] and not flags[index]:
             alive[index] = False
             diverged[lane.member.name] = step
-            lane.writer.close()
             log(
                 f"{lane.member.name}: the loss or a gradient is not finite at step {step}; the "
                 f"member is frozen at step {step - 1} and trains no further (the others go on)"
@@ -349,41 +344,131 @@ def _note_divergence(lanes, alive, step, active, directory, record, diverged, lo
             _write_json(directory / SWEEP_FILE, record | {"diverged": diverged})
 
 
-def _group_step(first: PreparedRun, size: int):
-    """``step(stacked, batch, numbers, active) -> (stacked, metrics, active)``: every member's
-    :func:`~.step.train_step` at once (``jax.vmap``), jitted with the stacked state donated.
+class _GroupProgram:
+    """A group's members as one program: their states stacked on a leading member axis, on a
+    mesh whose ``member`` axis spreads the members over the devices (each device trains its
+    share; as many members as divide the runs' ``data`` axis, the rest of it splitting each
+    member's batch as in a run), their numbers as arrays, and the vmapped step."""
 
-    A member whose flag in ``active`` is off keeps its state; one whose step is not finite
-    turns its flag off (unless ``train.skip_nonfinite``: then only that step is skipped)."""
-    cfg, built = first.cfg, first.built
-    skip = cfg.train.skip_nonfinite
-
-    def member_step(state, batch, numbers, active):
-        tx = optimizer_of(cfg.optimizer, table_schedule(numbers["lr"]), numbers)
-        new_state, metrics = train_step(
-            built.graphdef,
-            state,
-            batch,
-            task=task_of(cfg.model),
-            label_smoothing=numbers["label_smoothing"],
-            z_loss=numbers["z_loss"],
-            loss_chunk=cfg.train.loss_chunk,
-            grad_accum_steps=cfg.train.grad_accum_steps,
-            tx=tx,
+    def __init__(self, lanes: list[_Lane]):
+        first = lanes[0].run
+        self.first, self.size = first, len(lanes)
+        self.mesh = member_mesh(first.mesh, self.size)
+        self.rules = first.cfg.mesh.rules
+        self.shardings = jax.tree.map(
+            lambda s: NamedSharding(self.mesh, PartitionSpec("member", *s.spec)),
+            first.built.shardings,
+            is_leaf=lambda x: isinstance(x, NamedSharding),
         )
-        state = jax.lax.cond(active, lambda: new_state, lambda: state)
-        return state, metrics, active & (metrics["finite"] | skip)
+        self.member_sharding = NamedSharding(self.mesh, PartitionSpec("member"))
+        total = max(first.cfg.train.steps, 1)
+        configs = [lane.run.cfg for lane in lanes]
+        tables = [schedule_table(lane.run.built.schedule, total) for lane in lanes]
+        self.numbers = jax.device_put(_member_numbers(configs, tables), self.member_sharding)
 
-    shardings = _stacked_shardings(built.shardings, first.mesh)
-    replicated = NamedSharding(first.mesh, PartitionSpec())
-    return jax.jit(
-        jax.vmap(member_step),
-        donate_argnums=0,
-        out_shardings=(shardings, replicated, replicated),
-    )
+    def stack(self, states: list):
+        """The members' states stacked, on the member mesh."""
+        return jax.device_put(jax.tree.map(lambda *xs: jnp.stack(xs), *states), self.shardings)
+
+    def member(self, stacked, index: int, run: PreparedRun):
+        """Member ``index``'s state, laid out as its run lays it out."""
+        return jax.device_put(jax.tree.map(lambda x: x[index], stacked), run.built.shardings)
+
+    def active(self) -> jax.Array:
+        return jax.device_put(jnp.ones(self.size, bool), self.member_sharding)
+
+    def place(self, batches: list[dict]) -> dict:
+        """``{key: [M, B, ...]}`` from each member's batch of this process's rows."""
+        batch_spec = parallel.batch_sharding(self.first.mesh, self.rules).spec
+        sharding = NamedSharding(self.mesh, PartitionSpec("member", *batch_spec))
+        local = {key: np.stack([batch[key] for batch in batches]) for key in batches[0]}
+        rows = self.first.cfg.train.batch_size
+        shapes = {key: (self.size, rows, *value.shape[2:]) for key, value in local.items()}
+        return jax.make_array_from_process_local_data(sharding, local, shapes)
+
+    def compiled(self, stacked, batch, active, log):
+        """The step compiled for these arrays, after checking that it fits the devices.
+
+        Raises:
+          ConfigError: the step needs more memory than a device has."""
+        started = time.perf_counter()
+        with tracing_layout(self.mesh, self.rules):
+            lowered = self._step().lower(stacked, batch, self.numbers, active)
+        compiled = lowered.compile()
+        per_device = _step_bytes(compiled)
+        where, limit = parallel.device_memory_limit()
+        members = self.size // self.mesh.shape["member"]
+        figure = (
+            f"{per_device / 2**20:,.1f} MiB per device for {members} member"
+            f"{'s' if members > 1 else ''} ({per_device / members / 2**20:,.1f} MiB each)"
+        )
+        if limit is not None and per_device > limit:
+            raise ConfigError(
+                f"the sweep's step needs {figure}; the {where} has {limit / 2**20:,.0f} MiB: "
+                "fewer members per program (vary fewer values), a smaller train.batch_size, "
+                "or more devices"
+            )
+        log(
+            f"compiled one step for {self.size} members on mesh {parallel.describe_mesh(self.mesh)}"
+            f" in {time.perf_counter() - started:.1f} s: {figure}"
+        )
+        return compiled
+
+    def _step(self):
+        """``step(stacked, batch, numbers, active) -> (stacked, metrics, active)``: every
+        member's :func:`~.step.train_step` at once (``jax.vmap``), the stacked state donated.
+
+        A member whose flag in ``active`` is off keeps its state; one whose step is not finite
+        turns its flag off (unless ``train.skip_nonfinite``: then only that step is skipped)."""
+        cfg, built = self.first.cfg, self.first.built
+        skip = cfg.train.skip_nonfinite
+
+        def member_step(state, batch, numbers, active):
+            tx = optimizer_of(cfg.optimizer, table_schedule(numbers["lr"]), numbers)
+            new_state, metrics = train_step(
+                built.graphdef,
+                state,
+                batch,
+                task=task_of(cfg.model),
+                label_smoothing=numbers["label_smoothing"],
+                z_loss=numbers["z_loss"],
+                loss_chunk=cfg.train.loss_chunk,
+                grad_accum_steps=cfg.train.grad_accum_steps,
+                tx=tx,
+            )
+            state = jax.lax.cond(active, lambda: new_state, lambda: state)
+            return state, metrics, active & (metrics["finite"] | skip)
+
+        spread = self.member_sharding
+        return jax.jit(
+            jax.vmap(member_step, spmd_axis_name="member"),
+            donate_argnums=0,
+            out_shardings=(self.shardings, spread, spread),
+        )
 
 
-def _member_numbers(configs: list[TrainConfig], tables: list, mesh) -> dict[str, jax.Array]:
+def member_mesh(mesh: jax.sharding.Mesh, members: int) -> jax.sharding.Mesh:
+    """``mesh`` with a ``member`` axis in front, taken from its ``data`` axis: as many devices
+    as the largest divisor of both ``members`` and the ``data`` size (the members spread over
+    them), the rest of ``data`` left to each member's batch."""
+    data = mesh.shape["data"]
+    spread = math.gcd(members, data)
+    devices = mesh.devices.reshape(spread, data // spread, *mesh.devices.shape[1:])
+    names = ("member", *mesh.axis_names)
+    return jax.sharding.Mesh(devices, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def _step_bytes(compiled) -> int:
+    """The bytes a device holds while the compiled step runs: its arguments, outputs and
+    temporaries, less the donated arguments' bytes the outputs reuse."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return 0
+    held = stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+    return held - stats.alias_size_in_bytes
+
+
+def _member_numbers(configs: list[TrainConfig], tables: list) -> dict[str, jax.Array]:
     """Each member's numbers, stacked: ``lr`` ``[M, steps]`` (its schedule's rate by step),
     the optimizer's :data:`~.optim.NUMBERS` and the loss's, ``[M]`` float32."""
     numbers = {"lr": jnp.stack(tables)}
@@ -392,37 +477,7 @@ def _member_numbers(configs: list[TrainConfig], tables: list, mesh) -> dict[str,
         numbers[name] = jnp.asarray([0.0 if v is None else v for v in values], jnp.float32)
     for name in LOSS_NUMBERS:
         numbers[name] = jnp.asarray([getattr(c.train, name) for c in configs], jnp.float32)
-    return jax.device_put(numbers, NamedSharding(mesh, PartitionSpec()))
-
-
-def _stacked_shardings(shardings, mesh):
-    """Each array's sharding with the member axis in front (whole on every device)."""
-    return jax.tree.map(
-        lambda s: NamedSharding(mesh, PartitionSpec(None, *s.spec)),
-        shardings,
-        is_leaf=lambda x: isinstance(x, NamedSharding),
-    )
-
-
-def _stack(states: list, mesh):
-    """The members' states stacked on a leading member axis."""
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *states)
-
-
-def _stacked_place(first: PreparedRun, size: int):
-    """``place([batch per member]) -> {key: [M, B, ...]}`` on the mesh, the rows of each
-    member's batch laid out as a run's are."""
-    sharding = parallel.batch_sharding(first.mesh, first.cfg.mesh.rules)
-    stacked = NamedSharding(first.mesh, PartitionSpec(None, *sharding.spec))
-    global_batch = first.cfg.train.batch_size
-
-    def place(batches):
-        keys = batches[0].keys()
-        local = {key: np.stack([batch[key] for batch in batches]) for key in keys}
-        shapes = {key: (size, global_batch, *value.shape[2:]) for key, value in local.items()}
-        return jax.make_array_from_process_local_data(stacked, local, shapes)
-
-    return place
+    return numbers
 
 
 def _prefixed(name: str, log):

@@ -10,6 +10,7 @@ the difference of two groups' means with its standard error.
 
 from __future__ import annotations
 
+import json
 import math
 import pathlib
 import statistics
@@ -90,6 +91,52 @@ def difference(a: dict, b: dict, metric: str) -> dict:
     return {"difference": diff, "stderr": stderr, "within_noise": abs(diff) < 2 * stderr}
 
 
+def is_sweep(path: pathlib.Path) -> bool:
+    """Whether ``path`` names a sweep (``DIR`` holding ``sweep.json``) or one of its groups
+    (``DIR:GROUP``)."""
+    directory = pathlib.Path(str(path).rpartition(":")[0] or path)
+    return (pathlib.Path(path) / "sweep.json").is_file() or (directory / "sweep.json").is_file()
+
+
+def sweep_groups(path: pathlib.Path) -> dict[str, dict]:
+    """The groups ``path`` names: every group of the sweep ``DIR``, or ``DIR:GROUP``'s one, by
+    label (``DIR:GROUP``).
+
+    Raises:
+      ValueError: no finished sweep there, or no such group (naming those there are)."""
+    text = str(path)
+    directory, group = (path, None) if (path / "sweep.json").is_file() else text.rsplit(":", 1)
+    directory = pathlib.Path(directory)
+    try:
+        groups = json.loads((directory / "sweep.json").read_text(encoding="utf-8"))["summary"]
+        groups = groups["groups"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{directory}/sweep.json: no finished sweep's summary ({error})") from None
+    if group is None:
+        return {f"{directory}:{name}": values for name, values in groups.items()}
+    if group not in groups:
+        raise ValueError(f"{directory} has no group {group!r}; its groups: {', '.join(groups)}")
+    return {text: groups[group]}
+
+
+def compare_groups(a: dict[str, dict], b: dict[str, dict]) -> list[tuple[str, str]]:
+    """The pairs of group labels to compare: the one of each side, or, for two whole sweeps,
+    the groups of the same name.
+
+    Raises:
+      ValueError: several groups on a side that the other side's names do not match."""
+    if len(a) == 1 and len(b) == 1:
+        return [(next(iter(a)), next(iter(b)))]
+    names_a = {label.rpartition(":")[2]: label for label in a}
+    names_b = {label.rpartition(":")[2]: label for label in b}
+    if names_a.keys() != names_b.keys():
+        raise ValueError(
+            f"the sides hold groups {sorted(names_a)} and {sorted(names_b)}: name one group of "
+            "each as DIR:GROUP, or compare sweeps with the same groups"
+        )
+    return [(names_a[name], names_b[name]) for name in names_a]
+
+
 def summary_table(summary: dict) -> str:
     """The groups' metrics as ``mean ± std (n)``, one row a group."""
     groups = summary["groups"]
@@ -109,7 +156,7 @@ def difference_text(metric: str, diff: dict) -> str:
     verdict = (
         "within noise (under 2 standard errors)"
         if diff["within_noise"]
-        else f"{abs(diff['difference']) / diff['stderr']:.1f} standard errors"
+        else f"{abs(diff['difference']) / diff['stderr']:.1f} standard errors: beyond noise"
     )
     return (
         f"{metric}: difference {diff['difference']:+.4g} ± {diff['stderr']:.2g} "

@@ -1,0 +1,85 @@
+"""A sweep's curves: for each seed group, the mean over its members of each metric at every
+step they all logged, with a band of one standard deviation (``ddof=1``) around it, against
+steps and against tokens.
+
+    plot_sweep(pathlib.Path("runs/seeds"))  # runs/seeds/plots/sweep.png
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+
+from flaxformer_lite.train.compare import load_runs
+from flaxformer_lite.train.figures import log_scale_if_wide, pyplot, readable_ticks
+
+CURVES = ("loss", "eval_loss", "eval_accuracy", "eval_exact_match")
+
+
+def group_curve(records: list[list[dict]], metric: str):
+    """``(steps, mean, std)`` of ``metric`` over the members' records, at the steps where every
+    member logged it; ``std`` is 0 for a group of one."""
+    by_member = [{r["step"]: r[metric] for r in rs if r.get(metric) is not None} for rs in records]
+    steps = sorted(set.intersection(*(set(values) for values in by_member)))
+    table = np.asarray([[values[step] for step in steps] for values in by_member], np.float64)
+    spread = table.std(axis=0, ddof=1) if len(by_member) > 1 else np.zeros(len(steps))
+    return np.asarray(steps), table.mean(axis=0), spread
+
+
+def plot_sweep(directory: pathlib.Path) -> list[pathlib.Path]:
+    """Writes ``directory/plots/sweep.png`` (a row per metric: by step, by tokens); returns
+    ``[path]``, or ``[]`` when no member has logged a step yet.
+
+    Raises:
+      ValueError: ``directory/sweep.json`` is not a sweep's record.
+    """
+    try:
+        saved = json.loads((directory / "sweep.json").read_text(encoding="utf-8"))
+        groups = saved["summary"]["groups"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{directory}/sweep.json: no finished sweep's summary ({error})") from None
+    runs = {
+        name: load_runs([directory / member for member in group["members"]])
+        for name, group in groups.items()
+        if group["members"]
+    }
+    logged = {k for group in runs.values() for run in group for r in run.records for k in r}
+    metrics = [metric for metric in CURVES if metric in logged]
+    if not metrics:
+        return []
+    plt = pyplot()
+    figure, axes = plt.subplots(
+        len(metrics), 2, figsize=(11, 3.6 * len(metrics) + 0.4), squeeze=False, layout="constrained"
+    )
+    for row, metric in zip(axes, metrics, strict=True):
+        for index, (name, members) in enumerate(runs.items()):
+            steps, mean, std = group_curve([run.records for run in members], metric)
+            if not len(steps):
+                continue
+            label = f"{name} (n={len(members)})"
+            for ax, xs in zip(row, (steps, steps * members[0].tokens_per_step), strict=True):
+                ax.plot(
+                    xs,
+                    mean,
+                    color=f"C{index % 10}",
+                    label=label,
+                    marker="." if len(xs) < 3 else None,
+                )
+                ax.fill_between(xs, mean - std, mean + std, color=f"C{index % 10}", alpha=0.2)
+        for ax, by in zip(row, ("step", "tokens (steps x batch_size x seq_len)"), strict=True):
+            ax.set_title(f"{metric}: mean ± std over seeds, by {by.split()[0]}")
+            ax.set_xlabel(by)
+            ax.set_ylabel(metric)
+            if "loss" in metric:
+                log_scale_if_wide(ax)
+            readable_ticks(ax)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="outside upper center", ncols=min(len(labels), 3))
+    plots = directory / "plots"
+    plots.mkdir(exist_ok=True)
+    path = plots / "sweep.png"
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return [path]

@@ -1,0 +1,228 @@
+"""Sweeps (flaxformer_lite/train/sweep.py): members trained as one vmapped program equal their
+solo runs; a diverging member stops alone; SIGTERM and the same command again continue
+bit-exactly; 8 devices equal one; the summary's means and deviations are the members' own."""
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from subprocess_env import subprocess_env
+from tiny_runs import TINY
+
+from flaxformer_lite.cli import main
+from flaxformer_lite.train import sweep as sweep_module
+from flaxformer_lite.train.config import ConfigError, load_config
+from flaxformer_lite.train.loop import Interrupted, run
+from flaxformer_lite.train.metrics import read_metrics
+from flaxformer_lite.train.sweep import sweep
+from flaxformer_lite.train.sweep_summary import difference, mean_std
+
+pytestmark = pytest.mark.fast_compile
+
+STEPS = 30
+SETTINGS = [
+    *TINY,
+    f"train.steps={STEPS}",
+    "data.train_size=2000",
+    "train.log_every=5",
+    "train.eval_every=15",
+    "checkpoint.every=100",
+    # Non-zero numbers that the members' step takes as arrays.
+    "train.label_smoothing=0.1",
+    "optimizer.weight_decay=0.1",
+    "optimizer.b2=0.99",
+]
+VARY = {"seed": ["0", "1"], "optimizer.lr": ["1e-3", "3e-3"]}
+MEMBERS = ["seed=0,lr=1e-3", "seed=0,lr=3e-3", "seed=1,lr=1e-3", "seed=1,lr=3e-3"]
+COMPARED = ("loss", "accuracy", "grad_norm", "learning_rate", "eval_loss", "eval_accuracy")
+
+
+def numbers(run_dir):
+    """Each logged record's results (not its throughput), by step."""
+    return {
+        r["step"]: {k: r[k] for k in COMPARED if k in r} for r in read_metrics(run_dir, log=None)
+    }
+
+
+def assert_close(a, b, rtol):
+    assert a.keys() == b.keys()
+    for step in a:
+        assert a[step].keys() == b[step].keys(), step
+        for key, value in a[step].items():
+            np.testing.assert_allclose(value, b[step][key], rtol=rtol, err_msg=f"{key} {step}")
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+    """Four members (two seeds x two learning rates), 30 steps, on the 8 simulated devices."""
+    directory = tmp_path_factory.mktemp("sweep") / "s"
+    cfg = load_config(None, [*SETTINGS, f"run_dir={directory}"])
+    lines = []
+    summary = sweep(cfg, VARY, log=lines.append)
+    return directory, summary, lines
+
+
+def test_the_members_are_runs_trained_as_one_program(swept):
+    directory, summary, lines = swept
+    assert sorted(p.name for p in directory.iterdir() if p.is_dir()) == MEMBERS
+    assert lines[0] == "sweep: 4 members, 1 compiled program (4 members)"
+    assert any(
+        line.startswith("compiled one step for 4 members on mesh member 4") for line in lines
+    )
+    for name in MEMBERS:
+        member = directory / name
+        assert {"config.yaml", "metrics.jsonl", "checkpoints", "tokenizer", "tb"} <= {
+            p.name for p in member.iterdir()
+        }
+        assert max(numbers(member)) == STEPS
+    saved = json.loads((directory / "sweep.json").read_text())
+    assert saved["summary"] == json.loads(json.dumps(summary))
+    assert saved["diverged"] == {}
+
+
+def test_a_member_trains_as_its_solo_run(swept, tmp_path):
+    directory, _, _ = swept
+    member = directory / "seed=1,lr=3e-3"
+    run(load_config(member / "config.yaml", [f"run_dir={tmp_path / 'solo'}"]), progress=False)
+    # The same arithmetic, vmapped and laid out over member x data instead of data alone.
+    assert_close(numbers(member), numbers(tmp_path / "solo"), rtol=2e-4)
+
+
+def test_the_summary_is_the_mean_and_sample_deviation_of_the_members_metrics(swept):
+    directory, summary, _ = swept
+    for lr in ("1e-3", "3e-3"):
+        group = summary["groups"][f"lr={lr}"]
+        assert group["members"] == [f"seed=0,lr={lr}", f"seed=1,lr={lr}"]
+        records = [read_metrics(directory / name, log=None) for name in group["members"]]
+        last = [r[-1]["eval_loss"] for r in records]
+        best = [min(x["eval_loss"] for x in r if "eval_loss" in x) for r in records]
+        losses = [next(x["loss"] for x in reversed(r) if "loss" in x) for r in records]
+        for metric, values in (("eval_loss", last), ("best_eval_loss", best), ("loss", losses)):
+            assert group[metric]["n"] == 2
+            assert group[metric]["mean"] == pytest.approx(sum(values) / 2, rel=1e-12)
+            assert group[metric]["std"] == pytest.approx(abs(values[0] - values[1]) / 2**0.5)
+
+
+def test_sigterm_then_the_same_sweep_again_equals_an_unbroken_sweep(swept, tmp_path, monkeypatch):
+    directory, _, _ = swept
+    compiled = sweep_module._GroupProgram.compiled
+
+    def stopping_at_step_12(self, *args):
+        step_fn, calls = compiled(self, *args), []
+
+        def step(*step_args):
+            calls.append(1)
+            if len(calls) == 12:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return step_fn(*step_args)
+
+        return step
+
+    cfg = load_config(None, [*SETTINGS, f"run_dir={tmp_path / 's'}"])
+    monkeypatch.setattr(sweep_module._GroupProgram, "compiled", stopping_at_step_12)
+    with pytest.raises(Interrupted) as stopped:
+        sweep(cfg, VARY, log=lambda _: None)
+    assert stopped.value.step == 12
+    monkeypatch.undo()
+    lines = []
+    sweep(cfg, VARY, log=lines.append)
+    assert (
+        f"{MEMBERS[0]}: resumed from step 12 of {tmp_path / 's' / MEMBERS[0]}/checkpoints" in lines
+    )
+    for name in MEMBERS:
+        assert numbers(tmp_path / "s" / name) == numbers(directory / name), name
+
+
+def test_a_diverging_member_is_frozen_and_the_others_train_on(swept, tmp_path):
+    directory, _, _ = swept
+    cfg = load_config(None, [*SETTINGS, f"run_dir={tmp_path / 's'}", "seed=0"])
+    lines = []
+    summary = sweep(cfg, {"optimizer.lr": ["3e-3", "1e30"]}, log=lines.append)
+    step = summary["members"]["lr=1e30"]["diverged_at"]
+    assert isinstance(step, int) and 1 <= step < STEPS
+    assert (
+        f"lr=1e30: the loss or a gradient is not finite at step {step}; the member is frozen at "
+        f"step {step - 1} and trains no further (the others go on)"
+    ) in lines
+    assert max(numbers(tmp_path / "s" / "lr=1e30"), default=0) < step
+    assert summary["groups"]["lr=1e30"]["diverged"] == ["lr=1e30"]
+    # Two members laid out over member 2 x data 4, where the four were member 4 x data 2.
+    assert_close(numbers(tmp_path / "s" / "lr=3e-3"), numbers(directory / "seed=0,lr=3e-3"), 2e-4)
+    saved = json.loads((tmp_path / "s" / "sweep.json").read_text())
+    assert saved["diverged"] == {"lr=1e30": step}
+
+
+def test_a_sweep_on_one_device_equals_the_sweep_on_eight(swept, tmp_path):
+    directory, _, _ = swept
+    entry = "import sys; from flaxformer_lite.cli import main; sys.exit(main())"
+    command = [sys.executable, "-c", entry, "sweep", *SETTINGS]
+    command += [
+        f"run_dir={tmp_path / 's'}",
+        "--vary",
+        "seed=0,1",
+        "--vary",
+        "optimizer.lr=1e-3,3e-3",
+    ]
+    result = subprocess.run(
+        command, env=subprocess_env(1), capture_output=True, text=True, timeout=600, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert "on mesh member 1 x data 1 x fsdp 1 x tensor 1 (1 cpu device" in result.stdout
+    for name in MEMBERS:
+        assert_close(numbers(tmp_path / "s" / name), numbers(directory / name), rtol=2e-4)
+
+
+def test_another_sweep_in_the_directory_is_refused_with_the_differences(swept):
+    directory, _, _ = swept
+    before = (directory / "sweep.json").read_text()
+    cfg = load_config(None, [*SETTINGS, f"run_dir={directory}", "optimizer.b1=0.8"])
+    with pytest.raises(ConfigError) as refused:
+        sweep(cfg, {"seed": ["0", "1", "2"]}, log=lambda _: None)
+    message = str(refused.value)
+    assert "holds another sweep" in message and "optimizer.b1: 0.9 -> 0.8" in message
+    assert "members new in it ['seed=0', 'seed=1', 'seed=2']" in message
+    assert (directory / "sweep.json").read_text() == before
+
+
+@pytest.mark.parametrize(
+    ("arguments", "says"),
+    [
+        (["--vary", "optimizer.lrr=1,2"], "did you mean 'optimizer.lr'?"),
+        (["--vary", "train.batch_size=8,x"], "train.batch_size"),
+        ([], "a sweep varies at least one setting"),
+        (["--vary", "seed=1,1"], "two members are named 'seed=1'"),
+        (["--vary", "seed"], "--vary takes KEY=V1,V2,..."),
+        (["--vary", "run_dir=a,b"], "run_dir is the sweep's"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, capsys, arguments, says):
+    status = main(["sweep", *arguments, f"run_dir={tmp_path / 's'}"])
+    err = capsys.readouterr().err
+    assert status == 2 and says in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "s").exists()
+
+
+def test_a_directory_holding_a_run_is_refused(tmp_path, capsys):
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert main(["sweep", "--vary", "seed=0,1", f"run_dir={tmp_path / 's'}"]) == 2
+    assert "holds a run (train.py's), not a sweep" in capsys.readouterr().err
+    assert [p.name for p in (tmp_path / "s").iterdir()] == ["metrics.jsonl"]
+
+
+def test_the_difference_of_two_groups_has_its_standard_error():
+    a, b = mean_std([1.0, 2.0, 3.0]), mean_std([3.0, 4.0, 5.0, 6.0])
+    assert a == {"mean": 2.0, "std": 1.0, "n": 3}
+    diff = difference({"x": a}, {"x": b}, "x")
+    stderr = (1.0 / 3 + statistics.variance([3.0, 4.0, 5.0, 6.0]) / 4) ** 0.5
+    assert diff["difference"] == 2.5 and diff["stderr"] == pytest.approx(stderr)
+    assert diff["within_noise"] is False  # 2.5 > 2 * 0.866
+    close = difference({"x": a}, {"x": mean_std([2.5, 1.5, 3.5])}, "x")
+    assert close["within_noise"] is True
+    single = difference({"x": mean_std([1.0])}, {"x": b}, "x")
+    assert single["stderr"] is None and single["within_noise"] is None
