@@ -20,6 +20,8 @@ from flaxformer_lite.train.config import ConfigError, load_config
 from flaxformer_lite.train.loop import Interrupted, run
 from flaxformer_lite.train.metrics import read_metrics
 from flaxformer_lite.train.sweep import sweep
+from flaxformer_lite.train.sweep_members import split_settings, sweep_members
+from flaxformer_lite.train.sweep_plot import group_curve
 from flaxformer_lite.train.sweep_summary import difference, mean_std
 
 pytestmark = pytest.mark.fast_compile
@@ -226,3 +228,51 @@ def test_the_difference_of_two_groups_has_its_standard_error():
     assert close["within_noise"] is True
     single = difference({"x": mean_std([1.0])}, {"x": b}, "x")
     assert single["stderr"] is None and single["within_noise"] is None
+
+
+@pytest.mark.parametrize(
+    ("vary", "programs"),
+    [
+        # Numbers of the step: one program.
+        ({"optimizer.schedule": ["cosine", "linear"], "optimizer.b1": ["0.8", "0.9"]}, [4]),
+        ({"optimizer.clip_norm": ["1.0", "2.0"], "train.z_loss": ["0", "1e-4"]}, [4]),
+        # Settings the traced step does not see: one program.
+        ({"model.init_std": ["0.02", "0.05"]}, [2]),
+        # The graph or the shapes: a program each.
+        ({"model.num_decoder_layers": ["1", "2"], "seed": ["0", "1"]}, [2, 2]),
+        ({"model.residual_dropout": ["0.1", "0.2"]}, [1, 1]),
+        ({"optimizer.clip_norm": ["1.0", "null"]}, [1, 1]),
+    ],
+)
+def test_members_share_a_program_exactly_when_their_steps_are_the_same(vary, programs):
+    cfg = load_config(None, [*TINY, "run_dir=unused"])
+    groups = sweep_module._groups(sweep_members(cfg, vary))
+    assert [len(group) for group in groups] == programs
+    if len(programs) > 1:
+        assert split_settings(sweep_members(cfg, vary), groups) == [next(iter(vary))]
+
+
+def test_compare_two_groups_says_the_difference_its_error_and_whether_it_is_noise(swept, capsys):
+    directory, summary, _ = swept
+    assert main(["compare", f"{directory}:lr=1e-3", f"{directory}:lr=3e-3"]) == 0
+    printed = capsys.readouterr().out
+    a, b = summary["groups"]["lr=1e-3"], summary["groups"]["lr=3e-3"]
+    diff = difference(a, b, "eval_loss")
+    assert f"eval_loss: difference {diff['difference']:+.4g} ± {diff['stderr']:.2g}" in printed
+    assert ("within noise" if diff["within_noise"] else "beyond noise") in printed
+    assert main(["compare", str(directory), str(directory / MEMBERS[0])]) == 2
+    assert "compare takes two sweeps" in capsys.readouterr().err
+    assert main(["compare", f"{directory}:lr=1", f"{directory}:lr=3e-3"]) == 2
+    assert "has no group 'lr=1'; its groups: lr=1e-3, lr=3e-3" in capsys.readouterr().err
+
+
+def test_plot_draws_each_group_s_mean_and_spread(swept, capsys):
+    directory, _, _ = swept
+    assert main(["plot", str(directory)]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {directory / 'plots' / 'sweep.png'}"
+    records = [read_metrics(directory / name, log=None) for name in MEMBERS[1::2]]  # lr=3e-3
+    steps, mean, std = group_curve(records, "eval_loss")
+    assert list(steps) == [15, 30]
+    values = [[r["eval_loss"] for r in rs if "eval_loss" in r] for rs in records]
+    np.testing.assert_allclose(mean, np.mean(values, axis=0), rtol=1e-12)
+    np.testing.assert_allclose(std, np.std(values, axis=0, ddof=1), rtol=1e-12)

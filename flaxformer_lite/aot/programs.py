@@ -23,18 +23,17 @@ from jax.experimental import mesh_utils
 
 from flaxformer_lite import parallel
 from flaxformer_lite.aot.topology import Topology, topology_devices
-from flaxformer_lite.data import tasks
 from flaxformer_lite.decode import generate, seq2seq_generate
 from flaxformer_lite.models import build_model, training_flops_per_token
 from flaxformer_lite.ops.attention_choice import recorded_choices
 from flaxformer_lite.train.config import TrainConfig
 from flaxformer_lite.train.program import (
+    abstract_batch,
     build_train_state,
     configured_train_step,
     resolve_mesh,
     tracing_layout,
 )
-from flaxformer_lite.train.step import task_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,27 +164,3 @@ def _generation(cfg: TrainConfig, mesh, max_new_tokens: int):
 def _params(state: nnx.State, shardings: nnx.State) -> tuple[nnx.State, nnx.State]:
     """The parameters of a model's ``state`` and their shardings."""
     return nnx.filter_state(state, nnx.Param), nnx.filter_state(shardings, nnx.Param)
-
-
-def abstract_batch(cfg: TrainConfig, sharding) -> dict[str, jax.ShapeDtypeStruct]:
-    """The abstract global batch of ``cfg``'s task, each array split by ``sharding`` along its
-    first axis: the arrays of :mod:`flaxformer_lite.data.tasks`, packed as the data pipeline
-    packs them (``data.packing``; by default ``lm`` rows).
-
-    Raises:
-      ValueError: a model with continuous inputs or outputs (no token batches to describe), or
-        ``data.packing=true`` for a task other than ``lm``.
-    """
-    if cfg.model.input_dim is not None or cfg.model.output_dim is not None:
-        raise ValueError("compile takes token models; model.input_dim/output_dim are set")
-    task = task_of(cfg.model)
-    shapes = tasks.batch_shapes(
-        task,
-        packed=tasks.is_packed(task, cfg.data.packing),
-        batch_size=cfg.train.batch_size,
-        seq_len=cfg.data.seq_len,
-    )
-    return {
-        name: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-        for name, (shape, dtype) in shapes.items()
-    }

@@ -1,7 +1,7 @@
 """The four training tasks and each one's batch: the one description that the data pipeline
 makes (:mod:`flaxformer_lite.data.pipeline`), the train step reads
 (:func:`flaxformer_lite.train.step.model_loss`) and ``flaxformer-lite compile`` traces with
-(:func:`flaxformer_lite.aot.programs.abstract_batch`).
+(:func:`flaxformer_lite.train.program.abstract_batch`).
 
 A batch is a dict of arrays, each of :class:`Array` ``(shape, dtype, meaning)`` with its shape
 in the project's letters: ``B`` rows, ``T = data.seq_len`` positions of the target side, and

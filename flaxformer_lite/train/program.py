@@ -13,6 +13,7 @@ import jax
 from flax import nnx
 
 from flaxformer_lite import parallel
+from flaxformer_lite.data import tasks
 from flaxformer_lite.models import build_model
 from flaxformer_lite.train.config import TrainConfig
 from flaxformer_lite.train.optim import make_optimizer
@@ -106,3 +107,27 @@ def train_and_eval_graphdefs(graphdef, state):
     train_graphdef = nnx.split((model, optimizer))[0]
     model.eval()
     return train_graphdef, nnx.split((model, optimizer))[0]
+
+
+def abstract_batch(cfg: TrainConfig, sharding) -> dict[str, jax.ShapeDtypeStruct]:
+    """The abstract global batch of ``cfg``'s task, each array split by ``sharding`` along its
+    first axis: the arrays of :mod:`flaxformer_lite.data.tasks`, packed as the data pipeline
+    packs them (``data.packing``; by default ``lm`` rows).
+
+    Raises:
+      ValueError: a model with continuous inputs or outputs (no token batches to describe), or
+        ``data.packing=true`` for a task other than ``lm``.
+    """
+    if cfg.model.input_dim is not None or cfg.model.output_dim is not None:
+        raise ValueError("compile takes token models; model.input_dim/output_dim are set")
+    task = task_of(cfg.model)
+    shapes = tasks.batch_shapes(
+        task,
+        packed=tasks.is_packed(task, cfg.data.packing),
+        batch_size=cfg.train.batch_size,
+        seq_len=cfg.data.seq_len,
+    )
+    return {
+        name: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+        for name, (shape, dtype) in shapes.items()
+    }

@@ -34,12 +34,23 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from flaxformer_lite import parallel
 from flaxformer_lite.models import training_flops_per_token
 from flaxformer_lite.train.actions import Evaluate, LogTrain, SaveCheckpoint, StepEnd, Throughput
-from flaxformer_lite.train.config import ConfigError, TrainConfig, config_diff, is_runtime_key
+from flaxformer_lite.train.config import (
+    ConfigError,
+    TrainConfig,
+    _flatten,
+    config_diff,
+    is_runtime_key,
+)
 from flaxformer_lite.train.console import Console
 from flaxformer_lite.train.loop import PreparedRun, _NoMetrics, prepare
 from flaxformer_lite.train.metrics import MetricsWriter, peak_flops
 from flaxformer_lite.train.optim import NUMBERS, optimizer_of, schedule_table, table_schedule
-from flaxformer_lite.train.program import build_train_state, resolve_mesh, tracing_layout
+from flaxformer_lite.train.program import (
+    abstract_batch,
+    build_train_state,
+    resolve_mesh,
+    tracing_layout,
+)
 from flaxformer_lite.train.restore import from_savable, restore_target
 from flaxformer_lite.train.resume import restore_data_state
 from flaxformer_lite.train.run_dir import RunDir, move_aside
@@ -47,8 +58,9 @@ from flaxformer_lite.train.signals import Interrupted, SignalAgreement, stop_on_
 from flaxformer_lite.train.step import make_eval_step, task_of, train_step
 from flaxformer_lite.train.sweep_members import (
     LOSS_NUMBERS,
+    PER_MEMBER,
     Member,
-    program_key,
+    numbers_aside,
     split_settings,
     sweep_members,
 )
@@ -164,10 +176,12 @@ def _check_same_sweep(directory: pathlib.Path, old: dict, new: dict, force: bool
 def _groups(members: list[Member]) -> list[list[Member]]:
     """The members by program: those whose :func:`program_key` is equal, in the sweep's order."""
     groups: list[tuple[tuple, list[Member]]] = []
+    traced: dict[str, tuple] = {}  # one trace for the members that differ only in numbers
     for member in members:
-        cfg, mesh = resolve_mesh(member.cfg)
-        built = build_train_state(cfg, mesh, abstract=True)
-        key = program_key(cfg, built.graphdef, built.state)
+        aside = numbers_aside(member.cfg)
+        if aside not in traced:
+            traced[aside] = program_key(member.cfg)
+        key = traced[aside]
         same = next((group for known, group in groups if known == key), None)
         if same is None:
             groups.append((key, [member]))
@@ -415,36 +429,62 @@ class _GroupProgram:
         return compiled
 
     def _step(self):
-        """``step(stacked, batch, numbers, active) -> (stacked, metrics, active)``: every
-        member's :func:`~.step.train_step` at once (``jax.vmap``), the stacked state donated.
-
-        A member whose flag in ``active`` is off keeps its state; one whose step is not finite
-        turns its flag off (unless ``train.skip_nonfinite``: then only that step is skipped)."""
-        cfg, built = self.first.cfg, self.first.built
-        skip = cfg.train.skip_nonfinite
-
-        def member_step(state, batch, numbers, active):
-            tx = optimizer_of(cfg.optimizer, table_schedule(numbers["lr"]), numbers)
-            new_state, metrics = train_step(
-                built.graphdef,
-                state,
-                batch,
-                task=task_of(cfg.model),
-                label_smoothing=numbers["label_smoothing"],
-                z_loss=numbers["z_loss"],
-                loss_chunk=cfg.train.loss_chunk,
-                grad_accum_steps=cfg.train.grad_accum_steps,
-                tx=tx,
-            )
-            state = jax.lax.cond(active, lambda: new_state, lambda: state)
-            return state, metrics, active & (metrics["finite"] | skip)
-
+        """Every member's :func:`member_step` at once (``jax.vmap``), jitted with the stacked
+        state donated."""
         spread = self.member_sharding
         return jax.jit(
-            jax.vmap(member_step, spmd_axis_name="member"),
+            jax.vmap(
+                member_step(self.first.cfg, self.first.built.graphdef), spmd_axis_name="member"
+            ),
             donate_argnums=0,
             out_shardings=(self.shardings, spread, spread),
         )
+
+
+def member_step(cfg: TrainConfig, graphdef):
+    """``step(state, batch, numbers, active) -> (state, metrics, active)``: a member's
+    :func:`~.step.train_step` with its numbers (:func:`_member_numbers`) as arrays.
+
+    A member whose ``active`` flag is off keeps its state; one whose step is not finite turns
+    its flag off (unless ``train.skip_nonfinite``: then only that step is skipped)."""
+    skip = cfg.train.skip_nonfinite
+
+    def step(state, batch, numbers, active):
+        tx = optimizer_of(cfg.optimizer, table_schedule(numbers["lr"]), numbers)
+        new_state, metrics = train_step(
+            graphdef,
+            state,
+            batch,
+            task=task_of(cfg.model),
+            label_smoothing=numbers["label_smoothing"],
+            z_loss=numbers["z_loss"],
+            loss_chunk=cfg.train.loss_chunk,
+            grad_accum_steps=cfg.train.grad_accum_steps,
+            tx=tx,
+        )
+        state = jax.lax.cond(active, lambda: new_state, lambda: state)
+        return state, metrics, active & (metrics["finite"] | skip)
+
+    return step
+
+
+def program_key(cfg: TrainConfig) -> tuple[str, str]:
+    """What a member's compiled step is made of: equal keys, one program. The step traced
+    (its jaxpr: the model's graph, the optimizer's structure, the loss, every shape and dtype;
+    not the numbers, which are arguments), and the settings of the loop that steps it."""
+    mesh = resolve_mesh(cfg)[1]
+    built = build_train_state(cfg, mesh, abstract=True)
+    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), built.state)
+    steps = max(cfg.train.steps, 1)
+    numbers = jax.tree.map(lambda x: x[0], _member_numbers([cfg], [jnp.zeros(steps)]))
+    batch = abstract_batch(cfg, None)
+    jaxpr = jax.make_jaxpr(member_step(cfg, built.graphdef))(state, batch, numbers, True)
+    loop = {
+        key: value
+        for key, value in _flatten(cfg.to_dict()).items()
+        if key.split(".")[0] in ("train", "checkpoint", "mesh") and key not in PER_MEMBER
+    }
+    return str(jaxpr), repr(sorted(loop.items()))
 
 
 def member_mesh(mesh: jax.sharding.Mesh, members: int) -> jax.sharding.Mesh:

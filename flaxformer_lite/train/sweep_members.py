@@ -4,12 +4,13 @@ name, and the groups of members that can train as one compiled program.
     members = sweep_members(cfg, {"seed": [0, 1, 2], "optimizer.lr": ["1e-3", "3e-3"]})
     # six members, "lr=1e-3,seed=0" ... in cfg.run_dir/<name>
 
-Which members share a program is read from what the program is made of, not from a list of
-settings: the model's graph (its static attributes: widths, depth, norms, dropout rates, the
-attention variant), the train state's structure, shapes and dtypes, and the step's own settings
-(:func:`program_key`). Members that differ only in numbers the step takes as arrays (the seed,
-the learning-rate schedule, the optimizer's :data:`~.optim.NUMBERS`, label smoothing, z-loss, an
-initialization scale) have equal keys.
+Which members share a program is read from the program itself (:func:`.sweep.program_key`:
+the traced step, whose arguments carry the numbers): members that differ only in the numbers the
+step takes as arrays (:data:`PER_MEMBER`: the seed, the learning-rate schedule, the optimizer's
+:data:`~.optim.NUMBERS`, label smoothing, z-loss) are traced once (:func:`numbers_aside`); others
+are traced each, and share a program when their steps are the same (an initialization scale,
+a data file) and not when they differ (width, depth, norms, dropout rates, the attention
+variant).
 """
 
 from __future__ import annotations
@@ -20,9 +21,6 @@ import pathlib
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
-
-import jax
-from flax import nnx
 
 from flaxformer_lite.train.config import (
     ConfigError,
@@ -40,6 +38,12 @@ LOSS_NUMBERS = ("label_smoothing", "z_loss")
 # The optimizer's settings that make up its learning-rate schedule, which a member's step reads
 # from a table of rates computed for it (:func:`~.optim.schedule_table`).
 SCHEDULE_SETTINGS = ("lr", "schedule", "warmup_steps", "end_lr_ratio", "schedule_steps")
+# The settings that are a member's own numbers in its group's program (or its own directory).
+PER_MEMBER = frozenset(
+    {"seed", "run_dir"}
+    | {f"train.{name}" for name in LOSS_NUMBERS}
+    | {f"optimizer.{name}" for name in (*NUMBERS, *SCHEDULE_SETTINGS)}
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,26 +130,14 @@ def member_config(cfg: TrainConfig, settings: Mapping[str, Any], run_dir) -> Tra
         raise ConfigError(f"--vary {', '.join(settings)}: {error}") from None
 
 
-def program_key(cfg: TrainConfig, graphdef, state) -> tuple:
-    """What a member's compiled step is made of: equal keys, one program.
-
-    ``graphdef, state``: the member's train state (:class:`~.program.TrainState`, abstract);
-    the optimizer's transformation is left out of the graph (its numbers are the member's), its
-    state's structure is kept."""
-    model_def = nnx.split(nnx.merge(graphdef, state, copy=True)[0])[0]
-    shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(state))
-    per_member = {f"train.{n}" for n in LOSS_NUMBERS}
-    per_member |= {f"optimizer.{n}" for n in (*NUMBERS, *SCHEDULE_SETTINGS)}
-    per_member |= {"seed", "run_dir", "optimizer.clip_norm"}
-    settings = {
-        key: value
-        for key, value in _flatten(cfg.to_dict()).items()
-        if key.split(".")[0] in ("train", "optimizer", "checkpoint", "mesh")
-        or key == "data.seq_len"
-    }
-    settings = {k: v for k, v in settings.items() if k not in per_member}
-    clipped = cfg.optimizer.clip_norm is not None
-    return model_def, jax.tree.structure(state), shapes, repr(sorted(settings.items())), clipped
+def numbers_aside(cfg: TrainConfig) -> str:
+    """``cfg`` without the settings the sweep's step takes as numbers (:data:`PER_MEMBER`):
+    members that differ only in those train as one program. Whether ``clip_norm`` is set stays
+    (clipping is a step of its own in the optimizer)."""
+    flat = _flatten(cfg.to_dict())
+    kept = {key: value for key, value in flat.items() if key not in PER_MEMBER}
+    kept["optimizer.clip_norm"] = flat["optimizer.clip_norm"] is not None
+    return repr(sorted(kept.items()))
 
 
 def split_settings(members: Sequence[Member], groups: Sequence[Sequence[Member]]) -> list[str]:
