@@ -1,8 +1,9 @@
 """flaxformer_lite: a readable, exact and shardable JAX/Flax Transformer library.
 
-from flaxformer_lite import load_run, export_run
+from flaxformer_lite import load_run, export_run, sweep
 run = load_run("runs/default")                        # model, tokenizer, config, step
 export_run("runs/default", "exports/default")         # a Hugging Face directory
+sweep(cfg, {"seed": [0, 1, 2]})                       # members as one program; mean ± std
 """
 
 __version__ = "0.1.0"
@@ -13,6 +14,7 @@ _LAZY = {
     "load_run": "flaxformer_lite.train.restore",
     "LoadedRun": "flaxformer_lite.train.restore",
     "export_run": "flaxformer_lite.train.export",
+    "sweep": "flaxformer_lite.train.sweep",
 }
 __all__ = ["__version__", *_LAZY]
 

@@ -29,9 +29,11 @@ from flaxformer_lite.cli.compile import compile_parser
 from flaxformer_lite.cli.config import config_parser
 from flaxformer_lite.cli.export import export_parser
 from flaxformer_lite.cli.prepare import prepare_parser
+from flaxformer_lite.cli.sweep import sweep_parser
 from flaxformer_lite.cli.train import add_train_arguments
 from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.recipes import recipe_path
+from flaxformer_lite.train.sweep_members import parse_vary, sweep_members
 
 # XLA's backend optimizations off (conftest.py): the Python blocks train, decode and export
 # tiny models, where compiling is most of the time; the documentation's other checks compile
@@ -179,6 +181,12 @@ def test_documented_command_is_valid(name, command, tmp_path, monkeypatch):
             args = _parse(prepare_parser().parse_intermixed_args, rest, command)
             monkeypatch.chdir(tmp_path)
             assert load_config(None, args.overrides).data.source in ("text", "jsonl", "parallel")
+        elif subcommand == "sweep":
+            args = _parse(sweep_parser().parse_intermixed_args, rest, command)
+            monkeypatch.chdir(tmp_path)
+            sweep_members(
+                load_config(_config_file(args.config), args.overrides), parse_vary(args.vary)
+            )
         elif subcommand == "compare":
             _parse(compare_parser().parse_intermixed_args, rest, command)
         elif subcommand == "config":

@@ -34,6 +34,13 @@ EXAMPLES = (
 
 def sweep_main(argv: list[str] | None = None) -> int:
     """``flaxformer-lite sweep``: train (or resume) the sweep."""
+    args = sweep_parser().parse_intermixed_args(argv)
+    with exit_on_signals():  # importing JAX takes seconds too
+        return _sweep(args)
+
+
+def sweep_parser() -> CommandParser:
+    """The ``sweep`` command's arguments."""
     parser = CommandParser(prog="flaxformer-lite sweep", description=DESCRIPTION, examples=EXAMPLES)
     parser.add_argument("--config", type=pathlib.Path, help=CONFIG_HELP)
     parser.add_argument(
@@ -52,12 +59,13 @@ def sweep_main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "overrides", nargs="*", metavar="key=value", help="settings of every member"
     )
-    args = parser.parse_intermixed_args(argv)
-    with exit_on_signals():
-        return _sweep(args)
+    return parser
 
 
 def _sweep(args) -> int:
+    from flaxformer_lite.train.host_memory import reuse_freed_host_memory
+
+    reuse_freed_host_memory()  # before JAX starts its backend's threads
     from flaxformer_lite.train.config import load_config
     from flaxformer_lite.train.loop import Interrupted
     from flaxformer_lite.train.sweep import sweep
