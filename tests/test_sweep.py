@@ -61,11 +61,12 @@ def assert_close(a, b, rtol):
 
 @pytest.fixture(scope="module")
 def swept(tmp_path_factory):
-    """Four members (two seeds x two learning rates), 30 steps, on the 8 simulated devices."""
+    """Four members (two seeds x two learning rates), 30 steps, vmapped over the 8 simulated
+    devices (on a CPU a sweep steps its members in turn unless told to vmap them)."""
     directory = tmp_path_factory.mktemp("sweep") / "s"
     cfg = load_config(None, [*SETTINGS, f"run_dir={directory}"])
     lines = []
-    summary = sweep(cfg, VARY, log=lines.append)
+    summary = sweep(cfg, VARY, vmap=True, log=lines.append)
     return directory, summary, lines
 
 
@@ -74,7 +75,8 @@ def test_the_members_are_runs_trained_as_one_program(swept):
     assert sorted(p.name for p in directory.iterdir() if p.is_dir()) == MEMBERS
     assert lines[0] == "sweep: 4 members, 1 compiled program (4 members)"
     assert any(
-        line.startswith("compiled one step for 4 members on mesh member 4") for line in lines
+        line.startswith("compiled one step for 4 members, vmapped, on mesh member 4 x data 2")
+        for line in lines
     )
     for name in MEMBERS:
         member = directory / name
@@ -112,7 +114,7 @@ def test_the_summary_is_the_mean_and_sample_deviation_of_the_members_metrics(swe
 
 def test_sigterm_then_the_same_sweep_again_equals_an_unbroken_sweep(swept, tmp_path, monkeypatch):
     directory, _, _ = swept
-    compiled = sweep_module._GroupProgram.compiled
+    compiled = sweep_module._VmappedProgram.compiled
 
     def stopping_at_step_12(self, *args):
         step_fn, calls = compiled(self, *args), []
@@ -126,13 +128,13 @@ def test_sigterm_then_the_same_sweep_again_equals_an_unbroken_sweep(swept, tmp_p
         return step
 
     cfg = load_config(None, [*SETTINGS, f"run_dir={tmp_path / 's'}"])
-    monkeypatch.setattr(sweep_module._GroupProgram, "compiled", stopping_at_step_12)
+    monkeypatch.setattr(sweep_module._VmappedProgram, "compiled", stopping_at_step_12)
     with pytest.raises(Interrupted) as stopped:
-        sweep(cfg, VARY, log=lambda _: None)
+        sweep(cfg, VARY, vmap=True, log=lambda _: None)
     assert stopped.value.step == 12
     monkeypatch.undo()
     lines = []
-    sweep(cfg, VARY, log=lines.append)
+    sweep(cfg, VARY, vmap=True, log=lines.append)
     assert (
         f"{MEMBERS[0]}: resumed from step 12 of {tmp_path / 's' / MEMBERS[0]}/checkpoints" in lines
     )
@@ -144,7 +146,7 @@ def test_a_diverging_member_is_frozen_and_the_others_train_on(swept, tmp_path):
     directory, _, _ = swept
     cfg = load_config(None, [*SETTINGS, f"run_dir={tmp_path / 's'}", "seed=0"])
     lines = []
-    summary = sweep(cfg, {"optimizer.lr": ["3e-3", "1e30"]}, log=lines.append)
+    summary = sweep(cfg, {"optimizer.lr": ["3e-3", "1e30"]}, log=lines.append)  # in turn
     step = summary["members"]["lr=1e30"]["diverged_at"]
     assert isinstance(step, int) and 1 <= step < STEPS
     assert (
@@ -153,13 +155,16 @@ def test_a_diverging_member_is_frozen_and_the_others_train_on(swept, tmp_path):
     ) in lines
     assert max(numbers(tmp_path / "s" / "lr=1e30"), default=0) < step
     assert summary["groups"]["lr=1e30"]["diverged"] == ["lr=1e30"]
-    # Two members laid out over member 2 x data 4, where the four were member 4 x data 2.
+    assert any(
+        line.startswith("compiled one step for 2 members, run for each in turn") for line in lines
+    )
+    # Each member over data 8 and stepped alone, where the four were vmapped over member 4 x data 2.
     assert_close(numbers(tmp_path / "s" / "lr=3e-3"), numbers(directory / "seed=0,lr=3e-3"), 2e-4)
     saved = json.loads((tmp_path / "s" / "sweep.json").read_text())
     assert saved["diverged"] == {"lr=1e30": step}
 
 
-def test_a_sweep_on_one_device_equals_the_sweep_on_eight(swept, tmp_path):
+def test_a_sweep_on_one_device_stepped_in_turn_equals_the_sweep_vmapped_on_eight(swept, tmp_path):
     directory, _, _ = swept
     entry = "import sys; from flaxformer_lite.cli import main; sys.exit(main())"
     command = [sys.executable, "-c", entry, "sweep", *SETTINGS]
@@ -174,7 +179,7 @@ def test_a_sweep_on_one_device_equals_the_sweep_on_eight(swept, tmp_path):
         command, env=subprocess_env(1), capture_output=True, text=True, timeout=600, check=False
     )
     assert result.returncode == 0, result.stderr
-    assert "on mesh member 1 x data 1 x fsdp 1 x tensor 1 (1 cpu device" in result.stdout
+    assert "in turn, on mesh data 1 x fsdp 1 x tensor 1 (1 cpu device" in result.stdout
     for name in MEMBERS:
         assert_close(numbers(tmp_path / "s" / name), numbers(directory / name), rtol=2e-4)
 

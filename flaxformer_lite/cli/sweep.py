@@ -10,6 +10,7 @@ checkpoints written; the same command resumes).
 
 from __future__ import annotations
 
+import argparse
 import pathlib
 import sys
 
@@ -57,6 +58,12 @@ def sweep_parser() -> CommandParser:
         "--force", action="store_true", help="resume members whose settings changed"
     )
     parser.add_argument(
+        "--vmap",
+        action=argparse.BooleanOptionalAction,
+        help="step a program's members as one vmapped step, or (--no-vmap) by one compiled "
+        "step in turn (default: vmapped on accelerators, in turn on a CPU)",
+    )
+    parser.add_argument(
         "overrides", nargs="*", metavar="key=value", help="settings of every member"
     )
     return parser
@@ -75,7 +82,7 @@ def _sweep(args) -> int:
         vary = parse_vary(args.vary)
         cfg = load_config(args.config, args.overrides, notify=notice)
         library_log_to(pathlib.Path(cfg.run_dir) / "library.log")
-        sweep(cfg, vary, fresh=args.fresh, force=args.force, log=say)
+        sweep(cfg, vary, fresh=args.fresh, force=args.force, vmap=args.vmap, log=say)
         say(f"done: {cfg.run_dir} (sweep.json: every member's results and each group's)")
         return 0
 

@@ -75,6 +75,7 @@ def sweep(
     *,
     fresh: bool = False,
     force: bool = False,
+    vmap: bool | None = None,
     log=print,
 ) -> dict:
     """Trains every member of the sweep of ``cfg`` over ``vary`` in ``cfg.run_dir/<member>``,
@@ -90,6 +91,8 @@ def sweep(
       vary: dotted keys and the values each takes; the members are their product.
       fresh: move an existing sweep directory aside first.
       force: resume members whose settings changed (as ``train.py --force``).
+      vmap: step a group's members as one vmapped step (True) or by one compiled step in turn
+        (False); None: vmapped on accelerators, in turn on a CPU (docs/design.md, "Sweeps").
       log: where one-line messages go.
 
     Raises:
@@ -110,7 +113,7 @@ def sweep(
             if member.name not in diverged:
                 stack.enter_context(RunDir(member.cfg.run_dir).locked(log=log))
         for group in groups:
-            _train_group(group, directory, record, diverged, force=force, log=log)
+            _train_group(group, directory, record, diverged, force=force, vmap=vmap, log=log)
     summary = summarize(directory, members, diverged)
     _write_json(directory / SWEEP_FILE, record | {"diverged": diverged, "summary": summary})
     log(summary_table(summary))
@@ -214,7 +217,7 @@ class _Lane:
     actions: list = dataclasses.field(default_factory=list)
 
 
-def _train_group(group: list[Member], directory, record, diverged: dict, *, force: bool, log):
+def _train_group(group: list[Member], directory, record, diverged, *, force: bool, vmap, log):
     """Prepares the group's members as runs, stacks them, and steps them to ``train.steps``."""
     lanes: list[_Lane] = []
     try:
@@ -224,7 +227,9 @@ def _train_group(group: list[Member], directory, record, diverged: dict, *, forc
                 _Lane(member, prepare(member.cfg, RunDir(member.cfg.run_dir), force=force, log=say))
             )
         _align_steps(lanes, log)
-        _step_group(lanes, directory, record, diverged, log)
+        if vmap is None:
+            vmap = lanes[0].run.mesh.devices.flat[0].platform != "cpu"
+        _step_group(lanes, directory, record, diverged, vmap=vmap, log=log)
     finally:
         for lane in lanes:
             if lane.writer is not None:
@@ -256,13 +261,13 @@ def _align_steps(lanes: list[_Lane], log) -> None:
         lane.run = dataclasses.replace(run, state=state, step=common)
 
 
-def _step_group(lanes: list[_Lane], directory, record, diverged: dict, log) -> None:
+def _step_group(lanes: list[_Lane], directory, record, diverged: dict, *, vmap: bool, log):
     """The group's steps, one vmapped program for every member, and each member's actions at
     the steps they are due (as :func:`.loop.train`), each under its own run's mesh."""
     first = lanes[0].run
     cfg, step, total = first.cfg, first.step, first.cfg.train.steps
     task = task_of(cfg.model)
-    program = _GroupProgram(lanes)
+    program = (_VmappedProgram if vmap else _LoopProgram)(lanes)
     eval_step = make_eval_step(
         first.built.eval_graphdef, task=task, loss_chunk=cfg.train.loss_chunk
     )
@@ -314,7 +319,7 @@ def _step_group(lanes: list[_Lane], directory, record, diverged: dict, log) -> N
             for index, lane in enumerate(lanes):
                 if alive[index]:
                     member = program.member(stacked, index, lane.run)
-                    metrics_of = {k: v[index] for k, v in metrics.items()}
+                    metrics_of = program.member_metrics(metrics, index)
                     end = StepEnd(step, member, metrics_of, data_states[index], final)
                     with tracing_layout(lane.run.mesh, cfg.mesh.rules):
                         for action in lane.actions:
@@ -358,11 +363,11 @@ def _note_divergence(lanes, alive, step, active, directory, record, diverged, lo
             _write_json(directory / SWEEP_FILE, record | {"diverged": diverged})
 
 
-class _GroupProgram:
-    """A group's members as one program: their states stacked on a leading member axis, on a
-    mesh whose ``member`` axis spreads the members over the devices (each device trains its
-    share; as many members as divide the runs' ``data`` axis, the rest of it splitting each
-    member's batch as in a run), their numbers as arrays, and the vmapped step."""
+class _VmappedProgram:
+    """A group's members as one vmapped step: their states stacked on a leading member axis,
+    on a mesh whose ``member`` axis spreads the members over the devices (each device trains
+    its share; as many members as divide the runs' ``data`` axis, the rest of it splitting each
+    member's batch as in a run), their numbers as arrays."""
 
     def __init__(self, lanes: list[_Lane]):
         first = lanes[0].run
@@ -375,10 +380,7 @@ class _GroupProgram:
             is_leaf=lambda x: isinstance(x, NamedSharding),
         )
         self.member_sharding = NamedSharding(self.mesh, PartitionSpec("member"))
-        total = max(first.cfg.train.steps, 1)
-        configs = [lane.run.cfg for lane in lanes]
-        tables = [schedule_table(lane.run.built.schedule, total) for lane in lanes]
-        self.numbers = jax.device_put(_member_numbers(configs, tables), self.member_sharding)
+        self.numbers = jax.device_put(_lanes_numbers(lanes), self.member_sharding)
 
     def stack(self, states: list):
         """The members' states stacked, on the member mesh."""
@@ -387,6 +389,9 @@ class _GroupProgram:
     def member(self, stacked, index: int, run: PreparedRun):
         """Member ``index``'s state, laid out as its run lays it out."""
         return jax.device_put(jax.tree.map(lambda x: x[index], stacked), run.built.shardings)
+
+    def member_metrics(self, metrics: dict, index: int) -> dict:
+        return {key: value[index] for key, value in metrics.items()}
 
     def active(self) -> jax.Array:
         return jax.device_put(jnp.ones(self.size, bool), self.member_sharding)
@@ -406,38 +411,102 @@ class _GroupProgram:
         Raises:
           ConfigError: the step needs more memory than a device has."""
         started = time.perf_counter()
-        with tracing_layout(self.mesh, self.rules):
-            lowered = self._step().lower(stacked, batch, self.numbers, active)
-        compiled = lowered.compile()
-        per_device = _step_bytes(compiled)
-        where, limit = parallel.device_memory_limit()
-        members = self.size // self.mesh.shape["member"]
-        figure = (
-            f"{per_device / 2**20:,.1f} MiB per device for {members} member"
-            f"{'s' if members > 1 else ''} ({per_device / members / 2**20:,.1f} MiB each)"
+        step = member_step(self.first.cfg, self.first.built.graphdef)
+        spread = self.member_sharding
+        jitted = jax.jit(
+            jax.vmap(step, spmd_axis_name="member"),
+            donate_argnums=0,
+            out_shardings=(self.shardings, spread, spread),
         )
-        if limit is not None and per_device > limit:
-            raise ConfigError(
-                f"the sweep's step needs {figure}; the {where} has {limit / 2**20:,.0f} MiB: "
-                "fewer members per program (vary fewer values), a smaller train.batch_size, "
-                "or more devices"
-            )
+        with tracing_layout(self.mesh, self.rules):
+            compiled = jitted.lower(stacked, batch, self.numbers, active).compile()
+        members = self.size // self.mesh.shape["member"]
+        _check_fits(_step_bytes(compiled), members)
         log(
-            f"compiled one step for {self.size} members on mesh {parallel.describe_mesh(self.mesh)}"
-            f" in {time.perf_counter() - started:.1f} s: {figure}"
+            f"compiled one step for {self.size} members, vmapped, on mesh "
+            f"{parallel.describe_mesh(self.mesh)} in {time.perf_counter() - started:.1f} s: "
+            f"{_fit_text(_step_bytes(compiled), members)}"
         )
         return compiled
 
-    def _step(self):
-        """Every member's :func:`member_step` at once (``jax.vmap``), jitted with the stacked
-        state donated."""
-        spread = self.member_sharding
-        return jax.jit(
-            jax.vmap(
-                member_step(self.first.cfg, self.first.built.graphdef), spmd_axis_name="member"
-            ),
+
+class _LoopProgram:
+    """A group's members stepped one after another by one compiled step (a member's, not
+    vmapped), each member's arrays laid out as its run's: on a CPU, whose cores one member's
+    step keeps busy, a batched step is slower than its members' steps in turn."""
+
+    def __init__(self, lanes: list[_Lane]):
+        first = lanes[0].run
+        self.first, self.size = first, len(lanes)
+        self.replicated = NamedSharding(first.mesh, PartitionSpec())
+        numbers = _lanes_numbers(lanes)
+        self.numbers = [
+            jax.device_put(jax.tree.map(lambda x, i=i: x[i], numbers), self.replicated)
+            for i in range(self.size)
+        ]
+
+    def stack(self, states: list) -> list:
+        return list(states)
+
+    def member(self, states: list, index: int, run: PreparedRun):
+        return states[index]
+
+    def member_metrics(self, metrics: list, index: int) -> dict:
+        return metrics[index]
+
+    def active(self) -> list:
+        return [jax.device_put(jnp.asarray(True), self.replicated)] * self.size
+
+    def place(self, batches: list[dict]) -> list:
+        return [self.first.place(batch) for batch in batches]
+
+    def compiled(self, states, batches, active, log):
+        """Each member's step in turn, compiled once, after checking that every member's
+        state fits the devices beside one step.
+
+        Raises:
+          ConfigError: they need more memory than a device has."""
+        started = time.perf_counter()
+        first = self.first
+        jitted = jax.jit(
+            member_step(first.cfg, first.built.graphdef),
             donate_argnums=0,
-            out_shardings=(self.shardings, spread, spread),
+            out_shardings=(first.built.shardings, self.replicated, self.replicated),
+        )
+        with tracing_layout(first.mesh, first.cfg.mesh.rules):
+            compiled = jitted.lower(states[0], batches[0], self.numbers[0], active[0]).compile()
+        state_bytes = parallel.device_bytes(states[0], first.built.shardings)
+        held = _step_bytes(compiled) + (self.size - 1) * state_bytes
+        _check_fits(held, self.size)
+        log(
+            f"compiled one step for {self.size} members, run for each in turn, on mesh "
+            f"{parallel.describe_mesh(first.mesh)} in {time.perf_counter() - started:.1f} s: "
+            f"{_fit_text(held, self.size)}"
+        )
+
+        def step(states, batches, numbers, active):
+            members = zip(states, batches, numbers, active, strict=True)
+            results = [compiled(*member) for member in members]
+            return tuple(list(outputs) for outputs in zip(*results, strict=True))
+
+        return step
+
+
+def _fit_text(per_device: int, members: int) -> str:
+    return (
+        f"{per_device / 2**20:,.1f} MiB per device for {members} member"
+        f"{'s' if members > 1 else ''} ({per_device / members / 2**20:,.1f} MiB each)"
+    )
+
+
+def _check_fits(per_device: int, members: int) -> None:
+    """Raises ConfigError when ``per_device`` bytes are more than a device has."""
+    where, limit = parallel.device_memory_limit()
+    if limit is not None and per_device > limit:
+        raise ConfigError(
+            f"the sweep's step needs {_fit_text(per_device, members)}; the {where} has "
+            f"{limit / 2**20:,.0f} MiB: fewer members per program (vary fewer values), a "
+            "smaller train.batch_size, or more devices"
         )
 
 
@@ -506,6 +575,13 @@ def _step_bytes(compiled) -> int:
         return 0
     held = stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
     return held - stats.alias_size_in_bytes
+
+
+def _lanes_numbers(lanes: list[_Lane]) -> dict[str, jax.Array]:
+    """The numbers of the lanes' members, stacked; their learning rates for ``train.steps``."""
+    total = max(lanes[0].run.cfg.train.steps, 1)
+    tables = [schedule_table(lane.run.built.schedule, total) for lane in lanes]
+    return _member_numbers([lane.run.cfg for lane in lanes], tables)
 
 
 def _member_numbers(configs: list[TrainConfig], tables: list) -> dict[str, jax.Array]:
