@@ -14,6 +14,7 @@ import pytest
 from subprocess_env import subprocess_env
 from tiny_runs import TINY
 
+from flaxformer_lite import load_run
 from flaxformer_lite.cli import main
 from flaxformer_lite.train import sweep as sweep_module
 from flaxformer_lite.train.config import ConfigError, load_config
@@ -281,3 +282,44 @@ def test_plot_draws_each_group_s_mean_and_spread(swept, capsys):
     values = [[r["eval_loss"] for r in rs if "eval_loss" in r] for rs in records]
     np.testing.assert_allclose(mean, np.mean(values, axis=0), rtol=1e-12)
     np.testing.assert_allclose(std, np.std(values, axis=0, ddof=1), rtol=1e-12)
+
+
+def test_a_member_loads_generates_and_exports_as_a_run(swept, tmp_path):
+    directory, _, _ = swept
+    member = directory / "seed=0,lr=3e-3"
+    loaded = load_run(member)
+    assert loaded.step == STEPS and loaded.config.optimizer.lr == 3e-3 and loaded.config.seed == 0
+    assert main(["generate", "--run-dir", str(member), "--prompt", "012+034="]) == 0
+    assert main(["export", "--run-dir", str(member), "--out", str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+def test_a_sweep_that_does_not_fit_says_so_before_training(tmp_path, monkeypatch):
+    monkeypatch.setattr(sweep_module.parallel, "device_memory_limit", lambda: ("host", 2**20))
+    cfg = load_config(None, [*SETTINGS, f"run_dir={tmp_path / 's'}", "seed=0"])
+    with pytest.raises(
+        ConfigError,
+        match=r"the sweep's step needs [\d.]+ MiB per device for 2 "
+        r"members \([\d.]+ MiB each\); the host has 1 MiB",
+    ):
+        sweep(cfg, {"optimizer.lr": ["3e-3", "1e-3"]}, log=lambda _: None)
+    assert not any(
+        (tmp_path / "s" / name / "metrics.jsonl").exists() for name in ("lr=3e-3", "lr=1e-3")
+    )
+
+
+def test_fresh_moves_another_sweep_aside(swept, tmp_path):
+    directory, _, _ = swept
+    other = tmp_path / "s"
+    other.mkdir()
+    (other / "sweep.json").write_text((directory / "sweep.json").read_text())
+    record = {"vary": {"seed": ["0"]}, "config": {}, "members": {"seed=0": {"seed": "0"}}}
+    lines = []
+    assert (
+        sweep_module._open_directory(other, record, fresh=True, force=False, log=lines.append) == {}
+    )
+    assert lines == [f"--fresh: moved the previous sweep to {tmp_path / 's.old1'}"]
+    assert (tmp_path / "s.old1" / "sweep.json").read_text() == (
+        directory / "sweep.json"
+    ).read_text()
+    assert json.loads((other / "sweep.json").read_text()) == record | {"diverged": {}}
