@@ -100,17 +100,20 @@ def sweep(
         and what ``train.py`` refuses of a member.
     """
     members = sweep_members(cfg, vary)
+    parallel.initialize(cfg.distributed)
+    main = jax.process_index() == 0
+    log = log if main else _quiet  # every process trains, process 0 reports and writes
+    groups = _groups(members)  # bad settings are refused before anything is written
     directory = pathlib.Path(cfg.run_dir)
     record = {"vary": {k: [_plain(v) for v in values] for k, values in vary.items()}}
     record["config"] = dataclasses.replace(cfg, run_dir="").to_dict()
     record["members"] = {m.name: {k: _plain(v) for k, v in m.settings.items()} for m in members}
-    diverged = _open_directory(directory, record, fresh=fresh, force=force, log=log)
-    parallel.initialize(cfg.distributed)
-    groups = _groups([m for m in members if m.name not in diverged])
+    diverged = _open_directory(directory, record, fresh=fresh and main, force=force, log=log)
+    groups = [kept for group in groups if (kept := [m for m in group if m.name not in diverged])]
     _announce(members, groups, diverged, log)
     with contextlib.ExitStack() as stack:
         for member in members:
-            if member.name not in diverged:
+            if main and member.name not in diverged:
                 stack.enter_context(RunDir(member.cfg.run_dir).locked(log=log))
         for group in groups:
             _train_group(group, directory, record, diverged, force=force, vmap=vmap, log=log)
@@ -148,7 +151,8 @@ def _open_directory(directory: pathlib.Path, record: dict, *, fresh: bool, force
         old = _read_json(path)
         _check_same_sweep(directory, old, record, force)
         diverged = dict(old.get("diverged", {}))
-    directory.mkdir(parents=True, exist_ok=True)
+    if jax.process_index() == 0:
+        directory.mkdir(parents=True, exist_ok=True)
     _write_json(path, record | {"diverged": diverged})
     return diverged
 
@@ -596,6 +600,10 @@ def _member_numbers(configs: list[TrainConfig], tables: list) -> dict[str, jax.A
     return numbers
 
 
+def _quiet(_message: str) -> None:
+    pass
+
+
 def _prefixed(name: str, log):
     return lambda message: log(f"{name}: {message}")
 
@@ -612,7 +620,9 @@ def _read_json(path: pathlib.Path) -> dict:
 
 
 def _write_json(path: pathlib.Path, values: dict) -> None:
-    """Written aside and renamed: a killed write keeps the old file."""
+    """Written aside and renamed, by process 0: a killed write keeps the old file."""
+    if jax.process_index() != 0:
+        return
     partial = path.with_name(path.name + ".tmp")
     partial.write_text(json.dumps(values, indent=1) + "\n", encoding="utf-8")
     partial.replace(path)
