@@ -39,6 +39,7 @@ from flaxformer_lite.train.config import (
     TrainConfig,
     _flatten,
     config_diff,
+    config_from_dict,
     is_runtime_key,
 )
 from flaxformer_lite.train.console import Console
@@ -165,8 +166,6 @@ def _check_same_sweep(directory: pathlib.Path, old: dict, new: dict, force: bool
         gone = sorted(set(old.get("members", {})) - set(new["members"]))
         added = sorted(set(new["members"]) - set(old.get("members", {})))
         problems.append(f"members not in this sweep {gone}, members new in it {added}")
-    from flaxformer_lite.train.config import config_from_dict
-
     changed = config_diff(config_from_dict(old["config"]), config_from_dict(new["config"]))
     changed = {k: v for k, v in changed.items() if not is_runtime_key(k)}
     if changed and not force:
@@ -266,8 +265,8 @@ def _align_steps(lanes: list[_Lane], log) -> None:
 
 
 def _step_group(lanes: list[_Lane], directory, record, diverged: dict, *, vmap: bool, log):
-    """The group's steps, one vmapped program for every member, and each member's actions at
-    the steps they are due (as :func:`.loop.train`), each under its own run's mesh."""
+    """The group's steps, one compiled program for every member (vmapped, or in turn), and each
+    member's actions at the steps they are due (as :func:`.loop.train`), under its run's mesh."""
     first = lanes[0].run
     cfg, step, total = first.cfg, first.step, first.cfg.train.steps
     task = task_of(cfg.model)
