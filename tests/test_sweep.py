@@ -23,7 +23,7 @@ from flaxformer_lite.train.metrics import read_metrics
 from flaxformer_lite.train.sweep import sweep
 from flaxformer_lite.train.sweep_members import split_settings, sweep_members
 from flaxformer_lite.train.sweep_plot import group_curve
-from flaxformer_lite.train.sweep_summary import difference, mean_std
+from flaxformer_lite.train.sweep_summary import difference, mean_std, read_summary
 
 pytestmark = pytest.mark.fast_compile
 
@@ -133,6 +133,9 @@ def test_sigterm_then_the_same_sweep_again_equals_an_unbroken_sweep(swept, tmp_p
     with pytest.raises(Interrupted) as stopped:
         sweep(cfg, VARY, vmap=True, log=lambda _: None)
     assert stopped.value.step == 12
+    stopped_summary = read_summary(tmp_path / "s")  # made from what the members logged so far
+    assert stopped_summary["groups"]["lr=1e-3"]["loss"]["n"] == 2
+    assert {m["results"]["step"] for m in stopped_summary["members"].values()} == {10}
     monkeypatch.undo()
     lines = []
     sweep(cfg, VARY, vmap=True, log=lines.append)

@@ -7,13 +7,13 @@ steps and against tokens.
 
 from __future__ import annotations
 
-import json
 import pathlib
 
 import numpy as np
 
 from flaxformer_lite.train.compare import load_runs
 from flaxformer_lite.train.figures import log_scale_if_wide, pyplot, readable_ticks
+from flaxformer_lite.train.sweep_summary import read_summary
 
 CURVES = ("loss", "eval_loss", "eval_accuracy", "eval_exact_match")
 
@@ -33,13 +33,9 @@ def plot_sweep(directory: pathlib.Path) -> list[pathlib.Path]:
     ``[path]``, or ``[]`` when no member has logged a step yet.
 
     Raises:
-      ValueError: ``directory/sweep.json`` is not a sweep's record.
+      ValueError: ``directory/sweep.json`` is not a sweep's record (:func:`.read_summary`).
     """
-    try:
-        saved = json.loads((directory / "sweep.json").read_text(encoding="utf-8"))
-        groups = saved["summary"]["groups"]
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise ValueError(f"{directory}/sweep.json: no finished sweep's summary ({error})") from None
+    groups = read_summary(directory)["groups"]
     runs = {
         name: load_runs([directory / member for member in group["members"]])
         for name, group in groups.items()

@@ -91,6 +91,23 @@ def difference(a: dict, b: dict, metric: str) -> dict:
     return {"difference": diff, "stderr": stderr, "within_noise": abs(diff) < 2 * stderr}
 
 
+def read_summary(directory: pathlib.Path) -> dict:
+    """The summary of the sweep in ``directory``: the one it wrote at its end, or, for a sweep
+    still training or stopped, one made now from what its members have logged.
+
+    Raises:
+      ValueError: ``directory/sweep.json`` is not a sweep's record."""
+    path = directory / "sweep.json"
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        if "summary" in record:
+            return record["summary"]
+        members = [Member(name, settings, None) for name, settings in record["members"].items()]
+        return summarize(directory, members, record.get("diverged", {}))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"{path}: not a sweep's record ({error})") from None
+
+
 def is_sweep(path: pathlib.Path) -> bool:
     """Whether ``path`` names a sweep (``DIR`` holding ``sweep.json``) or one of its groups
     (``DIR:GROUP``)."""
@@ -107,11 +124,7 @@ def sweep_groups(path: pathlib.Path) -> dict[str, dict]:
     text = str(path)
     directory, group = (path, None) if (path / "sweep.json").is_file() else text.rsplit(":", 1)
     directory = pathlib.Path(directory)
-    try:
-        groups = json.loads((directory / "sweep.json").read_text(encoding="utf-8"))["summary"]
-        groups = groups["groups"]
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise ValueError(f"{directory}/sweep.json: no finished sweep's summary ({error})") from None
+    groups = read_summary(directory)["groups"]
     if group is None:
         return {f"{directory}:{name}": values for name, values in groups.items()}
     if group not in groups:
