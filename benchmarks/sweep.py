@@ -8,8 +8,9 @@ throughput and peak memory per member.
 Each case's members are seeds 0 to M-1 of one config (nothing else varied, so they share one
 compiled program), trained twice, every training a subprocess of its own started afresh in a
 temporary directory: first by ``flaxformer-lite sweep --config C --vary seed=0,...,M-1
-train.steps=S``, then by M ``flaxformer-lite train --config C seed=N train.steps=S
---no-progress`` (``train.py``'s command), one after another. The cases:
+train.steps=S`` (with ``--vmap``: its members as one vmapped step, where the default on a CPU
+runs one compiled step for each member in turn), then by M ``flaxformer-lite train --config C
+seed=N train.steps=S --no-progress`` (``train.py``'s command), one after another. The cases:
 
 - ``default``: the embedded default (``--default-config``, by default none: what ``train.py``
   runs with no ``--config``), ``--seeds`` (4) members of ``--default-steps`` (300) steps; the
@@ -22,11 +23,10 @@ Reported per case:
 
 - wall s: each process from launch to exit; the runs' summed.
 - tokens/s, steady: the median of a run's logged ``tokens_per_sec`` over its log windows, the
-  first (after the compiling step) left out when there are others. A member of a sweep logs its
-  program's rate: its steps' tokens over the time of the program that steps every member. The
-  sweep's throughput is therefore members x its first member's steady rate (the first member
-  reads the clock before any member evaluates at a step; a later member's window also holds the
-  evaluations of the members before it); one run's is the median of the runs' steady rates.
+  first (after the compiling step) left out when there are others. Every member of a sweep logs
+  the same rate, its program's per member: a step's tokens over the time of the step that
+  advances every member. The sweep's throughput is therefore members x a member's steady rate;
+  one run's is the median of the runs' steady rates.
 - peak memory: each process's peak resident set (``ru_maxrss`` of ``os.wait4``): the host's
   memory, which on a CPU holds the arrays too. The sweep's over its members, and what a member
   adds to it, ``(sweep - run) / (M - 1)`` with the runs' median, against one run's.
@@ -72,6 +72,9 @@ def parser() -> argparse.ArgumentParser:
     command_line.add_argument("--recipe-members", type=int, default=8)
     command_line.add_argument("--recipe-steps", type=int, default=200)
     command_line.add_argument("--recipe-config", default="shakespeare_char")
+    command_line.add_argument(
+        "--vmap", action="store_true", help="the sweeps' members as one vmapped step"
+    )
     return command_line
 
 
@@ -101,14 +104,15 @@ def final_loss(run_dir: pathlib.Path) -> float:
     return [r["loss"] for r in read_metrics(run_dir) if "loss" in r][-1]
 
 
-def case(name: str, config: str | None, members: int, steps: int, directory: pathlib.Path):
+def case(name: str, config: str | None, members: int, steps: int, directory: pathlib.Path, vmap):
     """The case's sweep and its runs, trained one after another; the figures of the module's
     docstring."""
     shared = [] if config is None else ["--config", config]
     shared.append(f"train.steps={steps}")
     seeds = ",".join(map(str, range(members)))
     sweep_dir = directory / name / "sweep"
-    sweep = timed(["sweep", *shared, "--vary", f"seed={seeds}", f"run_dir={sweep_dir}"])
+    vary = ["--vary", f"seed={seeds}", *(["--vmap"] if vmap else [])]
+    sweep = timed(["sweep", *shared, *vary, f"run_dir={sweep_dir}"])
     settings = json.loads((sweep_dir / "sweep.json").read_text())["members"]
     names = list(settings)
     runs = []
@@ -184,11 +188,13 @@ def main(argv: list[str] | None = None) -> dict:
         "recipe": (args.recipe_config, args.recipe_members, args.recipe_steps),
     }
     with tempfile.TemporaryDirectory() as directory:
-        cases = [case(name, *settings[name], pathlib.Path(directory)) for name in args.cases]
+        directory = pathlib.Path(directory)
+        cases = [case(name, *settings[name], directory, args.vmap) for name in args.cases]
     summary = {
         "jax": jax.__version__,
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
+        "vmap": args.vmap,
         "cases": cases,
     }
     print("\n".join(table(cases)))

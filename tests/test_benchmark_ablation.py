@@ -1,6 +1,8 @@
-"""benchmarks/ablation.py at a tiny size: every config trained, the table, the figure, the JSON."""
+"""benchmarks/ablation.py at a tiny size: every config swept over two seeds, the table of means
+and deviations, the figure, the JSON."""
 
 import json
+import statistics
 import subprocess
 import sys
 
@@ -31,7 +33,7 @@ optimizer:
 
 @pytest.mark.slow
 def test_the_ablation_trains_every_config_and_compares_them(tmp_path, capsys, monkeypatch):
-    # The benchmark's train.py subprocesses inherit this process's environment: that of
+    # The benchmark's sweep subprocesses inherit this process's environment: that of
     # subprocess_env (one device, XLA's backend optimizations off, the session's compilation
     # cache for every program) rather than conftest.py's 8 devices compiled with optimizations.
     for name, value in subprocess_env(1).items():
@@ -42,23 +44,32 @@ def test_the_ablation_trains_every_config_and_compares_them(tmp_path, capsys, mo
         configs[-1].write_text(TINY.format(mixer=mixer))
     runs = tmp_path / "runs"
     ablation = load_benchmark("ablation")
-    result = ablation.main(["--configs", *map(str, configs), "--runs", str(runs), "--steps", "4"])
+    argv = ["--configs", *map(str, configs), "--runs", str(runs), "--seeds", "2", "--steps", "4"]
+    result = ablation.main(argv)
     printed = capsys.readouterr().out
     assert json.loads(printed.strip().splitlines()[-1]) == result
     assert [row["run"] for row in result["runs"]] == ["attention", "aft_simple"]
     for row in result["runs"]:
-        records = read_metrics(runs / row["run"])
-        assert [r["step"] for r in records if "loss" in r][-1] == 4
-        final = [r for r in records if "eval_loss" in r][-1]
-        assert row["eval_loss"] == final["eval_loss"]
-        assert row["eval_exact_match"] == final["eval_exact_match"]
+        assert row["seeds"] == 2 and not row["diverged"]
+        finals = []
+        for seed in (0, 1):
+            records = read_metrics(runs / row["run"] / f"seed={seed}")
+            assert [r["step"] for r in records if "loss" in r][-1] == 4
+            finals.append([r for r in records if "eval_loss" in r][-1])
+        for metric in ("eval_loss", "eval_exact_match"):
+            values = [final[metric] for final in finals]
+            assert row[metric]["mean"] == pytest.approx(statistics.fmean(values))
+            assert row[metric]["std"] == pytest.approx(statistics.stdev(values))
+            assert row[metric]["n"] == 2
         assert row["tokens_per_sec"] > 0 and row["wall_seconds"] > 0
-    assert "model.mixer" in printed  # the setting in which the runs differ
+        mean, std = row["eval_loss"]["mean"], row["eval_loss"]["std"]
+        assert f"{mean:.4f} ± {std:.4f}" in printed
+    assert "model.mixer" in printed  # the setting in which the configs differ
     assert (runs / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_a_failing_run_ends_the_ablation_with_its_line_and_status(tmp_path):
-    """A config train.py refuses: its one line and its exit status 2, no traceback after them."""
+    """A config the sweep refuses: its one line and its exit status 2, no traceback after them."""
     config = tmp_path / "typo.yaml"
     config.write_text(TINY.format(mixer="attention").replace("log_every", "log_evry"))
     argv = ["--configs", str(config), "--runs", str(tmp_path / "runs")]
