@@ -4,6 +4,7 @@ wall time and tokens/s of ours, of Hugging Face's GPT-2 on PyTorch and of nanoGP
     python benchmarks/shakespeare_char.py                          # ours and Hugging Face's
     python benchmarks/shakespeare_char.py --nanogpt ~/nanoGPT      # and nanoGPT's train.py
     python benchmarks/shakespeare_char.py --steps 200 --skip-torch # ours alone, shortened
+    python benchmarks/shakespeare_char.py --seeds 5                # ours' mean over 5 seeds
 
 The recipe (nanoGPT's README, CPU section; ``configs/shakespeare_char.yaml``): a character-level
 GPT of 4 layers, 4 heads, width 128, context 64, batch 12, 2000 steps (``--steps``), AdamW lr 1e-3
@@ -21,6 +22,12 @@ the ratios across trainers):
   of ``STEP_WINDOW`` steps right before and one right after ``train.py``'s run, so that the
   machine's drift hits both; train.py's logged steady tokens/s over the step's (the mean seconds
   per step of the two windows) must be >= 95%.
+- ours over seeds: ``flaxformer-lite sweep --config CONFIG --vary seed=0,...,N-1
+  train.steps=STEPS`` (``--seeds`` N, 3), a subprocess: the recipe's N seeds as one compiled
+  program, each member a run like the one above (its seed 0 is that run's config), their final
+  ``eval_loss`` as mean ± sample standard deviation (the sweep's summary in ``sweep.json``). Its
+  tokens/s is the program's: every member logs the same rate, its program's per member, so
+  members x a member's steady rate.
 - Hugging Face: ``GPT2LMHeadModel`` (``hf_gpt2.train_lm``: PyTorch eager, every core,
   ``OMP_WAIT_POLICY=PASSIVE`` unless set) of the same shape, our tokenizer's vocabulary,
   dropout 0, tied embeddings, every Conv1D and LayerNorm bias zeroed and frozen
@@ -78,9 +85,9 @@ and checkpoints: for ours the logged ``tokens_per_sec`` (the loop times each win
 Hugging Face each step timed from taking its batch to the end of its optimizer step, for
 nanoGPT its per-iteration ``time Xms`` lines without the iterations that evaluated.
 
-Printed: a versions line, the table, train.py's share of the step alone, the ratio of our wall
-time to nanoGPT's and to Hugging Face's, a PASS/FAIL line for the 95% target and, as the last
-line, one JSON object.
+Printed: a versions line, the table, ours' val loss over seeds and each member's, train.py's
+share of the step alone, the ratio of our wall time to nanoGPT's and to Hugging Face's, a
+PASS/FAIL line for the 95% target and, as the last line, one JSON object.
 """
 
 from __future__ import annotations
@@ -161,6 +168,7 @@ NANOGPT_ITERATION = re.compile(r"^iter (\d+): loss [-\d.naif]+, time ([\d.]+)ms"
 NANOGPT_VAL = re.compile(r"^step (\d+): train loss [\d.]+, val loss ([\d.]+)$", re.M)
 NANOGPT_TOKENS_PER_STEP = 12 * 64
 NANOGPT_EVAL_ROWS = 64  # windows per forward pass of nanoGPT's held-out evaluation
+FLAXFORMER_LITE = "import sys; from flaxformer_lite.cli import main; sys.exit(main())"
 
 
 def parser() -> argparse.ArgumentParser:
@@ -172,6 +180,9 @@ def parser() -> argparse.ArgumentParser:
     )
     command_line.add_argument(
         "--skip-torch", action="store_true", help="skip the Hugging Face peer (PyTorch)"
+    )
+    command_line.add_argument(
+        "--seeds", type=int, default=3, help="seeds of ours' sweep (its val loss's mean ± std)"
     )
     command_line.add_argument(
         "--config",
@@ -271,6 +282,30 @@ def ours(args, directory: pathlib.Path) -> dict:
         "step_tokens_per_sec": tokens_per_step * 2 / sum(between),
         "share": share,
         **evaluate_run(run_dir, cfg),
+    }
+
+
+def seeds(args, directory: pathlib.Path) -> dict:
+    """``--seeds`` seeds of ours trained by one ``flaxformer-lite sweep`` subprocess, timed from
+    launch to exit: each member's final eval loss, their mean ± std, the program's tokens/s."""
+    sweep_dir = directory / "sweep"
+    command = [sys.executable, "-c", FLAXFORMER_LITE, "sweep", "--config", str(args.config)]
+    command += ["--vary", "seed=" + ",".join(map(str, range(args.seeds)))]
+    command += [f"run_dir={sweep_dir}", f"train.steps={args.steps}"]
+    started = time.perf_counter()
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    wall = time.perf_counter() - started
+    summary = json.loads((sweep_dir / "sweep.json").read_text())["summary"]
+    (group,) = summary["groups"].values()  # the members differ only in their seed
+    results = {name: member["results"] for name, member in summary["members"].items()}
+    first = read_metrics(sweep_dir / next(iter(results)))
+    logged = [r["tokens_per_sec"] for r in first if r.get("tokens_per_sec")]
+    return {
+        "wall_seconds": wall,
+        "members": {name: member["eval_loss"] for name, member in results.items()},
+        "eval_loss": group["eval_loss"],
+        "eval_targets": next(iter(results.values()))["eval_tokens"],
+        "tokens_per_sec": args.seeds * steady(logged),
     }
 
 
@@ -448,6 +483,8 @@ def run(args) -> dict:
             "ours": ours(args, scratch),
         }
         print("ours done", file=sys.stderr, flush=True)
+        summary["seeds"] = seeds(args, scratch)
+        print("ours' seeds done", file=sys.stderr, flush=True)
         if args.skip_torch:
             summary["hf"] = {"skipped": "--skip-torch"}
         else:
@@ -465,7 +502,9 @@ def run(args) -> dict:
 def table(s: dict) -> list[str]:
     def row(name, trainer, parameters="-", loss="-", targets="-", wall="-"):
         if "eval_loss" in trainer:
-            parameters, loss = f"{trainer['parameters']:,}", f"{trainer['eval_loss']:.4f}"
+            loss = trainer["eval_loss"]  # over seeds: {"mean", "std", "n"}
+            loss = spread(loss) if isinstance(loss, dict) else f"{loss:.4f}"
+            parameters = f"{trainer['parameters']:,}"
             targets, wall = f"{trainer['eval_targets']:,.0f}", f"{trainer['wall_seconds']:.1f}"
         rate = trainer["tokens_per_sec"]
         return f"| {name} | {parameters} | {loss} | {targets} | {wall} | {rate / 1e3:.1f}k |"
@@ -474,6 +513,10 @@ def table(s: dict) -> list[str]:
         "| trainer | parameters | val loss | held-out targets | wall s | steady tokens/s |",
         "|---|---|---|---|---|---|",
         row("flaxformer_lite train.py (JAX)", s["ours"]),
+        row(
+            f"flaxformer_lite sweep, {s['seeds']['eval_loss']['n']} seeds (JAX)",
+            s["seeds"] | {"parameters": s["ours"]["parameters"]},  # the same model
+        ),
         row(
             "flaxformer_lite train step alone (JAX)",
             {"tokens_per_sec": s["ours"]["step_tokens_per_sec"]},
@@ -486,11 +529,20 @@ def table(s: dict) -> list[str]:
     return lines
 
 
+def spread(stats: dict) -> str:
+    """``mean ± std`` (the std ``-`` for one seed)."""
+    std = "-" if stats["std"] is None else f"{stats['std']:.4f}"
+    return f"{stats['mean']:.4f} ± {std}"
+
+
 def notes(s: dict) -> list[str]:
     o = s["ours"]
+    members = ", ".join(f"{name} {loss:.4f}" for name, loss in s["seeds"]["members"].items())
     lines = [
         f"ours: logged eval_loss {o['eval_loss']:.4f}, its final checkpoint re-evaluated "
         f"{o['eval_loss_checkpoint']:.4f}",
+        f"ours over {s['seeds']['eval_loss']['n']} seeds (the sweep): eval_loss "
+        f"{spread(s['seeds']['eval_loss'])} (mean ± std); {members}",
         f"train.py logged / step alone: {100 * o['share']:.1f}% (steady logged tokens/s over "
         "the step's, timed right before and after the run)",
     ]
@@ -518,8 +570,8 @@ def checks(s: dict) -> list[str]:
 def main(argv=None) -> dict:
     command_line = parser()
     args = command_line.parse_args(argv)
-    if args.steps < 1:
-        command_line.error("--steps must be positive")
+    if args.steps < 1 or args.seeds < 1:
+        command_line.error("--steps and --seeds must be positive")
     if args.nanogpt is not None:
         if args.skip_torch:
             command_line.error("--nanogpt runs PyTorch: drop --skip-torch")

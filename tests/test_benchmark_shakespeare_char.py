@@ -1,8 +1,9 @@
-"""benchmarks/shakespeare_char.py at a tiny size (ours, and Hugging Face's when torch and
-transformers are installed: the table, the JSON, the same held-out targets), and its reading of
-nanoGPT's log and held-out windows."""
+"""benchmarks/shakespeare_char.py at a tiny size (ours, ours over two seeds, and Hugging Face's
+when torch and transformers are installed: the table, the JSON, the same held-out targets), and
+its reading of nanoGPT's log and held-out windows."""
 
 import json
+import statistics
 
 import numpy as np
 import pytest
@@ -69,16 +70,17 @@ iter 5: loss 3.6000, time 40.00ms, mfu 1.00%
 def test_the_benchmark_at_a_tiny_size(tmp_path, monkeypatch, capsys):
     benchmark = load_benchmark("shakespeare_char")
     monkeypatch.setattr(benchmark, "STEP_WINDOW", 4)
-    # Its train.py subprocess inherits this process's environment: subprocess_env's, on the 8
-    # devices of the step it is paired with, compiled as that step is (backend optimizations
-    # off) and through the session's compilation cache.
+    # Its train.py and sweep subprocesses inherit this process's environment: subprocess_env's,
+    # on the 8 devices of the step it is paired with, compiled as that step is (backend
+    # optimizations off) and through the session's compilation cache.
     for name, value in subprocess_env(8).items():
         monkeypatch.setenv(name, value)
     text = "".join(f"Line {i}: to be, or not to be {i % 7}.\n" for i in range(120))
     (tmp_path / "text.txt").write_text(text)
     config = tmp_path / "tiny.yaml"
     config.write_text(TINY.format(path=tmp_path / "text.txt"))
-    argv = ["--steps", "6", "--config", str(config)] + ([] if hf_available() else ["--skip-torch"])
+    argv = ["--steps", "6", "--seeds", "2", "--config", str(config)]
+    argv += [] if hf_available() else ["--skip-torch"]
     summary = benchmark.main(argv)
     out = capsys.readouterr().out.strip().splitlines()
 
@@ -93,18 +95,29 @@ def test_the_benchmark_at_a_tiny_size(tmp_path, monkeypatch, capsys):
     assert len(ours["step_seconds"]) == 2 and ours["wall_seconds"] > 0
     share = ours["tokens_per_sec"] * sum(ours["step_seconds"]) / 2 / (8 * 16)
     assert ours["share"] == pytest.approx(share)
+    seeds = summary["seeds"]
+    assert list(seeds["members"]) == ["seed=0", "seed=1"] and seeds["eval_loss"]["n"] == 2
+    losses = list(seeds["members"].values())
+    assert seeds["eval_loss"]["mean"] == pytest.approx(statistics.fmean(losses))
+    assert seeds["eval_loss"]["std"] == pytest.approx(statistics.stdev(losses))
+    # Its seed 0 is train.py's run, stepped in the sweep's program.
+    assert seeds["members"]["seed=0"] == pytest.approx(ours["eval_loss"], rel=1e-4)
+    assert seeds["eval_targets"] == ours["eval_targets"] and seeds["tokens_per_sec"] > 0
     table = [line for line in out if line.startswith("|")]
     assert table[2].startswith(f"| flaxformer_lite train.py (JAX) | {ours['parameters']:,} | ")
-    assert table[3].startswith("| flaxformer_lite train step alone (JAX) | - |")
+    mean, std = seeds["eval_loss"]["mean"], seeds["eval_loss"]["std"]
+    cells = f"{ours['parameters']:,} | {mean:.4f} ± {std:.4f} |"
+    assert table[3].startswith(f"| flaxformer_lite sweep, 2 seeds (JAX) | {cells}")
+    assert table[4].startswith("| flaxformer_lite train step alone (JAX) | - |")
     checks = [line for line in out if line.startswith(("PASS", "FAIL"))]
     assert len(checks) == 1 and "train step alone" in checks[0]
     assert summary["nanogpt"] is None
     hf = summary["hf"]
     if not hf_available():
-        assert hf == {"skipped": "--skip-torch"} and len(table) == 4
+        assert hf == {"skipped": "--skip-torch"} and len(table) == 5
         return
-    assert hf["skipped"] is None and len(table) == 5
-    assert table[4].startswith("| Hugging Face GPT2LMHeadModel (PyTorch eager) | ")
+    assert hf["skipped"] is None and len(table) == 6
+    assert table[5].startswith("| Hugging Face GPT2LMHeadModel (PyTorch eager) | ")
     assert hf["eval_targets"] == ours["eval_targets"]  # the same held-out batches
     assert list(hf["eval_losses"]) == ["4", "6"] and hf["eval_loss"] == hf["eval_losses"]["6"]
     assert len(hf["window_tokens_per_sec"]) == 3 and hf["wall_seconds"] > 0
