@@ -119,6 +119,18 @@ def test_every_difference_is_reported_at_once(trained, tmp_path, capsys):
     assert snapshot(run_dir) == before
 
 
+def test_an_extended_run_extends_and_resumes_again(trained, tmp_path, capsys):
+    """Extending records the kept schedule span (optimizer.schedule_steps) in the checkpoint;
+    the user never set it, so the next extension or resume is no change (issue 43 item 6)."""
+    run_dir, args = copy_of(trained, tmp_path)
+    for steps in (3, 4, 4):
+        status = train_main([*args, f"train.steps={steps}"])
+        captured = capsys.readouterr()
+        assert status == 0, captured.err
+    assert "is at step 4 = train.steps already" in captured.out, captured.out
+    assert RunDir(run_dir).checkpoints.joinpath("4").is_dir()
+
+
 def test_force_cannot_change_the_shapes_of_the_checkpoint(trained, tmp_path, capsys):
     run_dir, args = copy_of(trained, tmp_path)
     before = snapshot(run_dir)

@@ -189,7 +189,10 @@ def _changed_settings(saved: TrainConfig, cfg: TrainConfig) -> dict[str, tuple]:
     """The settings that differ from the checkpoint's, but those a run may change when it
     resumes (``train.steps``, the mesh, logging) and the vocabulary size (the tokenizer's)."""
     diff = config_diff(saved, cfg)
-    if schedule_span(saved) == schedule_span(cfg):  # None and the steps it stood for
+    # Unset, the span is the one the run was trained with (keep_schedule_span settles it): an
+    # extended run records it, and extending or resuming it again must not read as a change.
+    unset = cfg.optimizer.schedule_steps is None
+    if unset or schedule_span(saved) == schedule_span(cfg):  # None and the steps it stood for
         diff.pop("optimizer.schedule_steps", None)
     diff.pop("model.vocab_size", None)
     if cfg.data.source == "prepared" and cfg.data.tokenizer is None:
