@@ -131,6 +131,13 @@ def test_an_extended_run_extends_and_resumes_again(trained, tmp_path, capsys):
     assert RunDir(run_dir).checkpoints.joinpath("4").is_dir()
 
 
+def test_a_run_written_before_the_run_mark_resumes(trained, tmp_path, capsys):
+    run_dir, args = copy_of(trained, tmp_path)
+    RunDir(run_dir).mark.unlink()
+    assert train_main([*args, "train.steps=3"]) == 0, capsys.readouterr().err
+    assert RunDir(run_dir).mark.is_file() and (run_dir / "checkpoints" / "3").is_dir()
+
+
 def test_force_cannot_change_the_shapes_of_the_checkpoint(trained, tmp_path, capsys):
     run_dir, args = copy_of(trained, tmp_path)
     before = snapshot(run_dir)
@@ -149,9 +156,9 @@ def test_a_prepared_store_gone_from_under_a_run_is_named(tmp_path, capsys):
     corpus.write_text(TEXT)
     prepare_store(store, source="text", path=str(corpus), tokenizer_kind="char")
     run_dir = RunDir(tmp_path / "run")
-    run_dir.path.mkdir()
     cfg = DataConfig(source="prepared", path=str(store), seq_len=16)
-    write_inputs(run_dir.inputs, built_inputs(cfg, run_dir.prepared))  # as a started run has
+    with run_dir.locked():  # as a started run has
+        write_inputs(run_dir.inputs, built_inputs(cfg, run_dir.prepared))
     shutil.rmtree(store)
     args = [f"run_dir={run_dir}", *TINY, "data.source=prepared", f"data.path={store}"]
     err = refused([*args, "--no-progress"], capsys)
