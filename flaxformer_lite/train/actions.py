@@ -186,6 +186,20 @@ class SaveCheckpoint:
         )
 
 
+def run_actions(due: list, end: StepEnd, checkpointer: Checkpointer) -> None:
+    """Runs the actions ``due`` at ``end``, in order (a save last: it keeps the step's eval
+    loss). One that fails (an evaluation, a log line) first lets the save due at the same step
+    be written, so that the error never costs the steps trained."""
+    for number, action in enumerate(due):
+        try:
+            action(end)
+        except Exception:
+            for save in (a for a in due[number + 1 :] if isinstance(a, SaveCheckpoint)):
+                save(end)
+                checkpointer.wait()
+            raise
+
+
 def evaluate(eval_step, state, batches, max_batches: int | None = None) -> dict[str, float]:
     """Token-weighted ``eval_loss`` and ``eval_accuracy`` over every batch (or the first
     ``max_batches``), and ``eval_tokens``, the number of (weighted) tokens they are over.

@@ -29,6 +29,7 @@ from flaxformer_lite.train.actions import (
     StepEnd,
     Throughput,
     TrainingError,
+    run_actions,
 )
 from flaxformer_lite.train.checkpoint import Checkpointer, CheckpointShapeError
 from flaxformer_lite.train.config import ConfigError, TrainConfig, config_from_dict
@@ -239,8 +240,7 @@ def train(run: PreparedRun, *, progress: bool, log) -> dict[str, float]:
             finite.now()  # a checkpoint is written only after its step's flag is read
             if throughput.started is None:
                 throughput.compiled(step, started)
-            for action in due:
-                action(end)
+            run_actions(due, end, run.checkpointer)
             if end.values:
                 writer.write(step, end.values)
                 last = end.values
