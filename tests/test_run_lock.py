@@ -9,6 +9,7 @@ import sys
 import pytest
 from subprocess_env import subprocess_env
 
+from flaxformer_lite.cli.plot import plot_main
 from flaxformer_lite.cli.train import train_main
 from flaxformer_lite.train.run_dir import NotARunError, RunDir, RunDirInUseError
 
@@ -152,3 +153,43 @@ def test_a_directory_of_empty_folders_is_no_one_s_work(tmp_path):
     (tmp_path / "run" / "tb" / "notes.txt").write_text("mine")
     with pytest.raises(NotARunError, match="it holds tb/, and not the run.json"):
         RunDir(tmp_path / "run").refuse_if_not_a_run()
+
+
+@pytest.mark.parametrize("link", ["run.lock", "config.yaml.tmp", "checkpoints"])
+def test_a_run_holding_a_symbolic_link_is_refused_and_its_target_untouched(tmp_path, link, capsys):
+    """Issue 43 item 2: a run directory from someone else could link a run's writes to any
+    file the user can write."""
+    run_dir, victim = tmp_path / "run", tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    with RunDir(run_dir).locked():
+        (run_dir / "metrics.jsonl").write_text("")
+    (run_dir / link).unlink(missing_ok=True)
+    (run_dir / link).symlink_to(victim)
+    for flags in ([], ["--fresh"]):
+        status = train_main([f"run_dir={run_dir}", "train.steps=2", "--no-progress", *flags])
+        err = capsys.readouterr().err
+        assert status == 2, err
+        assert f"run_dir {run_dir} holds symbolic links" in err, err
+        assert f"{link} -> {victim}" in err and len(err.strip().splitlines()) == 1, err
+    assert victim.read_text() == "precious\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "victim.txt"]
+
+
+@pytest.mark.parametrize("link", ["plots", "plots/loss.png"])
+def test_plot_does_not_write_through_a_link_in_the_run(tmp_path, link, capsys):
+    run_dir, victim = tmp_path / "run", tmp_path / "victim"
+    with RunDir(run_dir).locked():
+        (run_dir / "metrics.jsonl").write_text(
+            '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.0}\n'
+        )
+    if link == "plots":
+        victim.mkdir()
+    else:
+        (run_dir / "plots").mkdir()
+        victim.write_text("precious\n")
+    (run_dir / link).symlink_to(victim)
+    assert plot_main([str(run_dir)]) == 2
+    assert f"holds symbolic links, which its writes would follow out of it: {link} -> " in (
+        capsys.readouterr().err
+    )
+    assert (list(victim.iterdir()) == []) if link == "plots" else victim.read_text() == "precious\n"

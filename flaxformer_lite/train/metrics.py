@@ -232,10 +232,12 @@ def plot_run(run_dir: pathlib.Path) -> list[pathlib.Path]:
 
     Raises:
       FileNotFoundError, ValueError: as :func:`read_metrics`.
+      RunDirLinkError: the run directory holds symbolic links (nothing is written).
     """
     figures = run_figures(run_dir)
     if not figures:
         return []
+    RunDir(run_dir).refuse_links()
     plots = RunDir(run_dir).plots
     plots.mkdir(exist_ok=True)
     written = []

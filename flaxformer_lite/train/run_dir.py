@@ -48,6 +48,10 @@ class NotARunError(ValueError):
     """The directory holds files a run did not write (a user error: exit status 2)."""
 
 
+class RunDirLinkError(ValueError):
+    """The run directory holds symbolic links, which its writes would follow (exit status 2)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class RunDir:
     """The layout of the run directory ``path``; nothing is created until a run writes."""
@@ -127,6 +131,28 @@ class RunDir:
                 "writes config.yaml and more into it)"
             )
 
+    def refuse_links(self) -> None:
+        """Refuses a directory that holds symbolic links (from a shared file system or a
+        tarball): a run writes its files in place (the lock, ``config.yaml.tmp``, plots,
+        checkpoints), and through a link it would overwrite any file the user can write.
+
+        Raises:
+          RunDirLinkError: naming the links and where they point.
+        """
+        links = sorted(
+            pathlib.Path(root, name)
+            for root, folders, files in os.walk(self.path)  # links are listed, not followed
+            for name in folders + files
+            if os.path.islink(os.path.join(root, name))
+        )
+        if links:
+            shown = ", ".join(f"{p.relative_to(self.path)} -> {os.readlink(p)}" for p in links[:5])
+            more = f" and {len(links) - 5} more" if len(links) > 5 else ""
+            raise RunDirLinkError(
+                f"run_dir {self.path} holds symbolic links, which its writes would follow out "
+                f"of it: {shown}{more}; remove them, or copy the run without them (cp -rL)"
+            )
+
     def write_config(self, config: dict) -> None:
         """Writes ``config.yaml`` aside and renames it: a killed write keeps the old one."""
         partial = self.config.with_name(self.config.name + ".tmp")
@@ -143,9 +169,11 @@ class RunDir:
 
         Raises:
           NotARunError: the directory holds files a run did not write (nothing is touched).
+          RunDirLinkError: the directory holds symbolic links (nothing is touched).
           RunDirInUseError: another process holds the directory (nothing is moved or written).
         """
         self.refuse_if_not_a_run()
+        self.refuse_links()
         if fresh and self.path.exists():
             with _flock(self.lock):
                 moved = move_aside(self.path)
