@@ -171,3 +171,14 @@ def test_a_full_disk_names_the_store_and_keeps_nothing(
         f"error: {out}: {os.strerror(number)} while preparing the store; nothing of it was kept"
     ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lines.txt"]
+
+
+def test_out_a_link_to_an_empty_directory_prepares_the_store_there(corpus, tmp_path, capsys):
+    """Issue 43 item 15: the store was renamed onto the link ([Errno 20] Not a directory)."""
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    argv = ["--out", tmp_path / "link", "data.source=text", f"data.path={corpus}"]
+    status, lines, err = prepare(capsys, *argv, "--no-progress")
+    assert status == 0, err
+    assert lines[0].startswith(f"prepared {tmp_path / 'target'}: 1 documents")
+    assert (tmp_path / "link").is_symlink() and len(open_store(tmp_path / "link").documents) == 1

@@ -103,7 +103,7 @@ def prepare_store(
 
     Args:
       out_dir: the store directory; it must not exist, be empty, or hold a store of these
-        inputs.
+        inputs. A symbolic link is followed: the store is made where it points, the link kept.
       source, path, field: the source kind, its files, and the JSONL field holding the text.
       documents: how a ``text`` source's files become documents (``file``, ``paragraphs`` or
         ``lines``: :mod:`~flaxformer_lite.data.sources`).
@@ -123,6 +123,8 @@ def prepare_store(
         error writing it.
     """
     out_dir = Path(out_dir)
+    if out_dir.is_symlink():  # the store is renamed into place: onto the link it would fail
+        out_dir = out_dir.resolve()
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
     files = sources.source_files(source, path)
