@@ -181,6 +181,15 @@ def test_a_named_validation_file_is_used_as_given_and_not_split(tmp_path):
     assert open_store(store).manifest["source"]["documents"] == "file"
 
 
+@pytest.mark.parametrize("validation", ["book.txt", "*.txt"])
+def test_validation_data_that_are_training_data_too_are_refused(tmp_path, validation):
+    """Issue 43 item 8: the evaluation would be on the training text, without a word."""
+    (tmp_path / "more.txt").write_text("more text\n")
+    with pytest.raises(ValueError, match=r"^data.validation_path=.*book.txt.* is training data"):
+        text_data(tmp_path, validation_path=str(tmp_path / validation))
+    assert not (tmp_path / "prepared").exists() and not (tmp_path / "tok").exists()
+
+
 def test_a_task_that_must_cut_examples_says_how_much(tmp_path):
     pairs = "".join(f"{'a' * (5 + i)}\t{'b' * (20 - i)}\n" for i in range(20))
     (tmp_path / "pairs.tsv").write_text(pairs)
