@@ -138,6 +138,19 @@ def test_a_run_written_before_the_run_mark_resumes(trained, tmp_path, capsys):
     assert RunDir(run_dir).mark.is_file() and (run_dir / "checkpoints" / "3").is_dir()
 
 
+def test_a_run_directory_inside_the_data_glob_is_refused(tmp_path, capsys):
+    """Issue 43 item 7: the run trained on its own run.lock, then listed its checkpoints as
+    added data."""
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text(TEXT)
+    run_dir = tmp_path / "corpus" / "run"
+    args = [f"run_dir={run_dir}", *TINY, "data.source=text", "data.tokenizer=char"]
+    err = refused([*args, f"data.path={tmp_path / 'corpus' / '**'}", "--no-progress"], capsys)
+    assert f"data.path={tmp_path / 'corpus' / '**'} matches files of the run directory" in err
+    assert "(run.json, run.lock); narrow the pattern to leave the run out" in err, err
+    assert sorted(p.name for p in (tmp_path / "corpus").iterdir()) == ["a.txt"]
+
+
 def test_force_cannot_change_the_shapes_of_the_checkpoint(trained, tmp_path, capsys):
     run_dir, args = copy_of(trained, tmp_path)
     before = snapshot(run_dir)
