@@ -137,7 +137,10 @@ def test_an_unknown_metric_or_a_directory_without_a_run_exits_2(two_runs, tmp_pa
         ),
         ("", "not a run's resolved config (no mapping of settings)"),
         ("!!python/object:os.system {}\n", "not readable YAML (could not determine a construct"),
-        ("train:\n  steps: 3\ndata:\n  seq_len: 8\n", "not a run's resolved config (no train.batch_size)"),
+        (
+            "train:\n  steps: 3\ndata:\n  seq_len: 8\n",
+            "not a run's resolved config (no train.batch_size)",
+        ),
     ],
 )
 def test_a_run_with_a_bad_config_yaml_exits_2_in_one_line(two_runs, tmp_path, text, message):
