@@ -151,6 +151,14 @@ def test_a_run_directory_inside_the_data_glob_is_refused(tmp_path, capsys):
     assert sorted(p.name for p in (tmp_path / "corpus").iterdir()) == ["a.txt"]
 
 
+def test_text_documents_file_spelled_out_is_the_unset_setting(trained, tmp_path, capsys):
+    """Issue 43 item 14: refused as "the data differ: None -> 'file'"."""
+    run_dir, args = copy_of(trained, tmp_path)
+    status = train_main([*args, "train.steps=3", "data.text_documents=file"])
+    assert status == 0, capsys.readouterr().err
+    assert (run_dir / "checkpoints" / "3").is_dir()
+
+
 def test_force_cannot_change_the_shapes_of_the_checkpoint(trained, tmp_path, capsys):
     run_dir, args = copy_of(trained, tmp_path)
     before = snapshot(run_dir)

@@ -222,6 +222,10 @@ def _changed_settings(saved: TrainConfig, cfg: TrainConfig) -> dict[str, tuple]:
     if unset or schedule_span(saved) == schedule_span(cfg):  # None and the steps it stood for
         diff.pop("optimizer.schedule_steps", None)
     diff.pop("model.vocab_size", None)
+    if cfg.data.source == "text":  # unset, a text file is one document: the same as file
+        spelled = {saved.data.text_documents, cfg.data.text_documents}
+        if spelled <= {None, "file"}:
+            diff.pop("data.text_documents", None)
     if cfg.data.source == "prepared" and cfg.data.tokenizer is None:
         diff.pop("data.tokenizer", None)  # whatever was recorded, the store's own was used
     return {k: v for k, v in diff.items() if not is_runtime_key(k)}
