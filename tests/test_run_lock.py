@@ -2,6 +2,7 @@
 process that holds it, and a lock left by a killed process (kill -9) does not block."""
 
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -193,3 +194,20 @@ def test_plot_does_not_write_through_a_link_in_the_run(tmp_path, link, capsys):
         capsys.readouterr().err
     )
     assert (list(victim.iterdir()) == []) if link == "plots" else victim.read_text() == "precious\n"
+
+
+def test_fresh_refuses_a_mount_point_and_the_current_directory(tmp_path, monkeypatch):
+    """Issue 43 item 16: a mount point was copied aside, emptied, then [Errno 16] Device or
+    resource busy; run_dir=. said PosixPath('.') has an empty name."""
+    run_dir = tmp_path / "run"
+    with RunDir(run_dir).locked():
+        (run_dir / "metrics.jsonl").write_text("{}\n")
+    mounted = run_dir.resolve()
+    monkeypatch.setattr(os.path, "ismount", lambda path: pathlib.Path(path) == mounted)
+    with pytest.raises(ValueError, match=f"run_dir {run_dir} aside: it is a mount point; move"):
+        RunDir(run_dir).locked(fresh=True).__enter__()
+    monkeypatch.chdir(run_dir)
+    with pytest.raises(ValueError, match="run_dir . aside: the current directory is in it"):
+        RunDir(".").locked(fresh=True).__enter__()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    assert (run_dir / "metrics.jsonl").read_text() == "{}\n"

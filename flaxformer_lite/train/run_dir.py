@@ -170,11 +170,14 @@ class RunDir:
         Raises:
           NotARunError: the directory holds files a run did not write (nothing is touched).
           RunDirLinkError: the directory holds symbolic links (nothing is touched).
+          ValueError: ``fresh`` with a directory that cannot be moved as a whole (a mount
+            point, the current directory).
           RunDirInUseError: another process holds the directory (nothing is moved or written).
         """
         self.refuse_if_not_a_run()
         self.refuse_links()
         if fresh and self.path.exists():
+            _check_movable(self.path)
             with _flock(self.lock):
                 moved = move_aside(self.path)
             log(f"--fresh: moved the previous run to {moved}")
@@ -218,6 +221,26 @@ def _flock(path: pathlib.Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
+
+
+def _check_movable(path: pathlib.Path) -> None:
+    """Refuses to move aside a directory that cannot go as a whole: a mount point (it would be
+    copied, emptied, then fail to go) or one holding the current directory (``.``).
+
+    Raises:
+      ValueError: naming the directory and what to do.
+    """
+    resolved = path.resolve()
+    if pathlib.Path.cwd().is_relative_to(resolved):
+        raise ValueError(
+            f"--fresh cannot move run_dir {path} aside: the current directory is in it; run "
+            "from outside it, or move the old run's files yourself"
+        )
+    if os.path.ismount(resolved):
+        raise ValueError(
+            f"--fresh cannot move run_dir {path} aside: it is a mount point; move the old "
+            "run's files out of it yourself, or choose a run_dir inside it"
+        )
 
 
 def move_aside(path: pathlib.Path) -> pathlib.Path:
