@@ -21,7 +21,7 @@ import pathlib
 
 import jax
 
-from flaxformer_lite.cli.errors import guarded, say
+from flaxformer_lite.cli.errors import guarded, notice, say
 from flaxformer_lite.cli.flags import CommandParser
 from flaxformer_lite.cli.library_log import library_log_to
 from flaxformer_lite.data.tokenizers import Tokenizer
@@ -128,6 +128,7 @@ def run(args: argparse.Namespace, say=print) -> int:
             beam_size=args.beam_size,
             alpha=args.alpha,
             max_new_tokens=args.max_new_tokens,
+            notify=notice,
         )
         for prompt, beams, beam_scores in zip(prompts, tokens, scores, strict=True):
             say(prompt)
@@ -140,6 +141,7 @@ def run(args: argparse.Namespace, say=print) -> int:
         prompts,
         max_new_tokens=args.max_new_tokens,
         add_bos=add_bos,
+        notify=notice,
         **sampling,
     )
     arrow = " -> " if isinstance(model, EncoderDecoder) else ""
