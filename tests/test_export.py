@@ -7,6 +7,7 @@ Each tiny run trains a few steps, once per module (the runs compile for a few se
 
 import json
 import pathlib
+import socket
 import subprocess
 import sys
 
@@ -328,5 +329,11 @@ def test_export_out_inside_a_run_is_refused_and_a_link_is_followed(tmp_path, cap
         assert not out.exists()
     (tmp_path / "target").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "target")
+    # Issue 43 item 18: an export killed (kill -9) left its staging directory forever.
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], stdout=-1)
+    stale = tmp_path / f".target.export-{socket.gethostname()}-{int(gone.stdout)}"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"partial")
     assert main(["export", "--run-dir", str(run_dir), "--out", str(tmp_path / "link")]) == 0
     assert (tmp_path / "link").is_symlink() and (tmp_path / "target" / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "run", "target"]

@@ -17,6 +17,7 @@ import os
 import pathlib
 import shutil
 
+from flaxformer_lite.data.store import owner, remove_stale_partials
 from flaxformer_lite.data.tokenizer_export import hf_tokenizer_files
 from flaxformer_lite.interop.hf import save_hf, writable_family
 from flaxformer_lite.train.restore import load_run
@@ -86,7 +87,8 @@ def export_run(
     files = hf_tokenizer_files(tokenizer, task=task, max_length=model_config.max_length)
     special_ids = {"pad": tokenizer.pad_id, "bos": tokenizer.sos_id, "eos": tokenizer.eos_id}
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.parent / f".{out.name}.export-{os.getpid()}"
+    staging = out.parent / f".{out.name}.export-{owner()}"
+    remove_stale_partials(staging)  # those of exports killed on this host (kill -9)
     staging.mkdir()  # with the umask's permissions, which the export keeps
     try:
         save_hf(loaded.model, model_config, staging, special_ids=special_ids)
