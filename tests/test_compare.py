@@ -182,3 +182,20 @@ def test_compare_two_tiny_trained_runs(tmp_path, capsys):
     assert lines["optimizer.lr"] == ["0.003", "0.01"]
     assert len(lines) > 10 and "model.vocab_size" not in lines  # resolved equally in both
     assert Image.open(out).size[0] > 200
+
+
+def test_compare_png_in_the_current_directory_is_not_replaced_unasked(
+    two_runs, tmp_path, monkeypatch, capsys
+):
+    """Issue 43 item 19: compare.png in the current directory was silently replaced."""
+    a, b = two_runs
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "compare.png").write_bytes(b"mine")
+    assert main(["compare", str(a), str(b)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err == "error: compare.png exists; pass --out compare.png to replace it, or another file\n"
+    )
+    assert (tmp_path / "compare.png").read_bytes() == b"mine"
+    assert main(["compare", str(a), str(b), "--out", "compare.png"]) == 0
+    assert (tmp_path / "compare.png").read_bytes()[:4] == b"\x89PNG"
