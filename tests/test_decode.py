@@ -443,3 +443,8 @@ def test_what_decoding_changes_from_what_was_asked_is_said():
         "'12+3': 1 of its tokens are not in the tokenizer's vocabulary: <unk>",
         "max_new_tokens=100 lowered to 27, what fits in max_length=32",
     ]
+
+
+def test_printable_escapes_control_characters_but_line_breaks_and_tabs():
+    """Issue 43 item 19: a byte-level model's ESC reached the terminal."""
+    assert text.printable("a\x1b[31mb\n\tc\x7f\x00é") == "a\\x1b[31mb\n\tc\\x7f\\x00é"

@@ -25,7 +25,7 @@ from flaxformer_lite.cli.errors import guarded, notice, say
 from flaxformer_lite.cli.flags import CommandParser
 from flaxformer_lite.cli.library_log import library_log_to
 from flaxformer_lite.data.tokenizers import Tokenizer
-from flaxformer_lite.decode.text import continue_or_translate, translate_beam
+from flaxformer_lite.decode.text import continue_or_translate, printable, translate_beam
 from flaxformer_lite.models import DecoderLM, EncoderDecoder
 
 
@@ -103,7 +103,8 @@ def run(args: argparse.Namespace, say=print) -> int:
         model, tokenizer, add_bos, source = loaded.model, loaded.tokenizer, True, args.run_dir
     if not isinstance(model, DecoderLM | EncoderDecoder):
         raise ValueError(
-            f"{source} holds a {type(model).__name__}; generate needs a DecoderLM or EncoderDecoder"
+            f"{source} holds an encoder-only model ({type(model).__name__}); generate needs a "
+            "DecoderLM or EncoderDecoder"
         )
     if isinstance(model, DecoderLM) and args.beam_size > 1:
         raise ValueError(
@@ -133,7 +134,7 @@ def run(args: argparse.Namespace, say=print) -> int:
         for prompt, beams, beam_scores in zip(prompts, tokens, scores, strict=True):
             say(prompt)
             for beam, score in list(zip(beams, beam_scores, strict=True))[: args.n_best]:
-                say(f"  {score:9.4f}  {tokenizer.decode(beam)}")
+                say(f"  {score:9.4f}  {printable(tokenizer.decode(beam))}")
         return 0
     outputs = continue_or_translate(
         model,
@@ -146,7 +147,7 @@ def run(args: argparse.Namespace, say=print) -> int:
     )
     arrow = " -> " if isinstance(model, EncoderDecoder) else ""
     for prompt, ids in zip(prompts, outputs, strict=True):
-        say(f"{prompt}{arrow}{tokenizer.decode(ids)}")
+        say(f"{prompt}{arrow}{printable(tokenizer.decode(ids))}")
     return 0
 
 

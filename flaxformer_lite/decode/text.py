@@ -13,6 +13,7 @@ is decoded from ``sos_id`` until ``eos_id``. ``tokenizer`` is a
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Callable
 
 import numpy as np
@@ -20,6 +21,16 @@ import numpy as np
 from flaxformer_lite.decode.generate import generate, right_pad, until_eos
 from flaxformer_lite.decode.seq2seq import beam_search, seq2seq_generate
 from flaxformer_lite.models import DecoderLM, EncoderDecoder
+
+
+def printable(text: str) -> str:
+    """``text`` with its control characters (ESC and the like, which a byte-level model may
+    write) as ``\\x1b`` escapes, so that printing a sample cannot drive the terminal; line
+    breaks and tabs are kept."""
+    return "".join(
+        f"\\x{ord(c):02x}" if unicodedata.category(c) == "Cc" and c not in "\n\t" else c
+        for c in text
+    )
 
 
 def prompt_ids(tokenizer, text: str, *, add_bos: bool = True) -> list[int]:

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+from flaxformer_lite.decode.text import printable
 from flaxformer_lite.train.checkpoint import Checkpointer
 from flaxformer_lite.train.console import Console
 from flaxformer_lite.train.decode_eval import continue_texts, decodable, decode_eval
@@ -254,7 +255,8 @@ def decoded_eval(cfg, data, task, model, step: int, log) -> dict[str, float]:
                 seed=cfg.seed + step,
             )
             for number, sample in enumerate(samples, 1):
-                log(f"step {step} sample {number} (prompt {sample.input!r}):\n{sample.prediction}")
+                prediction = printable(sample.prediction)
+                log(f"step {step} sample {number} (prompt {sample.input!r}):\n{prediction}")
             return {}
         if not cfg.train.decode_examples or not decodable(task, data.eval_examples):
             return {}
