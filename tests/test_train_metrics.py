@@ -275,3 +275,17 @@ def test_a_loss_spanning_decades_is_on_a_log_axis_in_decimals(tmp_path):
     assert axes.get_yscale() == "log" and axes.child_axes == []
     figures["loss"].canvas.draw()
     assert {t.get_text() for t in axes.get_yticklabels()} >= {"0.1", "1", "10"}
+
+
+def test_a_dropped_partial_line_is_a_warning_not_among_the_output(tmp_path, capsys, caplog):
+    """Issue 43 item 19: the notice went to stdout, unlabelled; as a warning of the package it
+    reaches the terminal's stderr as ``warning: ...`` (plain_terminal_records)."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+    assert main(["plot", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert all(line.startswith("wrote ") for line in out.splitlines()), out
+    (record,) = [r for r in caplog.records if "partial" in r.getMessage()]
+    assert (record.name, record.levelname) == ("flaxformer_lite.train.metrics", "WARNING")
+    assert record.getMessage() == (
+        f'{tmp_path / "metrics.jsonl"}: dropped the partial last line 2 (\'{{"step": 2, "lo\')'
+    )
