@@ -277,6 +277,18 @@ def test_a_loss_spanning_decades_is_on_a_log_axis_in_decimals(tmp_path):
     assert {t.get_text() for t in axes.get_yticklabels()} >= {"0.1", "1", "10"}
 
 
+def test_an_infinite_loss_does_not_make_a_narrow_loss_a_log_axis(tmp_path):
+    """Issue 43 item 19: an inf loss switched the plot to a log axis and lost its ticks."""
+    records = [
+        {"step": 1, "loss": 2.0},
+        {"step": 2, "loss": float("inf")},
+        {"step": 3, "loss": 1.5},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (axes,) = metrics.run_figures(tmp_path)["loss"].axes
+    assert axes.get_yscale() == "linear"
+
+
 def test_a_dropped_partial_line_is_a_warning_not_among_the_output(tmp_path, capsys, caplog):
     """Issue 43 item 19: the notice went to stdout, unlabelled; as a warning of the package it
     reaches the terminal's stderr as ``warning: ...`` (plain_terminal_records)."""
