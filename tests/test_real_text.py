@@ -358,7 +358,8 @@ def test_a_text_run_recorded_before_the_document_setting_resumes_only_as_lines()
 
     old = {"data": {"source": "text", "path": "a.txt"}, "files": []}
     now = {"data": {"source": "text", "path": "a.txt", "text_documents": None}, "files": []}
-    assert input_changes(old, now) == ["  data.text_documents: 'lines' -> None"]
+    # Unset is settled to what it means, a document per file (issue 43 item 14).
+    assert input_changes(old, now) == ["  data.text_documents: 'lines' -> 'file'"]
     lines = {"data": {**now["data"], "text_documents": "lines"}, "files": []}
     assert input_changes(old, lines) == []
 
