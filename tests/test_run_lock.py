@@ -211,3 +211,21 @@ def test_fresh_refuses_a_mount_point_and_the_current_directory(tmp_path, monkeyp
         RunDir(".").locked(fresh=True).__enter__()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
     assert (run_dir / "metrics.jsonl").read_text() == "{}\n"
+
+
+def test_a_bad_validation_file_leaves_no_run_directory(tmp_path, capsys):
+    """Issue 43 item 19: the training store was prepared, then the validation file failed and
+    left prepared/, run.lock; its error lacked the data.validation_path: prefix."""
+    (tmp_path / "corpus.txt").write_text("".join(f"line {i}: text\n" for i in range(40)))
+    (tmp_path / "valid.txt").write_bytes(b"fine\n\xff\xfe bad\n")
+    argv = [
+        f"run_dir={tmp_path / 'run'}",
+        "data.source=text",
+        f"data.path={tmp_path / 'corpus.txt'}",
+        f"data.validation_path={tmp_path / 'valid.txt'}",
+        "--no-progress",
+    ]
+    assert train_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: data.validation_path: {tmp_path / 'valid.txt'}: not valid UTF-8")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "valid.txt"]

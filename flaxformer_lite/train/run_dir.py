@@ -194,10 +194,16 @@ class RunDir:
             raise
 
     def _remove_if_unused(self) -> None:
-        """Removes the directory if a failed run left nothing in it but its lock and empty
-        folders: bad input leaves no trace."""
+        """Removes the directory if a failed run left nothing in it but its lock, its mark,
+        the stores it prepared (a cache of the data, made again at the next start) and empty
+        folders: bad input (a validation file that fails after the training data were
+        prepared) leaves no trace."""
         ours = (self.lock, self.mark)
-        files = [p for p in self.path.rglob("*") if not p.is_dir() and p not in ours]
+        files = [
+            p
+            for p in self.path.rglob("*")
+            if not p.is_dir() and p not in ours and not p.is_relative_to(self.prepared)
+        ]
         if not files:
             shutil.rmtree(self.path, ignore_errors=True)
 
