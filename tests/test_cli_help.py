@@ -4,6 +4,8 @@ one flag style with the old underscore spellings as aliases, and ``--show-config
 
 import dataclasses
 import re
+import subprocess
+import sys
 import typing
 
 import pytest
@@ -110,6 +112,15 @@ def test_config_list_names_each_shipped_recipe_with_its_line(capsys):
     default = next(line for line in lines if line.startswith("default "))
     assert default.split(None, 1)[1] == summary(recipes()["default"])
     assert "gpt2-tiny learning three-digit arithmetic" in default
+
+
+def test_config_list_onto_a_full_disk_is_one_line_and_exit_2():
+    """Issue 43 item 13: --list was not guarded like the other commands (a traceback)."""
+    code = "import sys; from flaxformer_lite.cli import main; sys.exit(main(['config', '--list']))"
+    with open("/dev/full", "w") as full:
+        child = subprocess.run([sys.executable, "-c", code], stdout=full, stderr=subprocess.PIPE)
+    assert child.returncode == 2, child.stderr
+    assert child.stderr.decode() == "error: [Errno 28] No space left on device\n"
 
 
 def test_config_of_a_recipe_by_name_shows_that_recipe(capsys):

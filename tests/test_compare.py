@@ -128,6 +128,39 @@ def test_an_unknown_metric_or_a_directory_without_a_run_exits_2(two_runs, tmp_pa
     assert not (tmp_path / "x.png").exists()
 
 
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            "train: [1\n",
+            "not readable YAML (expected ',' or ']', but got '<stream end>' at line 2)",
+        ),
+        ("", "not a run's resolved config (no mapping of settings)"),
+        ("!!python/object:os.system {}\n", "not readable YAML (could not determine a construct"),
+        (
+            "train:\n  steps: 3\ndata:\n  seq_len: 8\n",
+            "not a run's resolved config (no train.batch_size)",
+        ),
+    ],
+)
+def test_a_run_with_a_bad_config_yaml_exits_2_in_one_line(two_runs, tmp_path, text, message):
+    """Issue 43 item 12: YAMLError, TypeError or KeyError tracebacks."""
+    a, b = two_runs
+    (b / "config.yaml").write_text(text)
+    with pytest.raises(ValueError, match=re.escape(f"{b / 'config.yaml'}: {message}")) as info:
+        load_runs([a, b])
+    assert len(str(info.value).splitlines()) == 1
+
+
+def test_a_metric_logged_as_text_is_named(two_runs, tmp_path, capsys):
+    """Issue 43 item 17: it said Unknown format code 'g'."""
+    a, b = two_runs
+    (b / "metrics.jsonl").write_text('{"step": 10, "loss": "high"}\n')
+    assert main(["compare", str(a), str(b), "--out", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: --metric loss: {b} logged 'high' at step 10, not a number\n"
+
+
 @pytest.mark.slow
 def test_compare_two_tiny_trained_runs(tmp_path, capsys):
     from flaxformer_lite.cli.train import train_main
@@ -149,3 +182,20 @@ def test_compare_two_tiny_trained_runs(tmp_path, capsys):
     assert lines["optimizer.lr"] == ["0.003", "0.01"]
     assert len(lines) > 10 and "model.vocab_size" not in lines  # resolved equally in both
     assert Image.open(out).size[0] > 200
+
+
+def test_compare_png_in_the_current_directory_is_not_replaced_unasked(
+    two_runs, tmp_path, monkeypatch, capsys
+):
+    """Issue 43 item 19: compare.png in the current directory was silently replaced."""
+    a, b = two_runs
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "compare.png").write_bytes(b"mine")
+    assert main(["compare", str(a), str(b)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err == "error: compare.png exists; pass --out compare.png to replace it, or another file\n"
+    )
+    assert (tmp_path / "compare.png").read_bytes() == b"mine"
+    assert main(["compare", str(a), str(b), "--out", "compare.png"]) == 0
+    assert (tmp_path / "compare.png").read_bytes()[:4] == b"\x89PNG"

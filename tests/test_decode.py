@@ -406,10 +406,45 @@ def test_text_prompts_continue_as_generate_writes_them():
 
 def test_text_sources_translate_as_seq2seq_generate_writes_them():
     model, tokenizer = make("transformer-tiny", norm_position="pre"), LetterTokenizer()
-    texts = ["forty-two", "x" * 40]
+    texts = ["forty-two", "x" * 31]
     sources = [text.source_ids(tokenizer, t, max_length=32) for t in texts]
     assert sources[0] == [*tokenizer.encode("forty-two"), 2] and len(sources[1]) == 32
     got = text.continue_or_translate(model, tokenizer, texts, max_new_tokens=NEW)
     batch, lengths = right_pad(sources)
     out = np.asarray(seq2seq_generate(model, batch, max_new_tokens=NEW, src_lengths=lengths))
     assert got == [until_eos(row, 2) for row in out]
+    # A source too long for the encoder is refused, as a decoder prompt is (issue 43 item 9).
+    too_long = "the source 'xxxxx.*' is 32 tokens; the encoder takes 31 and <eos>"
+    for decode in (
+        text.continue_or_translate,
+        functools.partial(text.translate_beam, beam_size=2, alpha=0.6),
+    ):
+        with pytest.raises(ValueError, match=too_long):
+            decode(model, tokenizer, ["x" * 32], max_new_tokens=NEW)
+
+
+class DigitTokenizer(LetterTokenizer):
+    """Digits only; every other character is ``<unk>``."""
+
+    unk_id = 3
+
+    def encode(self, string):
+        return [4 + int(c) if c.isdigit() else self.unk_id for c in string]
+
+
+def test_what_decoding_changes_from_what_was_asked_is_said():
+    """Issue 43 item 9: <unk> while the prompt is echoed as typed; max_new_tokens capped."""
+    model, notes = make("gpt2-tiny"), []
+    prompts = ["12+3", "12+3", "45"]  # two samples of one prompt: said once
+    text.continue_or_translate(
+        model, DigitTokenizer(), prompts, max_new_tokens=100, notify=notes.append
+    )
+    assert notes == [
+        "'12+3': 1 of its tokens are not in the tokenizer's vocabulary: <unk>",
+        "max_new_tokens=100 lowered to 27, what fits in max_length=32",
+    ]
+
+
+def test_printable_escapes_control_characters_but_line_breaks_and_tabs():
+    """Issue 43 item 19: a byte-level model's ESC reached the terminal."""
+    assert text.printable("a\x1b[31mb\n\tc\x7f\x00é") == "a\\x1b[31mb\n\tc\\x7f\\x00é"

@@ -7,6 +7,7 @@ Each tiny run trains a few steps, once per module (the runs compile for a few se
 
 import json
 import pathlib
+import socket
 import subprocess
 import sys
 
@@ -312,3 +313,27 @@ def test_a_checkpoint_tokenizer_exports_as_transformers_reads_it(hf, family, tmp
         assert exported(text).input_ids == expected
         assert exported.decode(expected, skip_special_tokens=True) == ours.decode(expected)
     assert (exported.eos_token_id, exported.pad_token_id) == (ours.eos_id, ours.pad_id)
+
+
+def test_export_out_inside_a_run_is_refused_and_a_link_is_followed(tmp_path, capsys):
+    """Issue 43 item 15: RUN/checkpoints/30 looked like step 30 of the run; a link to an empty
+    directory failed with [Errno 20] Not a directory."""
+    run_dir = train(tmp_path / "run", [*TINY, "train.steps=2", "checkpoint.every=2"])
+    for out in (run_dir / "checkpoints" / "30", run_dir / "exports" / "default"):
+        assert main(["export", "--run-dir", str(run_dir), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err == (
+            f"error: {out} is inside the run directory {run_dir}: an export there would read "
+            "as part of the run; choose a directory outside it\n"
+        )
+        assert not out.exists()
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    # Issue 43 item 18: an export killed (kill -9) left its staging directory forever.
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], stdout=-1)
+    stale = tmp_path / f".target.export-{socket.gethostname()}-{int(gone.stdout)}"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"partial")
+    assert main(["export", "--run-dir", str(run_dir), "--out", str(tmp_path / "link")]) == 0
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "target" / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "run", "target"]

@@ -28,6 +28,7 @@ from flaxformer_lite.train.loop import run
 from flaxformer_lite.train.metrics import MetricsWriter, read_metrics
 from flaxformer_lite.train.optim import make_optimizer
 from flaxformer_lite.train.resume import _config_differences, keep_schedule_span
+from flaxformer_lite.train.run_dir import RunDir
 
 pytestmark = pytest.mark.fast_compile
 
@@ -207,8 +208,8 @@ def test_a_partial_last_metrics_line_is_dropped_with_a_notice(tmp_path):
 
 def test_metrics_without_checkpoints_are_kept_unless_fresh(tmp_path):
     run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (run_dir / "metrics.jsonl").write_text('{"step": 5, "loss": 1.0}\n')
+    with RunDir(run_dir).locked():  # a run that logged, its checkpoints deleted
+        (run_dir / "metrics.jsonl").write_text('{"step": 5, "loss": 1.0}\n')
     cfg = load_config(None, [f"run_dir={run_dir}", *TINY, "train.steps=2"])
     with pytest.raises(ConfigError, match="no checkpoint to resume from; pass --fresh"):
         run(cfg, progress=False, log=lambda _: None)

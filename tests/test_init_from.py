@@ -20,6 +20,7 @@ from flaxformer_lite.decode.text import continue_or_translate
 from flaxformer_lite.train.config import ConfigError, load_config
 from flaxformer_lite.train.loop import run
 from flaxformer_lite.train.restore import load_run
+from flaxformer_lite.train.run_dir import RunDir
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 
@@ -223,8 +224,8 @@ def test_a_saved_tokenizer_of_another_checkpoint_is_refused(gpt2, tmp_path, caps
     other = tmp_path / "other"
     shutil.copytree(gpt2[1], other)
     (other / "tokenizer.json").write_text(hf_checkpoints.bpe_tokenizer(vocab_size=280).to_str())
-    load_hf_tokenizer(other).save(tmp_path / "run" / "tokenizer")
-    (tmp_path / "run" / "run.lock").touch()  # as the failed run left it
+    with RunDir(tmp_path / "run").locked():  # as the failed run left it
+        load_hf_tokenizer(other).save(tmp_path / "run" / "tokenizer")
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(hf_checkpoints.CORPUS) + "\n")
     argv = [

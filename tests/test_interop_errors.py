@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 from flax import nnx
 from hf_checkpoints import CORPUS, VOCAB, bpe_tokenizer, edit_config, max_diff
+from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 from subprocess_env import subprocess_env
 
-from flaxformer_lite.interop import SUPPORTED, load_hf, save_hf
+from flaxformer_lite.interop import SUPPORTED, common, load_hf, save_hf
 from flaxformer_lite.models import ModelConfig, build_model
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
@@ -214,3 +215,24 @@ def test_unsupported_marian_settings_are_named(tmp_path, changes, message):
     edit_config(tmp_path, **changes)
     with pytest.raises(ValueError, match=message):
         load_hf(tmp_path)
+
+
+def test_a_weights_file_that_cannot_be_written_is_an_os_error_naming_it(tmp_path, monkeypatch):
+    """Issue 43 item 11: export onto a full disk ended in a SafetensorError traceback."""
+
+    def full_disk(_tensors, filename, metadata=None):
+        pathlib.Path(filename).write_bytes(b"partial")
+        raise SafetensorError("Error while serializing: No space left on device (os error 28)")
+
+    monkeypatch.setattr(common, "save_file", full_disk)
+    with pytest.raises(OSError, match="model.safetensors: cannot write .*No space left") as info:
+        common.write_checkpoint(tmp_path, {}, {"w": np.zeros(3, np.float32)})
+    assert str(tmp_path) in str(info.value)
+    assert list(tmp_path.iterdir()) == []  # no partial file left
+
+
+def test_the_weights_file_has_the_mode_of_the_other_files(tmp_path):
+    """Issue 43 item 18: safetensors wrote model.safetensors 0600, config.json was 0644."""
+    common.write_checkpoint(tmp_path, {}, {"w": np.zeros(3, np.float32)})
+    modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"], modes

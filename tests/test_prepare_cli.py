@@ -111,6 +111,12 @@ def test_a_fine_tuning_config_prepares_with_the_checkpoints_tokenizer(corpus, tm
             ["data.source=text", "data.path={corpus}", "data.tokenizer=bpe"],
             "needs data.vocab_size",
         ),
+        # Issue 43 item 19: checked before the training store is built, and named.
+        (
+            None,
+            ["data.source=text", "data.path={corpus}", "data.validation_path={tmp}/v.txt"],
+            "error: data.validation_path: ",
+        ),
     ],
 )
 def test_user_errors_exit_2_with_one_line(corpus, tmp_path, capsys, setup, argv, message):
@@ -136,9 +142,12 @@ def test_user_errors_exit_2_with_one_line(corpus, tmp_path, capsys, setup, argv,
         (out / "notes.txt").write_text("mine")
     capsys.readouterr()
     argv = [a.format(tmp=tmp_path, corpus=corpus) for a in argv]
+    if any(a.startswith("data.validation_path") for a in argv):
+        argv.append(f"--validation-out={tmp_path / 'valid'}")
     status, lines, err = prepare(capsys, "--no-progress", "--out", out, *argv)
     assert status == 2 and lines == []
     assert len(err.splitlines()) == 1 and err.startswith("error: ") and message in err, err
+    assert setup is not None or not out.exists()  # nothing prepared
 
 
 def test_help_describes_the_command_with_an_example(capsys):
@@ -171,3 +180,14 @@ def test_a_full_disk_names_the_store_and_keeps_nothing(
         f"error: {out}: {os.strerror(number)} while preparing the store; nothing of it was kept"
     ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lines.txt"]
+
+
+def test_out_a_link_to_an_empty_directory_prepares_the_store_there(corpus, tmp_path, capsys):
+    """Issue 43 item 15: the store was renamed onto the link ([Errno 20] Not a directory)."""
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    argv = ["--out", tmp_path / "link", "data.source=text", f"data.path={corpus}"]
+    status, lines, err = prepare(capsys, *argv, "--no-progress")
+    assert status == 0, err
+    assert lines[0].startswith(f"prepared {tmp_path / 'target'}: 1 documents")
+    assert (tmp_path / "link").is_symlink() and len(open_store(tmp_path / "link").documents) == 1

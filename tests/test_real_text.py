@@ -181,6 +181,15 @@ def test_a_named_validation_file_is_used_as_given_and_not_split(tmp_path):
     assert open_store(store).manifest["source"]["documents"] == "file"
 
 
+@pytest.mark.parametrize("validation", ["book.txt", "*.txt"])
+def test_validation_data_that_are_training_data_too_are_refused(tmp_path, validation):
+    """Issue 43 item 8: the evaluation would be on the training text, without a word."""
+    (tmp_path / "more.txt").write_text("more text\n")
+    with pytest.raises(ValueError, match=r"^data.validation_path=.*book.txt.* is training data"):
+        text_data(tmp_path, validation_path=str(tmp_path / validation))
+    assert not (tmp_path / "prepared").exists() and not (tmp_path / "tok").exists()
+
+
 def test_a_task_that_must_cut_examples_says_how_much(tmp_path):
     pairs = "".join(f"{'a' * (5 + i)}\t{'b' * (20 - i)}\n" for i in range(20))
     (tmp_path / "pairs.tsv").write_text(pairs)
@@ -349,7 +358,8 @@ def test_a_text_run_recorded_before_the_document_setting_resumes_only_as_lines()
 
     old = {"data": {"source": "text", "path": "a.txt"}, "files": []}
     now = {"data": {"source": "text", "path": "a.txt", "text_documents": None}, "files": []}
-    assert input_changes(old, now) == ["  data.text_documents: 'lines' -> None"]
+    # Unset is settled to what it means, a document per file (issue 43 item 14).
+    assert input_changes(old, now) == ["  data.text_documents: 'lines' -> 'file'"]
     lines = {"data": {**now["data"], "text_documents": "lines"}, "files": []}
     assert input_changes(old, lines) == []
 

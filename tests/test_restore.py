@@ -1,5 +1,6 @@
 """load_run: a run trained by train.py comes back as the model its checkpoint holds."""
 
+import re
 import shutil
 
 import jax
@@ -120,6 +121,21 @@ def test_loads_onto_given_devices(run_dir):
     np.testing.assert_allclose(loaded.model(TOKENS), load_run(run_dir).model(TOKENS), atol=1e-5)
     with pytest.raises(ValueError, match="mesh= or devices=, not both"):
         load_run(run_dir, devices=devices, mesh=parallel.make_mesh(1, 1, 1, devices=devices[:1]))
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"step": "3"}, "step= must be an int (a checkpoint's step), got '3'"),
+        ({"step": 3.0}, "step= must be an int (a checkpoint's step), got 3.0"),
+        ({"devices": "cpu"}, "devices= must be a list of jax.Device, got 'cpu'"),
+        ({"mesh": 5}, "mesh= must be a jax.sharding.Mesh, got 5"),
+    ],
+)
+def test_arguments_of_the_wrong_type_are_named(run_dir, arguments, message):
+    """Issue 43 item 17: no step "3", a path .../3.0, AttributeErrors."""
+    with pytest.raises(TypeError, match=re.escape(f"load_run: {message}")):
+        load_run(run_dir, **arguments)
 
 
 def test_errors_name_the_path(run_dir, tmp_path):

@@ -119,6 +119,46 @@ def test_every_difference_is_reported_at_once(trained, tmp_path, capsys):
     assert snapshot(run_dir) == before
 
 
+def test_an_extended_run_extends_and_resumes_again(trained, tmp_path, capsys):
+    """Extending records the kept schedule span (optimizer.schedule_steps) in the checkpoint;
+    the user never set it, so the next extension or resume is no change (issue 43 item 6)."""
+    run_dir, args = copy_of(trained, tmp_path)
+    for steps in (3, 4, 4):
+        status = train_main([*args, f"train.steps={steps}"])
+        captured = capsys.readouterr()
+        assert status == 0, captured.err
+    assert "is at step 4 = train.steps already" in captured.out, captured.out
+    assert RunDir(run_dir).checkpoints.joinpath("4").is_dir()
+
+
+def test_a_run_written_before_the_run_mark_resumes(trained, tmp_path, capsys):
+    run_dir, args = copy_of(trained, tmp_path)
+    RunDir(run_dir).mark.unlink()
+    assert train_main([*args, "train.steps=3"]) == 0, capsys.readouterr().err
+    assert RunDir(run_dir).mark.is_file() and (run_dir / "checkpoints" / "3").is_dir()
+
+
+def test_a_run_directory_inside_the_data_glob_is_refused(tmp_path, capsys):
+    """Issue 43 item 7: the run trained on its own run.lock, then listed its checkpoints as
+    added data."""
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text(TEXT)
+    run_dir = tmp_path / "corpus" / "run"
+    args = [f"run_dir={run_dir}", *TINY, "data.source=text", "data.tokenizer=char"]
+    err = refused([*args, f"data.path={tmp_path / 'corpus' / '**'}", "--no-progress"], capsys)
+    assert f"data.path={tmp_path / 'corpus' / '**'} matches files of the run directory" in err
+    assert "(run.json, run.lock); narrow the pattern to leave the run out" in err, err
+    assert sorted(p.name for p in (tmp_path / "corpus").iterdir()) == ["a.txt"]
+
+
+def test_text_documents_file_spelled_out_is_the_unset_setting(trained, tmp_path, capsys):
+    """Issue 43 item 14: refused as "the data differ: None -> 'file'"."""
+    run_dir, args = copy_of(trained, tmp_path)
+    status = train_main([*args, "train.steps=3", "data.text_documents=file"])
+    assert status == 0, capsys.readouterr().err
+    assert (run_dir / "checkpoints" / "3").is_dir()
+
+
 def test_force_cannot_change_the_shapes_of_the_checkpoint(trained, tmp_path, capsys):
     run_dir, args = copy_of(trained, tmp_path)
     before = snapshot(run_dir)
@@ -137,9 +177,9 @@ def test_a_prepared_store_gone_from_under_a_run_is_named(tmp_path, capsys):
     corpus.write_text(TEXT)
     prepare_store(store, source="text", path=str(corpus), tokenizer_kind="char")
     run_dir = RunDir(tmp_path / "run")
-    run_dir.path.mkdir()
     cfg = DataConfig(source="prepared", path=str(store), seq_len=16)
-    write_inputs(run_dir.inputs, built_inputs(cfg, run_dir.prepared))  # as a started run has
+    with run_dir.locked():  # as a started run has
+        write_inputs(run_dir.inputs, built_inputs(cfg, run_dir.prepared))
     shutil.rmtree(store)
     args = [f"run_dir={run_dir}", *TINY, "data.source=prepared", f"data.path={store}"]
     err = refused([*args, "--no-progress"], capsys)

@@ -153,6 +153,17 @@ def test_a_damaged_compressed_file_is_named(tmp_path, suffix):
     assert str(path) in str(info.value)
 
 
+def test_a_corrupt_deflate_stream_in_a_gz_is_named(tmp_path):
+    """Issue 43 item 10: damaged bytes inside the stream raised zlib.error, a traceback."""
+    path = tmp_path / "a.txt.gz"
+    packed = bytearray(gzip.compress(b"some text\n" * 1000))
+    packed[20:30] = b"\xff" * 10  # inside the deflate stream, after the header
+    path.write_bytes(bytes(packed))
+    with pytest.raises(ValueError, match=f"^{path}: cannot read \\(") as info:
+        list(sources.iter_text_records([path]))
+    assert len(str(info.value).splitlines()) == 1
+
+
 def test_builtin_tinyshakespeare_resolves_and_reads():
     (path,) = sources.source_files("text", "builtin:tinyshakespeare")
     assert path.is_file() and path.suffix == ".xz"

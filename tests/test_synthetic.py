@@ -338,7 +338,8 @@ def test_unknown_option_is_named_with_the_valid_ones():
         ("reverse", {"max_length": True}, "max_length must be an int"),
         ("reverse", {"split": "test"}, "split must be one of"),
         ("reverse", {"seed": -1}, "seed must be an int >= 0"),
-        ("reverse", {"size": 0}, "size must be an int >= 1"),
+        ("reverse", {"size": 0}, r"size must be an int in \[1, 10000000\]"),
+        ("reverse", {"size": 10**20}, r"size must be an int in \[1, 10000000\]"),  # not a hang
     ],
 )
 def test_bad_values_are_named(name, kwargs, message):

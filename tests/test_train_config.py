@@ -131,6 +131,13 @@ def test_round_trip_through_plain_values():
         (["checkpoint.keep=0"], "checkpoint.keep must be a positive int"),
         (["train.loss_chunk=0"], "train.loss_chunk must be a positive int"),
         (["optimizer.schedule=noam"], "optimizer.schedule must be one of"),
+        # Issue 43 items 4 and 5: bounded when read, not late (islice, OverflowError, a hang).
+        (["train.eval_batches=99999999999999999999"], "at most 2,147,483,647 \\(an int32\\)"),
+        (["train.steps=2147483648"], "train.steps must be at most 2,147,483,647"),
+        (["seed=-2147483649"], "seed must be at least -2,147,483,648"),
+        (["data.eval_size=99999999999999999999"], "data.eval_size must be at most 2,147"),
+        (["data.eval_size=10000001"], "^data.eval_size must be at most 10,000,000 for a synth"),
+        (["data.train_size=2000000000"], "^data.train_size must be at most 10,000,000"),
     ],
 )
 def test_bad_overrides_name_the_key(overrides, message):

@@ -167,7 +167,8 @@ def test_resuming_with_metrics_on_a_character_device_exits_2_with_one_line(tmp_p
     capsys.readouterr()
     assert train_main(["--no-progress", *args[:-1], "train.steps=4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"error: {path}: not a regular file (a character device, /dev/null)"]
+    assert len(err) == 1 and "holds symbolic links" in err[0], err  # a link: the run writes
+    assert "metrics.jsonl -> /dev/null" in err[0], err
     assert os.readlink(path) == NOT_REGULAR["a character device"]
 
 
@@ -274,3 +275,29 @@ def test_a_loss_spanning_decades_is_on_a_log_axis_in_decimals(tmp_path):
     assert axes.get_yscale() == "log" and axes.child_axes == []
     figures["loss"].canvas.draw()
     assert {t.get_text() for t in axes.get_yticklabels()} >= {"0.1", "1", "10"}
+
+
+def test_an_infinite_loss_does_not_make_a_narrow_loss_a_log_axis(tmp_path):
+    """Issue 43 item 19: an inf loss switched the plot to a log axis and lost its ticks."""
+    records = [
+        {"step": 1, "loss": 2.0},
+        {"step": 2, "loss": float("inf")},
+        {"step": 3, "loss": 1.5},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (axes,) = metrics.run_figures(tmp_path)["loss"].axes
+    assert axes.get_yscale() == "linear"
+
+
+def test_a_dropped_partial_line_is_a_warning_not_among_the_output(tmp_path, capsys, caplog):
+    """Issue 43 item 19: the notice went to stdout, unlabelled; as a warning of the package it
+    reaches the terminal's stderr as ``warning: ...`` (plain_terminal_records)."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+    assert main(["plot", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert all(line.startswith("wrote ") for line in out.splitlines()), out
+    (record,) = [r for r in caplog.records if "partial" in r.getMessage()]
+    assert (record.name, record.levelname) == ("flaxformer_lite.train.metrics", "WARNING")
+    assert record.getMessage() == (
+        f'{tmp_path / "metrics.jsonl"}: dropped the partial last line 2 (\'{{"step": 2, "lo\')'
+    )

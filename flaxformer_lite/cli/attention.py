@@ -56,6 +56,8 @@ def _attention(args) -> int:
             f"{args.run_dir}: the self-attention mixer is {model_cfg.mixer}, which has no "
             "attention weights" + ("; --target plots the cross-attention" if seq2seq else "")
         )
+    if args.out is None:  # the run's own plots/: written only if no link leads out of it
+        RunDir(args.run_dir).refuse_links()
     out = args.out if args.out is not None else RunDir(args.run_dir).plots / "attention"
     paths = write_text_attention_maps(
         run.model, run.tokenizer, args.text, out, target=args.target, note=f"step {run.step}"

@@ -11,6 +11,8 @@ import pathlib
 from flaxformer_lite.cli.errors import guarded, say
 from flaxformer_lite.cli.flags import CommandParser
 
+DEFAULT_OUT = pathlib.Path("compare.png")
+
 
 def compare_main(argv: list[str] | None = None) -> int:
     """Writes the figure, prints the two tables; a directory that is not a run exits 2."""
@@ -50,8 +52,7 @@ def compare_parser() -> CommandParser:
     parser.add_argument(
         "--out",
         type=pathlib.Path,
-        default=pathlib.Path("compare.png"),
-        help="the figure (default: compare.png)",
+        help=f"the figure (default: {DEFAULT_OUT}, if there is none in the current directory)",
     )
     return parser
 
@@ -65,6 +66,10 @@ def _compare(args) -> int:
             raise ValueError("compare takes two sweeps (DIR or DIR:GROUP), or run directories")
         return _compare_sweeps(*args.runs, args.metric)
 
+    out = args.out or DEFAULT_OUT
+    if args.out is None and out.exists():  # a file named only by default is not replaced
+        raise FileExistsError(f"{out} exists; pass --out {out} to replace it, or another file")
+
     runs = compare.load_runs(args.runs)
     metrics = args.metric or [
         m for m in compare.DEFAULT_METRICS if m in compare.logged_metrics(runs)
@@ -73,7 +78,7 @@ def _compare(args) -> int:
     say(compare.final_metrics_table(runs))
     say("")
     say(compare.settings_table(runs))
-    say(f"wrote {compare.plot_comparison(runs, metrics, args.out)}")
+    say(f"wrote {compare.plot_comparison(runs, metrics, out)}")
     return 0
 
 

@@ -25,7 +25,7 @@ def config_main(argv: list[str] | None = None) -> int:
     if args.list:
         if args.config or args.overrides:
             parser.error("--list takes neither --config nor overrides")
-        return list_recipes()
+        return guarded(list_recipes)
     return guarded(lambda: show_config(args.config, args.overrides))
 
 

@@ -103,5 +103,14 @@ def notice(message: str) -> None:
 
 
 def say(message: str, stream=None) -> None:
-    """Prints ``message`` to ``stream`` (default stdout) at once, so it shows before a long step."""
-    print(message, file=stream or sys.stdout, flush=True)
+    """Prints ``message`` to ``stream`` (default stdout) at once, so it shows before a long step.
+    A reader that went away (``| head``) leaves the command to go on without this output."""
+    stream = stream or sys.stdout
+    try:
+        print(message, file=stream, flush=True)
+    except BrokenPipeError:
+        # A run's steps and checkpoints matter more than its log: the stream then writes to
+        # /dev/null (the way Python's signal docs give), its buffered bytes included.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)

@@ -21,11 +21,11 @@ import pathlib
 
 import jax
 
-from flaxformer_lite.cli.errors import guarded, say
+from flaxformer_lite.cli.errors import guarded, notice, say
 from flaxformer_lite.cli.flags import CommandParser
 from flaxformer_lite.cli.library_log import library_log_to
 from flaxformer_lite.data.tokenizers import Tokenizer
-from flaxformer_lite.decode.text import continue_or_translate, translate_beam
+from flaxformer_lite.decode.text import continue_or_translate, printable, translate_beam
 from flaxformer_lite.models import DecoderLM, EncoderDecoder
 
 
@@ -103,7 +103,8 @@ def run(args: argparse.Namespace, say=print) -> int:
         model, tokenizer, add_bos, source = loaded.model, loaded.tokenizer, True, args.run_dir
     if not isinstance(model, DecoderLM | EncoderDecoder):
         raise ValueError(
-            f"{source} holds a {type(model).__name__}; generate needs a DecoderLM or EncoderDecoder"
+            f"{source} holds an encoder-only model ({type(model).__name__}); generate needs a "
+            "DecoderLM or EncoderDecoder"
         )
     if isinstance(model, DecoderLM) and args.beam_size > 1:
         raise ValueError(
@@ -128,11 +129,12 @@ def run(args: argparse.Namespace, say=print) -> int:
             beam_size=args.beam_size,
             alpha=args.alpha,
             max_new_tokens=args.max_new_tokens,
+            notify=notice,
         )
         for prompt, beams, beam_scores in zip(prompts, tokens, scores, strict=True):
             say(prompt)
             for beam, score in list(zip(beams, beam_scores, strict=True))[: args.n_best]:
-                say(f"  {score:9.4f}  {tokenizer.decode(beam)}")
+                say(f"  {score:9.4f}  {printable(tokenizer.decode(beam))}")
         return 0
     outputs = continue_or_translate(
         model,
@@ -140,11 +142,12 @@ def run(args: argparse.Namespace, say=print) -> int:
         prompts,
         max_new_tokens=args.max_new_tokens,
         add_bos=add_bos,
+        notify=notice,
         **sampling,
     )
     arrow = " -> " if isinstance(model, EncoderDecoder) else ""
     for prompt, ids in zip(prompts, outputs, strict=True):
-        say(f"{prompt}{arrow}{tokenizer.decode(ids)}")
+        say(f"{prompt}{arrow}{printable(tokenizer.decode(ids))}")
     return 0
 
 

@@ -65,7 +65,7 @@ def prepare_main(argv: list[str] | None = None) -> int:
 
 
 def _prepare(args) -> int:
-    from flaxformer_lite.data.run_stores import prepare_source, prepare_validation
+    from flaxformer_lite.data.run_stores import check_sources, prepare_source, prepare_validation
     from flaxformer_lite.train.config import load_config
 
     cfg = load_config(args.config, args.overrides, notify=notice)
@@ -80,6 +80,7 @@ def _prepare(args) -> int:
             "data.validation_path and --validation-out go together: the validation files, "
             "and the store to prepare them into"
         )
+    check_sources(data)  # the validation files too, before the training store is built
     tokenizer = None
     if cfg.init_from is not None:  # a fine-tuning run keeps the checkpoint's tokenizer
         from flaxformer_lite.data.hf_tokenizer import load_hf_tokenizer

@@ -127,6 +127,13 @@ class DataConfig:
         for name, low in (("vocab_size", min_vocab), ("train_size", 1), ("eval_size", 1)):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), low)
+        for name in ("train_size", "eval_size"):
+            size = getattr(self, name)
+            if self.source == "synthetic" and size is not None and size > synthetic.MAX_SIZE:
+                raise ValueError(
+                    f"data.{name} must be at most {synthetic.MAX_SIZE:,} for a synthetic "
+                    f"generator (its examples are made in memory at start-up), got {size}"
+                )
         if self.packing is not None and not isinstance(self.packing, bool):
             raise ValueError(f"data.packing must be a bool or None, got {self.packing!r}")
         if self.lm_rows == "windows" and self.packing is False:

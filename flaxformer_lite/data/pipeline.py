@@ -309,7 +309,14 @@ def _load_store(
     store = run_store(cfg, prepared, saved or given)
     records = records_of(store)
     _check_records(records, f"the store {store.path} ({records} documents)", task)
-    valid_store = None if cfg.validation_path is None else validation_store(cfg, prepared, store)
+    valid_store = None
+    if cfg.validation_path is not None:
+        try:
+            valid_store = validation_store(cfg, prepared, store)
+        except (FileNotFoundError, ValueError) as error:  # named as check_sources names it
+            if str(error).startswith("data.validation_path"):
+                raise
+            raise type(error)(f"data.validation_path: {error}") from None
     if save and saved is None:
         store.tokenizer.save(directory)
     documents = store.documents

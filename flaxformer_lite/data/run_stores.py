@@ -25,20 +25,33 @@ from flaxformer_lite.data.tokenizers import Tokenizer
 
 
 def check_sources(cfg: DataConfig) -> None:
-    """Refuses a missing source, or a file with nothing but blanks, before anything is written;
-    the message names the setting and the file."""
+    """Refuses a missing source, a file with nothing but blanks, or validation data that the
+    training data hold too, before anything is written; the message names the setting and the
+    file."""
+    named = {}  # setting -> the files (a store: its directory) it names, resolved
     for key in ("path", "validation_path"):
         path = getattr(cfg, key)
         if path is None:
             continue
         try:
             if cfg.source == "prepared":
-                open_store(path)
+                named[key] = {open_store(path).path.resolve()}
             else:
-                for file in sources.source_files(cfg.source, path):
+                files = sources.source_files(cfg.source, path)
+                for file in files:
                     sources.check_not_blank(file)
+                named[key] = {file.resolve() for file in files}
         except (FileNotFoundError, ValueError) as error:
             raise type(error)(f"data.{key}: {error}") from None
+    shared = sorted(named.get("path", set()) & named.get("validation_path", set()))
+    if shared:
+        more = f" and {len(shared) - 1} more" if len(shared) > 1 else ""
+        raise ValueError(
+            f"data.validation_path={cfg.validation_path}: {shared[0]}{more} is training data "
+            f"too (data.path={cfg.path}): the evaluation would be on text the model trained "
+            "on; name separate files, or leave data.validation_path unset to hold out "
+            "data.validation_fraction"
+        )
 
 
 def run_store(cfg: DataConfig, prepared: Path | None, tokenizer: Tokenizer | None) -> Store:

@@ -34,6 +34,7 @@ import gzip
 import itertools
 import json
 import lzma
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -325,7 +326,7 @@ def _read(file, path: Path) -> bytes:
     """The next chunk of ``file`` (empty at its end)."""
     try:
         return file.read(CHUNK_BYTES)
-    except (OSError, EOFError, lzma.LZMAError) as e:
+    except (OSError, EOFError, lzma.LZMAError, zlib.error) as e:  # zlib: a corrupt deflate
         reason = getattr(e, "strerror", None) or str(e) or type(e).__name__
         raise ValueError(f"{path}: cannot read ({reason})") from None
 

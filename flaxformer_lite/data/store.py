@@ -103,7 +103,7 @@ def prepare_store(
 
     Args:
       out_dir: the store directory; it must not exist, be empty, or hold a store of these
-        inputs.
+        inputs. A symbolic link is followed: the store is made where it points, the link kept.
       source, path, field: the source kind, its files, and the JSONL field holding the text.
       documents: how a ``text`` source's files become documents (``file``, ``paragraphs`` or
         ``lines``: :mod:`~flaxformer_lite.data.sources`).
@@ -123,6 +123,8 @@ def prepare_store(
         error writing it.
     """
     out_dir = Path(out_dir)
+    if out_dir.is_symlink():  # the store is renamed into place: onto the link it would fail
+        out_dir = out_dir.resolve()
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
     files = sources.source_files(source, path)
@@ -151,8 +153,8 @@ def prepare_store(
     if out_dir.exists() and not (out_dir.is_dir() and not any(out_dir.iterdir())):
         return _existing_store(out_dir, request, files, progress)  # an empty directory is filled
 
-    partial = out_dir.absolute().parent / f".{out_dir.absolute().name}.partial-{_owner()}"
-    _remove_stale_partials(partial)
+    partial = out_dir.absolute().parent / f".{out_dir.absolute().name}.partial-{owner()}"
+    remove_stale_partials(partial)
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     try:
@@ -414,14 +416,14 @@ def _files_sha256(files: dict[str, bytes]) -> tuple[str, dict[str, dict[str, Any
     return whole, each
 
 
-def _owner() -> str:
-    """``<host>-<pid>``: which process, on which machine, writes a partial store."""
+def owner() -> str:
+    """``<host>-<pid>``: which process, on which machine, writes a partial store (or export)."""
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-def _remove_stale_partials(partial: Path) -> None:
-    """Removes the partial directories of the same store left by processes of this host that
-    are no longer running (another host's processes cannot be asked)."""
+def remove_stale_partials(partial: Path) -> None:
+    """Removes the partial directories of the same store (or export) left by processes of this
+    host that are no longer running (another host's processes cannot be asked)."""
     prefix = partial.name.rsplit("-", 1)[0] + "-"  # .NAME.partial-<host>-
     for leftover in partial.parent.glob(f"{prefix}*"):
         pid = leftover.name[len(prefix) :]

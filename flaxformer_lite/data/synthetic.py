@@ -71,6 +71,9 @@ from flaxformer_lite.data.tokenizers import Tokenizer
 SPLITS = ("train", "validation")
 VALIDATION_FRACTION = 0.1
 DEFAULT_SIZES = {"train": 1_000_000, "validation": 1_000}
+# A split's examples are all made in memory before the first step: a larger one would take
+# minutes and gigabytes with nothing to show.
+MAX_SIZE = 10_000_000
 ANSWER_SEP = "="
 CHUNK = 4096  # examples drawn at a time
 
@@ -144,7 +147,7 @@ class Task(abc.ABC):
         _check_int("seed", self.seed, 0)
         if self.size is None:
             object.__setattr__(self, "size", DEFAULT_SIZES[self.split])
-        _check_int("size", self.size, 1)
+        _check_int("size", self.size, 1, MAX_SIZE)
         self._check_options()
         self.example(0)  # options that leave this split empty fail here, not mid-training
 

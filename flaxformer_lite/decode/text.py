@@ -13,11 +13,24 @@ is decoded from ``sos_id`` until ``eos_id``. ``tokenizer`` is a
 
 from __future__ import annotations
 
+import unicodedata
+from collections.abc import Callable
+
 import numpy as np
 
 from flaxformer_lite.decode.generate import generate, right_pad, until_eos
 from flaxformer_lite.decode.seq2seq import beam_search, seq2seq_generate
 from flaxformer_lite.models import DecoderLM, EncoderDecoder
+
+
+def printable(text: str) -> str:
+    """``text`` with its control characters (ESC and the like, which a byte-level model may
+    write) as ``\\x1b`` escapes, so that printing a sample cannot drive the terminal; line
+    breaks and tabs are kept."""
+    return "".join(
+        f"\\x{ord(c):02x}" if unicodedata.category(c) == "Cc" and c not in "\n\t" else c
+        for c in text
+    )
 
 
 def prompt_ids(tokenizer, text: str, *, add_bos: bool = True) -> list[int]:
@@ -69,20 +82,23 @@ def continue_or_translate(
     *,
     max_new_tokens: int,
     add_bos: bool = True,
+    notify: Callable[[str], None] | None = None,
     **sampling,
 ) -> list[list[int]]:
     """Greedy (or sampled, ``sampling`` as in :func:`new_tokens`) token ids a ``DecoderLM``
     adds to each prompt of ``texts`` (:func:`prompt_ids`, ``add_bos``), or an ``EncoderDecoder``
     writes as each one's target (:func:`source_ids`), each up to (not including) its first
     ``eos_id``. ``max_new_tokens`` is capped so that prompt and continuation, or the target, fit
-    in ``model.config.max_length``.
+    in ``model.config.max_length``; ``notify`` hears of that, and of text that encoded to
+    ``<unk>``.
 
     Raises:
-      ValueError: if the longest prompt leaves no room for a new token.
+      ValueError: if the longest prompt leaves no room for a new token, or a source does not
+        fit the encoder.
     """
     max_length = model.config.max_length
     if isinstance(model, EncoderDecoder):
-        rows = [source_ids(tokenizer, text, max_length) for text in texts]
+        rows = _whole_sources(tokenizer, texts, max_length)
         room = max_length - 1
     else:
         rows = [prompt_ids(tokenizer, text, add_bos=add_bos) for text in texts]
@@ -92,10 +108,44 @@ def continue_or_translate(
                 f"a prompt of {max_length - room} tokens leaves no room below "
                 f"max_length={max_length}"
             )
+    _say_changes(tokenizer, texts, rows, max_new_tokens, room, max_length, notify)
     outputs = new_tokens(
         model, tokenizer, rows, max_new_tokens=min(max_new_tokens, room), **sampling
     )
     return [until_eos(ids, tokenizer.eos_id) for ids in outputs]
+
+
+def _whole_sources(tokenizer, texts: list[str], max_length: int) -> list[list[int]]:
+    """The encoder inputs of ``texts``, refusing one that :func:`source_ids` would cut, as a
+    decoder prompt too long is refused.
+
+    Raises:
+      ValueError: naming the text and its length.
+    """
+    for text in texts:
+        if (count := len(tokenizer.encode(text))) > max_length - 1:
+            raise ValueError(
+                f"the source {text[:40]!r}{'...' * (len(text) > 40)} is {count} tokens; the "
+                f"encoder takes {max_length - 1} and <eos> (max_length={max_length})"
+            )
+    return [source_ids(tokenizer, text, max_length) for text in texts]
+
+
+def _say_changes(tokenizer, texts, rows, max_new_tokens, room, max_length, notify) -> None:
+    """Tells ``notify`` what decoding changes from what was asked: tokens of the text that
+    became ``<unk>`` (the text is shown as typed), and ``max_new_tokens`` lowered to fit."""
+    if notify is None:
+        return
+    unk_id = getattr(tokenizer, "unk_id", None)
+    unknown = {text: row.count(unk_id) for text, row in zip(texts, rows, strict=True)}
+    for text, count in unknown.items():
+        if unk_id is not None and count:
+            notify(f"{text!r}: {count} of its tokens are not in the tokenizer's vocabulary: <unk>")
+    if max_new_tokens > room:
+        notify(
+            f"max_new_tokens={max_new_tokens} lowered to {room}, what fits in "
+            f"max_length={max_length}"
+        )
 
 
 def translate_beam(
@@ -106,11 +156,18 @@ def translate_beam(
     beam_size: int,
     alpha: float,
     max_new_tokens: int,
+    notify: Callable[[str], None] | None = None,
 ) -> tuple[list[list[list[int]]], list[list[float]]]:
     """Beam search: per text, ``beam_size`` hypotheses (best first, each up to its ``eos_id``)
-    and their length-penalized scores; at most ``model.config.max_length - 1`` tokens."""
+    and their length-penalized scores; at most ``model.config.max_length - 1`` tokens
+    (``notify`` as in :func:`continue_or_translate`).
+
+    Raises:
+      ValueError: a source that does not fit the encoder.
+    """
     max_length = model.config.max_length
-    sources = [source_ids(tokenizer, text, max_length) for text in texts]
+    sources = _whole_sources(tokenizer, texts, max_length)
+    _say_changes(tokenizer, texts, sources, max_new_tokens, max_length - 1, max_length, notify)
     batch, lengths = right_pad(sources, tokenizer.pad_id)
     new = min(max_new_tokens, max_length - 1)
     tokens, scores = beam_search(

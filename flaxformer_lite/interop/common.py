@@ -9,6 +9,7 @@ disk runs code (no pickle), and no network is ever used.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -112,7 +113,16 @@ def write_checkpoint(
     os.makedirs(path, exist_ok=True)
     weights = os.path.join(path, WEIGHTS_FILE)
     contiguous = {name: np.ascontiguousarray(x) for name, x in tensors.items()}
-    save_file(contiguous, weights + ".tmp", metadata={"format": "pt"})
+    try:
+        save_file(contiguous, weights + ".tmp", metadata={"format": "pt"})
+    except SafetensorError as error:  # a full disk, say: an OSError, as other files' writes
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(weights + ".tmp")
+        raise OSError(f"{weights}: cannot write ({error})") from None
+    # safetensors creates its file 0600 whatever the umask: the mode open() gives the others.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(weights + ".tmp", 0o666 & ~umask)
     os.replace(weights + ".tmp", weights)
     if generation_config is not None:
         write_json(os.path.join(path, GENERATION_CONFIG_FILE), generation_config)

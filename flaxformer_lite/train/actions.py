@@ -16,6 +16,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+from flaxformer_lite.decode.text import printable
 from flaxformer_lite.train.checkpoint import Checkpointer
 from flaxformer_lite.train.console import Console
 from flaxformer_lite.train.decode_eval import continue_texts, decodable, decode_eval
@@ -186,6 +187,20 @@ class SaveCheckpoint:
         )
 
 
+def run_actions(due: list, end: StepEnd, checkpointer: Checkpointer) -> None:
+    """Runs the actions ``due`` at ``end``, in order (a save last: it keeps the step's eval
+    loss). One that fails (an evaluation, a log line) first lets the save due at the same step
+    be written, so that the error never costs the steps trained."""
+    for number, action in enumerate(due):
+        try:
+            action(end)
+        except Exception:
+            for save in (a for a in due[number + 1 :] if isinstance(a, SaveCheckpoint)):
+                save(end)
+                checkpointer.wait()
+            raise
+
+
 def evaluate(eval_step, state, batches, max_batches: int | None = None) -> dict[str, float]:
     """Token-weighted ``eval_loss`` and ``eval_accuracy`` over every batch (or the first
     ``max_batches``), and ``eval_tokens``, the number of (weighted) tokens they are over.
@@ -240,7 +255,8 @@ def decoded_eval(cfg, data, task, model, step: int, log) -> dict[str, float]:
                 seed=cfg.seed + step,
             )
             for number, sample in enumerate(samples, 1):
-                log(f"step {step} sample {number} (prompt {sample.input!r}):\n{sample.prediction}")
+                prediction = printable(sample.prediction)
+                log(f"step {step} sample {number} (prompt {sample.input!r}):\n{prediction}")
             return {}
         if not cfg.train.decode_examples or not decodable(task, data.eval_examples):
             return {}

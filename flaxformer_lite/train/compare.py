@@ -54,9 +54,35 @@ def load_runs(paths: Sequence[pathlib.Path | str]) -> list[Run]:
         config = RunDir(path).config
         if not config.exists():
             raise FileNotFoundError(f"{config}: no resolved config (is {path} a run directory?)")
-        settings = renamed_keys(yaml.safe_load(config.read_text()), str(config))
-        runs.append(Run(str(path), records, _flatten(settings)))
+        runs.append(Run(str(path), records, _settings(config)))
     return runs
+
+
+def _settings(config: pathlib.Path) -> dict[str, Any]:
+    """The run's resolved ``config.yaml`` as dotted keys; it must give the tokens of a step.
+
+    Raises:
+      ValueError: unreadable YAML, or not a run's config (no ``train.batch_size`` or
+        ``data.seq_len``), in one line naming the file.
+    """
+    try:
+        values = yaml.safe_load(config.read_text(encoding="utf-8"))
+    except yaml.MarkedYAMLError as error:
+        where = f" at line {error.problem_mark.line + 1}" if error.problem_mark else ""
+        raise ValueError(f"{config}: not readable YAML ({error.problem}{where})") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as error:
+        raise ValueError(f"{config}: not readable YAML ({error})") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{config}: not a run's resolved config (no mapping of settings)")
+    settings = _flatten(renamed_keys(values, str(config)))
+    missing = [k for k in ("train.batch_size", "data.seq_len") if not _count(settings.get(k))]
+    if missing:
+        raise ValueError(f"{config}: not a run's resolved config (no {' or '.join(missing)})")
+    return settings
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def logged_metrics(runs: Sequence[Run]) -> list[str]:
@@ -76,6 +102,16 @@ def check_metrics(runs: Sequence[Run], metrics: Sequence[str]) -> None:
             raise ValueError(
                 f"--metric {metric}: no run logged it; logged metrics: {', '.join(logged)}"
             )
+        for run in runs:
+            for record in run.records:
+                value = record.get(metric)
+                if value is not None and (
+                    isinstance(value, bool) or not isinstance(value, int | float)
+                ):
+                    raise ValueError(
+                        f"--metric {metric}: {run.name} logged {value!r} at step "
+                        f"{record.get('step')}, not a number"
+                    )
 
 
 def final_metrics_table(runs: Sequence[Run]) -> str:

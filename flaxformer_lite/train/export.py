@@ -17,9 +17,11 @@ import os
 import pathlib
 import shutil
 
+from flaxformer_lite.data.store import owner, remove_stale_partials
 from flaxformer_lite.data.tokenizer_export import hf_tokenizer_files
 from flaxformer_lite.interop.hf import save_hf, writable_family
 from flaxformer_lite.train.restore import load_run
+from flaxformer_lite.train.run_dir import RunDir
 from flaxformer_lite.train.step import task_of
 
 # The transformers Auto class that loads each architecture save_hf writes.
@@ -53,14 +55,26 @@ def export_run(
     The files are written into a temporary directory beside ``out``, which is renamed to ``out``
     once complete: an export that fails leaves nothing behind.
 
+    An ``out`` that is a symbolic link is followed: the export replaces the empty directory it
+    points to, and the link is kept.
+
     Raises:
       FileExistsError: ``out`` exists and is not an empty directory.
       FileNotFoundError: ``run_dir`` is no run (as ``load_run``).
-      ValueError: the model has no Hugging Face counterpart (the AFT mixer, sparse attention, a
-        layout none of GPT-2, Llama, BERT, Marian has: the message says which setting), or
-        ``step`` has no checkpoint.
+      ValueError: ``out`` is inside a run directory; the model has no Hugging Face
+        counterpart (the AFT mixer, sparse attention, a layout none of GPT-2, Llama, BERT,
+        Marian has: the message says which setting), or ``step`` has no checkpoint.
     """
     out = pathlib.Path(out)
+    if out.is_symlink():  # the directory meant is the one it points to
+        out = out.resolve()
+    # A directory inside a run would read as part of it (RUN/checkpoints/30 as a step).
+    inside = next((p for p in out.resolve().parents if RunDir(p).is_run()), None)
+    if inside is not None:
+        raise ValueError(
+            f"{out} is inside the run directory {inside}: an export there would read as part "
+            "of the run; choose a directory outside it"
+        )
     if out.exists() and not (out.is_dir() and not any(out.iterdir())):
         raise FileExistsError(
             f"{out} exists and is not an empty directory; export writes a new one"
@@ -73,7 +87,8 @@ def export_run(
     files = hf_tokenizer_files(tokenizer, task=task, max_length=model_config.max_length)
     special_ids = {"pad": tokenizer.pad_id, "bos": tokenizer.sos_id, "eos": tokenizer.eos_id}
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.parent / f".{out.name}.export-{os.getpid()}"
+    staging = out.parent / f".{out.name}.export-{owner()}"
+    remove_stale_partials(staging)  # those of exports killed on this host (kill -9)
     staging.mkdir()  # with the umask's permissions, which the export keeps
     try:
         save_hf(loaded.model, model_config, staging, special_ids=special_ids)

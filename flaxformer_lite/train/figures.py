@@ -5,6 +5,8 @@ short run), and large numbers on an axis read as ``400k``, ``1.2M`` (in full the
 
 from __future__ import annotations
 
+import math
+
 # Series of at most this many points (evaluations, short runs) mark each point.
 MARKED_POINTS = 30
 # Ticks from this magnitude on are written with an SI prefix (12k, 1.2M).
@@ -47,8 +49,9 @@ def draw(ax, xs, ys, label: str, color=None, value_in_legend: bool = False) -> N
 
 def log_scale_if_wide(ax) -> None:
     """A log y axis where the drawn values are positive and span a decade or more (a loss that
-    falls from 5 to 0.01); else the linear one, which reads better over a narrow range."""
-    values = [v for line in ax.lines for v in line.get_ydata()]
+    falls from 5 to 0.01); else the linear one, which reads better over a narrow range. An
+    infinite value (a diverged step) is not drawn, and spans nothing."""
+    values = [v for line in ax.lines for v in line.get_ydata() if math.isfinite(v)]
     if values and min(values) > 0 and max(values) >= 10 * min(values):
         ax.set_yscale("log")
 

@@ -29,6 +29,7 @@ from flaxformer_lite.train.actions import (
     StepEnd,
     Throughput,
     TrainingError,
+    run_actions,
 )
 from flaxformer_lite.train.checkpoint import Checkpointer, CheckpointShapeError
 from flaxformer_lite.train.config import ConfigError, TrainConfig, config_from_dict
@@ -197,7 +198,7 @@ def train(run: PreparedRun, *, progress: bool, log) -> dict[str, float]:
         log(f"{run.run_dir} is at step {step} = train.steps already; raise train.steps to go on")
     console = Console(total, step, bar=progress, log=log)
     main = jax.process_index() == 0
-    writer = MetricsWriter(run.run_dir.path, resume_step=step, log=log) if main else _NoMetrics()
+    writer = MetricsWriter(run.run_dir.path, resume_step=step) if main else _NoMetrics()
     tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
     flops_per_token = training_flops_per_token(cfg.model, cfg.data.seq_len)
     throughput = Throughput(tokens_per_step, flops_per_token, peak_flops(), log)
@@ -239,8 +240,7 @@ def train(run: PreparedRun, *, progress: bool, log) -> dict[str, float]:
             finite.now()  # a checkpoint is written only after its step's flag is read
             if throughput.started is None:
                 throughput.compiled(step, started)
-            for action in due:
-                action(end)
+            run_actions(due, end, run.checkpointer)
             if end.values:
                 writer.write(step, end.values)
                 last = end.values

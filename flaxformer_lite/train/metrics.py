@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import pathlib
@@ -28,6 +29,9 @@ from flaxformer_lite.train.figures import (
 )
 from flaxformer_lite.train.figures import pyplot as figure_pyplot
 from flaxformer_lite.train.run_dir import RunDir
+
+# Notices, as the package's warnings: on stderr (``warning: ...``), not among a command's output.
+logger = logging.getLogger(__name__)
 
 # Dense peak FLOP/s per chip for bf16 matmuls, by jax's device_kind; other devices: n/a.
 PEAK_FLOPS = {
@@ -55,7 +59,7 @@ class MetricsWriter:
       OSError: a file cannot be written (a full disk), naming the file.
     """
 
-    def __init__(self, run_dir: pathlib.Path, *, resume_step: int = 0, log=print):
+    def __init__(self, run_dir: pathlib.Path, *, resume_step: int = 0, log=logger.warning):
         self.path = RunDir(run_dir).metrics
         if self.path.exists():
             kept = [r for r in _records(self.path, log) if r["step"] <= resume_step]
@@ -165,7 +169,7 @@ def _plain(value):
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
-def read_metrics(run_dir: pathlib.Path, log=print) -> list[dict]:
+def read_metrics(run_dir: pathlib.Path, log=logger.warning) -> list[dict]:
     """The records of ``run_dir/metrics.jsonl`` (a partial last line is left out, with a notice
     to ``log``).
 
@@ -232,10 +236,12 @@ def plot_run(run_dir: pathlib.Path) -> list[pathlib.Path]:
 
     Raises:
       FileNotFoundError, ValueError: as :func:`read_metrics`.
+      RunDirLinkError: the run directory holds symbolic links (nothing is written).
     """
     figures = run_figures(run_dir)
     if not figures:
         return []
+    RunDir(run_dir).refuse_links()
     plots = RunDir(run_dir).plots
     plots.mkdir(exist_ok=True)
     written = []

@@ -78,7 +78,19 @@ def load_run(
         (the message names the path).
       ValueError: ``step`` has no checkpoint, or the checkpoint cannot be restored; both
         ``mesh`` and ``devices``, or an empty ``devices``.
+      TypeError: ``step`` not an int, ``mesh`` not a ``jax.sharding.Mesh``, ``devices`` not
+        a sequence of ``jax.Device``s.
     """
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int | np.integer)):
+        raise TypeError(f"load_run: step= must be an int (a checkpoint's step), got {step!r}")
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise TypeError(f"load_run: mesh= must be a jax.sharding.Mesh, got {mesh!r}")
+    if devices is not None and (
+        not isinstance(devices, Sequence)
+        or isinstance(devices, str)
+        or not all(isinstance(d, jax.Device) for d in devices)
+    ):
+        raise TypeError(f"load_run: devices= must be a list of jax.Device, got {devices!r}")
     if devices is not None:
         if mesh is not None:
             raise ValueError("load_run takes mesh= or devices=, not both")

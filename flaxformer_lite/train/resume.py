@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from flaxformer_lite.data import sources
 from flaxformer_lite.data.tokenizers import KIND_FILE
 from flaxformer_lite.train.config import ConfigError, TrainConfig, config_diff, is_runtime_key
 from flaxformer_lite.train.program import schedule_span
@@ -79,6 +80,7 @@ def check_resume(
     """
     resuming = saved_step is not None
     differences = [
+        *_data_inside_run(run, cfg),
         *_steps_done(run, cfg, saved_step),
         *_tokenizer_gone(run, resuming),
         *_metrics_without_checkpoint(run, resuming),
@@ -93,6 +95,31 @@ def check_resume(
         log(f"{difference.forced} (--force):\n" + "\n".join(difference.lines))
     if main and any(d.forced == _CHANGED_DATA for d in differences):
         _move_old_data_aside(run, cfg, resuming, log)
+
+
+def _data_inside_run(run: RunDir, cfg: TrainConfig) -> list[Difference]:
+    """Data files inside the run directory (a glob over a folder that holds the run): the run
+    would train on its own lock, logs and checkpoints, and find them changed when it resumes."""
+    if cfg.data.source not in sources.SOURCES:  # synthetic, or a store named by its directory
+        return []
+    root = run.path.resolve()
+    for key in ("path", "validation_path"):
+        pattern = getattr(cfg.data, key)
+        try:
+            files = [] if pattern is None else sources.source_files(cfg.data.source, pattern)
+        except (OSError, ValueError):  # named when the data are built
+            files = []
+        inside = [f.resolve() for f in files if f.resolve().is_relative_to(root)]
+        if inside:
+            return [
+                Difference(
+                    f"data.{key}={pattern} matches files of the run directory {run} itself "
+                    f"({', '.join(str(f.relative_to(root)) for f in inside[:3])})",
+                    (),
+                    "narrow the pattern to leave the run out, or choose a run_dir outside it",
+                )
+            ]
+    return []
 
 
 def _steps_done(run: RunDir, cfg: TrainConfig, saved_step: int | None) -> list[Difference]:
@@ -189,9 +216,16 @@ def _changed_settings(saved: TrainConfig, cfg: TrainConfig) -> dict[str, tuple]:
     """The settings that differ from the checkpoint's, but those a run may change when it
     resumes (``train.steps``, the mesh, logging) and the vocabulary size (the tokenizer's)."""
     diff = config_diff(saved, cfg)
-    if schedule_span(saved) == schedule_span(cfg):  # None and the steps it stood for
+    # Unset, the span is the one the run was trained with (keep_schedule_span settles it): an
+    # extended run records it, and extending or resuming it again must not read as a change.
+    unset = cfg.optimizer.schedule_steps is None
+    if unset or schedule_span(saved) == schedule_span(cfg):  # None and the steps it stood for
         diff.pop("optimizer.schedule_steps", None)
     diff.pop("model.vocab_size", None)
+    if cfg.data.source == "text":  # unset, a text file is one document: the same as file
+        spelled = {saved.data.text_documents, cfg.data.text_documents}
+        if spelled <= {None, "file"}:
+            diff.pop("data.text_documents", None)
     if cfg.data.source == "prepared" and cfg.data.tokenizer is None:
         diff.pop("data.tokenizer", None)  # whatever was recorded, the store's own was used
     return {k: v for k, v in diff.items() if not is_runtime_key(k)}

@@ -2,6 +2,7 @@
 the lock that gives it one run at a time.
 
     RUN/
+      run.json         the mark of a run directory, written first
       config.yaml      the resolved config (written once the run is restored or started)
       inputs.json      what the data were built from (:mod:`.run_inputs`)
       tokenizer/       the run's tokenizer: its ids are the checkpoints' ids
@@ -16,6 +17,9 @@ Process 0 holds an OS file lock (``fcntl.flock`` on ``run.lock``) for as long as
 the directory. The operating system drops the lock when the process ends, however it ends
 (``kill -9`` included), so a lock file left behind never blocks a later run; a second run
 started while the first is alive stops at once, naming the process that holds the directory.
+
+A directory is a run only if it holds ``run.json`` (or is a run written before the mark: see
+:meth:`RunDir.is_run`); any other directory holding files is the user's, and no run writes in it.
 """
 
 from __future__ import annotations
@@ -23,12 +27,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import json
 import os
 import pathlib
 import shutil
 from collections.abc import Callable, Iterator
 
 import yaml
+
+MARK = {"written_by": "flaxformer_lite"}  # run.json's content
+# What Orbax and the checkpointer write in every step directory of a run.
+_STEP_FILES = ("_CHECKPOINT_METADATA", "state", "data_state", "config")
 
 
 class RunDirInUseError(ValueError):
@@ -37,6 +46,10 @@ class RunDirInUseError(ValueError):
 
 class NotARunError(ValueError):
     """The directory holds files a run did not write (a user error: exit status 2)."""
+
+
+class RunDirLinkError(ValueError):
+    """The run directory holds symbolic links, which its writes would follow (exit status 2)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +61,7 @@ class RunDir:
     def __post_init__(self):
         object.__setattr__(self, "path", pathlib.Path(self.path))
 
+    mark = property(lambda self: self.path / "run.json")
     config = property(lambda self: self.path / "config.yaml")
     inputs = property(lambda self: self.path / "inputs.json")
     tokenizer = property(lambda self: self.path / "tokenizer")
@@ -63,10 +77,29 @@ class RunDir:
         return str(self.path)
 
     def is_run(self) -> bool:
-        """Whether a run has used the directory: it holds the lock file, checkpoints, logged
-        metrics or the record of its inputs (a run writes one of them before anything else)."""
-        return self.lock.exists() or any(
-            p.exists() for p in (self.checkpoints, self.metrics, self.inputs)
+        """Whether a run of this library wrote the directory: it holds the mark ``run.json``.
+        A run written before the mark is known by its lock file holding a pid beside logged
+        metrics, checkpoints or the record of its inputs, or by a checkpoint with the items
+        this library saves; a stranger's ``checkpoints/`` or ``metrics.jsonl`` is neither."""
+        return self._is_marked() or self._is_unmarked_run()
+
+    def _is_marked(self) -> bool:
+        try:
+            return json.loads(self.mark.read_bytes()[:4096]) == MARK
+        except (OSError, ValueError):  # absent, a directory, not JSON: a file of the user's
+            return False
+
+    def _is_unmarked_run(self) -> bool:
+        try:
+            pid = self.lock.read_text(encoding="ascii").strip()
+        except (OSError, ValueError):
+            pid = ""
+        if pid.isdigit() and any(p.exists() for p in (self.checkpoints, self.metrics, self.inputs)):
+            return True
+        steps = self.checkpoints.iterdir() if self.checkpoints.is_dir() else ()
+        return any(
+            step.name.isdigit() and all((step / name).exists() for name in _STEP_FILES)
+            for step in steps
         )
 
     def has_checkpoint(self) -> bool:
@@ -93,9 +126,31 @@ class RunDir:
         if held:  # empty folders are not the user's work
             shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
             raise NotARunError(
-                f"run_dir {self.path} is not a run directory: it holds {shown}, and no "
-                f"{self.lock.name}, checkpoints/ or {self.metrics.name} of a run; choose a new "
-                "or empty run_dir (a run writes config.yaml and more into it)"
+                f"run_dir {self.path} is not a run directory: it holds {shown}, and not the "
+                f"{self.mark.name} a run writes first; choose a new or empty run_dir (a run "
+                "writes config.yaml and more into it)"
+            )
+
+    def refuse_links(self) -> None:
+        """Refuses a directory that holds symbolic links (from a shared file system or a
+        tarball): a run writes its files in place (the lock, ``config.yaml.tmp``, plots,
+        checkpoints), and through a link it would overwrite any file the user can write.
+
+        Raises:
+          RunDirLinkError: naming the links and where they point.
+        """
+        links = sorted(
+            pathlib.Path(root, name)
+            for root, folders, files in os.walk(self.path)  # links are listed, not followed
+            for name in folders + files
+            if os.path.islink(os.path.join(root, name))
+        )
+        if links:
+            shown = ", ".join(f"{p.relative_to(self.path)} -> {os.readlink(p)}" for p in links[:5])
+            more = f" and {len(links) - 5} more" if len(links) > 5 else ""
+            raise RunDirLinkError(
+                f"run_dir {self.path} holds symbolic links, which its writes would follow out "
+                f"of it: {shown}{more}; remove them, or copy the run without them (cp -rL)"
             )
 
     def write_config(self, config: dict) -> None:
@@ -114,10 +169,15 @@ class RunDir:
 
         Raises:
           NotARunError: the directory holds files a run did not write (nothing is touched).
+          RunDirLinkError: the directory holds symbolic links (nothing is touched).
+          ValueError: ``fresh`` with a directory that cannot be moved as a whole (a mount
+            point, the current directory).
           RunDirInUseError: another process holds the directory (nothing is moved or written).
         """
         self.refuse_if_not_a_run()
+        self.refuse_links()
         if fresh and self.path.exists():
+            _check_movable(self.path)
             with _flock(self.lock):
                 moved = move_aside(self.path)
             log(f"--fresh: moved the previous run to {moved}")
@@ -125,6 +185,8 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         try:
             with _flock(self.lock):
+                if not self._is_marked():
+                    self.mark.write_text(json.dumps(MARK) + "\n", encoding="utf-8")
                 yield
         except BaseException:
             if created:
@@ -132,9 +194,16 @@ class RunDir:
             raise
 
     def _remove_if_unused(self) -> None:
-        """Removes the directory if a failed run left nothing in it but its lock and empty
-        folders: bad input leaves no trace."""
-        files = [p for p in self.path.rglob("*") if not p.is_dir() and p != self.lock]
+        """Removes the directory if a failed run left nothing in it but its lock, its mark,
+        the stores it prepared (a cache of the data, made again at the next start) and empty
+        folders: bad input (a validation file that fails after the training data were
+        prepared) leaves no trace."""
+        ours = (self.lock, self.mark)
+        files = [
+            p
+            for p in self.path.rglob("*")
+            if not p.is_dir() and p not in ours and not p.is_relative_to(self.prepared)
+        ]
         if not files:
             shutil.rmtree(self.path, ignore_errors=True)
 
@@ -158,6 +227,26 @@ def _flock(path: pathlib.Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
+
+
+def _check_movable(path: pathlib.Path) -> None:
+    """Refuses to move aside a directory that cannot go as a whole: a mount point (it would be
+    copied, emptied, then fail to go) or one holding the current directory (``.``).
+
+    Raises:
+      ValueError: naming the directory and what to do.
+    """
+    resolved = path.resolve()
+    if pathlib.Path.cwd().is_relative_to(resolved):
+        raise ValueError(
+            f"--fresh cannot move run_dir {path} aside: the current directory is in it; run "
+            "from outside it, or move the old run's files yourself"
+        )
+    if os.path.ismount(resolved):
+        raise ValueError(
+            f"--fresh cannot move run_dir {path} aside: it is a mount point; move the old "
+            "run's files out of it yourself, or choose a run_dir inside it"
+        )
 
 
 def move_aside(path: pathlib.Path) -> pathlib.Path:

@@ -67,9 +67,12 @@ def input_changes(recorded: dict[str, Any], current: dict[str, Any]) -> list[str
     """One ``  what: before -> now`` line per difference (files: by path and size, and by
     sha256 where both sides have it)."""
     lines = []
-    before, now = dict(recorded.get("data", {})), current["data"]
+    before, now = dict(recorded.get("data", {})), dict(current["data"])
     if before.get("source") == "text" and "text_documents" not in before:
         before["text_documents"] = "lines"  # recorded before the setting: a document per line
+    for side in (before, now):  # unset, a text file is one document: the same as file
+        if side.get("source") == "text" and side.get("text_documents") is None:
+            side["text_documents"] = "file"
     if now.get("source") == "prepared" and now.get("tokenizer") is None:
         before["tokenizer"] = None  # whatever was recorded, the store's own tokenizer was used
     for key in sorted(before.keys() | now.keys()):

@@ -17,6 +17,10 @@ from flaxformer_lite.data.config import DataConfig
 from flaxformer_lite.models.config import ModelConfig
 from flaxformer_lite.models.presets import PRESETS
 
+# Every integer setting fits an int32 (step counters, sizes, seeds): a larger one would pass the
+# checks and fail late (an OverflowError, islice), after the trained steps were lost.
+INT_LIMIT = 2**31
+
 
 class ConfigError(ValueError):
     """A configuration the user wrote is wrong; the message names the key or the file."""
@@ -69,7 +73,10 @@ def build(cls, values: Any, where: str, base: Mapping[str, Any] | None = None):
     except ConfigError:
         raise
     except (ValueError, TypeError) as error:
-        raise ConfigError(f"{where.rstrip('.') or 'config'}: {error}") from None
+        message = str(error)
+        if where and message.startswith(where):  # it names its key already: data.seq_len ...
+            raise ConfigError(message) from None
+        raise ConfigError(f"{where.rstrip('.') or 'config'}: {message}") from None
 
 
 def _default_dict(field: dataclasses.Field) -> dict[str, Any] | None:
@@ -135,6 +142,9 @@ def coerce(annotation, value, key: str, base: Mapping[str, Any] | None = None):
             raise ConfigError(
                 f"{key} must be {annotation.__name__}, got {type(value).__name__} {value!r}"
             )
+        if annotation is int and not -INT_LIMIT <= value < INT_LIMIT:
+            bound = f"at most {INT_LIMIT - 1:,}" if value > 0 else f"at least {-INT_LIMIT:,}"
+            raise ConfigError(f"{key} must be {bound} (an int32), got {value}")
         return value
     raise ConfigError(f"{key}: unsupported type {annotation}")
 
