@@ -20,6 +20,7 @@ from flaxformer_lite.train import sweep as sweep_module
 from flaxformer_lite.train.config import ConfigError, load_config
 from flaxformer_lite.train.loop import Interrupted, run
 from flaxformer_lite.train.metrics import read_metrics
+from flaxformer_lite.train.run_dir import RunDir
 from flaxformer_lite.train.sweep import sweep
 from flaxformer_lite.train.sweep_members import split_settings, sweep_members
 from flaxformer_lite.train.sweep_plot import group_curve
@@ -219,11 +220,12 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, capsys, ar
 
 
 def test_a_directory_holding_a_run_is_refused(tmp_path, capsys):
-    (tmp_path / "s").mkdir()
-    (tmp_path / "s" / "metrics.jsonl").write_text('{"step": 1}\n')
+    with RunDir(tmp_path / "s").locked():  # a run's directory, as train.py starts one
+        (tmp_path / "s" / "metrics.jsonl").write_text('{"step": 1}\n')
+    held = sorted(p.name for p in (tmp_path / "s").iterdir())
     assert main(["sweep", "--vary", "seed=0,1", f"run_dir={tmp_path / 's'}"]) == 2
     assert "holds a run (train.py's), not a sweep" in capsys.readouterr().err
-    assert [p.name for p in (tmp_path / "s").iterdir()] == ["metrics.jsonl"]
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == held
 
 
 def test_the_difference_of_two_groups_has_its_standard_error():

@@ -33,7 +33,14 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from flaxformer_lite import parallel
 from flaxformer_lite.models import training_flops_per_token
-from flaxformer_lite.train.actions import Evaluate, LogTrain, SaveCheckpoint, StepEnd, Throughput
+from flaxformer_lite.train.actions import (
+    Evaluate,
+    LogTrain,
+    SaveCheckpoint,
+    StepEnd,
+    Throughput,
+    run_actions,
+)
 from flaxformer_lite.train.config import (
     ConfigError,
     TrainConfig,
@@ -324,10 +331,9 @@ def _step_group(lanes: list[_Lane], directory, record, diverged: dict, *, vmap: 
                     member = program.member(stacked, index, lane.run)
                     metrics_of = program.member_metrics(metrics, index)
                     end = StepEnd(step, member, metrics_of, data_states[index], final)
+                    due = [action for action in lane.actions if action.due(end)]
                     with tracing_layout(lane.run.mesh, cfg.mesh.rules):
-                        for action in lane.actions:
-                            if action.due(end):
-                                action(end)
+                        run_actions(due, end, lane.run.checkpointer)
                     if end.values:
                         lane.writer.write(step, end.values)
             if signum is not None:
