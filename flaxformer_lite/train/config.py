@@ -267,7 +267,7 @@ def load_config(
         key, sep, raw = override.partition("=")
         if not sep or not key:
             raise ConfigError(f"overrides are key=value, got {override!r}")
-        _set_dotted(values, _renamed_key(key.strip(), override, notify), OverrideText(raw))
+        set_dotted(values, _renamed_key(key.strip(), override, notify), OverrideText(raw))
     init_from = values.get("init_from")
     if isinstance(init_from, OverrideText) and init_from.strip().lower() in ("", "none", "null"):
         init_from = values["init_from"] = None
@@ -326,7 +326,7 @@ def config_from_dict(values: Mapping[str, Any]) -> TrainConfig:
 
 def config_diff(old: TrainConfig, new: TrainConfig) -> dict[str, tuple[Any, Any]]:
     """``{dotted key: (old, new)}`` for every leaf that differs."""
-    old_flat, new_flat = _flatten(old.to_dict()), _flatten(new.to_dict())
+    old_flat, new_flat = flatten(old.to_dict()), flatten(new.to_dict())
     return {
         key: (old_flat.get(key), new_flat.get(key))
         for key in sorted(old_flat.keys() | new_flat.keys())
@@ -397,7 +397,12 @@ def _check_positive(key: str, value) -> None:
         raise ConfigError(f"{key} must be a positive int, got {value!r}")
 
 
-def _set_dotted(values: dict, key: str, value) -> None:
+def set_dotted(values: dict, key: str, value) -> None:
+    """Sets the dotted ``key`` of nested ``values`` (sections made on the way).
+
+    Raises:
+      ConfigError: a key whose section is a value.
+    """
     *sections, leaf = key.split(".")
     node = values
     for section in sections:
@@ -417,11 +422,12 @@ def _plain(value):
     return value
 
 
-def _flatten(values: Mapping, prefix: str = "") -> dict[str, Any]:
+def flatten(values: Mapping, prefix: str = "") -> dict[str, Any]:
+    """``{dotted key: value}`` of the leaves of nested ``values``."""
     flat = {}
     for key, value in values.items():
         if isinstance(value, Mapping):
-            flat.update(_flatten(value, f"{prefix}{key}."))
+            flat.update(flatten(value, f"{prefix}{key}."))
         else:
             flat[prefix + key] = value
     return flat

@@ -198,7 +198,7 @@ def train(run: PreparedRun, *, progress: bool, log) -> dict[str, float]:
         log(f"{run.run_dir} is at step {step} = train.steps already; raise train.steps to go on")
     console = Console(total, step, bar=progress, log=log)
     main = jax.process_index() == 0
-    writer = MetricsWriter(run.run_dir.path, resume_step=step) if main else _NoMetrics()
+    writer = MetricsWriter(run.run_dir.path, resume_step=step) if main else NoMetrics()
     tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
     flops_per_token = training_flops_per_token(cfg.model, cfg.data.seq_len)
     throughput = Throughput(tokens_per_step, flops_per_token, peak_flops(), log)
@@ -343,7 +343,7 @@ def _quiet(_message: str) -> None:
     pass
 
 
-class _NoMetrics:
+class NoMetrics:
     """The metrics writer of processes other than 0: they compute the metrics, 0 writes them."""
 
     def write(self, step: int, values) -> None:

@@ -1,5 +1,6 @@
 """A sweep: the members of :mod:`.sweep_members` trained in one command, those that share a
-program stacked on a leading member axis and advanced by one vmapped, compiled step.
+program advanced by one compiled step: vmapped over their states stacked on a member axis (on
+accelerators), or run for each member in turn (on a CPU).
 
     summary = sweep(load_config(None, ["run_dir=runs/seeds", "train.steps=200"]),
                     {"seed": [0, 1, 2], "optimizer.lr": [1e-3, 3e-3]})
@@ -7,9 +8,9 @@ program stacked on a leading member axis and advanced by one vmapped, compiled s
 
 Each member is a run (``<run_dir>/<member>``: config.yaml, metrics.jsonl, tb/, checkpoints,
 tokenizer), prepared by :func:`.loop.prepare` as ``train.py`` prepares one, so everything that
-reads a run reads a member. A group's members step in lockstep: their states stacked, their
-own batches stacked, their numbers (the learning rate by step, Adam's betas and epsilon, weight
-decay, clipping, label smoothing, z-loss) passed as arrays. A member whose step is not finite is
+reads a run reads a member. A group's members step in lockstep, each on its own batches, their
+numbers (the learning rate by step, Adam's betas and epsilon, weight decay, clipping, label
+smoothing, z-loss) passed to the step as arrays. A member whose step is not finite is
 frozen in the program at its last finite state and trains no further; the others go on.
 ``<run_dir>/sweep.json`` records the sweep (its members, the diverged ones) and, at the end, the
 summary (:mod:`.sweep_summary`).
@@ -44,13 +45,13 @@ from flaxformer_lite.train.actions import (
 from flaxformer_lite.train.config import (
     ConfigError,
     TrainConfig,
-    _flatten,
     config_diff,
     config_from_dict,
+    flatten,
     is_runtime_key,
 )
 from flaxformer_lite.train.console import Console
-from flaxformer_lite.train.loop import PreparedRun, _NoMetrics, prepare
+from flaxformer_lite.train.loop import NoMetrics, PreparedRun, prepare
 from flaxformer_lite.train.metrics import MetricsWriter, peak_flops
 from flaxformer_lite.train.optim import NUMBERS, optimizer_of, schedule_table, table_schedule
 from flaxformer_lite.train.program import (
@@ -294,7 +295,7 @@ def _step_group(lanes: list[_Lane], directory, record, diverged: dict, *, vmap: 
     for lane in lanes:
         run, say = lane.run, _prefixed(lane.member.name, log)
         lane.writer = (
-            MetricsWriter(run.run_dir.path, resume_step=run.step, log=say) if main else _NoMetrics()
+            MetricsWriter(run.run_dir.path, resume_step=run.step, log=say) if main else NoMetrics()
         )
         lane.console = Console(total, step, bar=False, log=say)
         lane.actions = [
@@ -559,7 +560,7 @@ def program_key(cfg: TrainConfig) -> tuple[str, str]:
     jaxpr = jax.make_jaxpr(member_step(cfg, built.graphdef))(state, batch, numbers, True)
     loop = {
         key: value
-        for key, value in _flatten(cfg.to_dict()).items()
+        for key, value in flatten(cfg.to_dict()).items()
         if key.split(".")[0] in ("train", "checkpoint", "mesh") and key not in PER_MEMBER
     }
     return str(jaxpr), repr(sorted(loop.items()))

@@ -25,9 +25,9 @@ from typing import Any
 from flaxformer_lite.train.config import (
     ConfigError,
     TrainConfig,
-    _flatten,
-    _set_dotted,
     config_from_dict,
+    flatten,
+    set_dotted,
     valid_keys,
 )
 from flaxformer_lite.train.optim import NUMBERS
@@ -90,7 +90,7 @@ def sweep_members(cfg: TrainConfig, vary: Mapping[str, Sequence[Any]]) -> list[M
     """
     if not vary or not all(vary.values()):
         raise ConfigError("a sweep varies at least one setting: --vary KEY=V1,V2,...")
-    leaves = set(_flatten(cfg.to_dict()))
+    leaves = set(flatten(cfg.to_dict()))
     for key in vary:
         if key == "run_dir":
             raise ConfigError("run_dir is the sweep's: each member runs in <run_dir>/<member>")
@@ -122,7 +122,7 @@ def member_config(cfg: TrainConfig, settings: Mapping[str, Any], run_dir) -> Tra
     """
     values = cfg.to_dict()
     for key, value in settings.items():
-        _set_dotted(values, key, OverrideText(value) if isinstance(value, str) else value)
+        set_dotted(values, key, OverrideText(value) if isinstance(value, str) else value)
     values["run_dir"] = str(run_dir)
     try:
         return config_from_dict(values)
@@ -134,7 +134,7 @@ def numbers_aside(cfg: TrainConfig) -> str:
     """``cfg`` without the settings the sweep's step takes as numbers (:data:`PER_MEMBER`):
     members that differ only in those train as one program. Whether ``clip_norm`` is set stays
     (clipping is a step of its own in the optimizer)."""
-    flat = _flatten(cfg.to_dict())
+    flat = flatten(cfg.to_dict())
     kept = {key: value for key, value in flat.items() if key not in PER_MEMBER}
     kept["optimizer.clip_norm"] = flat["optimizer.clip_norm"] is not None
     return repr(sorted(kept.items()))
@@ -187,5 +187,5 @@ def _path_text(value: Any) -> str:
 
 def _nested(key: str, value: Any) -> dict:
     nested: dict = {}
-    _set_dotted(nested, key, value)
+    set_dotted(nested, key, value)
     return nested
