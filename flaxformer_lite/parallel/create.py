@@ -11,7 +11,6 @@ mesh (JAX's partitionable threefry), so a run initializes identically on 1 or 10
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Callable
 
 import jax
@@ -20,42 +19,30 @@ from jax.sharding import Mesh
 
 from flaxformer_lite.parallel.rules import Rules, state_shardings
 
-# The initializers compiled last, by their lowered program: objects created alike but for their
-# arguments (a sweep's members, by seed) compile their initializer once.
-_COMPILED: collections.OrderedDict[str, object] = collections.OrderedDict()
-_KEPT = 8
 
-
-def create_sharded(create: Callable[..., object], mesh: Mesh, rules: Rules, *args):
-    """``(graphdef, state, shardings)`` of the NNX object(s) ``create(*args)`` returns, with
-    ``state`` created on the devices of ``mesh`` in the layout ``rules`` give (``shardings``, an
-    ``nnx.State`` of ``NamedSharding`` mirroring ``state``). ``args`` (arrays, such as a seed)
-    are arguments of the compiled initializer, not constants in it.
+def create_sharded(create: Callable[[], object], mesh: Mesh, rules: Rules):
+    """``(graphdef, state, shardings)`` of the NNX object(s) ``create()`` returns, with ``state``
+    created on the devices of ``mesh`` in the layout ``rules`` give (``shardings``, an
+    ``nnx.State`` of ``NamedSharding`` mirroring ``state``).
 
     Raises:
       ValueError: a parameter dimension that does not divide over its mesh axes.
     """
-    graphdef, abstract_state = nnx.split(nnx.eval_shape(create, *args))
+    graphdef, abstract_state = nnx.split(nnx.eval_shape(create))
     shardings = state_shardings(abstract_state, mesh, rules)
 
-    def init(*args):
-        return nnx.split(create(*args))[1]
+    def init():
+        return nnx.split(create())[1]
 
-    lowered = jax.jit(init, out_shardings=shardings).lower(*args)
-    program = lowered.as_text()
-    if program not in _COMPILED:
-        _COMPILED[program] = lowered.compile()
-        if len(_COMPILED) > _KEPT:
-            _COMPILED.popitem(last=False)
-    _COMPILED.move_to_end(program)
-    return graphdef, _COMPILED[program](*args), shardings
+    state = jax.jit(init, out_shardings=shardings)()
+    return graphdef, state, shardings
 
 
-def abstract_sharded(create: Callable[..., object], mesh: Mesh, rules: Rules, *args):
+def abstract_sharded(create: Callable[[], object], mesh: Mesh, rules: Rules):
     """``(graphdef, state, shardings)`` like :func:`create_sharded`, with ``state`` holding
     ``jax.ShapeDtypeStruct``s that carry their shardings: for restoring a checkpoint straight
     into its shards, measuring memory, or compiling ahead of time without any allocation."""
-    graphdef, abstract_state = nnx.split(nnx.eval_shape(create, *args))
+    graphdef, abstract_state = nnx.split(nnx.eval_shape(create))
     shardings = state_shardings(abstract_state, mesh, rules)
     state = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state, shardings

@@ -10,7 +10,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from flaxformer_lite import parallel
@@ -61,10 +60,7 @@ def build_train_state(cfg: TrainConfig, mesh: jax.sharding.Mesh, *, abstract: bo
         cfg.optimizer, total_steps=schedule_span(cfg), d_model=cfg.model.d_model
     )
     make = parallel.abstract_sharded if abstract else parallel.create_sharded
-    seed = jnp.asarray(cfg.seed, jnp.int32)  # an argument: runs that differ in it share a compile
-    graphdef, state, shardings = make(
-        lambda seed: make_train_state(cfg, tx, seed), mesh, cfg.mesh.rules, seed
-    )
+    graphdef, state, shardings = make(lambda: make_train_state(cfg, tx), mesh, cfg.mesh.rules)
     graphdef, eval_graphdef = train_and_eval_graphdefs(graphdef, state)
     return TrainState(graphdef, eval_graphdef, state, shardings, schedule)
 
@@ -75,13 +71,10 @@ def schedule_span(cfg: TrainConfig) -> int:
     return cfg.optimizer.schedule_steps or cfg.train.steps
 
 
-def make_train_state(cfg: TrainConfig, tx, seed=None) -> tuple[nnx.Module, nnx.Optimizer]:
-    """The run's ``(model, optimizer)`` as ``train.py`` creates them, seeded by ``seed`` (an int
-    or an int32 scalar, traced or not; default ``cfg.seed``); their split state is what a
-    checkpoint holds (through :func:`~.restore.to_savable`)."""
-    seed = cfg.seed if seed is None else seed
-    rngs = nnx.Rngs(params=jax.random.key(seed), dropout=jax.random.key(seed + 1))
-    model = build_model(cfg.model, rngs=rngs)
+def make_train_state(cfg: TrainConfig, tx) -> tuple[nnx.Module, nnx.Optimizer]:
+    """The run's ``(model, optimizer)`` as ``train.py`` creates them (seeded by ``cfg.seed``);
+    their split state is what a checkpoint holds (through :func:`~.restore.to_savable`)."""
+    model = build_model(cfg.model, rngs=nnx.Rngs(params=cfg.seed, dropout=cfg.seed + 1))
     return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
