@@ -313,18 +313,33 @@ def test_a_sweep_that_does_not_fit_says_so_before_training(tmp_path, monkeypatch
     )
 
 
-def test_fresh_moves_another_sweep_aside(swept, tmp_path):
-    directory, _, _ = swept
+def test_fresh_moves_another_sweep_aside(tmp_path):
     other = tmp_path / "s"
     other.mkdir()
-    (other / "sweep.json").write_text((directory / "sweep.json").read_text())
+    before = {"vary": {"seed": ["5"]}, "config": {}, "members": {"seed=5": {"seed": "5"}}}
+    (other / "sweep.json").write_text(json.dumps(before))
     record = {"vary": {"seed": ["0"]}, "config": {}, "members": {"seed=0": {"seed": "0"}}}
     lines = []
     assert (
         sweep_module._open_directory(other, record, fresh=True, force=False, log=lines.append) == {}
     )
     assert lines == [f"--fresh: moved the previous sweep to {tmp_path / 's.old1'}"]
-    assert (tmp_path / "s.old1" / "sweep.json").read_text() == (
-        directory / "sweep.json"
-    ).read_text()
+    assert json.loads((tmp_path / "s.old1" / "sweep.json").read_text()) == before
     assert json.loads((other / "sweep.json").read_text()) == record | {"diverged": {}}
+
+
+@pytest.mark.parametrize("link", ["sweep.json.tmp", "plots"])
+def test_a_sweep_directory_holding_links_is_refused_and_their_targets_untouched(
+    tmp_path, capsys, link
+):
+    directory, target = tmp_path / "s", tmp_path / "target"
+    directory.mkdir()
+    target.write_text("mine")
+    record = {"vary": {}, "config": {}, "members": {}, "summary": {"members": {}, "groups": {}}}
+    (directory / "sweep.json").write_text(json.dumps(record))
+    (directory / link).symlink_to(target)
+    assert main(["sweep", "--vary", "seed=0,1", f"run_dir={directory}"]) == 2
+    assert "holds symbolic links" in capsys.readouterr().err
+    assert main(["plot", str(directory)]) == 2
+    assert "holds symbolic links" in capsys.readouterr().err
+    assert target.read_text() == "mine"

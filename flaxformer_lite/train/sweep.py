@@ -137,9 +137,12 @@ def _open_directory(directory: pathlib.Path, record: dict, *, fresh: bool, force
     with ``fresh``, records the sweep; returns its diverged members ``{name: step}``.
 
     Raises:
-      ConfigError: a file, a run, a directory of other files, or another sweep."""
+      ConfigError: a file, a run, a directory of other files, or another sweep.
+      RunDirLinkError: symbolic links in it, which the sweep's writes would follow."""
     if directory.exists() and not directory.is_dir():
         raise ConfigError(f"run_dir {directory} is a file, not a sweep directory")
+    if directory.is_dir():
+        RunDir(directory).refuse_links()
     if RunDir(directory).is_run():
         raise ConfigError(
             f"run_dir {directory} holds a run (train.py's), not a sweep: choose another run_dir"

@@ -13,6 +13,7 @@ import numpy as np
 
 from flaxformer_lite.train.compare import load_runs
 from flaxformer_lite.train.figures import log_scale_if_wide, pyplot, readable_ticks
+from flaxformer_lite.train.run_dir import RunDir
 from flaxformer_lite.train.sweep_summary import read_summary
 
 CURVES = ("loss", "eval_loss", "eval_accuracy", "eval_exact_match")
@@ -34,7 +35,9 @@ def plot_sweep(directory: pathlib.Path) -> list[pathlib.Path]:
 
     Raises:
       ValueError: ``directory/sweep.json`` is not a sweep's record (:func:`.read_summary`).
+      RunDirLinkError: the sweep's directory holds symbolic links (nothing is written).
     """
+    RunDir(directory).refuse_links()
     groups = read_summary(directory)["groups"]
     runs = {
         name: load_runs([directory / member for member in group["members"]])
