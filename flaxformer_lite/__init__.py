@@ -4,6 +4,7 @@ from flaxformer_lite import load_run, export_run, sweep
 run = load_run("runs/default")                        # model, tokenizer, config, step
 export_run("runs/default", "exports/default")         # a Hugging Face directory
 sweep(cfg, {"seed": [0, 1, 2]})                       # members as one program; mean ± std
+register_attention("sigmoid", sigmoid_attention)      # model.attention_implementation=sigmoid
 """
 
 __version__ = "0.1.0"
@@ -15,6 +16,12 @@ _LAZY = {
     "LoadedRun": "flaxformer_lite.train.restore",
     "export_run": "flaxformer_lite.train.export",
     "sweep": "flaxformer_lite.train.sweep",
+    "register_attention": "flaxformer_lite.ops.attention_choice",
+    "register_mixer": "flaxformer_lite.models.pieces",
+    "register_positions": "flaxformer_lite.models.pieces",
+    "register_norm": "flaxformer_lite.models.pieces",
+    "register_feed_forward": "flaxformer_lite.models.pieces",
+    "trusted_code": "flaxformer_lite.models.pieces",
 }
 __all__ = ["__version__", *_LAZY]
 

@@ -69,7 +69,14 @@ def attention_maps(model, inputs, target=None, **kwargs):
             "cross": _layer_maps(model, sown, "decoder", "cross_attention"),
         }
     tower = "decoder" if isinstance(model, DecoderLM) else "encoder"
-    return _layer_maps(model, sown, tower, "self_attention")
+    maps = _layer_maps(model, sown, tower, "self_attention")
+    if not maps:  # a mixer of the user's that is no MultiHeadAttention and sows nothing
+        raise ValueError(
+            f"the self-attention mixer {model.config.mixer!r} sowed no attention weights: a "
+            "mixer shows maps by sowing nnx.Intermediate 'attention_weights' [B, H, T, S], as "
+            "MultiHeadAttention and its subclasses do"
+        )
+    return maps
 
 
 def _forward(model, inputs, target, kwargs) -> None:

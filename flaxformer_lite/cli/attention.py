@@ -10,7 +10,7 @@ import argparse
 import pathlib
 
 from flaxformer_lite.cli.errors import guarded, say
-from flaxformer_lite.cli.flags import CommandParser
+from flaxformer_lite.cli.flags import CommandParser, add_trust_code
 from flaxformer_lite.cli.library_log import library_log_to
 
 
@@ -32,6 +32,7 @@ def attention_parser() -> argparse.ArgumentParser:
         help="an encoder-decoder's target text: adds the decoder's self- and cross-attention",
     )
     parser.add_argument("--step", type=int, help="the checkpoint (default: the newest)")
+    add_trust_code(parser)
     return parser
 
 
@@ -39,11 +40,12 @@ def attention_main(argv: list[str] | None = None) -> int:
     """Writes the PNGs and prints their paths."""
     args = attention_parser().parse_args(argv)
     library_log_to(None)  # a read of the run: the one-line errors say what went wrong
-    return guarded(lambda: _attention(args))
+    return guarded(lambda: _attention(args), trust_code=args.trust_code)
 
 
 def _attention(args) -> int:
     from flaxformer_lite.attention_maps import write_text_attention_maps
+    from flaxformer_lite.nn.attention_free import AFT_MIXERS
     from flaxformer_lite.train.restore import load_run
     from flaxformer_lite.train.run_dir import RunDir
 
@@ -51,7 +53,7 @@ def _attention(args) -> int:
     model_cfg = run.config.model
     # An AFT mixer has no attention weights: only an encoder-decoder's cross-attention has maps.
     seq2seq = model_cfg.kind == "encoder_decoder"
-    if model_cfg.mixer != "attention" and (not seq2seq or args.target is None):
+    if model_cfg.mixer in AFT_MIXERS and (not seq2seq or args.target is None):
         raise ValueError(
             f"{args.run_dir}: the self-attention mixer is {model_cfg.mixer}, which has no "
             "attention weights" + ("; --target plots the cross-attention" if seq2seq else "")

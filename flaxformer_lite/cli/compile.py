@@ -23,14 +23,14 @@ import json
 import pathlib
 
 from flaxformer_lite.cli.errors import guarded, notice, say
-from flaxformer_lite.cli.flags import CONFIG_HELP, CommandParser
+from flaxformer_lite.cli.flags import CONFIG_HELP, CommandParser, add_trust_code
 from flaxformer_lite.train.config import load_config
 
 
 def compile_main(argv: list[str] | None = None) -> int:
     """``flaxformer-lite compile``: see the module docstring."""
     args = compile_parser().parse_intermixed_args(argv)
-    return guarded(lambda: _compile(args))
+    return guarded(lambda: _compile(args), trust_code=args.trust_code)
 
 
 def compile_parser() -> argparse.ArgumentParser:
@@ -63,6 +63,7 @@ def compile_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. mesh.fsdp=8"
     )
+    add_trust_code(parser)
     return parser
 
 

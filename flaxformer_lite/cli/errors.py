@@ -24,14 +24,15 @@ USER_ERRORS = (ConfigError, ValueError, OSError)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-def guarded(fn: Callable[[], int]) -> int:
+def guarded(fn: Callable[[], int], *, trust_code: bool = False) -> int:
     """``fn()``'s exit status, or 2 after printing ``error: ...`` for one of :data:`USER_ERRORS`
     or XLA's RESOURCE_EXHAUSTED (:func:`out_of_memory`); a stop signal while ``fn`` runs ends
-    the process (:func:`exit_on_signals`). Log records on the terminal read ``warning: ...``."""
+    the process (:func:`exit_on_signals`). Log records on the terminal read ``warning: ...``.
+    ``trust_code`` (``--trust-code``): ``fn`` imports the code settings name by import path."""
     skip_absent_tpu()
     plain_terminal_records()
     try:
-        with exit_on_signals():
+        with exit_on_signals(), trusted(trust_code):
             return fn()
     except USER_ERRORS as error:
         say(f"error: {error}", stream=sys.stderr)
@@ -74,6 +75,15 @@ def out_of_memory(message: str) -> str:
 def _gib(number: str, unit: str) -> str:
     power = "KMGT".find(unit[0]) + 1 if unit[0] in "KMGT" else 0
     return f"{float(number) * 1024**power / 2**30:.2f} GiB"
+
+
+def trusted(trust_code: bool):
+    """``models.pieces.trusted_code`` if ``trust_code`` (importing the models only then)."""
+    if not trust_code:
+        return contextlib.nullcontext()
+    from flaxformer_lite.models.pieces import trusted_code
+
+    return trusted_code()
 
 
 @contextlib.contextmanager

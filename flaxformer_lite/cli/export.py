@@ -10,7 +10,7 @@ from __future__ import annotations
 import pathlib
 
 from flaxformer_lite.cli.errors import guarded, say
-from flaxformer_lite.cli.flags import CommandParser
+from flaxformer_lite.cli.flags import CommandParser, add_trust_code
 from flaxformer_lite.cli.library_log import library_log_to
 
 
@@ -19,7 +19,7 @@ def export_main(argv: list[str] | None = None) -> int:
     counterpart, a missing run or a non-empty ``--out`` exits 2 with one line."""
     args = export_parser().parse_args(argv)
     library_log_to(None)  # a read of the run: the one-line errors say what went wrong
-    return guarded(lambda: _export(args))
+    return guarded(lambda: _export(args), trust_code=args.trust_code)
 
 
 def export_parser() -> CommandParser:
@@ -42,6 +42,7 @@ def export_parser() -> CommandParser:
         "--out", type=pathlib.Path, required=True, help="the directory to write (new or empty)"
     )
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    add_trust_code(parser)
     return parser
 
 

@@ -12,6 +12,16 @@ from collections.abc import Sequence
 CONFIG_HELP = "a YAML file, or a shipped recipe's name (flaxformer-lite config --list)"
 
 
+def add_trust_code(parser: argparse.ArgumentParser) -> None:
+    """``--trust-code``, of every command that builds a model (``models.pieces``)."""
+    parser.add_argument(
+        "--trust-code",
+        action="store_true",
+        help="import the code that settings name by import path (model.mixer=my_variants:"
+        "TalkingHeads, also in a run's config.yaml); importing runs it, so only code you trust",
+    )
+
+
 class CommandParser(argparse.ArgumentParser):
     """``argparse.ArgumentParser`` with a wrapped ``description`` and an ``examples`` block
     after the flags; ``--max_new_tokens`` reads as ``--max-new-tokens`` (also ``--x_y=v``)."""

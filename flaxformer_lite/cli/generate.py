@@ -22,7 +22,7 @@ import pathlib
 import jax
 
 from flaxformer_lite.cli.errors import guarded, notice, say
-from flaxformer_lite.cli.flags import CommandParser
+from flaxformer_lite.cli.flags import CommandParser, add_trust_code
 from flaxformer_lite.cli.library_log import library_log_to
 from flaxformer_lite.data.tokenizers import Tokenizer
 from flaxformer_lite.decode.text import continue_or_translate, printable, translate_beam
@@ -34,7 +34,7 @@ def generate_main(argv: list[str] | None = None, prog: str = "flaxformer-lite ge
     Hugging Face checkpoint directory."""
     args = parser(prog).parse_args(argv)
     library_log_to(None)  # a read of the run: the one-line errors say what went wrong
-    return guarded(lambda: run(args, say=say))
+    return guarded(lambda: run(args, say=say), trust_code=args.trust_code)
 
 
 def parser(prog: str = "flaxformer-lite generate") -> argparse.ArgumentParser:
@@ -85,6 +85,7 @@ def parser(prog: str = "flaxformer-lite generate") -> argparse.ArgumentParser:
     p.add_argument(
         "--step", type=int, default=None, help="--run-dir's checkpoint step (default: newest)"
     )
+    add_trust_code(p)
     return p
 
 

@@ -15,7 +15,7 @@ import pathlib
 import sys
 
 from flaxformer_lite.cli.errors import exit_on_signals, guarded, notice, say
-from flaxformer_lite.cli.flags import CONFIG_HELP, CommandParser
+from flaxformer_lite.cli.flags import CONFIG_HELP, CommandParser, add_trust_code
 from flaxformer_lite.cli.library_log import library_log_to
 
 DESCRIPTION = """Train a sweep: one run for each combination of the --vary values, in
@@ -63,6 +63,7 @@ def sweep_parser() -> CommandParser:
         help="step a program's members as one vmapped step, or (--no-vmap) by one compiled "
         "step in turn (default: vmapped on accelerators, in turn on a CPU)",
     )
+    add_trust_code(parser)
     parser.add_argument(
         "overrides", nargs="*", metavar="key=value", help="settings of every member"
     )
@@ -87,7 +88,7 @@ def _sweep(args) -> int:
         return 0
 
     try:
-        return guarded(train)
+        return guarded(train, trust_code=args.trust_code)
     except Interrupted as error:
         say(str(error), stream=sys.stderr)
         return 128 + error.signum

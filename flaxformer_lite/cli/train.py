@@ -15,7 +15,7 @@ import pathlib
 import sys
 
 from flaxformer_lite.cli.errors import exit_on_signals, guarded, notice, say
-from flaxformer_lite.cli.flags import CONFIG_HELP, CommandParser
+from flaxformer_lite.cli.flags import CONFIG_HELP, CommandParser, add_trust_code
 from flaxformer_lite.cli.library_log import library_log_to
 from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.run_dir import RunDir
@@ -61,6 +61,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="print the resolved config as YAML (every key: type, default, help) and exit",
     )
+    add_trust_code(parser)
     parser.add_argument(
         "overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.steps=200"
     )
@@ -92,7 +93,7 @@ def _train(args) -> int:
         return 0
 
     try:
-        return guarded(train)
+        return guarded(train, trust_code=args.trust_code)
     except TrainingError as error:
         say(f"error: {error}", stream=sys.stderr)
         return 1

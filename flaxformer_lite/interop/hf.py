@@ -20,6 +20,7 @@ from flaxformer_lite.models.config import DTYPES, ModelConfig
 from flaxformer_lite.models.decoder_lm import DecoderLM
 from flaxformer_lite.models.encoder import Encoder
 from flaxformer_lite.models.encoder_decoder import EncoderDecoder
+from flaxformer_lite.models.pieces import user_pieces
 
 Model = DecoderLM | Encoder | EncoderDecoder
 
@@ -163,9 +164,11 @@ def writable_family(config: ModelConfig, who: str = "save_hf") -> ModuleType:
     """The family module that :func:`save_hf` writes ``config`` as.
 
     Raises:
-      ValueError: starting with ``who``: the model's ``mixer`` is not attention, its attention
-        is sparse (``local_window``), or it fits none of the families (what does not fit each).
+      ValueError: starting with ``who``: a piece of the user's (``models.pieces``), a ``mixer``
+        that is not attention, sparse attention (``local_window``), or a model that fits none
+        of the families (what does not fit each).
     """
+    refuse_user_pieces(config, who)
     if config.mixer != "attention":
         raise ValueError(
             f"{who}: model.mixer={config.mixer} (the Attention Free Transformer) has no "
@@ -186,6 +189,19 @@ def writable_family(config: ModelConfig, who: str = "save_hf") -> ModuleType:
         for family, found in problems.items()
     )
     raise ValueError(f"{who} writes only {', '.join(SUPPORTED)} models; {details}")
+
+
+def refuse_user_pieces(config: ModelConfig, who: str) -> None:
+    """Raises a ValueError starting with ``who`` if ``config`` has a piece of the user's (an
+    attention function, mixer, position bias, norm or feed-forward block of
+    ``models.pieces``): no Hugging Face architecture expresses one."""
+    user = user_pieces(config)
+    if user:
+        setting, value = next(iter(user.items()))
+        raise ValueError(
+            f"{who}: {setting}={value!r} is a variant of the user's, which no Hugging Face "
+            "architecture expresses; only models of built-in pieces are written"
+        )
 
 
 # --------------------------------------------------------------------------- helpers

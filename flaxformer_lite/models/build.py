@@ -8,12 +8,19 @@ from flaxformer_lite.models.config import ModelConfig
 from flaxformer_lite.models.decoder_lm import DecoderLM
 from flaxformer_lite.models.encoder import Encoder
 from flaxformer_lite.models.encoder_decoder import EncoderDecoder
+from flaxformer_lite.models.pieces import check_pieces
 
 MODEL_CLASSES = {"encoder_decoder": EncoderDecoder, "decoder": DecoderLM, "encoder": Encoder}
 
 
 def build_model(cfg: ModelConfig, *, rngs: nnx.Rngs):
-    """The model ``cfg`` describes: ``EncoderDecoder``, ``DecoderLM`` or ``Encoder``."""
+    """The model ``cfg`` describes: ``EncoderDecoder``, ``DecoderLM`` or ``Encoder``.
+
+    Raises:
+      ValueError: a piece of the user's (``models.pieces``) is not trusted, does not import, or
+        fails on small inputs.
+    """
+    check_pieces(cfg)
     return MODEL_CLASSES[cfg.kind](cfg, rngs=rngs)
 
 

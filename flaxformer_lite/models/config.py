@@ -8,21 +8,18 @@ import math
 from typing import Any
 
 from flaxformer_lite import ops
+from flaxformer_lite.models import pieces
 from flaxformer_lite.models.presets import PRESETS
 from flaxformer_lite.nn.attention import Rope
 from flaxformer_lite.nn.attention_free import AFT_MIXERS
 from flaxformer_lite.nn.dense import INIT_SCHEMES, KernelInit
 from flaxformer_lite.nn.mlp import ACTIVATIONS
-from flaxformer_lite.nn.norms import NORMS
 from flaxformer_lite.nn.stack import REMAT_POLICIES
 from flaxformer_lite.settings import setting
 
 NORM_POSITIONS = ("pre", "post")
-POSITIONS = ("sinusoidal", "learned", "rope", "relative", "alibi", "none")
 POOLINGS = ("first", "mean")
 DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_IMPLEMENTATIONS = (None, "xla", "chunked", "cudnn", "pallas")
-MIXERS = ("attention", *AFT_MIXERS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +51,7 @@ class ModelConfig:
     embedding_dropout: float = setting(0.1, help="dropout on the embedding sum")
     attention_dropout: float = setting(0.0, help="dropout on the attention weights")
     residual_dropout: float = setting(0.1, help="dropout on each sublayer's output")
-    norm: str = setting("layernorm", help="layernorm or rmsnorm")
+    norm: str = setting("layernorm", help="layernorm, rmsnorm, or a registered or module:attr norm")
     norm_eps: float = setting(1e-6, help="the norms' epsilon")
     norm_bias: bool = setting(
         True, help="LayerNorm's additive bias (false: none, as nanoGPT's bias=False)"
@@ -64,7 +61,9 @@ class ModelConfig:
     )
     embed_norm: bool = setting(False, help="normalize the embedding sum (BERT)")
     positions: str = setting(
-        "sinusoidal", help="sinusoidal, learned, rope, relative (T5 buckets), alibi or none"
+        "sinusoidal",
+        help="sinusoidal, learned, rope, relative (T5 buckets), alibi, none, or a registered or "
+        "module:attr position bias",
     )
     sinusoidal_layout: str = setting(
         "interleaved", help="sin/cos interleaved (the paper) or concat (Marian)"
@@ -135,7 +134,9 @@ class ModelConfig:
         "none", help="recompute activations in the backward pass: none, full, ... (saves memory)"
     )
     attention_implementation: str | None = setting(
-        None, help="null (chosen per input), xla, chunked, cudnn or pallas"
+        None,
+        help="null (chosen per input), xla, chunked, cudnn, pallas, or a registered or module:attr "
+        "attention function",
     )
     local_window: tuple[int, int] | None = setting(
         None,
@@ -148,8 +149,11 @@ class ModelConfig:
     )
     mixer: str = setting(
         "attention",
-        help="self-attention's mixer: attention, aft_full, aft_local or aft_simple (AFT); "
-        "cross-attention stays attention",
+        help="self-attention's mixer: attention, aft_full, aft_local or aft_simple (AFT), or a "
+        "registered or module:attr module; cross-attention stays attention",
+    )
+    feed_forward: str = setting(
+        "mlp", help="the feed-forward block: mlp, or a registered or module:attr module"
     )
     aft_window: int | None = setting(
         None, help="aft_local: its pairwise bias counts within this many positions"
@@ -235,7 +239,7 @@ class ModelConfig:
 
     # ----------------------------------------------------------------------- validation
     def _check_mixer(self):
-        _check_choice("mixer", self.mixer, MIXERS)
+        pieces.MIXERS.check(self.mixer)
         if self.aft_window is not None:
             _check_positive_int("aft_window", self.aft_window)
         if (self.mixer == "aft_local") != (self.aft_window is not None):
@@ -243,12 +247,12 @@ class ModelConfig:
                 f"aft_window is the window of mixer aft_local (got mixer={self.mixer}, "
                 f"aft_window={self.aft_window})"
             )
-        if self.mixer != "attention" and self.local_window is not None:
+        if self.mixer in AFT_MIXERS and self.local_window is not None:
             raise ValueError(
                 f"model.local_window is a window of attention, not of mixer {self.mixer} "
                 "(aft_local has its own: model.aft_window)"
             )
-        if self.mixer != "attention" and self.positions in ("rope", "relative", "alibi"):
+        if self.mixer in AFT_MIXERS and self.positions not in ("sinusoidal", "learned", "none"):
             raise ValueError(
                 f"mixer {self.mixer} has no attention logits for positions={self.positions!r}; "
                 "use sinusoidal, learned or none"
@@ -281,22 +285,30 @@ class ModelConfig:
             object.__setattr__(self, "head_dim", self.d_model // self.num_heads)
         if not (self.num_encoder_layers or self.num_decoder_layers):
             raise ValueError("a model needs num_encoder_layers > 0 or num_decoder_layers > 0")
-        _check_choice("norm", self.norm, tuple(NORMS))
+        pieces.NORMS.check(self.norm)
+        pieces.FEED_FORWARDS.check(self.feed_forward)
         _check_choice("norm_position", self.norm_position, NORM_POSITIONS)
-        _check_choice("positions", self.positions, POSITIONS)
+        if self.positions not in pieces.BUILTIN_POSITIONS:
+            try:
+                pieces.POSITION_BIASES.check(self.positions)
+            except ValueError:
+                choices = (*pieces.BUILTIN_POSITIONS, *pieces.POSITION_BIASES.entries)
+                raise ValueError(
+                    f"positions must be one of {choices} or an import path module:attr, got "
+                    f"{self.positions!r}"
+                ) from None
         _check_choice("rope_layout", self.rope_layout, ops.rope.ROPE_LAYOUTS)
         _check_choice("sinusoidal_layout", self.sinusoidal_layout, ops.positions.SINUSOIDAL_LAYOUTS)
         _check_choice("activation", self.activation, tuple(ACTIVATIONS))
         _check_choice("pooling", self.pooling, POOLINGS)
-        if not self.norm_bias and self.norm != "layernorm":
+        if not self.norm_bias and self.norm == "rmsnorm":
             raise ValueError(f"norm_bias=False applies to layernorm; {self.norm} has no bias")
         _check_choice("init", self.init, INIT_SCHEMES)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("param_dtype", self.param_dtype, DTYPES)
         _check_choice("remat", self.remat, tuple(REMAT_POLICIES))
-        _check_choice(
-            "attention_implementation", self.attention_implementation, ATTENTION_IMPLEMENTATIONS
-        )
+        if self.attention_implementation is not None:
+            pieces.ATTENTION.check(self.attention_implementation)
         self._check_mixer()
         for name in ("embedding_dropout", "attention_dropout", "residual_dropout"):
             rate = getattr(self, name)

@@ -3,8 +3,9 @@ cross-attention and the MLP, each a residual sublayer with its norm before (pre-
 (post-LN, the paper) the residual sum), and :class:`Tower`, ``num_layers`` of them with their
 position bias and final norm.
 
-The layers and their parts are built from a :class:`ModelConfig`; the modules they are made of
-(``nn``) take explicit arguments.
+The layers and their parts are built from a :class:`ModelConfig`: its mixer, norm, feed-forward
+block and position bias by name, from the registries of :mod:`.pieces` (the modules they are made
+of, ``nn``, take explicit arguments).
 """
 
 from __future__ import annotations
@@ -13,82 +14,21 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from flaxformer_lite.models import pieces
 from flaxformer_lite.models.config import ModelConfig
 from flaxformer_lite.nn.attention import MultiHeadAttention
-from flaxformer_lite.nn.attention_free import AttentionFree
-from flaxformer_lite.nn.dense import KernelInit, residual_scale
-from flaxformer_lite.nn.mlp import MLP
-from flaxformer_lite.nn.norms import make_norm
-from flaxformer_lite.nn.positions import RelativePositionBias, alibi
 from flaxformer_lite.nn.stack import LayerStack
 
 
-def make_layer_norm(cfg: ModelConfig, rngs: nnx.Rngs):
-    """The norm ``cfg`` asks for (``layernorm`` or ``rmsnorm``) over D = ``d_model``."""
-    return make_norm(
-        cfg.norm,
-        cfg.d_model,
-        eps=cfg.norm_eps,
-        bias=cfg.norm_bias,
-        dtype=cfg.dtype,
-        param_dtype=cfg.param_dtype,
-        rngs=rngs,
-    )
+def make_layer_norm(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
+    """The norm ``cfg.norm`` names (``layernorm``, ``rmsnorm`` or a user's) over D."""
+    return pieces.NORMS.get(cfg.norm)(cfg, rngs=rngs)
 
 
-def residual_init(cfg: ModelConfig, num_layers: int) -> KernelInit:
-    """The initializer of projections that write into the residual stream (attention and MLP
-    outputs): GPT-2 scales it by ``1 / sqrt(2 * num_layers)`` (``scale_residual_init``)."""
-    if cfg.scale_residual_init:
-        return cfg.kernel_init.scaled(residual_scale(num_layers))
-    return cfg.kernel_init
-
-
-def make_attention(
-    cfg: ModelConfig, *, num_layers: int, cross: bool, rngs: nnx.Rngs
-) -> MultiHeadAttention:
-    """A ``MultiHeadAttention`` configured by ``cfg`` (self- or cross-attention)."""
+def make_cross_attention(cfg: ModelConfig, *, num_layers: int, rngs: nnx.Rngs):
+    """The ``MultiHeadAttention`` of a decoder layer over the encoder's output."""
     return MultiHeadAttention(
-        cfg.d_model,
-        cfg.num_heads,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        cross=cross,
-        fused_qkv=cfg.fused_qkv and not cross,
-        qkv_bias=cfg.qkv_bias,
-        out_bias=cfg.attention_out_bias,
-        rope=None if cross else cfg.rope,
-        local_window=None if cross else cfg.local_window,
-        global_tokens=0 if cross else cfg.global_tokens,
-        dropout_rate=cfg.attention_dropout,
-        implementation=cfg.attention_implementation,
-        init=cfg.kernel_init,
-        out_init=residual_init(cfg, num_layers),
-        dtype=cfg.dtype,
-        param_dtype=cfg.param_dtype,
-        rngs=rngs,
-    )
-
-
-def make_self_attention(
-    cfg: ModelConfig, *, num_layers: int, rngs: nnx.Rngs
-) -> MultiHeadAttention | AttentionFree:
-    """The token mixer ``cfg.mixer`` asks for: self-attention, or an Attention Free Transformer
-    (``aft_full``, ``aft_local``, ``aft_simple``)."""
-    if cfg.mixer == "attention":
-        return make_attention(cfg, num_layers=num_layers, cross=False, rngs=rngs)
-    return AttentionFree(
-        cfg.d_model,
-        mixer=cfg.mixer,
-        max_length=cfg.max_length,
-        window=cfg.aft_window,
-        qkv_bias=cfg.qkv_bias,
-        out_bias=cfg.attention_out_bias,
-        init=cfg.kernel_init,
-        out_init=residual_init(cfg, num_layers),
-        dtype=cfg.dtype,
-        param_dtype=cfg.param_dtype,
-        rngs=rngs,
+        **pieces.attention_options(cfg, num_layers=num_layers, cross=True), rngs=rngs
     )
 
 
@@ -121,24 +61,14 @@ class TransformerLayer(nnx.Module):
     ):
         self.causal, self.pre_norm = causal, cfg.norm_position == "pre"
         self.parallel = cfg.parallel_block
-        self.self_attention = make_self_attention(cfg, num_layers=num_layers, rngs=rngs)
+        self.self_attention = pieces.MIXERS.get(cfg.mixer)(cfg, num_layers=num_layers, rngs=rngs)
         self.self_attention_norm = make_layer_norm(cfg, rngs)
         if cross_attention:
-            self.cross_attention = make_attention(cfg, num_layers=num_layers, cross=True, rngs=rngs)
+            self.cross_attention = make_cross_attention(cfg, num_layers=num_layers, rngs=rngs)
             self.cross_attention_norm = make_layer_norm(cfg, rngs)
         else:
             self.cross_attention = self.cross_attention_norm = None
-        self.mlp = MLP(
-            cfg.d_model,
-            cfg.d_ff,
-            activation=cfg.activation,
-            use_bias=cfg.mlp_bias,
-            init=cfg.kernel_init,
-            out_init=residual_init(cfg, num_layers),
-            dtype=cfg.dtype,
-            param_dtype=cfg.param_dtype,
-            rngs=rngs,
-        )
+        self.mlp = pieces.FEED_FORWARDS.get(cfg.feed_forward)(cfg, num_layers=num_layers, rngs=rngs)
         # A parallel block normalizes once for both branches.
         self.mlp_norm = None if self.parallel else make_layer_norm(cfg, rngs)
         self.dropout = nnx.Dropout(cfg.residual_dropout, rngs=rngs)
@@ -235,7 +165,7 @@ class TransformerLayer(nnx.Module):
 
 class Tower(nnx.Module):
     """``num_layers`` :class:`TransformerLayer` (a loop or one ``nnx.scan``, ``nn.LayerStack``)
-    with their position bias (relative / ALiBi) and, for pre-LN, the final norm."""
+    with their position bias (relative, ALiBi or a user's) and, for pre-LN, the final norm."""
 
     def __init__(
         self,
@@ -246,19 +176,12 @@ class Tower(nnx.Module):
         cross_attention: bool,
         rngs: nnx.Rngs,
     ):
-        self.num_heads, self.positions = cfg.num_heads, cfg.positions
+        # The position bias (relative, ALiBi or a user's) keeps the attribute name of T5's
+        # relative bias, under which runs' checkpoints hold its table.
         self.relative_bias = (
-            RelativePositionBias(
-                cfg.num_heads,
-                num_buckets=cfg.relative_buckets,
-                max_distance=cfg.relative_max_distance,
-                bidirectional=not causal,
-                init=cfg.kernel_init,
-                param_dtype=cfg.param_dtype,
-                rngs=rngs,
-            )
-            if cfg.positions == "relative"
-            else None
+            None
+            if cfg.positions in pieces.BUILTIN_POSITIONS
+            else pieces.POSITION_BIASES.get(cfg.positions)(cfg, bidirectional=not causal, rngs=rngs)
         )
 
         def make_layer(layer_rngs):
@@ -299,8 +222,6 @@ class Tower(nnx.Module):
         if self.relative_bias is not None:
             start = 0 if cache_index is None else cache_index
             bias = self.relative_bias(start + jnp.arange(length), jnp.arange(kv_length))
-        elif self.positions == "alibi":
-            bias = alibi(self.num_heads, length, kv_length, cache_index)
         x = self.layers(
             x,
             context,

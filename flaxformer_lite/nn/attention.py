@@ -247,17 +247,39 @@ class MultiHeadAttention(nnx.Module):
             explicit=mask,
         )
         if self.sow_weights:
-            weights = ops.attention_weights(q, k, bias, mask)
-            self.sow(nnx.Intermediate, "attention_weights", weights)
+            self.sow(nnx.Intermediate, "attention_weights", self.weights(q, k, bias, mask))
+        return self.out(self.attend(q, k, v, bias, mask))
+
+    def attend(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        bias: jax.Array | None,
+        mask: ops.AttentionMask,
+    ) -> jax.Array:
+        """The attention of ``q [B, T, H, Dh]`` over ``k, v [B, S, Hk, Dh]`` (after RoPE; the
+        whole cache when decoding) with the logit ``bias`` (broadcastable to ``[B, H, T, S]``)
+        and ``mask``: ``[B, T, H, Dh]``, which the output projection maps to ``[B, T, D]``.
+
+        ``ops.dot_product_attention`` with this module's implementation and dropout. A variant
+        overrides this (and :meth:`weights`) and keeps the projections, RoPE and the cache.
+        """
         dropout_rate = 0.0 if self.deterministic else self.dropout_rate
         dropout = dict(
             dropout_rate=dropout_rate,
             dropout_rng=self.dropout_rngs() if dropout_rate > 0 else None,
         )
-        out = ops.dot_product_attention(
+        return ops.dot_product_attention(
             q, k, v, bias, mask, implementation=self.implementation, **dropout
         )
-        return self.out(out)
+
+    def weights(
+        self, q: jax.Array, k: jax.Array, bias: jax.Array | None, mask: ops.AttentionMask
+    ) -> jax.Array:
+        """float32 ``[B, H, T, S]``: the weights :meth:`attend` gives each key, sown for
+        attention maps (``sow_weights``); arguments as :meth:`attend`'s."""
+        return ops.attention_weights(q, k, bias, mask, implementation=self.implementation)
 
     def _split_qkv(self, qkv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Queries ``[B, T, H, Dh]`` and keys, values ``[B, T, Hk, Dh]`` of the fused projection."""

@@ -58,8 +58,17 @@ class RelativePositionBias(nnx.Module):
         return bias if bias.ndim == 4 else bias[None]
 
 
-def alibi(num_heads: int, q_len: int, kv_len: int, offset=None) -> jax.Array:
-    """ALiBi's bias ``[1, H, T, S]`` for ``T = q_len`` queries and ``S = kv_len`` keys;
-    ``offset``: position of the first query (the cache index when decoding), by default
-    ``kv_len - q_len`` (see ``ops.alibi_bias``)."""
-    return ops.alibi_bias(num_heads, q_len, kv_len, offset)[None]
+class ALiBi(nnx.Module):
+    """ALiBi's fixed linear penalties (Press et al. 2022), a module without parameters called as
+    :class:`RelativePositionBias` is: the position bias of ``positions=alibi``.
+
+    Args:
+      num_heads: H; each head has its own slope (``ops.alibi_slopes``).
+    """
+
+    def __init__(self, num_heads: int):
+        self.num_heads = num_heads
+
+    def __call__(self, q_positions: jax.Array, k_positions: jax.Array) -> jax.Array:
+        """Query positions ``[T]`` and key positions ``[S]`` -> bias ``[1, H, T, S]`` float32."""
+        return ops.positions.alibi_bias_at(self.num_heads, q_positions, k_positions)[None]

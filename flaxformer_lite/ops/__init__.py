@@ -31,7 +31,9 @@ from flaxformer_lite.ops.attention import (
     dot_product_attention,
     reference_attention,
 )
+from flaxformer_lite.ops.attention_choice import register_attention
 from flaxformer_lite.ops.attention_free import aft
+from flaxformer_lite.ops.attention_inputs import AttentionCall
 from flaxformer_lite.ops.attention_mask import AttentionMask
 from flaxformer_lite.ops.chunked_attention import chunked_attention
 from flaxformer_lite.ops.losses import chunked_cross_entropy, cross_entropy
@@ -54,6 +56,7 @@ from flaxformer_lite.ops.projection import project
 from flaxformer_lite.ops.rope import RopeScaling, apply_rope, rope_frequencies
 
 __all__ = [
+    "AttentionCall",
     "AttentionMask",
     "RopeScaling",
     "aft",
@@ -73,6 +76,7 @@ __all__ = [
     "padding_mask",
     "project",
     "reference_attention",
+    "register_attention",
     "relative_position_buckets",
     "rms_norm",
     "rope_frequencies",

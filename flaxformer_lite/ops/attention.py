@@ -18,7 +18,7 @@ hold each of them equal to it:
                  ``flaxformer_lite.ops.attention``, at trace time).
 
 Each is a :class:`~.attention_choice.Backend` of :mod:`.attention_choice`, which says what each
-can run and makes the choice.
+can run and makes the choice; ``ops.register_attention`` adds a user's own, run where named.
 
 Shapes (letters as in :mod:`flaxformer_lite.ops`): query ``[B, T, H, Dh]``, key ``[B, S, Hk, Dh]``,
 value ``[B, S, Hk, Dv]``, output ``[B, T, H, Dv]``. ``bias`` (additive, float) and ``mask`` (bool,
@@ -153,13 +153,27 @@ def attention_weights(
     is_causal: bool = False,
     local_window: tuple[int, int] | None = None,
     global_tokens: int = 0,
+    implementation: str | None = None,
 ) -> jax.Array:
-    """The attention probabilities softmax(q kᵀ · scale + bias), for inspection and plots.
+    """The attention probabilities softmax(q kᵀ · scale + bias), for inspection and plots; those
+    of a registered ``implementation``'s ``weights`` (``ops.register_attention``) if named.
 
     Args: as :func:`dot_product_attention` (query ``[B, T, H, Dh]``, key ``[B, S, Hk, Dh]``).
 
     Returns:
-      float32 ``[B, H, T, S]``; each row sums to 1, or is all zeros if fully masked.
+      float32 ``[B, H, T, S]``; softmax's rows sum to 1, or are all zeros if fully masked.
+
+    Raises:
+      ValueError: an ``implementation`` registered without ``weights``.
     """
     mask = AttentionMask.of(mask, is_causal, local_window, global_tokens)
-    return xla_weights(validated_call(query, key, key, bias, mask, scale=scale))
+    call = validated_call(query, key, key, bias, mask, scale=scale)
+    if implementation is None or implementation in attention_choice.IMPLEMENTATIONS:
+        return xla_weights(call)  # each built-in implementation computes softmax's
+    backend = attention_choice.BACKENDS[attention_choice.choose(call, implementation).backend]
+    if backend.weights is None:
+        raise ValueError(
+            f"attention implementation {implementation!r} was registered without weights=, so "
+            "it has no attention weights to show"
+        )
+    return backend.weights(call)

@@ -1,9 +1,12 @@
 """The implementations of attention, what each can run, and which one a call runs.
 
-Each :class:`Backend` says why it cannot take a call (a reason, or ``None``) and how to run it.
-:func:`choose` returns a :class:`Choice`: the implementation that runs and why it passed over the
-others. The choice is logged at trace time under the logger ``flaxformer_lite.ops.attention``
-(that of :func:`flaxformer_lite.ops.dot_product_attention`, where users look for it), and
+Each :class:`Backend` says why it cannot take a call (a reason, or ``None``) and how to run it;
+:data:`BACKENDS` holds them by name, the built-in ones and those a user adds with
+:func:`register_attention` (an attention function of their own: sigmoid attention, a softmax
+with a +1), run wherever ``implementation=`` names them. :func:`choose` returns a
+:class:`Choice`: the implementation that runs and why it passed over the others. The choice is
+logged at trace time under the logger ``flaxformer_lite.ops.attention`` (that of
+:func:`flaxformer_lite.ops.dot_product_attention`, where users look for it), and
 :func:`recorded_choices` hands the choices of a trace to a caller (``aot`` reports them).
 """
 
@@ -22,7 +25,7 @@ from flaxformer_lite.ops.attention_inputs import AttentionCall
 from flaxformer_lite.ops.chunked_attention import chunked_attention
 from flaxformer_lite.ops.cudnn_attention import cudnn_attention, cudnn_unsupported_reason
 from flaxformer_lite.ops.pallas_attention import pallas_attention, pallas_unsupported_reason
-from flaxformer_lite.ops.xla_attention import xla_attention
+from flaxformer_lite.ops.xla_attention import xla_attention, xla_weights
 
 logger = logging.getLogger("flaxformer_lite.ops.attention")
 
@@ -48,6 +51,8 @@ class Backend:
       home: the platform whose own kernel it is: passed over there, it is logged once at INFO.
       falls_back: a request for it that it cannot run falls back on the automatic choice
         (else it is a ValueError).
+      weights: float32 ``[B, H, T, S]``, the attention weights of a call (for attention maps;
+        softmax's for the built-in ones), or ``None`` if it has none to show.
     """
 
     name: str
@@ -56,6 +61,7 @@ class Backend:
     not_automatic: Callable[[AttentionCall], str | None] = _no_reason
     home: str | None = None
     falls_back: bool = False
+    weights: Callable[[AttentionCall], jax.Array] | None = xla_weights
 
 
 def _not_on_tpu(call: AttentionCall) -> str | None:
@@ -74,25 +80,74 @@ def _chunked(call: AttentionCall) -> jax.Array:
     return chunked_attention(*args, **flags, global_tokens=call.mask.global_tokens, **dropout)
 
 
-# In the order the automatic choice tries them: the first that runs a call and is not passed
-# over automatically runs it.
-BACKENDS = {
-    backend.name: backend
-    for backend in (
-        Backend("cudnn", cudnn_attention, cudnn_unsupported_reason, home="gpu"),
-        Backend(
-            "pallas",
-            pallas_attention,
-            pallas_unsupported_reason,
-            _not_on_tpu,
-            home="tpu",
-            falls_back=True,
-        ),
-        Backend("chunked", _chunked, not_automatic=_small),
-        Backend("xla", xla_attention),
-    )
-}
-IMPLEMENTATIONS = tuple(BACKENDS)
+BACKENDS: dict[str, Backend] = {}
+
+
+def register(backend: Backend) -> None:
+    """Adds ``backend`` to :data:`BACKENDS` under its name (replacing one registered before)."""
+    BACKENDS[backend.name] = backend
+
+
+# The built-in implementations are the registry's first entries, in the order the automatic
+# choice tries them: the first that runs a call and is not passed over automatically runs it.
+for _backend in (
+    Backend("cudnn", cudnn_attention, cudnn_unsupported_reason, home="gpu"),
+    Backend(
+        "pallas",
+        pallas_attention,
+        pallas_unsupported_reason,
+        _not_on_tpu,
+        home="tpu",
+        falls_back=True,
+    ),
+    Backend("chunked", _chunked, not_automatic=_small),
+    Backend("xla", xla_attention),
+):
+    register(_backend)
+IMPLEMENTATIONS = tuple(BACKENDS)  # the built-in ones; "xla", the last, runs every call
+
+
+def register_attention(
+    name: str,
+    fn: Callable[[AttentionCall], jax.Array],
+    *,
+    weights: Callable[[AttentionCall], jax.Array] | None = None,
+) -> None:
+    """Makes ``fn`` the attention implementation ``name``: ``ops.dot_product_attention(...,
+    implementation=name)`` and ``model.attention_implementation=name`` run it, in training,
+    evaluation, KV-cache decoding, sharded meshes and sweeps. Registering a name again replaces
+    it; the automatic choice never picks it.
+
+    Args:
+      name: a name of letters, digits, ``_``, ``-`` and ``.`` other than a built-in one.
+      fn: ``fn(call) -> [B, T, H, Dv]`` in the query's dtype: the attention of one
+        :class:`~.attention_inputs.AttentionCall` (its docstring says what it holds: queries,
+        keys and values after RoPE, the bias, the mask with ``call.dense_mask()``, the scale,
+        dropout, and the KV cache when decoding). A pure function of its arrays: it is traced
+        under ``jit``, ``grad``, ``vmap`` and ``scan``.
+      weights: ``weights(call) -> float32 [B, H, T, S]``, the weights ``fn`` gives each key,
+        for attention maps (default: ``fn.weights`` if ``fn`` has that attribute, as a function
+        named by an import path may); without one, maps of this implementation are refused.
+
+    Raises:
+      ValueError: ``name`` is built in or not such a name; ``fn`` or ``weights`` not callable.
+    """
+    if not isinstance(name, str) or not name or not all(c.isalnum() or c in "_-.:" for c in name):
+        raise ValueError(
+            "an attention implementation's name is letters, digits, _, - and . (or an import "
+            f"path module:attr), got {name!r}"
+        )
+    if name in IMPLEMENTATIONS:
+        raise ValueError(f"attention implementation {name!r} is built in; choose another name")
+    for what, value in (("fn", fn), ("weights", weights)):
+        if value is not None and not callable(value):
+            raise ValueError(f"register_attention({name!r}): {what} is not callable: {value!r}")
+    weights = getattr(fn, "weights", None) if weights is None else weights
+    register(Backend(name, fn, not_automatic=_named_only, weights=weights))
+
+
+def _named_only(call: AttentionCall) -> str:
+    return "runs only when named"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +173,8 @@ def choose(call: AttentionCall, implementation: str | None = None) -> Choice:
     if implementation is not None:
         if implementation not in BACKENDS:
             raise ValueError(
-                f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}"
+                f"implementation must be one of {tuple(BACKENDS)} or None (others are added by "
+                f"ops.register_attention), got {implementation!r}"
             )
         backend = BACKENDS[implementation]
         reason = backend.unsupported(call)
@@ -127,8 +183,9 @@ def choose(call: AttentionCall, implementation: str | None = None) -> Choice:
         if not backend.falls_back:
             raise ValueError(f'implementation="{implementation}" cannot run these inputs: {reason}')
         passed_over.append((implementation, reason))
-    for backend in BACKENDS.values():
-        if backend.name == implementation:
+    for name in IMPLEMENTATIONS:
+        backend = BACKENDS[name]
+        if name == implementation:
             continue
         reason = backend.not_automatic(call) or backend.unsupported(call)
         if reason is None:

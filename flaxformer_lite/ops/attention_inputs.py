@@ -28,7 +28,21 @@ class AttentionCall:
     """One call of :func:`flaxformer_lite.ops.dot_product_attention` as its implementations see
     it: validated arrays (or ``jax.ShapeDtypeStruct``s, for the choice alone), the mask
     :meth:`~AttentionMask.aligned` with its ``explicit`` part rank 4, and the platform compiled
-    for (:func:`target_platform`)."""
+    for (:func:`target_platform`). It is the one argument of every implementation, the built-in
+    ones and those registered by ``ops.register_attention``:
+
+      ``query [B, T, H, Dh]``, ``key [B, S, Hk, Dh]``, ``value [B, S, Hk, Dv]``: after the
+        projections and RoPE (``H % Hk == 0``: query head ``n`` uses key/value head ``n // G``).
+      ``bias``: float ``[B | 1, H | 1, T, S]`` added to the logits (relative or ALiBi positions,
+        a position bias of the user's), or ``None``.
+      ``mask``: an :class:`AttentionMask`; :meth:`dense_mask` gives every piece of it (causal,
+        window, global tokens, packed rows' segments, padding) as one bool array.
+      ``scale``: the logits' multiplier, ``None`` for ``1 / sqrt(Dh)`` (:meth:`logit_scale`).
+      ``dropout_rate``, ``dropout_rng``: dropout on the attention weights (rate 0: no key).
+
+    Decoding with a KV cache, ``key`` and ``value`` are the whole cache (S = its length), the T
+    queries sit at the cache index and the mask hides the slots after each query.
+    """
 
     query: jax.Array
     key: jax.Array
@@ -39,6 +53,16 @@ class AttentionCall:
     scale: float | None = None
     dropout_rate: float = 0.0
     dropout_rng: jax.Array | None = None
+
+    def dense_mask(self) -> jax.Array | None:
+        """Every piece of the mask as one bool array ``[B | 1, H | 1, T, S]`` (True = may
+        attend), or ``None`` when every key is visible to every query."""
+        return self.mask.dense(self.query.shape[1], self.key.shape[1])
+
+    @property
+    def logit_scale(self) -> float:
+        """The multiplier of the logits: ``scale``, or ``1 / sqrt(Dh)``."""
+        return default_scale(self.query, self.scale)
 
     def arguments(self) -> tuple[tuple, dict]:
         """``(query, key, value, bias, mask)`` and the keywords ``scale``, ``is_causal`` and

@@ -210,7 +210,12 @@ def alibi_bias(
     # Built from iotas rather than as a numpy table: under jit a [H, T, S] constant would be
     # embedded in the program, while this fuses into whatever consumes the bias.
     offset = kv_len - q_len if offset is None else offset
-    query_positions = jnp.arange(q_len) + offset
-    distance = jnp.abs(query_positions[:, None] - jnp.arange(kv_len)[None, :])
+    return alibi_bias_at(num_heads, jnp.arange(q_len) + offset, jnp.arange(kv_len))
+
+
+def alibi_bias_at(num_heads: int, query_positions: jax.Array, key_positions: jax.Array):
+    """ALiBi's bias ``-slope_h * |query position - key position|`` at given positions: query
+    positions ``[T]`` and key positions ``[S]`` -> ``[H, T, S]`` float32 (:func:`alibi_bias`)."""
+    distance = jnp.abs(query_positions[:, None] - key_positions[None, :])
     slopes = alibi_slopes(num_heads)
     return -slopes[:, None, None] * distance.astype(jnp.float32)

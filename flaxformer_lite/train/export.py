@@ -19,7 +19,8 @@ import shutil
 
 from flaxformer_lite.data.store import owner, remove_stale_partials
 from flaxformer_lite.data.tokenizer_export import hf_tokenizer_files
-from flaxformer_lite.interop.hf import save_hf, writable_family
+from flaxformer_lite.interop.hf import refuse_user_pieces, save_hf, writable_family
+from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.restore import load_run
 from flaxformer_lite.train.run_dir import RunDir
 from flaxformer_lite.train.step import task_of
@@ -47,7 +48,11 @@ class Exported:
 
 
 def export_run(
-    run_dir: pathlib.Path | str, out: pathlib.Path | str, *, step: int | None = None
+    run_dir: pathlib.Path | str,
+    out: pathlib.Path | str,
+    *,
+    step: int | None = None,
+    trust_code: bool = False,
 ) -> Exported:
     """Writes the model of ``run_dir``'s checkpoint ``step`` (default the newest) and the run's
     tokenizer into the new directory ``out``.
@@ -56,7 +61,7 @@ def export_run(
     once complete: an export that fails leaves nothing behind.
 
     An ``out`` that is a symbolic link is followed: the export replaces the empty directory it
-    points to, and the link is kept.
+    points to, and the link is kept. ``trust_code``: as ``load_run``'s.
 
     Raises:
       FileExistsError: ``out`` exists and is not an empty directory.
@@ -79,7 +84,10 @@ def export_run(
         raise FileExistsError(
             f"{out} exists and is not an empty directory; export writes a new one"
         )
-    loaded = load_run(run_dir, step=step)
+    saved_config = RunDir(run_dir).config
+    if saved_config.is_file():  # a variant is refused before its code would be imported
+        refuse_user_pieces(load_config(saved_config, []).model, f"export of {run_dir}")
+    loaded = load_run(run_dir, step=step, trust_code=trust_code)
     model_config = loaded.config.model
     family = writable_family(model_config, who=f"export of {run_dir}")
     tokenizer = loaded.tokenizer

@@ -21,6 +21,7 @@ from flaxformer_lite import parallel
 from flaxformer_lite.data.hf_tokenizer import load_hf_tokenizer
 from flaxformer_lite.data.pipeline import Data, build_data, prepare_run_store
 from flaxformer_lite.models import training_flops_per_token
+from flaxformer_lite.models.pieces import check_pieces
 from flaxformer_lite.train.actions import (
     Evaluate,
     FiniteCheck,
@@ -75,12 +76,15 @@ def run(
 
     Raises:
       ConfigError: differences from the run directory (without ``force``), bad data or settings.
+      ValueError: code named by import path (``models.pieces``) outside ``trusted_code``, or
+        a user's piece that fails on small inputs.
       ValueError: a mesh that does not fit the devices, shapes that do not divide over it, a
         directory that is not a run (:class:`~.run_dir.NotARunError`) or one in use by another
         process (:class:`~.run_dir.RunDirInUseError`).
       TrainingError: a non-finite loss or gradient (the last good checkpoint is kept).
       Interrupted: SIGTERM / SIGINT (after the checkpoint is written).
     """
+    check_pieces(cfg.model)  # code named by import path: refused or traced before any write
     parallel.initialize(cfg.distributed)
     main = jax.process_index() == 0
     log, progress = (log, progress) if main else (_quiet, False)

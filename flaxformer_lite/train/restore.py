@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 
 from flaxformer_lite import parallel
 from flaxformer_lite.data.tokenizers import Tokenizer, load_tokenizer
+from flaxformer_lite.models.pieces import trusted_code
 from flaxformer_lite.train.checkpoint import Checkpointer, CheckpointError
 from flaxformer_lite.train.config import TrainConfig, config_from_dict
 from flaxformer_lite.train.program import build_train_state
@@ -58,6 +59,7 @@ def load_run(
     step: int | None = None,
     mesh: Mesh | None = None,
     devices: Sequence[jax.Device] | None = None,
+    trust_code: bool = False,
 ) -> LoadedRun:
     """Restores the model of ``run_dir/checkpoints`` at ``step`` (default: the newest).
 
@@ -72,12 +74,15 @@ def load_run(
         ``(data, fsdp, tensor)`` mesh of size 1 on the first local device.
       devices: instead of ``mesh``: the parameters whole on each of these devices (a ``data``
         mesh over them).
+      trust_code: import the code the run's settings name by import path (``models.pieces``:
+        a user's attention function, mixer, positions, norm or feed-forward block).
 
     Raises:
       FileNotFoundError: ``run_dir`` is not a directory, or has no checkpoints or tokenizer
         (the message names the path).
       ValueError: ``step`` has no checkpoint, or the checkpoint cannot be restored; both
-        ``mesh`` and ``devices``, or an empty ``devices``.
+        ``mesh`` and ``devices``, or an empty ``devices``; the run names code by import path
+        and ``trust_code`` is False.
       TypeError: ``step`` not an int, ``mesh`` not a ``jax.sharding.Mesh``, ``devices`` not
         a sequence of ``jax.Device``s.
     """
@@ -117,7 +122,8 @@ def load_run(
         candidates = [step] if step is not None else steps[::-1]
         for candidate in candidates:
             try:
-                graphdef, state, restored = _restore_model_state(checkpointer, candidate, mesh)
+                with trusted_code(trust_code):
+                    graphdef, state, restored = _restore_model_state(checkpointer, candidate, mesh)
                 break
             except CheckpointError as error:
                 if step is not None:

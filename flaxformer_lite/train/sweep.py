@@ -34,6 +34,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from flaxformer_lite import parallel
 from flaxformer_lite.models import training_flops_per_token
+from flaxformer_lite.models.pieces import check_pieces, trusted_code
 from flaxformer_lite.train.actions import (
     Evaluate,
     LogTrain,
@@ -85,6 +86,7 @@ def sweep(
     fresh: bool = False,
     force: bool = False,
     vmap: bool | None = None,
+    trust_code: bool = False,
     log=print,
 ) -> dict:
     """Trains every member of the sweep of ``cfg`` over ``vary`` in ``cfg.run_dir/<member>``,
@@ -102,13 +104,22 @@ def sweep(
       force: resume members whose settings changed (as ``train.py --force``).
       vmap: step a group's members as one vmapped step (True) or by one compiled step in turn
         (False); None: vmapped on accelerators, in turn on a CPU (docs/design.md, "Sweeps").
+      trust_code: import the code the settings name by import path (``models.pieces``).
       log: where one-line messages go.
 
     Raises:
       ConfigError: a bad varied key or value, a directory that holds a run or another sweep,
         and what ``train.py`` refuses of a member.
     """
+    with trusted_code(trust_code):
+        return _sweep(cfg, vary, fresh=fresh, force=force, vmap=vmap, log=log)
+
+
+def _sweep(cfg: TrainConfig, vary, *, fresh: bool, force: bool, vmap: bool | None, log) -> dict:
+    """:func:`sweep`, the code it names trusted or not."""
     members = sweep_members(cfg, vary)
+    for member in members:  # code named by import path, imported (if trusted) and traced
+        check_pieces(member.cfg.model)
     parallel.initialize(cfg.distributed)
     main = jax.process_index() == 0
     log = log if main else _quiet  # every process trains, process 0 reports and writes

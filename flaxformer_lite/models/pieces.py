@@ -1,0 +1,467 @@
+"""The pieces of a layer by name: the extension points of :class:`ModelConfig`, each a registry.
+
+  setting                          a name stands for (the contract: in the ``register_`` function)
+  model.attention_implementation   ``fn(call: ops.AttentionCall) -> [B, T, H, Dv]``
+                                   (``ops.register_attention``)
+  model.mixer                      the self-attention sublayer, a module (:func:`register_mixer`)
+  model.positions                  a logit bias by positions, a module (:func:`register_positions`);
+                                   sinusoidal, learned, rope and none are built into the embedding
+                                   and the attention
+  model.norm                       a norm over ``[..., D]``, a module (:func:`register_norm`)
+  model.feed_forward               the MLP sublayer, a module (:func:`register_feed_forward`)
+
+A setting holds a registered name or an import path ``package.module:attr`` (an installed module
+or one in the current directory). The built-in pieces are registered below: they are each
+registry's first users; ``register_*`` adds a user's, no trust needed for what the running process
+registered itself. An import path is imported only inside :func:`trusted_code` (``--trust-code``,
+``trust_code=True``), as transformers' ``trust_remote_code``: a config file or a run's settings
+name it, and importing it runs its code. Imported, it is registered under its path. When a model
+is built, :func:`check_pieces` traces each piece that is not built in on small shapes, so that a
+wrong signature or shape is one line naming the setting, before training starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import importlib
+import os
+import re
+import sys
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from flaxformer_lite import ops
+from flaxformer_lite.nn.attention import MultiHeadAttention
+from flaxformer_lite.nn.attention_free import AFT_MIXERS, AttentionFree
+from flaxformer_lite.nn.dense import KernelInit, residual_scale
+from flaxformer_lite.nn.mlp import MLP
+from flaxformer_lite.nn.norms import LayerNorm, RMSNorm
+from flaxformer_lite.nn.positions import ALiBi, RelativePositionBias
+from flaxformer_lite.ops import attention_choice
+
+if TYPE_CHECKING:
+    from flaxformer_lite.models.config import ModelConfig
+
+IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+TRUST_FLAG = "--trust-code (trust_code=True in Python)"
+
+_TRUSTED: contextvars.ContextVar[bool] = contextvars.ContextVar("trusted_code", default=False)
+
+
+@contextlib.contextmanager
+def trusted_code(trust: bool = True) -> Iterator[None]:
+    """Within the block, import paths in model settings are imported if ``trust`` (the
+    commands' ``--trust-code``; ``load_run(..., trust_code=True)`` and the like use this). A
+    block inside a trusted one stays trusted."""
+    token = _TRUSTED.set(_TRUSTED.get() or bool(trust))
+    try:
+        yield
+    finally:
+        _TRUSTED.reset(token)
+
+
+def is_import_path(value: Any) -> bool:
+    """Whether ``value`` is written as an import path ``package.module:attr``."""
+    return isinstance(value, str) and IMPORT_PATH.match(value) is not None
+
+
+class Registry:
+    """The names one setting accepts, each standing for an object that meets ``contract``.
+
+    Args:
+      setting: the setting, ``model.mixer``.
+      contract: what a registered object is, in a line (for error messages).
+      entries: name -> object; the names present at construction are the built-in ones.
+      add: registers ``(name, obj)`` in ``entries`` (by default a plain assignment).
+    """
+
+    def __init__(
+        self,
+        setting: str,
+        contract: str,
+        entries: dict[str, Any],
+        add: Callable[[str, Any], None] | None = None,
+    ):
+        self.setting, self.contract, self.entries = setting, contract, entries
+        self.builtin = frozenset(entries)
+        self._add = add or entries.__setitem__
+
+    def register(self, name: str, obj: Any) -> None:
+        """Makes ``obj`` the piece ``name`` (replacing a name registered before, not a built-in
+        one); settings and overrides then take ``name``."""
+        if not isinstance(name, str) or not re.fullmatch(r"[\w.-]+", name):
+            raise ValueError(
+                f"a {self.setting} name is letters, digits, _, - and ., got {name!r} (import "
+                "paths module:attr need no registering)"
+            )
+        if name in self.builtin:
+            raise ValueError(f"{self.setting}={name!r} is built in; register under another name")
+        if not callable(obj):
+            raise ValueError(f"{self.setting}={name!r} must be callable ({self.contract})")
+        self._add(name, obj)
+
+    def check(self, value: Any) -> None:
+        """Raises a ValueError unless ``value`` is a registered name or an import path."""
+        if value in self.entries or is_import_path(value):
+            return
+        raise ValueError(
+            f"{self.setting.removeprefix('model.')} must be one of {tuple(self.entries)} or an "
+            f"import path module:attr, got {value!r}"
+        )
+
+    def get(self, value: str) -> Any:
+        """The object ``value`` names; an import path is imported (only in trusted code) and
+        registered under its path.
+
+        Raises:
+          ValueError: an unknown name; an import path outside :func:`trusted_code`, that does
+            not import, or whose attribute is missing or not callable.
+        """
+        if value in self.entries:
+            return self.entries[value]
+        self.check(value)
+        module_name, _, attr = value.partition(":")
+        if not _TRUSTED.get():
+            raise ValueError(
+                f"{self.setting}={value!r} names code to import (module {module_name}); "
+                f"importing runs it: pass {TRUST_FLAG} if you trust it"
+            )
+        obj = _imported(module_name, self.setting, value)
+        for part in attr.split("."):
+            if not hasattr(obj, part):
+                raise ValueError(f"{self.setting}={value!r}: {module_name} has no attribute {attr}")
+            obj = getattr(obj, part)
+        if not callable(obj):
+            raise ValueError(
+                f"{self.setting}={value!r} is a {type(obj).__name__}, not callable; expected "
+                f"{self.contract}"
+            )
+        self._add(value, obj)
+        return obj
+
+    def is_builtin(self, value: Any) -> bool:
+        return value in self.builtin
+
+
+def _imported(module_name: str, setting: str, value: str):
+    """The module ``module_name``, imported with the current directory on the path (as
+    ``python -m`` has it)."""
+    cwd = os.getcwd()
+    added = cwd not in sys.path and "" not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        return importlib.import_module(module_name)
+    except Exception as error:  # the user's module may raise anything while importing
+        raise ValueError(
+            f"{setting}={value!r}: importing {module_name} failed "
+            f"({type(error).__name__}: {_first_line(error)})"
+        ) from error
+    finally:
+        if added:
+            sys.path.remove(cwd)
+
+
+# --------------------------------------------------------------------------- built-in pieces
+def residual_init(cfg: ModelConfig, num_layers: int) -> KernelInit:
+    """The initializer of projections that write into the residual stream (attention and MLP
+    outputs): GPT-2 scales it by ``1 / sqrt(2 * num_layers)`` (``scale_residual_init``)."""
+    if cfg.scale_residual_init:
+        return cfg.kernel_init.scaled(residual_scale(num_layers))
+    return cfg.kernel_init
+
+
+def attention_options(cfg: ModelConfig, *, num_layers: int, cross: bool = False) -> dict:
+    """The keyword arguments of the ``MultiHeadAttention`` ``cfg`` describes, all but ``rngs``:
+    a mixer of the user's that subclasses it starts with
+    ``super().__init__(**attention_options(cfg, num_layers=num_layers), rngs=rngs)``."""
+    return dict(
+        d_model=cfg.d_model,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        cross=cross,
+        fused_qkv=cfg.fused_qkv and not cross,
+        qkv_bias=cfg.qkv_bias,
+        out_bias=cfg.attention_out_bias,
+        rope=None if cross else cfg.rope,
+        local_window=None if cross else cfg.local_window,
+        global_tokens=0 if cross else cfg.global_tokens,
+        dropout_rate=cfg.attention_dropout,
+        implementation=cfg.attention_implementation,
+        init=cfg.kernel_init,
+        out_init=residual_init(cfg, num_layers),
+        dtype=cfg.dtype,
+        param_dtype=cfg.param_dtype,
+    )
+
+
+def self_attention(cfg: ModelConfig, *, num_layers: int, rngs: nnx.Rngs) -> MultiHeadAttention:
+    """The mixer ``attention``: multi-head self-attention."""
+    return MultiHeadAttention(**attention_options(cfg, num_layers=num_layers), rngs=rngs)
+
+
+def attention_free(cfg: ModelConfig, *, num_layers: int, rngs: nnx.Rngs) -> AttentionFree:
+    """The mixers ``aft_full``, ``aft_local`` and ``aft_simple``: the Attention Free Transformer."""
+    return AttentionFree(
+        cfg.d_model,
+        mixer=cfg.mixer,
+        max_length=cfg.max_length,
+        window=cfg.aft_window,
+        qkv_bias=cfg.qkv_bias,
+        out_bias=cfg.attention_out_bias,
+        init=cfg.kernel_init,
+        out_init=residual_init(cfg, num_layers),
+        dtype=cfg.dtype,
+        param_dtype=cfg.param_dtype,
+        rngs=rngs,
+    )
+
+
+def layer_norm(cfg: ModelConfig, *, rngs: nnx.Rngs) -> LayerNorm:
+    """The norm ``layernorm`` over D, with a bias if ``norm_bias``."""
+    options = dict(eps=cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+    return LayerNorm(cfg.d_model, use_bias=cfg.norm_bias, **options, rngs=rngs)
+
+
+def rms_norm(cfg: ModelConfig, *, rngs: nnx.Rngs) -> RMSNorm:
+    """The norm ``rmsnorm`` over D."""
+    options = dict(eps=cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+    return RMSNorm(cfg.d_model, **options, rngs=rngs)
+
+
+def mlp(cfg: ModelConfig, *, num_layers: int, rngs: nnx.Rngs) -> MLP:
+    """The feed-forward block ``mlp``: D -> F -> D with ``activation`` (gated: swiglu, geglu)."""
+    return MLP(
+        cfg.d_model,
+        cfg.d_ff,
+        activation=cfg.activation,
+        use_bias=cfg.mlp_bias,
+        init=cfg.kernel_init,
+        out_init=residual_init(cfg, num_layers),
+        dtype=cfg.dtype,
+        param_dtype=cfg.param_dtype,
+        rngs=rngs,
+    )
+
+
+def relative_bias(cfg: ModelConfig, *, bidirectional: bool, rngs: nnx.Rngs):
+    """The positions ``relative``: T5's learned bias per bucket of distance and head."""
+    return RelativePositionBias(
+        cfg.num_heads,
+        num_buckets=cfg.relative_buckets,
+        max_distance=cfg.relative_max_distance,
+        bidirectional=bidirectional,
+        init=cfg.kernel_init,
+        param_dtype=cfg.param_dtype,
+        rngs=rngs,
+    )
+
+
+def alibi(cfg: ModelConfig, *, bidirectional: bool, rngs: nnx.Rngs) -> ALiBi:
+    """The positions ``alibi``: ALiBi's fixed penalties (symmetric where bidirectional)."""
+    return ALiBi(cfg.num_heads)
+
+
+# --------------------------------------------------------------------------- the registries
+ATTENTION = Registry(
+    "model.attention_implementation",
+    "fn(call: ops.AttentionCall) -> [B, T, H, Dv]",
+    attention_choice.BACKENDS,
+    add=attention_choice.register_attention,
+)
+MIXERS = Registry(
+    "model.mixer",
+    "factory(cfg, *, num_layers, rngs) -> a module: x [B, T, D] and the keywords mask, bias, "
+    "positions, is_causal, cache_index, segment_ids -> [B, T, D]",
+    {"attention": self_attention, **dict.fromkeys(AFT_MIXERS, attention_free)},
+)
+POSITION_BIASES = Registry(
+    "model.positions",
+    "factory(cfg, *, bidirectional, rngs) -> a module: query positions [T], key positions [S] "
+    "-> a logit bias [1, H, T, S]",
+    {"relative": relative_bias, "alibi": alibi},
+)
+# Position schemes that are not a logit bias: the embedding adds sinusoidal and learned ones,
+# the attention rotates queries and keys by RoPE.
+BUILTIN_POSITIONS = ("sinusoidal", "learned", "rope", "none")
+NORMS = Registry(
+    "model.norm",
+    "factory(cfg, *, rngs) -> a module: [..., D] -> [..., D]",
+    {"layernorm": layer_norm, "rmsnorm": rms_norm},
+)
+FEED_FORWARDS = Registry(
+    "model.feed_forward",
+    "factory(cfg, *, num_layers, rngs) -> a module: x [B, T, D] -> [B, T, D]",
+    {"mlp": mlp},
+)
+
+
+def register_mixer(name: str, factory: Callable[..., nnx.Module]) -> None:
+    """Makes ``factory`` the self-attention sublayer ``model.mixer=name``.
+
+    ``factory(cfg, *, num_layers, rngs)`` builds one layer's module from the
+    :class:`ModelConfig` ``cfg`` (``num_layers``: the stack's, for GPT-2's residual init). Its
+    call takes ``x [B, T, D]`` and the keywords ``mask`` (bool, broadcastable to
+    ``[B, H, T, S]``, or ``None``), ``bias`` (the position bias ``[1, H, T, S]`` or ``None``),
+    ``positions`` (``[T]`` or ``[B, T]``, or ``None``: ``arange``), ``is_causal``,
+    ``cache_index`` (decoding: write this step's keys at that slot of the cache) and
+    ``segment_ids`` (int ``[B, T]`` of packed rows, or ``None``), and returns ``[B, T, D]``. To
+    decode with a KV cache it has ``init_cache(batch_size, max_length, *, dtype, num_layers)``.
+
+    The easiest mixer subclasses ``flaxformer_lite.nn.MultiHeadAttention``, built with
+    ``attention_options(cfg, num_layers=num_layers)``, and overrides ``attend`` (and ``weights``,
+    for attention maps): projections, RoPE, the cache and the mask stay the library's.
+    """
+    MIXERS.register(name, factory)
+
+
+def register_positions(name: str, factory: Callable[..., nnx.Module]) -> None:
+    """Makes ``factory`` the position scheme ``model.positions=name``: a bias added to every
+    layer's attention logits, built once per stack (as T5's relative buckets and ALiBi).
+
+    ``factory(cfg, *, bidirectional, rngs)`` builds the module (``bidirectional``: an encoder's
+    stack). Its call takes the query positions ``[T]`` and key positions ``[S]`` (int; when
+    decoding, the cache index onwards and the cache's slots) and returns a float bias
+    ``[1, H, T, S]`` (``[1, 1, T, S]`` for one shared by the heads).
+    """
+    POSITION_BIASES.register(name, factory)
+
+
+def register_norm(name: str, factory: Callable[..., nnx.Module]) -> None:
+    """Makes ``factory`` the norm ``model.norm=name`` (of every sublayer, the embedding where
+    ``embed_norm`` and the final one): ``factory(cfg, *, rngs)`` builds a module whose call
+    maps ``[..., D]`` to ``[..., D]`` (D = ``cfg.d_model``)."""
+    NORMS.register(name, factory)
+
+
+def register_feed_forward(name: str, factory: Callable[..., nnx.Module]) -> None:
+    """Makes ``factory`` the feed-forward sublayer ``model.feed_forward=name``:
+    ``factory(cfg, *, num_layers, rngs)`` builds one layer's module, whose call maps
+    ``x [B, T, D]`` to ``[B, T, D]``."""
+    FEED_FORWARDS.register(name, factory)
+
+
+# --------------------------------------------------------------------------- checks
+def user_pieces(cfg: ModelConfig) -> dict[str, str]:
+    """Setting -> value of each piece of ``cfg`` that is not built in."""
+    found = {}
+    for registry, value in _settings(cfg):
+        if value is not None and not registry.is_builtin(value):
+            found[registry.setting] = value
+    return found
+
+
+def _settings(cfg: ModelConfig) -> list[tuple[Registry, Any]]:
+    positions = None if cfg.positions in BUILTIN_POSITIONS else cfg.positions
+    return [
+        (ATTENTION, cfg.attention_implementation),
+        (MIXERS, cfg.mixer),
+        (POSITION_BIASES, positions),
+        (NORMS, cfg.norm),
+        (FEED_FORWARDS, cfg.feed_forward),
+    ]
+
+
+def check_pieces(cfg: ModelConfig) -> None:
+    """Imports (in trusted code) and traces each piece of ``cfg`` that is not built in on
+    ``[2, T, D]`` inputs (T at most 8): called where a model is built.
+
+    Raises:
+      ValueError: one line naming the setting: its code is not trusted or does not import, or
+        it fails or returns the wrong shape when traced.
+    """
+    pieces = user_pieces(cfg)
+    objects = tuple(
+        (setting, registry.get(pieces[setting]))
+        for registry, _ in _settings(cfg)
+        if (setting := registry.setting) in pieces
+    )
+    if objects:
+        _check_traced(cfg, objects)
+
+
+@functools.lru_cache(maxsize=64)
+def _check_traced(cfg: ModelConfig, objects: tuple) -> None:
+    """The traces of :func:`check_pieces`, once per config and objects."""
+    registries = {registry.setting: registry for registry, _ in _settings(cfg)}
+    for setting, obj in objects:
+        registry, value = registries[setting], getattr(cfg, setting.removeprefix("model."))
+        given, wanted, piece = _probe(setting, obj, cfg)
+        try:
+            out = jax.eval_shape(piece)
+        except Exception as error:  # the user's code may raise anything
+            raise ValueError(
+                f"{setting}={value!r} fails on {given} ({type(error).__name__}: "
+                f"{_first_line(error)}); expected {registry.contract}"
+            ) from error
+        _check_output(setting, value, registry.contract, out, wanted, given)
+
+
+def _probe(setting: str, obj, cfg: ModelConfig) -> tuple[str, tuple, Callable[[], Any]]:
+    """``(the inputs in words, the wanted output shape, a function running the piece on
+    them)``: two rows of at most 8 positions, causal in a decoder."""
+    b, t, dtype = 2, min(8, cfg.max_length), jnp.dtype(cfg.dtype)
+    causal = cfg.kind != "encoder"
+    num_layers = max(cfg.num_encoder_layers, cfg.num_decoder_layers)
+    x = jnp.zeros((b, t, cfg.d_model), dtype)
+
+    def rngs():
+        return nnx.Rngs(params=0, dropout=1)
+
+    if setting == ATTENTION.setting:
+        q = jnp.zeros((b, t, cfg.num_heads, cfg.head_dim), dtype)
+        kv = jnp.zeros((b, t, cfg.num_kv_heads, cfg.head_dim), dtype)
+        value = cfg.attention_implementation
+        return (
+            f"query {list(q.shape)}, key and value {list(kv.shape)}",
+            q.shape,
+            lambda: ops.dot_product_attention(q, kv, kv, is_causal=causal, implementation=value),
+        )
+    if setting == POSITION_BIASES.setting:
+        positions = jnp.arange(t)
+        return (
+            f"positions [{t}] and [{t}]",
+            (1, cfg.num_heads, t, t),
+            lambda: obj(cfg, bidirectional=not causal, rngs=rngs())(positions, positions),
+        )
+    given = f"x {list(x.shape)} {dtype}"
+    if setting == NORMS.setting:
+        return given, x.shape, lambda: obj(cfg, rngs=rngs())(x)
+    if setting == FEED_FORWARDS.setting:
+        return given, x.shape, lambda: obj(cfg, num_layers=num_layers, rngs=rngs())(x)
+    options = dict(mask=None, bias=None, positions=None, cache_index=None, segment_ids=None)
+    return (
+        given,
+        x.shape,
+        lambda: obj(cfg, num_layers=num_layers, rngs=rngs())(x, is_causal=causal, **options),
+    )
+
+
+def _check_output(setting, value, contract, out, wanted: tuple, given: str) -> None:
+    """Raises a ValueError unless ``out`` is a float array of the ``wanted`` shape (a position
+    bias may be shared by the heads: ``[1, 1, T, S]``)."""
+    shape = tuple(getattr(out, "shape", ()))
+    ok = hasattr(out, "dtype") and jnp.issubdtype(out.dtype, jnp.floating)
+    if setting == POSITION_BIASES.setting:
+        ok = ok and len(shape) == 4 and shape[1] in (1, wanted[1])
+        ok = ok and shape[0] == 1 and shape[2:] == wanted[2:]
+    else:
+        ok = ok and shape == tuple(wanted)
+    if not ok:
+        got = f"{out.dtype}{list(shape)}" if hasattr(out, "dtype") else type(out).__name__
+        raise ValueError(
+            f"{setting}={value!r} returns {got} for {given}, expected a float "
+            f"{list(wanted)} ({contract})"
+        )
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:300] if text else ""
