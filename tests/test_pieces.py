@@ -5,6 +5,8 @@ they wrap, a variant that trains and differs, KV-cache decoding, trust, and the 
 import json
 import os
 import pathlib
+import re
+import shlex
 import sys
 
 import jax.numpy as jnp
@@ -261,3 +263,21 @@ def test_registering_checks_the_name_and_the_object():
     with pytest.raises(ValueError, match="mixer must be one of"):
         tiny("gpt2-tiny", mixer="unregistered")
     assert pieces.user_pieces(tiny("gpt2-tiny", norm="scalenorm")) == {"model.norm": "scalenorm"}
+
+
+def test_the_readme_variant_runs_as_written_in_a_sweep(tmp_path, monkeypatch, capsys):
+    """README's my_attention.py trained against the default over its seeds and compared; the
+    members are a few steps long here."""
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Your own variant") :]
+    code = section[section.index("```python\n") + 10 : section.index("```\n")]
+    commands = re.findall(r"^\.venv/bin/flaxformer-lite (.*?)(?:  #.*)?$", section, re.M)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_attention.py").write_text(code)
+    sweep, compare = (shlex.split(command) for command in commands[:2])
+    short = [*TINY, "train.steps=2", "data.train_size=200"]
+    assert main([*sweep, *short]) == 0
+    capsys.readouterr()
+    assert main(compare) == 0
+    table = capsys.readouterr().out
+    assert "my_attention:softmax_plus_one" in table and "n=3" in table.replace(" ", "")

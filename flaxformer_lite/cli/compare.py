@@ -27,7 +27,7 @@ def compare_parser() -> CommandParser:
         description="Put several runs side by side, as after an ablation: their curves of "
         "each metric on one figure (against steps and against tokens), a table of their "
         "final metrics, and a table of the settings in which their configs differ. Two sweeps "
-        "(or two groups of sweeps): the difference of each metric's mean over seeds, with "
+        "(or two groups of sweeps, or one sweep's two groups): the difference of each metric's mean over seeds, with "
         "its standard error, and whether it is within noise.",
         examples=(
             "flaxformer-lite compare runs/a runs/b",
@@ -40,7 +40,8 @@ def compare_parser() -> CommandParser:
         nargs="+",
         type=pathlib.Path,
         metavar="RUN",
-        help="run dirs, or two sweeps (DIR, or DIR:GROUP for one group of a sweep)",
+        help="run dirs, or two sweeps (DIR, or DIR:GROUP for one group of a sweep), or one "
+        "sweep of two groups",
     )
     parser.add_argument(
         "--metric",
@@ -61,6 +62,14 @@ def _compare(args) -> int:
     from flaxformer_lite.train import compare, sweep_summary
 
     sweeps = [sweep_summary.is_sweep(path) for path in args.runs]
+    if sweeps == [True]:  # one sweep: its two groups
+        groups = list(sweep_summary.sweep_groups(args.runs[0]))
+        if len(groups) != 2:
+            raise ValueError(
+                f"{args.runs[0]} has {len(groups)} groups; compare compares one sweep's groups "
+                "when it has two, else name two as DIR:GROUP"
+            )
+        return _compare_sweeps(*map(pathlib.Path, groups), args.metric)
     if any(sweeps):
         if not all(sweeps) or len(args.runs) != 2:
             raise ValueError("compare takes two sweeps (DIR or DIR:GROUP), or run directories")

@@ -108,11 +108,22 @@ def read_summary(directory: pathlib.Path) -> dict:
         raise ValueError(f"{path}: not a sweep's record ({error})") from None
 
 
+def split_group(path: pathlib.Path | str) -> tuple[pathlib.Path, str | None] | None:
+    """``(DIR, None)`` for a sweep ``DIR`` (holding ``sweep.json``), ``(DIR, GROUP)`` for
+    ``DIR:GROUP``, or ``None``: not a sweep. A group's name may hold colons (an import path)."""
+    text = str(path)
+    if (pathlib.Path(text) / "sweep.json").is_file():
+        return pathlib.Path(text), None
+    for i, char in enumerate(text):
+        if char == ":" and (pathlib.Path(text[:i]) / "sweep.json").is_file():
+            return pathlib.Path(text[:i]), text[i + 1 :]
+    return None
+
+
 def is_sweep(path: pathlib.Path) -> bool:
     """Whether ``path`` names a sweep (``DIR`` holding ``sweep.json``) or one of its groups
     (``DIR:GROUP``)."""
-    directory = pathlib.Path(str(path).rpartition(":")[0] or path)
-    return (pathlib.Path(path) / "sweep.json").is_file() or (directory / "sweep.json").is_file()
+    return split_group(path) is not None
 
 
 def sweep_groups(path: pathlib.Path) -> dict[str, dict]:
@@ -122,8 +133,7 @@ def sweep_groups(path: pathlib.Path) -> dict[str, dict]:
     Raises:
       ValueError: no finished sweep there, or no such group (naming those there are)."""
     text = str(path)
-    directory, group = (path, None) if (path / "sweep.json").is_file() else text.rsplit(":", 1)
-    directory = pathlib.Path(directory)
+    directory, group = split_group(path) or (pathlib.Path(text), None)
     groups = read_summary(directory)["groups"]
     if group is None:
         return {f"{directory}:{name}": values for name, values in groups.items()}
@@ -140,8 +150,8 @@ def compare_groups(a: dict[str, dict], b: dict[str, dict]) -> list[tuple[str, st
       ValueError: several groups on a side that the other side's names do not match."""
     if len(a) == 1 and len(b) == 1:
         return [(next(iter(a)), next(iter(b)))]
-    names_a = {label.rpartition(":")[2]: label for label in a}
-    names_b = {label.rpartition(":")[2]: label for label in b}
+    names_a = {split_group(label)[1]: label for label in a}
+    names_b = {split_group(label)[1]: label for label in b}
     if names_a.keys() != names_b.keys():
         raise ValueError(
             f"the sides hold groups {sorted(names_a)} and {sorted(names_b)}: name one group of "
