@@ -27,8 +27,8 @@ def compare_parser() -> CommandParser:
         description="Put several runs side by side, as after an ablation: their curves of "
         "each metric on one figure (against steps and against tokens), a table of their "
         "final metrics, and a table of the settings in which their configs differ. Two sweeps "
-        "(or two groups of sweeps, or one sweep's two groups): the difference of each metric's mean over seeds, with "
-        "its standard error, and whether it is within noise.",
+        "(or two groups of sweeps, or one sweep's two groups): the difference of each metric's "
+        "mean over seeds, with its standard error, and whether it is within noise.",
         examples=(
             "flaxformer-lite compare runs/a runs/b",
             "flaxformer-lite compare runs/a runs/b --metric loss eval_exact_match --out ab.png",
