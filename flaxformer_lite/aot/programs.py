@@ -24,7 +24,7 @@ from jax.experimental import mesh_utils
 from flaxformer_lite import parallel
 from flaxformer_lite.aot.topology import Topology, topology_devices
 from flaxformer_lite.decode import generate, seq2seq_generate
-from flaxformer_lite.models import build_model, training_flops_per_token
+from flaxformer_lite.models import build_model, generation_flops, training_flops_per_token
 from flaxformer_lite.ops.attention_choice import recorded_choices
 from flaxformer_lite.train.config import TrainConfig
 from flaxformer_lite.train.program import (
@@ -49,8 +49,8 @@ class CompiledProgram:
       param_bytes: the parameters' bytes on one device (the largest share).
       optimizer_bytes: the optimizer state's bytes on one device (0 for generation).
       model_flops: the model's FLOPs per run of the program on all chips (the ``6 N`` count of
-        :func:`~flaxformer_lite.models.training_flops_per_token`; the forward third of it per
-        token for generation).
+        :func:`~flaxformer_lite.models.training_flops_per_token`; for generation the forward
+        FLOPs of :func:`~flaxformer_lite.models.generation_flops`).
       attention: the attention implementation(s) the trace used, joined by ``+``.
       weight_reads: how many times a run reads every weight at least (generation: once per
         new token), for the memory floor of the estimate.
@@ -155,9 +155,7 @@ def _generation(cfg: TrainConfig, mesh, max_new_tokens: int):
             return generate(model, prompts, max_new_tokens=max_new_tokens)
         return seq2seq_generate(model, prompts, max_new_tokens=max_new_tokens)
 
-    total = length + max_new_tokens
-    # Forward FLOPs: a third of training's, for every prompt and new token.
-    flops = batch * total * training_flops_per_token(cfg.model, total) / 3
+    flops = batch * generation_flops(cfg.model, length, max_new_tokens)
     return run, (state, prompts), (_params(state, shardings),), flops, max_new_tokens
 
 

@@ -2,6 +2,7 @@
 accounting."""
 
 from flaxformer_lite.models.accounting import (
+    generation_flops,
     parameter_counts,
     training_flops_per_token,
 )
@@ -21,6 +22,7 @@ __all__ = [
     "TransformerLayer",
     "abstract_model",
     "build_model",
+    "generation_flops",
     "parameter_counts",
     "training_flops_per_token",
 ]

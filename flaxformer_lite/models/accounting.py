@@ -8,6 +8,7 @@ from flax import nnx
 
 from flaxformer_lite.models.build import abstract_model
 from flaxformer_lite.models.config import ModelConfig
+from flaxformer_lite.nn.attention_free import AFT_MIXERS
 
 # Tables looked up rather than multiplied: "non-embedding" parameter counts leave them out.
 _EMBEDDING_TABLES = ("tokens", "positions", "token_types")
@@ -33,28 +34,92 @@ def parameter_counts(model_or_config) -> dict[str, int]:
 
 
 def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward = 3x forward), for MFU.
+    """Training FLOPs per token (forward + backward = 3x forward), for MFU: the work the model
+    needs, whatever an implementation computes on top.
 
-    ``6 N`` for the matmul parameters N (every projection, the vocabulary projection, tied or
-    not, and BERT's MLM transform; lookups are free) plus attention's logits and weighted sum,
-    ``12 * layers * heads * head_dim * seq_len`` (PaLM, Appendix B), counted at half for causal
-    self-attention, whose upper triangle need not be computed. For an encoder-decoder, per target
-    token with source and target both ``seq_len`` long.
+    ``6 N`` for the matmul parameters N applied to every token (every projection; the
+    vocabulary projection, tied or not, and BERT's MLM transform, or instead, with
+    ``num_classes``, the pooler and classifier applied once per sequence; lookups are free)
+    plus the mixing of positions, ``12 * layers * H * Dh * keys`` for attention's logits and
+    weighted sum (PaLM, Appendix B) with ``keys`` the keys a query sees on average: ``seq_len``,
+    half of it for causal self-attention (the upper triangle need not be computed), those in
+    its window with ``local_window``. AFT-full and AFT-local mix ``D`` features over ``seq_len``
+    positions as attention does (``H * Dh -> D``); AFT-simple's mixing is elementwise (free). An
+    encoder-decoder counts per target token, source and target both ``seq_len`` long. A piece of
+    the user's (``models.pieces``) is counted as the built-in one in its place.
     """
+    return 3 * _forward_flops(cfg, seq_len, seq_len) / seq_len
+
+
+def generation_flops(cfg: ModelConfig, prompt_len: int, new_tokens: int) -> float:
+    """Forward FLOPs of one row's generation: a decoder LM runs its prompt and new tokens
+    through its stack; an encoder-decoder encodes its source (the prompt) once and runs only
+    the new tokens through its decoder, attending to the source. Counted as
+    :func:`training_flops_per_token`'s forward third."""
+    if cfg.kind == "encoder_decoder":
+        return _forward_flops(cfg, prompt_len, new_tokens)
+    total = prompt_len + new_tokens
+    return _forward_flops(cfg, total, total)
+
+
+def _forward_flops(cfg: ModelConfig, source_len: int, target_len: int) -> float:
+    """Forward FLOPs of one row: ``target_len`` tokens through the model (and an
+    encoder-decoder's ``source_len`` through its encoder), 2 per multiply-add."""
     d, h, hk, dh, f = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.d_ff
-    attention = d * h * dh * 2 + d * hk * dh * 2  # q and out; k and v
-    gated = cfg.activation in ("swiglu", "geglu")
-    mlp = d * f * (3 if gated else 2)
+    query_out, key_value = 2 * d * h * dh, 2 * d * hk * dh
+    self_attention = 4 * d * d if cfg.mixer in AFT_MIXERS else query_out + key_value
+    mlp = d * f * (3 if cfg.activation in ("swiglu", "geglu") else 2)
     enc, dec = cfg.num_encoder_layers, cfg.num_decoder_layers
-    cross = attention if enc and dec else 0
-    matmul_params = enc * (attention + mlp) + dec * (attention + cross + mlp)
-    matmul_params += d * (cfg.output_dim or cfg.vocab_size)
+    if cfg.num_classes is not None:  # Encoder.classify: no vocabulary projection
+        head = (d * d * cfg.pooler_dense + d * cfg.num_classes) / target_len
+    else:
+        head = d * (cfg.output_dim or cfg.vocab_size)
+        head += d * d if cfg.mlm_transform and cfg.output_dim is None else 0
     # Continuous inputs are projected (token ids are looked up, for free); an encoder-decoder's
     # decoder with a regression head also projects its continuous targets.
-    matmul_params += d * (cfg.input_dim or 0)
-    if cfg.kind == "encoder_decoder":
-        matmul_params += d * (cfg.output_dim or 0)
-    if cfg.mlm_transform and cfg.output_dim is None:
-        matmul_params += d * d
-    attention_flops = 12 * h * dh * seq_len * (enc + dec * (0.5 + (1 if enc else 0)))
-    return float(6 * matmul_params + attention_flops)
+    inputs = d * (cfg.input_dim or 0)
+    mixing = _mixing_per_key(cfg)
+    if cfg.kind != "encoder_decoder":
+        causal = cfg.kind == "decoder"
+        layers = enc + dec
+        matmuls = layers * (self_attention + mlp) + head + inputs
+        keys = _keys_per_query(cfg, target_len, causal=causal)
+        return target_len * (2 * matmuls + 4 * layers * mixing * keys)
+    encoder = source_len * (
+        2 * (enc * (self_attention + mlp) + inputs)
+        + 4 * enc * mixing * _keys_per_query(cfg, source_len, causal=False)
+        + 2 * dec * key_value  # the cross-attention's keys and values, once per source token
+    )
+    target_inputs = d * (cfg.output_dim or 0)
+    decoder = target_len * (
+        2 * (dec * (self_attention + query_out + mlp) + head + target_inputs)
+        + 4 * dec * (mixing * _keys_per_query(cfg, target_len, causal=True) + h * dh * source_len)
+    )
+    return encoder + decoder
+
+
+def _mixing_per_key(cfg: ModelConfig) -> int:
+    """Multiply-adds of self-attention's logits (or of AFT's weights) per query and key, over
+    the heads: ``H * Dh`` for attention, ``D`` for AFT-full and AFT-local, 0 for AFT-simple."""
+    if cfg.mixer == "aft_simple":
+        return 0
+    return cfg.d_model if cfg.mixer in AFT_MIXERS else cfg.num_heads * cfg.head_dim
+
+
+def _keys_per_query(cfg: ModelConfig, seq_len: int, *, causal: bool) -> float:
+    """The keys a query of self-attention over ``seq_len`` positions sees, on average: all of
+    them, half for a causal stack (the triangle), or the mean count within ``local_window`` and
+    the global tokens' rows and columns."""
+    if cfg.local_window is None or cfg.mixer in AFT_MIXERS:
+        return seq_len / 2 if causal else float(seq_len)
+    left, right = cfg.local_window
+    right = 0 if causal else right
+    query = np.arange(seq_len)
+    first = np.maximum(query - left, 0)  # each query's window of keys [first, last]
+    last = np.minimum(query + right, seq_len - 1)
+    seen = last - first + 1
+    g = min(cfg.global_tokens, seq_len)
+    # global keys before a query's window; global queries see every key (within causality)
+    seen = seen + np.minimum(first, g)
+    seen = np.where(query < g, query + 1 if causal else seq_len, seen)
+    return float(seen.mean())
