@@ -13,6 +13,9 @@ ATOL = 1e-5  # attention outputs and weights, float32 against any reference
 # Gradients, relative to their largest element (see assert_close_to_scale): the backward sums run
 # over T, S and Dh terms larger than their results, ~2e-6 of the largest gradient here.
 GRAD_REL = 2e-5
+# bfloat16 gradients against float32 ones, relative to the largest: bfloat16's 8-bit significand
+# puts them within 0.8% (measured, xla and chunked); 2% still fails a 3% error in every element.
+BF16_GRAD_REL = 0.02
 
 
 def assert_close_to_scale(actual, expected, rel=GRAD_REL):

@@ -65,9 +65,9 @@ def test_variant_trains(norm_position, positions, activation, parallel):
     model = make(cfg)
     optimizer = adam(model)
     toks = tokens((B, T + 1))
-    before = float(lm_train_step(model, optimizer, toks))
-    after = float(lm_train_step(model, optimizer, toks))
-    assert np.isfinite(before) and after < before - 1e-3, (before, after)
+    losses = [float(lm_train_step(model, optimizer, toks)) for _ in range(6)]
+    # Six Adam steps on one batch take every variant from 4.2 to at most 0.64 of it (measured).
+    assert np.all(np.diff(losses) < 0) and losses[-1] < 0.75 * losses[0], losses
 
 
 def test_each_choice_changes_the_outputs():
