@@ -126,7 +126,9 @@ def prepare_rates(corpus, directory, vocab: int, repeats: int):
     lines = [r["text"] for r in iter_text_records([corpus], "lines")]
     bpe = make_tokenizer("bpe", texts=lines, vocab_size=vocab)
     tokens = sum(len(ids) for ids in bpe.encode_batch(lines))
-    rates = {"encode_batch": best_rate(lambda: bpe.hf_tokenizer.encode_batch(lines), tokens, 1)}
+    rates = {
+        "encode_batch": best_rate(lambda: bpe.hf_tokenizer.encode_batch(lines), tokens, repeats)
+    }
     runs = iter(range(10**6))
     source = {"source": "text", "path": str(corpus)}  # a line per document, as lm1b
 

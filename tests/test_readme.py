@@ -223,12 +223,38 @@ def _python_blocks() -> list:
     ]
 
 
+# A print whose line ends in a comment states what it prints: the comment up to any ";", where
+# "..." stands for anything (as doctest's ELLIPSIS).
+STATED_PRINT = re.compile(r"^(\s*)print\((.*)\)  # ([^;\n]*)(?:;[^\n]*)?$", re.M)
+
+
+def with_stated_outputs(code: str) -> str:
+    """``code`` with each ``print(...)  # OUTPUT`` checking that it prints OUTPUT."""
+    return STATED_PRINT.sub(lambda m: f"{m[1]}_prints({m[3].strip()!r}, {m[2]})", code)
+
+
+def _prints(stated: str, *values) -> None:
+    printed = " ".join(map(str, values))
+    print(printed)
+    pattern = ".*".join(map(re.escape, stated.split("...")))
+    assert re.fullmatch(pattern, printed), f"printed {printed!r}; the comment says {stated!r}"
+
+
 @pytest.mark.parametrize("code", _python_blocks())
 def test_python_block_runs_as_written(code, request, tmp_path, monkeypatch):
-    """Each block defines what it uses: run alone, in a fresh namespace and an empty directory."""
+    """Each block defines what it uses: run alone, in a fresh namespace and an empty directory;
+    what a print's comment says it prints, it prints."""
     monkeypatch.chdir(tmp_path)
     where = f"the Python block at {request.node.callspec.id}"
-    exec(compile(code, where, "exec"), {"__name__": "__readme__"})  # noqa: S102 - our own docs
+    namespace = {"__name__": "__readme__", "_prints": _prints}
+    exec(compile(with_stated_outputs(code), where, "exec"), namespace)  # noqa: S102 - our docs
+
+
+def test_a_print_that_differs_from_its_comment_fails():
+    namespace = {"_prints": _prints}
+    exec(with_stated_outputs("print(1 + 1, [2])  # 2 [...]; any words"), namespace)  # noqa: S102
+    with pytest.raises(AssertionError, match="the comment says '3'"):
+        exec(with_stated_outputs("x = 1\nprint(x + 1)  # 3"), namespace)  # noqa: S102
 
 
 def test_readme_length():
