@@ -16,7 +16,6 @@ import jax
 
 from flaxformer_lite import parallel
 from flaxformer_lite.cli.library_log import plain_terminal_records
-from flaxformer_lite.cli.platforms import skip_absent_tpu
 from flaxformer_lite.train.config import ConfigError
 
 # OSError: unreadable, unwritable or corrupt files, a full disk (CheckpointError is one).
@@ -28,7 +27,6 @@ def guarded(fn: Callable[[], int]) -> int:
     """``fn()``'s exit status, or 2 after printing ``error: ...`` for one of :data:`USER_ERRORS`
     or XLA's RESOURCE_EXHAUSTED (:func:`out_of_memory`); a stop signal while ``fn`` runs ends
     the process (:func:`exit_on_signals`). Log records on the terminal read ``warning: ...``."""
-    skip_absent_tpu()
     plain_terminal_records()
     try:
         with exit_on_signals():
