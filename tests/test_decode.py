@@ -498,6 +498,21 @@ def test_generation_goes_past_the_context_as_asked(case):
     ]
 
 
+def test_sampling_past_the_context_draws_a_key_per_window():
+    model, tokenizer = make("gpt2-tiny"), EndlessTokenizer()
+    sample = functools.partial(
+        text.continue_or_translate,
+        model,
+        tokenizer,
+        ["ab", "c"],
+        max_new_tokens=60,
+        temperature=1.0,
+    )
+    first = sample(rng=jax.random.key(1))
+    assert [len(ids) for ids in first] == [60, 60] and sample(rng=jax.random.key(1)) == first
+    assert sample(rng=jax.random.key(2)) != first
+
+
 def test_an_encoder_decoder_target_past_its_positions_is_refused_before_decoding():
     """Issue 45 item 1: greedy and beam search say so instead of stopping early."""
     model, tokenizer = make("transformer-tiny", norm_position="pre"), LetterTokenizer()

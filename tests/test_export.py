@@ -365,3 +365,13 @@ def test_the_shakespeare_char_recipe_exports_and_writes_the_same_greedy_text(hf,
     flags = ["--prompt", "ROMEO:", "--prompt", "First Citizen:", "--max-new-tokens", "20"]
     ours = generated(["--run-dir", str(run_dir), *flags], capsys)
     assert ours == [texts[0], "-" * 16, texts[1]]
+    # Issue 45 item 1: 500 characters from the 64-position model (greedy: sampling may draw a
+    # special id, which decodes to no character).
+    flags = ["--prompt", "ROMEO:", "--max-new-tokens", "500"]
+    assert main(["generate", "--run-dir", str(run_dir), *flags]) == 0
+    out, err = capsys.readouterr()
+    assert len(out) == len("ROMEO:") + 500 + 1  # and the line's end
+    assert err.splitlines() == [
+        "notice: max_new_tokens=500 runs past the context (max_length=64): past it, each 16 "
+        "tokens are generated anew from the last 48"
+    ]
