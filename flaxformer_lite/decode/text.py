@@ -141,7 +141,8 @@ def continue_in_windows(
     ``max_new_tokens`` of them even past ``model.config.max_length``: the first window fills
     the context; each next one re-reads the last :func:`window_kept` tokens of each row from
     position 0 (so learned positions, RoPE and relative ones alike) and fills the rest with a
-    fresh KV cache. Sampling draws window ``i``'s key as ``fold_in(rng, i)``."""
+    fresh KV cache. Sampling draws the first window with ``rng`` (as :func:`new_tokens` would),
+    window ``i`` after it with ``fold_in(rng, i)``."""
     max_length = model.config.max_length
     keep = window_kept(max_length)
     written = [[] for _ in rows]
@@ -152,7 +153,7 @@ def continue_in_windows(
         # Past the first window every call has one shape ([B, keep] in, max_length - keep
         # out), so it compiles once; the surplus of the last one is dropped.
         room = max_length - max(map(len, contexts))
-        key = None if rng is None else jax.random.fold_in(rng, window)
+        key = rng if rng is None or window == 0 else jax.random.fold_in(rng, window)
         outputs = new_tokens(
             model,
             tokenizer,
