@@ -68,6 +68,39 @@ def test_cpu_topology_and_chip_figures():
     assert v5e.ring_bytes_per_s == 200e9  # two of four ports, both directions
 
 
+def test_the_report_says_what_its_numbers_assume():
+    """Issue 45 item 7: a compute-bound estimate reads MFU 100% by construction; permutes stand
+    for FSDP's collectives on TPUs; XLA's FLOPs count a loop body once. Said where printed."""
+    from flaxformer_lite.aot.hlo import COLLECTIVES
+    from flaxformer_lite.aot.report import Report, _roofline
+
+    chip = topology.CHIPS["v5p"]
+    counts = {op: dict(instructions=0, executed=0, bytes=0, exact=True) for op in COLLECTIVES}
+    counts["collective-permute"] = dict(instructions=9, executed=2448, bytes=2**30, exact=True)
+    estimate = _roofline(chip_flops=12e12, xla_flops=1e12, traffic=1e9, sent=2**30, chip=chip)
+    report = Report(
+        topology=parse_topology("v5p-8"),
+        program="train step",
+        mesh={"data": 1, "fsdp": 4, "tensor": 1},
+        attention="xla",
+        params=0,
+        optimizer=0,
+        temp=0,
+        total=0,
+        hbm=chip.hbm_bytes,
+        xla_flops=1e12,
+        model_flops=4 * 12e12,
+        hbm_traffic=1e9,
+        collectives=counts,
+        estimate=estimate,
+    )
+    text = "\n".join(report.lines())
+    assert "MFU at most 100.0%; bound by compute (the FLOPs at the chip's bf16 peak)" in text
+    assert "assumed fully overlapped" in text
+    assert "XLA's count is 12x lower: it counts a loop's body once" in text
+    assert "decomposes FSDP's all-gathers and reduce-scatters" in text
+
+
 @pytest.mark.parametrize(
     ("name", "shape"), [("h100-1", (1, 1, 1)), ("h100-8", (1, 1, 8)), ("h100-32", (1, 4, 8))]
 )

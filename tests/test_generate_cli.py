@@ -136,7 +136,8 @@ def test_generate_command_continues_prompts(lm_run, capsys):
     argv = ["generate", "--run_dir", str(run_dir), "--max_new_tokens", "8"]
     assert main([*argv, "--prompt", prompts[0], "--prompt", prompts[1]]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 2
+    # Issue 45 item 4: samples apart, as nanoGPT's sample.py prints them.
+    assert len(lines) == 3 and lines.pop(1) == "-" * 16
     loaded = load_run(run_dir)
     batch, lengths = right_pad([[SOS_ID, *loaded.tokenizer.encode(p)] for p in prompts])
     out = np.asarray(
@@ -149,7 +150,17 @@ def test_generate_command_continues_prompts(lm_run, capsys):
     assert main([*sampled, "--seed", "3"]) == 0
     first = capsys.readouterr().out
     assert main([*sampled, "--seed", "3"]) == 0
-    assert capsys.readouterr().out == first and len(first.splitlines()) == 4
+    assert capsys.readouterr().out == first and len(first.splitlines()) == 4 + 3
+
+
+def test_generate_help_shows_the_defaults(capsys):
+    """Issue 45 item 4: the defaults, greedy's reason, and past-the-context in --help."""
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for said in ("default: 32 for a decoder LM", "default: 0, reproducible", "line of dashes"):
+        assert said in out
+    assert "last three quarters of the context" in out
 
 
 def test_sample_py_entry_point(lm_run, capsys, monkeypatch):
