@@ -33,6 +33,7 @@ SUMMARY_KEYS = {
     "hbm_bytes",
     "fits",
     "flops_per_step",
+    "xla_flops_per_program",
     "collectives",
     "collectives_exact",
     "attention",
@@ -288,6 +289,22 @@ def test_cpu_devices_of_this_process(capsys):
     assert summary["flops_per_step"] > 0 and summary["collectives"]["all-gather"] > 0
     assert summary["attention"] == "xla"
     assert out[0] == "train step for cpu-4 (4 CPU devices), mesh data 2 x fsdp 2 x tensor 1"
+
+
+def test_flops_per_step_count_every_executed_layer_scanned_or_not(capsys):
+    """XLA counts a scanned loop's body once: its count falls with model.scan_layers=true, while
+    flops_per_step, per executed step, stays the model's count."""
+    summaries = {}
+    for scan in ("false", "true"):
+        argv = ["--topology", "cpu-1", f"model.scan_layers={scan}", *TINY]
+        status, out, _ = _run(argv, capsys)
+        assert status == 0
+        summaries[scan] = json.loads(out[-1])
+    unrolled, scanned = summaries["false"], summaries["true"]
+    assert unrolled["flops_per_step"] == scanned["flops_per_step"] > 0
+    xla_unrolled, xla_scanned = unrolled["xla_flops_per_program"], scanned["xla_flops_per_program"]
+    assert xla_scanned < 0.75 * xla_unrolled  # one of gpt2-tiny's 2 layers counted
+    assert unrolled["flops_per_step"] == pytest.approx(xla_unrolled, rel=0.15)
 
 
 @pytest.mark.slow  # two compiles of the train step, ~25 s each on a loaded 2-core CPU

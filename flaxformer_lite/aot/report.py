@@ -100,8 +100,11 @@ class Report:
             },
             "hbm_bytes": self.hbm,
             "fits": self.fits,
-            # per chip, as XLA counts it (the GPU compiler gives no count: the model's own)
-            "flops_per_step": self.xla_flops or self.model_flops / self.topology.chips,
+            # per chip and executed step, the model's count (as MFU's): the same scanned or not
+            "flops_per_step": self.model_flops / self.topology.chips,
+            # XLA's cost analysis of the program, per chip: a loop's body counted once (None
+            # from the GPU compiler)
+            "xla_flops_per_program": self.xla_flops or None,
             "collectives": self.collectives
             and {op: self.collectives[op]["executed"] for op in COLLECTIVES},
             # False: a loop of unknown length holds some, counted once (a lower bound)
