@@ -101,6 +101,13 @@ def test_lm_eval_decodes_and_scores(lm_run):
     assert len(samples) == 2 * len(evals), logs
     assert [int(line.split()[1]) for line in samples] == [r["step"] for r in evals for _ in "ab"]
     assert "=" in samples[0] and "(reference " in samples[0]
+    # the eval line says what the decoded metrics are over: train.decode_examples=6 examples
+    eval_lines = [line for line in logs if line.startswith("eval at step ")]
+    assert len(eval_lines) == 2 and all(r["eval_decoded_examples"] == 6 for r in evals)
+    assert all(
+        "; greedy decoding of 6 validation examples: eval_exact_match" in line
+        for line in eval_lines
+    )
 
 
 def test_decode_eval_scores_agree_with_its_samples(lm_run):

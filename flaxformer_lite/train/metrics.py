@@ -311,11 +311,15 @@ def _panel(axes, records: list[dict], keys: list[str], title: str) -> None:
         draw(axes, *zip(*points, strict=True), label=key, value_in_legend=True)
     axes.set_title(title)
     axes.set_xlabel("step")
-    axes.set_ylabel(_words(keys[0].removeprefix("eval_")))
+    axes.set_ylabel(_AXIS_LABELS.get(keys[0]) or _words(keys[0].removeprefix("eval_")))
     if "loss" in keys[0]:
         log_scale_if_wide(axes)
     readable_ticks(axes)
     axes.legend(fontsize="small")
+
+
+# Axis labels that say what a number counts where its name alone does not.
+_AXIS_LABELS = {"tokens_per_sec": "tokens/s (batch_size x seq_len positions, padding in)"}
 
 
 def _words(name: str) -> str:
