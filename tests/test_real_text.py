@@ -220,7 +220,9 @@ def test_plain_lines_name_the_step_and_what_an_evaluation_is_over():
     console.logged(500, values)
     console.evaluated(500, {"eval_loss": 1.75, "eval_accuracy": 0.5}, "every one of 99 tokens")
     console.close()
-    assert lines[0].startswith("step 500/2000: loss 1.5, learning_rate 0.001, 21.3k tokens/s, ")
+    assert lines[0].startswith(
+        "step 500/2000: loss 1.5, learning_rate 0.001, 21.3k tokens/s (positions), "
+    )
     assert "elapsed" in lines[0] and "left" in lines[0]
     assert (
         lines[1] == "eval at step 500 (every one of 99 tokens): eval_loss 1.75, eval_accuracy 0.5"

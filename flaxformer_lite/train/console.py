@@ -4,7 +4,7 @@ With a bar (``bar=True``: the command found a terminal), each logged step's metr
 bar; without one (``--no-progress``, output to a file or a pipe, every job on an accelerator
 host), each logged step prints one line::
 
-    step 500/2000: loss 1.627, learning_rate 0.000854, 21.3k tokens/s, 0:00:31 elapsed, 0:01:30 left
+    step 500/2000: loss 1.627, learning_rate 0.000854, 21.3k tokens/s (positions), 0:00:31 elapsed
 
 Tokens/s count every position of a step's ``batch_size x seq_len`` (padding included; an
 encoder-decoder's target positions), as MaxText, levanter and nanoGPT count them. Each
@@ -51,7 +51,7 @@ class Console:
             return
         parts = [f"{k} {values[k]:.4g}" for k in _STEP_KEYS if values.get(k) is not None]
         if values.get("tokens_per_sec"):
-            parts.append(f"{values['tokens_per_sec'] / 1000:.1f}k tokens/s")
+            parts.append(f"{values['tokens_per_sec'] / 1000:.1f}k tokens/s (positions)")
         elapsed = time.perf_counter() - self._started
         parts.append(f"{_duration(elapsed)} elapsed")
         if step > self._first:
