@@ -144,7 +144,8 @@ class LogTrain:
 
 class Evaluate:
     """Every ``train.eval_every`` steps: the loss and accuracy over the validation batches
-    (``train.eval_batches`` of them, default all), perplexity, and decoded samples."""
+    (``train.eval_batches`` of them, default all), perplexity, and decoded samples; for a
+    mixture, each source's too (``eval_loss/<name>``, ..., the cap per source)."""
 
     def __init__(self, cfg, data, task: str, eval_step, eval_graphdef, place, console: Console):
         self.cfg, self.data, self.task, self.eval_step = cfg, data, task, eval_step
@@ -154,15 +155,32 @@ class Evaluate:
         return every(self.cfg.train.eval_every, self.cfg.train.steps, end.step)
 
     def __call__(self, end: StepEnd) -> None:
-        batches = map(self.place, self.data.eval_batches())
-        scores = evaluate(self.eval_step, end.state, batches, self.cfg.train.eval_batches)
-        if self.task in ("lm", "seq2seq"):
-            scores["eval_perplexity"] = math.exp(min(scores["eval_loss"], 80.0))
+        cap = self.cfg.train.eval_batches
+        if self.data.sources:  # each source's pass on its own, then over all of them
+            by_source = {
+                name: evaluate(self.eval_step, end.state, map(self.place, part.make_batches()), cap)
+                for name, part in self.data.sources.items()
+            }
+            scores = pooled(by_source.values())
+            for name, values in by_source.items():
+                scores |= {
+                    f"{key}/{name}": value for key, value in self._perplexity(values).items()
+                }
+        else:
+            scores = evaluate(
+                self.eval_step, end.state, map(self.place, self.data.eval_batches()), cap
+            )
+        scores = self._perplexity(scores)
         model = nnx.merge(self.eval_graphdef, end.state)[0]
         scores |= decoded_eval(self.cfg, self.data, self.task, model, end.step, self.console.say)
         over = eval_coverage(self.cfg, self.data, self.task, scores["eval_tokens"])
         self.console.evaluated(end.step, scores, over)
         end.values |= scores
+
+    def _perplexity(self, scores: dict[str, float]) -> dict[str, float]:
+        if self.task not in ("lm", "seq2seq"):
+            return scores
+        return {**scores, "eval_perplexity": math.exp(min(scores["eval_loss"], 80.0))}
 
 
 class SaveCheckpoint:
@@ -222,15 +240,32 @@ def evaluate(eval_step, state, batches, max_batches: int | None = None) -> dict[
     }
 
 
+def pooled(scores) -> dict[str, float]:
+    """:func:`evaluate`'s values over several passes' tokens together (each weighted by its
+    ``eval_tokens``)."""
+    scores = list(scores)
+    tokens = sum(values["eval_tokens"] for values in scores)
+    count = max(tokens, 1e-8)
+    pooled = {
+        key: sum(values[key] * values["eval_tokens"] for values in scores) / count
+        for key in ("eval_loss", "eval_accuracy")
+    }
+    return {**pooled, "eval_tokens": tokens}
+
+
 def eval_coverage(cfg, data, task: str, counted: float) -> str:
     """What an evaluation of ``counted`` weighted targets is over, in words: all the validation
     targets (tokens; a classifier's examples; an MLM's masked tokens), or the share
     ``train.eval_batches`` leaves."""
     what = {"classify": "examples", "mlm": "masked tokens"}.get(task, "tokens")
     capped = cfg.train.eval_batches
-    if capped is None or capped >= data.eval_batch_count:
+    counts = [part.batch_count for part in data.sources.values()] or [data.eval_batch_count]
+    if capped is None or capped >= max(counts):
         return f"every one of {counted:,.0f} validation {what}"
     batches = f"train.eval_batches={capped} of {data.eval_batch_count} batches"
+    if data.sources:
+        covered = sum(min(capped, count) for count in counts)
+        batches = f"train.eval_batches={capped} per source: {covered} of {sum(counts)} batches"
     if data.eval_tokens is None:
         return f"{counted:,.0f} validation {what} of the first {batches}"
     share = counted / max(data.eval_tokens, 1)

@@ -103,17 +103,16 @@ def _data_inside_run(run: RunDir, cfg: TrainConfig) -> list[Difference]:
     if cfg.data.source not in sources.SOURCES:  # synthetic, or a store named by its directory
         return []
     root = run.path.resolve()
-    for key in ("path", "validation_path"):
-        pattern = getattr(cfg.data, key)
+    for key, pattern in cfg.data.paths().items():
         try:
-            files = [] if pattern is None else sources.source_files(cfg.data.source, pattern)
+            files = sources.source_files(cfg.data.source, pattern)
         except (OSError, ValueError):  # named when the data are built
             files = []
         inside = [f.resolve() for f in files if f.resolve().is_relative_to(root)]
         if inside:
             return [
                 Difference(
-                    f"data.{key}={pattern} matches files of the run directory {run} itself "
+                    f"{key}={pattern} matches files of the run directory {run} itself "
                     f"({', '.join(str(f.relative_to(root)) for f in inside[:3])})",
                     (),
                     "narrow the pattern to leave the run out, or choose a run_dir outside it",
@@ -171,9 +170,7 @@ def _input_differences(run: RunDir, cfg: TrainConfig, resuming: bool) -> list[Di
         return []
     if cfg.data.source == "prepared":
         missing = [
-            path
-            for path in (cfg.data.path, cfg.data.validation_path)
-            if path is not None and store_of(cfg.data, None, path) is None
+            path for path in cfg.data.paths().values() if store_of(cfg.data, None, path) is None
         ]
         if missing:
             return [
@@ -235,9 +232,10 @@ def _move_old_data_aside(run: RunDir, cfg: TrainConfig, resuming: bool, log) -> 
     """Under ``--force``, what the old data made: their cached store is prepared again (with the
     run's tokenizer when there is a checkpoint to resume, whose ids it must keep; else the
     tokenizer an earlier attempt left is made again from these data)."""
-    cached = store_of(cfg.data, run.prepared)
-    if cached is not None and cfg.data.source != "prepared":
-        log(f"moved the store prepared from the old data to {move_aside(cached[0])}")
+    for path in cfg.data.paths().values():
+        cached = store_of(cfg.data, run.prepared, path)
+        if cached is not None and cfg.data.source != "prepared":
+            log(f"moved the store prepared from the old data to {move_aside(cached[0])}")
     if not resuming and run.tokenizer.exists():
         log(f"moved the tokenizer made from the old data to {move_aside(run.tokenizer)}")
 

@@ -19,6 +19,7 @@ from typing import Any
 from flaxformer_lite.data import sources
 from flaxformer_lite.data.config import DataConfig
 from flaxformer_lite.data.store import MANIFEST
+from flaxformer_lite.train.config import flatten
 
 
 def current_inputs(cfg: DataConfig) -> dict[str, Any]:
@@ -42,8 +43,8 @@ def built_inputs(cfg: DataConfig, prepared: pathlib.Path) -> dict[str, Any]:
 
 
 def _paths(cfg: DataConfig) -> list[str]:
-    """The data's paths: ``data.path``, and ``data.validation_path`` if set."""
-    return [p for p in (cfg.path, cfg.validation_path) if p is not None]
+    """The data's paths: ``data.path``, ``data.validation_path`` if set, or a mixture's."""
+    return list(cfg.paths().values())
 
 
 def read_inputs(path: pathlib.Path) -> dict[str, Any] | None:
@@ -75,6 +76,7 @@ def input_changes(recorded: dict[str, Any], current: dict[str, Any]) -> list[str
             side["text_documents"] = "file"
     if now.get("source") == "prepared" and now.get("tokenizer") is None:
         before["tokenizer"] = None  # whatever was recorded, the store's own tokenizer was used
+    before, now = flatten(before), flatten(now)  # a mixture's sources key by key
     for key in sorted(before.keys() | now.keys()):
         if before.get(key) != now.get(key):
             lines.append(f"  data.{key}: {before.get(key)!r} -> {now.get(key)!r}")
