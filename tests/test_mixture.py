@@ -9,9 +9,12 @@ import signal
 import numpy as np
 import pytest
 
+from flaxformer_lite.cli import main
 from flaxformer_lite.cli.train import train_main
-from flaxformer_lite.data.config import BLOCK_ROWS
+from flaxformer_lite.data.config import BLOCK_ROWS, DataConfig, MixtureSource
 from flaxformer_lite.data.mixture import Mixture, block_counts, weighted_texts
+from flaxformer_lite.data.pipeline import build_data
+from flaxformer_lite.data.store import prepare_store
 from flaxformer_lite.train import loop
 from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.loop import Interrupted, run
@@ -199,6 +202,38 @@ def test_a_source_named_twice_is_refused(corpora, tmp_path, capsys):
     err = capsys.readouterr().err
     assert status == 2 and "the key 'letters' is given twice" in err, err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+def test_a_mixture_of_prepared_stores_shares_their_tokenizer(corpora, tmp_path):
+    root, _ = corpora
+    for name, kind in (("letters", "byte"), ("digits", "byte"), ("other", "char")):
+        path = root / f"{'digits' if name == 'other' else name}.txt"
+        prepare_store(tmp_path / name, source="text", path=str(path), tokenizer_kind=kind)
+    mixture = {name: MixtureSource(str(tmp_path / name)) for name in ("letters", "digits")}
+    cfg = DataConfig(source="prepared", mixture=mixture, seq_len=16)
+    data = build_data(
+        cfg, task="lm", seed=0, batch_size=8, directory=tmp_path / "tokenizer", prefetch=0
+    )
+    assert data.tokenizer.kind == "byte" and set(data.sources) == {"letters", "digits"}
+    assert next(data.train)["inputs"].shape == (8, 16)
+    mixture["digits"] = MixtureSource(str(tmp_path / "other"))  # a char store among byte ones
+    with pytest.raises(ValueError, match="^data.mixture.digits: .*tokenizer"):
+        build_data(
+            DataConfig(source="prepared", mixture=mixture, seq_len=16),
+            task="lm",
+            seed=0,
+            batch_size=8,
+            directory=tmp_path / "other-run",
+        )
+
+
+def test_prepare_refuses_a_mixture_in_one_line(corpora, tmp_path, capsys):
+    _, overrides = corpora
+    data = [o for o in overrides if o.startswith("data.")]
+    status = main(["prepare", "--no-progress", "--out", str(tmp_path / "store"), *data])
+    err = capsys.readouterr().err
+    assert status == 2 and "data.mixture: prepare makes one store" in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "store").exists()
 
 
 def _quiet(_message):
