@@ -10,11 +10,12 @@ from __future__ import annotations
 import dataclasses
 
 from flaxformer_lite.data import sources
+from flaxformer_lite.data.inputs import current_inputs, store_of
 from flaxformer_lite.data.tokenizers import KIND_FILE
 from flaxformer_lite.train.config import ConfigError, TrainConfig, config_diff, is_runtime_key
 from flaxformer_lite.train.program import schedule_span
 from flaxformer_lite.train.run_dir import RunDir, move_aside
-from flaxformer_lite.train.run_inputs import current_inputs, input_changes, read_inputs, store_of
+from flaxformer_lite.train.run_inputs import input_changes, read_inputs
 
 _FRESH = "--fresh to move the run aside and start over"
 _CHANGED_DATA = "going on with changed data"
