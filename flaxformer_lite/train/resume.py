@@ -80,13 +80,15 @@ def check_resume(
       ConfigError: one paragraph per difference, each with its way forward.
     """
     resuming = saved_step is not None
+    inputs = _input_differences(run, cfg, resuming)
+    reported = {line for difference in inputs for line in difference.lines}
     differences = [
         *_data_inside_run(run, cfg),
         *_steps_done(run, cfg, saved_step),
         *_tokenizer_gone(run, resuming),
         *_metrics_without_checkpoint(run, resuming),
-        *_input_differences(run, cfg, resuming),
-        *([] if saved is None else _config_differences(saved, cfg)),
+        *inputs,
+        *([] if saved is None else _config_differences(saved, cfg, reported)),
     ]
     if not differences:
         return
@@ -196,14 +198,20 @@ def _input_differences(run: RunDir, cfg: TrainConfig, resuming: bool) -> list[Di
     ]
 
 
-def _config_differences(saved: TrainConfig, cfg: TrainConfig) -> list[Difference]:
+def _config_differences(
+    saved: TrainConfig, cfg: TrainConfig, reported: set[str] = frozenset()
+) -> list[Difference]:
+    """The settings changed since the checkpoint, but the data settings the record of the
+    inputs ``reported`` already: each change is named once."""
     changed = _changed_settings(saved, cfg)
-    if not changed:
+    lines = [f"  {key}: {old!r} -> {new!r}" for key, (old, new) in changed.items()]
+    lines = [line for line in lines if line not in reported]
+    if not lines:
         return []
     return [
         Difference(
             "the config differs from the checkpoint's",
-            tuple(f"  {key}: {old!r} -> {new!r}" for key, (old, new) in changed.items()),
+            tuple(lines),
             f"pass --force to resume anyway, or {_FRESH}",
             forced="resuming with a changed config",
         )
