@@ -176,11 +176,16 @@ def test_a_mixture_resumed_with_other_weights_is_refused(corpora, tmp_path, caps
         ("data.path=x.txt", "data.mixture names the training data"),
         ("model.num_encoder_layers=1", "task 'seq2seq' cannot train on data.source='text'"),
         ("data.mixture.digits.path=missing.txt", "data.mixture.digits.path: "),
+        (
+            "data.mixture.digits.validation_path={root}/letters.txt",
+            "letters.txt is training data of data.mixture.letters too",
+        ),
     ],
 )
 def test_a_bad_mixture_is_one_line_and_writes_nothing(corpora, tmp_path, capsys, setting, named):
-    _, overrides = corpora
+    root, overrides = corpora
     run_dir = tmp_path / "run"
+    setting = setting.format(root=root)
     status = train_main([f"run_dir={run_dir}", *overrides, setting, "--no-progress"])
     err = capsys.readouterr().err
     assert status == 2, err

@@ -392,9 +392,7 @@ def _load_mixture(
     """The tokenizer of a mixture and each source tokenized with it, by name; every source is
     checked before anything is written."""
     parts = cfg.mixture_sources()
-    for name, part in parts.items():
-        with _named(name):
-            check_sources(part)
+    _check_mixture_sources(parts)
     saved = _saved_tokenizer(cfg, directory, given)
     tokenizer = saved or given or _mixture_tokenizer(cfg)
     corpora = {}
@@ -404,6 +402,24 @@ def _load_mixture(
     if save and saved is None:
         tokenizer.save(directory)
     return tokenizer, corpora
+
+
+def _check_mixture_sources(parts: dict[str, DataConfig]) -> None:
+    """Each source's files (:func:`check_sources`), and no source's validation data that
+    another trains on."""
+    named = {}
+    for name, part in parts.items():
+        with _named(name):
+            named[name] = check_sources(part)
+    for name, files in named.items():
+        for other, other_files in named.items():
+            shared = sorted(files.get("validation_path", set()) & other_files["path"])
+            if other != name and shared:
+                raise ValueError(
+                    f"data.mixture.{name}.validation_path={parts[name].validation_path}: "
+                    f"{shared[0]} is training data of data.mixture.{other} too: the evaluation "
+                    "would be on text the model trained on"
+                )
 
 
 @contextlib.contextmanager
@@ -445,9 +461,7 @@ def prepare_run_store(
     if not cfg.mixture:
         _prepare_stores(cfg, prepared, saved or given)
         return
-    for name, part in cfg.mixture_sources().items():
-        with _named(name):
-            check_sources(part)
+    _check_mixture_sources(cfg.mixture_sources())
     tokenizer = saved or given or _mixture_tokenizer(cfg)
     for name, part in cfg.mixture_sources().items():
         with _named(name):
