@@ -112,6 +112,27 @@ def test_a_mixture_logs_every_eval_metric_per_source_and_over_all(corpora, tmp_p
     assert sorted(p.name.split("-")[0] for p in (run_dir / "prepared").iterdir()) == ["text"] * 2
 
 
+def test_a_mixture_of_pairs_scores_each_sources_decoded_examples(tmp_path):
+    for name, word in (("first", "abc"), ("second", "xyz")):
+        pairs = "".join(f"{word} {i}\t{i} {word[::-1]}\n" for i in range(40))
+        (tmp_path / f"{name}.tsv").write_text(pairs)
+    run_dir = tmp_path / "run"
+    overrides = [
+        *TINY,
+        "model.num_encoder_layers=1",
+        "train.decode_examples=2",
+        "data.source=parallel",
+        "data.tokenizer=char",
+        *(f"data.mixture.{name}.path={tmp_path / name}.tsv" for name in ("first", "second")),
+    ]
+    run(load_config(None, [f"run_dir={run_dir}", *overrides, "train.steps=1"]), log=_quiet)
+    last = _records(run_dir)[-1]
+    for name in ("first", "second"):
+        for key in ("eval_loss", "eval_bleu", "eval_exact_match", "eval_token_accuracy"):
+            assert f"{key}/{name}" in last, (key, name, last)
+    assert "eval_loss" in last and "eval_bleu" not in last  # a corpus BLEU does not pool
+
+
 def test_a_mixture_stopped_by_sigterm_resumes_bit_exactly(corpora, tmp_path, monkeypatch):
     _, overrides = corpora
     run(
@@ -221,6 +242,9 @@ def test_a_mixture_of_prepared_stores_shares_their_tokenizer(corpora, tmp_path):
     )
     assert data.tokenizer.kind == "byte" and set(data.sources) == {"letters", "digits"}
     assert next(data.train)["inputs"].shape == (8, 16)
+    assert data.notices[0] == (
+        "data.mixture: every 1,024 training rows hold letters 512 (50.0%), digits 512 (50.0%)"
+    )
     mixture["digits"] = MixtureSource(str(tmp_path / "other"))  # a char store among byte ones
     with pytest.raises(ValueError, match="^data.mixture.digits: .*tokenizer"):
         build_data(

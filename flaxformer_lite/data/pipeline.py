@@ -50,7 +50,7 @@ from flaxformer_lite.data.batches import (
     eval_batches,
     eval_row_count,
 )
-from flaxformer_lite.data.config import DataConfig
+from flaxformer_lite.data.config import BLOCK_ROWS, DataConfig
 from flaxformer_lite.data.documents import (
     Documents,
     hold_out_tails,
@@ -79,10 +79,12 @@ _NEEDS = {
 @dataclasses.dataclass(frozen=True)
 class EvalPart:
     """One source's validation split: its global batches, its target tokens (as
-    :attr:`Data.eval_tokens`), and a fresh pass over them (as :meth:`Data.eval_batches`)."""
+    :attr:`Data.eval_tokens`), its records (as :attr:`Data.eval_examples`), and a fresh pass
+    over them (as :meth:`Data.eval_batches`)."""
 
     batch_count: int
     tokens: int | None
+    eval_examples: Sequence[dict[str, Any]]
     make_batches: Callable[[], Iterator[dict[str, np.ndarray]]] = dataclasses.field(repr=False)
 
 
@@ -236,12 +238,16 @@ def build_data(
         parts[name] = EvalPart(
             batch_count=-(-eval_row_count(*corpus.validation, layout) // batch_size),
             tokens=_target_tokens(task, valid_documents, valid_ids, cfg.seq_len),
+            eval_examples=corpus.eval_examples,
             make_batches=functools.partial(eval_batches, *corpus.validation, layout),
         )
     batches = [TrainBatches(*corpus.train, layout) for corpus in corpora.values()]
     if cfg.mixture:
         weights = [entry.weight for entry in cfg.mixture.values()]
         make = MixtureBatches(batches, weights, seed)
+        counts = zip(cfg.mixture, make.mixture.counts.tolist(), strict=True)
+        shares = ", ".join(f"{name} {n:,} ({n / BLOCK_ROWS:.1%})" for name, n in counts)
+        notices.insert(0, f"data.mixture: every {BLOCK_ROWS:,} training rows hold {shares}")
     else:
         make = batches[0]
     tokens = [part.tokens for part in parts.values()]

@@ -145,7 +145,8 @@ class LogTrain:
 class Evaluate:
     """Every ``train.eval_every`` steps: the loss and accuracy over the validation batches
     (``train.eval_batches`` of them, default all), perplexity, and decoded samples; for a
-    mixture, each source's too (``eval_loss/<name>``, ..., the cap per source)."""
+    mixture, each source's too (``eval_loss/<name>``, ..., the cap per source; decoded scores
+    per source only)."""
 
     def __init__(self, cfg, data, task: str, eval_step, eval_graphdef, place, console: Console):
         self.cfg, self.data, self.task, self.eval_step = cfg, data, task, eval_step
@@ -172,7 +173,11 @@ class Evaluate:
             )
         scores = self._perplexity(scores)
         model = nnx.merge(self.eval_graphdef, end.state)[0]
-        scores |= decoded_eval(self.cfg, self.data, self.task, model, end.step, self.console.say)
+        # A mixture decodes each source's examples: a corpus BLEU does not pool.
+        for name, part in self.data.sources.items() or [("", self.data)]:
+            data = dataclasses.replace(self.data, eval_examples=part.eval_examples)
+            decoded = decoded_eval(self.cfg, data, self.task, model, end.step, self.console.say)
+            scores |= {f"{key}/{name}" if name else key: value for key, value in decoded.items()}
         over = eval_coverage(self.cfg, self.data, self.task, scores["eval_tokens"])
         self.console.evaluated(end.step, scores, over)
         end.values |= scores
