@@ -84,7 +84,7 @@ def test_several_metrics_in_one_flag_and_repeated(two_runs, tmp_path):
 
 
 def test_each_panel_is_titled_and_a_single_eval_point_is_drawn_as_a_marker(two_runs):
-    """As after benchmarks/ablation.py --steps 400: each run evaluated once, at its end."""
+    """As after flaxformer-lite ablation --steps 400: each run evaluated once, at its end."""
     runs = load_runs(two_runs)
     figure = comparison_figure(runs, ["loss", "eval_loss", "eval_exact_match"])
     panels = figure.axes

@@ -33,6 +33,7 @@ SUMMARY_KEYS = {
     "hbm_bytes",
     "fits",
     "flops_per_step",
+    "xla_flops_per_program",
     "collectives",
     "collectives_exact",
     "attention",
@@ -66,6 +67,39 @@ def test_cpu_topology_and_chip_figures():
     v5e = topology.CHIPS["v5e"]
     assert v5e.hbm_bytes == 16 * 2**30 and v5e.peak_flops == 197e12
     assert v5e.ring_bytes_per_s == 200e9  # two of four ports, both directions
+
+
+def test_the_report_says_what_its_numbers_assume():
+    """Issue 45 item 7: a compute-bound estimate reads MFU 100% by construction; permutes stand
+    for FSDP's collectives on TPUs; XLA's FLOPs count a loop body once. Said where printed."""
+    from flaxformer_lite.aot.hlo import COLLECTIVES
+    from flaxformer_lite.aot.report import Report, _roofline
+
+    chip = topology.CHIPS["v5p"]
+    counts = {op: dict(instructions=0, executed=0, bytes=0, exact=True) for op in COLLECTIVES}
+    counts["collective-permute"] = dict(instructions=9, executed=2448, bytes=2**30, exact=True)
+    estimate = _roofline(chip_flops=12e12, xla_flops=1e12, traffic=1e9, sent=2**30, chip=chip)
+    report = Report(
+        topology=parse_topology("v5p-8"),
+        program="train step",
+        mesh={"data": 1, "fsdp": 4, "tensor": 1},
+        attention="xla",
+        params=0,
+        optimizer=0,
+        temp=0,
+        total=0,
+        hbm=chip.hbm_bytes,
+        xla_flops=1e12,
+        model_flops=4 * 12e12,
+        hbm_traffic=1e9,
+        collectives=counts,
+        estimate=estimate,
+    )
+    text = "\n".join(report.lines())
+    assert "MFU at most 100.0%; bound by compute (the FLOPs at the chip's bf16 peak)" in text
+    assert "assumed fully overlapped" in text
+    assert "XLA's count is 12x lower: it counts a loop's body once" in text
+    assert "decomposes FSDP's all-gathers and reduce-scatters" in text
 
 
 @pytest.mark.parametrize(
@@ -255,6 +289,22 @@ def test_cpu_devices_of_this_process(capsys):
     assert summary["flops_per_step"] > 0 and summary["collectives"]["all-gather"] > 0
     assert summary["attention"] == "xla"
     assert out[0] == "train step for cpu-4 (4 CPU devices), mesh data 2 x fsdp 2 x tensor 1"
+
+
+def test_flops_per_step_count_every_executed_layer_scanned_or_not(capsys):
+    """XLA counts a scanned loop's body once: its count falls with model.scan_layers=true, while
+    flops_per_step, per executed step, stays the model's count."""
+    summaries = {}
+    for scan in ("false", "true"):
+        argv = ["--topology", "cpu-1", f"model.scan_layers={scan}", *TINY]
+        status, out, _ = _run(argv, capsys)
+        assert status == 0
+        summaries[scan] = json.loads(out[-1])
+    unrolled, scanned = summaries["false"], summaries["true"]
+    assert unrolled["flops_per_step"] == scanned["flops_per_step"] > 0
+    xla_unrolled, xla_scanned = unrolled["xla_flops_per_program"], scanned["xla_flops_per_program"]
+    assert xla_scanned < 0.75 * xla_unrolled  # one of gpt2-tiny's 2 layers counted
+    assert unrolled["flops_per_step"] == pytest.approx(xla_unrolled, rel=0.15)
 
 
 @pytest.mark.slow  # two compiles of the train step, ~25 s each on a loaded 2-core CPU

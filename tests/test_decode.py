@@ -433,7 +433,8 @@ class DigitTokenizer(LetterTokenizer):
 
 
 def test_what_decoding_changes_from_what_was_asked_is_said():
-    """Issue 43 item 9: <unk> while the prompt is echoed as typed; max_new_tokens capped."""
+    """Issue 43 item 9: <unk> while the prompt is echoed as typed; issue 45 item 1: running past
+    the context is said once."""
     model, notes = make("gpt2-tiny"), []
     prompts = ["12+3", "12+3", "45"]  # two samples of one prompt: said once
     text.continue_or_translate(
@@ -441,10 +442,84 @@ def test_what_decoding_changes_from_what_was_asked_is_said():
     )
     assert notes == [
         "'12+3': 1 of its tokens are not in the tokenizer's vocabulary: <unk>",
-        "max_new_tokens=100 lowered to 27, what fits in max_length=32",
+        "max_new_tokens=100 runs past the context (max_length=32): past it, each 8 tokens are "
+        "generated anew from the last 24",
     ]
 
 
 def test_printable_escapes_control_characters_but_line_breaks_and_tabs():
     """Issue 43 item 19: a byte-level model's ESC reached the terminal."""
     assert text.printable("a\x1b[31mb\n\tc\x7f\x00é") == "a\\x1b[31mb\n\tc\\x7f\\x00é"
+
+
+class EndlessTokenizer(LetterTokenizer):
+    """No ``eos_id``: every row writes all it is asked for."""
+
+    eos_id = None
+
+
+def windowed_reference(model, prompt, new_tokens, keep, first):
+    """Greedy continuation past the context by full forward passes (no cache): ``first``
+    tokens (what the batch's longest prompt leaves), then each window re-reads the last
+    ``keep`` tokens from position 0 and fills the context."""
+    max_length = model.config.max_length
+    row, written = list(prompt), []
+    while len(written) < new_tokens:
+        context = (row + written)[-keep:] if written else row
+        buffer = np.zeros((1, max_length), np.int32)  # causal: later slots change nothing
+        buffer[0, : len(context)] = context
+        end = max_length if written else len(context) + first
+        for position in range(len(context), end):
+            token = clear_argmax(lm_logits(model, buffer)[0, position - 1])
+            buffer[0, position] = token
+            written.append(token)
+            if len(written) == new_tokens:
+                break
+    return written
+
+
+@pytest.mark.parametrize("case", ["learned", "rope_gqa"])
+def test_generation_goes_past_the_context_as_asked(case):
+    """Issue 45 item 1: 500 tokens (characters, for this tokenizer) from a 64-position model,
+    the cached windows equal to the same windows decoded without a cache; said once."""
+    preset, overrides = LM_CONFIGS[case]
+    model, tokenizer, notes = make(preset, max_length=64, **overrides), EndlessTokenizer(), []
+    prompts = ["ROMEO:", "ab"]
+    got = text.continue_or_translate(
+        model, tokenizer, prompts, max_new_tokens=500, add_bos=False, notify=notes.append
+    )
+    assert [len(ids) for ids in got] == [500, 500]
+    for prompt, ids in zip(prompts, got, strict=True):
+        reference = windowed_reference(model, tokenizer.encode(prompt), 500, keep=48, first=58)
+        assert ids == reference
+    assert notes == [
+        "max_new_tokens=500 runs past the context (max_length=64): past it, each 16 tokens "
+        "are generated anew from the last 48"
+    ]
+
+
+def test_sampling_past_the_context_draws_a_key_per_window():
+    model, tokenizer = make("gpt2-tiny"), EndlessTokenizer()
+    sample = functools.partial(
+        text.continue_or_translate,
+        model,
+        tokenizer,
+        ["ab", "c"],
+        max_new_tokens=60,
+        temperature=1.0,
+    )
+    first = sample(rng=jax.random.key(1))
+    assert [len(ids) for ids in first] == [60, 60] and sample(rng=jax.random.key(1)) == first
+    assert sample(rng=jax.random.key(2)) != first
+
+
+def test_an_encoder_decoder_target_past_its_positions_is_refused_before_decoding():
+    """Issue 45 item 1: greedy and beam search say so instead of stopping early."""
+    model, tokenizer = make("transformer-tiny", norm_position="pre"), LetterTokenizer()
+    message = "max_new_tokens=32: an encoder-decoder's target has at most 31 tokens"
+    for decode in (
+        text.continue_or_translate,
+        functools.partial(text.translate_beam, beam_size=2, alpha=0.6),
+    ):
+        with pytest.raises(ValueError, match=message):
+            decode(model, tokenizer, ["forty-two"], max_new_tokens=32)

@@ -104,10 +104,11 @@ def hf_model(hf, auto_class, path):
 
 
 def generated(argv, capsys):
-    """The lines ``flaxformer-lite generate ARGV`` prints."""
+    """The samples ``flaxformer-lite generate ARGV`` prints, one line each (the line of dashes
+    between two left out)."""
     capsys.readouterr()
     assert main(["generate", *argv]) == 0
-    return capsys.readouterr().out.splitlines()
+    return [line for line in capsys.readouterr().out.splitlines() if line != "-" * 16]
 
 
 @pytest.mark.slow
@@ -337,3 +338,41 @@ def test_export_out_inside_a_run_is_refused_and_a_link_is_followed(tmp_path, cap
     assert main(["export", "--run-dir", str(run_dir), "--out", str(tmp_path / "link")]) == 0
     assert (tmp_path / "link").is_symlink() and (tmp_path / "target" / "config.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "run", "target"]
+
+
+@pytest.mark.slow
+def test_the_shakespeare_char_recipe_exports_and_writes_the_same_greedy_text(hf, tmp_path, capsys):
+    """Issue 45 item 2: the recipe has no biases, which a GPT-2 holds as zeros; a tiny run of
+    it exports and transformers' greedy text is ours."""
+    run_dir = train(
+        tmp_path / "run",
+        [*TINY[1:], "model.num_decoder_layers=2", "data.seq_len=64"],
+        config="shakespeare_char",
+    )
+    export_run(run_dir, tmp_path / "hf")
+    model, hf_tokenizer = hf_model(hf, "AutoModelForCausalLM", tmp_path / "hf")
+    texts = []
+    for prompt in ("ROMEO:", "First Citizen:"):
+        prompt_ids = hf_tokenizer(prompt).input_ids
+        out = model.generate(
+            hf.torch.tensor([prompt_ids]),
+            attention_mask=hf.torch.ones(1, len(prompt_ids), dtype=hf.torch.long),
+            max_new_tokens=20,
+            do_sample=False,
+        )
+        texts.append(
+            prompt + hf_tokenizer.decode(out[0, len(prompt_ids) :], skip_special_tokens=True)
+        )
+    flags = ["--prompt", "ROMEO:", "--prompt", "First Citizen:", "--max-new-tokens", "20"]
+    ours = generated(["--run-dir", str(run_dir), *flags], capsys)
+    assert ours == texts
+    # Issue 45 item 1: 500 characters from the 64-position model (greedy: sampling may draw a
+    # special id, which decodes to no character).
+    flags = ["--prompt", "ROMEO:", "--max-new-tokens", "500"]
+    assert main(["generate", "--run-dir", str(run_dir), *flags]) == 0
+    out, err = capsys.readouterr()
+    assert len(out) == len("ROMEO:") + 500 + 1  # and the line's end
+    assert err.splitlines() == [
+        "notice: max_new_tokens=500 runs past the context (max_length=64): past it, each 16 "
+        "tokens are generated anew from the last 48"
+    ]

@@ -27,7 +27,7 @@ from flaxformer_lite.train.config import ConfigError, load_config
 from flaxformer_lite.train.loop import run
 from flaxformer_lite.train.metrics import MetricsWriter, read_metrics
 from flaxformer_lite.train.optim import make_optimizer
-from flaxformer_lite.train.resume import _config_differences, keep_schedule_span
+from flaxformer_lite.train.resume import _config_differences, keep_schedule_span, stretch_schedule
 from flaxformer_lite.train.run_dir import RunDir
 
 pytestmark = pytest.mark.fast_compile
@@ -307,16 +307,26 @@ def test_more_train_steps_on_resume_keep_the_schedule_span():
     extended = load_config(None, ["train.steps=80", *common])
     logged = []
     kept = keep_schedule_span(saved, extended, logged.append)
-    assert kept.optimizer.schedule_steps == 60 and "keeps its 60-step span" in logged[0]
+    assert kept.optimizer.schedule_steps == 60
+    # Issue 45 item 8: what it costs and the one flag that trains on a whole schedule, in the
+    # same line.
+    assert logged == [
+        "train.steps 60 -> 80: the cosine schedule keeps its 60-step span, so the last 20 steps "
+        "train at its end rate 0.0001; for a schedule over all 80 steps, pass --stretch-schedule "
+        "(this run goes on along the stretched schedule) or --fresh (start over)"
+    ]
     assert _config_differences(saved, kept) == []  # no other change
     _, schedule = make_optimizer(kept.optimizer, total_steps=60, d_model=64)
     rates = [float(schedule(step)) for step in (60, 61, 79)]
     np.testing.assert_allclose(rates, [1e-4] * 3, rtol=1e-5)  # stays at the end value
-    # Stretching it is a choice: a changed config, refused without --force.
-    stretched = load_config(None, ["train.steps=80", *common, "optimizer.schedule_steps=80"])
+    # Stretching it over the run's steps (--stretch-schedule) is the run's own kind of
+    # schedule, no changed setting; any other span is one, refused without --force.
+    stretched = stretch_schedule(extended)
     assert keep_schedule_span(saved, stretched, logged.append) is stretched
-    (changed,) = _config_differences(saved, stretched)
-    assert changed.lines == ("  optimizer.schedule_steps: None -> 80",), changed
+    assert stretched.optimizer.schedule_steps == 80 and _config_differences(saved, stretched) == []
+    other = load_config(None, ["train.steps=80", *common, "optimizer.schedule_steps=70"])
+    (changed,) = _config_differences(saved, other)
+    assert changed.lines == ("  optimizer.schedule_steps: None -> 70",), changed
     # A third run with the same steps inherits the kept span without a change.
     assert keep_schedule_span(kept, extended, logged.append) == kept
 
@@ -526,3 +536,13 @@ def test_changed_parameter_shapes_with_force_exit_2_and_keep_the_checkpoints(sav
     assert len(err.strip().splitlines()) == 1, err
     assert "cannot be restored" not in err and "unreadable" not in err, err
     assert listing(run_dir / "checkpoints") == before
+
+
+def test_stretch_schedule_resumes_a_raised_run_on_the_longer_schedule(tmp_path, capsys):
+    """Issue 45 item 8: the one flag the extension's line names, resuming without --force."""
+    common = ["--no-progress", f"run_dir={tmp_path / 'run'}", *TINY]
+    assert train_main([*common, "train.steps=2"]) == 0
+    assert train_main([*common, "train.steps=4", "--stretch-schedule"]) == 0
+    out = capsys.readouterr().out
+    assert "keeps its" not in out and "done:" in out
+    assert "schedule_steps: 4" in (tmp_path / "run" / "config.yaml").read_text()

@@ -101,6 +101,13 @@ def test_lm_eval_decodes_and_scores(lm_run):
     assert len(samples) == 2 * len(evals), logs
     assert [int(line.split()[1]) for line in samples] == [r["step"] for r in evals for _ in "ab"]
     assert "=" in samples[0] and "(reference " in samples[0]
+    # the eval line says what the decoded metrics are over: train.decode_examples=6 examples
+    eval_lines = [line for line in logs if line.startswith("eval at step ")]
+    assert len(eval_lines) == 2 and all(r["eval_decoded_examples"] == 6 for r in evals)
+    assert all(
+        "; greedy decoding of 6 validation examples: eval_exact_match" in line
+        for line in eval_lines
+    )
 
 
 def test_decode_eval_scores_agree_with_its_samples(lm_run):
@@ -136,7 +143,8 @@ def test_generate_command_continues_prompts(lm_run, capsys):
     argv = ["generate", "--run_dir", str(run_dir), "--max_new_tokens", "8"]
     assert main([*argv, "--prompt", prompts[0], "--prompt", prompts[1]]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 2
+    # Issue 45 item 4: samples apart, as nanoGPT's sample.py prints them.
+    assert len(lines) == 3 and lines.pop(1) == "-" * 16
     loaded = load_run(run_dir)
     batch, lengths = right_pad([[SOS_ID, *loaded.tokenizer.encode(p)] for p in prompts])
     out = np.asarray(
@@ -149,7 +157,17 @@ def test_generate_command_continues_prompts(lm_run, capsys):
     assert main([*sampled, "--seed", "3"]) == 0
     first = capsys.readouterr().out
     assert main([*sampled, "--seed", "3"]) == 0
-    assert capsys.readouterr().out == first and len(first.splitlines()) == 4
+    assert capsys.readouterr().out == first and len(first.splitlines()) == 4 + 3
+
+
+def test_generate_help_shows_the_defaults(capsys):
+    """Issue 45 item 4: the defaults, greedy's reason, and past-the-context in --help."""
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for said in ("default: 32 for a decoder LM", "default: 0, reproducible", "line of dashes"):
+        assert said in out
+    assert "last three quarters of the context" in out
 
 
 def test_sample_py_entry_point(lm_run, capsys, monkeypatch):

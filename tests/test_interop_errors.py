@@ -183,12 +183,18 @@ def test_unsupported_llama_settings_are_named(tmp_path, changes, message):
 
 
 def test_save_hf_rejects_other_architectures(tmp_path):
+    """Issue 45 item 2: what differs from the closest family, in a line; the others counted."""
     cfg = ModelConfig.from_preset("llama-tiny", rope_layout="interleaved")
-    with pytest.raises(ValueError, match="rope_layout='interleaved'"):
+    with pytest.raises(ValueError) as refused:
         save_hf(build_model(cfg, rngs=nnx.Rngs(0)), cfg, tmp_path)
+    assert str(refused.value).startswith(
+        "save_hf: no Hugging Face family fits; closest LlamaForCausalLM, which differs in "
+        "rope_layout='interleaved' (Llama has 'half') (settings apart in the others: "
+    )
     cfg = ModelConfig.from_preset("transformer-tiny")
-    with pytest.raises(ValueError, match="save_hf writes only"):
+    with pytest.raises(ValueError, match="closest MarianMTModel, which differs in norm_eps") as e:
         save_hf(build_model(cfg, rngs=nnx.Rngs(0)), cfg, tmp_path)
+    assert len(str(e.value)) < 400 and "GPT-2 has" not in str(e.value)
 
 
 def test_load_hf_dtype(tiny_gpt2_dir):

@@ -77,4 +77,7 @@ def test_the_installed_package_lists_and_runs_its_recipes_by_name(installed, tmp
         _env(),
     )
     assert "done: run" in out
+    # Issue 45 item 10: the seeds' ablation is a command of the wheel, not of a checkout.
+    ablation = _run([installed / "flaxformer-lite", "ablation", "--help"], tmp_path, _env())
+    assert "ablations/*" in ablation and "issue" not in ablation.lower()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]

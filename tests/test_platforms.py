@@ -11,7 +11,7 @@ import jax
 import pytest
 from jax._src import hardware_utils
 
-from flaxformer_lite.cli import platforms
+from flaxformer_lite import platforms
 
 GUARDED = (
     "import jax; from flaxformer_lite.cli.errors import guarded; "
@@ -55,3 +55,27 @@ def test_the_choice_is_left_to_jax_unless_libtpu_has_no_chips(monkeypatch, case)
         monkeypatch.setattr(platforms.importlib.util, "find_spec", lambda name: None)
     platforms.skip_absent_tpu()
     assert updates == []
+
+
+def test_importing_the_package_and_load_run_print_nothing(tmp_path):
+    """Issue 45 item 5: libtpu's warnings on a host without TPU chips (for any script that
+    imports the package, README's Python blocks too) and Orbax's "read only" warning of
+    ``load_run``. The run is a tiny one, trained in the same child."""
+    from subprocess_env import subprocess_env
+    from tiny_runs import TINY
+
+    env = subprocess_env(1)
+    del env["JAX_PLATFORMS"]  # as a user's script starts: jax picks the backends
+    train = [sys.executable, "-m", "flaxformer_lite.train", f"run_dir={tmp_path}/run"]
+    trained = subprocess.run(
+        [*train, *TINY, "train.steps=2"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert trained.returncode == 0, trained.stderr
+    script = (
+        "import flaxformer_lite, jax.numpy as jnp; jnp.ones(1).block_until_ready(); "
+        f"print(flaxformer_lite.load_run({str(tmp_path / 'run')!r}).step)"
+    )
+    child = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert (child.returncode, child.stdout, child.stderr) == (0, "2\n", "")

@@ -5,6 +5,7 @@ import errno
 import json
 import os
 import re
+import sys
 
 import pytest
 import yaml
@@ -64,11 +65,16 @@ def test_the_data_section_of_a_config_file_and_overrides(corpus, tmp_path, capsy
     assert manifest["tokenizer"]["fitted"] == {"vocab_size": 300, "validation_fraction": 0.2}
 
 
-def test_progress_bars_go_to_stderr_unless_turned_off(corpus, tmp_path, capsys):
+def test_progress_bars_go_to_a_terminal_unless_turned_off(corpus, tmp_path, capsys, monkeypatch):
+    """Issue 45 item 9: output to a file or a pipe (here captured) gets no bars, as train's."""
     argv = ["data.source=text", f"data.path={corpus}"]
     status, lines, err = prepare(capsys, "--out", tmp_path / "a", *argv)
+    assert status == 0 and len(lines) == 1 and err == ""
+    for stream in (sys.stdout, sys.stderr):
+        monkeypatch.setattr(stream, "isatty", lambda: True)
+    status, lines, err = prepare(capsys, "--out", tmp_path / "b", *argv)
     assert status == 0 and len(lines) == 1 and "encoding" in err
-    status, lines, err = prepare(capsys, "--out", tmp_path / "b", "--no-progress", *argv)
+    status, lines, err = prepare(capsys, "--out", tmp_path / "c", "--no-progress", *argv)
     assert status == 0 and len(lines) == 1 and err == ""
 
 

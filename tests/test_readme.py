@@ -23,6 +23,7 @@ from benchmark_scripts import load_benchmark
 
 from flaxformer_lite.aot import parse_topology
 from flaxformer_lite.cli import generate
+from flaxformer_lite.cli.ablation import parser as ablation_parser
 from flaxformer_lite.cli.attention import attention_parser
 from flaxformer_lite.cli.compare import compare_parser
 from flaxformer_lite.cli.compile import compile_parser
@@ -199,6 +200,10 @@ def test_documented_command_is_valid(name, command, tmp_path, monkeypatch):
             load_config(_config_file(args.config), args.overrides)
         elif subcommand == "export":
             _parse(export_parser().parse_args, rest, command)
+        elif subcommand == "ablation":
+            args = _parse(ablation_parser().parse_args, rest, command)
+            for config in args.configs or ():
+                load_config(_config_file(config), [])
         elif subcommand == "plot":
             assert rest in ([rest[0]], ["--run-dir", rest[-1]]), command  # plot [--run-dir] RUN
         else:

@@ -220,11 +220,25 @@ def test_plain_lines_name_the_step_and_what_an_evaluation_is_over():
     console.logged(500, values)
     console.evaluated(500, {"eval_loss": 1.75, "eval_accuracy": 0.5}, "every one of 99 tokens")
     console.close()
-    assert lines[0].startswith("step 500/2000: loss 1.5, learning_rate 0.001, 21.3k tokens/s, ")
+    assert lines[0].startswith(
+        "step 500/2000: loss 1.5, learning_rate 0.001, 21.3k tokens/s (positions), "
+    )
     assert "elapsed" in lines[0] and "left" in lines[0]
     assert (
         lines[1] == "eval at step 500 (every one of 99 tokens): eval_loss 1.75, eval_accuracy 0.5"
     )
+
+
+def test_decoded_metrics_are_said_to_be_over_the_decoded_examples():
+    lines = []
+    console = Console(2000, 0, bar=False, log=lines.append)
+    values = {"eval_loss": 1.75, "eval_exact_match": 0.25, "eval_token_accuracy": 0.5}
+    values |= {"eval_tokens": 99, "eval_decoded_examples": 256}
+    console.evaluated(500, values, "every one of 99 tokens")
+    assert lines == [
+        "eval at step 500 (every one of 99 tokens): eval_loss 1.75; greedy decoding of 256 "
+        "validation examples: eval_exact_match 0.25, eval_token_accuracy 0.5"
+    ]
 
 
 class _Stream:

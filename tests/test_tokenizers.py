@@ -447,6 +447,21 @@ def test_long_texts_are_encoded_in_pieces_with_the_whole_texts_ids():
     assert tok.encode_batch([text, "", "beta"]) == [tok.encode(text), [], tok.encode("beta")]
 
 
+def test_fitting_bpe_on_one_long_text_warns_only_of_runs_without_spaces(caplog):
+    """Issue 45 item 9: a single-file corpus is one long text, cut at spaces as BPE splits it
+    anyway: nothing to say. A run longer than a piece without a space is cut inside."""
+    words = ("to be or not to be, that is the question. " * 200).strip()
+    with caplog.at_level("WARNING", logger="flaxformer_lite"):
+        tk.BpeTokenizer.train([words], 300)
+        assert caplog.records == []
+        tk.BpeTokenizer.train([words + " " + "x" * 5000], 300)
+    (record,) = caplog.records
+    assert record.getMessage() == (
+        "fitting BPE: 1 texts hold over 4096 characters without a space, fitted as words of at "
+        "most that length"
+    )
+
+
 def test_a_line_without_spaces_is_cut_every_max_chars_and_bpe_fits_it():
     line = "abcdefgh" * 2000
     pieces = text_pieces(line, 1000)

@@ -9,6 +9,7 @@ import yaml
 from flaxformer_lite.models import ModelConfig
 from flaxformer_lite.ops import RopeScaling
 from flaxformer_lite.train.config import (
+    OTHER_NAMES,
     ConfigError,
     TrainConfig,
     config_diff,
@@ -143,6 +144,28 @@ def test_round_trip_through_plain_values():
 def test_bad_overrides_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+@pytest.mark.parametrize(
+    ("key", "ours"),
+    [
+        ("optimizer.learning_rate", "optimizer.lr"),
+        ("train.learning_rate", "optimizer.lr"),
+        ("learning_rate", "optimizer.lr"),
+        ("model.num_layers", "model.num_decoder_layers"),
+        ("model.n_layer", "model.num_decoder_layers"),
+        ("data.block_size", "data.seq_len"),
+        ("train.warmup_steps", "optimizer.warmup_steps"),
+        ("train.max_steps", "train.steps"),
+        ("batch_size", "train.batch_size"),
+        ("optimizer.batch_size", "train.batch_size"),
+    ],
+)
+def test_names_other_trainers_use_point_to_ours(key, ours):
+    """Issue 45 item 3: nanoGPT's, Hugging Face's and levanter's names, in any section."""
+    with pytest.raises(ConfigError, match=rf"unknown config key '{key}' \(did you mean '{ours}'"):
+        load_config(None, [f"{key}=1"])
+    assert set(OTHER_NAMES.values()) <= set(valid_keys())
 
 
 def test_yaml_types_are_checked_too(tmp_path):

@@ -16,7 +16,8 @@ from subprocess_env import subprocess_env
 
 from flaxformer_lite.cli import main
 from flaxformer_lite.cli.train import train_main
-from flaxformer_lite.models import build_model
+from flaxformer_lite.models import build_model, training_flops_per_token
+from flaxformer_lite.train import loop
 from flaxformer_lite.train.checkpoint import Checkpointer
 from flaxformer_lite.train.config import ConfigError, load_config
 from flaxformer_lite.train.loop import TrainingError, run
@@ -65,6 +66,11 @@ def test_the_default_run_learns(tmp_path):
     evals = [r["eval_accuracy"] for r in records(tmp_path / "run") if "eval_accuracy" in r]
     assert evals[-1] > evals[0] + 0.05, evals
     assert last["tokens_per_sec"] > 0 and 0 < last["mfu"] < 1
+    # MFU: the model's FLOPs per token times tokens/s over the machine's peak (the loop's own),
+    # of the model as the run settled it (its vocabulary the tokenizer's)
+    settled = load_config(tmp_path / "run" / "config.yaml").model
+    flops = training_flops_per_token(settled, cfg.data.seq_len) * last["tokens_per_sec"]
+    assert last["mfu"] == pytest.approx(flops / loop.peak_flops(), rel=1e-6)
     for name in ("config.yaml", "plots/loss.png", "plots/learning_rate.png", "tb"):
         assert (tmp_path / "run" / name).exists(), name
     saved = load_config(tmp_path / "run" / "config.yaml")

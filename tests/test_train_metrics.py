@@ -30,10 +30,20 @@ pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: confte
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_peak_flops_is_the_datasheet_on_accelerators_and_a_measured_matmul_on_cpu(monkeypatch):
+def test_peak_flops_is_the_datasheet_on_accelerators_and_a_measured_matmul_on_cpu(
+    monkeypatch, tmp_path
+):
     assert 0 < metrics.matmul_peak_flops(n=128, repeats=2) < float("inf")
-    monkeypatch.setattr(metrics, "matmul_peak_flops", lambda: 7.0e9)
-    assert metrics.peak_flops() == 7.0e9  # this host's CPU, measured
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    timings = iter([7.0e9, 5.0e9])
+    monkeypatch.setattr(metrics, "matmul_peak_flops", lambda: next(timings))
+    # Issue 45 item 9: this host's CPU, measured once; a later start (a resumed run) reads the
+    # same peak, so its MFU compares.
+    assert metrics.peak_flops() == metrics.peak_flops() == 7.0e9
+    (cached,) = json.loads((tmp_path / "flaxformer_lite" / "cpu_peak_flops.json").read_text())
+    assert cached.endswith(f"cores, jax {jax.__version__}")
+    (tmp_path / "flaxformer_lite" / "cpu_peak_flops.json").write_text("{not json")
+    assert metrics.peak_flops() == 5.0e9  # a damaged cache: measured again
     chip = type("Device", (), {"platform": "gpu", "device_kind": "NVIDIA H100 80GB HBM3"})
     monkeypatch.setattr(jax, "devices", lambda: [chip(), chip()])
     assert metrics.peak_flops() == 2 * 989e12

@@ -1,10 +1,12 @@
 """The user commands: ``python train.py``, ``python sample.py``, ``python -m
 flaxformer_lite.train`` and ``flaxformer-lite
-train|sweep|config|prepare|plot|compare|generate|export|attention|compile``, one module each.
+train|sweep|ablation|config|prepare|plot|compare|generate|export|attention|compile``, one
+module each.
 
     python train.py                                   # the embedded default
     python train.py --config gpt2_small train.steps=200 optimizer.lr=3e-4
     flaxformer-lite sweep --vary seed=0,1,2 --vary optimizer.lr=1e-3,3e-3 run_dir=runs/lr
+    flaxformer-lite ablation --steps 400              # the shipped ablations/*, 3 seeds each
     flaxformer-lite config train.steps=200            # every setting, as YAML
     flaxformer-lite prepare --out stores/lines data.source=text data.path=lines.txt
     flaxformer-lite plot runs/default
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import sys
 
+from flaxformer_lite.cli.ablation import ablation_main
 from flaxformer_lite.cli.attention import attention_main
 from flaxformer_lite.cli.compare import compare_main
 from flaxformer_lite.cli.compile import compile_main
@@ -38,6 +41,7 @@ from flaxformer_lite.cli.train import train_main
 COMMANDS = {
     "train": (train_main, "train or resume a run (as python train.py)"),
     "sweep": (sweep_main, "train several runs (seeds, settings) as one program; mean ± std"),
+    "ablation": (ablation_main, "sweep configs over seeds and set them side by side, mean ± std"),
     "config": (config_main, "print the resolved config as YAML, every key explained"),
     "prepare": (prepare_main, "tokenize a text, jsonl or parallel source once into a store"),
     "plot": (plot_main, "draw every metric a run logged (loss, evals, ...) as PNGs"),

@@ -16,7 +16,6 @@ import jax
 
 from flaxformer_lite import parallel
 from flaxformer_lite.cli.library_log import plain_terminal_records
-from flaxformer_lite.cli.platforms import skip_absent_tpu
 from flaxformer_lite.train.config import ConfigError
 
 # OSError: unreadable, unwritable or corrupt files, a full disk (CheckpointError is one).
@@ -29,7 +28,6 @@ def guarded(fn: Callable[[], int], *, trust_code: bool = False) -> int:
     or XLA's RESOURCE_EXHAUSTED (:func:`out_of_memory`); a stop signal while ``fn`` runs ends
     the process (:func:`exit_on_signals`). Log records on the terminal read ``warning: ...``.
     ``trust_code`` (``--trust-code``): ``fn`` imports the code settings name by import path."""
-    skip_absent_tpu()
     plain_terminal_records()
     try:
         with exit_on_signals(), trusted(trust_code):

@@ -42,7 +42,10 @@ def parser(prog: str = "flaxformer-lite generate") -> argparse.ArgumentParser:
         prog=prog,
         description="Continue prompts (decoder LMs) or translate them (encoder-decoders) with "
         "a trained run's newest checkpoint or a Hugging Face checkpoint directory; greedy by "
-        "default, sampled with --temperature.",
+        "default, sampled with --temperature. A decoder LM writes all --max-new-tokens: past its "
+        "context (max_length) it goes on from the last three quarters of the context, re-read "
+        "every quarter (once said on stderr). Several prompts or samples are separated by a "
+        "line of dashes.",
         examples=(
             f'{prog} --run-dir runs/default --prompt "012+034=" --prompt "007-002="',
             f'{prog} --run-dir runs/default --prompt "007-002=" --temperature 0.8 --num-samples 3',
@@ -63,25 +66,50 @@ def parser(prog: str = "flaxformer-lite generate") -> argparse.ArgumentParser:
         required=True,
         help="text to continue or translate (repeat for several)",
     )
-    p.add_argument("--max-new-tokens", type=int, default=32, help="the most tokens to add")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
-    p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely")
     p.add_argument(
-        "--top-p", type=float, default=None, help="sample from the smallest set reaching p"
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="the most tokens to add, fewer at <eos> (default: 32 for a decoder LM, past its "
+        "context too; an encoder-decoder's whole target, its max_length - 1, the most it takes)",
     )
     p.add_argument(
-        "--min-tokens-to-keep", type=int, default=1, help="top-k / top-p keep at least this many"
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0 = greedy (default: 0, reproducible and what transformers' greedy generate "
+        "gives for an export; a small text model repeats itself greedily: sample with "
+        "--temperature 0.8 --top-k 200, as nanoGPT)",
     )
-    p.add_argument("--num-samples", type=int, default=1, help="samples per prompt")
-    p.add_argument("--seed", type=int, default=0, help="the sampling key")
+    p.add_argument(
+        "--top-k", type=int, default=None, help="sample from the k most likely (default: all)"
+    )
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=None,
+        help="sample from the smallest set reaching p (default: 1, all)",
+    )
+    p.add_argument(
+        "--min-tokens-to-keep",
+        type=int,
+        default=1,
+        help="top-k / top-p keep at least this many (default: 1)",
+    )
+    p.add_argument("--num-samples", type=int, default=1, help="samples per prompt (default: 1)")
+    p.add_argument("--seed", type=int, default=0, help="the sampling key (default: 0)")
     p.add_argument(
         "--beam-size",
         type=int,
         default=1,
-        help="encoder-decoders: beam search with this many beams",
+        help="encoder-decoders: beam search with this many beams (default: 1, none)",
     )
-    p.add_argument("--alpha", type=float, default=0.6, help="beam search length penalty")
-    p.add_argument("--n-best", type=int, default=1, help="beam search: hypotheses to print")
+    p.add_argument(
+        "--alpha", type=float, default=0.6, help="beam search length penalty (default: 0.6)"
+    )
+    p.add_argument(
+        "--n-best", type=int, default=1, help="beam search: hypotheses to print (default: 1)"
+    )
     p.add_argument(
         "--step", type=int, default=None, help="--run-dir's checkpoint step (default: newest)"
     )
@@ -114,6 +142,9 @@ def run(args: argparse.Namespace, say=print) -> int:
             "(--temperature, --top-k, --num-samples)"
         )
     prompts = [p for p in args.prompt for _ in range(args.num_samples)]
+    if args.max_new_tokens is None:
+        decoder_lm = isinstance(model, DecoderLM)
+        args.max_new_tokens = 32 if decoder_lm else model.config.max_length - 1
     rng = jax.random.key(args.seed) if args.temperature > 0 else None
     sampling = dict(
         temperature=args.temperature,
@@ -132,7 +163,10 @@ def run(args: argparse.Namespace, say=print) -> int:
             max_new_tokens=args.max_new_tokens,
             notify=notice,
         )
-        for prompt, beams, beam_scores in zip(prompts, tokens, scores, strict=True):
+        for number, (prompt, beams, beam_scores) in enumerate(
+            zip(prompts, tokens, scores, strict=True)
+        ):
+            say_separator(number, say)
             say(prompt)
             for beam, score in list(zip(beams, beam_scores, strict=True))[: args.n_best]:
                 say(f"  {score:9.4f}  {printable(tokenizer.decode(beam))}")
@@ -147,15 +181,26 @@ def run(args: argparse.Namespace, say=print) -> int:
         **sampling,
     )
     arrow = " -> " if isinstance(model, EncoderDecoder) else ""
-    for prompt, ids in zip(prompts, outputs, strict=True):
+    for number, (prompt, ids) in enumerate(zip(prompts, outputs, strict=True)):
+        say_separator(number, say)
         say(f"{prompt}{arrow}{printable(tokenizer.decode(ids))}")
     return 0
+
+
+def say_separator(number: int, say=print) -> None:
+    """A line of dashes before every sample but the first, as nanoGPT's sample.py: samples of
+    text run over several lines."""
+    if number:
+        say(SEPARATOR)
+
+
+SEPARATOR = "-" * 16
 
 
 def check_flags(args: argparse.Namespace) -> None:
     """Raises ValueError naming the first flag out of its range or at odds with another."""
     for flag in ("max_new_tokens", "num_samples", "beam_size", "n_best"):
-        if getattr(args, flag) < 1:
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ValueError(
                 f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}"
             )

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import functools
 import pathlib
+import sys
 import time
 
 from flaxformer_lite.cli.errors import guarded, notice, say
@@ -48,7 +49,11 @@ def prepare_parser() -> argparse.ArgumentParser:
         type=pathlib.Path,
         help="the validation store to write, from data.validation_path (which it needs)",
     )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (the default when the output is not a terminal)",
+    )
     parser.add_argument(
         "overrides",
         nargs="*",
@@ -92,7 +97,8 @@ def _prepare(args) -> int:
 
         tokenizer = load_hf_tokenizer(cfg.init_from)
     progress = None
-    if not args.no_progress:
+    # A bar only on a terminal, as train.py's: in a file or a pipe it is carriage returns.
+    if not args.no_progress and sys.stdout.isatty() and sys.stderr.isatty():
         from tqdm import tqdm
 
         progress = functools.partial(

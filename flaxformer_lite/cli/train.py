@@ -51,6 +51,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="resume even if the model/optimizer/data config changed",
     )
     parser.add_argument(
+        "--stretch-schedule",
+        action="store_true",
+        help="the learning-rate schedule spans all of train.steps, also when a resumed run's "
+        "steps were raised (by default it keeps the span it was trained with)",
+    )
+    parser.add_argument(
         "--no-progress",
         action="store_true",
         help="a plain line per logged step instead of a progress bar (the default when the "
@@ -76,9 +82,12 @@ def _train(args) -> int:
     import jax
 
     from flaxformer_lite.train.loop import Interrupted, TrainingError, run
+    from flaxformer_lite.train.resume import stretch_schedule
 
     def train():
         cfg = load_config(args.config, args.overrides, notify=notice)
+        if args.stretch_schedule:
+            cfg = stretch_schedule(cfg)
         library_log_to(RunDir(cfg.run_dir).library_log)
         # A bar only on a terminal: written to a file or a pipe it is one line of carriage returns.
         bar = not args.no_progress and sys.stdout.isatty() and sys.stderr.isatty()

@@ -29,11 +29,15 @@ def text_pieces(text: str, max_chars: int = 0) -> list[str]:
 
 
 class PieceCounter:
-    """:func:`text_pieces` that counts the texts it had to cut."""
+    """:func:`text_pieces` that counts the texts it had to cut, and those it cut inside a run
+    without spaces (the only cuts that change what BPE sees: a piece after a cut at a space
+    starts with that space)."""
 
     long_texts = 0
+    cut_inside_words = 0
 
     def __call__(self, text: str) -> list[str]:
         pieces = text_pieces(text)
         self.long_texts += len(pieces) > 1
+        self.cut_inside_words += any(not piece.startswith(" ") for piece in pieces[1:])
         return pieces

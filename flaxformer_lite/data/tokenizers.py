@@ -296,10 +296,13 @@ class BpeTokenizer(Tokenizer):
         counter = PieceCounter()
         pieces = (piece for text in _nonempty_texts(texts, cls.kind) for piece in counter(text))
         tok.train_from_iterator(pieces, trainer=trainer)
-        if counter.long_texts:
+        # Pieces cut at spaces are what BPE's pre-tokenizer splits anyway (a single-file corpus
+        # always has them): only a run of characters without a space is worth a warning.
+        if counter.cut_inside_words:
             logger.warning(
-                "fitting BPE: %d texts longer than %d characters were fitted in pieces",
-                counter.long_texts,
+                "fitting BPE: %d texts hold over %d characters without a space, fitted as "
+                "words of at most that length",
+                counter.cut_inside_words,
                 BPE_PIECE_CHARS,
             )
         return cls(tok)

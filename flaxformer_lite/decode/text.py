@@ -16,6 +16,7 @@ from __future__ import annotations
 import unicodedata
 from collections.abc import Callable
 
+import jax
 import numpy as np
 
 from flaxformer_lite.decode.generate import generate, right_pad, until_eos
@@ -88,31 +89,98 @@ def continue_or_translate(
     """Greedy (or sampled, ``sampling`` as in :func:`new_tokens`) token ids a ``DecoderLM``
     adds to each prompt of ``texts`` (:func:`prompt_ids`, ``add_bos``), or an ``EncoderDecoder``
     writes as each one's target (:func:`source_ids`), each up to (not including) its first
-    ``eos_id``. ``max_new_tokens`` is capped so that prompt and continuation, or the target, fit
-    in ``model.config.max_length``; ``notify`` hears of that, and of text that encoded to
-    ``<unk>``.
+    ``eos_id``. A ``DecoderLM`` writes all ``max_new_tokens``: past ``model.config.max_length``
+    it continues from the last tokens that fit (:func:`continue_in_windows`); ``notify`` hears
+    of that once, and of text that encoded to ``<unk>``.
 
     Raises:
-      ValueError: if the longest prompt leaves no room for a new token, or a source does not
-        fit the encoder.
+      ValueError: if the longest prompt leaves no room for a new token, a source does not fit
+        the encoder, or an ``EncoderDecoder`` is asked for more than ``max_length - 1`` target
+        tokens (its target positions).
     """
     max_length = model.config.max_length
     if isinstance(model, EncoderDecoder):
         rows = _whole_sources(tokenizer, texts, max_length)
-        room = max_length - 1
-    else:
-        rows = [prompt_ids(tokenizer, text, add_bos=add_bos) for text in texts]
-        room = max_length - max(map(len, rows))
-        if room < 1:
-            raise ValueError(
-                f"a prompt of {max_length - room} tokens leaves no room below "
-                f"max_length={max_length}"
-            )
-    _say_changes(tokenizer, texts, rows, max_new_tokens, room, max_length, notify)
-    outputs = new_tokens(
-        model, tokenizer, rows, max_new_tokens=min(max_new_tokens, room), **sampling
-    )
-    return [until_eos(ids, tokenizer.eos_id) for ids in outputs]
+        check_target_length(max_new_tokens, max_length)
+        _say_unknown(tokenizer, texts, rows, notify)
+        outputs = new_tokens(model, tokenizer, rows, max_new_tokens=max_new_tokens, **sampling)
+        return [until_eos(ids, tokenizer.eos_id) for ids in outputs]
+    rows = [prompt_ids(tokenizer, text, add_bos=add_bos) for text in texts]
+    room = max_length - max(map(len, rows))
+    if room < 1:
+        raise ValueError(
+            f"a prompt of {max_length - room} tokens leaves no room below max_length={max_length}"
+        )
+    _say_unknown(tokenizer, texts, rows, notify)
+    if max_new_tokens > room and notify is not None:
+        keep = window_kept(max_length)
+        notify(
+            f"max_new_tokens={max_new_tokens} runs past the context (max_length={max_length}): "
+            f"past it, each {max_length - keep} tokens are generated anew from the last {keep}"
+        )
+    return continue_in_windows(model, tokenizer, rows, max_new_tokens=max_new_tokens, **sampling)
+
+
+def window_kept(max_length: int) -> int:
+    """The tokens :func:`continue_in_windows` keeps as the next window's prompt: three quarters
+    of the context, so every new token still reads at least that much while the prompt is
+    re-read once per quarter (nanoGPT re-reads ``max_length - 1`` tokens for every token)."""
+    return max(1, max_length - max_length // 4)
+
+
+def continue_in_windows(
+    model: DecoderLM,
+    tokenizer,
+    rows: list[list[int]],
+    *,
+    max_new_tokens: int,
+    rng=None,
+    **sampling,
+) -> list[list[int]]:
+    """The tokens a ``DecoderLM`` adds to each prompt in ``rows``, up to its first ``eos_id``,
+    ``max_new_tokens`` of them even past ``model.config.max_length``: the first window fills
+    the context; each next one re-reads the last :func:`window_kept` tokens of each row from
+    position 0 (so learned positions, RoPE and relative ones alike) and fills the rest with a
+    fresh KV cache. Sampling draws the first window with ``rng`` (as :func:`new_tokens` would),
+    window ``i`` after it with ``fold_in(rng, i)``."""
+    max_length = model.config.max_length
+    keep = window_kept(max_length)
+    written = [[] for _ in rows]
+    done = [False] * len(rows)
+    contexts, window = rows, 0
+    while not all(done):
+        left = max_new_tokens - min(len(w) for w, d in zip(written, done, strict=True) if not d)
+        # Past the first window every call has one shape ([B, keep] in, max_length - keep
+        # out), so it compiles once; the surplus of the last one is dropped.
+        room = max_length - max(map(len, contexts))
+        key = rng if rng is None or window == 0 else jax.random.fold_in(rng, window)
+        outputs = new_tokens(
+            model,
+            tokenizer,
+            contexts,
+            max_new_tokens=min(room, left) if window == 0 else room,
+            rng=key,
+            **sampling,
+        )
+        for i, ids in enumerate(outputs):
+            if done[i]:
+                continue
+            ids = until_eos(ids, tokenizer.eos_id)
+            done[i] = len(ids) < len(outputs[i]) or len(written[i]) + len(ids) >= max_new_tokens
+            written[i] += ids[: max_new_tokens - len(written[i])]
+        contexts = [(row + new)[-keep:] for row, new in zip(rows, written, strict=True)]
+        window += 1
+    return written
+
+
+def check_target_length(max_new_tokens: int, max_length: int) -> None:
+    """An ``EncoderDecoder``'s target has ``max_length - 1`` positions after ``sos``: a longer
+    one is refused before decoding (a translation ends at ``eos``; it is not continued)."""
+    if max_new_tokens > max_length - 1:
+        raise ValueError(
+            f"max_new_tokens={max_new_tokens}: an encoder-decoder's target has at most "
+            f"{max_length - 1} tokens (max_length={max_length})"
+        )
 
 
 def _whole_sources(tokenizer, texts: list[str], max_length: int) -> list[list[int]]:
@@ -131,9 +199,9 @@ def _whole_sources(tokenizer, texts: list[str], max_length: int) -> list[list[in
     return [source_ids(tokenizer, text, max_length) for text in texts]
 
 
-def _say_changes(tokenizer, texts, rows, max_new_tokens, room, max_length, notify) -> None:
-    """Tells ``notify`` what decoding changes from what was asked: tokens of the text that
-    became ``<unk>`` (the text is shown as typed), and ``max_new_tokens`` lowered to fit."""
+def _say_unknown(tokenizer, texts, rows, notify) -> None:
+    """Tells ``notify`` of tokens of the text that became ``<unk>`` (the text is shown as
+    typed)."""
     if notify is None:
         return
     unk_id = getattr(tokenizer, "unk_id", None)
@@ -141,11 +209,6 @@ def _say_changes(tokenizer, texts, rows, max_new_tokens, room, max_length, notif
     for text, count in unknown.items():
         if unk_id is not None and count:
             notify(f"{text!r}: {count} of its tokens are not in the tokenizer's vocabulary: <unk>")
-    if max_new_tokens > room:
-        notify(
-            f"max_new_tokens={max_new_tokens} lowered to {room}, what fits in "
-            f"max_length={max_length}"
-        )
 
 
 def translate_beam(
@@ -159,20 +222,20 @@ def translate_beam(
     notify: Callable[[str], None] | None = None,
 ) -> tuple[list[list[list[int]]], list[list[float]]]:
     """Beam search: per text, ``beam_size`` hypotheses (best first, each up to its ``eos_id``)
-    and their length-penalized scores; at most ``model.config.max_length - 1`` tokens
-    (``notify`` as in :func:`continue_or_translate`).
+    and their length-penalized scores, of up to ``max_new_tokens`` tokens (``notify`` as in
+    :func:`continue_or_translate`).
 
     Raises:
-      ValueError: a source that does not fit the encoder.
+      ValueError: a source that does not fit the encoder, or ``max_new_tokens`` past the
+        target's ``model.config.max_length - 1`` positions.
     """
     max_length = model.config.max_length
     sources = _whole_sources(tokenizer, texts, max_length)
-    _say_changes(tokenizer, texts, sources, max_new_tokens, max_length - 1, max_length, notify)
+    check_target_length(max_new_tokens, max_length)
+    _say_unknown(tokenizer, texts, sources, notify)
     batch, lengths = right_pad(sources, tokenizer.pad_id)
-    new = min(max_new_tokens, max_length - 1)
-    tokens, scores = beam_search(
-        model, batch, beam_size=beam_size, alpha=alpha, **_seq2seq_ids(tokenizer, lengths, new)
-    )
+    ids = _seq2seq_ids(tokenizer, lengths, max_new_tokens)
+    tokens, scores = beam_search(model, batch, beam_size=beam_size, alpha=alpha, **ids)
     beams = [[until_eos(b, tokenizer.eos_id) for b in row] for row in np.asarray(tokens)]
     return beams, np.asarray(scores).tolist()
 

@@ -39,7 +39,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from flaxformer_lite.interop.common import Rule, layer_rules, multi_head_mismatches, require
+from flaxformer_lite.interop.common import (
+    ZERO_BIASES,
+    Rule,
+    layer_rules,
+    multi_head_mismatches,
+    require,
+)
 from flaxformer_lite.models.config import ModelConfig
 
 MASKED_LM = "BertForMaskedLM"
@@ -297,7 +303,7 @@ def mismatches(cfg: ModelConfig) -> list[str]:
         want.update(mlm_transform=True, output_bias=True)
     else:  # BertForSequenceClassification's
         want.update(pooler_dense=True, pooling="first")
-    problems = multi_head_mismatches(cfg, "BERT", want, _ACTIVATION_NAMES)
+    problems = multi_head_mismatches(cfg, "BERT", want, _ACTIVATION_NAMES, ZERO_BIASES)
     if cfg.type_vocab_size < 1:
         problems.append("type_vocab_size=0 (BERT has token-type embeddings)")
     if cfg.embedding_dropout != cfg.residual_dropout:

@@ -279,14 +279,20 @@ def params_to_tensors(
     return {rule.hf: rule.to_hf(np.asarray(params[rule.ours])) for rule in rules}
 
 
-def multi_head_mismatches(cfg, family: str, want: dict, activations) -> list[str]:
+# The biases every GPT-2, BERT and Marian layer has: a model without them is the same model
+# with zero biases, and is written so (hf.save_hf).
+ZERO_BIASES = ("norm_bias", "qkv_bias", "attention_out_bias", "mlp_bias")
+
+
+def multi_head_mismatches(cfg, family: str, want: dict, activations, zero_biases=()) -> list[str]:
     """What in ``cfg`` a ``family`` model (plain multi-head attention) cannot have: each field
-    differing from ``want``, grouped-query attention, a head size other than
-    ``d_model // num_heads``, and an activation outside ``activations``."""
+    differing from ``want`` (but a bias of ``zero_biases`` left out: zeros), grouped-query
+    attention, a head size other than ``d_model // num_heads``, and an activation outside
+    ``activations``."""
     problems = [
         f"{name}={getattr(cfg, name)!r} ({family} has {value!r})"
         for name, value in want.items()
-        if getattr(cfg, name) != value
+        if getattr(cfg, name) != value and name not in zero_biases
     ]
     if cfg.num_kv_heads != cfg.num_heads:
         problems.append(

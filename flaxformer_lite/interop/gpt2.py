@@ -11,7 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from flaxformer_lite.interop.common import Rule, layer_rules, multi_head_mismatches, require
+from flaxformer_lite.interop.common import (
+    ZERO_BIASES,
+    Rule,
+    layer_rules,
+    multi_head_mismatches,
+    require,
+)
 from flaxformer_lite.models.config import ModelConfig
 
 ARCHITECTURE = "GPT2LMHeadModel"
@@ -172,4 +178,4 @@ def mismatches(cfg: ModelConfig) -> list[str]:
         output_dim=None,
         mlm_transform=False,
     )
-    return multi_head_mismatches(cfg, "GPT-2", want, _ACTIVATION_NAMES)
+    return multi_head_mismatches(cfg, "GPT-2", want, _ACTIVATION_NAMES, ZERO_BIASES)

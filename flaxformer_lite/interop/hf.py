@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from types import ModuleType
@@ -139,12 +140,13 @@ def save_hf(
         None: each family's defaults (HF's own, Marian's OPUS-MT ids), no generation config.
 
     Raises:
-      ValueError: ``config`` fits none of the families (lists what does not fit each), its
+      ValueError: ``config`` fits none of the families (what does not fit the closest), its
         ``mixer`` is not attention, or its attention is sparse (``local_window``).
     """
     family = writable_family(config)
-    hf_config = family.config_to_hf(config)
     params = _layer_params(model, config)
+    config, params = _with_zero_biases(config, params, getattr(family, "ZERO_BIASES", ()))
+    hf_config = family.config_to_hf(config)
     unwritten = family.unwritten(config) if hasattr(family, "unwritten") else ()
     tensors = common.params_to_tensors(family.rules(config), params, ignore=unwritten)
     if family is gpt2:  # what GPT2LMHeadModel itself writes
@@ -166,7 +168,7 @@ def writable_family(config: ModelConfig, who: str = "save_hf") -> ModuleType:
     Raises:
       ValueError: starting with ``who``: a piece of the user's (``models.pieces``), a ``mixer``
         that is not attention, sparse attention (``local_window``), or a model that fits none
-        of the families (what does not fit each).
+        of the families (what does not fit the closest, then how much each other one differs).
     """
     refuse_user_pieces(config, who)
     if config.mixer != "attention":
@@ -184,11 +186,16 @@ def writable_family(config: ModelConfig, who: str = "save_hf") -> ModuleType:
     for family, found in problems.items():
         if not found:
             return family
-    details = " | ".join(
-        f"not {'/'.join(_architectures(family))}: {'; '.join(found)}"
-        for family, found in problems.items()
+    # Closest first: a family of the model's kind (decoder, encoder, encoder-decoder), then the
+    # fewest settings apart; the others only by how many.
+    closest, *others = sorted(
+        problems, key=lambda f: (any(p.startswith("kind=") for p in problems[f]), len(problems[f]))
     )
-    raise ValueError(f"{who} writes only {', '.join(SUPPORTED)} models; {details}")
+    rest = ", ".join(f"{'/'.join(_architectures(f))} {len(problems[f])}" for f in others)
+    raise ValueError(
+        f"{who}: no Hugging Face family fits; closest {'/'.join(_architectures(closest))}, "
+        f"which differs in {'; '.join(problems[closest])} (settings apart in the others: {rest})"
+    )
 
 
 def refuse_user_pieces(config: ModelConfig, who: str) -> None:
@@ -224,6 +231,23 @@ def _abstract_split(cfg: ModelConfig):
     graphdef, params, _ = nnx.split(abstract, nnx.Param, ...)
     others = jax.jit(lambda: nnx.split(build_model(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)[2])()
     return graphdef, params, others
+
+
+def _with_zero_biases(config: ModelConfig, params: dict, biases) -> tuple[ModelConfig, dict]:
+    """``config`` with the ``biases`` it lacks turned on, and ``params`` with those biases as
+    zeros (their shapes from the abstract model of that config, with a loop stack's paths as
+    :func:`_layer_params` names them): the same function, in the family's layout."""
+    absent = {name: True for name in biases if not getattr(config, name)}
+    if not absent:
+        return config, params
+    config = dataclasses.replace(config, **absent)
+    loop = dataclasses.replace(config, scan_layers=False)
+    abstract = nnx.eval_shape(lambda: build_model(loop, rngs=nnx.Rngs(0)))
+    for path, variable in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
+        name = _dotted(path)
+        if name not in params:
+            params[name] = np.zeros(variable.shape, variable.dtype)
+    return config, params
 
 
 def _layer_params(model, config: ModelConfig) -> dict[str, np.ndarray]:

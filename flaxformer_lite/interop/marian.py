@@ -27,7 +27,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from flaxformer_lite.interop.common import Rule, layer_rules, multi_head_mismatches, require
+from flaxformer_lite.interop.common import (
+    ZERO_BIASES,
+    Rule,
+    layer_rules,
+    multi_head_mismatches,
+    require,
+)
 from flaxformer_lite.models.config import ModelConfig
 
 ARCHITECTURE = "MarianMTModel"
@@ -272,7 +278,7 @@ def mismatches(cfg: ModelConfig) -> list[str]:
         output_dim=None,
         mlm_transform=False,
     )
-    problems = multi_head_mismatches(cfg, "Marian", want, _ACTIVATION_NAMES)
+    problems = multi_head_mismatches(cfg, "Marian", want, _ACTIVATION_NAMES, ZERO_BIASES)
     if cfg.embedding_dropout != cfg.residual_dropout:
         problems.append(
             f"embedding_dropout={cfg.embedding_dropout} != residual_dropout="

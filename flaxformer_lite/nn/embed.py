@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flaxformer_lite.nn.dense import XAVIER, KernelInit, param
+from flaxformer_lite.nn.sharding import gathered_for_compute
 from flaxformer_lite.ops.projection import project
 
 
@@ -44,7 +45,11 @@ class Embed(nnx.Module):
         """
         if not jnp.issubdtype(jnp.asarray(ids).dtype, jnp.integer):
             raise ValueError(f"Embed expects integer ids, got dtype {jnp.asarray(ids).dtype}")
-        return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
+        # The table without its FSDP split (its "embed" dimension): the rows come out whole, in
+        # the batch's layout; from the split table XLA would move each looked-up row from a
+        # D-split to a batch-split layout by replicating it ("involuntary rematerialization").
+        table = gathered_for_compute(self.embedding[...], self.embedding.out_sharding)
+        return jnp.take(table, ids, axis=0).astype(self.dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:
         """The tied output projection: ``[..., D] -> [..., num_embeddings]`` logits ``x @ E^T``.

@@ -279,8 +279,9 @@ def eval_coverage(cfg, data, task: str, counted: float) -> str:
 
 def decoded_eval(cfg, data, task, model, step: int, log) -> dict[str, float]:
     """Greedy-decodes ``train.decode_examples`` validation examples, logs ``train.log_samples``
-    of them, and returns their scores; on plain text, logs ``train.log_samples`` sampled
-    continuations of validation prompts (no score: text has no answer to compare with)."""
+    of them, and returns their scores and ``eval_decoded_examples``, how many were decoded; on
+    plain text, logs ``train.log_samples`` sampled continuations of validation prompts (no
+    score: text has no answer to compare with)."""
     if jax.process_count() > 1:  # the prompts are not split over processes
         return {}
     # One batch of prompts on whatever devices hold the parameters: no activation layout rules.
@@ -313,4 +314,4 @@ def decoded_eval(cfg, data, task, model, step: int, log) -> dict[str, float]:
             f"step {step} sample {sample.input!r} -> {sample.prediction!r} "
             f"(reference {sample.reference!r})"
         )
-    return values
+    return values | {"eval_decoded_examples": len(samples)}

@@ -66,6 +66,17 @@ from flaxformer_lite.train.orbax_threads import stop_background_saves
 
 logger = logging.getLogger(__name__)
 
+
+def _not_read_only_notice(record: logging.LogRecord) -> bool:
+    """Drops Orbax's warnings that a manager is read-only ("Given directory is read only",
+    "read_only=True, setting save_interval_steps=0"): ``read_only`` is this class's request not
+    to write (a run read by ``load_run`` or ``generate``), nothing a user has to hear about."""
+    message = record.getMessage()
+    return not message.startswith(
+        ("Given directory is read only", "CheckpointManagerOptions.read_only=True")
+    )
+
+
 BEST_METRIC = "eval_loss"  # lower is better
 FINGERPRINTS = "fingerprints"  # the item holding each array's fingerprint
 
@@ -121,33 +132,38 @@ class Checkpointer:
         self._unreadable: dict[int, str] = {}
         if not read_only:
             self._unreadable = _unreadable_metrics(self.directory)
-        options = ocp.CheckpointManagerOptions(
-            save_decision_policy=policies.FixedIntervalPolicy(every),
-            preservation_policy=policies.AnyPreservationPolicy(
-                [
-                    policies.LatestN(n=keep),
-                    # BestN keeps the last n after sorting by the metric; reverse=True sorts
-                    # descending, so the lowest eval loss is kept.
-                    policies.BestN(
-                        get_metric_fn=_eval_loss,
-                        reverse=True,
-                        n=1,
-                        keep_checkpoints_without_metrics=False,
-                    ),
-                ]
-            ),
-            # Orbax writes (and on restart reads back) the metrics item only when best_fn is
-            # set; the preservation policy above is what decides retention.
-            best_fn=None if read_only else _eval_loss,
-            best_mode="min",
-            enable_async_checkpointing=async_save,
-            create=not read_only,
-            read_only=read_only,
-            # No metrics (nor commit times) read at start: read-only needs none, and orbax
-            # fails on an unreadable one (they are read once those are set aside).
-            lightweight_initialize=read_only or bool(self._unreadable),
-        )
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        absl = logging.getLogger("absl")
+        absl.addFilter(_not_read_only_notice)
+        try:
+            options = ocp.CheckpointManagerOptions(
+                save_decision_policy=policies.FixedIntervalPolicy(every),
+                preservation_policy=policies.AnyPreservationPolicy(
+                    [
+                        policies.LatestN(n=keep),
+                        # BestN keeps the last n after sorting by the metric; reverse=True sorts
+                        # descending, so the lowest eval loss is kept.
+                        policies.BestN(
+                            get_metric_fn=_eval_loss,
+                            reverse=True,
+                            n=1,
+                            keep_checkpoints_without_metrics=False,
+                        ),
+                    ]
+                ),
+                # Orbax writes (and on restart reads back) the metrics item only when best_fn is
+                # set; the preservation policy above is what decides retention.
+                best_fn=None if read_only else _eval_loss,
+                best_mode="min",
+                enable_async_checkpointing=async_save,
+                create=not read_only,
+                read_only=read_only,
+                # No metrics (nor commit times) read at start: read-only needs none, and orbax
+                # fails on an unreadable one (they are read once those are set aside).
+                lightweight_initialize=read_only or bool(self._unreadable),
+            )
+            self._manager = ocp.CheckpointManager(self.directory, options=options)
+        finally:
+            absl.removeFilter(_not_read_only_notice)
         self._in_flight: int | None = None
         self._failed = False
 

@@ -226,6 +226,44 @@ RUNTIME_KEYS = (
 # run's config.yaml or checkpoint), so an older run resumes without a difference.
 RENAMED_KEYS = {"data.task": "data.generator", "data.task_options": "data.generator_options"}
 
+# Our key for the names nanoGPT, Hugging Face's TrainingArguments / configs and levanter give a
+# setting: an unknown key whose last part is one of them is pointed here, in whatever section it
+# was typed, before any match by spelling (which finds `optimizer.end_lr_ratio` for
+# `optimizer.learning_rate`).
+OTHER_NAMES = {
+    **dict.fromkeys(("learning_rate", "lr", "peak_lr", "max_lr"), "optimizer.lr"),
+    **dict.fromkeys(("min_lr", "min_lr_ratio"), "optimizer.end_lr_ratio"),
+    **dict.fromkeys(("warmup_steps", "warmup_iters", "warmup"), "optimizer.warmup_steps"),
+    **dict.fromkeys(("lr_decay_iters", "decay_steps"), "optimizer.schedule_steps"),
+    **dict.fromkeys(("lr_scheduler_type", "lr_schedule"), "optimizer.schedule"),
+    **dict.fromkeys(("beta1", "adam_beta1"), "optimizer.b1"),
+    **dict.fromkeys(("beta2", "adam_beta2"), "optimizer.b2"),
+    **dict.fromkeys(("epsilon", "adam_epsilon", "adam_eps"), "optimizer.eps"),
+    **dict.fromkeys(("grad_clip", "max_grad_norm", "clip_grad_norm"), "optimizer.clip_norm"),
+    "weight_decay": "optimizer.weight_decay",
+    **dict.fromkeys(("max_steps", "max_iters", "num_train_steps", "num_steps"), "train.steps"),
+    **dict.fromkeys(
+        ("batch_size", "train_batch_size", "per_device_train_batch_size"), "train.batch_size"
+    ),
+    "gradient_accumulation_steps": "train.grad_accum_steps",
+    **dict.fromkeys(("eval_interval", "eval_steps", "steps_per_eval"), "train.eval_every"),
+    **dict.fromkeys(("log_interval", "logging_steps"), "train.log_every"),
+    **dict.fromkeys(("eval_iters", "max_eval_batches"), "train.eval_batches"),
+    **dict.fromkeys(("save_steps", "steps_per_export"), "checkpoint.every"),
+    **dict.fromkeys(("block_size", "seq_length", "max_seq_length"), "data.seq_len"),
+    "dataset": "data.path",
+    **dict.fromkeys(("out_dir", "output_dir"), "run_dir"),
+    **dict.fromkeys(
+        ("n_layer", "n_layers", "num_layers", "num_hidden_layers"), "model.num_decoder_layers"
+    ),
+    **dict.fromkeys(("n_head", "num_attention_heads"), "model.num_heads"),
+    **dict.fromkeys(("n_embd", "hidden_size", "hidden_dim", "d_embed"), "model.d_model"),
+    **dict.fromkeys(("intermediate_size", "mlp_dim", "n_inner"), "model.d_ff"),
+    **dict.fromkeys(("num_key_value_heads", "n_kv_heads"), "model.num_kv_heads"),
+    **dict.fromkeys(("n_positions", "max_position_embeddings"), "model.max_length"),
+    "dropout": "model.residual_dropout",
+}
+
 
 def load_config(
     path: str | pathlib.Path | None = None,
@@ -319,9 +357,15 @@ def config_from_dict(values: Mapping[str, Any]) -> TrainConfig:
     try:
         return build(TrainConfig, renamed_keys(values, "the config"), "")
     except UnknownKeyError as error:
-        close = difflib.get_close_matches(error.key, valid_keys(), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(f"{error}{hint}") from None
+        raise ConfigError(f"{error}{closest_key_hint(error.key)}") from None
+
+
+def closest_key_hint(key: str) -> str:
+    """`` (did you mean 'optimizer.lr'?)`` for an unknown dotted ``key``: our name for what other
+    trainers call it (:data:`OTHER_NAMES`), else the closest spelling; empty if neither."""
+    ours = OTHER_NAMES.get(key.rpartition(".")[2])
+    close = [ours] if ours and ours != key else difflib.get_close_matches(key, valid_keys(), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def config_diff(old: TrainConfig, new: TrainConfig) -> dict[str, tuple[Any, Any]]:

@@ -4,11 +4,14 @@ With a bar (``bar=True``: the command found a terminal), each logged step's metr
 bar; without one (``--no-progress``, output to a file or a pipe, every job on an accelerator
 host), each logged step prints one line::
 
-    step 500/2000: loss 1.627, learning_rate 0.000854, 21.3k tokens/s, 0:00:31 elapsed, 0:01:30 left
+    step 500/2000: loss 1.627, learning_rate 0.000854, 21.3k tokens/s (positions), 0:00:31 elapsed
 
-Each evaluation prints one line either way, naming its step and what it is over::
+Tokens/s count every position of a step's ``batch_size x seq_len`` (padding included; an
+encoder-decoder's target positions), as MaxText, levanter and nanoGPT count them. Each
+evaluation prints one line either way, naming its step and what each group of metrics is over::
 
-    eval at step 500 (every one of 111,541 validation tokens): eval_loss 1.7412, ...
+    eval at step 500 (every one of 111,541 validation tokens): eval_loss 1.7412, ...;
+    greedy decoding of 256 validation examples: eval_exact_match 0.4141, ...
 """
 
 from __future__ import annotations
@@ -18,6 +21,10 @@ import time
 
 # Printed first, in this order; the rest of a step's metrics stay in metrics.jsonl.
 _STEP_KEYS = ("loss", "learning_rate")
+# An evaluation's metrics from greedy decoding (train.decode_examples examples), not over tokens.
+DECODED = ("eval_exact_match", "eval_token_accuracy", "eval_bleu")
+# What an evaluation is over: said in words, not listed as metrics.
+_COUNTS = ("eval_tokens", "eval_decoded_examples")
 
 
 class Console:
@@ -44,7 +51,7 @@ class Console:
             return
         parts = [f"{k} {values[k]:.4g}" for k in _STEP_KEYS if values.get(k) is not None]
         if values.get("tokens_per_sec"):
-            parts.append(f"{values['tokens_per_sec'] / 1000:.1f}k tokens/s")
+            parts.append(f"{values['tokens_per_sec'] / 1000:.1f}k tokens/s (positions)")
         elapsed = time.perf_counter() - self._started
         parts.append(f"{_duration(elapsed)} elapsed")
         if step > self._first:
@@ -52,10 +59,15 @@ class Console:
         self.log(f"step {step}/{self.total}: " + ", ".join(parts))
 
     def evaluated(self, step: int, values: dict, over: str) -> None:
-        """An evaluation's metrics at ``step``; ``over`` says what they are over."""
-        shown = {k: v for k, v in values.items() if v is not None and k != "eval_tokens"}
-        metrics = ", ".join(f"{k} {v:.4g}" for k, v in shown.items())
-        self.say(f"eval at step {step} ({over}): {metrics}")
+        """An evaluation's metrics at ``step``: those over validation tokens (``over`` says
+        which), then those of greedy decoding over ``eval_decoded_examples`` examples."""
+        shown = {k: v for k, v in values.items() if v is not None and k not in _COUNTS}
+        line = f"eval at step {step} ({over}): " + _listed(shown, lambda k: k not in DECODED)
+        if any(k in DECODED for k in shown):
+            count = values["eval_decoded_examples"]
+            line += f"; greedy decoding of {count:,} validation examples: "
+            line += _listed(shown, lambda k: k in DECODED)
+        self.say(line)
 
     def say(self, message: str) -> None:
         """A line of its own, above the bar if there is one."""
@@ -68,6 +80,10 @@ class Console:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+def _listed(values: dict, keep) -> str:
+    return ", ".join(f"{k} {v:.4g}" for k, v in values.items() if keep(k))
 
 
 def _duration(seconds: float) -> str:

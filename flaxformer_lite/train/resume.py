@@ -41,6 +41,14 @@ class Difference:
         return "\n".join([f"{self.what}; {self.way_forward}" + ":" * bool(self.lines), *self.lines])
 
 
+def stretch_schedule(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with its learning-rate schedule over all its ``train.steps``
+    (``--stretch-schedule``): a resumed run whose steps were raised follows the schedule of
+    the longer run from where it stands, instead of keeping the span it was trained with."""
+    optimizer = dataclasses.replace(cfg.optimizer, schedule_steps=cfg.train.steps)
+    return dataclasses.replace(cfg, optimizer=optimizer)
+
+
 def keep_schedule_span(saved: TrainConfig, cfg: TrainConfig, log) -> TrainConfig:
     """``cfg`` resuming ``saved`` with the learning-rate schedule's span it was trained with:
     raising ``train.steps`` extends a run (as Orbax/MaxText users do) at the rate it ended with,
@@ -51,11 +59,14 @@ def keep_schedule_span(saved: TrainConfig, cfg: TrainConfig, log) -> TrainConfig
     span = schedule_span(saved)
     if span == cfg.train.steps:
         return cfg
-    if cfg.optimizer.schedule in ("cosine", "linear"):
+    if cfg.optimizer.schedule in ("cosine", "linear") and cfg.train.steps > span:
+        end = cfg.optimizer.lr * cfg.optimizer.end_lr_ratio
         log(
             f"train.steps {saved.train.steps} -> {cfg.train.steps}: the {cfg.optimizer.schedule} "
-            f"schedule keeps its {span}-step span (after it the rate stays at its end value); "
-            f"to stretch it instead, pass optimizer.schedule_steps={cfg.train.steps} --force"
+            f"schedule keeps its {span}-step span, so the last {cfg.train.steps - span} steps "
+            f"train at its end rate {end:.3g}; for a schedule over all {cfg.train.steps} steps, "
+            "pass --stretch-schedule (this run goes on along the stretched schedule) or --fresh "
+            "(start over)"
         )
     optimizer = dataclasses.replace(cfg.optimizer, schedule_steps=span)
     return dataclasses.replace(cfg, optimizer=optimizer)
@@ -226,6 +237,10 @@ def _changed_settings(saved: TrainConfig, cfg: TrainConfig) -> dict[str, tuple]:
     # extended run records it, and extending or resuming it again must not read as a change.
     unset = cfg.optimizer.schedule_steps is None
     if unset or schedule_span(saved) == schedule_span(cfg):  # None and the steps it stood for
+        diff.pop("optimizer.schedule_steps", None)
+    # A schedule over all of train.steps, as the saved one was (--stretch-schedule): the
+    # run's own shape of schedule, not a changed setting.
+    if schedule_span(cfg) == cfg.train.steps and schedule_span(saved) == saved.train.steps:
         diff.pop("optimizer.schedule_steps", None)
     diff.pop("model.vocab_size", None)
     if cfg.data.source == "text":  # unset, a text file is one document: the same as file

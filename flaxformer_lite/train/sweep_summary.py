@@ -24,7 +24,14 @@ BEST = "best_eval_loss"  # the lowest eval_loss a member logged
 # The table's columns when logged; sweep.json has every metric.
 TABLE_METRICS = ("loss", "eval_loss", BEST, "eval_accuracy", "eval_exact_match")
 # Throughput is the program's, not a member's result: not summarized.
-NOT_RESULTS = ("step", "learning_rate", "tokens_per_sec", "mfu", "eval_tokens")
+NOT_RESULTS = (
+    "step",
+    "learning_rate",
+    "tokens_per_sec",
+    "mfu",
+    "eval_tokens",
+    "eval_decoded_examples",
+)
 
 
 def member_results(run_dir: pathlib.Path) -> dict[str, float]:

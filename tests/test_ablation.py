@@ -1,5 +1,6 @@
-"""benchmarks/ablation.py at a tiny size: every config swept over two seeds, the table of means
-and deviations, the figure, the JSON."""
+"""``flaxformer-lite ablation`` at a tiny size: every config swept over two seeds, the table of
+means and deviations, the figure, the JSON; a command of the installed package (issue 45 item
+10), in its --help without the history of the project."""
 
 import json
 import statistics
@@ -7,9 +8,10 @@ import subprocess
 import sys
 
 import pytest
-from benchmark_scripts import BENCHMARKS, load_benchmark
 from subprocess_env import subprocess_env
 
+from flaxformer_lite.cli import main
+from flaxformer_lite.cli.ablation import FLAXFORMER_LITE, ablation, parser
 from flaxformer_lite.train.metrics import read_metrics
 
 TINY = """\
@@ -33,7 +35,7 @@ optimizer:
 
 @pytest.mark.slow
 def test_the_ablation_trains_every_config_and_compares_them(tmp_path, capsys, monkeypatch):
-    # The benchmark's sweep subprocesses inherit this process's environment: that of
+    # The command's sweep subprocesses inherit this process's environment: that of
     # subprocess_env (one device, XLA's backend optimizations off, the session's compilation
     # cache for every program) rather than conftest.py's 8 devices compiled with optimizations.
     for name, value in subprocess_env(1).items():
@@ -43,9 +45,8 @@ def test_the_ablation_trains_every_config_and_compares_them(tmp_path, capsys, mo
         configs.append(tmp_path / f"{mixer}.yaml")
         configs[-1].write_text(TINY.format(mixer=mixer))
     runs = tmp_path / "runs"
-    ablation = load_benchmark("ablation")
     argv = ["--configs", *map(str, configs), "--runs", str(runs), "--seeds", "2", "--steps", "4"]
-    result = ablation.main(argv)
+    result = ablation(parser().parse_args(argv))
     printed = capsys.readouterr().out
     assert json.loads(printed.strip().splitlines()[-1]) == result
     assert [row["run"] for row in result["runs"]] == ["attention", "aft_simple"]
@@ -74,7 +75,7 @@ def test_a_failing_run_ends_the_ablation_with_its_line_and_status(tmp_path):
     config.write_text(TINY.format(mixer="attention").replace("log_every", "log_evry"))
     argv = ["--configs", str(config), "--runs", str(tmp_path / "runs")]
     child = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "ablation.py"), *argv],
+        [sys.executable, "-c", FLAXFORMER_LITE, "ablation", *argv],
         env=subprocess_env(1),
         capture_output=True,
         text=True,
@@ -83,3 +84,15 @@ def test_a_failing_run_ends_the_ablation_with_its_line_and_status(tmp_path):
     assert child.returncode == 2, child.stderr[-3000:]
     lines = child.stderr.strip().splitlines()
     assert len(lines) == 1 and "train.log_evry" in lines[0], child.stderr[-3000:]
+
+
+def test_the_help_names_the_shipped_ablations_and_no_issue(capsys):
+    with pytest.raises(SystemExit):
+        main(["ablation", "--help"])
+    text = capsys.readouterr().out
+    assert "ablations/*" in text and "issue" not in text.lower()
+    assert parser().parse_args([]).configs is None  # every shipped ablations/* recipe
+    assert main(["ablation", "--seeds", "0"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: --seeds and --steps must be positive, got 0, None"
+    )

@@ -1,10 +1,11 @@
-"""Which JAX backends the commands start: all that jax finds, but for libtpu on a host without
-TPU chips.
+"""Which JAX backends start once ``flaxformer_lite`` is imported (by a command or a user's
+script): all that jax finds, but for libtpu on a host without TPU chips.
 
 libtpu (the ``tpu`` extra, which ``dev`` pulls in to compile for TPUs on any host) makes JAX try a
 TPU backend at start-up, and on a host without TPU chips it prints warnings about TPU hostnames
-before JAX falls back. There, with no other accelerator plugin installed, the commands ask JAX for
-the CPU alone. A ``JAX_PLATFORMS`` the user set is kept.
+before JAX falls back to the CPU. There, with no other accelerator plugin installed, importing the
+package asks JAX for the CPU alone: the same backend, without the warnings. A ``JAX_PLATFORMS``
+the user set is kept, and so is a backend already started.
 """
 
 from __future__ import annotations
