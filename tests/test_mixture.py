@@ -125,12 +125,19 @@ def test_a_mixture_of_pairs_scores_each_sources_decoded_examples(tmp_path):
         "data.tokenizer=char",
         *(f"data.mixture.{name}.path={tmp_path / name}.tsv" for name in ("first", "second")),
     ]
-    run(load_config(None, [f"run_dir={run_dir}", *overrides, "train.steps=1"]), log=_quiet)
+    lines = []
+    cfg = load_config(None, [f"run_dir={run_dir}", *overrides, "train.steps=1"])
+    run(cfg, progress=False, log=lines.append)
     last = _records(run_dir)[-1]
     for name in ("first", "second"):
         for key in ("eval_loss", "eval_bleu", "eval_exact_match", "eval_token_accuracy"):
             assert f"{key}/{name}" in last, (key, name, last)
     assert "eval_loss" in last and "eval_bleu" not in last  # a corpus BLEU does not pool
+    (line,) = [line for line in lines if line.startswith("eval at step 1")]
+    assert "eval_tokens/first" in line  # what the source's eval_loss/first is over
+    assert (
+        "; greedy decoding of 4 validation examples (first 2, second 2): eval_exact_match/" in line
+    )
 
 
 def test_a_mixture_stopped_by_sigterm_resumes_bit_exactly(corpora, tmp_path, monkeypatch):
