@@ -175,8 +175,15 @@ class Evaluate:
         model = nnx.merge(self.eval_graphdef, end.state)[0]
         # A mixture decodes each source's examples: a corpus BLEU does not pool.
         for name, part in self.data.sources.items() or [("", self.data)]:
-            data = dataclasses.replace(self.data, eval_examples=part.eval_examples)
-            decoded = decoded_eval(self.cfg, data, self.task, model, end.step, self.console.say)
+            decoded = decoded_eval(
+                self.cfg,
+                self.data,
+                part.eval_examples,
+                self.task,
+                model,
+                end.step,
+                self.console.say,
+            )
             scores |= {f"{key}/{name}" if name else key: value for key, value in decoded.items()}
         over = eval_coverage(self.cfg, self.data, self.task, scores["eval_tokens"])
         self.console.evaluated(end.step, scores, over)
@@ -277,20 +284,21 @@ def eval_coverage(cfg, data, task: str, counted: float) -> str:
     return f"{counted:,.0f} of the {data.eval_tokens:,} validation tokens, {share:.1%}: {batches}"
 
 
-def decoded_eval(cfg, data, task, model, step: int, log) -> dict[str, float]:
-    """Greedy-decodes ``train.decode_examples`` validation examples, logs ``train.log_samples``
-    of them, and returns their scores and ``eval_decoded_examples``, how many were decoded; on
-    plain text, logs ``train.log_samples`` sampled continuations of validation prompts (no
-    score: text has no answer to compare with)."""
+def decoded_eval(cfg, data, examples, task, model, step: int, log) -> dict[str, float]:
+    """Greedy-decodes ``train.decode_examples`` of the validation ``examples`` (all of
+    ``data``'s, or a mixture's source's), logs ``train.log_samples`` of them, and returns their
+    scores and ``eval_decoded_examples``, how many were decoded; on plain text, logs
+    ``train.log_samples`` sampled continuations of validation prompts (no score: text has no
+    answer to compare with)."""
     if jax.process_count() > 1:  # the prompts are not split over processes
         return {}
     # One batch of prompts on whatever devices hold the parameters: no activation layout rules.
     with nnx.logical_axis_rules(()):
-        if task == "lm" and cfg.train.log_samples and not decodable(task, data.eval_examples):
+        if task == "lm" and cfg.train.log_samples and not decodable(task, examples):
             samples = continue_texts(
                 model,
                 data.tokenizer,
-                data.eval_examples,
+                examples,
                 num_samples=cfg.train.log_samples,
                 max_length=min(cfg.model.max_length, cfg.data.seq_len),
                 seed=cfg.seed + step,
@@ -299,12 +307,12 @@ def decoded_eval(cfg, data, task, model, step: int, log) -> dict[str, float]:
                 prediction = printable(sample.prediction)
                 log(f"step {step} sample {number} (prompt {sample.input!r}):\n{prediction}")
             return {}
-        if not cfg.train.decode_examples or not decodable(task, data.eval_examples):
+        if not cfg.train.decode_examples or not decodable(task, examples):
             return {}
         values, samples = decode_eval(
             model,
             data.tokenizer,
-            data.eval_examples,
+            examples,
             task=task,
             num_examples=cfg.train.decode_examples,
             max_length=cfg.model.max_length,
