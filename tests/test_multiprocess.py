@@ -335,6 +335,49 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path, launch):
 
 
 @pytest.mark.slow
+def test_a_mixture_stopped_by_sigterm_on_two_processes_resumes_as_one_process_trains(
+    tmp_path, launch
+):
+    """A 3:1 mixture of two text files: SIGTERM stops the pair, which resumes; every logged
+    loss, per-source eval loss among them, is the one-process run's."""
+    for name, line in (("a", "the cat sat on mat {}\n"), ("b", "{} + 1 = ?\n")):
+        (tmp_path / f"{name}.txt").write_text("".join(line.format(i) for i in range(200)))
+    args = [
+        *QUICK,
+        "model.d_model=32",
+        "model.num_heads=2",
+        "model.d_ff=64",
+        "data.source=text",
+        "data.text_documents=lines",
+        "data.tokenizer=char",
+        f"data.mixture.a.path={tmp_path / 'a.txt'}",
+        "data.mixture.a.weight=3",
+        f"data.mixture.b.path={tmp_path / 'b.txt'}",
+        "train.steps=300",  # longer, the two layouts' float sums drift apart
+        "train.log_every=20",
+        "train.eval_every=100",
+        "checkpoint.every=1000",
+    ]
+    reference, two = tmp_path / "reference", tmp_path / "two"
+    one = launch("reference", tmp_path, [f"run_dir={reference}", *args], devices=4)
+    pair = start_pair(launch, "term", tmp_path, [f"run_dir={two}", *args])
+    wait_for_text(pair[0], COMPILED, pair)
+    pair[1].process.send_signal(signal.SIGTERM)
+    finish(pair, timeout=120)
+    assert [job.returncode for job in pair] == [143, 143], reports(pair)
+    stopped = checkpoint_steps(two)
+    resumed = start_pair(launch, "resumed", tmp_path, [f"run_dir={two}", *args])
+    finish([*resumed, one])
+    assert_succeeded([one, *resumed], "the mixture runs")
+    context = reports(resumed) + one.report()
+    assert f"resumed from step {stopped[-1]} of" in resumed[0].out(), context
+    assert_losses_close(two, reference, context)
+    got, want = records(two)[-1], records(reference)[-1]
+    for key in ("eval_loss/a", "eval_loss/b"):
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key + context)
+
+
+@pytest.mark.slow
 def test_bad_distributed_settings_exit_2_with_a_clear_message(tmp_path, launch):
     cases = [  # (overrides, environment, what the one-line error says)
         (

@@ -1,58 +1,26 @@
-"""Data sources and the pipeline: records, batch formats, packing, sharding and resumption."""
+"""The pipeline: the data settings' checks, each task's batches, packing, evaluation passes,
+fitted tokenizers (sources' records: test_source_records.py; determinism, resumption and
+sharding: test_pipeline_state.py)."""
 
 import dataclasses
 import json
 
 import numpy as np
 import pytest
+from pipeline_cases import BYTES, LINES, assert_batches_equal, build, take, text_cfg, write_corpus
 
-from flaxformer_lite.data import sentiment_words, sources, synthetic, tasks
+from flaxformer_lite.data import sentiment_words, synthetic, tasks
 from flaxformer_lite.data.config import DataConfig
 from flaxformer_lite.data.features import MASK_ID
 from flaxformer_lite.data.pipeline import build_data
-from flaxformer_lite.data.tokenizers import EOS_ID, SOS_ID, UNK_ID, ByteTokenizer
+from flaxformer_lite.data.tokenizers import EOS_ID, SOS_ID, UNK_ID
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
-
-# 30 distinct lines of 10 to 18 bytes; validation_fraction=0.1 leaves 27 for training.
-BYTES = ByteTokenizer()
-LINES = [f"sentence {i} " + "xyz"[i % 3] * (i % 7) for i in range(30)]
 
 
 @pytest.fixture
 def corpus(tmp_path):
-    path = tmp_path / "corpus.txt"
-    path.write_text("\n".join(LINES) + "\n")
-    return path
-
-
-def text_cfg(path, **kwargs):
-    """A text source's config, one document per line unless ``text_documents`` says otherwise;
-    ``packing="windows"`` packs with ``lm_rows=windows``."""
-    kwargs = {"packing": False, "text_documents": "lines", **kwargs}
-    if kwargs["packing"] == "windows":
-        kwargs.update(packing=True, lm_rows="windows")
-    return DataConfig(source="text", path=str(path), **kwargs)
-
-
-def build(cfg, tmp_path, *, task="lm", seed=0, batch_size=4, directory=None, **kwargs):
-    directory = directory or tmp_path / "tokenizer"
-    kwargs.setdefault("prepared", tmp_path / "prepared")
-    return build_data(
-        cfg, task=task, seed=seed, batch_size=batch_size, directory=directory, **kwargs
-    )
-
-
-def take(iterator, count):
-    return [next(iterator) for _ in range(count)]
-
-
-def assert_batches_equal(left, right):
-    assert len(left) == len(right)
-    for a, b in zip(left, right, strict=True):
-        assert a.keys() == b.keys()
-        for key in a:
-            np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+    return write_corpus(tmp_path)
 
 
 def lm_row_text(tokenizer, inputs, targets, weights):
@@ -68,100 +36,6 @@ def lm_row_text(tokenizer, inputs, targets, weights):
 def lm_texts(tokenizer, batch):
     rows = zip(batch["inputs"], batch["targets"], batch["weights"], strict=True)
     return [lm_row_text(tokenizer, *row) for row in rows if row[2].any()]
-
-
-# --- sources ---------------------------------------------------------------------------------
-
-
-def read(kind, path, field="text", documents="lines"):
-    """Every record of a source: its files resolved, then read (text: one per line)."""
-    files = sources.source_files(kind, path)
-    return list(sources.iter_records(kind, files, field, documents=documents))
-
-
-def text_records(path, documents="lines"):
-    return read("text", path, documents=documents)
-
-
-def jsonl_records(path, field="text"):
-    return read("jsonl", path, field)
-
-
-def parallel_records(path):
-    return read("parallel", path)
-
-
-def test_text_records_read_a_glob_in_sorted_order_one_record_per_line(tmp_path):
-    (tmp_path / "b.txt").write_text("third\n")
-    (tmp_path / "a.txt").write_bytes(b"first line\r\n   \n\nsecond  \n")
-    (tmp_path / "notes.md").write_text("not matched\n")
-    records = text_records(str(tmp_path / "*.txt"))
-    assert records == [{"text": "first line"}, {"text": "second  "}, {"text": "third"}]
-    # The same files as whole-file documents (the default), as they are.
-    whole = text_records(str(tmp_path / "*.txt"), documents="file")
-    assert whole == [{"text": "first line\r\n   \n\nsecond  \n"}, {"text": "third\n"}]
-
-
-def test_jsonl_records_take_the_named_field(tmp_path):
-    path = tmp_path / "data.jsonl"
-    path.write_text('{"body": "one", "id": 1}\n\n{"body": "two"}\n')
-    assert jsonl_records(str(path), "body") == [{"text": "one"}, {"text": "two"}]
-
-
-def test_parallel_records_from_tsv_and_from_two_files(tmp_path):
-    tsv = tmp_path / "pairs.tsv"
-    tsv.write_text("hallo\thello\nwelt\tworld\n")
-    src, tgt = tmp_path / "train.de", tmp_path / "train.en"
-    src.write_text("hallo\nwelt\n")
-    tgt.write_text("hello\nworld\n")
-    expected = [{"source": "hallo", "target": "hello"}, {"source": "welt", "target": "world"}]
-    assert parallel_records(str(tsv)) == expected
-    assert parallel_records(f"{src},{tgt}") == expected
-
-
-@pytest.mark.parametrize(
-    "name, content, read, error, reason",
-    [
-        ("missing.txt", None, text_records, FileNotFoundError, "file not found"),
-        ("empty.txt", b" \n\n", text_records, ValueError, "empty file"),
-        ("latin1.txt", b"ok\ncaf\xe9\n", text_records, ValueError, "not valid UTF-8 at line 2"),
-        (
-            "rows.jsonl",
-            b'{"text": "a"}\n{"txt": "b"}\n',
-            jsonl_records,
-            ValueError,
-            r"rows.jsonl:2: no field 'text'",
-        ),
-        ("bad.jsonl", b'{"text": "a"\n', jsonl_records, ValueError, "bad.jsonl:1: not valid JSON"),
-        (
-            "pairs.tsv",
-            b"a\tb\nno tab\n",
-            parallel_records,
-            ValueError,
-            "pairs.tsv:2: expected source<TAB>target",
-        ),
-    ],
-)
-def test_bad_files_raise_errors_naming_the_file_and_reason(
-    tmp_path, name, content, read, error, reason
-):
-    path = tmp_path / name
-    if content is not None:
-        path.write_bytes(content)
-    with pytest.raises(error, match=reason) as info:
-        read(str(path))
-    assert str(path) in str(info.value)
-
-
-def test_a_glob_without_matches_and_misaligned_parallel_files_are_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no file matches"):
-        text_records(str(tmp_path / "*.txt"))
-    src, tgt = tmp_path / "src.txt", tmp_path / "tgt.txt"
-    src.write_text("a\nb\nc\n")
-    tgt.write_text("x\ny\n")
-    with pytest.raises(ValueError, match="has 3 lines but .* has 2") as info:
-        parallel_records(f"{src},{tgt}")
-    assert str(src) in str(info.value) and str(tgt) in str(info.value)
 
 
 # --- configuration and task checks ------------------------------------------------------------
@@ -377,70 +251,6 @@ def test_packed_rows_hold_each_epochs_examples_whole_once(corpus, tmp_path):
         # Lines of 13 to 21 positions, next-fit into 48: only the last row cut holds one line.
         assert sum(len(row) == 1 for row in rows) <= 1
     assert epochs[0] != epochs[1]
-
-
-# --- determinism, resumption, sharding -------------------------------------------------------
-
-
-ROWS = [("lm", False), ("lm", True), ("lm", "windows"), ("mlm", False)]
-
-
-@pytest.mark.parametrize("task, packing", ROWS)
-def test_same_seed_same_batches_other_seed_other_batches(corpus, tmp_path, task, packing):
-    cfg = text_cfg(corpus, seq_len=48, packing=packing)
-    first = take(build(cfg, tmp_path, task=task).train, 3)
-    assert_batches_equal(take(build(cfg, tmp_path, task=task).train, 3), first)
-    other = take(build(cfg, tmp_path, task=task, seed=1).train, 3)
-    assert any((a["inputs"] != b["inputs"]).any() for a, b in zip(first, other, strict=True))
-
-
-@pytest.mark.parametrize("task, packing", ROWS)
-def test_resume_from_saved_state_gives_the_next_batch(corpus, tmp_path, task, packing):
-    cfg = text_cfg(corpus, seq_len=48, packing=packing)
-    expected = take(build(cfg, tmp_path, task=task).train, 10)
-    for consumed in (2, 6):  # an epoch is 27 examples: batch 7 straddles the boundary
-        interrupted = build(cfg, tmp_path, task=task)
-        take(interrupted.train, consumed)
-        state = json.loads(json.dumps(interrupted.train.get_state()))
-        resumed = build(cfg, tmp_path, task=task)
-        resumed.train.set_state(state)
-        assert_batches_equal(take(resumed.train, 3), expected[consumed : consumed + 3])
-
-
-def test_a_state_from_another_pipeline_is_refused(corpus, tmp_path):
-    packed = build(text_cfg(corpus, packing=True), tmp_path)
-    next(packed.train)
-    state = packed.train.get_state()
-    for other in (
-        build(text_cfg(corpus), tmp_path),
-        build(text_cfg(corpus, packing="windows"), tmp_path),
-        build(text_cfg(corpus, packing=True), tmp_path, seed=1),
-        build(text_cfg(corpus, packing=True, train_size=20), tmp_path),
-    ):
-        with pytest.raises(ValueError, match="another pipeline"):
-            other.train.set_state(state)
-
-
-@pytest.mark.parametrize("packing", [False, True, "windows"])
-def test_process_shards_split_each_global_batch(corpus, tmp_path, packing):
-    cfg = text_cfg(corpus, seq_len=48, packing=packing, validation_fraction=0.3)
-    single = build(cfg, tmp_path)
-    shards = [build(cfg, tmp_path, process_index=i, process_count=2) for i in range(2)]
-    for whole in take(single.train, 8):
-        parts = [next(shard.train) for shard in shards]
-        assert parts[0]["inputs"].shape == (2, 48)
-        for key, value in whole.items():
-            np.testing.assert_array_equal(np.concatenate([p[key] for p in parts]), value)
-    state = single.train.get_state()
-    assert [shard.train.get_state() for shard in shards] == [state, state]
-    # The state counts global batches, so a run may resume on another number of processes.
-    resumed = build(cfg, tmp_path, process_index=1, process_count=2)
-    resumed.train.set_state(state)
-    np.testing.assert_array_equal(next(resumed.train)["inputs"], next(single.train)["inputs"][2:])
-    whole_eval = list(single.eval_batches())
-    shard_eval = [list(shard.eval_batches()) for shard in shards]
-    for whole, *parts in zip(whole_eval, *shard_eval, strict=True):
-        np.testing.assert_array_equal(np.concatenate([p["inputs"] for p in parts]), whole["inputs"])
 
 
 def test_eval_batches_cover_the_validation_split_once_in_order(corpus, tmp_path):

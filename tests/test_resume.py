@@ -8,11 +8,11 @@ import pytest
 
 from flaxformer_lite.cli.train import train_main
 from flaxformer_lite.data.config import DataConfig
+from flaxformer_lite.data.inputs import built_inputs, write_inputs
 from flaxformer_lite.data.store import prepare_store
 from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.loop import run
 from flaxformer_lite.train.run_dir import RunDir
-from flaxformer_lite.train.run_inputs import built_inputs, write_inputs
 
 pytestmark = pytest.mark.fast_compile
 

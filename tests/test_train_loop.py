@@ -97,10 +97,10 @@ def recorded(monkeypatch):
     whose ``finite`` flag the fake reports False, the real update having happened)."""
     record = type("Record", (), {})()
     record.events, record.states, record.nonfinite, record.signal_at = [], [], set(), None
-    build_data, make_train_step = loop.build_data, loop.configured_train_step
+    run_data, make_train_step = loop.run_data, loop.configured_train_step
 
     def recording_data(*args, **kwargs):
-        return _Data(build_data(*args, **kwargs), record.events, record.states)
+        return _Data(run_data(*args, **kwargs), record.events, record.states)
 
     def recording_step(*args, **kwargs):
         step_fn = make_train_step(*args, **kwargs)
@@ -120,7 +120,7 @@ def recorded(monkeypatch):
 
         return step
 
-    monkeypatch.setattr(loop, "build_data", recording_data)
+    monkeypatch.setattr(loop, "run_data", recording_data)
     monkeypatch.setattr(loop, "configured_train_step", recording_step)
     record.start = 0
     return record

@@ -80,6 +80,11 @@ def _prepare(args) -> int:
             f"data.source={data.source!r}: prepare reads files (data.source text, jsonl or "
             "parallel, with data.path)"
         )
+    if data.mixture:
+        raise ValueError(
+            "data.mixture: prepare makes one store, from data.path: prepare each source on its "
+            "own, or let train.py prepare the mixture's stores into RUN/prepared"
+        )
     if (data.validation_path is None) != (args.validation_out is None):
         raise ValueError(
             "data.validation_path and --validation-out go together: the validation files, "

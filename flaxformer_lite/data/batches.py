@@ -96,11 +96,16 @@ class TrainBatches:
     def __call__(self, step: int) -> dict[str, np.ndarray]:
         layout = self.layout
         first = step * layout.batch_size + layout.process_index * layout.local_size
+        return self.rows(first, layout.local_size)
+
+    def rows(self, first: int, count: int) -> dict[str, np.ndarray]:
+        """Training rows ``[first, first + count)`` of these documents' stream."""
+        layout = self.layout
         if layout.task == "lm":
-            batch = self._rows.rows(first, layout.local_size, layout.sos_id, layout.eos_id)
+            batch = self._rows.rows(first, count, layout.sos_id, layout.eos_id)
             return batch if layout.rows != "single" else _unpacked(batch)
-        docs = self._rows.documents_of(first, layout.local_size)
-        indices = np.arange(first, first + layout.local_size)
+        docs = self._rows.documents_of(first, count)
+        indices = np.arange(first, first + count)
         return layout.document_rows(self.documents, docs, indices, TRAIN_STREAM)
 
 

@@ -4,6 +4,8 @@ batches (:func:`flaxformer_lite.data.pipeline.build_data` reads it)."""
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from typing import Any, ClassVar
 
 from flaxformer_lite.data import sources, synthetic
@@ -13,6 +15,33 @@ from flaxformer_lite.settings import setting
 SOURCES = ("synthetic", "text", "jsonl", "parallel", "prepared")
 TOKENIZERS = ("byte", "char", "word", "bpe", "sentencepiece")
 LM_ROWS = ("documents", "windows")
+# Rows of a mixture's block (data/mixture.py): each source has a whole number of them, so the
+# smallest share a weight can give is one row in this many.
+BLOCK_ROWS = 1024
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # a source's name: a metric key's suffix
+
+
+@dataclasses.dataclass(frozen=True)
+class MixtureSource:
+    """One named source of a weighted mixture (``data.mixture.<name>``): files of
+    ``data.source``'s kind, their share of the training rows, their own validation data."""
+
+    path: str = setting(
+        "", help="the source's files, as data.path names them (a glob, a TSV file, a store)"
+    )
+    weight: float = setting(1.0, help="the source's share of training rows, relative to the others")
+    validation_path: str | None = setting(
+        None,
+        help="the source's validation data, used whole; null: hold out data.validation_fraction",
+    )
+
+    def __post_init__(self):
+        if not self.path:
+            raise ValueError("path is required: the source's files")
+        weight = self.weight
+        number = isinstance(weight, float | int) and not isinstance(weight, bool)
+        if not (number and math.isfinite(weight) and weight > 0):
+            raise ValueError(f"weight must be a positive number, got {self.weight!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +77,12 @@ class DataConfig:
         None,
         help="validation data of data.path's kind, used whole; null: hold out "
         "data.validation_fraction",
+    )
+    mixture: dict[str, MixtureSource] = setting(
+        factory=dict,
+        help="named sources of data.source's kind with weights, in place of data.path: "
+        "{name: {path: ..., weight: 3, validation_path: ...}}; each batch's rows drawn by weight, "
+        "each source evaluated on its own (eval_loss/<name>); {}: data.path alone",
     )
     tokenizer: str | None = setting(
         None,
@@ -97,12 +132,18 @@ class DataConfig:
             object.__setattr__(self, "tokenizer", "byte")
         if self.tokenizer is not None:
             _check_choice("tokenizer", self.tokenizer, TOKENIZERS)
+        if self.source == "synthetic" and self.mixture:
+            raise ValueError(
+                "data.mixture mixes files: it needs data.source text, jsonl, parallel or prepared"
+            )
         if self.source == "synthetic":
             _check_choice("generator", self.generator, tuple(synthetic.TASKS))
             try:
                 synthetic.make_task(self.generator, size=1, **self.generator_options)
             except ValueError as error:
                 raise ValueError(f"data.generator_options: {error}") from None
+        elif self.mixture:
+            self._check_mixture()
         elif not self.path:
             raise ValueError(f"data.path is required with data.source={self.source!r}")
         if self.text_documents is not None:
@@ -147,6 +188,44 @@ class DataConfig:
             )
         if not 0 < self.mlm_probability <= 1:
             raise ValueError(f"data.mlm_probability must be in (0, 1], got {self.mlm_probability}")
+
+    def _check_mixture(self) -> None:
+        if self.path is not None or self.validation_path is not None:
+            raise ValueError(
+                "data.mixture names the training data: leave data.path and data.validation_path "
+                "unset (each source has its own path and validation_path)"
+            )
+        total = sum(entry.weight for entry in self.mixture.values())
+        for name, entry in self.mixture.items():
+            if not _NAME.fullmatch(name):
+                raise ValueError(
+                    f"data.mixture.{name}: a source's name is letters, digits, '_', '-' and '.' "
+                    "(it names its metrics, eval_loss/<name>)"
+                )
+            if entry.weight / total < 1 / BLOCK_ROWS:
+                raise ValueError(
+                    f"data.mixture.{name}.weight={entry.weight}: a share of "
+                    f"{entry.weight / total:.2g} of the rows is under the least one, 1/{BLOCK_ROWS}"
+                )
+
+    def paths(self) -> dict[str, str]:
+        """The settings that name files or stores, by key, and the path each names:
+        ``data.path`` and ``data.validation_path``, or every mixture source's."""
+        named = {"data.path": self.path, "data.validation_path": self.validation_path}
+        for name, entry in self.mixture.items():
+            named[f"data.mixture.{name}.path"] = entry.path
+            named[f"data.mixture.{name}.validation_path"] = entry.validation_path
+        return {key: path for key, path in named.items() if path is not None}
+
+    def mixture_sources(self) -> dict[str, DataConfig]:
+        """Each mixture source's settings by name: these settings with the source's path and
+        validation path, as a run of that source alone would have them."""
+        return {
+            name: dataclasses.replace(
+                self, path=entry.path, validation_path=entry.validation_path, mixture={}
+            )
+            for name, entry in self.mixture.items()
+        }
 
     def to_dict(self, *, derived: bool = True) -> dict[str, Any]:
         """Plain values. ``derived=False`` gives None for a setting left unset (``tokenizer``):

@@ -32,10 +32,11 @@ number of processes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,7 @@ from flaxformer_lite.data.batches import (
     eval_batches,
     eval_row_count,
 )
-from flaxformer_lite.data.config import DataConfig
+from flaxformer_lite.data.config import BLOCK_ROWS, DataConfig
 from flaxformer_lite.data.documents import (
     Documents,
     hold_out_tails,
@@ -57,8 +58,9 @@ from flaxformer_lite.data.documents import (
     text_digests,
 )
 from flaxformer_lite.data.features import truncation
+from flaxformer_lite.data.mixture import MixtureBatches, fitted_tokenizer
 from flaxformer_lite.data.run_stores import check_sources, records_of, run_store, validation_store
-from flaxformer_lite.data.store import text_documents
+from flaxformer_lite.data.store import FITTED_KINDS, open_store, text_documents
 from flaxformer_lite.data.tokenizers import Tokenizer
 
 # Fitted tokenizers see all training records of a file source, or this many synthetic examples.
@@ -72,6 +74,18 @@ _NEEDS = {
     "seq2seq": (("seq2seq",), "source/target pairs (data.source parallel, or number_words)"),
     "classify": (("classification",), "labelled text (data.generator sentiment)"),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalPart:
+    """One source's validation split: its global batches, its target tokens (as
+    :attr:`Data.eval_tokens`), its records (as :attr:`Data.eval_examples`), and a fresh pass
+    over them (as :meth:`Data.eval_batches`)."""
+
+    batch_count: int
+    tokens: int | None
+    eval_examples: Sequence[dict[str, Any]]
+    make_batches: Callable[[], Iterator[dict[str, np.ndarray]]] = dataclasses.field(repr=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +104,8 @@ class Data:
         its token-weighted metrics are over), else None.
       notices: what a run should say once: the examples a task cut to fit ``seq_len``.
       make_eval_batches: what :meth:`eval_batches` calls.
+      sources: a mixture's validation parts by source name (evaluated one by one; the other
+        attributes are over all of them, in this order); empty for one source.
     """
 
     tokenizer: Tokenizer
@@ -100,6 +116,7 @@ class Data:
     eval_tokens: int | None
     notices: tuple[str, ...]
     make_eval_batches: Callable[[], Iterator[dict[str, np.ndarray]]] = dataclasses.field(repr=False)
+    sources: Mapping[str, EvalPart] = dataclasses.field(default_factory=dict)
 
     @property
     def vocab_size(self) -> int:
@@ -180,7 +197,11 @@ def build_data(
     packing = tasks.is_packed(task, cfg.packing)
     _check_fits(cfg, task)
     save = process_index == 0 if save_tokenizer is None else save_tokenizer
-    tokenizer, corpus = _load(cfg, task, seed, Path(directory), prepared, save, tokenizer)
+    if cfg.mixture:
+        tokenizer, corpora = _load_mixture(cfg, task, Path(directory), prepared, save, tokenizer)
+    else:
+        tokenizer, corpus = _load(cfg, task, seed, Path(directory), prepared, save, tokenizer)
+        corpora = {"": corpus}
     layout = Layout(
         task=task,
         rows=cfg.lm_rows if packing else "single",
@@ -194,28 +215,56 @@ def build_data(
         mlm_probability=cfg.mlm_probability,
         seed=seed,
     )
-    documents, ids = corpus.train
     pipeline = dict(task=task, rows=layout.rows, seq_len=cfg.seq_len, seed=seed)
-    pipeline.update(batch_size=batch_size, train_documents=len(ids))
-    pipeline["train_tokens"] = sum(int(documents.lengths(f)[ids].sum()) for f in documents.fields)
-    valid_documents, valid_ids = corpus.validation
-    notices = tuple(
-        notice
+    pipeline.update(batch_size=batch_size, train_documents=0, train_tokens=0)
+    parts, notices = {}, []
+    for name, corpus in corpora.items():
+        documents, ids = corpus.train
+        tokens = sum(int(documents.lengths(f)[ids].sum()) for f in documents.fields)
+        pipeline["train_documents"] += len(ids)
+        pipeline["train_tokens"] += tokens
+        if name:
+            weight = cfg.mixture[name].weight
+            mixture = pipeline.setdefault("mixture", {})
+            mixture[name] = {"weight": weight, "documents": len(ids), "tokens": tokens}
         for split, (docs, split_ids) in (
             ("training", corpus.train),
             ("validation", corpus.validation),
+        ):
+            split = f"{name} {split}" if name else split
+            if notice := _truncation_notice(task, docs, split_ids, cfg.seq_len, split):
+                notices.append(notice)
+        valid_documents, valid_ids = corpus.validation
+        parts[name] = EvalPart(
+            batch_count=-(-eval_row_count(*corpus.validation, layout) // batch_size),
+            tokens=_target_tokens(task, valid_documents, valid_ids, cfg.seq_len),
+            eval_examples=corpus.eval_examples,
+            make_batches=functools.partial(eval_batches, *corpus.validation, layout),
         )
-        if (notice := _truncation_notice(task, docs, split_ids, cfg.seq_len, split))
-    )
+    batches = [TrainBatches(*corpus.train, layout) for corpus in corpora.values()]
+    if cfg.mixture:
+        weights = [entry.weight for entry in cfg.mixture.values()]
+        make = MixtureBatches(batches, weights, seed)
+        counts = zip(cfg.mixture, make.mixture.counts.tolist(), strict=True)
+        shares = ", ".join(f"{name} {n:,} ({n / BLOCK_ROWS:.1%})" for name, n in counts)
+        notices.insert(0, f"data.mixture: every {BLOCK_ROWS:,} training rows hold {shares}")
+    else:
+        make = batches[0]
+    tokens = [part.tokens for part in parts.values()]
+    # A synthetic validation Task is its own sequence of records; a mixture's are the sources'.
+    examples = [r for c in corpora.values() for r in c.eval_examples] if cfg.mixture else None
+    examples = corpora[""].eval_examples if examples is None else examples
+    labels = next(iter(corpora.values())).labels
     return Data(
         tokenizer=tokenizer,
-        train=TrainIterator(TrainBatches(documents, ids, layout), pipeline, prefetch),
-        eval_examples=corpus.eval_examples,
-        labels=corpus.labels if task == "classify" else None,
-        eval_batch_count=-(-eval_row_count(*corpus.validation, layout) // batch_size),
-        eval_tokens=_target_tokens(task, valid_documents, valid_ids, cfg.seq_len),
-        notices=notices,
-        make_eval_batches=functools.partial(eval_batches, *corpus.validation, layout),
+        train=TrainIterator(make, pipeline, prefetch),
+        eval_examples=examples,
+        labels=labels if task == "classify" else None,
+        eval_batch_count=sum(part.batch_count for part in parts.values()),
+        eval_tokens=None if None in tokens else sum(tokens),
+        notices=tuple(notices),
+        make_eval_batches=lambda: itertools.chain(*(p.make_batches() for p in parts.values())),
+        sources=parts if cfg.mixture else {},
     )
 
 
@@ -338,19 +387,98 @@ def _load_store(
     return store.tokenizer, Corpus((documents, train), (documents, valid), examples)
 
 
+def _load_mixture(
+    cfg: DataConfig,
+    task: str,
+    directory: Path,
+    prepared: Path | None,
+    save: bool,
+    given: Tokenizer | None,
+) -> tuple[Tokenizer, dict[str, Corpus]]:
+    """The tokenizer of a mixture and each source tokenized with it, by name; every source is
+    checked before anything is written."""
+    parts = cfg.mixture_sources()
+    _check_mixture_sources(parts)
+    saved = _saved_tokenizer(cfg, directory, given)
+    tokenizer = saved or given or _mixture_tokenizer(cfg)
+    corpora = {}
+    for name, part in parts.items():
+        with _named(name):
+            corpora[name] = _load_store(part, directory, prepared, False, tokenizer, task)[1]
+    if save and saved is None:
+        tokenizer.save(directory)
+    return tokenizer, corpora
+
+
+def _check_mixture_sources(parts: dict[str, DataConfig]) -> None:
+    """Each source's files (:func:`check_sources`), and no source's validation data that
+    another trains on."""
+    named = {}
+    for name, part in parts.items():
+        with _named(name):
+            named[name] = check_sources(part)
+    for name, files in named.items():
+        for other, other_files in named.items():
+            shared = sorted(files.get("validation_path", set()) & other_files["path"])
+            if other != name and shared:
+                raise ValueError(
+                    f"data.mixture.{name}.validation_path={parts[name].validation_path}: "
+                    f"{shared[0]} is training data of data.mixture.{other} too: the evaluation "
+                    "would be on text the model trained on"
+                )
+
+
+@contextlib.contextmanager
+def _named(name: str) -> Iterator[None]:
+    """Names the mixture's source ``name`` in a data error raised inside."""
+    try:
+        yield
+    except (FileNotFoundError, ValueError) as error:
+        message = str(error)
+        for key in ("data.path", "data.validation_path"):  # the source's own settings
+            if message.startswith(key):
+                raise type(error)(f"data.mixture.{name}.{message[5:]}") from None
+        raise type(error)(f"data.mixture.{name}: {message}") from None
+
+
+def _mixture_tokenizer(cfg: DataConfig) -> Tokenizer:
+    """A new mixture's tokenizer: its first store's (each store is checked against it), one
+    fitted on the sources by weight, or the one ``data.tokenizer`` names."""
+    if cfg.source == "prepared":
+        return open_store(next(iter(cfg.mixture.values())).path).tokenizer
+    if cfg.tokenizer in FITTED_KINDS:
+        return fitted_tokenizer(cfg)
+    return tokenizers.make_tokenizer(cfg.tokenizer, path=cfg.tokenizer_path)
+
+
 def prepare_run_store(
     cfg: DataConfig, directory: Path, prepared: Path, given: Tokenizer | None = None
 ) -> None:
     """Prepares in ``prepared`` the stores a run whose tokenizer lives in ``directory`` reads
-    (see :func:`build_data`), if its source needs them and they are not there yet.
+    (see :func:`build_data`), if its source needs them and they are not there yet; a mixture's
+    tokenizer, made here for all its stores, is saved in ``directory``.
 
     A multi-process run calls this on one process before the others build their data, so that a
     shared run directory's cache is written once; on a file system of its own, a process that
     finds no store prepares its own copy."""
     if cfg.source == "synthetic":
         return
+    saved = _saved_tokenizer(cfg, directory, given)
+    if not cfg.mixture:
+        _prepare_stores(cfg, prepared, saved or given)
+        return
+    _check_mixture_sources(cfg.mixture_sources())
+    tokenizer = saved or given or _mixture_tokenizer(cfg)
+    for name, part in cfg.mixture_sources().items():
+        with _named(name):
+            _prepare_stores(part, prepared, tokenizer)
+    if saved is None:
+        tokenizer.save(directory)
+
+
+def _prepare_stores(cfg: DataConfig, prepared: Path, tokenizer: Tokenizer | None) -> None:
     check_sources(cfg)
-    store = run_store(cfg, prepared, _saved_tokenizer(cfg, directory, given) or given)
+    store = run_store(cfg, prepared, tokenizer)
     if cfg.validation_path is not None:
         validation_store(cfg, prepared, store)
 

@@ -24,11 +24,11 @@ from flaxformer_lite.data.store import (
 from flaxformer_lite.data.tokenizers import Tokenizer
 
 
-def check_sources(cfg: DataConfig) -> None:
+def check_sources(cfg: DataConfig) -> dict[str, set[Path]]:
     """Refuses a missing source, a file with nothing but blanks, or validation data that the
     training data hold too, before anything is written; the message names the setting and the
-    file."""
-    named = {}  # setting -> the files (a store: its directory) it names, resolved
+    file. Returns the files (a store: its directory) each setting names, resolved."""
+    named = {}
     for key in ("path", "validation_path"):
         path = getattr(cfg, key)
         if path is None:
@@ -52,6 +52,7 @@ def check_sources(cfg: DataConfig) -> None:
             "on; name separate files, or leave data.validation_path unset to hold out "
             "data.validation_fraction"
         )
+    return named
 
 
 def run_store(cfg: DataConfig, prepared: Path | None, tokenizer: Tokenizer | None) -> Store:

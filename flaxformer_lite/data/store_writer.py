@@ -120,24 +120,34 @@ def fit_tokenizer(
     where: str,
     on_read: sources.OnRead | None = None,
 ) -> Tokenizer:
-    """A tokenizer fitted on the training part of the source (also fed to ``on_read``): all of
-    it if ``validation_fraction`` is None (the validation data come from elsewhere); the head of
+    """A tokenizer fitted on :func:`training_texts` (the source is also fed to ``on_read``)."""
+    texts = training_texts(passes, validation_fraction, where, on_read)
+    return tokenizers.make_tokenizer(kind, texts=texts, vocab_size=vocab_size)
+
+
+def training_texts(
+    passes: SourcePasses,
+    validation_fraction: float | None,
+    where: str,
+    on_read: sources.OnRead | None = None,
+) -> Iterator[str]:
+    """The texts of the training part of the source, what a tokenizer is fitted on: all of it
+    if ``validation_fraction`` is None (the validation data come from elsewhere); the head of
     each whole-file document (:func:`~flaxformer_lite.data.documents.hold_out_tails`, here by
     characters); else one pass hashes every document to split them (:func:`split_documents`,
-    naming ``where``) and the next fits on the texts of those not held out."""
+    naming ``where``) and the next yields the texts of those not held out."""
     if validation_fraction is None or (passes.kind == "text" and passes.documents == "file"):
         keep = 1.0 if validation_fraction is None else 1 - validation_fraction
         docs = (doc for texts in passes.batches("fitting", on_read) for doc in _documents(texts))
-        texts = (text[: int(len(text) * keep)] for doc in docs for text in doc)
-        return tokenizers.make_tokenizer(kind, texts=texts, vocab_size=vocab_size)
+        yield from (text[: int(len(text) * keep)] for doc in docs for text in doc)
+        return
     batches = passes.batches("splitting", on_read)
     digests = np.concatenate([text_digests(texts) for texts in batches])
     train, _ = split_documents(digests, validation_fraction, where)
     in_train = np.zeros(len(digests), bool)
     in_train[train] = True
     docs = (doc for texts in passes.batches("fitting") for doc in _documents(texts))
-    texts = (text for doc, keep in zip(docs, in_train, strict=True) if keep for text in doc)
-    return tokenizers.make_tokenizer(kind, texts=texts, vocab_size=vocab_size)
+    yield from (text for doc, keep in zip(docs, in_train, strict=True) if keep for text in doc)
 
 
 def _documents(texts: dict[str, list[str]]) -> Iterator[tuple[str, ...]]:

@@ -144,7 +144,9 @@ class LogTrain:
 
 class Evaluate:
     """Every ``train.eval_every`` steps: the loss and accuracy over the validation batches
-    (``train.eval_batches`` of them, default all), perplexity, and decoded samples."""
+    (``train.eval_batches`` of them, default all), perplexity, and decoded samples; for a
+    mixture, each source's too (``eval_loss/<name>``, ..., the cap per source; decoded scores
+    per source only)."""
 
     def __init__(self, cfg, data, task: str, eval_step, eval_graphdef, place, console: Console):
         self.cfg, self.data, self.task, self.eval_step = cfg, data, task, eval_step
@@ -154,15 +156,43 @@ class Evaluate:
         return every(self.cfg.train.eval_every, self.cfg.train.steps, end.step)
 
     def __call__(self, end: StepEnd) -> None:
-        batches = map(self.place, self.data.eval_batches())
-        scores = evaluate(self.eval_step, end.state, batches, self.cfg.train.eval_batches)
-        if self.task in ("lm", "seq2seq"):
-            scores["eval_perplexity"] = math.exp(min(scores["eval_loss"], 80.0))
+        cap = self.cfg.train.eval_batches
+        if self.data.sources:  # each source's pass on its own, then over all of them
+            by_source = {
+                name: evaluate(self.eval_step, end.state, map(self.place, part.make_batches()), cap)
+                for name, part in self.data.sources.items()
+            }
+            scores = pooled(by_source.values())
+            for name, values in by_source.items():
+                scores |= {
+                    f"{key}/{name}": value for key, value in self._perplexity(values).items()
+                }
+        else:
+            scores = evaluate(
+                self.eval_step, end.state, map(self.place, self.data.eval_batches()), cap
+            )
+        scores = self._perplexity(scores)
         model = nnx.merge(self.eval_graphdef, end.state)[0]
-        scores |= decoded_eval(self.cfg, self.data, self.task, model, end.step, self.console.say)
+        # A mixture decodes each source's examples: a corpus BLEU does not pool.
+        for name, part in self.data.sources.items() or [("", self.data)]:
+            decoded = decoded_eval(
+                self.cfg,
+                self.data,
+                part.eval_examples,
+                self.task,
+                model,
+                end.step,
+                self.console.say,
+            )
+            scores |= {f"{key}/{name}" if name else key: value for key, value in decoded.items()}
         over = eval_coverage(self.cfg, self.data, self.task, scores["eval_tokens"])
         self.console.evaluated(end.step, scores, over)
         end.values |= scores
+
+    def _perplexity(self, scores: dict[str, float]) -> dict[str, float]:
+        if self.task not in ("lm", "seq2seq"):
+            return scores
+        return {**scores, "eval_perplexity": math.exp(min(scores["eval_loss"], 80.0))}
 
 
 class SaveCheckpoint:
@@ -222,35 +252,53 @@ def evaluate(eval_step, state, batches, max_batches: int | None = None) -> dict[
     }
 
 
+def pooled(scores) -> dict[str, float]:
+    """:func:`evaluate`'s values over several passes' tokens together (each weighted by its
+    ``eval_tokens``)."""
+    scores = list(scores)
+    tokens = sum(values["eval_tokens"] for values in scores)
+    count = max(tokens, 1e-8)
+    pooled = {
+        key: sum(values[key] * values["eval_tokens"] for values in scores) / count
+        for key in ("eval_loss", "eval_accuracy")
+    }
+    return {**pooled, "eval_tokens": tokens}
+
+
 def eval_coverage(cfg, data, task: str, counted: float) -> str:
     """What an evaluation of ``counted`` weighted targets is over, in words: all the validation
     targets (tokens; a classifier's examples; an MLM's masked tokens), or the share
     ``train.eval_batches`` leaves."""
     what = {"classify": "examples", "mlm": "masked tokens"}.get(task, "tokens")
     capped = cfg.train.eval_batches
-    if capped is None or capped >= data.eval_batch_count:
+    counts = [part.batch_count for part in data.sources.values()] or [data.eval_batch_count]
+    if capped is None or capped >= max(counts):
         return f"every one of {counted:,.0f} validation {what}"
     batches = f"train.eval_batches={capped} of {data.eval_batch_count} batches"
+    if data.sources:
+        covered = sum(min(capped, count) for count in counts)
+        batches = f"train.eval_batches={capped} per source: {covered} of {sum(counts)} batches"
     if data.eval_tokens is None:
         return f"{counted:,.0f} validation {what} of the first {batches}"
     share = counted / max(data.eval_tokens, 1)
     return f"{counted:,.0f} of the {data.eval_tokens:,} validation tokens, {share:.1%}: {batches}"
 
 
-def decoded_eval(cfg, data, task, model, step: int, log) -> dict[str, float]:
-    """Greedy-decodes ``train.decode_examples`` validation examples, logs ``train.log_samples``
-    of them, and returns their scores and ``eval_decoded_examples``, how many were decoded; on
-    plain text, logs ``train.log_samples`` sampled continuations of validation prompts (no
-    score: text has no answer to compare with)."""
+def decoded_eval(cfg, data, examples, task, model, step: int, log) -> dict[str, float]:
+    """Greedy-decodes ``train.decode_examples`` of the validation ``examples`` (all of
+    ``data``'s, or a mixture's source's), logs ``train.log_samples`` of them, and returns their
+    scores and ``eval_decoded_examples``, how many were decoded; on plain text, logs
+    ``train.log_samples`` sampled continuations of validation prompts (no score: text has no
+    answer to compare with)."""
     if jax.process_count() > 1:  # the prompts are not split over processes
         return {}
     # One batch of prompts on whatever devices hold the parameters: no activation layout rules.
     with nnx.logical_axis_rules(()):
-        if task == "lm" and cfg.train.log_samples and not decodable(task, data.eval_examples):
+        if task == "lm" and cfg.train.log_samples and not decodable(task, examples):
             samples = continue_texts(
                 model,
                 data.tokenizer,
-                data.eval_examples,
+                examples,
                 num_samples=cfg.train.log_samples,
                 max_length=min(cfg.model.max_length, cfg.data.seq_len),
                 seed=cfg.seed + step,
@@ -259,12 +307,12 @@ def decoded_eval(cfg, data, task, model, step: int, log) -> dict[str, float]:
                 prediction = printable(sample.prediction)
                 log(f"step {step} sample {number} (prompt {sample.input!r}):\n{prediction}")
             return {}
-        if not cfg.train.decode_examples or not decodable(task, data.eval_examples):
+        if not cfg.train.decode_examples or not decodable(task, examples):
             return {}
         values, samples = decode_eval(
             model,
             data.tokenizer,
-            data.eval_examples,
+            examples,
             task=task,
             num_examples=cfg.train.decode_examples,
             max_length=cfg.model.max_length,

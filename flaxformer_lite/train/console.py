@@ -61,12 +61,19 @@ class Console:
     def evaluated(self, step: int, values: dict, over: str) -> None:
         """An evaluation's metrics at ``step``: those over validation tokens (``over`` says
         which), then those of greedy decoding over ``eval_decoded_examples`` examples."""
-        shown = {k: v for k, v in values.items() if v is not None and k not in _COUNTS}
-        line = f"eval at step {step} ({over}): " + _listed(shown, lambda k: k not in DECODED)
-        if any(k in DECODED for k in shown):
-            count = values["eval_decoded_examples"]
-            line += f"; greedy decoding of {count:,} validation examples: "
-            line += _listed(shown, lambda k: k in DECODED)
+        # A mixture's per-source eval_tokens/<name> stay listed: each says what its source's
+        # metrics are over; the decoded counts are said with the decoding.
+        hidden = [k for k in values if k in _COUNTS or _metric(k) == "eval_decoded_examples"]
+        shown = {k: v for k, v in values.items() if v is not None and k not in hidden}
+        line = f"eval at step {step} ({over}): " + _listed(
+            shown, lambda k: _metric(k) not in DECODED
+        )
+        if any(_metric(k) in DECODED for k in shown):
+            counts = {k: v for k, v in values.items() if _metric(k) == "eval_decoded_examples"}
+            sources = ", ".join(f"{k.split('/')[1]} {v:,}" for k, v in counts.items() if "/" in k)
+            line += f"; greedy decoding of {sum(counts.values()):,} validation examples"
+            line += f" ({sources}): " if sources else ": "
+            line += _listed(shown, lambda k: _metric(k) in DECODED)
         self.say(line)
 
     def say(self, message: str) -> None:
@@ -80,6 +87,11 @@ class Console:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+def _metric(key: str) -> str:
+    """A key's metric: a mixture's source's ``eval_loss/<name>`` is an ``eval_loss``."""
+    return key.split("/")[0]
 
 
 def _listed(values: dict, keep) -> str:

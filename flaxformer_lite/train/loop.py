@@ -19,7 +19,8 @@ from flax import nnx
 
 from flaxformer_lite import parallel
 from flaxformer_lite.data.hf_tokenizer import load_hf_tokenizer
-from flaxformer_lite.data.pipeline import Data, build_data, prepare_run_store
+from flaxformer_lite.data.pipeline import Data
+from flaxformer_lite.data.run_data import DataRequest, RunPaths, run_data
 from flaxformer_lite.models import training_flops_per_token
 from flaxformer_lite.models.pieces import check_pieces
 from flaxformer_lite.train.actions import (
@@ -52,7 +53,6 @@ from flaxformer_lite.train.resume import (
     shapes_changed,
 )
 from flaxformer_lite.train.run_dir import RunDir
-from flaxformer_lite.train.run_inputs import built_inputs, write_inputs
 from flaxformer_lite.train.signals import Interrupted, SignalAgreement, stop_on_signals
 from flaxformer_lite.train.step import make_eval_step, task_of
 
@@ -260,29 +260,23 @@ def train(run: PreparedRun, *, progress: bool, log) -> dict[str, float]:
 
 
 def _build_data(cfg: TrainConfig, run_dir: RunDir, batch_sharding, main: bool) -> Data:
-    """This process's data: its share of each global batch; the tokenizer saved by process 0."""
+    """This process's data: its share of each global batch; process 0 writes the run's files."""
     shard_index, shard_count = parallel.process_batch_shard(batch_sharding, cfg.train.batch_size)
     # init_from: the checkpoint's tokenizer, with its ids (a resumed run reads the saved copy).
     tokenizer = None if cfg.init_from is None else load_hf_tokenizer(cfg.init_from)
-    if jax.process_count() > 1:  # process 0 fills a shared cache; the others then read it
-        if main:
-            prepare_run_store(cfg.data, run_dir.tokenizer, run_dir.prepared, tokenizer)
-        _sync_processes("data prepared")
-    data = build_data(
+    request = DataRequest(
         cfg.data,
         task=task_of(cfg.model),
         seed=cfg.seed,
         batch_size=cfg.train.batch_size,
-        directory=run_dir.tokenizer,
-        prepared=run_dir.prepared,
-        process_index=shard_index,
-        process_count=shard_count,
-        save_tokenizer=main,
+        paths=RunPaths(run_dir.tokenizer, run_dir.prepared, run_dir.inputs),
+        shard_index=shard_index,
+        shard_count=shard_count,
+        writer=main,
+        barrier=_sync_processes if jax.process_count() > 1 else None,
         tokenizer=tokenizer,
     )
-    if main:
-        write_inputs(run_dir.inputs, built_inputs(cfg.data, run_dir.prepared))
-    return data
+    return run_data(request)
 
 
 def _settled_config(cfg: TrainConfig, saved: TrainConfig | None, vocab_size: int, log):

@@ -10,11 +10,12 @@ from __future__ import annotations
 import dataclasses
 
 from flaxformer_lite.data import sources
+from flaxformer_lite.data.inputs import current_inputs, store_of
 from flaxformer_lite.data.tokenizers import KIND_FILE
 from flaxformer_lite.train.config import ConfigError, TrainConfig, config_diff, is_runtime_key
 from flaxformer_lite.train.program import schedule_span
 from flaxformer_lite.train.run_dir import RunDir, move_aside
-from flaxformer_lite.train.run_inputs import current_inputs, input_changes, read_inputs, store_of
+from flaxformer_lite.train.run_inputs import input_changes, read_inputs
 
 _FRESH = "--fresh to move the run aside and start over"
 _CHANGED_DATA = "going on with changed data"
@@ -90,13 +91,15 @@ def check_resume(
       ConfigError: one paragraph per difference, each with its way forward.
     """
     resuming = saved_step is not None
+    inputs = _input_differences(run, cfg, resuming)
+    reported = {line for difference in inputs for line in difference.lines}
     differences = [
         *_data_inside_run(run, cfg),
         *_steps_done(run, cfg, saved_step),
         *_tokenizer_gone(run, resuming),
         *_metrics_without_checkpoint(run, resuming),
-        *_input_differences(run, cfg, resuming),
-        *([] if saved is None else _config_differences(saved, cfg)),
+        *inputs,
+        *([] if saved is None else _config_differences(saved, cfg, reported)),
     ]
     if not differences:
         return
@@ -114,17 +117,16 @@ def _data_inside_run(run: RunDir, cfg: TrainConfig) -> list[Difference]:
     if cfg.data.source not in sources.SOURCES:  # synthetic, or a store named by its directory
         return []
     root = run.path.resolve()
-    for key in ("path", "validation_path"):
-        pattern = getattr(cfg.data, key)
+    for key, pattern in cfg.data.paths().items():
         try:
-            files = [] if pattern is None else sources.source_files(cfg.data.source, pattern)
+            files = sources.source_files(cfg.data.source, pattern)
         except (OSError, ValueError):  # named when the data are built
             files = []
         inside = [f.resolve() for f in files if f.resolve().is_relative_to(root)]
         if inside:
             return [
                 Difference(
-                    f"data.{key}={pattern} matches files of the run directory {run} itself "
+                    f"{key}={pattern} matches files of the run directory {run} itself "
                     f"({', '.join(str(f.relative_to(root)) for f in inside[:3])})",
                     (),
                     "narrow the pattern to leave the run out, or choose a run_dir outside it",
@@ -182,9 +184,7 @@ def _input_differences(run: RunDir, cfg: TrainConfig, resuming: bool) -> list[Di
         return []
     if cfg.data.source == "prepared":
         missing = [
-            path
-            for path in (cfg.data.path, cfg.data.validation_path)
-            if path is not None and store_of(cfg.data, None, path) is None
+            path for path in cfg.data.paths().values() if store_of(cfg.data, None, path) is None
         ]
         if missing:
             return [
@@ -209,14 +209,20 @@ def _input_differences(run: RunDir, cfg: TrainConfig, resuming: bool) -> list[Di
     ]
 
 
-def _config_differences(saved: TrainConfig, cfg: TrainConfig) -> list[Difference]:
+def _config_differences(
+    saved: TrainConfig, cfg: TrainConfig, reported: set[str] = frozenset()
+) -> list[Difference]:
+    """The settings changed since the checkpoint, but the data settings the record of the
+    inputs ``reported`` already: each change is named once."""
     changed = _changed_settings(saved, cfg)
-    if not changed:
+    lines = [f"  {key}: {old!r} -> {new!r}" for key, (old, new) in changed.items()]
+    lines = [line for line in lines if line not in reported]
+    if not lines:
         return []
     return [
         Difference(
             "the config differs from the checkpoint's",
-            tuple(f"  {key}: {old!r} -> {new!r}" for key, (old, new) in changed.items()),
+            tuple(lines),
             f"pass --force to resume anyway, or {_FRESH}",
             forced="resuming with a changed config",
         )
@@ -250,9 +256,10 @@ def _move_old_data_aside(run: RunDir, cfg: TrainConfig, resuming: bool, log) -> 
     """Under ``--force``, what the old data made: their cached store is prepared again (with the
     run's tokenizer when there is a checkpoint to resume, whose ids it must keep; else the
     tokenizer an earlier attempt left is made again from these data)."""
-    cached = store_of(cfg.data, run.prepared)
-    if cached is not None and cfg.data.source != "prepared":
-        log(f"moved the store prepared from the old data to {move_aside(cached[0])}")
+    for path in cfg.data.paths().values():
+        cached = store_of(cfg.data, run.prepared, path)
+        if cached is not None and cfg.data.source != "prepared":
+            log(f"moved the store prepared from the old data to {move_aside(cached[0])}")
     if not resuming and run.tokenizer.exists():
         log(f"moved the tokenizer made from the old data to {move_aside(run.tokenizer)}")
 

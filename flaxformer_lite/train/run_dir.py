@@ -4,7 +4,7 @@ the lock that gives it one run at a time.
     RUN/
       run.json         the mark of a run directory, written first
       config.yaml      the resolved config (written once the run is restored or started)
-      inputs.json      what the data were built from (:mod:`.run_inputs`)
+      inputs.json      what the data were built from (:mod:`flaxformer_lite.data.inputs`)
       tokenizer/       the run's tokenizer: its ids are the checkpoints' ids
       prepared/        token stores prepared from the text, jsonl or parallel sources
       checkpoints/     Orbax step directories (:mod:`.checkpoint`)

@@ -1,0 +1,100 @@
+"""What a run's data depend on, its inputs' fingerprint: the ``data`` settings and the source
+files (path and size, and sha256 where a prepared store's manifest has it: the store hashed them,
+this module never does). :func:`~flaxformer_lite.data.run_data.run_data` records it in
+``RUN/inputs.json`` when the run's data are built; resuming compares it with
+:func:`current_inputs` (:mod:`flaxformer_lite.train.run_inputs`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Any
+
+from flaxformer_lite.data import sources
+from flaxformer_lite.data.config import DataConfig
+from flaxformer_lite.data.store import MANIFEST
+
+
+def current_inputs(cfg: DataConfig) -> dict[str, Any]:
+    """The data settings and the source files as they are now (sizes only: cheap)."""
+    files = [f for path in _paths(cfg) for f in _files_now(cfg, path)]
+    return {"data": dataclasses.asdict(cfg), "files": files}
+
+
+def built_inputs(cfg: DataConfig, prepared: pathlib.Path) -> dict[str, Any]:
+    """The inputs the run's data were just built from: :func:`current_inputs` with each
+    file's sha256 from the prepared store's manifest (``data.path`` and
+    ``data.validation_path`` for prepared sources, the run's stores in ``prepared`` of text,
+    jsonl or parallel ones)."""
+    inputs = current_inputs(cfg)
+    files = []
+    for path in _paths(cfg):
+        found = store_of(cfg, prepared, path)
+        files += _files_now(cfg, path) if found is None else _manifest_files(found[1])
+    inputs["files"] = files
+    return inputs
+
+
+def _paths(cfg: DataConfig) -> list[str]:
+    """The data's paths: ``data.path``, ``data.validation_path`` if set, or a mixture's."""
+    return list(cfg.paths().values())
+
+
+def write_inputs(path: pathlib.Path, inputs: dict[str, Any]) -> None:
+    """Writes the record ``path`` aside and renames it: a killed write keeps the old record."""
+    partial = path.with_name(path.name + ".tmp")
+    partial.write_text(json.dumps(inputs, indent=1) + "\n", encoding="utf-8")
+    partial.replace(path)
+
+
+def _files_now(cfg: DataConfig, path: str) -> list[dict[str, Any]]:
+    if cfg.source == "synthetic":  # made from the settings alone
+        return []
+    if cfg.source == "prepared":  # a store never changes: its manifest is its source
+        found = store_of(cfg, None, path)
+        return [] if found is None else _manifest_files(found[1])
+    try:
+        files = sources.source_files(cfg.source, path)
+    except (FileNotFoundError, ValueError):  # building the data names the problem
+        return []
+    return [{"path": str(p), "size": p.stat().st_size} for p in files]
+
+
+def _manifest_files(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
+        {"path": f["path"], "size": f["size"], "sha256": f["sha256"]}
+        for f in manifest["source"]["files"]
+    ]
+
+
+def store_of(
+    cfg: DataConfig, prepared: pathlib.Path | None, path: str | None = None
+) -> tuple[pathlib.Path, dict[str, Any]] | None:
+    """The directory and manifest of the store the data of ``path`` (default ``data.path``) are
+    read from (``path`` for a prepared source, the run's store in ``prepared`` of a file
+    source), if there is one yet."""
+    path = cfg.path if path is None else path
+    if cfg.source == "synthetic":
+        return None
+    if cfg.source == "prepared":
+        candidates = [pathlib.Path(path) / MANIFEST]
+    elif prepared is None:
+        return None
+    else:
+        found = prepared.glob(f"{cfg.source}-*/{MANIFEST}")
+        # A cached store is <source>-<hex>; one moved aside by --force has a .old<N> suffix.
+        candidates = sorted(p for p in found if "." not in p.parent.name)
+    for candidate in candidates:
+        try:
+            manifest = json.loads(candidate.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        made_from = manifest.get("source", {})
+        documents = cfg.text_documents or "file" if cfg.source == "text" else None
+        if cfg.source == "prepared" or (
+            made_from.get("path") == path and made_from.get("documents") == documents
+        ):
+            return candidate.parent, manifest
+    return None
