@@ -343,3 +343,11 @@ def test_a_sweep_directory_holding_links_is_refused_and_their_targets_untouched(
     assert main(["plot", str(directory)]) == 2
     assert "holds symbolic links" in capsys.readouterr().err
     assert target.read_text() == "mine"
+
+
+def test_counts_and_rates_are_not_averaged_as_results():
+    from flaxformer_lite.train.sweep_summary import is_result
+
+    assert is_result("eval_loss") and is_result("eval_loss/books")
+    for count in ("eval_tokens", "eval_tokens/books", "eval_decoded_examples", "mfu", "step"):
+        assert not is_result(count), count

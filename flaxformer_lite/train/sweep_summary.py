@@ -34,6 +34,12 @@ NOT_RESULTS = (
 )
 
 
+def is_result(metric: str) -> bool:
+    """Whether a logged ``metric`` is a result to average over seeds: not a step, rate or count
+    (a mixture's per-source ``eval_tokens/<name>`` is a count as ``eval_tokens`` is)."""
+    return metric.split("/")[0] not in NOT_RESULTS
+
+
 def member_results(run_dir: pathlib.Path) -> dict[str, float]:
     """The last value of each metric the run logged, and :data:`BEST`; ``step``: its last
     logged step."""
@@ -65,7 +71,7 @@ def summarize(directory: pathlib.Path, members: Sequence[Member], diverged: dict
         entry["diverged" if member.name in diverged else "members"].append(member.name)
     for group in summary["groups"].values():
         counted = [summary["members"][name]["results"] for name in group["members"]]
-        metrics = sorted({k for results in counted for k in results} - set(NOT_RESULTS))
+        metrics = sorted(k for k in {k for r in counted for k in r} if is_result(k))
         for metric in metrics:
             values = [results[metric] for results in counted if metric in results]
             group[metric] = mean_std(values)
