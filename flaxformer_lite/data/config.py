@@ -208,6 +208,11 @@ class DataConfig:
                     f"{entry.weight / total:.2g} of the rows is under the least one, 1/{BLOCK_ROWS}"
                 )
 
+    @property
+    def documents(self) -> str:
+        """How a text file becomes documents: ``text_documents``, or a whole file by default."""
+        return self.text_documents or "file"
+
     def paths(self) -> dict[str, str]:
         """The settings that name files or stores, by key, and the path each names:
         ``data.path`` and ``data.validation_path``, or every mixture source's."""

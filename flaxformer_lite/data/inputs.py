@@ -92,7 +92,7 @@ def store_of(
         except (OSError, ValueError):
             continue
         made_from = manifest.get("source", {})
-        documents = cfg.text_documents or "file" if cfg.source == "text" else None
+        documents = cfg.documents if cfg.source == "text" else None
         if cfg.source == "prepared" or (
             made_from.get("path") == path and made_from.get("documents") == documents
         ):

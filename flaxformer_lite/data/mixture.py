@@ -120,8 +120,7 @@ def fitted_tokenizer(cfg: DataConfig) -> Tokenizer:
     streams, sizes = [], []
     for part in cfg.mixture_sources().values():
         files = sources.source_files(cfg.source, part.path)
-        documents = cfg.text_documents or "file"
-        passes = SourcePasses(cfg.source, files, cfg.field, BATCH_SIZE, None, documents)
+        passes = SourcePasses(cfg.source, files, cfg.field, BATCH_SIZE, None, cfg.documents)
         fraction = None if part.validation_path else cfg.validation_fraction
         streams.append(lambda p=passes, f=fraction, w=part.path: training_texts(p, f, w))
         sizes.append(sum(f.stat().st_size for f in files) * (1 - (fraction or 0)))

@@ -126,7 +126,7 @@ def prepare_source(
         source=cfg.source,
         path=cfg.path,
         field=cfg.field,
-        documents=cfg.text_documents or "file",
+        documents=cfg.documents,
         tokenizer=tokenizer,
         tokenizer_kind=cfg.tokenizer,
         vocab_size=cfg.vocab_size,
@@ -142,7 +142,7 @@ def _cache_dir(cfg: DataConfig, path: str, prepared: Path | None) -> Path:
     if prepared is None:
         raise ValueError(f"data.source={cfg.source} needs a directory to prepare its store in")
     field = cfg.field if cfg.source == "jsonl" else None
-    documents = (cfg.text_documents or "file") if cfg.source == "text" else None
+    documents = cfg.documents if cfg.source == "text" else None
     key = json.dumps([cfg.source, path, field, documents])
     name = f"{cfg.source}-{hashlib.blake2b(key.encode(), digest_size=6).hexdigest()}"
     return prepared / name
