@@ -3,13 +3,13 @@ the file and the reason."""
 
 import pytest
 
-from flaxformer_lite.data import sources
+from flaxformer_lite.data.source_kinds import source_named
 
 
 def read(kind, path, field="text", documents="lines"):
     """Every record of a source: its files resolved, then read (text: one per line)."""
-    files = sources.source_files(kind, path)
-    return list(sources.iter_records(kind, files, field, documents=documents))
+    source = source_named(kind, field, documents)
+    return list(source.records(source.files(path)))
 
 
 def text_records(path, documents="lines"):

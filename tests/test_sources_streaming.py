@@ -9,6 +9,7 @@ import lzma
 import pytest
 
 from flaxformer_lite.data import sources
+from flaxformer_lite.data.source_kinds import source_named
 
 LINES = ["first line", "", "  ", "héllo wörld ∑ 🎉 日本語", "tab\there", "last line, no break"]
 
@@ -23,17 +24,17 @@ def tiny_chunks(monkeypatch):
 def test_streaming_readers_give_the_list_readers_records(tmp_path, tiny_chunks, ending):
     (tmp_path / "a.txt").write_bytes(ending.join(LINES).encode())
     (tmp_path / "b.txt").write_bytes(("one" + ending + "two" + ending).encode())
-    files = sources.source_files("text", str(tmp_path / "*.txt"))
+    files = sources.expand_files(str(tmp_path / "*.txt"))
     expected = [{"text": t} for t in [*LINES[:1], *LINES[3:], "one", "two"]]
     assert list(sources.iter_text_records(files, "lines")) == expected
     rows = [json.dumps({"text": t, "n": 1}, ensure_ascii=False) for t in ["a ∑", "b"]]
     (tmp_path / "c.jsonl").write_text(ending.join(["", *rows]) + ending, encoding="utf-8")
     jsonl = [{"text": "a ∑"}, {"text": "b"}]
-    assert list(sources.iter_records("jsonl", [tmp_path / "c.jsonl"])) == jsonl
+    assert list(source_named("jsonl").records([tmp_path / "c.jsonl"])) == jsonl
     (tmp_path / "s.txt").write_text(ending.join(["hallo", "", "welt ∑"]), encoding="utf-8")
     (tmp_path / "t.txt").write_text(ending.join(["hello", "", "world"]), encoding="utf-8")
     pairs = [{"source": "hallo", "target": "hello"}, {"source": "welt ∑", "target": "world"}]
-    pair = sources.source_files("parallel", f"{tmp_path / 's.txt'},{tmp_path / 't.txt'}")
+    pair = source_named("parallel").files(f"{tmp_path / 's.txt'},{tmp_path / 't.txt'}")
     assert list(sources.iter_parallel_records(pair)) == pairs
 
 
@@ -45,11 +46,11 @@ def test_file_documents_keep_each_files_text_exactly(tmp_path, tiny_chunks, endi
     ]
     for name, text in zip(("a.txt", "b.txt"), texts, strict=True):
         (tmp_path / name).write_bytes(text.encode())
-    files = sources.source_files("text", str(tmp_path / "*.txt"))
+    files = sources.expand_files(str(tmp_path / "*.txt"))
     expected = [{"text": text} for text in texts]
     assert list(sources.iter_text_records(files)) == expected  # "file" is the default
     assert list(sources.iter_text_records(files, "file")) == expected
-    assert list(sources.iter_records("text", files, documents="file")) == expected
+    assert list(source_named("text", documents="file").records(files)) == expected
 
 
 def test_paragraphs_are_runs_of_non_blank_lines_with_their_line_breaks(tmp_path, tiny_chunks):
@@ -58,12 +59,12 @@ def test_paragraphs_are_runs_of_non_blank_lines_with_their_line_breaks(tmp_path,
         encoding="utf-8",
     )
     (tmp_path / "b.txt").write_text("one line\n\n", encoding="utf-8")
-    files = sources.source_files("text", str(tmp_path / "*.txt"))
+    files = sources.expand_files(str(tmp_path / "*.txt"))
     expected = ["first para ∑\n  its second line", "second", "third\nlast line, no break"]
     expected.append("one line")  # the next file starts a new paragraph
     records = list(sources.iter_text_records(files, "paragraphs"))
     assert records == [{"text": text} for text in expected]
-    assert list(sources.iter_records("text", files, documents="paragraphs")) == records
+    assert list(source_named("text", documents="paragraphs").records(files)) == records
 
 
 def test_unknown_text_documents_are_refused_naming_the_choices(tmp_path):
@@ -136,7 +137,7 @@ def test_compressed_files_give_the_plain_files_records(tmp_path, tiny_chunks, su
     expected = list(sources.iter_text_records([plain], documents))
     assert len(expected) > 1 or documents == "file"
     chunks = []
-    (found,) = sources.source_files("text", str(tmp_path / "packed" / "*"))
+    (found,) = sources.expand_files(str(tmp_path / "packed" / "*"))
     records = sources.iter_text_records([found], documents, lambda p, data: chunks.append(data))
     assert list(records) == expected
     # on_read sees the file's own (compressed) bytes, as a store hashes them.
@@ -165,7 +166,7 @@ def test_a_corrupt_deflate_stream_in_a_gz_is_named(tmp_path):
 
 
 def test_builtin_tinyshakespeare_resolves_and_reads():
-    (path,) = sources.source_files("text", "builtin:tinyshakespeare")
+    (path,) = sources.expand_files("builtin:tinyshakespeare")
     assert path.is_file() and path.suffix == ".xz"
     (record,) = sources.iter_text_records([path])
     assert record["text"].startswith("First Citizen:\nBefore we proceed any further")
@@ -174,5 +175,5 @@ def test_builtin_tinyshakespeare_resolves_and_reads():
 
 def test_an_unknown_builtin_text_is_named():
     with pytest.raises(FileNotFoundError, match="builtin:nosuchbook") as info:
-        sources.source_files("text", "builtin:nosuchbook")
+        sources.expand_files("builtin:nosuchbook")
     assert "builtin:tinyshakespeare" in str(info.value)  # the names there are

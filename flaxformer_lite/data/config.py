@@ -8,11 +8,11 @@ import math
 import re
 from typing import Any, ClassVar
 
-from flaxformer_lite.data import sources, synthetic
+from flaxformer_lite.data import sources
+from flaxformer_lite.data.source_kinds import SOURCES, source_of
 from flaxformer_lite.data.tokenizers import NUM_SPECIAL
 from flaxformer_lite.settings import setting
 
-SOURCES = ("synthetic", "text", "jsonl", "parallel", "prepared")
 TOKENIZERS = ("byte", "char", "word", "bpe", "sentencepiece")
 LM_ROWS = ("documents", "windows")
 # Rows of a mixture's block (data/mixture.py): each source has a whole number of them, so the
@@ -121,44 +121,21 @@ class DataConfig:
     _derived: ClassVar[frozenset[str]] = frozenset()  # the settings left unset, then resolved
 
     def __post_init__(self):
-        _check_choice("source", self.source, SOURCES)
+        _check_choice("source", self.source, tuple(SOURCES))
         _check_choice("lm_rows", self.lm_rows, LM_ROWS)
-        # Unset means byte but for a store, which brings its own: resolved here, so the configs
-        # and records of other sources say byte, as they did before the setting could be unset.
-        # That it was unset is kept (not a field) for to_dict.
+        if self.text_documents is not None:
+            _check_choice("text_documents", self.text_documents, sources.TEXT_DOCUMENTS)
+        kind = source_of(self)
+        # Unset means byte but for a source that brings its own (a store): resolved here, so the
+        # configs and records of other sources say byte, as they did before the setting could be
+        # unset. That it was unset is kept (not a field) for to_dict.
         if self.tokenizer is None:
             object.__setattr__(self, "_derived", frozenset({"tokenizer"}))
-        if self.tokenizer is None and self.source != "prepared":
+        if self.tokenizer is None and not kind.brings_tokenizer:
             object.__setattr__(self, "tokenizer", "byte")
         if self.tokenizer is not None:
             _check_choice("tokenizer", self.tokenizer, TOKENIZERS)
-        if self.source == "synthetic" and self.mixture:
-            raise ValueError(
-                "data.mixture mixes files: it needs data.source text, jsonl, parallel or prepared"
-            )
-        if self.source == "synthetic":
-            _check_choice("generator", self.generator, tuple(synthetic.TASKS))
-            try:
-                synthetic.make_task(self.generator, size=1, **self.generator_options)
-            except ValueError as error:
-                raise ValueError(f"data.generator_options: {error}") from None
-        elif self.mixture:
-            self._check_mixture()
-        elif not self.path:
-            raise ValueError(f"data.path is required with data.source={self.source!r}")
-        if self.text_documents is not None:
-            _check_choice("text_documents", self.text_documents, sources.TEXT_DOCUMENTS)
-            if self.source not in ("text", "prepared"):
-                raise ValueError(
-                    "data.text_documents says how text files become documents: it needs "
-                    f"data.source text or prepared, not {self.source!r}"
-                )
-        if self.validation_path is not None and self.source == "synthetic":
-            raise ValueError(
-                "data.validation_path needs a file source: synthetic generators have "
-                "their own validation split"
-            )
-        made = self.source != "prepared"  # a store's tokenizer is made already
+        made = not kind.brings_tokenizer  # else its tokenizer is made already
         if made and self.tokenizer == "sentencepiece" and not self.tokenizer_path:
             raise ValueError("data.tokenizer='sentencepiece' needs data.tokenizer_path")
         if made and self.tokenizer == "bpe" and self.vocab_size is None:
@@ -168,13 +145,9 @@ class DataConfig:
         for name, low in (("vocab_size", min_vocab), ("train_size", 1), ("eval_size", 1)):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), low)
-        for name in ("train_size", "eval_size"):
-            size = getattr(self, name)
-            if self.source == "synthetic" and size is not None and size > synthetic.MAX_SIZE:
-                raise ValueError(
-                    f"data.{name} must be at most {synthetic.MAX_SIZE:,} for a synthetic "
-                    f"generator (its examples are made in memory at start-up), got {size}"
-                )
+        kind.check(self)
+        if self.mixture:
+            self._check_mixture()
         if self.packing is not None and not isinstance(self.packing, bool):
             raise ValueError(f"data.packing must be a bool or None, got {self.packing!r}")
         if self.lm_rows == "windows" and self.packing is False:

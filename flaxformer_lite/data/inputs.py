@@ -12,8 +12,8 @@ import json
 import pathlib
 from typing import Any
 
-from flaxformer_lite.data import sources
 from flaxformer_lite.data.config import DataConfig
+from flaxformer_lite.data.source_kinds import source_of
 from flaxformer_lite.data.store import MANIFEST
 
 
@@ -50,13 +50,12 @@ def write_inputs(path: pathlib.Path, inputs: dict[str, Any]) -> None:
 
 
 def _files_now(cfg: DataConfig, path: str) -> list[dict[str, Any]]:
-    if cfg.source == "synthetic":  # made from the settings alone
-        return []
-    if cfg.source == "prepared":  # a store never changes: its manifest is its source
+    kind = source_of(cfg)
+    if not kind.made_by_run:  # a given store never changes: its manifest is its source
         found = store_of(cfg, None, path)
         return [] if found is None else _manifest_files(found[1])
     try:
-        files = sources.source_files(cfg.source, path)
+        files = kind.files(path)
     except (FileNotFoundError, ValueError):  # building the data names the problem
         return []
     return [{"path": str(p), "size": p.stat().st_size} for p in files]
@@ -73,28 +72,14 @@ def store_of(
     cfg: DataConfig, prepared: pathlib.Path | None, path: str | None = None
 ) -> tuple[pathlib.Path, dict[str, Any]] | None:
     """The directory and manifest of the store the data of ``path`` (default ``data.path``) are
-    read from (``path`` for a prepared source, the run's store in ``prepared`` of a file
-    source), if there is one yet."""
+    read from (where the source's kind keeps it: ``path`` for a prepared source, the run's
+    cache in ``prepared`` for a source of files), if there is one yet."""
     path = cfg.path if path is None else path
-    if cfg.source == "synthetic":
+    kind = source_of(cfg)
+    if not kind.stored or (kind.made_by_run and prepared is None):
         return None
-    if cfg.source == "prepared":
-        candidates = [pathlib.Path(path) / MANIFEST]
-    elif prepared is None:
+    directory = kind.store_at(path, prepared)
+    try:
+        return directory, json.loads((directory / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
         return None
-    else:
-        found = prepared.glob(f"{cfg.source}-*/{MANIFEST}")
-        # A cached store is <source>-<hex>; one moved aside by --force has a .old<N> suffix.
-        candidates = sorted(p for p in found if "." not in p.parent.name)
-    for candidate in candidates:
-        try:
-            manifest = json.loads(candidate.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue
-        made_from = manifest.get("source", {})
-        documents = cfg.documents if cfg.source == "text" else None
-        if cfg.source == "prepared" or (
-            made_from.get("path") == path and made_from.get("documents") == documents
-        ):
-            return candidate.parent, manifest
-    return None

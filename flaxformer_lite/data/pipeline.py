@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from flaxformer_lite.data import sources, synthetic, tasks, tokenizers
+from flaxformer_lite.data import tasks, tokenizers
 from flaxformer_lite.data.batches import (
     Layout,
     TrainBatches,
@@ -60,6 +60,7 @@ from flaxformer_lite.data.documents import (
 from flaxformer_lite.data.features import truncation
 from flaxformer_lite.data.mixture import MixtureBatches, fitted_tokenizer
 from flaxformer_lite.data.run_stores import check_sources, records_of, run_store, validation_store
+from flaxformer_lite.data.source_kinds import source_of, source_of_store
 from flaxformer_lite.data.store import FITTED_KINDS, open_store, text_documents
 from flaxformer_lite.data.tokenizers import Tokenizer
 
@@ -294,15 +295,10 @@ def _truncation_notice(
 
 
 def _check_fits(cfg: DataConfig, task: str) -> None:
-    if cfg.source == "synthetic":
-        records = synthetic.TASKS[cfg.generator].records
-        given = f"data.generator={cfg.generator!r} ({records} examples)"
-    elif cfg.source == "prepared":  # checked against the store's manifest once it is open
-        return
-    else:
-        records = "seq2seq" if cfg.source == "parallel" else "lm"
-        given = f"data.source={cfg.source!r}"
-    _check_records(records, given, task)
+    kind = source_of(cfg)
+    records = kind.record_type_of(cfg)
+    if records is not None:  # else checked against the store's manifest once it is open
+        _check_records(records, kind.described(cfg), task)
 
 
 def _check_records(records: str, given: str, task: str) -> None:
@@ -321,14 +317,9 @@ def _load(
     given: Tokenizer | None,
 ) -> tuple[Tokenizer, Corpus]:
     """The tokenizer and the source tokenized, with its validation split."""
-    if cfg.source == "synthetic":
-        options = cfg.generator_options
-        train = synthetic.make_task(
-            cfg.generator, split="train", seed=seed, size=cfg.train_size, **options
-        )
-        valid = synthetic.make_task(
-            cfg.generator, split="validation", seed=seed, size=cfg.eval_size, **options
-        )
+    kind = source_of(cfg)
+    if not kind.stored:
+        train, valid = kind.examples(cfg, "train", seed), kind.examples(cfg, "validation", seed)
         fit = [train[i] for i in range(min(len(train), FIT_EXAMPLES))]
         tokenizer = _tokenizer(cfg, fit, directory, save=save, given=given)
         corpus = Corpus(
@@ -444,8 +435,9 @@ def _named(name: str) -> Iterator[None]:
 def _mixture_tokenizer(cfg: DataConfig) -> Tokenizer:
     """A new mixture's tokenizer: its first store's (each store is checked against it), one
     fitted on the sources by weight, or the one ``data.tokenizer`` names."""
-    if cfg.source == "prepared":
-        return open_store(next(iter(cfg.mixture.values())).path).tokenizer
+    kind = source_of(cfg)
+    if kind.brings_tokenizer:
+        return open_store(kind.store_at(next(iter(cfg.mixture.values())).path, None)).tokenizer
     if cfg.tokenizer in FITTED_KINDS:
         return fitted_tokenizer(cfg)
     return tokenizers.make_tokenizer(cfg.tokenizer, path=cfg.tokenizer_path)
@@ -461,7 +453,7 @@ def prepare_run_store(
     A multi-process run calls this on one process before the others build their data, so that a
     shared run directory's cache is written once; on a file system of its own, a process that
     finds no store prepares its own copy."""
-    if cfg.source == "synthetic":
+    if not source_of(cfg).stored:
         return
     saved = _saved_tokenizer(cfg, directory, given)
     if not cfg.mixture:
@@ -487,13 +479,11 @@ def _validation_records(store, ids: np.ndarray) -> list[dict[str, str]]:
     """The records (text, or source and target) of the validation documents ``ids``, for
     generation scores: read again from the source files when they still hold these documents
     (their digests match the store's), else decoded from the store."""
-    source = store.manifest["source"]
+    made_from = store.manifest["source"]
     wanted = set(ids.tolist())
     try:
-        files = [Path(file["path"]) for file in source["files"]]
-        records = sources.iter_records(
-            source["kind"], files, source["field"] or "text", None, text_documents(store.manifest)
-        )
+        files = [Path(file["path"]) for file in made_from["files"]]
+        records = source_of_store(made_from).records(files)
         records = itertools.islice(records, int(ids.max()) + 1)  # the rest is not needed
         by_index = {i: r for i, r in enumerate(records) if i in wanted}
     except (FileNotFoundError, ValueError):
@@ -540,7 +530,7 @@ def _saved_tokenizer(cfg: DataConfig, directory: Path, given: Tokenizer | None) 
         return None
     tokenizer = tokenizers.load_tokenizer(directory)
     kind = cfg.tokenizer if given is None else given.kind
-    if cfg.source != "prepared" and tokenizer.kind != kind:  # a store brings its own kind
+    if not source_of(cfg).brings_tokenizer and tokenizer.kind != kind:
         wanted = f"data.tokenizer={kind!r}" if given is None else f"a {kind!r} tokenizer"
         raise ValueError(
             f"{directory}: holds a saved {tokenizer.kind!r} tokenizer, but this run uses {wanted}"

@@ -1,6 +1,7 @@
-"""The token stores a run reads: a text, jsonl or parallel source prepared into the run's cache on
-first use (one store per source, ``<prepared>/<source>-<hash>``), or a prepared store opened
-(``data.source=prepared``); either one checked against the run's tokenizer and its data settings.
+"""The token stores a run reads: a source of files prepared into the run's cache on first use
+(one store per source, where its kind says: :meth:`~flaxformer_lite.data.source_kinds.Source
+.store_at`), or a prepared store opened (``data.source=prepared``); either one checked
+against the run's tokenizer and its data settings.
 :func:`~flaxformer_lite.data.pipeline.build_data` reads them; ``flaxformer-lite prepare`` makes
 them ahead (:func:`prepare_source`, :func:`prepare_validation`).
 """
@@ -8,12 +9,11 @@ them ahead (:func:`prepare_source`, :func:`prepare_validation`).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from pathlib import Path
 
 from flaxformer_lite.data import sources
 from flaxformer_lite.data.config import TOKENIZERS, DataConfig
+from flaxformer_lite.data.source_kinds import source_of, source_of_store
 from flaxformer_lite.data.store import (
     Store,
     check_tokenizer,
@@ -28,16 +28,16 @@ def check_sources(cfg: DataConfig) -> dict[str, set[Path]]:
     """Refuses a missing source, a file with nothing but blanks, or validation data that the
     training data hold too, before anything is written; the message names the setting and the
     file. Returns the files (a store: its directory) each setting names, resolved."""
-    named = {}
+    kind, named = source_of(cfg), {}
     for key in ("path", "validation_path"):
         path = getattr(cfg, key)
         if path is None:
             continue
         try:
-            if cfg.source == "prepared":
-                named[key] = {open_store(path).path.resolve()}
+            if not kind.made_by_run:  # a given store: opening it checks it
+                named[key] = {open_store(kind.store_at(path, None)).path.resolve()}
             else:
-                files = sources.source_files(cfg.source, path)
+                files = kind.files(path)
                 for file in files:
                     sources.check_not_blank(file)
                 named[key] = {file.resolve() for file in files}
@@ -59,9 +59,10 @@ def run_store(cfg: DataConfig, prepared: Path | None, tokenizer: Tokenizer | Non
     """``data.path``'s store, or the source's in the run's cache (made with ``tokenizer`` if the
     run has one: a resumed run's saved copy, or ``init_from``'s), checked against ``tokenizer``
     and against ``data.text_documents`` and ``data.tokenizer`` where they are set."""
-    if cfg.source != "prepared":
-        return prepare_source(cfg, _cache_dir(cfg, cfg.path, prepared), tokenizer)
-    store = open_store(cfg.path)
+    kind = source_of(cfg)
+    if kind.made_by_run:
+        return prepare_source(cfg, kind.store_at(cfg.path, prepared), tokenizer)
+    store = open_store(kind.store_at(cfg.path, prepared))
     if tokenizer is not None:
         check_tokenizer(store, tokenizer)
     made = text_documents(store.manifest)
@@ -82,9 +83,10 @@ def run_store(cfg: DataConfig, prepared: Path | None, tokenizer: Tokenizer | Non
 
 def validation_store(cfg: DataConfig, prepared: Path | None, train: Store) -> Store:
     """``data.validation_path``'s store: prepared in the run's cache, or opened."""
-    if cfg.source != "prepared":
-        return prepare_validation(cfg, _cache_dir(cfg, cfg.validation_path, prepared), train)
-    store = open_store(cfg.validation_path)
+    kind = source_of(cfg)
+    if kind.made_by_run:
+        return prepare_validation(cfg, kind.store_at(cfg.validation_path, prepared), train)
+    store = open_store(kind.store_at(cfg.validation_path, prepared))
     _check_same_kind(cfg, store, train)
     check_tokenizer(store, train.tokenizer)
     return store
@@ -136,18 +138,6 @@ def prepare_source(
     )
 
 
-def _cache_dir(cfg: DataConfig, path: str, prepared: Path | None) -> Path:
-    """One cached store per source a run has read, ``<prepared>/text-<hash>``: the hash is of
-    the source, ``path``, field and documents."""
-    if prepared is None:
-        raise ValueError(f"data.source={cfg.source} needs a directory to prepare its store in")
-    field = cfg.field if cfg.source == "jsonl" else None
-    documents = cfg.documents if cfg.source == "text" else None
-    key = json.dumps([cfg.source, path, field, documents])
-    name = f"{cfg.source}-{hashlib.blake2b(key.encode(), digest_size=6).hexdigest()}"
-    return prepared / name
-
-
-def records_of(store) -> str:
-    """The type of records of a store: ``"seq2seq"`` for source/target pairs, else ``"lm"``."""
-    return "seq2seq" if store.manifest["source"]["kind"] == "parallel" else "lm"
+def records_of(store: Store) -> str:
+    """The type of records of a store: those its source's kind yields."""
+    return source_of_store(store.manifest["source"]).record_type

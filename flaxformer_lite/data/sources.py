@@ -2,12 +2,13 @@
 
 Records are dicts of strings, in the shapes the synthetic tasks use: ``{"text": ...}`` for text
 and JSONL files, ``{"source": ..., "target": ...}`` for parallel text. Each kind has a streaming
-reader, ``iter_text_records``, ``iter_jsonl_records`` and ``iter_parallel_records`` (or
-:func:`iter_records` by name), which reads the files in bounded chunks and yields one record at a
-time, so a corpus larger than memory can be tokenized (:mod:`flaxformer_lite.data.store`). The
-readers take the files :func:`source_files` resolved from a path or glob (sorted path order, so
-the same files always give the same records): a caller that records the files it read (a store's
-manifest) reads exactly those, even if the glob matches more files later.
+reader, ``iter_text_records``, ``iter_jsonl_records`` and ``iter_parallel_records`` (its kind of
+source, :mod:`~flaxformer_lite.data.source_kinds`, calls it), which reads the files in bounded
+chunks and yields one record at a time, so a corpus larger than memory can be tokenized
+(:mod:`flaxformer_lite.data.store`). The readers take the files a kind resolved from a path or
+glob (:func:`expand_files`: sorted path order, so the same files always give the same records):
+a caller that records the files it read (a store's manifest) reads exactly those, even if the
+glob matches more files later.
 
 A text file becomes documents as :data:`TEXT_DOCUMENTS` says: ``file`` (the default) keeps each
 file whole, line breaks and blank lines included, as a book or a code file is; ``paragraphs``
@@ -41,7 +42,6 @@ from pathlib import Path
 _GLOB_CHARS = frozenset("*?[")
 # Bytes read at a time: what a streaming reader holds, with the longest line.
 CHUNK_BYTES = 1 << 20
-SOURCES = ("text", "jsonl", "parallel")
 TEXT_DOCUMENTS = ("file", "paragraphs", "lines")
 BUILTIN = "builtin:"
 # Public-domain texts shipped compressed in the package: name -> file in data/texts/.
@@ -79,19 +79,6 @@ def builtin_text(name: str) -> Path:
         known = ", ".join(BUILTIN + n for n in BUILTIN_TEXTS)
         raise FileNotFoundError(f"{BUILTIN}{name}: no such built-in text (there are: {known})")
     return Path(__file__).parent / "texts" / BUILTIN_TEXTS[name]
-
-
-def source_files(source: str, path: str) -> list[Path]:
-    """The files the ``source`` reader (``text``, ``jsonl`` or ``parallel``) reads for ``path``,
-    in reading order.
-
-    Raises:
-      ValueError: an unknown ``source`` or a malformed parallel ``path``.
-      FileNotFoundError: as :func:`expand_files`.
-    """
-    if source not in SOURCES:
-        raise ValueError(f"unknown source {source!r}; valid sources: {', '.join(SOURCES)}")
-    return _parallel_files(path) if source == "parallel" else expand_files(path)
 
 
 def iter_lines(path: Path, on_read: OnRead | None = None) -> Iterator[str]:
@@ -233,7 +220,7 @@ def iter_parallel_records(
 
     Args:
       files: either one file of ``source<TAB>target`` lines, or two files whose line ``k`` are a
-        pair (:func:`source_files` of ``"src_file,tgt_file"``). Lines blank on both sides are
+        pair (``data.path`` ``"src_file,tgt_file"``). Lines blank on both sides are
         skipped.
       on_read: see :data:`OnRead`.
 
@@ -264,34 +251,6 @@ def iter_parallel_records(
             )
         if source.strip() or target.strip():
             yield {"source": source, "target": target}
-
-
-def iter_records(
-    source: str,
-    files: Sequence[Path],
-    field: str = "text",
-    on_read: OnRead | None = None,
-    documents: str = "file",
-) -> Iterator[dict[str, str]]:
-    """The records of a ``text`` (made into ``documents``), ``jsonl`` (text in ``field``) or
-    ``parallel`` source's ``files`` (:func:`source_files`)."""
-    if source == "text":
-        return iter_text_records(files, documents, on_read)
-    if source == "jsonl":
-        return iter_jsonl_records(files, field, on_read)
-    if source == "parallel":
-        return iter_parallel_records(files, on_read)
-    raise ValueError(f"unknown source {source!r}; valid sources: {', '.join(SOURCES)}")
-
-
-def _parallel_files(path_or_pair: str) -> list[Path]:
-    """The TSV file (the first a glob names), or the source and target files of a pair."""
-    parts = path_or_pair.split(",")
-    if len(parts) > 2:
-        raise ValueError(f"{path_or_pair}: expected a TSV file or 'src_file,tgt_file'")
-    if len(parts) == 1:
-        return [expand_files(parts[0])[0]]
-    return [expand_files(part.strip())[0] for part in parts]
 
 
 class _RawBytes:

@@ -49,8 +49,9 @@ from typing import Any
 
 import numpy as np
 
-from flaxformer_lite.data import sources, tokenizers
+from flaxformer_lite.data import tokenizers
 from flaxformer_lite.data.documents import FIELDS, Documents
+from flaxformer_lite.data.source_kinds import FileSource, source_named
 from flaxformer_lite.data.store_writer import (
     BATCH_SIZE,
     DIGESTS,
@@ -97,14 +98,15 @@ def prepare_store(
     batch_size: int = BATCH_SIZE,
     progress: Progress | None = None,
 ) -> Store:
-    """Tokenizes a ``text``, ``jsonl`` or ``parallel`` source (``path``, as in
-    :mod:`~flaxformer_lite.data.sources`) into a store at ``out_dir``, or opens the store
+    """Tokenizes a source of files (``path``, read by the :class:`~flaxformer_lite.data
+    .source_kinds.FileSource` named ``source``) into a store at ``out_dir``, or opens the store
     already there if it was made from the same files (by size and sha256) and tokenizer.
 
     Args:
       out_dir: the store directory; it must not exist, be empty, or hold a store of these
         inputs. A symbolic link is followed: the store is made where it points, the link kept.
-      source, path, field: the source kind, its files, and the JSONL field holding the text.
+      source, path, field: the source's kind (``text``, ``jsonl``, ``parallel``, or another
+        registered), its files, and the JSONL field holding the text.
       documents: how a ``text`` source's files become documents (``file``, ``paragraphs`` or
         ``lines``: :mod:`~flaxformer_lite.data.sources`).
       tokenizer: use this tokenizer; otherwise ``tokenizer_kind`` (``byte``, ``sentencepiece``
@@ -127,9 +129,10 @@ def prepare_store(
         out_dir = out_dir.resolve()
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-    files = sources.source_files(source, path)
-    sources.check_text_documents(documents)
-    documents = documents if source == "text" else None
+    kind = source_named(source, field, documents)
+    if not isinstance(kind, FileSource):
+        raise ValueError(f"source {source!r} is not files to prepare into a store")
+    files = kind.files(path)
     fitted = None
     if tokenizer is None and tokenizer_kind in FITTED_KINDS:
         if tokenizer_kind == "bpe" and vocab_size is None:
@@ -138,15 +141,10 @@ def prepare_store(
         fitted = {"vocab_size": vocab_size, "validation_fraction": validation_fraction}
     elif tokenizer is None:
         tokenizer = tokenizers.make_tokenizer(tokenizer_kind, path=tokenizer_path)
-    kind = tokenizer_kind if tokenizer is None else tokenizer.kind
+    tokenizer_kind = tokenizer_kind if tokenizer is None else tokenizer.kind
     request = {
-        "source": {
-            "kind": source,
-            "path": path,
-            "field": field if source == "jsonl" else None,
-            "documents": documents,
-        },
-        "tokenizer": {"kind": kind, "fitted": fitted},
+        "source": kind.identity(path),
+        "tokenizer": {"kind": tokenizer_kind, "fitted": fitted},
     }
     if tokenizer is not None:
         request["tokenizer"]["sha256"] = _files_sha256(tokenizer.files())[0]
@@ -160,9 +158,9 @@ def prepare_store(
     try:
         stats = [(p, p.stat()) for p in files]
         hashes = FileHashes(files)  # fed by the first pass over the files
-        passes = SourcePasses(source, files, field, batch_size, progress, documents or "file")
+        passes = SourcePasses(kind, files, batch_size, progress)
         if fitted is not None:
-            tokenizer = fit_tokenizer(passes, kind, **fitted, where=path, on_read=hashes)
+            tokenizer = fit_tokenizer(passes, tokenizer_kind, **fitted, where=path, on_read=hashes)
             hashes, request["source"]["files"] = None, hashes.infos()
         tokenizer.save(partial / TOKENIZER_DIR)
         count, tokens = write_documents(partial, passes, tokenizer, on_read=hashes)
@@ -370,8 +368,8 @@ def _difference(made: dict[str, Any], request: dict[str, Any]) -> str | None:
 def text_documents(manifest: dict[str, Any]) -> str | None:
     """How the text files of a store's source became documents (None: not a text source).
     Stores made before the setting existed made a document of each line."""
-    source = manifest["source"]
-    return source.get("documents", "lines") if source["kind"] == "text" else None
+    made_from = manifest["source"]
+    return source_named(made_from["kind"]).documents_of(made_from)
 
 
 def _read_manifest(path: Path) -> dict[str, Any]:

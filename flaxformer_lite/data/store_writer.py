@@ -22,6 +22,7 @@ import numpy as np
 
 from flaxformer_lite.data import sources, tokenizers
 from flaxformer_lite.data.documents import split_documents, text_digests
+from flaxformer_lite.data.source_kinds import FileSource
 from flaxformer_lite.data.tokenizers import Tokenizer
 
 DIGESTS = "digests.u64"
@@ -76,16 +77,14 @@ def hash_files(files: list[Path], progress: Progress | None) -> list[dict[str, A
 class SourcePasses:
     """Passes over a source's records, batch by batch, each with a progress bar of its bytes."""
 
-    kind: str  # text, jsonl or parallel
-    files: list[Path]  # as sources.source_files resolved them
-    field: str
+    source: FileSource  # the kind, with its reading settings
+    files: list[Path]  # as source.files resolved them
     batch_size: int
     progress: Progress | None
-    documents: str = "file"  # how a text file becomes documents (sources.TEXT_DOCUMENTS)
 
     @property
     def fields(self) -> tuple[str, ...]:
-        return ("source", "target") if self.kind == "parallel" else ("text",)
+        return self.source.fields
 
     def batches(
         self, desc: str, on_read: sources.OnRead | None = None
@@ -100,7 +99,7 @@ class SourcePasses:
                 if on_read is not None:
                     on_read(path, data)
 
-            records = sources.iter_records(self.kind, self.files, self.field, read, self.documents)
+            records = self.source.records(self.files, read)
             batch, chars = [], 0
             for record in records:
                 batch.append(record)
@@ -136,7 +135,7 @@ def training_texts(
     each whole-file document (:func:`~flaxformer_lite.data.documents.hold_out_tails`, here by
     characters); else one pass hashes every document to split them (:func:`split_documents`,
     naming ``where``) and the next yields the texts of those not held out."""
-    if validation_fraction is None or (passes.kind == "text" and passes.documents == "file"):
+    if validation_fraction is None or passes.source.whole_files:
         keep = 1.0 if validation_fraction is None else 1 - validation_fraction
         docs = (doc for texts in passes.batches("fitting", on_read) for doc in _documents(texts))
         yield from (text[: int(len(text) * keep)] for doc in docs for text in doc)

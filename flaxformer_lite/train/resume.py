@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from flaxformer_lite.data import sources
 from flaxformer_lite.data.inputs import current_inputs, store_of
+from flaxformer_lite.data.source_kinds import source_of
 from flaxformer_lite.data.tokenizers import KIND_FILE
 from flaxformer_lite.train.config import ConfigError, TrainConfig, config_diff, is_runtime_key
 from flaxformer_lite.train.program import schedule_span
@@ -114,12 +114,10 @@ def check_resume(
 def _data_inside_run(run: RunDir, cfg: TrainConfig) -> list[Difference]:
     """Data files inside the run directory (a glob over a folder that holds the run): the run
     would train on its own lock, logs and checkpoints, and find them changed when it resumes."""
-    if cfg.data.source not in sources.SOURCES:  # synthetic, or a store named by its directory
-        return []
-    root = run.path.resolve()
+    kind, root = source_of(cfg.data), run.path.resolve()
     for key, pattern in cfg.data.paths().items():
         try:
-            files = sources.source_files(cfg.data.source, pattern)
+            files = kind.files(pattern)  # none for a store, named by its directory
         except (OSError, ValueError):  # named when the data are built
             files = []
         inside = [f.resolve() for f in files if f.resolve().is_relative_to(root)]
@@ -182,7 +180,7 @@ def _input_differences(run: RunDir, cfg: TrainConfig, resuming: bool) -> list[Di
     recorded = read_inputs(run.inputs)
     if recorded is None:
         return []
-    if cfg.data.source == "prepared":
+    if not source_of(cfg.data).made_by_run:  # a given store, that the run cannot make again
         missing = [
             path for path in cfg.data.paths().values() if store_of(cfg.data, None, path) is None
         ]
@@ -258,7 +256,7 @@ def _move_old_data_aside(run: RunDir, cfg: TrainConfig, resuming: bool, log) -> 
     tokenizer an earlier attempt left is made again from these data)."""
     for path in cfg.data.paths().values():
         cached = store_of(cfg.data, run.prepared, path)
-        if cached is not None and cfg.data.source != "prepared":
+        if cached is not None and source_of(cfg.data).made_by_run:
             log(f"moved the store prepared from the old data to {move_aside(cached[0])}")
     if not resuming and run.tokenizer.exists():
         log(f"moved the tokenizer made from the old data to {move_aside(run.tokenizer)}")
