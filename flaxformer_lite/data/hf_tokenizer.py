@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flaxformer_lite.data.tokenizers import Tokenizer, _read_json_object
+from flaxformer_lite.data.tokenizer_base import Tokenizer, read_json_object
 
 JSON_FILE = "tokenizer.json"
 MARIAN_FILES = ("source.spm", "target.spm", "vocab.json")
@@ -186,7 +186,7 @@ class HfTokenizer(Tokenizer):
     @classmethod
     def _load_files(cls, directory: Path) -> HfTokenizer:
         path = directory / SPECIAL_IDS_FILE
-        state = _read_json_object(path)
+        state = read_json_object(path)
         names = (JSON_FILE,) if (directory / JSON_FILE).is_file() else MARIAN_FILES
         try:
             files = {name: _read_bytes(directory / name) for name in names}
@@ -208,10 +208,10 @@ def load_hf_tokenizer(directory: Path | str) -> HfTokenizer:
     if not directory.is_dir():
         raise FileNotFoundError(f"{directory}: no such Hugging Face checkpoint directory")
     token_files = {
-        n: _read_json_object(directory / n) for n in _TOKEN_FILES if (directory / n).is_file()
+        n: read_json_object(directory / n) for n in _TOKEN_FILES if (directory / n).is_file()
     }
     model_files = {
-        n: _read_json_object(directory / n) for n in _MODEL_FILES if (directory / n).is_file()
+        n: read_json_object(directory / n) for n in _MODEL_FILES if (directory / n).is_file()
     }
     if (directory / JSON_FILE).is_file():
         files = {JSON_FILE: _read_bytes(directory / JSON_FILE)}

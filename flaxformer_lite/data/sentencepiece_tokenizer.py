@@ -1,5 +1,6 @@
 """The SentencePiece tokenizer: a trained ``.model`` file behind the shared id layout of
-:mod:`flaxformer_lite.data.tokenizers` (imported when a run asks for ``sentencepiece``)."""
+:mod:`flaxformer_lite.data.tokenizer_base` (the ``sentencepiece`` library is imported when a run
+asks for one)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ from pathlib import Path
 
 import numpy as np
 
-from flaxformer_lite.data.tokenizers import (
+from flaxformer_lite.data.tokenizer_base import (
     NUM_SPECIAL,
-    SENTENCEPIECE_FILE,
     Tokenizer,
-    _require_file,
+    require_file,
 )
+
+SENTENCEPIECE_FILE = "sentencepiece.model"
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -34,7 +36,7 @@ class SentencePieceTokenizer(Tokenizer):
         """Loads ``model_path``; raises FileNotFoundError or ValueError naming it if unusable."""
         import sentencepiece  # Imported here: the other tokenizers work without it.
 
-        path = _require_file(Path(model_path))
+        path = require_file(Path(model_path))
         try:
             self.sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
         except (RuntimeError, OSError) as e:

@@ -31,99 +31,27 @@ from typing import ClassVar
 
 import numpy as np
 
+from flaxformer_lite.data.hf_tokenizer import HfTokenizer
+from flaxformer_lite.data.sentencepiece_tokenizer import SENTENCEPIECE_FILE, SentencePieceTokenizer
 from flaxformer_lite.data.text_pieces import BPE_PIECE_CHARS, PieceCounter
+from flaxformer_lite.data.tokenizer_base import (
+    EOS_ID,
+    KIND_FILE,
+    NUM_SPECIAL,
+    PAD_ID,
+    SOS_ID,
+    SPECIAL_TOKENS,
+    UNK_ID,
+    Tokenizer,
+    read_json_object,
+    require_file,
+)
 
-SPECIAL_TOKENS = ("<pad>", "<sos>", "<eos>", "<unk>")
-PAD_ID, SOS_ID, EOS_ID, UNK_ID = range(len(SPECIAL_TOKENS))
-NUM_SPECIAL = len(SPECIAL_TOKENS)
-
-KIND_FILE = "tokenizer_kind.json"
 VOCAB_FILE = "vocab.json"
 BPE_FILE = "tokenizer.json"
-SENTENCEPIECE_FILE = "sentencepiece.model"
 
 _WORD_RE = re.compile(r"\w+|[^\w\s]")
 logger = logging.getLogger(__name__)
-
-
-class Tokenizer(abc.ABC):
-    """Common interface; subclasses implement encoding and their own files."""
-
-    kind: ClassVar[str]
-    pad_id: ClassVar[int] = PAD_ID
-    sos_id: ClassVar[int] = SOS_ID
-    eos_id: ClassVar[int] = EOS_ID
-    unk_id: ClassVar[int] = UNK_ID
-
-    @property
-    @abc.abstractmethod
-    def vocab_size(self) -> int:
-        """Number of ids, specials included; every id is in ``[0, vocab_size)``."""
-
-    @abc.abstractmethod
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``, without ``<sos>``/``<eos>``."""
-
-    def encode_target(self, text: str) -> list[int]:
-        """Token ids of a target text (a decoder's side of a seq2seq pair); the same as
-        :meth:`encode` unless the two sides have their own models (Marian)."""
-        return self.encode(text)
-
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """:meth:`encode` of each text; kinds with a batched encoder use it (the same ids)."""
-        return [self.encode(text) for text in texts]
-
-    def encode_target_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """:meth:`encode_target` of each text, batched as :meth:`encode_batch`."""
-        return self.encode_batch(texts)
-
-    def decode(self, ids) -> str:
-        """Text of ``ids`` (a list or int ``[T]`` array) without the ids :meth:`is_special` names.
-
-        Raises:
-          ValueError: if ``ids`` is not one-dimensional or holds an id outside the vocabulary.
-        """
-        ids = np.asarray(ids, dtype=np.int64)
-        if ids.ndim != 1:
-            raise ValueError(f"decode takes one sequence of ids [T], got shape {ids.shape}")
-        bad = ids[(ids < 0) | (ids >= self.vocab_size)]
-        if bad.size:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        return self._decode_regular([i for i in ids.tolist() if not self.is_special(i)])
-
-    def same_as(self, other: Tokenizer) -> bool:
-        """Whether ``other`` is this tokenizer: the same kind and the same files."""
-        return self.kind == other.kind and self._files() == other._files()
-
-    def is_special(self, token_id: int) -> bool:
-        """Whether ``decode`` drops ``token_id``: one of the four special ids."""
-        return token_id < NUM_SPECIAL
-
-    def files(self) -> dict[str, bytes]:
-        """File name -> contents of what :meth:`save` writes, the kind marker last."""
-        marker = (json.dumps({"kind": self.kind}) + "\n").encode()
-        return {**self._files(), KIND_FILE: marker}
-
-    def save(self, directory: Path) -> None:
-        """Writes this tokenizer's files and the kind marker into ``directory`` (created)."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        # The marker goes last, so an interrupted save into a fresh directory is not loadable.
-        for name, content in self.files().items():
-            (directory / name).write_bytes(content)
-
-    @abc.abstractmethod
-    def _decode_regular(self, ids: list[int]) -> str:
-        """Text of ids that are none of the special ids (:meth:`is_special` is False for each)."""
-
-    def _files(self) -> dict[str, bytes]:
-        """File name -> contents that ``save`` writes; byte tokenizers need none."""
-        return {}
-
-    @classmethod
-    def _load_files(cls, directory: Path) -> Tokenizer:
-        """Rebuilds the tokenizer from the files ``_files`` named."""
-        return cls()
 
 
 class ByteTokenizer(Tokenizer):
@@ -179,7 +107,7 @@ class _VocabTokenizer(Tokenizer):
     def _load_files(cls, directory: Path) -> _VocabTokenizer:
         path = directory / VOCAB_FILE
         try:
-            return cls(**_read_json_object(path))
+            return cls(**read_json_object(path))
         except (TypeError, ValueError) as e:
             raise ValueError(f"{path}: not a valid {cls.kind} vocabulary ({e})") from None
 
@@ -338,7 +266,7 @@ class BpeTokenizer(Tokenizer):
     def _load_files(cls, directory: Path) -> BpeTokenizer:
         import tokenizers
 
-        path = _require_file(directory / BPE_FILE)
+        path = require_file(directory / BPE_FILE)
         try:
             return cls(tokenizers.Tokenizer.from_file(str(path)))
         # The Rust bindings raise a bare Exception for any malformed file.
@@ -392,8 +320,6 @@ def make_tokenizer(
         return BpeTokenizer.train(texts, vocab_size)
     if path is None:
         raise ValueError("tokenizer kind 'sentencepiece' needs path (a .model file)")
-    from flaxformer_lite.data.sentencepiece_tokenizer import SentencePieceTokenizer
-
     return SentencePieceTokenizer(path)
 
 
@@ -403,14 +329,10 @@ def load_tokenizer(directory: Path | str) -> Tokenizer:
     marker = directory / KIND_FILE
     if not marker.is_file():
         raise FileNotFoundError(f"{marker}: missing; no tokenizer was saved in {directory}")
-    kind = _read_json_object(marker).get("kind")
+    kind = read_json_object(marker).get("kind")
     if kind == "hf":  # a Hugging Face checkpoint's tokenizer, saved by a run trained from it
-        from flaxformer_lite.data.hf_tokenizer import HfTokenizer
-
         return HfTokenizer._load_files(directory)
     if kind == "sentencepiece":
-        from flaxformer_lite.data.sentencepiece_tokenizer import SentencePieceTokenizer
-
         return SentencePieceTokenizer._load_files(directory)
     if not isinstance(kind, str) or kind not in _KINDS:
         raise ValueError(f"{marker}: unknown tokenizer kind {kind!r}; valid: {', '.join(KINDS)}")
@@ -431,18 +353,24 @@ def _nonempty_texts(texts: Iterable[str], kind: str) -> Iterator[str]:
     return itertools.chain([first], texts)
 
 
-def _require_file(path: Path) -> Path:
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: file not found")
-    return path
-
-
-def _read_json_object(path: Path) -> dict:
-    """The JSON object in ``path``; missing, empty, non-UTF-8 or non-object files raise."""
-    try:
-        data = json.loads(_require_file(path).read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not valid UTF-8 JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+# The shared layout (tokenizer_base) is public here too, beside the kinds that use it.
+__all__ = [
+    "BPE_FILE",
+    "EOS_ID",
+    "KIND_FILE",
+    "KINDS",
+    "NUM_SPECIAL",
+    "PAD_ID",
+    "SENTENCEPIECE_FILE",
+    "SOS_ID",
+    "SPECIAL_TOKENS",
+    "UNK_ID",
+    "VOCAB_FILE",
+    "BpeTokenizer",
+    "ByteTokenizer",
+    "CharTokenizer",
+    "Tokenizer",
+    "WordTokenizer",
+    "load_tokenizer",
+    "make_tokenizer",
+]
