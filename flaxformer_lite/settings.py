@@ -6,7 +6,7 @@ config is one (``tests/test_cli_help.py`` checks)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 
@@ -24,3 +24,14 @@ def setting(
 def help_of(field: dataclasses.Field) -> str | None:
     """The help of a :func:`setting` field; None for another field."""
     return field.metadata.get("help")
+
+
+def flatten(values: Mapping, prefix: str = "") -> dict[str, Any]:
+    """``{dotted key: value}`` of the leaves of nested ``values``."""
+    flat = {}
+    for key, value in values.items():
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[prefix + key] = value
+    return flat

@@ -368,7 +368,7 @@ def test_a_prepared_store_of_another_document_setting_is_refused(tmp_path, capsy
 
 
 def test_a_text_run_recorded_before_the_document_setting_resumes_only_as_lines():
-    from flaxformer_lite.train.run_inputs import input_changes
+    from flaxformer_lite.data.inputs import input_changes
 
     old = {"data": {"source": "text", "path": "a.txt"}, "files": []}
     now = {"data": {"source": "text", "path": "a.txt", "text_documents": None}, "files": []}

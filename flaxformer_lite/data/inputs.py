@@ -1,8 +1,11 @@
 """What a run's data depend on, its inputs' fingerprint: the ``data`` settings and the source
 files (path and size, and sha256 where a prepared store's manifest has it: the store hashed them,
 this module never does). :func:`~flaxformer_lite.data.run_data.run_data` records it in
-``RUN/inputs.json`` when the run's data are built; resuming compares it with
-:func:`current_inputs` (:mod:`flaxformer_lite.train.run_inputs`).
+``RUN/inputs.json`` when the run's data are built; resuming reads it back and compares it with
+the inputs as they are now, once (:func:`setting_changes`, :func:`file_changes`):
+
+    recorded = read_inputs(run.inputs)
+    changes = input_changes(recorded, current_inputs(cfg.data)) if recorded else []
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ import pathlib
 from typing import Any
 
 from flaxformer_lite.data.config import DataConfig
-from flaxformer_lite.data.source_kinds import source_of
+from flaxformer_lite.data.source_kinds import SOURCES, source_of
 from flaxformer_lite.data.store import MANIFEST
+from flaxformer_lite.settings import flatten
 
 
 def current_inputs(cfg: DataConfig) -> dict[str, Any]:
@@ -47,6 +51,57 @@ def write_inputs(path: pathlib.Path, inputs: dict[str, Any]) -> None:
     partial = path.with_name(path.name + ".tmp")
     partial.write_text(json.dumps(inputs, indent=1) + "\n", encoding="utf-8")
     partial.replace(path)
+
+
+def read_inputs(path: pathlib.Path) -> dict[str, Any] | None:
+    """The inputs recorded in ``path``, or None when the run has no record (an older run)."""
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as error:
+        raise ValueError(f"{path}: not a record of the run's inputs ({error})") from None
+
+
+def input_changes(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """One ``  what: before -> now`` line per difference: the settings', then the files'."""
+    settings = setting_changes(recorded, current).items()
+    lines = [f"  {key}: {before!r} -> {now!r}" for key, (before, now) in settings]
+    return lines + file_changes(recorded, current)
+
+
+def setting_changes(recorded: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple]:
+    """``data.<key>`` (a mixture's sources key by key) -> ``(before, now)`` of each setting
+    that differs, but for changes that give the same data from the source's kind
+    (:meth:`~flaxformer_lite.data.source_kinds.Source.same_setting`)."""
+    before, now = dict(recorded.get("data", {})), current["data"]
+    recorded_kind = SOURCES.get(before.get("source"))
+    if recorded_kind is not None:
+        before = {**recorded_kind.unrecorded, **before}
+    kind = SOURCES[now["source"]]
+    before, now = flatten(before), flatten(now)
+    return {
+        f"data.{key}": (kind.settled(key, before.get(key)), kind.settled(key, now.get(key)))
+        for key in sorted(before.keys() | now.keys())
+        if not kind.same_setting(key, before.get(key), now.get(key))
+    }
+
+
+def file_changes(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """One ``  path: what`` line per file added, gone or changed: by size, and by sha256
+    where both sides have it."""
+    lines = []
+    old_files = {f["path"]: f for f in recorded.get("files", [])}
+    new_files = {f["path"]: f for f in current["files"]}
+    for path in sorted(old_files.keys() | new_files.keys()):
+        old, new = old_files.get(path), new_files.get(path)
+        if old is None or new is None:
+            lines.append(f"  {path}: {'added' if old is None else 'gone'}")
+        elif old["size"] != new["size"]:
+            lines.append(f"  {path}: {old['size']} bytes -> {new['size']} bytes")
+        elif "sha256" in old and "sha256" in new and old["sha256"] != new["sha256"]:
+            lines.append(f"  {path}: sha256 {old['sha256'][:12]}... -> {new['sha256'][:12]}...")
+    return lines
 
 
 def _files_now(cfg: DataConfig, path: str) -> list[dict[str, Any]]:

@@ -45,6 +45,8 @@ class Source:
       made_by_run: whether a run prepares that store from files (else it is given, made).
       brings_tokenizer: whether its data come with their tokenizer (a store's).
       reads_documents: whether ``data.text_documents`` says how its files become documents.
+      unrecorded: the settings a record of a run's inputs made before they existed lacks, with
+        the values that record stood for.
       field, documents: the JSONL field and the text documents the settings name.
     """
 
@@ -55,6 +57,7 @@ class Source:
     made_by_run: ClassVar[bool] = False
     brings_tokenizer: ClassVar[bool] = False
     reads_documents: ClassVar[bool] = False
+    unrecorded: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, field: str = "text", documents: str = "file"):
         self.field, self.documents = field, documents
@@ -103,6 +106,17 @@ class Source:
         documents; None where the kind has one document per record."""
         return None
 
+    @classmethod
+    def settled(cls, key: str, value: Any) -> Any:
+        """What ``data.<key>=value`` stands for with this kind (an unset setting: its default)."""
+        return value
+
+    @classmethod
+    def same_setting(cls, key: str, before: Any, now: Any) -> bool:
+        """Whether ``data.<key>`` set to ``before``, then ``now``, gives the same data from a
+        source of this kind."""
+        return cls.settled(key, before) == cls.settled(key, now)
+
 
 class FileSource(Source):
     """Files read into records, prepared into a store of the run's cache on first use: one per
@@ -137,6 +151,7 @@ class TextSource(FileSource):
 
     name = "text"
     reads_documents = True
+    unrecorded = {"text_documents": "lines"}  # a document per line, before the setting
 
     @property
     def whole_files(self) -> bool:
@@ -152,6 +167,12 @@ class TextSource(FileSource):
     def documents_of(cls, made_from: dict[str, Any]) -> str | None:
         # Stores made before the setting existed made a document of each line.
         return made_from.get("documents", "lines")
+
+    @classmethod
+    def settled(cls, key: str, value: Any) -> Any:
+        if key == "text_documents" and value is None:  # unset, a text file is one document
+            return "file"
+        return value
 
 
 class JsonlSource(FileSource):
@@ -194,6 +215,12 @@ class PreparedSource(Source):
 
     def store_at(self, path: str, prepared: Path | None) -> Path:
         return Path(path)
+
+    @classmethod
+    def same_setting(cls, key: str, before: Any, now: Any) -> bool:
+        if key == "tokenizer" and now is None:  # whatever was set, the store's own is used
+            return True
+        return super().same_setting(key, before, now)
 
 
 class SyntheticSource(Source):

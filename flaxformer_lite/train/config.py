@@ -30,7 +30,7 @@ import yaml
 from flaxformer_lite.data.config import DataConfig
 from flaxformer_lite.models.config import ModelConfig
 from flaxformer_lite.parallel import DEFAULT_RULES, MESH_AXES, DistributedConfig, check_rules
-from flaxformer_lite.settings import setting
+from flaxformer_lite.settings import flatten, setting
 from flaxformer_lite.train.init_from import checkpoint_model
 from flaxformer_lite.train.optim import OptimizerConfig
 from flaxformer_lite.train.recipes import recipe_path, unknown_recipe_hint
@@ -464,14 +464,3 @@ def _plain(value):
     if isinstance(value, list | tuple):
         return [_plain(item) for item in value]
     return value
-
-
-def flatten(values: Mapping, prefix: str = "") -> dict[str, Any]:
-    """``{dotted key: value}`` of the leaves of nested ``values``."""
-    flat = {}
-    for key, value in values.items():
-        if isinstance(value, Mapping):
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[prefix + key] = value
-    return flat

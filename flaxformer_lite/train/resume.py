@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 
-from flaxformer_lite.data.inputs import current_inputs, store_of
+from flaxformer_lite.data.inputs import (
+    current_inputs,
+    file_changes,
+    read_inputs,
+    setting_changes,
+    store_of,
+)
 from flaxformer_lite.data.source_kinds import source_of
 from flaxformer_lite.data.tokenizers import KIND_FILE
 from flaxformer_lite.train.config import ConfigError, TrainConfig, config_diff, is_runtime_key
 from flaxformer_lite.train.program import schedule_span
 from flaxformer_lite.train.run_dir import RunDir, move_aside
-from flaxformer_lite.train.run_inputs import input_changes, read_inputs
 
 _FRESH = "--fresh to move the run aside and start over"
 _CHANGED_DATA = "going on with changed data"
@@ -91,22 +96,27 @@ def check_resume(
       ConfigError: one paragraph per difference, each with its way forward.
     """
     resuming = saved_step is not None
-    inputs = _input_differences(run, cfg, resuming)
-    reported = {line for difference in inputs for line in difference.lines}
+    recorded = read_inputs(run.inputs)
+    # The data settings are compared once: with the record of the inputs, where the run has one.
+    data_compared = recorded is not None
     differences = [
         *_data_inside_run(run, cfg),
         *_steps_done(run, cfg, saved_step),
         *_tokenizer_gone(run, resuming),
         *_metrics_without_checkpoint(run, resuming),
-        *inputs,
-        *([] if saved is None else _config_differences(saved, cfg, reported)),
+        *([] if recorded is None else _input_differences(run, cfg, recorded, resuming)),
+        *([] if saved is None else _config_differences(saved, cfg, data_compared)),
     ]
     if not differences:
         return
     if not force or any(d.forced is None for d in differences):
         raise ConfigError("\n".join(d.text() for d in differences))
     for difference in differences:
-        log(f"{difference.forced} (--force):\n" + "\n".join(difference.lines))
+        log(
+            "\n".join(
+                [f"{difference.forced} (--force)" + ":" * bool(difference.lines), *difference.lines]
+            )
+        )
     if main and any(d.forced == _CHANGED_DATA for d in differences):
         _move_old_data_aside(run, cfg, resuming, log)
 
@@ -174,12 +184,12 @@ def _metrics_without_checkpoint(run: RunDir, resuming: bool) -> list[Difference]
     ]
 
 
-def _input_differences(run: RunDir, cfg: TrainConfig, resuming: bool) -> list[Difference]:
-    """The data files and settings against ``RUN/inputs.json``; a prepared store that is gone
-    is not a change ``--force`` can go on with."""
-    recorded = read_inputs(run.inputs)
-    if recorded is None:
-        return []
+def _input_differences(
+    run: RunDir, cfg: TrainConfig, recorded: dict, resuming: bool
+) -> list[Difference]:
+    """The data files and settings against the ``recorded`` inputs; a given store that is gone
+    is not a change ``--force`` can go on with, and other weights of a mixture's sources are
+    said in one line."""
     if not source_of(cfg.data).made_by_run:  # a given store, that the run cannot make again
         missing = [
             path for path in cfg.data.paths().values() if store_of(cfg.data, None, path) is None
@@ -193,28 +203,59 @@ def _input_differences(run: RunDir, cfg: TrainConfig, resuming: bool) -> list[Di
                     "put the store back, or point data.path (data.validation_path) at a copy",
                 )
             ]
-    changes = input_changes(recorded, current_inputs(cfg.data))
-    if not changes:
-        return []
-    started = "trained" if resuming else "started (no checkpoint yet; its tokenizer was made)"
-    return [
-        Difference(
-            f"the data differ from those {run} was {started} on",
-            tuple(changes),
-            f"pass --force to go on with these data, or {_FRESH}",
-            forced=_CHANGED_DATA,
-        )
+    current = current_inputs(cfg.data)
+    settings = setting_changes(recorded, current)
+    weights = {key: change for key, change in settings.items() if _is_new_weight(key, change)}
+    lines = [
+        f"  {key}: {before!r} -> {now!r}"
+        for key, (before, now) in settings.items()
+        if key not in weights
     ]
+    lines += file_changes(recorded, current)
+    started = "trained" if resuming else "started (no checkpoint yet; its tokenizer was made)"
+    differences = []
+    if weights:
+        changed = ", ".join(
+            f"{key}: {before!r} -> {now!r}" for key, (before, now) in weights.items()
+        )
+        differences.append(
+            Difference(
+                f"{changed}: {run} was {started} on other weights",
+                (),
+                f"pass --force to go on with these weights from its step, or {_FRESH}",
+                forced="going on with other weights",
+            )
+        )
+    if lines:
+        differences.append(
+            Difference(
+                f"the data differ from those {run} was {started} on",
+                tuple(lines),
+                f"pass --force to go on with these data, or {_FRESH}",
+                forced=_CHANGED_DATA,
+            )
+        )
+    return differences
+
+
+def _is_new_weight(key: str, change: tuple) -> bool:
+    """Whether a setting's change is another weight of a mixture's source that both sides have."""
+    before, now = change
+    is_weight = key.startswith("data.mixture.") and key.endswith(".weight")
+    return is_weight and before is not None and now is not None
 
 
 def _config_differences(
-    saved: TrainConfig, cfg: TrainConfig, reported: set[str] = frozenset()
+    saved: TrainConfig, cfg: TrainConfig, data_compared: bool = False
 ) -> list[Difference]:
-    """The settings changed since the checkpoint, but the data settings the record of the
-    inputs ``reported`` already: each change is named once."""
+    """The settings changed since the checkpoint, but the data settings when the record of the
+    inputs compares them (``data_compared``): each change is named once."""
     changed = _changed_settings(saved, cfg)
-    lines = [f"  {key}: {old!r} -> {new!r}" for key, (old, new) in changed.items()]
-    lines = [line for line in lines if line not in reported]
+    lines = [
+        f"  {key}: {old!r} -> {new!r}"
+        for key, (old, new) in changed.items()
+        if not (data_compared and key.startswith("data."))
+    ]
     if not lines:
         return []
     return [
@@ -241,12 +282,10 @@ def _changed_settings(saved: TrainConfig, cfg: TrainConfig) -> dict[str, tuple]:
     if schedule_span(cfg) == cfg.train.steps and schedule_span(saved) == saved.train.steps:
         diff.pop("optimizer.schedule_steps", None)
     diff.pop("model.vocab_size", None)
-    if cfg.data.source == "text":  # unset, a text file is one document: the same as file
-        spelled = {saved.data.text_documents, cfg.data.text_documents}
-        if spelled <= {None, "file"}:
-            diff.pop("data.text_documents", None)
-    if cfg.data.source == "prepared" and cfg.data.tokenizer is None:
-        diff.pop("data.tokenizer", None)  # whatever was recorded, the store's own was used
+    kind = source_of(cfg.data)
+    for key in [key for key in diff if key.startswith("data.")]:
+        if kind.same_setting(key.removeprefix("data."), *diff[key]):
+            del diff[key]
     return {k: v for k, v in diff.items() if not is_runtime_key(k)}
 
 
