@@ -198,11 +198,16 @@ def build_data(
     packing = tasks.is_packed(task, cfg.packing)
     _check_fits(cfg, task)
     save = process_index == 0 if save_tokenizer is None else save_tokenizer
+    if cfg.mixture:  # before a tokenizer is fitted on them
+        _check_mixture_sources(cfg.mixture_sources())
+    chosen = run_tokenizer(cfg, Path(directory), tokenizer)
     if cfg.mixture:
-        tokenizer, corpora = _load_mixture(cfg, task, Path(directory), prepared, save, tokenizer)
+        tokenizer, corpora = chosen, _load_mixture(cfg, task, prepared, chosen)
     else:
-        tokenizer, corpus = _load(cfg, task, seed, Path(directory), prepared, save, tokenizer)
+        tokenizer, corpus = _load(cfg, task, seed, prepared, chosen)
         corpora = {"": corpus}
+    if save and not _has_saved_tokenizer(Path(directory)):
+        tokenizer.save(directory)
     layout = Layout(
         task=task,
         rows=cfg.lm_rows if packing else "single",
@@ -308,20 +313,15 @@ def _check_records(records: str, given: str, task: str) -> None:
 
 
 def _load(
-    cfg: DataConfig,
-    task: str,
-    seed: int,
-    directory: Path,
-    prepared: Path | None,
-    save: bool,
-    given: Tokenizer | None,
+    cfg: DataConfig, task: str, seed: int, prepared: Path | None, chosen: Tokenizer | None
 ) -> tuple[Tokenizer, Corpus]:
-    """The tokenizer and the source tokenized, with its validation split."""
+    """The tokenizer (``chosen``, or made with the data) and the source tokenized, with its
+    validation split."""
     kind = source_of(cfg)
     if not kind.stored:
         train, valid = kind.examples(cfg, "train", seed), kind.examples(cfg, "validation", seed)
         fit = [train[i] for i in range(min(len(train), FIT_EXAMPLES))]
-        tokenizer = _tokenizer(cfg, fit, directory, save=save, given=given)
+        tokenizer = chosen or _fitted_on_records(cfg, fit)
         corpus = Corpus(
             (train.documents(tokenizer), np.arange(len(train))),
             (valid.documents(tokenizer), np.arange(len(valid))),
@@ -329,24 +329,18 @@ def _load(
             getattr(train, "labels", None),
         )
         return tokenizer, corpus
-    return _load_store(cfg, directory, prepared, save=save, given=given, task=task)
+    return _load_store(cfg, prepared, chosen, task=task)
 
 
 def _load_store(
-    cfg: DataConfig,
-    directory: Path,
-    prepared: Path | None,
-    save: bool,
-    given: Tokenizer | None,
-    task: str,
+    cfg: DataConfig, prepared: Path | None, chosen: Tokenizer | None, task: str
 ) -> tuple[Tokenizer, Corpus]:
     """A prepared store (``data.source=prepared``), or a text, jsonl or parallel source prepared
     into a store in ``prepared`` on first use: one read path for all.
     The validation documents are ``data.validation_path``'s, prepared alike with the training
     store's tokenizer, or held out of the training store."""
     check_sources(cfg)
-    saved = _saved_tokenizer(cfg, directory, given)
-    store = run_store(cfg, prepared, saved or given)
+    store = run_store(cfg, prepared, chosen)
     records = records_of(store)
     _check_records(records, f"the store {store.path} ({records} documents)", task)
     valid_store = None
@@ -357,8 +351,6 @@ def _load_store(
             if str(error).startswith("data.validation_path"):
                 raise
             raise type(error)(f"data.validation_path: {error}") from None
-    if save and saved is None:
-        store.tokenizer.save(directory)
     documents = store.documents
     if valid_store is not None:
         train, valid = np.arange(len(documents)), np.arange(len(valid_store.documents))
@@ -379,26 +371,14 @@ def _load_store(
 
 
 def _load_mixture(
-    cfg: DataConfig,
-    task: str,
-    directory: Path,
-    prepared: Path | None,
-    save: bool,
-    given: Tokenizer | None,
-) -> tuple[Tokenizer, dict[str, Corpus]]:
-    """The tokenizer of a mixture and each source tokenized with it, by name; every source is
-    checked before anything is written."""
-    parts = cfg.mixture_sources()
-    _check_mixture_sources(parts)
-    saved = _saved_tokenizer(cfg, directory, given)
-    tokenizer = saved or given or _mixture_tokenizer(cfg)
+    cfg: DataConfig, task: str, prepared: Path | None, tokenizer: Tokenizer
+) -> dict[str, Corpus]:
+    """Each source of a mixture tokenized with the mixture's ``tokenizer``, by name."""
     corpora = {}
-    for name, part in parts.items():
+    for name, part in cfg.mixture_sources().items():
         with _named(name):
-            corpora[name] = _load_store(part, directory, prepared, False, tokenizer, task)[1]
-    if save and saved is None:
-        tokenizer.save(directory)
-    return tokenizer, corpora
+            corpora[name] = _load_store(part, prepared, tokenizer, task)[1]
+    return corpora
 
 
 def _check_mixture_sources(parts: dict[str, DataConfig]) -> None:
@@ -455,16 +435,15 @@ def prepare_run_store(
     finds no store prepares its own copy."""
     if not source_of(cfg).stored:
         return
-    saved = _saved_tokenizer(cfg, directory, given)
     if not cfg.mixture:
-        _prepare_stores(cfg, prepared, saved or given)
+        _prepare_stores(cfg, prepared, run_tokenizer(cfg, directory, given))
         return
     _check_mixture_sources(cfg.mixture_sources())
-    tokenizer = saved or given or _mixture_tokenizer(cfg)
+    tokenizer = run_tokenizer(cfg, directory, given)
     for name, part in cfg.mixture_sources().items():
         with _named(name):
             _prepare_stores(part, prepared, tokenizer)
-    if saved is None:
+    if not _has_saved_tokenizer(directory):
         tokenizer.save(directory)
 
 
@@ -502,31 +481,38 @@ def _decoded_records(tokenizer: Tokenizer, documents: Documents, ids: np.ndarray
     return [{f: tokenizer.decode(documents.document(f, i)) for f in fields} for i in ids.tolist()]
 
 
-def _tokenizer(
-    cfg: DataConfig, records: Sequence[dict], directory: Path, save: bool, given: Tokenizer | None
-) -> Tokenizer:
-    """The tokenizer saved in ``directory``, or ``given``, or a new one (fitted if need be), saved
-    there if ``save``. Only process 0 saves, so processes sharing a file system never write the
-    same files at once; fitting is deterministic, so the others fit the same tokenizer."""
-    saved = _saved_tokenizer(cfg, directory, given)
-    if saved is not None:
-        return saved
-    if given is not None:
-        if save:
-            given.save(directory)
-        return given
+def run_tokenizer(cfg: DataConfig, directory: Path, given: Tokenizer | None) -> Tokenizer | None:
+    """Which tokenizer the run uses, decided here for every source before its data are read:
+    the run's own, saved in ``directory`` (a resumed run keeps its ids), else ``given``
+    (``init_from``'s, with its ids), else a mixture's (:func:`_mixture_tokenizer`). None: the
+    one ``data.tokenizer`` names is made with the data: fitted on a synthetic generator's
+    examples (:func:`_fitted_on_records`) or as a store is prepared, or a prepared store's own.
+
+    Raises:
+      ValueError: a saved tokenizer that is not the run's (:func:`_saved_tokenizer`).
+    """
+    chosen = _saved_tokenizer(cfg, directory, given) or given
+    if chosen is None and cfg.mixture:
+        return _mixture_tokenizer(cfg)
+    return chosen
+
+
+def _fitted_on_records(cfg: DataConfig, records: Sequence[dict]) -> Tokenizer:
+    """The tokenizer ``data.tokenizer`` names, fitted on ``records`` if it is fitted. Only the
+    writing process saves it; fitting is deterministic, so the others fit the same one."""
     texts = (r[key] for r in records for key in ("text", "source", "target") if key in r)
-    tokenizer = tokenizers.make_tokenizer(
+    return tokenizers.make_tokenizer(
         cfg.tokenizer, texts=texts, vocab_size=cfg.vocab_size, path=cfg.tokenizer_path
     )
-    if save:
-        tokenizer.save(directory)
-    return tokenizer
+
+
+def _has_saved_tokenizer(directory: Path) -> bool:
+    return (directory / tokenizers.KIND_FILE).is_file()
 
 
 def _saved_tokenizer(cfg: DataConfig, directory: Path, given: Tokenizer | None) -> Tokenizer | None:
     """The tokenizer a run saved in ``directory`` (None if none), checked against the run's."""
-    if not (directory / tokenizers.KIND_FILE).is_file():
+    if not _has_saved_tokenizer(directory):
         return None
     tokenizer = tokenizers.load_tokenizer(directory)
     kind = cfg.tokenizer if given is None else given.kind
