@@ -368,14 +368,14 @@ def test_a_prepared_store_of_another_document_setting_is_refused(tmp_path, capsy
 
 
 def test_a_text_run_recorded_before_the_document_setting_resumes_only_as_lines():
-    from flaxformer_lite.data.inputs import input_changes
+    from flaxformer_lite.data.inputs import setting_changes
 
     old = {"data": {"source": "text", "path": "a.txt"}, "files": []}
     now = {"data": {"source": "text", "path": "a.txt", "text_documents": None}, "files": []}
     # Unset is settled to what it means, a document per file (issue 43 item 14).
-    assert input_changes(old, now) == ["  data.text_documents: 'lines' -> 'file'"]
+    assert setting_changes(old, now) == {"data.text_documents": ("lines", "file")}
     lines = {"data": {**now["data"], "text_documents": "lines"}, "files": []}
-    assert input_changes(old, lines) == []
+    assert setting_changes(old, lines) == {}
 
 
 def test_prepare_writes_a_validation_store_with_the_training_tokenizer(tmp_path):

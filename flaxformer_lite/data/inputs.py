@@ -2,10 +2,11 @@
 files (path and size, and sha256 where a prepared store's manifest has it: the store hashed them,
 this module never does). :func:`~flaxformer_lite.data.run_data.run_data` records it in
 ``RUN/inputs.json`` when the run's data are built; resuming reads it back and compares it with
-the inputs as they are now, once (:func:`setting_changes`, :func:`file_changes`):
+the inputs as they are now, once:
 
     recorded = read_inputs(run.inputs)
-    changes = input_changes(recorded, current_inputs(cfg.data)) if recorded else []
+    now = current_inputs(cfg.data)
+    settings, files = setting_changes(recorded, now), file_changes(recorded, now)
 """
 
 from __future__ import annotations
@@ -61,13 +62,6 @@ def read_inputs(path: pathlib.Path) -> dict[str, Any] | None:
         return json.loads(path.read_text(encoding="utf-8"))
     except ValueError as error:
         raise ValueError(f"{path}: not a record of the run's inputs ({error})") from None
-
-
-def input_changes(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """One ``  what: before -> now`` line per difference: the settings', then the files'."""
-    settings = setting_changes(recorded, current).items()
-    lines = [f"  {key}: {before!r} -> {now!r}" for key, (before, now) in settings]
-    return lines + file_changes(recorded, current)
 
 
 def setting_changes(recorded: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple]:
