@@ -21,6 +21,7 @@ a kind: it is a text file found inside the package (:func:`~flaxformer_lite.data
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import json
 from collections.abc import Iterator, Sequence
@@ -118,7 +119,7 @@ class Source:
         return cls.settled(key, before) == cls.settled(key, now)
 
 
-class FileSource(Source):
+class FileSource(Source, abc.ABC):
     """Files read into records, prepared into a store of the run's cache on first use: one per
     source, ``<prepared>/<name>-<hash of name, path, field and documents>``."""
 
@@ -132,10 +133,10 @@ class FileSource(Source):
     def files(self, path: str) -> list[Path]:
         return sources.expand_files(path)
 
+    @abc.abstractmethod
     def records(self, files: Sequence[Path], on_read: sources.OnRead | None = None) -> Iterator:
         """The records (dicts of :attr:`fields` to strings) of ``files`` (:meth:`files`), each
         chunk of bytes read handed to ``on_read``."""
-        raise NotImplementedError
 
     def store_at(self, path: str, prepared: Path | None) -> Path:
         if prepared is None:
