@@ -21,7 +21,7 @@ from flaxformer_lite.data import synthetic
 from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.export import export_run
 from flaxformer_lite.train.loop import run
-from flaxformer_lite.train.restore import load_run
+from flaxformer_lite.train.trained_run import load_run
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 

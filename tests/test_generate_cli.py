@@ -20,11 +20,11 @@ from flaxformer_lite.data import synthetic
 from flaxformer_lite.data.tokenizers import EOS_ID, SOS_ID
 from flaxformer_lite.decode import beam_search, generate, right_pad, seq2seq_generate, until_eos
 from flaxformer_lite.models import Encoder
-from flaxformer_lite.train import restore
+from flaxformer_lite.train import trained_run
 from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.decode_eval import decode_eval, token_accuracy
 from flaxformer_lite.train.loop import run
-from flaxformer_lite.train.restore import load_run
+from flaxformer_lite.train.trained_run import load_run
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 
@@ -298,7 +298,7 @@ def test_sample_py_names_the_top_p_flag(tmp_path):
 def test_an_encoder_run_is_named_in_plain_words(tmp_path, capsys, monkeypatch):
     """Issue 43 item 19: it said "holds a Encoder"."""
     loaded = types.SimpleNamespace(model=Encoder.__new__(Encoder), tokenizer=None)
-    monkeypatch.setattr(restore, "load_run", lambda *_args, **_kwargs: loaded)
+    monkeypatch.setattr(trained_run, "load_run", lambda *_args, **_kwargs: loaded)
     assert main(["generate", "--run-dir", str(tmp_path), "--prompt", "x"]) == 2
     assert capsys.readouterr().err == (
         f"error: {tmp_path} holds an encoder-only model (Encoder); generate needs a DecoderLM "

@@ -20,7 +20,7 @@ from flaxformer_lite.decode.text import printable
 from flaxformer_lite.train.checkpoint import Checkpointer
 from flaxformer_lite.train.console import Console
 from flaxformer_lite.train.decode_eval import continue_texts, decodable, decode_eval
-from flaxformer_lite.train.restore import to_savable
+from flaxformer_lite.train.trained_run import to_savable
 
 
 class TrainingError(RuntimeError):

@@ -45,7 +45,6 @@ from flaxformer_lite.train.program import (
     resolve_mesh,
     tracing_layout,
 )
-from flaxformer_lite.train.restore import from_savable, load_hf_weights, restore_target
 from flaxformer_lite.train.resume import (
     check_resume,
     keep_schedule_span,
@@ -55,6 +54,7 @@ from flaxformer_lite.train.resume import (
 from flaxformer_lite.train.run_dir import RunDir
 from flaxformer_lite.train.signals import Interrupted, SignalAgreement, stop_on_signals
 from flaxformer_lite.train.step import make_eval_step, task_of
+from flaxformer_lite.train.trained_run import from_savable, load_hf_weights, restore_target
 
 
 def run(

@@ -1,4 +1,4 @@
-"""The pieces of a run's train step that the training loop, :func:`~.restore.load_run` and
+"""The pieces of a run's train step that the training loop, :func:`~.trained_run.load_run` and
 ahead-of-time compilation (:mod:`flaxformer_lite.aot`) share, so that all of them build and trace
 the very same program: the mesh, the train state (model, optimizer and schedule) and the step."""
 
@@ -73,7 +73,7 @@ def schedule_span(cfg: TrainConfig) -> int:
 
 def make_train_state(cfg: TrainConfig, tx) -> tuple[nnx.Module, nnx.Optimizer]:
     """The run's ``(model, optimizer)`` as ``train.py`` creates them (seeded by ``cfg.seed``);
-    their split state is what a checkpoint holds (through :func:`~.restore.to_savable`)."""
+    their split state is what a checkpoint holds (through :func:`~.trained_run.to_savable`)."""
     model = build_model(cfg.model, rngs=nnx.Rngs(params=cfg.seed, dropout=cfg.seed + 1))
     return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 

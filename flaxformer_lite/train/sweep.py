@@ -61,7 +61,6 @@ from flaxformer_lite.train.program import (
     resolve_mesh,
     tracing_layout,
 )
-from flaxformer_lite.train.restore import from_savable, restore_target
 from flaxformer_lite.train.resume import restore_data_state
 from flaxformer_lite.train.run_dir import RunDir, move_aside
 from flaxformer_lite.train.signals import Interrupted, SignalAgreement, stop_on_signals
@@ -75,6 +74,7 @@ from flaxformer_lite.train.sweep_members import (
     sweep_members,
 )
 from flaxformer_lite.train.sweep_summary import summarize, summary_table
+from flaxformer_lite.train.trained_run import from_savable, restore_target
 
 SWEEP_FILE = "sweep.json"
 
