@@ -174,7 +174,7 @@ def test_classify_batches_carry_labels_and_pad_the_last_eval_batch(tmp_path):
     cfg = DataConfig(packing=False, generator="sentiment", seq_len=160, train_size=12, eval_size=6)
     data = build(cfg, tmp_path, task="classify")
     assert data.labels == sentiment_words.LABELS
-    task = synthetic.make_task("sentiment", size=12)
+    task = synthetic.make_generator("sentiment", size=12)
     label_of = {task[i]["text"]: task[i]["label"] for i in range(12)}
     for batch in take(data.train, 3):
         assert batch["labels"].dtype == np.int32 and batch["labels"].shape == (4,)

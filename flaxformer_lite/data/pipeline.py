@@ -97,7 +97,7 @@ class Data:
       train: this process's training batches (:class:`~flaxformer_lite.data.batches
         .TrainIterator`).
       eval_examples: all validation records (every process sees all), for generation scores:
-        the synthetic validation ``Task``, or dicts with ``text`` or ``source`` and ``target``.
+        the synthetic validation ``Generator``, or dicts with ``text`` or ``source`` and ``target``.
       labels: the class names of a ``classify`` task, else None.
       eval_batch_count: the global batches of a whole pass over the validation split.
       eval_tokens: the target tokens of the validation split, for ``lm`` and ``seq2seq`` (what
@@ -251,7 +251,7 @@ def build_data(
     else:
         make = batches[0]
     tokens = [part.tokens for part in parts.values()]
-    # A synthetic validation Task is its own sequence of records; a mixture's are the sources'.
+    # A synthetic validation Generator is its own sequence of records; a mixture's are the sources'.
     examples = [r for c in corpora.values() for r in c.eval_examples] if cfg.mixture else None
     examples = corpora[""].eval_examples if examples is None else examples
     labels = next(iter(corpora.values())).labels
@@ -295,7 +295,7 @@ def _truncation_notice(
 
 def _check_fits(cfg: DataConfig, task: str) -> None:
     if cfg.source == "synthetic":
-        records = synthetic.TASKS[cfg.generator].records
+        records = synthetic.GENERATORS[cfg.generator].records
         given = f"data.generator={cfg.generator!r} ({records} examples)"
     elif cfg.source == "prepared":  # checked against the store's manifest once it is open
         return
@@ -323,10 +323,10 @@ def _load(
     """The tokenizer and the source tokenized, with its validation split."""
     if cfg.source == "synthetic":
         options = cfg.generator_options
-        train = synthetic.make_task(
+        train = synthetic.make_generator(
             cfg.generator, split="train", seed=seed, size=cfg.train_size, **options
         )
-        valid = synthetic.make_task(
+        valid = synthetic.make_generator(
             cfg.generator, split="validation", seed=seed, size=cfg.eval_size, **options
         )
         fit = [train[i] for i in range(min(len(train), FIT_EXAMPLES))]

@@ -2,7 +2,8 @@
 validation examples, which are scored as text. Here are which examples and prompts, and the
 scores; the writing is :mod:`flaxformer_lite.decode.text`'s, as for ``flaxformer-lite generate``.
 
-* exact match: the synthetic task's own scoring (``Task.score``), else stripped string equality;
+* exact match: the synthetic generator's scoring (``Generator.score``), else stripped
+  string equality;
 * token accuracy: the fraction of reference tokens (and the closing ``<eos>``) that the greedy
   output reproduces at the same position;
 * BLEU (sacrebleu's corpus BLEU) for translation data (a ``parallel`` source).
@@ -41,7 +42,7 @@ def decodable(task: str, examples: Sequence[dict]) -> bool:
     of the synthetic prompt=answer tasks (plain text has no answer to compare with)."""
     if task == "seq2seq":
         return True
-    return task == "lm" and isinstance(examples, synthetic.Task) and examples.records == "lm"
+    return task == "lm" and isinstance(examples, synthetic.Generator) and examples.records == "lm"
 
 
 def decode_eval(
@@ -58,7 +59,7 @@ def decode_eval(
     Args:
       model: a ``DecoderLM`` (``task="lm"``) or ``EncoderDecoder`` (``"seq2seq"``).
       tokenizer: the run's tokenizer.
-      examples: validation records (a synthetic ``Task`` or a list of dicts); see
+      examples: validation records (a synthetic ``Generator`` or a list of dicts); see
         :func:`decodable`.
       num_examples: how many to decode (one batch, the same every call: one compile).
       max_length: the model's longest sequence (prompt plus answer, or one target).
@@ -87,7 +88,7 @@ def decode_eval(
         "eval_exact_match": _exact_match(examples, records, predictions, pairs),
         "eval_token_accuracy": token_accuracy(outputs, references),
     }
-    if task == "seq2seq" and not isinstance(examples, synthetic.Task):
+    if task == "seq2seq" and not isinstance(examples, synthetic.Generator):
         metrics["eval_bleu"] = sacrebleu.corpus_bleu(
             predictions, [[reference for _, reference in pairs]]
         ).score
@@ -105,7 +106,7 @@ def token_accuracy(outputs: Sequence[Sequence[int]], references: Sequence[Sequen
 
 
 def _exact_match(examples, records, predictions, pairs) -> float:
-    if isinstance(examples, synthetic.Task) and examples.metric == "exact_match":
+    if isinstance(examples, synthetic.Generator) and examples.metric == "exact_match":
         return examples.score(predictions, records)["exact_match"]
     hits = sum(p.strip() == r.strip() for p, (_, r) in zip(predictions, pairs, strict=True))
     return hits / len(predictions)
