@@ -23,6 +23,8 @@ import jax
 import sacrebleu
 
 from flaxformer_lite.data import synthetic
+from flaxformer_lite.data.documents import TEXT_RECORDS
+from flaxformer_lite.data.tasks import Task, task_named
 from flaxformer_lite.data.tokenizers import Tokenizer
 from flaxformer_lite.decode import until_eos
 from flaxformer_lite.decode.text import new_tokens, prompt_ids, source_ids
@@ -37,12 +39,13 @@ class Sample:
     prediction: str
 
 
-def decodable(task: str, examples: Sequence[dict]) -> bool:
+def decodable(task: Task, examples: Sequence[dict]) -> bool:
     """Whether ``examples`` of a ``task`` run can be scored by decoding: seq2seq data, or LM data
-    of the synthetic prompt=answer tasks (plain text has no answer to compare with)."""
-    if task == "seq2seq":
-        return True
-    return task == "lm" and isinstance(examples, synthetic.Generator) and examples.records == "lm"
+    of the synthetic prompt=answer generators (plain text has no answer to compare with)."""
+    if not task.decodes:
+        return False
+    prompted = isinstance(examples, synthetic.Generator) and examples.records == TEXT_RECORDS
+    return prompted or not task.continues
 
 
 def decode_eval(
@@ -57,7 +60,7 @@ def decode_eval(
     """Greedy-decodes the first ``num_examples`` validation ``examples`` and scores them.
 
     Args:
-      model: a ``DecoderLM`` (``task="lm"``) or ``EncoderDecoder`` (``"seq2seq"``).
+      model: a ``DecoderLM`` (task ``lm``) or ``EncoderDecoder`` (task ``seq2seq``).
       tokenizer: the run's tokenizer.
       examples: validation records (a synthetic ``Generator`` or a list of dicts); see
         :func:`decodable`.
@@ -67,16 +70,17 @@ def decode_eval(
     Returns:
       ``({"eval_exact_match", "eval_token_accuracy"[, "eval_bleu"]}, samples)``.
     """
+    continues = task_named(task).continues  # a decoder LM, else an encoder-decoder
     records = [examples[i] for i in range(min(num_examples, len(examples)))]
-    if task == "lm":
+    if continues:
         pairs = [synthetic.split_prompt(r["text"]) for r in records]
         inputs = [prompt_ids(tokenizer, prompt) for prompt, _ in pairs]
     else:
         pairs = [(r["source"], r["target"]) for r in records]
         inputs = [source_ids(tokenizer, source, max_length) for source, _ in pairs]
-    encode = tokenizer.encode if task == "lm" else tokenizer.encode_target
+    encode = tokenizer.encode if continues else tokenizer.encode_target
     references = [[*encode(reference), tokenizer.eos_id] for _, reference in pairs]
-    budget = max_length - max(map(len, inputs)) if task == "lm" else max_length - 1
+    budget = max_length - max(map(len, inputs)) if continues else max_length - 1
     max_new_tokens = max(1, min(max(len(r) for r in references) + 2, budget))
     outputs = new_tokens(model, tokenizer, inputs, max_new_tokens=max_new_tokens)
     predictions = [tokenizer.decode(until_eos(ids, tokenizer.eos_id)) for ids in outputs]
@@ -88,7 +92,7 @@ def decode_eval(
         "eval_exact_match": _exact_match(examples, records, predictions, pairs),
         "eval_token_accuracy": token_accuracy(outputs, references),
     }
-    if task == "seq2seq" and not isinstance(examples, synthetic.Generator):
+    if not continues and not isinstance(examples, synthetic.Generator):
         metrics["eval_bleu"] = sacrebleu.corpus_bleu(
             predictions, [[reference for _, reference in pairs]]
         ).score
