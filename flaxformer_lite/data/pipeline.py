@@ -1,8 +1,8 @@
 """Input pipelines: a source -> documents -> sharded, resumable numpy batches, made ahead.
 
     run = RunDir("runs/x")            # where a run keeps its tokenizer and prepared stores
-    data = build_data(cfg, task="lm", seed=0, batch_size=32, directory=run.tokenizer,
-                      prepared=run.prepared)
+    data = build_data(cfg.data, task=task_of(cfg.model), seed=0, batch_size=32,
+                      directory=run.tokenizer, prepared=run.prepared)
     batch = next(data.train)          # this process's share of the next global batch
     state = data.train.get_state()    # JSON-able: save it with the checkpoint, set_state to resume
     for batch in data.eval_batches(): ...
