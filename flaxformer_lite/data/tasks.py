@@ -20,6 +20,7 @@ on; the other tasks' rows hold one document each, cut to fit.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import TYPE_CHECKING, ClassVar
 
@@ -52,7 +53,7 @@ PACKED_KEYS: dict[str, Array] = {
 }
 
 
-class Task:
+class Task(abc.ABC):
     """What differs by task; one instance of each subclass is in :data:`TASKS`.
 
     Attributes:
@@ -115,11 +116,11 @@ class Task:
         if records not in self.records:
             raise ValueError(f"task {self.name!r} cannot train on {given}: it needs {self.needs}")
 
+    @abc.abstractmethod
     def predict(self, model, batch: dict, *, features: bool):
         """The model's logits for ``batch`` (``[B, T, V]``; ``[B, C]`` for ``classify``), or with
         ``features`` (:attr:`per_token` tasks) its last features ``[B, T, D]``, the head left
         out."""
-        raise NotImplementedError
 
     def targets(self, batch: dict):
         """``(targets, weights)`` of ``batch``, what :meth:`predict` is scored against."""
@@ -130,7 +131,9 @@ class Task:
     ) -> dict[str, np.ndarray]:
         """Rows ``[len(docs), T]``, row ``r`` of document ``docs[r]``, the example ``indices[r]``
         of ``stream``; tasks that are not :attr:`pieces` only."""
-        raise NotImplementedError
+        raise TypeError(
+            f"task {self.name!r} cuts its documents into pieces: data.rows makes its rows"
+        )
 
     def kept(self, seq_len: int) -> dict[str, int]:
         """The tokens of each field that one of its rows keeps (not :attr:`pieces` tasks)."""
