@@ -65,7 +65,7 @@ def translation_run(tmp_path_factory):
     """The encoder-decoder preset on a TSV file of parallel sentences (BLEU is reported for
     translation data), 40 steps."""
     root = tmp_path_factory.mktemp("mt")
-    task = synthetic.make_task("number_words", split="train", seed=0, size=300)
+    task = synthetic.make_generator("number_words", split="train", seed=0, size=300)
     lines = [f"{task[i]['source']}\t{task[i]['target']}" for i in range(len(task))]
     (root / "pairs.tsv").write_text("\n".join(lines) + "\n")
     cfg = load_config(
@@ -113,7 +113,7 @@ def test_lm_eval_decodes_and_scores(lm_run):
 def test_decode_eval_scores_agree_with_its_samples(lm_run):
     run_dir, _ = lm_run
     loaded = load_run(run_dir)
-    examples = synthetic.make_task("arithmetic", split="validation", seed=0, size=16)
+    examples = synthetic.make_generator("arithmetic", split="validation", seed=0, size=16)
     max_length = loaded.model.config.max_length
     values, samples = decode_eval(
         loaded.model, loaded.tokenizer, examples, task="lm", num_examples=10, max_length=max_length

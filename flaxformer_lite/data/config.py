@@ -137,9 +137,9 @@ class DataConfig:
                 "data.mixture mixes files: it needs data.source text, jsonl, parallel or prepared"
             )
         if self.source == "synthetic":
-            _check_choice("generator", self.generator, tuple(synthetic.TASKS))
+            _check_choice("generator", self.generator, tuple(synthetic.GENERATORS))
             try:
-                synthetic.make_task(self.generator, size=1, **self.generator_options)
+                synthetic.make_generator(self.generator, size=1, **self.generator_options)
             except ValueError as error:
                 raise ValueError(f"data.generator_options: {error}") from None
         elif self.mixture:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from flaxformer_lite.data import sources
 from flaxformer_lite.data.config import TOKENIZERS, DataConfig
+from flaxformer_lite.data.documents import PAIR_RECORDS, TEXT_RECORDS
 from flaxformer_lite.data.store import (
     Store,
     check_tokenizer,
@@ -149,5 +150,5 @@ def _cache_dir(cfg: DataConfig, path: str, prepared: Path | None) -> Path:
 
 
 def records_of(store) -> str:
-    """The type of records of a store: ``"seq2seq"`` for source/target pairs, else ``"lm"``."""
-    return "seq2seq" if store.manifest["source"]["kind"] == "parallel" else "lm"
+    """The type of records of a store: source/target pairs (``parallel``), else text."""
+    return PAIR_RECORDS if store.manifest["source"]["kind"] == "parallel" else TEXT_RECORDS

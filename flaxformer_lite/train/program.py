@@ -120,10 +120,9 @@ def abstract_batch(cfg: TrainConfig, sharding) -> dict[str, jax.ShapeDtypeStruct
     """
     if cfg.model.input_dim is not None or cfg.model.output_dim is not None:
         raise ValueError("compile takes token models; model.input_dim/output_dim are set")
-    task = task_of(cfg.model)
-    shapes = tasks.batch_shapes(
-        task,
-        packed=tasks.is_packed(task, cfg.data.packing),
+    task = tasks.task_named(task_of(cfg.model))
+    shapes = task.batch_shapes(
+        packed=task.is_packed(cfg.data.packing),
         batch_size=cfg.train.batch_size,
         seq_len=cfg.data.seq_len,
     )
