@@ -43,6 +43,7 @@ from flaxformer_lite.data.documents import split_documents
 from flaxformer_lite.data.pipeline import build_data
 from flaxformer_lite.data.sources import iter_text_records
 from flaxformer_lite.data.store import prepare_store
+from flaxformer_lite.data.tasks import task_named
 from flaxformer_lite.data.tokenizers import make_tokenizer
 from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.host_memory import reuse_freed_host_memory
@@ -151,7 +152,7 @@ def store_rows(store, rows: str, processes: int, batches: int, repeats: int) -> 
     train, _ = split_documents(store.documents.digests, 0.1, str(store.path))
     tokenizer = store.tokenizer
     layout = Layout(
-        task="lm",
+        task=task_named("lm"),
         rows=rows,
         seq_len=1024,
         batch_size=8 * processes,

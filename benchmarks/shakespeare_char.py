@@ -120,9 +120,9 @@ from flaxformer_lite.train.config import TrainConfig, load_config
 from flaxformer_lite.train.host_memory import reuse_freed_host_memory
 from flaxformer_lite.train.metrics import read_metrics
 from flaxformer_lite.train.optim import make_optimizer
-from flaxformer_lite.train.restore import load_run
 from flaxformer_lite.train.run_dir import RunDir
 from flaxformer_lite.train.step import model_loss
+from flaxformer_lite.train.trained_run import load_run
 
 import hf_gpt2
 from loop_vs_step import LoopRun, paired_shares, short_run_overrides

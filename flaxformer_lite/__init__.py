@@ -16,8 +16,8 @@ skip_absent_tpu()  # before any backend starts: libtpu's warnings on a host with
 # Where the names this package exports at its top live; imported on first use, so that
 # importing a submodule (``flaxformer_lite.ops``) does not import the training code.
 _LAZY = {
-    "load_run": "flaxformer_lite.train.restore",
-    "LoadedRun": "flaxformer_lite.train.restore",
+    "load_run": "flaxformer_lite.train.trained_run",
+    "LoadedRun": "flaxformer_lite.train.trained_run",
     "export_run": "flaxformer_lite.train.export",
     "sweep": "flaxformer_lite.train.sweep",
     "register_attention": "flaxformer_lite.ops.attention_choice",

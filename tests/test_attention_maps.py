@@ -29,7 +29,7 @@ from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.loop import run
 from flaxformer_lite.train.optim import make_optimizer
 from flaxformer_lite.train.program import make_train_state
-from flaxformer_lite.train.restore import to_savable
+from flaxformer_lite.train.trained_run import to_savable
 
 B, T, S = 2, 7, 9
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py

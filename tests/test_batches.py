@@ -19,6 +19,7 @@ from flaxformer_lite.data.batches import (
 )
 from flaxformer_lite.data.documents import from_ids
 from flaxformer_lite.data.features import MASK_ID
+from flaxformer_lite.data.tasks import task_named
 
 SOS, EOS, T, B = 1, 2, 12, 8
 RNG = np.random.default_rng(0)
@@ -37,7 +38,7 @@ CASES = [(task, rows) for task, kinds in ROWS.items() for rows in kinds]
 
 
 def layout(task="lm", rows="documents", index=0, count=1, **kwargs):
-    values = dict(task=task, rows=rows, seq_len=T, batch_size=B, process_index=index)
+    values = dict(task=task_named(task), rows=rows, seq_len=T, batch_size=B, process_index=index)
     values |= dict(process_count=count, sos_id=SOS, eos_id=EOS, vocab_size=50)
     values |= dict(mlm_probability=0.3, seed=3)
     return Layout(**(values | kwargs))

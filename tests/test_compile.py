@@ -164,7 +164,7 @@ def test_unknown_topologies_are_refused(name):
 def test_the_abstract_batch_is_the_tasks_description(config, overrides, task, packed):
     cfg = load_config(config and CONFIGS / config, [*TINY, *overrides])
     batch = abstract_batch(cfg, None)
-    wanted = tasks.batch_shapes(task, packed=packed, batch_size=8, seq_len=16)
+    wanted = tasks.task_named(task).batch_shapes(packed=packed, batch_size=8, seq_len=16)
     assert {key: (array.shape, array.dtype) for key, array in batch.items()} == wanted
 
 

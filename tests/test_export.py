@@ -21,7 +21,7 @@ from flaxformer_lite.data import synthetic
 from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.export import export_run
 from flaxformer_lite.train.loop import run
-from flaxformer_lite.train.restore import load_run
+from flaxformer_lite.train.trained_run import load_run
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 
@@ -184,7 +184,7 @@ def test_masked_lm_export_loads_as_auto_model_for_masked_lm(hf, corpus, tmp_path
 
 @pytest.mark.slow
 def test_encoder_decoder_export_translates_as_the_run(hf, tmp_path, capsys):
-    task = synthetic.make_task("number_words", split="train", seed=0, size=200)
+    task = synthetic.make_generator("number_words", split="train", seed=0, size=200)
     pairs = tmp_path / "pairs.tsv"
     pairs.write_text("".join(f"{task[i]['source']}\t{task[i]['target']}\n" for i in range(200)))
     marian = ["model.norm_eps=1e-5", "model.sinusoidal_layout=concat", "model.output_bias=true"]

@@ -20,11 +20,11 @@ from flaxformer_lite.data import synthetic
 from flaxformer_lite.data.tokenizers import EOS_ID, SOS_ID
 from flaxformer_lite.decode import beam_search, generate, right_pad, seq2seq_generate, until_eos
 from flaxformer_lite.models import Encoder
-from flaxformer_lite.train import restore
+from flaxformer_lite.train import trained_run
 from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.decode_eval import decode_eval, token_accuracy
 from flaxformer_lite.train.loop import run
-from flaxformer_lite.train.restore import load_run
+from flaxformer_lite.train.trained_run import load_run
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 
@@ -65,7 +65,7 @@ def translation_run(tmp_path_factory):
     """The encoder-decoder preset on a TSV file of parallel sentences (BLEU is reported for
     translation data), 40 steps."""
     root = tmp_path_factory.mktemp("mt")
-    task = synthetic.make_task("number_words", split="train", seed=0, size=300)
+    task = synthetic.make_generator("number_words", split="train", seed=0, size=300)
     lines = [f"{task[i]['source']}\t{task[i]['target']}" for i in range(len(task))]
     (root / "pairs.tsv").write_text("\n".join(lines) + "\n")
     cfg = load_config(
@@ -113,7 +113,7 @@ def test_lm_eval_decodes_and_scores(lm_run):
 def test_decode_eval_scores_agree_with_its_samples(lm_run):
     run_dir, _ = lm_run
     loaded = load_run(run_dir)
-    examples = synthetic.make_task("arithmetic", split="validation", seed=0, size=16)
+    examples = synthetic.make_generator("arithmetic", split="validation", seed=0, size=16)
     max_length = loaded.model.config.max_length
     values, samples = decode_eval(
         loaded.model, loaded.tokenizer, examples, task="lm", num_examples=10, max_length=max_length
@@ -298,7 +298,7 @@ def test_sample_py_names_the_top_p_flag(tmp_path):
 def test_an_encoder_run_is_named_in_plain_words(tmp_path, capsys, monkeypatch):
     """Issue 43 item 19: it said "holds a Encoder"."""
     loaded = types.SimpleNamespace(model=Encoder.__new__(Encoder), tokenizer=None)
-    monkeypatch.setattr(restore, "load_run", lambda *_args, **_kwargs: loaded)
+    monkeypatch.setattr(trained_run, "load_run", lambda *_args, **_kwargs: loaded)
     assert main(["generate", "--run-dir", str(tmp_path), "--prompt", "x"]) == 2
     assert capsys.readouterr().err == (
         f"error: {tmp_path} holds an encoder-only model (Encoder); generate needs a DecoderLM "

@@ -19,8 +19,8 @@ from flaxformer_lite.data.pipeline import build_data
 from flaxformer_lite.decode.text import continue_or_translate
 from flaxformer_lite.train.config import ConfigError, load_config
 from flaxformer_lite.train.loop import run
-from flaxformer_lite.train.restore import load_run
 from flaxformer_lite.train.run_dir import RunDir
+from flaxformer_lite.train.trained_run import load_run
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 

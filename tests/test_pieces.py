@@ -25,7 +25,7 @@ from flaxformer_lite.decode import generate
 from flaxformer_lite.models import pieces
 from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.loop import run
-from flaxformer_lite.train.restore import load_run
+from flaxformer_lite.train.trained_run import load_run
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 

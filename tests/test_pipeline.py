@@ -174,7 +174,7 @@ def test_classify_batches_carry_labels_and_pad_the_last_eval_batch(tmp_path):
     cfg = DataConfig(packing=False, generator="sentiment", seq_len=160, train_size=12, eval_size=6)
     data = build(cfg, tmp_path, task="classify")
     assert data.labels == sentiment_words.LABELS
-    task = synthetic.make_task("sentiment", size=12)
+    task = synthetic.make_generator("sentiment", size=12)
     label_of = {task[i]["text"]: task[i]["label"] for i in range(12)}
     for batch in take(data.train, 3):
         assert batch["labels"].dtype == np.int32 and batch["labels"].shape == (4,)
@@ -415,8 +415,7 @@ def test_packing_by_default_for_language_modelling_only(tmp_path):
 def test_batches_are_as_the_tasks_description_says(tmp_path, task, generator, packing):
     cfg = DataConfig(generator=generator, packing=packing, seq_len=24, train_size=16, eval_size=6)
     data = build(cfg, tmp_path, task=task)
-    wanted = tasks.batch_shapes(
-        task, packed=tasks.is_packed(task, packing), batch_size=4, seq_len=24
-    )
+    described = tasks.task_named(task)
+    wanted = described.batch_shapes(packed=described.is_packed(packing), batch_size=4, seq_len=24)
     for batch in (next(data.train), next(data.eval_batches())):
         assert {key: (value.shape, value.dtype) for key, value in batch.items()} == wanted

@@ -1,5 +1,5 @@
-"""Tests for the procedurally generated tasks: determinism, split disjointness, answers, scores,
-and all examples tokenized at once (``Task.documents``)."""
+"""Tests for the procedural generators: determinism, split disjointness, answers, scores,
+and all examples tokenized at once (``Generator.documents``)."""
 
 import collections
 import re
@@ -9,6 +9,7 @@ import pytest
 
 import flaxformer_lite.data.synthetic as syn
 from flaxformer_lite.data.byte_texts import ByteTexts, stable_hash
+from flaxformer_lite.data.documents import LABELLED_RECORDS, PAIR_RECORDS, TEXT_RECORDS
 from flaxformer_lite.data.sentiment_words import (
     LABELS,
     NEGATIONS,
@@ -18,22 +19,22 @@ from flaxformer_lite.data.sentiment_words import (
 )
 from flaxformer_lite.data.tokenizers import ByteTokenizer, make_tokenizer
 
-NAMES = sorted(syn.TASKS)
+NAMES = sorted(syn.GENERATORS)
 
 
-def _key(task, record):
+def _key(generator, record):
     """The input a record is judged on: what must never cross from validation into train."""
-    if task.records == "lm":
+    if generator.records == TEXT_RECORDS:
         return syn.split_prompt(record["text"])[0]
-    if task.records == "seq2seq":
+    if generator.records == PAIR_RECORDS:
         return record["source"]
     return record["text"]
 
 
-def _reference(task, record):
-    if task.records == "lm":
+def _reference(generator, record):
+    if generator.records == TEXT_RECORDS:
         return syn.split_prompt(record["text"])[1]
-    if task.records == "seq2seq":
+    if generator.records == PAIR_RECORDS:
         return record["target"]
     return record["label"]
 
@@ -68,16 +69,16 @@ _UNHYPHENATED = re.compile(rf"\b({'|'.join(_TEN_WORDS)}) ({'|'.join(_UNITS[1:10]
 
 @pytest.mark.parametrize("name", NAMES)
 def test_examples_are_pure_functions_of_seed_split_and_index(name):
-    forward = syn.make_task(name, seed=3)
+    forward = syn.make_generator(name, seed=3)
     ahead = [forward[i] for i in range(200)]
-    backward = syn.make_task(name, seed=3)
+    backward = syn.make_generator(name, seed=3)
     behind = [backward.example(i) for i in reversed(range(200))][::-1]
     assert ahead == behind
-    assert syn.make_task(name, seed=3, size=150)[137] == ahead[137]  # size does not reshuffle
-    assert syn.make_task(name, seed=3)[np.int64(42)] == ahead[42]
+    assert syn.make_generator(name, seed=3, size=150)[137] == ahead[137]  # size does not reshuffle
+    assert syn.make_generator(name, seed=3)[np.int64(42)] == ahead[42]
 
-    other_seed = [syn.make_task(name, seed=4)[i] for i in range(200)]
-    other_split = [syn.make_task(name, seed=3, split="validation")[i] for i in range(200)]
+    other_seed = [syn.make_generator(name, seed=4)[i] for i in range(200)]
+    other_split = [syn.make_generator(name, seed=3, split="validation")[i] for i in range(200)]
     assert sum(a != b for a, b in zip(ahead, other_seed, strict=True)) > 150
     assert sum(a != b for a, b in zip(ahead, other_split, strict=True)) > 150
 
@@ -88,8 +89,10 @@ def test_examples_are_pure_functions_of_seed_split_and_index(name):
     + [("arithmetic", {"max_digits": 1}), ("number_words", {"max_value": 99})],
 )
 def test_validation_inputs_never_appear_in_train(name, options):
-    train = [syn.make_task(name, seed=s, size=1500, **options) for s in (0, 1)]
-    valid = [syn.make_task(name, seed=s, split="validation", size=500, **options) for s in (0, 7)]
+    train = [syn.make_generator(name, seed=s, size=1500, **options) for s in (0, 1)]
+    valid = [
+        syn.make_generator(name, seed=s, split="validation", size=500, **options) for s in (0, 7)
+    ]
     train_keys = {_key(t, t[i]) for t in train for i in range(len(t))}
     valid_keys = {_key(t, t[i]) for t in valid for i in range(len(t))}
     assert not train_keys & valid_keys
@@ -110,18 +113,18 @@ def test_records_hold_the_documented_keys():
         "classification": {"text": str, "label": int},
     }
     for name in NAMES:
-        task = syn.make_task(name)
+        generator = syn.make_generator(name)
         for i in range(20):
-            record = task[i]
-            assert {k: type(v) for k, v in record.items()} == expected[task.records], name
+            record = generator[i]
+            assert {k: type(v) for k, v in record.items()} == expected[generator.records], name
 
 
 def test_arithmetic_answers_are_correct():
     plain = dict(fixed_width=False, reverse_answer=False)
-    task = syn.make_task("arithmetic", max_digits=5, size=3000, **plain)
+    generator = syn.make_generator("arithmetic", max_digits=5, size=3000, **plain)
     ops, lengths = collections.Counter(), collections.Counter()
-    for i in range(len(task)):
-        a, op, b, answer = re.fullmatch(r"(\d+)([+-])(\d+)=(\d+)", task[i]["text"]).groups()
+    for i in range(len(generator)):
+        a, op, b, answer = re.fullmatch(r"(\d+)([+-])(\d+)=(\d+)", generator[i]["text"]).groups()
         assert int(answer) == (int(a) + int(b) if op == "+" else int(a) - int(b))
         for operand in (a, b, answer):
             assert operand == str(int(operand))  # no leading zeros
@@ -131,13 +134,13 @@ def test_arithmetic_answers_are_correct():
     assert sorted(lengths) == [1, 2, 3, 4, 5]
     assert all(abs(count / lengths.total() - 1 / 5) < 0.015 for count in lengths.values())
     assert min(ops["+"], ops["-"]) > 1000
-    no_sub = syn.make_task("arithmetic", subtraction=False)
+    no_sub = syn.make_generator("arithmetic", subtraction=False)
     assert all("-" not in no_sub[i]["text"] for i in range(300))
 
 
 def test_arithmetic_writes_zero_padded_reversed_answers_by_default():
-    task = syn.make_task("arithmetic", size=3000)
-    texts = [task[i]["text"] for i in range(len(task))]
+    generator = syn.make_generator("arithmetic", size=3000)
+    texts = [generator[i]["text"] for i in range(len(generator))]
     assert all(re.fullmatch(r"\d{3}[+-]\d{3}=\d{4}", text) for text in texts)
     prompt, answer = syn.split_prompt(texts[0])
     a, op, b = int(prompt[:3]), prompt[3], int(prompt[4:7])
@@ -149,10 +152,10 @@ def test_arithmetic_writes_zero_padded_reversed_answers_by_default():
 )
 def test_arithmetic_fixed_width_and_reversed_answers_are_correct(fixed_width, reverse_answer):
     options = dict(max_digits=3, fixed_width=fixed_width, reverse_answer=reverse_answer)
-    task = syn.make_task("arithmetic", size=2000, **options)
-    plain = syn.make_task("arithmetic", size=2000, max_digits=3, fixed_width=False)
-    for i in range(len(task)):
-        a, op, b, answer = re.fullmatch(r"(\d+)([+-])(\d+)=(\d+)", task[i]["text"]).groups()
+    generator = syn.make_generator("arithmetic", size=2000, **options)
+    plain = syn.make_generator("arithmetic", size=2000, max_digits=3, fixed_width=False)
+    for i in range(len(generator)):
+        a, op, b, answer = re.fullmatch(r"(\d+)([+-])(\d+)=(\d+)", generator[i]["text"]).groups()
         written = answer[::-1] if reverse_answer else answer
         assert int(written) == (int(a) + int(b) if op == "+" else int(a) - int(b))
         if fixed_width:
@@ -161,16 +164,16 @@ def test_arithmetic_fixed_width_and_reversed_answers_are_correct(fixed_width, re
             assert written == str(int(written))
     # The same problems as the plain format, in the same order, when only the answer is reversed.
     if not fixed_width:
-        assert [syn.split_prompt(task[i]["text"])[0] for i in range(50)] == [
+        assert [syn.split_prompt(generator[i]["text"])[0] for i in range(50)] == [
             syn.split_prompt(plain[i]["text"])[0] for i in range(50)
         ]
 
 
 def test_reverse_answers_are_correct():
-    task = syn.make_task("reverse", max_length=6)
+    generator = syn.make_generator("reverse", max_length=6)
     lengths = set()
     for i in range(500):
-        prompt, answer = syn.split_prompt(task[i]["text"])
+        prompt, answer = syn.split_prompt(generator[i]["text"])
         assert re.fullmatch(r"[a-z]+=", prompt) and answer == prompt[:-1][::-1]
         lengths.add(len(answer))
     assert lengths == set(range(1, 7))
@@ -217,10 +220,10 @@ def test_number_to_words_round_trips_and_rejects_out_of_range():
 
 
 def test_number_words_examples_are_correct():
-    task = syn.make_task("number_words", max_value=50_000, size=2000)
+    generator = syn.make_generator("number_words", max_value=50_000, size=2000)
     targets = []
-    for i in range(len(task)):
-        record = task[i]
+    for i in range(len(generator)):
+        record = generator[i]
         assert parse_number_words(record["source"]) == int(record["target"]) <= 50_000
         targets.append(int(record["target"]))
     assert min(targets) < 10 and sum(t < 100 for t in targets) > 300  # small numbers are common
@@ -238,8 +241,8 @@ def _sentiment_rule(text):
 
 
 def test_sentiment_labels_follow_words_and_negation_and_are_balanced():
-    task = syn.make_task("sentiment", size=3000)
-    records = [task[i] for i in range(len(task))]
+    generator = syn.make_generator("sentiment", size=3000)
+    records = [generator[i] for i in range(len(generator))]
     assert [r["label"] for r in records] == [_sentiment_rule(r["text"]) for r in records]
 
     counts = collections.Counter(r["label"] for r in records)
@@ -266,30 +269,32 @@ def test_sentiment_labels_follow_words_and_negation_and_are_balanced():
                 polar_positions.add(position)
     assert polar_positions == {0, 1, 2}
     assert {r["text"].count(" and ") + 1 for r in records} == {1, 2, 3}
-    assert syn.make_task("sentiment").labels == LABELS
+    assert syn.make_generator("sentiment").labels == LABELS
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_score(name):
-    task = syn.make_task(name, split="validation", size=10)
-    examples = [task[i] for i in range(len(task))]
-    right = [_reference(task, e) for e in examples]
-    if task.records == "classification":
+    generator = syn.make_generator(name, split="validation", size=10)
+    examples = [generator[i] for i in range(len(generator))]
+    right = [_reference(generator, e) for e in examples]
+    if generator.records == LABELLED_RECORDS:
         wrong = [(label + 1) % len(LABELS) for label in right]
     else:
         wrong = [answer + "1" for answer in right]
         right = [f" {answer}\n" for answer in right]  # surrounding whitespace is ignored
-    assert task.score(right, examples) == {task.metric: 1.0}
-    assert task.score(wrong, examples) == {task.metric: 0.0}
-    assert task.score(right[:4] + wrong[4:], examples) == {task.metric: pytest.approx(0.4)}
+    assert generator.score(right, examples) == {generator.metric: 1.0}
+    assert generator.score(wrong, examples) == {generator.metric: 0.0}
+    assert generator.score(right[:4] + wrong[4:], examples) == {
+        generator.metric: pytest.approx(0.4)
+    }
     with pytest.raises(ValueError, match="as many predictions as examples"):
-        task.score(right[:3], examples)
+        generator.score(right[:3], examples)
     with pytest.raises(ValueError, match="as many predictions as examples"):
-        task.score([], [])
+        generator.score([], [])
 
 
 def test_metric_names():
-    metrics = {name: syn.TASKS[name].metric for name in NAMES}
+    metrics = {name: syn.GENERATORS[name].metric for name in NAMES}
     assert metrics == {
         "arithmetic": "exact_match",
         "number_words": "exact_match",
@@ -305,18 +310,20 @@ def test_split_prompt():
 
 
 def test_sizes_and_indexing():
-    assert len(syn.make_task("arithmetic")) == syn.DEFAULT_SIZES["train"]
-    assert len(syn.make_task("arithmetic", split="validation")) == syn.DEFAULT_SIZES["validation"]
-    task = syn.make_task("reverse", size=5)
-    assert list(task) == [task[i] for i in range(5)]
+    assert len(syn.make_generator("arithmetic")) == syn.DEFAULT_SIZES["train"]
+    assert (
+        len(syn.make_generator("arithmetic", split="validation")) == syn.DEFAULT_SIZES["validation"]
+    )
+    generator = syn.make_generator("reverse", size=5)
+    assert list(generator) == [generator[i] for i in range(5)]
     for bad in (5, -1):
         with pytest.raises(IndexError, match="out of range"):
-            task[bad]
+            generator[bad]
 
 
-def test_unknown_task_lists_valid_names():
-    with pytest.raises(ValueError, match="unknown synthetic task 'addition'") as info:
-        syn.make_task("addition")
+def test_unknown_generator_lists_valid_names():
+    with pytest.raises(ValueError, match="unknown synthetic generator 'addition'") as info:
+        syn.make_generator("addition")
     assert all(name in str(info.value) for name in NAMES)
 
 
@@ -324,7 +331,7 @@ def test_unknown_option_is_named_with_the_valid_ones():
     with pytest.raises(
         ValueError, match=r"max_digit, vocab .*'arithmetic'.*max_digits, subtraction, fixed_width"
     ):
-        syn.make_task("arithmetic", max_digit=3, vocab=10)
+        syn.make_generator("arithmetic", max_digit=3, vocab=10)
 
 
 @pytest.mark.parametrize(
@@ -344,7 +351,7 @@ def test_unknown_option_is_named_with_the_valid_ones():
 )
 def test_bad_values_are_named(name, kwargs, message):
     with pytest.raises(ValueError, match=message):
-        syn.make_task(name, **kwargs)
+        syn.make_generator(name, **kwargs)
 
 
 def test_a_domain_too_small_for_a_split_fails_at_construction():
@@ -352,7 +359,7 @@ def test_a_domain_too_small_for_a_split_fails_at_construction():
     failures = []
     for split in syn.SPLITS:
         try:
-            syn.make_task("number_words", split=split, max_value=0)
+            syn.make_generator("number_words", split=split, max_value=0)
         except ValueError as error:
             assert "widen the domain" in str(error)
             failures.append(split)
@@ -365,37 +372,40 @@ def test_a_domain_too_small_for_a_split_fails_at_construction():
 @pytest.mark.parametrize("name", NAMES)
 def test_documents_hold_the_records_tokenized_across_chunks(name):
     size = syn.CHUNK + 7  # two chunks
-    task = syn.make_task(name, seed=2, size=size)
-    documents = task.documents(ByteTokenizer())
+    generator = syn.make_generator(name, seed=2, size=size)
+    documents = generator.documents(ByteTokenizer())
     assert len(documents) == size
     tokenizer = ByteTokenizer()
     for i in (0, 1, syn.CHUNK - 1, syn.CHUNK, size - 1):
-        record = task[i]
+        record = generator[i]
         for field in documents.fields:
             assert tokenizer.decode(documents.document(field, i)) == record[field]
-        if task.records == "classification":
+        if generator.records == LABELLED_RECORDS:
             assert documents.labels[i] == record["label"]
     # The digests are the hashes that assigned each input to this split.
-    keys = [_key(task, task[i]) for i in range(50)]
+    keys = [_key(generator, generator[i]) for i in range(50)]
     expected = stable_hash(ByteTexts.from_strings(keys))
     np.testing.assert_array_equal(documents.digests[:50], expected)
-    assert syn.make_task(name, seed=2, size=2 * syn.CHUNK)[syn.CHUNK + 3] == task[syn.CHUNK + 3]
+    assert (
+        syn.make_generator(name, seed=2, size=2 * syn.CHUNK)[syn.CHUNK + 3]
+        == generator[syn.CHUNK + 3]
+    )
 
 
 def test_documents_with_a_fitted_tokenizer_encode_each_text():
-    task = syn.make_task("number_words", size=300)
-    tokenizer = make_tokenizer("word", texts=[task[i]["source"] for i in range(300)])
-    documents = task.documents(tokenizer)
+    generator = syn.make_generator("number_words", size=300)
+    tokenizer = make_tokenizer("word", texts=[generator[i]["source"] for i in range(300)])
+    documents = generator.documents(tokenizer)
     assert documents.tokens["source"].dtype == np.uint16
     for i in (0, 299):
-        assert documents.document("source", i).tolist() == tokenizer.encode(task[i]["source"])
-        assert documents.document("target", i).tolist() == tokenizer.encode(task[i]["target"])
+        assert documents.document("source", i).tolist() == tokenizer.encode(generator[i]["source"])
+        assert documents.document("target", i).tolist() == tokenizer.encode(generator[i]["target"])
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_whole_chunks_of_validation_and_train_share_no_input(name):
-    train = syn.make_task(name, seed=0, size=2 * syn.CHUNK).documents(ByteTokenizer())
-    valid = syn.make_task(name, seed=1, split="validation").documents(ByteTokenizer())
+    train = syn.make_generator(name, seed=0, size=2 * syn.CHUNK).documents(ByteTokenizer())
+    valid = syn.make_generator(name, seed=1, split="validation").documents(ByteTokenizer())
     assert not set(train.digests.tolist()) & set(valid.digests.tolist())
     assert (valid.digests < np.uint64(int(syn.VALIDATION_FRACTION * 2**64))).all()
 

@@ -23,7 +23,7 @@ from flaxformer_lite.train.config import ConfigError, load_config
 from flaxformer_lite.train.loop import TrainingError, run
 from flaxformer_lite.train.metrics import MetricsWriter, read_metrics
 from flaxformer_lite.train.optim import make_optimizer
-from flaxformer_lite.train.restore import to_savable
+from flaxformer_lite.train.trained_run import to_savable
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 

@@ -238,9 +238,9 @@ def test_the_loss_reads_every_array_of_the_tasks_batch(preset, overrides, packed
     task = task_of(cfg)
     rng = np.random.default_rng(0)
     batch = {}
-    for key, (shape, dtype) in tasks.batch_shapes(
-        task, packed=packed, batch_size=B, seq_len=T
-    ).items():
+    for key, (shape, dtype) in (
+        tasks.task_named(task).batch_shapes(packed=packed, batch_size=B, seq_len=T).items()
+    ):
         values = rng.integers(0, 2 if key == "labels" else 32, shape)
         batch[key] = values > 8 if dtype == np.bool_ else values.astype(dtype)
     if packed:

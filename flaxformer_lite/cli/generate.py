@@ -126,7 +126,7 @@ def run(args: argparse.Namespace, say=print) -> int:
         model, tokenizer = load_hf_checkpoint(args.hf_dir)
         add_bos, source = tokenizer.add_bos, args.hf_dir
     else:
-        from flaxformer_lite.train.restore import load_run
+        from flaxformer_lite.train.trained_run import load_run
 
         loaded = load_run(args.run_dir, step=args.step)
         model, tokenizer, add_bos, source = loaded.model, loaded.tokenizer, True, args.run_dir

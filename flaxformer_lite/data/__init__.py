@@ -1,2 +1,2 @@
-"""Data: tokenizers, sources (text, JSONL, parallel files), built-in synthetic tasks and the
+"""Data: tokenizers, sources (text, JSONL, parallel files), built-in synthetic generators and the
 pipelines that turn them into deterministic, resumable, per-process batches."""

@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from flaxformer_lite.data import rows, tasks
+from flaxformer_lite.data import rows
 from flaxformer_lite.data.documents import Documents
-from flaxformer_lite.data.features import document_rows
+from flaxformer_lite.data.tasks import PACKED_KEYS, Task
 
 ROWS = ("documents", "windows", "single")  # packed documents, windows, one document per row
 TRAIN_STREAM, EVAL_STREAM = 0, 1  # separate MLM masking draws for the two splits
@@ -32,8 +32,9 @@ class Layout:
     """What every batch of a run shares.
 
     Attributes:
-      task: ``lm``, ``seq2seq``, ``mlm`` or ``classify``.
-      rows: ``documents`` (packed), ``windows`` (both ``lm`` only) or ``single``.
+      task: what the rows are of.
+      rows: ``documents`` (packed), ``windows`` (both for tasks of ``pieces``: ``lm``) or
+        ``single``.
       seq_len: ``T``.
       batch_size: the global batch size ``B``.
       process_index, process_count: which of ``process_count`` equal blocks of each global
@@ -43,7 +44,7 @@ class Layout:
       seed: orders the epochs and draws the MLM masks.
     """
 
-    task: str
+    task: Task
     rows: str
     seq_len: int
     batch_size: int
@@ -60,23 +61,12 @@ class Layout:
         return self.batch_size // self.process_count
 
     def document_rows(self, documents: Documents, docs: np.ndarray, indices, stream: int):
-        return document_rows(
-            self.task,
-            documents,
-            docs,
-            indices,
-            seq_len=self.seq_len,
-            sos_id=self.sos_id,
-            eos_id=self.eos_id,
-            vocab_size=self.vocab_size,
-            mlm_probability=self.mlm_probability,
-            seed=self.seed,
-            stream=stream,
-        )
+        return self.task.document_rows(self, documents, docs, indices, stream)
 
 
 def lm_rows(documents: Documents, ids: np.ndarray, layout: Layout, shuffle: bool = True):
-    """The row maker of an ``lm`` layout: windows, packed pieces or one piece per row."""
+    """The row maker of a layout of pieces (``lm``): windows, packed pieces or one piece per
+    row."""
     if layout.rows == "windows":
         return rows.Windows(documents, ids, layout.seq_len, layout.seed)
     pack = layout.rows == "documents"
@@ -88,7 +78,7 @@ class TrainBatches:
 
     def __init__(self, documents: Documents, ids: np.ndarray, layout: Layout):
         self.documents, self.layout = documents, layout
-        if layout.task == "lm":
+        if layout.task.pieces:
             self._rows = lm_rows(documents, ids, layout)
         else:
             self._rows = rows.Shuffled(ids, layout.seed)
@@ -101,7 +91,7 @@ class TrainBatches:
     def rows(self, first: int, count: int) -> dict[str, np.ndarray]:
         """Training rows ``[first, first + count)`` of these documents' stream."""
         layout = self.layout
-        if layout.task == "lm":
+        if layout.task.pieces:
             batch = self._rows.rows(first, count, layout.sos_id, layout.eos_id)
             return batch if layout.rows != "single" else _unpacked(batch)
         docs = self._rows.documents_of(first, count)
@@ -113,11 +103,11 @@ def eval_batches(documents: Documents, ids: np.ndarray, layout: Layout) -> Itera
     """The documents ``ids`` in order, in global batches; the last is filled up with padding
     rows (weights 0, masks False), so every batch has one shape. Yields this process's rows.
 
-    ``lm`` documents are cut into pieces of ``T`` positions from their starts and packed, as the
-    ``documents`` layout trains (a piece is its own segment from position 0, so its loss does not
-    depend on what else its row holds): every token of every document counts once, and the
-    numbers do not depend on the training layout. Other tasks: one document per row."""
-    if layout.task == "lm":
+    ``lm`` documents (a task of ``pieces``) are cut into pieces of ``T`` positions from their starts
+    and packed, as the ``documents`` layout trains (a piece is its own segment from position 0, so
+    its loss does not depend on what else its row holds): every token of every document counts once,
+    and the numbers do not depend on the training layout. Other tasks: one document per row."""
+    if layout.task.pieces:
         packed = _eval_pieces(documents, ids, layout)
         count = packed.rows_in_epoch(0)
         for step in range(-(-count // layout.batch_size)):
@@ -135,9 +125,7 @@ def eval_batches(documents: Documents, ids: np.ndarray, layout: Layout) -> Itera
 
 def eval_row_count(documents: Documents, ids: np.ndarray, layout: Layout) -> int:
     """The global rows of :func:`eval_batches` before padding."""
-    return (
-        _eval_pieces(documents, ids, layout).rows_in_epoch(0) if layout.task == "lm" else len(ids)
-    )
+    return _eval_pieces(documents, ids, layout).rows_in_epoch(0) if layout.task.pieces else len(ids)
 
 
 def _eval_pieces(documents: Documents, ids: np.ndarray, layout: Layout) -> rows.Packed:
@@ -147,8 +135,8 @@ def _eval_pieces(documents: Documents, ids: np.ndarray, layout: Layout) -> rows.
 
 
 def _unpacked(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """An unpacked ``lm`` layout's keys: one segment per row, positions from 0 need no arrays."""
-    return {key: batch[key] for key in tasks.batch_arrays("lm", packed=False)}
+    """An unpacked layout's keys: one segment per row, positions from 0 need no arrays."""
+    return {key: value for key, value in batch.items() if key not in PACKED_KEYS}
 
 
 def _padded(batch: dict[str, np.ndarray], layout: Layout) -> dict[str, np.ndarray]:

@@ -1,10 +1,10 @@
-"""Many short texts as one byte array, built and hashed in NumPy: how synthetic tasks are made.
+"""Many short texts as one byte array, built and hashed in NumPy: what synthetic generators draw.
 
 :class:`ByteTexts` holds ``n`` UTF-8 texts end to end with their ``n + 1`` offsets. Texts are
 *rendered* from parts side by side: each part is a byte matrix ``[n, W]`` and per-text lengths
 ``[n]`` (the first ``length`` bytes of a row are the part's text for that row): words looked up in
 a table, literals, decimal numbers. :func:`stable_hash` gives each text a 64-bit hash that is the
-same on every machine and in every process. :class:`Drawn` holds a synthetic task's examples.
+same on every machine and in every process. :class:`Drawn` holds a synthetic generator's examples.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class ByteTexts:
 
 @dataclasses.dataclass(frozen=True)
 class Drawn:
-    """A synthetic task's examples: texts per record field, the input that decides each one's
+    """A synthetic generator's examples: texts per record field, the input that decides each one's
     split (the first ``key_lengths`` bytes of field ``key_field``), its hash and class labels,
     if any."""
 

@@ -3,7 +3,7 @@
 A corpus of ``N`` documents keeps, per field (``"text"``, or ``"source"`` and ``"target"`` for
 parallel data), all token ids end to end in one flat array and the ``N + 1`` offsets where each
 document starts: document ``i`` is ``tokens[offsets[i]:offsets[i + 1]]``. Arrays are numpy,
-in memory (synthetic tasks) or memory-mapped from a prepared store on disk
+in memory (synthetic generators) or memory-mapped from a prepared store on disk
 (:mod:`flaxformer_lite.data.store`), so any document or window is a slice, read in O(1).
 """
 
@@ -15,7 +15,11 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
-FIELDS = {"lm": ("text",), "seq2seq": ("source", "target")}
+# The types of records a source holds (text, source/target pairs, labelled text), named as the
+# tasks that first trained on them; a task says which it accepts (data.tasks).
+TEXT_RECORDS, PAIR_RECORDS, LABELLED_RECORDS = "lm", "seq2seq", "classification"
+# The fields of each type's documents (labelled text keeps its labels beside its text).
+FIELDS = {TEXT_RECORDS: ("text",), PAIR_RECORDS: ("source", "target")}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,13 +1,13 @@
 """Rows of one document each, per task: the ``seq2seq``, ``mlm`` and ``classify`` rows.
 
-Their arrays (keys, shapes, dtypes) are :data:`flaxformer_lite.data.tasks.BATCHES`'; ``lm`` rows
-are made by :mod:`flaxformer_lite.data.rows` (never cut). ``<sos>`` and ``<eos>`` are the
-tokenizer's ``sos_id`` and ``eos_id``; rows are ``[T]`` (``T = seq_len``), zero-padded (ids
-``<pad> = 0``, weights 0, masks False). ``mlm`` rows are ``<sos> tokens <eos>`` (``<sos>`` doubles
-as BERT's [CLS], ``<eos>`` as [SEP]); BERT masking picks ``max(1, round(mlm_probability * n))`` of
-the ``n`` regular tokens, of which 80% become :data:`MASK_ID`, 10% a random regular token and 10%
-stay. The draw is a pure function of ``(seed, stream, index of the example in its stream)``, so a
-resumed run masks alike.
+Their arrays (keys, shapes, dtypes) are their :class:`~flaxformer_lite.data.tasks.Task`'s, which
+calls them; ``lm`` rows are made by :mod:`flaxformer_lite.data.rows` (never cut). ``<sos>`` and
+``<eos>`` are the tokenizer's ``sos_id`` and ``eos_id``; rows are ``[T]`` (``T = seq_len``),
+zero-padded (ids ``<pad> = 0``, weights 0, masks False). ``mlm`` rows are ``<sos> tokens <eos>``
+(``<sos>`` doubles as BERT's [CLS], ``<eos>`` as [SEP]); BERT masking picks
+``max(1, round(mlm_probability * n))`` of the ``n`` regular tokens, of which 80% become
+:data:`MASK_ID`, 10% a random regular token and 10% stay. The draw is a pure function of
+``(seed, stream, index of the example in its stream)``, so a resumed run masks alike.
 
 Longer documents are cut to fit ``seq_len`` (:func:`truncation` counts what is lost): on the
 target side of ``seq2seq`` the sequence ``<sos> tokens <eos>`` is cut to ``seq_len + 1`` tokens
@@ -28,8 +28,39 @@ from flaxformer_lite.data.tokenizers import NUM_SPECIAL, UNK_ID
 MASK_ID = UNK_ID
 
 
-def document_rows(
-    task: str,
+def seq2seq_rows(
+    documents: Documents, docs: np.ndarray, *, seq_len: int, sos_id: int, eos_id: int
+) -> dict[str, np.ndarray]:
+    """``seq2seq`` rows ``[len(docs), T]``, row ``r`` from document ``docs[r]``."""
+    sizes = np.minimum(_lengths(documents, "target", docs) + 1, seq_len)
+    batch = rows.assemble(
+        documents,
+        len(docs),
+        seq_len,
+        row=np.arange(len(docs)),
+        doc=docs,
+        start=np.zeros_like(sizes),
+        length=sizes,
+        sos_id=sos_id,
+        eos_id=eos_id,
+        field="target",
+    )
+    batch = {key: batch[key] for key in ("inputs", "targets", "weights")}
+    src, mask = framed(documents, "source", docs, seq_len, sos_id=None, eos_id=eos_id)
+    return {"src": src, "src_mask": mask, **batch}
+
+
+def classify_rows(
+    documents: Documents, docs: np.ndarray, *, seq_len: int, sos_id: int, eos_id: int
+) -> dict[str, np.ndarray]:
+    """``classify`` rows ``[len(docs), T]`` and labels ``[len(docs)]`` of documents ``docs``."""
+    tokens, mask = framed(documents, "text", docs, seq_len, sos_id=sos_id, eos_id=eos_id)
+    labels = documents.labels[docs].astype(np.int32)
+    weights = np.ones(len(docs), np.float32)
+    return {"inputs": tokens, "mask": mask, "labels": labels, "weights": weights}
+
+
+def mlm_rows(
     documents: Documents,
     docs: np.ndarray,
     indices: np.ndarray,
@@ -38,57 +69,32 @@ def document_rows(
     sos_id: int,
     eos_id: int,
     vocab_size: int,
-    mlm_probability: float,
+    probability: float,
     seed: int,
     stream: int,
 ) -> dict[str, np.ndarray]:
-    """Rows ``[len(docs), T]`` of ``task`` (``seq2seq``, ``mlm`` or ``classify``), row ``r`` from
-    document ``docs[r]``, the example at ``indices[r]`` of stream ``stream`` (which of the
-    splits: their MLM draws differ)."""
-    if task == "seq2seq":
-        sizes = np.minimum(_lengths(documents, "target", docs) + 1, seq_len)
-        batch = rows.assemble(
-            documents,
-            len(docs),
-            seq_len,
-            row=np.arange(len(docs)),
-            doc=docs,
-            start=np.zeros_like(sizes),
-            length=sizes,
-            sos_id=sos_id,
-            eos_id=eos_id,
-            field="target",
-        )
-        batch = {key: batch[key] for key in ("inputs", "targets", "weights")}
-        src, mask = framed(documents, "source", docs, seq_len, sos_id=None, eos_id=eos_id)
-        return {"src": src, "src_mask": mask, **batch}
+    """``mlm`` rows ``[len(docs), T]``, row ``r`` from document ``docs[r]``, the example at
+    ``indices[r]`` of stream ``stream`` (which of the splits: their draws differ), a share
+    ``probability`` of its tokens masked."""
     tokens, mask = framed(documents, "text", docs, seq_len, sos_id=sos_id, eos_id=eos_id)
-    if task == "classify":
-        labels = documents.labels[docs].astype(np.int32)
-        weights = np.ones(len(docs), np.float32)
-        return {"inputs": tokens, "mask": mask, "labels": labels, "weights": weights}
     inputs, weights = tokens.copy(), np.zeros(tokens.shape, np.float32)
     for r, (index, n) in enumerate(zip(indices.tolist(), mask.sum(1).tolist(), strict=True)):
         rng = np.random.default_rng([seed, stream, index])
-        picked, ids = mask_tokens(tokens[r, :n], rng, mlm_probability, vocab_size)
+        picked, ids = mask_tokens(tokens[r, :n], rng, probability, vocab_size)
         inputs[r, picked], weights[r, picked] = ids, 1.0
     return {"inputs": inputs, "targets": tokens, "weights": weights, "mask": mask}
 
 
 def truncation(
-    task: str, documents: Documents, docs: np.ndarray, seq_len: int
+    documents: Documents, docs: np.ndarray, kept: dict[str, int]
 ) -> tuple[int, int, int]:
-    """``(examples cut, tokens cut, tokens)``: what the rows of ``task`` (``seq2seq``, ``mlm``
-    or ``classify``) leave out of the documents ``docs``, counting the tokens of every field."""
-    if task == "seq2seq":
-        room = {"source": seq_len - 1, "target": seq_len}  # <eos> after the source; the shift
-    else:
-        room = {"text": seq_len - 2}  # <sos> tokens <eos>
+    """``(examples cut, tokens cut, tokens)``: what rows that keep ``kept[field]`` tokens of
+    each field leave out of the documents ``docs``, counting the tokens of every field."""
     cut = np.zeros(len(docs), np.int64)
     total = 0
-    for field, kept in room.items():
+    for field, room in kept.items():
         lengths = _lengths(documents, field, docs)
-        cut += np.maximum(lengths - kept, 0)
+        cut += np.maximum(lengths - room, 0)
         total += int(lengths.sum())
     return int((cut > 0).sum()), int(cut.sum()), total
 

@@ -1,4 +1,4 @@
-"""American English number words, as the ``number_words`` synthetic task writes them."""
+"""American English number words, as the ``number_words`` synthetic generator writes them."""
 
 from __future__ import annotations
 

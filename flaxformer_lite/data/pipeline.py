@@ -1,8 +1,8 @@
 """Input pipelines: a source -> documents -> sharded, resumable numpy batches, made ahead.
 
     run = RunDir("runs/x")            # where a run keeps its tokenizer and prepared stores
-    data = build_data(cfg, task="lm", seed=0, batch_size=32, directory=run.tokenizer,
-                      prepared=run.prepared)
+    data = build_data(cfg.data, task=task_of(cfg.model), seed=0, batch_size=32,
+                      directory=run.tokenizer, prepared=run.prepared)
     batch = next(data.train)          # this process's share of the next global batch
     state = data.train.get_state()    # JSON-able: save it with the checkpoint, set_state to resume
     for batch in data.eval_batches(): ...
@@ -67,15 +67,6 @@ from flaxformer_lite.data.tokenizers import Tokenizer
 # Fitted tokenizers see all training records of a file source, or this many synthetic examples.
 FIT_EXAMPLES = 20_000
 
-_TEXT = "text (data.source text or jsonl, or a synthetic lm generator)"
-# The types of records each task trains on, and how to say so.
-_NEEDS = {
-    "lm": (("lm", "classification"), _TEXT),
-    "mlm": (("lm", "classification"), _TEXT),
-    "seq2seq": (("seq2seq",), "source/target pairs (data.source parallel, or number_words)"),
-    "classify": (("classification",), "labelled text (data.generator sentiment)"),
-}
-
 
 @dataclasses.dataclass(frozen=True)
 class EvalPart:
@@ -98,7 +89,7 @@ class Data:
       train: this process's training batches (:class:`~flaxformer_lite.data.batches
         .TrainIterator`).
       eval_examples: all validation records (every process sees all), for generation scores:
-        the synthetic validation ``Task``, or dicts with ``text`` or ``source`` and ``target``.
+        the synthetic validation ``Generator``, or dicts with ``text`` or ``source`` and ``target``.
       labels: the class names of a ``classify`` task, else None.
       eval_batch_count: the global batches of a whole pass over the validation split.
       eval_tokens: the target tokens of the validation split, for ``lm`` and ``seq2seq`` (what
@@ -181,7 +172,7 @@ def build_data(
         tokenizer of another kind, or bad data (the message names the file).
       FileNotFoundError: a missing data or tokenizer file.
     """
-    tasks.check_task(task)
+    task_type = tasks.task_named(task)
     if not 0 <= process_index < process_count:
         raise ValueError(f"process_index {process_index} is not in [0, {process_count})")
     if batch_size < 1 or batch_size % process_count:
@@ -191,11 +182,11 @@ def build_data(
         )
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
-    if (cfg.packing or cfg.lm_rows != "documents") and task != "lm":
+    if (cfg.packing or cfg.lm_rows != "documents") and not task_type.pieces:
         raise ValueError(
             f"data.packing=true and data.lm_rows apply to task 'lm' only, not {task!r}"
         )
-    packing = tasks.is_packed(task, cfg.packing)
+    packing = task_type.is_packed(cfg.packing)
     _check_fits(cfg, task)
     save = process_index == 0 if save_tokenizer is None else save_tokenizer
     if cfg.mixture:  # before a tokenizer is fitted on them
@@ -209,7 +200,7 @@ def build_data(
     if save and not _has_saved_tokenizer(Path(directory)):
         tokenizer.save(directory)
     layout = Layout(
-        task=task,
+        task=task_type,
         rows=cfg.lm_rows if packing else "single",
         seq_len=cfg.seq_len,
         batch_size=batch_size,
@@ -238,12 +229,12 @@ def build_data(
             ("validation", corpus.validation),
         ):
             split = f"{name} {split}" if name else split
-            if notice := _truncation_notice(task, docs, split_ids, cfg.seq_len, split):
+            if notice := _truncation_notice(task_type, docs, split_ids, cfg.seq_len, split):
                 notices.append(notice)
         valid_documents, valid_ids = corpus.validation
         parts[name] = EvalPart(
             batch_count=-(-eval_row_count(*corpus.validation, layout) // batch_size),
-            tokens=_target_tokens(task, valid_documents, valid_ids, cfg.seq_len),
+            tokens=task_type.target_tokens(valid_documents, valid_ids, cfg.seq_len),
             eval_examples=corpus.eval_examples,
             make_batches=functools.partial(eval_batches, *corpus.validation, layout),
         )
@@ -257,7 +248,7 @@ def build_data(
     else:
         make = batches[0]
     tokens = [part.tokens for part in parts.values()]
-    # A synthetic validation Task is its own sequence of records; a mixture's are the sources'.
+    # A synthetic validation Generator is its own sequence of records; a mixture's are the sources'.
     examples = [r for c in corpora.values() for r in c.eval_examples] if cfg.mixture else None
     examples = corpora[""].eval_examples if examples is None else examples
     labels = next(iter(corpora.values())).labels
@@ -265,7 +256,7 @@ def build_data(
         tokenizer=tokenizer,
         train=TrainIterator(make, pipeline, prefetch),
         eval_examples=examples,
-        labels=labels if task == "classify" else None,
+        labels=labels if "labels" in task_type.arrays else None,
         eval_batch_count=sum(part.batch_count for part in parts.values()),
         eval_tokens=None if None in tokens else sum(tokens),
         notices=tuple(notices),
@@ -274,23 +265,13 @@ def build_data(
     )
 
 
-def _target_tokens(task: str, documents: Documents, ids: np.ndarray, seq_len: int) -> int | None:
-    """The weighted targets of a pass over ``ids``: every position of an ``lm`` document, each
-    target position of a ``seq2seq`` row (cut to ``seq_len``); None for the other tasks."""
-    if task == "lm":
-        return int((documents.lengths("text")[ids] + 1).sum())
-    if task == "seq2seq":
-        return int(np.minimum(documents.lengths("target")[ids] + 1, seq_len).sum())
-    return None
-
-
 def _truncation_notice(
-    task: str, documents: Documents, ids: np.ndarray, seq_len: int, split: str
+    task: tasks.Task, documents: Documents, ids: np.ndarray, seq_len: int, split: str
 ) -> str | None:
     """What a task that fits each example in one row cuts from the ``split`` documents ``ids``."""
-    if task == "lm":
+    if task.pieces:
         return None
-    examples, cut, total = truncation(task, documents, ids, seq_len)
+    examples, cut, total = truncation(documents, ids, task.kept(seq_len))
     if not examples:
         return None
     return (
@@ -307,9 +288,7 @@ def _check_fits(cfg: DataConfig, task: str) -> None:
 
 
 def _check_records(records: str, given: str, task: str) -> None:
-    wanted, needs = _NEEDS[task]
-    if records not in wanted:
-        raise ValueError(f"task {task!r} cannot train on {given}: it needs {needs}")
+    tasks.task_named(task).check_records(records, given)
 
 
 def _load(

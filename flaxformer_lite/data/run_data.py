@@ -1,7 +1,7 @@
 """A training run's one entry into data/: a :class:`DataRequest` in, the run's
 :class:`~flaxformer_lite.data.pipeline.Data` out.
 
-    data = run_data(DataRequest(cfg.data, task="lm", seed=0, batch_size=32,
+    data = run_data(DataRequest(cfg.data, task=task_of(cfg.model), seed=0, batch_size=32,
                                 paths=RunPaths(run.tokenizer, run.prepared, run.inputs)))
 
 Behind it: the stores of a multi-process run prepared once (by the process that writes the run's

@@ -1,5 +1,5 @@
-"""The words of the ``sentiment`` synthetic task's template reviews, by label, and the byte tables
-its generator renders them from (:class:`~flaxformer_lite.data.synthetic.SentimentTask` says how
+"""The words of the ``sentiment`` synthetic generator's template reviews, by label, and the byte
+tables it renders them from (:class:`~flaxformer_lite.data.synthetic.SentimentGenerator` says how
 the clauses are built from them).
 """
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from flaxformer_lite.data import sources, synthetic
+from flaxformer_lite.data.documents import PAIR_RECORDS, TEXT_RECORDS
 
 if TYPE_CHECKING:  # the settings are read, never built, here
     from flaxformer_lite.data.config import DataConfig
@@ -39,8 +40,9 @@ class Source:
 
     Attributes:
       name: the ``data.source`` value that names the kind.
-      record_type: the type of records it yields (``lm``, ``seq2seq`` or ``classification``, as
-        :mod:`~flaxformer_lite.data.synthetic` names them); None: each store's source says.
+      record_type: the type of records it yields (:data:`~flaxformer_lite.data.documents
+        .TEXT_RECORDS`, ``PAIR_RECORDS`` or ``LABELLED_RECORDS``); None: each store's source
+        says.
       fields: the text fields of its records (``text``, or ``source`` and ``target``).
       stored: whether its data are read through a token store (else made in memory).
       made_by_run: whether a run prepares that store from files (else it is given, made).
@@ -52,7 +54,7 @@ class Source:
     """
 
     name: ClassVar[str]
-    record_type: ClassVar[str | None] = "lm"
+    record_type: ClassVar[str | None] = TEXT_RECORDS
     fields: ClassVar[tuple[str, ...]] = ("text",)
     stored: ClassVar[bool] = True
     made_by_run: ClassVar[bool] = False
@@ -192,7 +194,7 @@ class ParallelSource(FileSource):
     """Source/target pairs: a TSV file, or ``src_file,tgt_file`` aligned by line."""
 
     name = "parallel"
-    record_type = "seq2seq"
+    record_type = PAIR_RECORDS
     fields = ("source", "target")
 
     def files(self, path: str) -> list[Path]:
@@ -236,12 +238,11 @@ class SyntheticSource(Source):
             raise ValueError(
                 f"data.mixture mixes files: it needs data.source {', '.join(others)} or {last}"
             )
-        if cfg.generator not in synthetic.TASKS:
-            raise ValueError(
-                f"data.generator must be one of {', '.join(synthetic.TASKS)}; got {cfg.generator!r}"
-            )
+        if cfg.generator not in synthetic.GENERATORS:
+            names = ", ".join(synthetic.GENERATORS)
+            raise ValueError(f"data.generator must be one of {names}; got {cfg.generator!r}")
         try:
-            synthetic.make_task(cfg.generator, size=1, **cfg.generator_options)
+            synthetic.make_generator(cfg.generator, size=1, **cfg.generator_options)
         except ValueError as error:
             raise ValueError(f"data.generator_options: {error}") from None
         if cfg.validation_path is not None:
@@ -259,16 +260,16 @@ class SyntheticSource(Source):
                 )
 
     def record_type_of(self, cfg: DataConfig) -> str:
-        return synthetic.TASKS[cfg.generator].records
+        return synthetic.GENERATORS[cfg.generator].records
 
     def described(self, cfg: DataConfig) -> str:
         return f"data.generator={cfg.generator!r} ({self.record_type_of(cfg)} examples)"
 
-    def examples(self, cfg: DataConfig, split: str, seed: int) -> synthetic.Task:
+    def examples(self, cfg: DataConfig, split: str, seed: int) -> synthetic.Generator:
         """The generator's ``split`` (``train`` or ``validation``) for ``seed``."""
         size = cfg.train_size if split == "train" else cfg.eval_size
         options = cfg.generator_options
-        return synthetic.make_task(cfg.generator, split=split, seed=seed, size=size, **options)
+        return synthetic.make_generator(cfg.generator, split=split, seed=seed, size=size, **options)
 
 
 SOURCES: dict[str, type[Source]] = {}

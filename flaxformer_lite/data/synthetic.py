@@ -1,22 +1,23 @@
-"""Procedurally generated tasks: training and evaluation data that needs nothing but this package.
+"""Procedural generators: training and evaluation data that needs nothing but this package.
 
-A task is a random-access sequence of plain-text examples, generated in NumPy many at a time.
-``task[i]`` (the same as ``task.example(i)``) is a pure function of ``(seed, split, i)``: example
-``i`` is number ``i % CHUNK`` of chunk ``i // CHUNK``, and a chunk is drawn from its own generator
-``numpy.random.default_rng([seed, split_id, chunk])``, so a resumed run sees exactly the examples
-it would have seen and call order does not matter. Records hold text, never token ids, so any
-tokenizer fits; ``task.documents(tokenizer)`` tokenizes all of them at once
+A generator (``data.generator``) is a random-access sequence of plain-text examples, generated in
+NumPy many at a time. ``gen[i]`` (the same as ``gen.example(i)``) is a pure function of ``(seed,
+split, i)``: example ``i`` is number ``i % CHUNK`` of chunk ``i // CHUNK``, and a chunk is drawn
+from its own ``numpy.random.default_rng([seed, split_id, chunk])``, so a resumed run sees exactly
+the examples it would have seen and call order does not matter. Records hold text, never token
+ids, so any tokenizer fits; ``gen.documents(tokenizer)`` tokenizes all of them at once
 (:class:`~flaxformer_lite.data.documents.Documents`).
-Record keys by ``Task.records``, the type of records a task makes:
+Record keys by ``Generator.records``, the type of records a generator makes (the record types of
+:mod:`flaxformer_lite.data.documents`):
 
-- ``"lm"`` (``arithmetic``, ``reverse``): ``{"text": "123+045=8610"}``, a prompt ending at the
-  first ``=`` followed by the answer (:func:`split_prompt`). A generator is prompted with
+- ``TEXT_RECORDS`` (``arithmetic``, ``reverse``): ``{"text": "123+045=8610"}``, a prompt ending
+  at the first ``=`` followed by the answer (:func:`split_prompt`). A model is prompted with
   ``"123+045="`` and scored on what it writes after it.
-- ``"seq2seq"`` (``number_words``): ``{"source": "three hundred forty-two", "target": "342"}``.
-- ``"classification"`` (``sentiment``): ``{"text": "the food was not good", "label": 0}``, ``label``
-  an ``int`` index into ``task.labels``.
+- ``PAIR_RECORDS`` (``number_words``): ``{"source": "three hundred forty-two", "target": "342"}``.
+- ``LABELLED_RECORDS`` (``sentiment``): ``{"text": "the food was not good", "label": 0}``,
+  ``label`` an ``int`` index into ``gen.labels``.
 
-``task.score(predictions, examples)`` returns ``{"exact_match": ...}`` or ``{"accuracy": ...}``.
+``gen.score(predictions, examples)`` returns ``{"exact_match": ...}`` or ``{"accuracy": ...}``.
 
 Splits: the splits draw from separate generators. Those still collide in small domains (one-digit
 sums), so every candidate is also assigned to one split by a stable hash of its input (prompt,
@@ -52,7 +53,12 @@ from flaxformer_lite.data.byte_texts import (
     table,
     tokenize,
 )
-from flaxformer_lite.data.documents import Documents
+from flaxformer_lite.data.documents import (
+    LABELLED_RECORDS,
+    PAIR_RECORDS,
+    TEXT_RECORDS,
+    Documents,
+)
 from flaxformer_lite.data.number_words import (  # number_to_words: part of this module's API
     MAX_NUMBER,
     below_thousand,
@@ -100,7 +106,7 @@ def split_of(key: str) -> str:
 
 
 def split_prompt(text: str) -> tuple[str, str]:
-    """Splits an ``"lm"`` record's text into ``(prompt, answer)``; the prompt keeps the ``=``."""
+    """Splits a text record's text into ``(prompt, answer)``; the prompt keeps the ``=``."""
     prompt, sep, answer = text.partition(ANSWER_SEP)
     if not sep:
         raise ValueError(f"no {ANSWER_SEP!r} separating prompt and answer in {text!r}")
@@ -124,8 +130,8 @@ def _sample_numbers(rng: np.random.Generator, count: int, max_value: int) -> np.
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Task(abc.ABC):
-    """Base of all tasks: a deterministic sequence of ``size`` examples, drawn by chunks.
+class Generator(abc.ABC):
+    """Base of all generators: a deterministic sequence of ``size`` examples, drawn by chunks.
 
     Attributes:
       split: ``"train"`` or ``"validation"``.
@@ -211,7 +217,7 @@ class Task(abc.ABC):
         return Drawn.concatenate(kept)
 
     def _cached_chunk(self, number: int) -> Drawn:
-        # Shared by equal tasks (whatever their size), so that building a task again is cheap.
+        # Shared by equal generators (whatever their size), so that building one again is cheap.
         fields = [f.name for f in dataclasses.fields(self) if f.name != "size"]
         key = (self.name, number, *(getattr(self, name) for name in fields))
         if key not in _CHUNKS:
@@ -222,12 +228,12 @@ class Task(abc.ABC):
         return _CHUNKS[key]
 
     def score(self, predictions: Sequence[Any], examples: Sequence[dict]) -> dict[str, float]:
-        """Fraction of predictions that match their examples, as ``{task.metric: value}``.
+        """Fraction of predictions that match their examples, as ``{generator.metric: value}``.
 
         Args:
-          predictions: for ``"lm"`` the generated answer (text after the prompt), for ``"seq2seq"``
+          predictions: for text records the generated answer (text after the prompt), for pairs
             the generated target, both compared after stripping surrounding whitespace; for
-            ``"classification"`` the predicted label index.
+            labelled text the predicted label index.
           examples: the records the predictions belong to, in the same order.
         """
         if len(predictions) != len(examples) or not examples:
@@ -238,8 +244,8 @@ class Task(abc.ABC):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class _LMTask(Task):
-    records: ClassVar[str] = "lm"
+class _LMGenerator(Generator):
+    records: ClassVar[str] = TEXT_RECORDS
 
     def _is_correct(self, prediction: str, example: dict[str, Any]) -> bool:
         return prediction.strip() == split_prompt(example["text"])[1]
@@ -252,7 +258,7 @@ def _lm_drawn(parts: list[Part], prompt_parts: int) -> Drawn:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ArithmeticTask(_LMTask):
+class ArithmeticGenerator(_LMGenerator):
     """Multi-digit addition (and subtraction), ``{"text": "123+045=8610"}`` (123 + 45 = 168).
 
     Each operand has a uniform number of digits in ``[1, max_digits]``; subtraction puts the
@@ -295,7 +301,7 @@ _LETTERS = np.frombuffer(string.ascii_lowercase.encode(), np.uint8)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ReverseTask(_LMTask):
+class ReverseGenerator(_LMGenerator):
     """Reverse a lowercase string, ``{"text": "abc=cba"}``: a sanity check for tiny models."""
 
     name: ClassVar[str] = "reverse"
@@ -315,7 +321,7 @@ _BELOW_THOUSAND = table(["-"] + [" ".join(below_thousand(n)) for n in range(1, 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class NumberWordsTask(Task):
+class NumberWordsGenerator(Generator):
     """Number words to digits, a synthetic translation: ``{"source": "forty-two", "target": "42"}``.
 
     Numbers lie in ``[0, max_value]`` with a uniform digit count, so teens and small numbers are
@@ -323,7 +329,7 @@ class NumberWordsTask(Task):
     """
 
     name: ClassVar[str] = "number_words"
-    records: ClassVar[str] = "seq2seq"
+    records: ClassVar[str] = PAIR_RECORDS
     max_value: int = 999_999
 
     def _check_options(self) -> None:
@@ -351,7 +357,7 @@ class NumberWordsTask(Task):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class SentimentTask(Task):
+class SentimentGenerator(Generator):
     """Three-way sentiment of template reviews, ``{"text": ..., "label": index into LABELS}``.
 
     A text is 1 to ``max_clauses`` clauses "the <noun> was|is [not|never] [very] <adjective>"
@@ -364,7 +370,7 @@ class SentimentTask(Task):
     """
 
     name: ClassVar[str] = "sentiment"
-    records: ClassVar[str] = "classification"
+    records: ClassVar[str] = LABELLED_RECORDS
     metric: ClassVar[str] = "accuracy"
     labels: ClassVar[tuple[str, ...]] = LABELS
     max_clauses: int = 3
@@ -413,29 +419,38 @@ class SentimentTask(Task):
         return int(prediction) == example["label"]
 
 
-TASKS: dict[str, type[Task]] = {
-    task.name: task for task in (ArithmeticTask, ReverseTask, NumberWordsTask, SentimentTask)
+GENERATORS: dict[str, type[Generator]] = {
+    generator.name: generator
+    for generator in (
+        ArithmeticGenerator,
+        ReverseGenerator,
+        NumberWordsGenerator,
+        SentimentGenerator,
+    )
 }
 
 
-def make_task(
+def make_generator(
     name: str, *, split: str = "train", seed: int = 0, size: int | None = None, **options
-) -> Task:
-    """Builds task ``name`` from :data:`TASKS` with task-specific ``options``.
+) -> Generator:
+    """Builds generator ``name`` from :data:`GENERATORS` with its own ``options``.
 
-    Example: ``make_task("arithmetic", split="validation", seed=1, max_digits=5)``.
+    Example: ``make_generator("arithmetic", split="validation", seed=1, max_digits=5)``.
 
     Raises:
-      ValueError: for an unknown task or option (the message lists the valid ones) or a bad value.
+      ValueError: for an unknown generator or option (the message lists the valid ones) or a bad
+        value.
     """
-    if name not in TASKS:
-        raise ValueError(f"unknown synthetic task {name!r}; valid tasks: {', '.join(TASKS)}")
-    cls = TASKS[name]
+    if name not in GENERATORS:
+        raise ValueError(
+            f"unknown synthetic generator {name!r}; valid generators: {', '.join(GENERATORS)}"
+        )
+    cls = GENERATORS[name]
     valid = [f.name for f in dataclasses.fields(cls) if f.name not in ("split", "seed", "size")]
     unknown = sorted(set(options) - set(valid))
     if unknown:
         raise ValueError(
-            f"unknown option(s) {', '.join(unknown)} for task {name!r}; "
+            f"unknown option(s) {', '.join(unknown)} for generator {name!r}; "
             f"valid options: {', '.join(valid) or 'none'}"
         )
     return cls(split=split, seed=seed, size=size, **options)

@@ -31,6 +31,7 @@ import json
 from collections.abc import Mapping
 
 from flaxformer_lite.data.features import MASK_ID
+from flaxformer_lite.data.tasks import Task, task_named
 from flaxformer_lite.data.tokenizers import (
     EOS_ID,
     NUM_SPECIAL,
@@ -56,6 +57,7 @@ def hf_tokenizer_files(tokenizer: Tokenizer, *, task: str, max_length: int) -> d
     Raises:
       ValueError: a tokenizer these files cannot express (named).
     """
+    task = task_named(task)
     if tokenizer.kind == "hf":
         return _checkpoint_files(tokenizer, task=task, max_length=max_length)
     hf = _hf_tokenizer(tokenizer)
@@ -198,7 +200,7 @@ def _sentencepiece(tokenizer: Tokenizer):
     return hf
 
 
-def _checkpoint_files(tokenizer, *, task: str, max_length: int) -> dict[str, bytes]:
+def _checkpoint_files(tokenizer, *, task: Task, max_length: int) -> dict[str, bytes]:
     """A Hugging Face checkpoint's tokenizer (a run fine-tuned from it): its ``tokenizer.json``
     with our rows' ``<sos>`` added before a decoder LM's text where it adds none, or Marian's
     files as ``MarianTokenizer`` reads them."""
@@ -221,7 +223,8 @@ def _checkpoint_files(tokenizer, *, task: str, max_length: int) -> dict[str, byt
     hf = tokenizers.Tokenizer.from_str(files[JSON_FILE].decode("utf-8"))
     names = {name: hf.id_to_token(i) for name, i in specials.items() if i is not None}
     sos = tokenizer.sos_id
-    if task == "lm" and not tokenizer.add_bos:  # runs train on <sos> + text (as generate prompts)
+    # A decoder LM's runs train on <sos> + text (as generate prompts): add it where HF's does not.
+    if task.continues and not tokenizer.add_bos:
         eos = (hf.id_to_token(tokenizer.eos_id), tokenizer.eos_id)
         added = _post_processor(task, (hf.id_to_token(sos), sos), eos)
         before = hf.post_processor
@@ -233,12 +236,13 @@ def _checkpoint_files(tokenizer, *, task: str, max_length: int) -> dict[str, byt
     }
 
 
-def _post_processor(task: str, sos: tuple[str, int], eos: tuple[str, int]):
-    """What our rows add around a text, ``sos`` and ``eos`` each ``(token, id)``:
-    ``<sos> $A`` (lm), ``<sos> $A <eos>`` (mlm, classify), ``$A <eos>`` (seq2seq sources)."""
+def _post_processor(task: Task, sos: tuple[str, int], eos: tuple[str, int]):
+    """What our rows add around a text (:meth:`Task.template`), ``sos`` and ``eos`` each
+    ``(token, id)``: ``<sos> $A`` (lm), ``<sos> $A <eos>`` (mlm, classify), ``$A <eos>``
+    (seq2seq sources)."""
     from tokenizers import processors
 
-    around = {"lm": [sos, "$A"], "seq2seq": ["$A", eos]}.get(task, [sos, "$A", eos])
+    around = task.template(sos, eos)
     return processors.TemplateProcessing(
         single=" ".join(part if part == "$A" else part[0] for part in around),
         special_tokens=list(dict.fromkeys(part for part in around if part != "$A")),
@@ -246,21 +250,17 @@ def _post_processor(task: str, sos: tuple[str, int], eos: tuple[str, int]):
 
 
 def _config_files(
-    specials: Mapping[str, str | None], *, task: str, max_length: int, mask: str | None
+    specials: Mapping[str, str | None], *, task: Task, max_length: int, mask: str | None
 ) -> dict[str, bytes]:
     """``tokenizer_config.json`` and ``special_tokens_map.json`` naming the special tokens."""
     tokens = {f"{name}_token": token for name, token in specials.items() if token is not None}
-    if mask is not None and task == "mlm":
+    if mask is not None and task.mask_token:
         tokens["mask_token"] = mask
-    # GPT-2 would add its token table's rows for token_type_ids; only BERT reads them.
-    inputs = ["input_ids", "token_type_ids", "attention_mask"]
-    if task not in ("mlm", "classify"):
-        inputs.remove("token_type_ids")
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         **tokens,
         "model_max_length": max_length,
-        "model_input_names": inputs,
+        "model_input_names": list(task.hf_inputs),
         "clean_up_tokenization_spaces": False,  # decode as ours: "a ," stays "a ,"
     }
     return {CONFIG_FILE: _json_bytes(config), SPECIAL_MAP_FILE: _json_bytes(tokens)}

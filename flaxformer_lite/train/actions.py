@@ -16,11 +16,12 @@ from typing import Any
 import jax
 from flax import nnx
 
+from flaxformer_lite.data.tasks import Task, task_named
 from flaxformer_lite.decode.text import printable
 from flaxformer_lite.train.checkpoint import Checkpointer
 from flaxformer_lite.train.console import Console
 from flaxformer_lite.train.decode_eval import continue_texts, decodable, decode_eval
-from flaxformer_lite.train.restore import to_savable
+from flaxformer_lite.train.trained_run import to_savable
 
 
 class TrainingError(RuntimeError):
@@ -149,7 +150,7 @@ class Evaluate:
     per source only)."""
 
     def __init__(self, cfg, data, task: str, eval_step, eval_graphdef, place, console: Console):
-        self.cfg, self.data, self.task, self.eval_step = cfg, data, task, eval_step
+        self.cfg, self.data, self.task, self.eval_step = cfg, data, task_named(task), eval_step
         self.eval_graphdef, self.place, self.console = eval_graphdef, place, console
 
     def due(self, end: StepEnd) -> bool:
@@ -190,7 +191,7 @@ class Evaluate:
         end.values |= scores
 
     def _perplexity(self, scores: dict[str, float]) -> dict[str, float]:
-        if self.task not in ("lm", "seq2seq"):
+        if not self.task.perplexity:
             return scores
         return {**scores, "eval_perplexity": math.exp(min(scores["eval_loss"], 80.0))}
 
@@ -265,11 +266,11 @@ def pooled(scores) -> dict[str, float]:
     return {**pooled, "eval_tokens": tokens}
 
 
-def eval_coverage(cfg, data, task: str, counted: float) -> str:
+def eval_coverage(cfg, data, task: Task, counted: float) -> str:
     """What an evaluation of ``counted`` weighted targets is over, in words: all the validation
     targets (tokens; a classifier's examples; an MLM's masked tokens), or the share
     ``train.eval_batches`` leaves."""
-    what = {"classify": "examples", "mlm": "masked tokens"}.get(task, "tokens")
+    what = task.unit
     capped = cfg.train.eval_batches
     counts = [part.batch_count for part in data.sources.values()] or [data.eval_batch_count]
     if capped is None or capped >= max(counts):
@@ -284,7 +285,7 @@ def eval_coverage(cfg, data, task: str, counted: float) -> str:
     return f"{counted:,.0f} of the {data.eval_tokens:,} validation tokens, {share:.1%}: {batches}"
 
 
-def decoded_eval(cfg, data, examples, task, model, step: int, log) -> dict[str, float]:
+def decoded_eval(cfg, data, examples, task: Task, model, step: int, log) -> dict[str, float]:
     """Greedy-decodes ``train.decode_examples`` of the validation ``examples`` (all of
     ``data``'s, or a mixture's source's), logs ``train.log_samples`` of them, and returns their
     scores and ``eval_decoded_examples``, how many were decoded; on plain text, logs
@@ -294,7 +295,7 @@ def decoded_eval(cfg, data, examples, task, model, step: int, log) -> dict[str, 
         return {}
     # One batch of prompts on whatever devices hold the parameters: no activation layout rules.
     with nnx.logical_axis_rules(()):
-        if task == "lm" and cfg.train.log_samples and not decodable(task, examples):
+        if task.continues and cfg.train.log_samples and not decodable(task, examples):
             samples = continue_texts(
                 model,
                 data.tokenizer,
@@ -313,7 +314,7 @@ def decoded_eval(cfg, data, examples, task, model, step: int, log) -> dict[str, 
             model,
             data.tokenizer,
             examples,
-            task=task,
+            task=task.name,
             num_examples=cfg.train.decode_examples,
             max_length=cfg.model.max_length,
         )

@@ -2,7 +2,8 @@
 validation examples, which are scored as text. Here are which examples and prompts, and the
 scores; the writing is :mod:`flaxformer_lite.decode.text`'s, as for ``flaxformer-lite generate``.
 
-* exact match: the synthetic task's own scoring (``Task.score``), else stripped string equality;
+* exact match: the synthetic generator's scoring (``Generator.score``), else stripped
+  string equality;
 * token accuracy: the fraction of reference tokens (and the closing ``<eos>``) that the greedy
   output reproduces at the same position;
 * BLEU (sacrebleu's corpus BLEU) for translation data (a ``parallel`` source).
@@ -22,6 +23,8 @@ import jax
 import sacrebleu
 
 from flaxformer_lite.data import synthetic
+from flaxformer_lite.data.documents import TEXT_RECORDS
+from flaxformer_lite.data.tasks import Task, task_named
 from flaxformer_lite.data.tokenizers import Tokenizer
 from flaxformer_lite.decode import until_eos
 from flaxformer_lite.decode.text import new_tokens, prompt_ids, source_ids
@@ -36,12 +39,13 @@ class Sample:
     prediction: str
 
 
-def decodable(task: str, examples: Sequence[dict]) -> bool:
+def decodable(task: Task, examples: Sequence[dict]) -> bool:
     """Whether ``examples`` of a ``task`` run can be scored by decoding: seq2seq data, or LM data
-    of the synthetic prompt=answer tasks (plain text has no answer to compare with)."""
-    if task == "seq2seq":
-        return True
-    return task == "lm" and isinstance(examples, synthetic.Task) and examples.records == "lm"
+    of the synthetic prompt=answer generators (plain text has no answer to compare with)."""
+    if not task.decodes:
+        return False
+    prompted = isinstance(examples, synthetic.Generator) and examples.records == TEXT_RECORDS
+    return prompted or not task.continues
 
 
 def decode_eval(
@@ -56,9 +60,9 @@ def decode_eval(
     """Greedy-decodes the first ``num_examples`` validation ``examples`` and scores them.
 
     Args:
-      model: a ``DecoderLM`` (``task="lm"``) or ``EncoderDecoder`` (``"seq2seq"``).
+      model: a ``DecoderLM`` (task ``lm``) or ``EncoderDecoder`` (task ``seq2seq``).
       tokenizer: the run's tokenizer.
-      examples: validation records (a synthetic ``Task`` or a list of dicts); see
+      examples: validation records (a synthetic ``Generator`` or a list of dicts); see
         :func:`decodable`.
       num_examples: how many to decode (one batch, the same every call: one compile).
       max_length: the model's longest sequence (prompt plus answer, or one target).
@@ -66,16 +70,17 @@ def decode_eval(
     Returns:
       ``({"eval_exact_match", "eval_token_accuracy"[, "eval_bleu"]}, samples)``.
     """
+    continues = task_named(task).continues  # a decoder LM, else an encoder-decoder
     records = [examples[i] for i in range(min(num_examples, len(examples)))]
-    if task == "lm":
+    if continues:
         pairs = [synthetic.split_prompt(r["text"]) for r in records]
         inputs = [prompt_ids(tokenizer, prompt) for prompt, _ in pairs]
     else:
         pairs = [(r["source"], r["target"]) for r in records]
         inputs = [source_ids(tokenizer, source, max_length) for source, _ in pairs]
-    encode = tokenizer.encode if task == "lm" else tokenizer.encode_target
+    encode = tokenizer.encode if continues else tokenizer.encode_target
     references = [[*encode(reference), tokenizer.eos_id] for _, reference in pairs]
-    budget = max_length - max(map(len, inputs)) if task == "lm" else max_length - 1
+    budget = max_length - max(map(len, inputs)) if continues else max_length - 1
     max_new_tokens = max(1, min(max(len(r) for r in references) + 2, budget))
     outputs = new_tokens(model, tokenizer, inputs, max_new_tokens=max_new_tokens)
     predictions = [tokenizer.decode(until_eos(ids, tokenizer.eos_id)) for ids in outputs]
@@ -87,7 +92,7 @@ def decode_eval(
         "eval_exact_match": _exact_match(examples, records, predictions, pairs),
         "eval_token_accuracy": token_accuracy(outputs, references),
     }
-    if task == "seq2seq" and not isinstance(examples, synthetic.Task):
+    if not continues and not isinstance(examples, synthetic.Generator):
         metrics["eval_bleu"] = sacrebleu.corpus_bleu(
             predictions, [[reference for _, reference in pairs]]
         ).score
@@ -105,7 +110,7 @@ def token_accuracy(outputs: Sequence[Sequence[int]], references: Sequence[Sequen
 
 
 def _exact_match(examples, records, predictions, pairs) -> float:
-    if isinstance(examples, synthetic.Task) and examples.metric == "exact_match":
+    if isinstance(examples, synthetic.Generator) and examples.metric == "exact_match":
         return examples.score(predictions, records)["exact_match"]
     hits = sum(p.strip() == r.strip() for p, (_, r) in zip(predictions, pairs, strict=True))
     return hits / len(predictions)

@@ -21,9 +21,9 @@ from flaxformer_lite.data.store import owner, remove_stale_partials
 from flaxformer_lite.data.tokenizer_export import hf_tokenizer_files
 from flaxformer_lite.interop.hf import refuse_user_pieces, save_hf, writable_family
 from flaxformer_lite.train.config import load_config
-from flaxformer_lite.train.restore import load_run
 from flaxformer_lite.train.run_dir import RunDir
 from flaxformer_lite.train.step import task_of
+from flaxformer_lite.train.trained_run import load_run
 
 # The transformers Auto class that loads each architecture save_hf writes.
 AUTO_CLASSES = {

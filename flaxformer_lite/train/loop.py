@@ -1,4 +1,4 @@
-"""A training run, start to finish: :func:`prepare` checks the run directory against the config
+"""A training run, start to finish: :func:`start` checks the run directory against the config
 and builds the data, the train state (restored from the newest checkpoint) and the steps;
 :func:`train` runs the steps, with logging, evaluation and checkpointing as actions that fire
 at their steps (:mod:`.actions`), and stops cleanly on SIGTERM/SIGINT or a non-finite step.
@@ -45,7 +45,6 @@ from flaxformer_lite.train.program import (
     resolve_mesh,
     tracing_layout,
 )
-from flaxformer_lite.train.restore import from_savable, load_hf_weights, restore_target
 from flaxformer_lite.train.resume import (
     check_resume,
     keep_schedule_span,
@@ -55,6 +54,7 @@ from flaxformer_lite.train.resume import (
 from flaxformer_lite.train.run_dir import RunDir
 from flaxformer_lite.train.signals import Interrupted, SignalAgreement, stop_on_signals
 from flaxformer_lite.train.step import make_eval_step, task_of
+from flaxformer_lite.train.trained_run import from_savable, load_hf_weights, restore_target
 
 
 def run(
@@ -92,14 +92,14 @@ def run(
     # Process 0 holds the directory's lock for the whole run (other processes share it).
     with run_dir.locked(fresh=fresh, log=log) if main else contextlib.nullcontext():
         _sync_processes("run directory ready")
-        prepared = prepare(cfg, run_dir, force=force, log=log)
+        started = start(cfg, run_dir, force=force, log=log)
         # The data's prefetch thread ends with the run, however the run ends.
-        with contextlib.closing(prepared.checkpointer), contextlib.closing(prepared.data.train):
-            return train(prepared, progress=progress, log=log)
+        with contextlib.closing(started.checkpointer), contextlib.closing(started.data.train):
+            return train(started, progress=progress, log=log)
 
 
 @dataclasses.dataclass(frozen=True)
-class PreparedRun:
+class StartedRun:
     """A run ready to step: its settled config, data, restored state and compiled steps.
 
     Attributes:
@@ -132,7 +132,7 @@ class PreparedRun:
     place: Callable
 
 
-def prepare(cfg: TrainConfig, run_dir: RunDir, *, force: bool, log) -> PreparedRun:
+def start(cfg: TrainConfig, run_dir: RunDir, *, force: bool, log) -> StartedRun:
     """Checks ``run_dir`` against ``cfg`` (every difference at once), builds the data and the
     train state, restores the newest checkpoint into it, and records the config."""
     main = jax.process_index() == 0
@@ -173,7 +173,7 @@ def prepare(cfg: TrainConfig, run_dir: RunDir, *, force: bool, log) -> PreparedR
     if main:
         run_dir.write_config(cfg.to_dict())
     _log_layout(state, built.shardings, mesh, log)
-    return PreparedRun(
+    return StartedRun(
         cfg=cfg,
         run_dir=run_dir,
         mesh=mesh,
@@ -191,7 +191,7 @@ def prepare(cfg: TrainConfig, run_dir: RunDir, *, force: bool, log) -> PreparedR
     )
 
 
-def train(run: PreparedRun, *, progress: bool, log) -> dict[str, float]:
+def train(run: StartedRun, *, progress: bool, log) -> dict[str, float]:
     """Steps ``run`` to ``train.steps``; returns the metrics logged last.
 
     The host runs one step ahead of the devices: it dispatches step s, takes and places batch
@@ -351,4 +351,4 @@ class NoMetrics:
         pass
 
 
-__all__ = ["Interrupted", "PreparedRun", "TrainingError", "prepare", "run", "train"]
+__all__ = ["Interrupted", "StartedRun", "TrainingError", "run", "start", "train"]

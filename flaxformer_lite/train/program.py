@@ -1,4 +1,4 @@
-"""The pieces of a run's train step that the training loop, :func:`~.restore.load_run` and
+"""The pieces of a run's train step that the training loop, :func:`~.trained_run.load_run` and
 ahead-of-time compilation (:mod:`flaxformer_lite.aot`) share, so that all of them build and trace
 the very same program: the mesh, the train state (model, optimizer and schedule) and the step."""
 
@@ -73,7 +73,7 @@ def schedule_span(cfg: TrainConfig) -> int:
 
 def make_train_state(cfg: TrainConfig, tx) -> tuple[nnx.Module, nnx.Optimizer]:
     """The run's ``(model, optimizer)`` as ``train.py`` creates them (seeded by ``cfg.seed``);
-    their split state is what a checkpoint holds (through :func:`~.restore.to_savable`)."""
+    their split state is what a checkpoint holds (through :func:`~.trained_run.to_savable`)."""
     model = build_model(cfg.model, rngs=nnx.Rngs(params=cfg.seed, dropout=cfg.seed + 1))
     return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
@@ -120,10 +120,9 @@ def abstract_batch(cfg: TrainConfig, sharding) -> dict[str, jax.ShapeDtypeStruct
     """
     if cfg.model.input_dim is not None or cfg.model.output_dim is not None:
         raise ValueError("compile takes token models; model.input_dim/output_dim are set")
-    task = task_of(cfg.model)
-    shapes = tasks.batch_shapes(
-        task,
-        packed=tasks.is_packed(task, cfg.data.packing),
+    task = tasks.task_named(task_of(cfg.model))
+    shapes = task.batch_shapes(
+        packed=task.is_packed(cfg.data.packing),
         batch_size=cfg.train.batch_size,
         seq_len=cfg.data.seq_len,
     )

@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from flaxformer_lite import ops
-from flaxformer_lite.data.tasks import check_task
+from flaxformer_lite.data.tasks import task_named
 from flaxformer_lite.models.config import ModelConfig
 from flaxformer_lite.nn.sharding import gathered_for_compute
 
@@ -42,39 +42,18 @@ def model_loss(
     loss_chunk: int | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """``ops.cross_entropy`` of the model's predictions for ``batch``, a batch of ``task`` as
-    :data:`flaxformer_lite.data.tasks.BATCHES` describes it (packed ``lm`` rows add
+    its :class:`~flaxformer_lite.data.tasks.Task` describes it (packed ``lm`` rows add
     ``segment_ids`` and ``positions``; a ``classify`` batch may leave out its ``weights``).
 
     With ``loss_chunk`` the token tasks take ``ops.chunked_cross_entropy`` of the model's
     features and output head instead: the same loss, never the logits of the whole batch at once
     (``classify`` has one logit row per example and ignores it).
     """
-    check_task(task)
-    if task == "classify":
-        logits = model.classify(batch["inputs"], padding_mask=batch["mask"])
-        return ops.cross_entropy(
-            logits,
-            batch["labels"],
-            weights=batch.get("weights"),
-            label_smoothing=label_smoothing,
-            z_loss=z_loss,
-        )
-    features = loss_chunk is not None
-    if task == "lm":
-        outputs = model(
-            batch["inputs"],
-            positions=batch.get("positions"),
-            segment_ids=batch.get("segment_ids"),
-            features=features,
-        )
-    elif task == "seq2seq":
-        outputs = model(
-            batch["src"], batch["inputs"], padding_mask=batch["src_mask"], features=features
-        )
-    else:  # mlm
-        mlm = model.encode if features else model
-        outputs = mlm(batch["inputs"], padding_mask=batch["mask"])
-    loss_kwargs = dict(weights=batch["weights"], label_smoothing=label_smoothing, z_loss=z_loss)
+    task = task_named(task)
+    features = loss_chunk is not None and task.per_token
+    outputs = task.predict(model, batch, features=features)
+    targets, weights = task.targets(batch)
+    loss_kwargs = dict(weights=weights, label_smoothing=label_smoothing, z_loss=z_loss)
     if features:
         head_def, head_state = nnx.split(model.head)
         head_state = jax.tree.map(
@@ -84,12 +63,12 @@ def model_loss(
         )
         return ops.chunked_cross_entropy(
             outputs,
-            batch["targets"],
+            targets,
             lambda x: nnx.merge(head_def, head_state)(x),
             chunk=loss_chunk,
             **loss_kwargs,
         )
-    return ops.cross_entropy(outputs, batch["targets"], **loss_kwargs)
+    return ops.cross_entropy(outputs, targets, **loss_kwargs)
 
 
 def make_train_step(

@@ -7,7 +7,7 @@ accelerators), or run for each member in turn (on a CPU).
     summary["groups"]["lr=0.001"]["eval_loss"]  # {"mean": ..., "std": ..., "n": 3, ...}
 
 Each member is a run (``<run_dir>/<member>``: config.yaml, metrics.jsonl, tb/, checkpoints,
-tokenizer), prepared by :func:`.loop.prepare` as ``train.py`` prepares one, so everything that
+tokenizer), started by :func:`.loop.start` as ``train.py`` starts one, so everything that
 reads a run reads a member. A group's members step in lockstep, each on its own batches, their
 numbers (the learning rate by step, Adam's betas and epsilon, weight decay, clipping, label
 smoothing, z-loss) passed to the step as arrays. A member whose step is not finite is
@@ -52,7 +52,7 @@ from flaxformer_lite.train.config import (
     is_runtime_key,
 )
 from flaxformer_lite.train.console import Console
-from flaxformer_lite.train.loop import NoMetrics, PreparedRun, prepare
+from flaxformer_lite.train.loop import NoMetrics, StartedRun, start
 from flaxformer_lite.train.metrics import MetricsWriter, peak_flops
 from flaxformer_lite.train.optim import NUMBERS, optimizer_of, schedule_table, table_schedule
 from flaxformer_lite.train.program import (
@@ -61,7 +61,6 @@ from flaxformer_lite.train.program import (
     resolve_mesh,
     tracing_layout,
 )
-from flaxformer_lite.train.restore import from_savable, restore_target
 from flaxformer_lite.train.resume import restore_data_state
 from flaxformer_lite.train.run_dir import RunDir, move_aside
 from flaxformer_lite.train.signals import Interrupted, SignalAgreement, stop_on_signals
@@ -75,6 +74,7 @@ from flaxformer_lite.train.sweep_members import (
     sweep_members,
 )
 from flaxformer_lite.train.sweep_summary import summarize, summary_table
+from flaxformer_lite.train.trained_run import from_savable, restore_target
 
 SWEEP_FILE = "sweep.json"
 
@@ -232,11 +232,11 @@ def _announce(members, groups, diverged, log) -> None:
 
 @dataclasses.dataclass
 class _Lane:
-    """A member in its group's program: its prepared run, and while it steps, what it writes
+    """A member in its group's program: its started run, and while it steps, what it writes
     and the actions due at its steps."""
 
     member: Member
-    run: PreparedRun
+    run: StartedRun
     writer: Any = None
     console: Console | None = None
     actions: list = dataclasses.field(default_factory=list)
@@ -249,7 +249,7 @@ def _train_group(group: list[Member], directory, record, diverged, *, force: boo
         for member in group:
             say = _prefixed(member.name, log)
             lanes.append(
-                _Lane(member, prepare(member.cfg, RunDir(member.cfg.run_dir), force=force, log=say))
+                _Lane(member, start(member.cfg, RunDir(member.cfg.run_dir), force=force, log=say))
             )
         _align_steps(lanes, log)
         if vmap is None:
@@ -410,7 +410,7 @@ class _VmappedProgram:
         """The members' states stacked, on the member mesh."""
         return jax.device_put(jax.tree.map(lambda *xs: jnp.stack(xs), *states), self.shardings)
 
-    def member(self, stacked, index: int, run: PreparedRun):
+    def member(self, stacked, index: int, run: StartedRun):
         """Member ``index``'s state, laid out as its run lays it out."""
         return jax.device_put(jax.tree.map(lambda x: x[index], stacked), run.built.shardings)
 
@@ -472,7 +472,7 @@ class _LoopProgram:
     def stack(self, states: list) -> list:
         return list(states)
 
-    def member(self, states: list, index: int, run: PreparedRun):
+    def member(self, states: list, index: int, run: StartedRun):
         return states[index]
 
     def member_metrics(self, metrics: list, index: int) -> dict:

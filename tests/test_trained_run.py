@@ -16,7 +16,7 @@ from flaxformer_lite.train.checkpoint import Checkpointer
 from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.loop import run
 from flaxformer_lite.train.optim import make_optimizer
-from flaxformer_lite.train.restore import LoadedRun, load_run, to_savable
+from flaxformer_lite.train.trained_run import LoadedRun, load_run, to_savable
 
 # A tiny one-layer GPT-2-style run: 3 steps, checkpoints at steps 2 and 3, on all 8 devices.
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
