@@ -41,7 +41,7 @@ from flaxformer_lite.data.batches import Layout, TrainBatches
 from flaxformer_lite.data.config import DataConfig
 from flaxformer_lite.data.documents import split_documents
 from flaxformer_lite.data.pipeline import build_data
-from flaxformer_lite.data.sources import iter_text_records
+from flaxformer_lite.data.readers import iter_text_records
 from flaxformer_lite.data.store import prepare_store
 from flaxformer_lite.data.tasks import task_named
 from flaxformer_lite.data.tokenizers import make_tokenizer

@@ -114,7 +114,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flaxformer_lite.data import sources
+from flaxformer_lite.data import readers
 from flaxformer_lite.data.pipeline import build_data
 from flaxformer_lite.train.config import TrainConfig, load_config
 from flaxformer_lite.train.host_memory import reuse_freed_host_memory
@@ -392,8 +392,8 @@ def nanogpt_log(stdout: str, steps: int) -> tuple[dict[int, float], dict[str, fl
 def nanogpt(args, cfg: TrainConfig, directory: pathlib.Path) -> dict:
     """Prepares nanoGPT's data in a copy of ``--nanogpt``, runs its train.py there, and
     evaluates its last checkpoint over every held-out character (module docstring)."""
-    (path,) = sources.expand_files(cfg.data.path)
-    copy = nanogpt_copy(args.nanogpt, sources.read_text(path), directory)
+    (path,) = readers.expand_files(cfg.data.path)
+    copy = nanogpt_copy(args.nanogpt, readers.read_text(path), directory)
     environment = {"OMP_WAIT_POLICY": "PASSIVE"} | dict(os.environ)
     prepare = [sys.executable, str(NANOGPT_DATA / "prepare.py")]
     started = time.perf_counter()

@@ -3,12 +3,12 @@ the file and the reason."""
 
 import pytest
 
-from flaxformer_lite.data.source_kinds import source_named
+from flaxformer_lite.data.sources import source_named
 
 
-def read(kind, path, field="text", documents="lines"):
+def read(name, path, field="text", documents="lines"):
     """Every record of a source: its files resolved, then read (text: one per line)."""
-    source = source_named(kind, field, documents)
+    source = source_named(name, field, documents)
     return list(source.records(source.files(path)))
 
 

@@ -257,8 +257,8 @@ def test_a_killed_prepare_leaves_nothing_that_opens(tmp_path):
 # streamed: a "file" document (or one long paragraph) is held whole.
 MEASURE_PREPARE = """
 import resource, sys
-from flaxformer_lite.data import sources, store, store_writer
-sources.CHUNK_BYTES = store_writer.READ_BYTES = 1 << 16
+from flaxformer_lite.data import readers, store, store_writer
+readers.CHUNK_BYTES = store_writer.READ_BYTES = 1 << 16
 big, small, out = sys.argv[1:]
 settings = dict(source="text", documents="lines")
 for kind in ("byte", "char"):

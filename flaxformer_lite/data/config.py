@@ -8,8 +8,8 @@ import math
 import re
 from typing import Any, ClassVar
 
-from flaxformer_lite.data import sources
-from flaxformer_lite.data.source_kinds import SOURCES, source_of
+from flaxformer_lite.data import readers
+from flaxformer_lite.data.sources import SOURCES, source_of
 from flaxformer_lite.data.tokenizers import NUM_SPECIAL
 from flaxformer_lite.settings import setting
 
@@ -24,7 +24,7 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # a source's name: a metric k
 @dataclasses.dataclass(frozen=True)
 class MixtureSource:
     """One named source of a weighted mixture (``data.mixture.<name>``): files of
-    ``data.source``'s kind, their share of the training rows, their own validation data."""
+    ``data.source``, their share of the training rows, their own validation data."""
 
     path: str = setting(
         "", help="the source's files, as data.path names them (a glob, a TSV file, a store)"
@@ -75,12 +75,12 @@ class DataConfig:
     )
     validation_path: str | None = setting(
         None,
-        help="validation data of data.path's kind, used whole; null: hold out "
+        help="validation data of data.path's source, used whole; null: hold out "
         "data.validation_fraction",
     )
     mixture: dict[str, MixtureSource] = setting(
         factory=dict,
-        help="named sources of data.source's kind with weights, in place of data.path: "
+        help="named sources of one data.source with weights, in place of data.path: "
         "{name: {path: ..., weight: 3, validation_path: ...}}; each batch's rows drawn by weight, "
         "each source evaluated on its own (eval_loss/<name>); {}: data.path alone",
     )
@@ -124,18 +124,18 @@ class DataConfig:
         _check_choice("source", self.source, tuple(SOURCES))
         _check_choice("lm_rows", self.lm_rows, LM_ROWS)
         if self.text_documents is not None:
-            _check_choice("text_documents", self.text_documents, sources.TEXT_DOCUMENTS)
-        kind = source_of(self)
+            _check_choice("text_documents", self.text_documents, readers.TEXT_DOCUMENTS)
+        source = source_of(self)
         # Unset means byte but for a source that brings its own (a store): resolved here, so the
         # configs and records of other sources say byte, as they did before the setting could be
         # unset. That it was unset is kept (not a field) for to_dict.
         if self.tokenizer is None:
             object.__setattr__(self, "_derived", frozenset({"tokenizer"}))
-        if self.tokenizer is None and not kind.brings_tokenizer:
+        if self.tokenizer is None and not source.brings_tokenizer:
             object.__setattr__(self, "tokenizer", "byte")
         if self.tokenizer is not None:
             _check_choice("tokenizer", self.tokenizer, TOKENIZERS)
-        made = not kind.brings_tokenizer  # else its tokenizer is made already
+        made = not source.brings_tokenizer  # else its tokenizer is made already
         if made and self.tokenizer == "sentencepiece" and not self.tokenizer_path:
             raise ValueError("data.tokenizer='sentencepiece' needs data.tokenizer_path")
         if made and self.tokenizer == "bpe" and self.vocab_size is None:
@@ -145,7 +145,7 @@ class DataConfig:
         for name, low in (("vocab_size", min_vocab), ("train_size", 1), ("eval_size", 1)):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), low)
-        kind.check(self)
+        source.check(self)
         if self.mixture:
             self._check_mixture()
         if self.packing is not None and not isinstance(self.packing, bool):

@@ -17,7 +17,7 @@ import pathlib
 from typing import Any
 
 from flaxformer_lite.data.config import DataConfig
-from flaxformer_lite.data.source_kinds import SOURCES, source_of
+from flaxformer_lite.data.sources import SOURCES, source_of
 from flaxformer_lite.data.store import MANIFEST
 from flaxformer_lite.settings import flatten
 
@@ -66,18 +66,18 @@ def read_inputs(path: pathlib.Path) -> dict[str, Any] | None:
 
 def setting_changes(recorded: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple]:
     """``data.<key>`` (a mixture's sources key by key) -> ``(before, now)`` of each setting
-    that differs, but for changes that give the same data from the source's kind
-    (:meth:`~flaxformer_lite.data.source_kinds.Source.same_setting`)."""
+    that differs, but for changes that give the same data from the source
+    (:meth:`~flaxformer_lite.data.sources.Source.same_setting`)."""
     before, now = dict(recorded.get("data", {})), current["data"]
-    recorded_kind = SOURCES.get(before.get("source"))
-    if recorded_kind is not None:
-        before = {**recorded_kind.unrecorded, **before}
-    kind = SOURCES[now["source"]]
+    recorded_source = SOURCES.get(before.get("source"))
+    if recorded_source is not None:
+        before = {**recorded_source.unrecorded, **before}
+    source = SOURCES[now["source"]]
     before, now = flatten(before), flatten(now)
     return {
-        f"data.{key}": (kind.settled(key, before.get(key)), kind.settled(key, now.get(key)))
+        f"data.{key}": (source.settled(key, before.get(key)), source.settled(key, now.get(key)))
         for key in sorted(before.keys() | now.keys())
-        if not kind.same_setting(key, before.get(key), now.get(key))
+        if not source.same_setting(key, before.get(key), now.get(key))
     }
 
 
@@ -99,12 +99,12 @@ def file_changes(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]
 
 
 def _files_now(cfg: DataConfig, path: str) -> list[dict[str, Any]]:
-    kind = source_of(cfg)
-    if not kind.made_by_run:  # a given store never changes: its manifest is its source
+    source = source_of(cfg)
+    if not source.made_by_run:  # a given store never changes: its manifest is its source
         found = store_of(cfg, None, path)
         return [] if found is None else _manifest_files(found[1])
     try:
-        files = kind.files(path)
+        files = source.files(path)
     except (FileNotFoundError, ValueError):  # building the data names the problem
         return []
     return [{"path": str(p), "size": p.stat().st_size} for p in files]
@@ -121,13 +121,13 @@ def store_of(
     cfg: DataConfig, prepared: pathlib.Path | None, path: str | None = None
 ) -> tuple[pathlib.Path, dict[str, Any]] | None:
     """The directory and manifest of the store the data of ``path`` (default ``data.path``) are
-    read from (where the source's kind keeps it: ``path`` for a prepared source, the run's
+    read from (where the source keeps it: ``path`` for a prepared source, the run's
     cache in ``prepared`` for a source of files), if there is one yet."""
     path = cfg.path if path is None else path
-    kind = source_of(cfg)
-    if not kind.stored or (kind.made_by_run and prepared is None):
+    source = source_of(cfg)
+    if not source.stored or (source.made_by_run and prepared is None):
         return None
-    directory = kind.store_at(path, prepared)
+    directory = source.store_at(path, prepared)
     try:
         return directory, json.loads((directory / MANIFEST).read_text(encoding="utf-8"))
     except (OSError, ValueError):

@@ -21,7 +21,7 @@ import numpy as np
 from flaxformer_lite.data import tokenizers
 from flaxformer_lite.data.batches import TrainBatches
 from flaxformer_lite.data.config import BLOCK_ROWS, DataConfig
-from flaxformer_lite.data.source_kinds import source_of
+from flaxformer_lite.data.sources import source_of
 from flaxformer_lite.data.store_writer import BATCH_SIZE, SourcePasses, training_texts
 from flaxformer_lite.data.tokenizers import Tokenizer
 
@@ -118,10 +118,10 @@ def weighted_texts(
 def fitted_tokenizer(cfg: DataConfig) -> Tokenizer:
     """``data.tokenizer`` (char, word or bpe) fitted on the training parts of the mixture's
     sources, each seen by its weight (:func:`weighted_texts`)."""
-    kind, streams, sizes = source_of(cfg), [], []
+    source, streams, sizes = source_of(cfg), [], []
     for part in cfg.mixture_sources().values():
-        files = kind.files(part.path)
-        passes = SourcePasses(kind, files, BATCH_SIZE, None)
+        files = source.files(part.path)
+        passes = SourcePasses(source, files, BATCH_SIZE, None)
         fraction = None if part.validation_path else cfg.validation_fraction
         streams.append(lambda p=passes, f=fraction, w=part.path: training_texts(p, f, w))
         sizes.append(sum(f.stat().st_size for f in files) * (1 - (fraction or 0)))

@@ -60,7 +60,7 @@ from flaxformer_lite.data.documents import (
 from flaxformer_lite.data.features import truncation
 from flaxformer_lite.data.mixture import MixtureBatches, fitted_tokenizer
 from flaxformer_lite.data.run_stores import check_sources, records_of, run_store, validation_store
-from flaxformer_lite.data.source_kinds import source_of, source_of_store
+from flaxformer_lite.data.sources import source_of, source_of_store
 from flaxformer_lite.data.store import FITTED_KINDS, open_store, text_documents
 from flaxformer_lite.data.tokenizers import Tokenizer
 
@@ -281,10 +281,10 @@ def _truncation_notice(
 
 
 def _check_fits(cfg: DataConfig, task: str) -> None:
-    kind = source_of(cfg)
-    records = kind.record_type_of(cfg)
+    source = source_of(cfg)
+    records = source.record_type_of(cfg)
     if records is not None:  # else checked against the store's manifest once it is open
-        _check_records(records, kind.described(cfg), task)
+        _check_records(records, source.described(cfg), task)
 
 
 def _check_records(records: str, given: str, task: str) -> None:
@@ -296,9 +296,9 @@ def _load(
 ) -> tuple[Tokenizer, Corpus]:
     """The tokenizer (``chosen``, or made with the data) and the source tokenized, with its
     validation split."""
-    kind = source_of(cfg)
-    if not kind.stored:
-        train, valid = kind.examples(cfg, "train", seed), kind.examples(cfg, "validation", seed)
+    source = source_of(cfg)
+    if not source.stored:
+        train, valid = source.examples(cfg, "train", seed), source.examples(cfg, "validation", seed)
         fit = [train[i] for i in range(min(len(train), FIT_EXAMPLES))]
         tokenizer = chosen or _fitted_on_records(cfg, fit)
         corpus = Corpus(
@@ -394,9 +394,9 @@ def _named(name: str) -> Iterator[None]:
 def _mixture_tokenizer(cfg: DataConfig) -> Tokenizer:
     """A new mixture's tokenizer: its first store's (each store is checked against it), one
     fitted on the sources by weight, or the one ``data.tokenizer`` names."""
-    kind = source_of(cfg)
-    if kind.brings_tokenizer:
-        return open_store(kind.store_at(next(iter(cfg.mixture.values())).path, None)).tokenizer
+    source = source_of(cfg)
+    if source.brings_tokenizer:
+        return open_store(source.store_at(next(iter(cfg.mixture.values())).path, None)).tokenizer
     if cfg.tokenizer in FITTED_KINDS:
         return fitted_tokenizer(cfg)
     return tokenizers.make_tokenizer(cfg.tokenizer, path=cfg.tokenizer_path)

@@ -1,5 +1,5 @@
 """The token stores a run reads: a source of files prepared into the run's cache on first use
-(one store per source, where its kind says: :meth:`~flaxformer_lite.data.source_kinds.Source
+(one store per source, where its class says: :meth:`~flaxformer_lite.data.sources.Source
 .store_at`), or a prepared store opened (``data.source=prepared``); either one checked
 against the run's tokenizer and its data settings.
 :func:`~flaxformer_lite.data.pipeline.build_data` reads them; ``flaxformer-lite prepare`` makes
@@ -11,9 +11,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from flaxformer_lite.data import sources
+from flaxformer_lite.data import readers
 from flaxformer_lite.data.config import TOKENIZERS, DataConfig
-from flaxformer_lite.data.source_kinds import source_of, source_of_store
+from flaxformer_lite.data.sources import source_of, source_of_store
 from flaxformer_lite.data.store import (
     Store,
     check_tokenizer,
@@ -28,18 +28,18 @@ def check_sources(cfg: DataConfig) -> dict[str, set[Path]]:
     """Refuses a missing source, a file with nothing but blanks, or validation data that the
     training data hold too, before anything is written; the message names the setting and the
     file. Returns the files (a store: its directory) each setting names, resolved."""
-    kind, named = source_of(cfg), {}
+    source, named = source_of(cfg), {}
     for key in ("path", "validation_path"):
         path = getattr(cfg, key)
         if path is None:
             continue
         try:
-            if not kind.made_by_run:  # a given store: opening it checks it
-                named[key] = {open_store(kind.store_at(path, None)).path.resolve()}
+            if not source.made_by_run:  # a given store: opening it checks it
+                named[key] = {open_store(source.store_at(path, None)).path.resolve()}
             else:
-                files = kind.files(path)
+                files = source.files(path)
                 for file in files:
-                    sources.check_not_blank(file)
+                    readers.check_not_blank(file)
                 named[key] = {file.resolve() for file in files}
         except (FileNotFoundError, ValueError) as error:
             raise type(error)(f"data.{key}: {error}") from None
@@ -59,16 +59,16 @@ def run_store(cfg: DataConfig, prepared: Path | None, tokenizer: Tokenizer | Non
     """``data.path``'s store, or the source's in the run's cache (made with ``tokenizer`` if the
     run has one: a resumed run's saved copy, or ``init_from``'s), checked against ``tokenizer``
     and against ``data.text_documents`` and ``data.tokenizer`` where they are set."""
-    kind = source_of(cfg)
-    if kind.made_by_run:
-        return prepare_source(cfg, kind.store_at(cfg.path, prepared), tokenizer)
-    store = open_store(kind.store_at(cfg.path, prepared))
+    source = source_of(cfg)
+    if source.made_by_run:
+        return prepare_source(cfg, source.store_at(cfg.path, prepared), tokenizer)
+    store = open_store(source.store_at(cfg.path, prepared))
     if tokenizer is not None:
         check_tokenizer(store, tokenizer)
     made = text_documents(store.manifest)
     if cfg.text_documents is not None and made != cfg.text_documents:
         raise ValueError(
-            f"{store.path}: prepared from {_store_kind(store)} data, not with "
+            f"{store.path}: prepared from {_store_source(store)} data, not with "
             f"data.text_documents={cfg.text_documents!r}"
         )
     kind = store.tokenizer.kind
@@ -83,10 +83,10 @@ def run_store(cfg: DataConfig, prepared: Path | None, tokenizer: Tokenizer | Non
 
 def validation_store(cfg: DataConfig, prepared: Path | None, train: Store) -> Store:
     """``data.validation_path``'s store: prepared in the run's cache, or opened."""
-    kind = source_of(cfg)
-    if kind.made_by_run:
-        return prepare_validation(cfg, kind.store_at(cfg.validation_path, prepared), train)
-    store = open_store(kind.store_at(cfg.validation_path, prepared))
+    source = source_of(cfg)
+    if source.made_by_run:
+        return prepare_validation(cfg, source.store_at(cfg.validation_path, prepared), train)
+    store = open_store(source.store_at(cfg.validation_path, prepared))
     _check_same_kind(cfg, store, train)
     check_tokenizer(store, train.tokenizer)
     return store
@@ -94,14 +94,14 @@ def validation_store(cfg: DataConfig, prepared: Path | None, train: Store) -> St
 
 def prepare_validation(cfg: DataConfig, out_dir: Path, train: Store, progress=None) -> Store:
     """``data.validation_path``'s files prepared into a store at ``out_dir`` as ``data.path``'s
-    were into ``train`` (the same source kind and documents), with ``train``'s tokenizer."""
+    were into ``train`` (the same source and documents), with ``train``'s tokenizer."""
     valid_cfg = dataclasses.replace(cfg, path=cfg.validation_path)
     return prepare_source(valid_cfg, out_dir, train.tokenizer, progress)
 
 
 def _check_same_kind(cfg: DataConfig, store: Store, train: Store) -> None:
     path = cfg.validation_path
-    made, wanted = _store_kind(store), _store_kind(train)
+    made, wanted = _store_source(store), _store_source(train)
     if made != wanted:
         raise ValueError(
             f"data.validation_path={path}: holds {made} data, but the training data "
@@ -109,8 +109,8 @@ def _check_same_kind(cfg: DataConfig, store: Store, train: Store) -> None:
         )
 
 
-def _store_kind(store: Store) -> str:
-    """What a store holds, in words: its source kind and, for text, its documents."""
+def _store_source(store: Store) -> str:
+    """What a store holds, in words: its source and, for text, its documents."""
     source = store.manifest["source"]
     documents = text_documents(store.manifest)
     return f"{source['kind']} ({documents} documents)" if documents else repr(source["kind"])
@@ -139,5 +139,5 @@ def prepare_source(
 
 
 def records_of(store: Store) -> str:
-    """The type of records of a store: those its source's kind yields."""
+    """The type of records of a store: those its source yields."""
     return source_of_store(store.manifest["source"]).record_type

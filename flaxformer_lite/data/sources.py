@@ -1,301 +1,317 @@
-"""Readers of local training data: text files, JSONL fields and parallel (translation) text.
+"""Sources: the classes of the ``data.source`` setting's values, one each behind one protocol
+(:class:`Source`), found by that value in :data:`SOURCES`:
 
-Records are dicts of strings, in the shapes the synthetic tasks use: ``{"text": ...}`` for text
-and JSONL files, ``{"source": ..., "target": ...}`` for parallel text. Each kind has a streaming
-reader, ``iter_text_records``, ``iter_jsonl_records`` and ``iter_parallel_records`` (its kind of
-source, :mod:`~flaxformer_lite.data.source_kinds`, calls it), which reads the files in bounded
-chunks and yields one record at a time, so a corpus larger than memory can be tokenized
-(:mod:`flaxformer_lite.data.store`). The readers take the files a kind resolved from a path or
-glob (:func:`expand_files`: sorted path order, so the same files always give the same records):
-a caller that records the files it read (a store's manifest) reads exactly those, even if the
-glob matches more files later.
+    source = source_of(cfg)                  # cfg.source's class, with cfg's reading settings
+    source.files("corpus/*.txt")             # what the run reads, for the fingerprint and checks
+    source.store_at("corpus/*.txt", run.prepared)   # where its store is (the run's cache)
 
-A text file becomes documents as :data:`TEXT_DOCUMENTS` says: ``file`` (the default) keeps each
-file whole, line breaks and blank lines included, as a book or a code file is; ``paragraphs``
-makes one record of each run of non-blank lines (their line breaks kept; blank lines separate);
-``lines`` one record per non-blank line, minus its line break (lm1b's layout, and that of JSONL
-and parallel corpora, whose lines are always records). A line holding only whitespace is blank.
+A source says what a run needs of it: the settings it takes (:meth:`Source.check`), the files a
+path names (:meth:`Source.files`), the records it yields and their type (:meth:`Source.records`,
+:attr:`Source.record_type`), and how it is prepared: read into a token store in the run's cache
+(:class:`FileSource`), opened as the store it is (:class:`PreparedSource`), or made in memory
+(:class:`SyntheticSource`). The machinery that prepares and reads stores
+(:mod:`~flaxformer_lite.data.store`, :mod:`~flaxformer_lite.data.run_stores`) asks the source
+and never its name, so a new source is one class, registered with :func:`register`, and its
+tests.
 
-Files ending in ``.gz`` or ``.xz`` are read decompressed (what ``on_read`` sees and a store hashes
-are the file's own bytes). ``builtin:NAME`` names a text shipped inside the package
-(:data:`BUILTIN_TEXTS`).
-
-Problems raise naming the file (and line) and the reason: ``FileNotFoundError`` for a missing path
-or a glob that matches no file, ``ValueError`` for an empty file, bytes that are not UTF-8, a
-malformed JSONL line or a missing field, and parallel files of different lengths. The readers
-raise when they reach the problem (an empty file or misaligned parallel files: at the end of the
-file).
+The built-in sources live in this one module: each is a few lines over its base, and the readers
+they call stay in :mod:`~flaxformer_lite.data.readers`. A bundled text (``builtin:NAME``) is not
+a source: it is a text file found inside the package (:func:`~flaxformer_lite.data.readers
+.expand_files`), read, fingerprinted and prepared as any text file, so ``data.path`` names it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import glob
-import gzip
-import itertools
+import abc
+import hashlib
 import json
-import lzma
-import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
 
-_GLOB_CHARS = frozenset("*?[")
-# Bytes read at a time: what a streaming reader holds, with the longest line.
-CHUNK_BYTES = 1 << 20
-TEXT_DOCUMENTS = ("file", "paragraphs", "lines")
-BUILTIN = "builtin:"
-# Public-domain texts shipped compressed in the package: name -> file in data/texts/.
-BUILTIN_TEXTS = {"tinyshakespeare": "tinyshakespeare.txt.xz"}
-_DECOMPRESS = {".gz": lambda file: gzip.GzipFile(fileobj=file), ".xz": lzma.LZMAFile}
+from flaxformer_lite.data import readers, synthetic
+from flaxformer_lite.data.documents import PAIR_RECORDS, TEXT_RECORDS
 
-OnRead = Callable[[Path, bytes], None]
-"""Called with each chunk of raw bytes as it is read from a file (e.g. to hash it)."""
+if TYPE_CHECKING:  # the settings are read, never built, here
+    from flaxformer_lite.data.config import DataConfig
 
 
-def expand_files(pattern: str) -> list[Path]:
-    """The files a path or glob (``**`` recurses) names, sorted; directories are left out.
+class Source:
+    """A source: ``data.source={name}``.
 
-    Raises:
-      FileNotFoundError: a plain path that is not a file, a glob that matches no file, or an
-        unknown ``builtin:`` name.
+    Attributes:
+      name: the ``data.source`` value that names it.
+      record_type: the type of records it yields (:data:`~flaxformer_lite.data.documents
+        .TEXT_RECORDS`, ``PAIR_RECORDS`` or ``LABELLED_RECORDS``); None: each store's source
+        says.
+      fields: the text fields of its records (``text``, or ``source`` and ``target``).
+      stored: whether its data are read through a token store (else made in memory).
+      made_by_run: whether a run prepares that store from files (else it is given, made).
+      brings_tokenizer: whether its data come with their tokenizer (a store's).
+      reads_documents: whether ``data.text_documents`` says how its files become documents.
+      unrecorded: the settings a record of a run's inputs made before they existed lacks, with
+        the values that record stood for.
+      field, documents: the JSONL field and the text documents the settings name.
     """
-    if pattern.startswith(BUILTIN):
-        return [builtin_text(pattern.removeprefix(BUILTIN))]
-    if not _GLOB_CHARS & set(pattern):
-        path = Path(pattern)
-        if not path.is_file():
-            reason = "is a directory, not a file" if path.is_dir() else "file not found"
-            raise FileNotFoundError(f"{path}: {reason}")
-        return [path]
-    paths = sorted(Path(p) for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
-    if not paths:
-        raise FileNotFoundError(f"{pattern}: no file matches this pattern")
-    return paths
 
+    name: ClassVar[str]
+    record_type: ClassVar[str | None] = TEXT_RECORDS
+    fields: ClassVar[tuple[str, ...]] = ("text",)
+    stored: ClassVar[bool] = True
+    made_by_run: ClassVar[bool] = False
+    brings_tokenizer: ClassVar[bool] = False
+    reads_documents: ClassVar[bool] = False
+    unrecorded: ClassVar[dict[str, Any]] = {}
 
-def builtin_text(name: str) -> Path:
-    """The file of the text shipped as ``builtin:name``."""
-    if name not in BUILTIN_TEXTS:
-        known = ", ".join(BUILTIN + n for n in BUILTIN_TEXTS)
-        raise FileNotFoundError(f"{BUILTIN}{name}: no such built-in text (there are: {known})")
-    return Path(__file__).parent / "texts" / BUILTIN_TEXTS[name]
+    def __init__(self, field: str = "text", documents: str = "file"):
+        self.field, self.documents = field, documents
 
-
-def iter_lines(path: Path, on_read: OnRead | None = None) -> Iterator[str]:
-    """The lines of a UTF-8 file without their line breaks (``\\n`` or ``\\r\\n``), read in
-    chunks of :data:`CHUNK_BYTES`.
-
-    Raises:
-      FileNotFoundError: ``path`` does not exist.
-      ValueError: the file is not valid UTF-8 (the message gives the line and byte offset of the
-        first bad byte), or, at its end, it was empty (or only whitespace).
-    """
-    path = Path(path)
-    with _open(path, on_read) as file:
-        offset, number, blank = 0, 0, True  # offset and line number of the next complete part
-        pending: list[bytes] = []  # the start of a line whose break is not read yet
-        while True:
-            data = _read(file, path)
-            cut = data.rfind(b"\n") + 1
-            if data and not cut:
-                pending.append(data)
-                continue
-            part = b"".join([*pending, data[:cut]]) if data else b"".join(pending)
-            pending = [data[cut:]] if data else []
-            if not part:
-                break
-            text = _decode(part, path, offset, number)
-            blank = blank and not text.strip()
-            lines = text.split("\n")
-            if data:  # the part ends with a line break, which ends its last line
-                lines.pop()
-            if "\r" in text:
-                lines = [line.removesuffix("\r") for line in lines]
-            offset, number = offset + len(part), number + len(lines)
-            yield from lines
-            if not data:
-                break
-    if blank:
-        raise ValueError(f"{path}: empty file (no non-blank line)")
-
-
-def check_not_blank(path: Path) -> None:
-    """Refuses a file with nothing but (ASCII) blanks, reading only up to its first other byte.
-
-    Raises:
-      FileNotFoundError, ValueError: as :func:`iter_lines`.
-    """
-    with _open(Path(path), None) as file:
-        while data := _read(file, path):
-            if data.strip():
-                return
-    raise ValueError(f"{path}: empty file (no non-blank line)")
-
-
-def read_text(path: Path, on_read: OnRead | None = None) -> str:
-    """A UTF-8 file's whole text, as it is (line breaks and blank lines kept).
-
-    Raises:
-      FileNotFoundError, ValueError: as :func:`iter_lines`.
-    """
-    path = Path(path)
-    with _open(path, on_read) as file:
-        parts = []
-        while data := _read(file, path):
-            parts.append(data)
-    text = _decode(b"".join(parts), path, 0, 0)
-    if not text.strip():
-        raise ValueError(f"{path}: empty file (no non-blank line)")
-    return text
-
-
-def iter_paragraphs(path: Path, on_read: OnRead | None = None) -> Iterator[str]:
-    """Each run of non-blank lines of a file, its lines joined by line breaks."""
-    lines: list[str] = []
-    for line in iter_lines(path, on_read):
-        if line.strip():
-            lines.append(line)
-        elif lines:
-            yield "\n".join(lines)
-            lines = []
-    if lines:
-        yield "\n".join(lines)
-
-
-def iter_text_records(
-    files: Sequence[Path], documents: str = "file", on_read: OnRead | None = None
-) -> Iterator[dict[str, str]]:
-    """``{"text": document}`` for every document of ``files``, made as ``documents`` (one of
-    :data:`TEXT_DOCUMENTS`) says."""
-    check_text_documents(documents)
-    for path in files:
-        if documents == "file":
-            yield {"text": read_text(path, on_read)}
-        elif documents == "paragraphs":
-            yield from ({"text": paragraph} for paragraph in iter_paragraphs(path, on_read))
-        else:
-            yield from ({"text": line} for line in iter_lines(path, on_read) if line.strip())
-
-
-def check_text_documents(documents: str) -> None:
-    if documents not in TEXT_DOCUMENTS:
-        raise ValueError(
-            f"unknown text documents {documents!r}; valid: {', '.join(TEXT_DOCUMENTS)}"
-        )
-
-
-def iter_jsonl_records(
-    files: Sequence[Path], field: str = "text", on_read: OnRead | None = None
-) -> Iterator[dict[str, str]]:
-    """``{"text": obj[field]}`` for every non-blank line (a JSON object) of the JSONL ``files``.
-
-    Raises:
-      ValueError: a line that is not a JSON object, lacks ``field``, or whose ``field`` is not a
-        string; the message names the file and line.
-    """
-    for path in files:
-        for number, line in enumerate(iter_lines(path, on_read), start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
-            if not isinstance(obj, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            if field not in obj:
-                keys = ", ".join(map(repr, obj)) or "none"
-                raise ValueError(f"{where}: no field {field!r} (keys: {keys})")
-            if not isinstance(obj[field], str):
-                kind = type(obj[field]).__name__
-                raise ValueError(f"{where}: field {field!r} must be a string, got {kind}")
-            yield {"text": obj[field]}
-
-
-def iter_parallel_records(
-    files: Sequence[Path], on_read: OnRead | None = None
-) -> Iterator[dict[str, str]]:
-    """``{"source": ..., "target": ...}`` pairs from a TSV file or two line-aligned files.
-
-    Args:
-      files: either one file of ``source<TAB>target`` lines, or two files whose line ``k`` are a
-        pair (``data.path`` ``"src_file,tgt_file"``). Lines blank on both sides are
-        skipped.
-      on_read: see :data:`OnRead`.
-
-    Raises:
-      ValueError: a TSV line without exactly one tab, or two files with different line counts
-        (the message names both files and their counts).
-    """
-    if len(files) == 1:
-        for number, line in enumerate(iter_lines(files[0], on_read), start=1):
-            if not line.strip():
-                continue
-            fields = line.split("\t")
-            if len(fields) != 2:
-                raise ValueError(
-                    f"{files[0]}:{number}: expected source<TAB>target, found {len(fields) - 1} tabs"
-                )
-            yield {"source": fields[0], "target": fields[1]}
-        return
-    src_path, tgt_path = files
-    sources, targets = iter_lines(src_path, on_read), iter_lines(tgt_path, on_read)
-    for count, (source, target) in enumerate(itertools.zip_longest(sources, targets)):
-        if source is None or target is None:  # one file ended: count the other's lines
-            rest = 1 + sum(1 for _ in (targets if source is None else sources))
-            counts = (count, count + rest) if source is None else (count + rest, count)
-            raise ValueError(
-                f"{src_path} has {counts[0]} lines but {tgt_path} has {counts[1]}; "
-                "parallel files must be line-aligned"
+    def check(self, cfg: DataConfig) -> None:
+        """Refuses the settings this source cannot take, in one line naming the setting."""
+        if cfg.text_documents is not None and not self.reads_documents:
+            readers = " or ".join(
+                name for name, source in SOURCES.items() if source.reads_documents
             )
-        if source.strip() or target.strip():
-            yield {"source": source, "target": target}
+            raise ValueError(
+                "data.text_documents says how text files become documents: it needs "
+                f"data.source {readers}, not {self.name!r}"
+            )
+        if self.stored and not cfg.mixture and not cfg.path:
+            raise ValueError(f"data.path is required with data.source={self.name!r}")
+
+    def files(self, path: str) -> list[Path]:
+        """The files ``path`` names that the run reads, in reading order (none: made from the
+        settings, or a store, which its manifest vouches for).
+
+        Raises:
+          FileNotFoundError, ValueError: as :func:`~flaxformer_lite.data.readers.expand_files`.
+        """
+        return []
+
+    def record_type_of(self, cfg: DataConfig) -> str | None:
+        """The records the source of ``cfg`` yields (:attr:`record_type`, or its generator's);
+        None: its store's manifest says."""
+        return self.record_type
+
+    def described(self, cfg: DataConfig) -> str:
+        """The source in the words of its settings, for a message."""
+        return f"data.source={self.name!r}"
+
+    def store_at(self, path: str, prepared: Path | None) -> Path | None:
+        """The store the data of ``path`` are read from (it may not be made yet); None if the
+        source has none."""
+        return None
+
+    def identity(self, path: str) -> dict[str, Any]:
+        """What a store's manifest records of the source it was made from, but its files."""
+        # "kind" names the source: the manifest's key since the first stores, kept so they open.
+        return {"kind": self.name, "path": path, "field": None, "documents": None}
+
+    @classmethod
+    def documents_of(cls, made_from: dict[str, Any]) -> str | None:
+        """How the files a store's manifest names (``made_from``, its ``source``) became
+        documents; None where the source has one document per record."""
+        return None
+
+    @classmethod
+    def settled(cls, key: str, value: Any) -> Any:
+        """What ``data.<key>=value`` stands for with this source (an unset setting: its default)."""
+        return value
+
+    @classmethod
+    def same_setting(cls, key: str, before: Any, now: Any) -> bool:
+        """Whether ``data.<key>`` set to ``before``, then ``now``, gives the same data from a
+        source of this class."""
+        return cls.settled(key, before) == cls.settled(key, now)
 
 
-class _RawBytes:
-    """A binary file whose reads are also handed to ``on_read`` (a compressed file's own bytes)."""
+class FileSource(Source, abc.ABC):
+    """Files read into records, prepared into a store of the run's cache on first use: one per
+    source, ``<prepared>/<name>-<hash of name, path, field and documents>``."""
 
-    def __init__(self, file, path: Path, on_read: OnRead):
-        self.file, self.path, self.on_read = file, path, on_read
+    made_by_run = True
 
-    def read(self, size: int = -1) -> bytes:
-        data = self.file.read(size)
-        if data:
-            self.on_read(self.path, data)
-        return data
+    @property
+    def whole_files(self) -> bool:
+        """Whether each file is one document (its validation part is then the file's tail)."""
+        return False
 
+    def files(self, path: str) -> list[Path]:
+        return readers.expand_files(path)
 
-@contextlib.contextmanager
-def _open(path: Path, on_read: OnRead | None) -> Iterator:
-    """``path`` opened to read its (decompressed) bytes; ``on_read`` sees the file's bytes."""
-    try:
-        raw = path.open("rb")
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: file not found") from None
-    except OSError as e:
-        raise ValueError(f"{path}: cannot read ({e.strerror})") from None
-    with raw:
-        reader = raw if on_read is None else _RawBytes(raw, path, on_read)
-        decompress = _DECOMPRESS.get(path.suffix)
-        yield reader if decompress is None else decompress(reader)
+    @abc.abstractmethod
+    def records(self, files: Sequence[Path], on_read: readers.OnRead | None = None) -> Iterator:
+        """The records (dicts of :attr:`fields` to strings) of ``files`` (:meth:`files`), each
+        chunk of bytes read handed to ``on_read``."""
 
-
-def _read(file, path: Path) -> bytes:
-    """The next chunk of ``file`` (empty at its end)."""
-    try:
-        return file.read(CHUNK_BYTES)
-    except (OSError, EOFError, lzma.LZMAError, zlib.error) as e:  # zlib: a corrupt deflate
-        reason = getattr(e, "strerror", None) or str(e) or type(e).__name__
-        raise ValueError(f"{path}: cannot read ({reason})") from None
+    def store_at(self, path: str, prepared: Path | None) -> Path:
+        if prepared is None:
+            raise ValueError(f"data.source={self.name} needs a directory to prepare its store in")
+        identity = self.identity(path)
+        key = json.dumps([self.name, path, identity["field"], identity["documents"]])
+        return prepared / f"{self.name}-{hashlib.blake2b(key.encode(), digest_size=6).hexdigest()}"
 
 
-def _decode(data: bytes, path: Path, offset: int, number: int) -> str:
-    """``data`` decoded; it starts at byte ``offset`` of ``path``, after ``number`` lines."""
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = number + data.count(b"\n", 0, e.start) + 1
-        raise ValueError(
-            f"{path}: not valid UTF-8 at line {line}, byte offset {offset + e.start} ({e.reason})"
-        ) from None
+class TextSource(FileSource):
+    """Text files (a path or glob, or ``builtin:NAME``), made into documents as
+    ``data.text_documents`` says."""
+
+    name = "text"
+    reads_documents = True
+    unrecorded = {"text_documents": "lines"}  # a document per line, before the setting
+
+    @property
+    def whole_files(self) -> bool:
+        return self.documents == "file"
+
+    def records(self, files, on_read=None):
+        return readers.iter_text_records(files, self.documents, on_read)
+
+    def identity(self, path: str) -> dict[str, Any]:
+        return {**super().identity(path), "documents": self.documents}
+
+    @classmethod
+    def documents_of(cls, made_from: dict[str, Any]) -> str | None:
+        # Stores made before the setting existed made a document of each line.
+        return made_from.get("documents", "lines")
+
+    @classmethod
+    def settled(cls, key: str, value: Any) -> Any:
+        if key == "text_documents" and value is None:  # unset, a text file is one document
+            return "file"
+        return value
+
+
+class JsonlSource(FileSource):
+    """JSONL files, the text in ``data.field`` of each line's object."""
+
+    name = "jsonl"
+
+    def records(self, files, on_read=None):
+        return readers.iter_jsonl_records(files, self.field, on_read)
+
+    def identity(self, path: str) -> dict[str, Any]:
+        return {**super().identity(path), "field": self.field}
+
+
+class ParallelSource(FileSource):
+    """Source/target pairs: a TSV file, or ``src_file,tgt_file`` aligned by line."""
+
+    name = "parallel"
+    record_type = PAIR_RECORDS
+    fields = ("source", "target")
+
+    def files(self, path: str) -> list[Path]:
+        parts = path.split(",")
+        if len(parts) > 2:
+            raise ValueError(f"{path}: expected a TSV file or 'src_file,tgt_file'")
+        return [readers.expand_files(part.strip())[0] for part in parts]
+
+    def records(self, files, on_read=None):
+        return readers.iter_parallel_records(files, on_read)
+
+
+class PreparedSource(Source):
+    """A token store made ahead (``flaxformer-lite prepare``), read as it is, with its own
+    tokenizer and documents."""
+
+    name = "prepared"
+    record_type = None  # checked against the store's manifest once it is open
+    brings_tokenizer = True
+    reads_documents = True
+
+    def store_at(self, path: str, prepared: Path | None) -> Path:
+        return Path(path)
+
+    @classmethod
+    def same_setting(cls, key: str, before: Any, now: Any) -> bool:
+        if key == "tokenizer" and now is None:  # whatever was set, the store's own is used
+            return True
+        return super().same_setting(key, before, now)
+
+
+class SyntheticSource(Source):
+    """Examples made in memory by ``data.generator`` from the seed."""
+
+    name = "synthetic"
+    stored = False
+
+    def check(self, cfg: DataConfig) -> None:
+        if cfg.mixture:
+            *others, last = (name for name, source in SOURCES.items() if source.stored)
+            raise ValueError(
+                f"data.mixture mixes files: it needs data.source {', '.join(others)} or {last}"
+            )
+        if cfg.generator not in synthetic.GENERATORS:
+            names = ", ".join(synthetic.GENERATORS)
+            raise ValueError(f"data.generator must be one of {names}; got {cfg.generator!r}")
+        try:
+            synthetic.make_generator(cfg.generator, size=1, **cfg.generator_options)
+        except ValueError as error:
+            raise ValueError(f"data.generator_options: {error}") from None
+        if cfg.validation_path is not None:
+            raise ValueError(
+                "data.validation_path needs a file source: synthetic generators have "
+                "their own validation split"
+            )
+        super().check(cfg)
+        for name in ("train_size", "eval_size"):
+            size = getattr(cfg, name)
+            if size is not None and size > synthetic.MAX_SIZE:
+                raise ValueError(
+                    f"data.{name} must be at most {synthetic.MAX_SIZE:,} for a synthetic "
+                    f"generator (its examples are made in memory at start-up), got {size}"
+                )
+
+    def record_type_of(self, cfg: DataConfig) -> str:
+        return synthetic.GENERATORS[cfg.generator].records
+
+    def described(self, cfg: DataConfig) -> str:
+        return f"data.generator={cfg.generator!r} ({self.record_type_of(cfg)} examples)"
+
+    def examples(self, cfg: DataConfig, split: str, seed: int) -> synthetic.Generator:
+        """The generator's ``split`` (``train`` or ``validation``) for ``seed``."""
+        size = cfg.train_size if split == "train" else cfg.eval_size
+        options = cfg.generator_options
+        return synthetic.make_generator(cfg.generator, split=split, seed=seed, size=size, **options)
+
+
+SOURCES: dict[str, type[Source]] = {}
+
+
+def register(source: type[Source]) -> type[Source]:
+    """Adds ``source`` to :data:`SOURCES` under its name (a decorator)."""
+    SOURCES[source.name] = source
+    return source
+
+
+for _source in (SyntheticSource, TextSource, JsonlSource, ParallelSource, PreparedSource):
+    register(_source)
+
+
+def source_of(cfg: DataConfig) -> Source:
+    """The source ``data.source`` names, with ``cfg``'s reading settings."""
+    return source_named(cfg.source, field=cfg.field, documents=cfg.documents)
+
+
+def source_named(name: str, field: str = "text", documents: str = "file") -> Source:
+    """The source named ``name`` (a setting's value, or a store manifest's ``source.kind``).
+
+    Raises:
+      ValueError: no such source.
+    """
+    if name not in SOURCES:
+        raise ValueError(f"unknown source {name!r}; valid sources: {', '.join(SOURCES)}")
+    readers.check_text_documents(documents)
+    return SOURCES[name](field, documents)
+
+
+def source_of_store(made_from: dict[str, Any]) -> Source:
+    """The source that made a store, with the reading settings its manifest's ``source``
+    (``made_from``) records.
+
+    Raises:
+      ValueError: a source this version does not know.
+    """
+    source = type(source_named(made_from["kind"]))
+    return source(made_from.get("field") or "text", source.documents_of(made_from) or "file")

@@ -16,10 +16,11 @@ and any tool reads the files)::
     digests.u64       uint64 [N]: documents.text_digests of the documents (decides the split)
     labels.i32        int32 [N], optional: class indices (prepare_store writes none)
 
-The manifest names the format and version, the source (kind, path, field, how a text file became
-documents, each file's size and sha256), the tokenizer (kind, its files' sha256, what a fitted
-one was fitted with), the number of documents, each field's number of tokens and dtype, each
-data file's size, and the sha256 of the small ones (all but ``{field}.tokens``).
+The manifest names the format and version, the source (its name under ``kind``, path, field,
+how a text file became documents, each file's size and sha256), the tokenizer (its name under
+``kind``, its files' sha256, what a fitted one was fitted with), the number of documents, each
+field's number of tokens and dtype, each data file's size, and the sha256 of the small ones (all
+but ``{field}.tokens``).
 
 Opening a store checks every file's size, the small files' sha256 (16 bytes a document of
 text, 24 of pairs: about 0.1 s per million documents) and the tokenizer's files. The tokens,
@@ -51,7 +52,7 @@ import numpy as np
 
 from flaxformer_lite.data import tokenizers
 from flaxformer_lite.data.documents import FIELDS, Documents
-from flaxformer_lite.data.source_kinds import FileSource, source_named
+from flaxformer_lite.data.sources import FileSource, source_named
 from flaxformer_lite.data.store_writer import (
     BATCH_SIZE,
     DIGESTS,
@@ -99,16 +100,16 @@ def prepare_store(
     progress: Progress | None = None,
 ) -> Store:
     """Tokenizes a source of files (``path``, read by the :class:`~flaxformer_lite.data
-    .source_kinds.FileSource` named ``source``) into a store at ``out_dir``, or opens the store
+    .sources.FileSource` named ``source``) into a store at ``out_dir``, or opens the store
     already there if it was made from the same files (by size and sha256) and tokenizer.
 
     Args:
       out_dir: the store directory; it must not exist, be empty, or hold a store of these
         inputs. A symbolic link is followed: the store is made where it points, the link kept.
-      source, path, field: the source's kind (``text``, ``jsonl``, ``parallel``, or another
+      source, path, field: the source (``text``, ``jsonl``, ``parallel``, or another
         registered), its files, and the JSONL field holding the text.
       documents: how a ``text`` source's files become documents (``file``, ``paragraphs`` or
-        ``lines``: :mod:`~flaxformer_lite.data.sources`).
+        ``lines``: :mod:`~flaxformer_lite.data.readers`).
       tokenizer: use this tokenizer; otherwise ``tokenizer_kind`` (``byte``, ``sentencepiece``
         from ``tokenizer_path``, or ``char``, ``word``, ``bpe`` fitted with ``vocab_size`` on
         the training part: all but the ``validation_fraction`` that
@@ -129,10 +130,10 @@ def prepare_store(
         out_dir = out_dir.resolve()
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-    kind = source_named(source, field, documents)
-    if not isinstance(kind, FileSource):
+    file_source = source_named(source, field, documents)
+    if not isinstance(file_source, FileSource):
         raise ValueError(f"source {source!r} is not files to prepare into a store")
-    files = kind.files(path)
+    files = file_source.files(path)
     fitted = None
     if tokenizer is None and tokenizer_kind in FITTED_KINDS:
         if tokenizer_kind == "bpe" and vocab_size is None:
@@ -141,10 +142,10 @@ def prepare_store(
         fitted = {"vocab_size": vocab_size, "validation_fraction": validation_fraction}
     elif tokenizer is None:
         tokenizer = tokenizers.make_tokenizer(tokenizer_kind, path=tokenizer_path)
-    tokenizer_kind = tokenizer_kind if tokenizer is None else tokenizer.kind
+    tokenizer_kind = tokenizer_kind if tokenizer is None else tokenizer.file_source
     request = {
-        "source": kind.identity(path),
-        "tokenizer": {"kind": tokenizer_kind, "fitted": fitted},
+        "source": file_source.identity(path),
+        "tokenizer": {"file_source": tokenizer_kind, "fitted": fitted},
     }
     if tokenizer is not None:
         request["tokenizer"]["sha256"] = _files_sha256(tokenizer.files())[0]
@@ -158,7 +159,7 @@ def prepare_store(
     try:
         stats = [(p, p.stat()) for p in files]
         hashes = FileHashes(files)  # fed by the first pass over the files
-        passes = SourcePasses(kind, files, batch_size, progress)
+        passes = SourcePasses(file_source, files, batch_size, progress)
         if fitted is not None:
             tokenizer = fit_tokenizer(passes, tokenizer_kind, **fitted, where=path, on_read=hashes)
             hashes, request["source"]["files"] = None, hashes.infos()

@@ -1,7 +1,7 @@
 """The passes of a prepare over a source's files: hashing, fitting a tokenizer, encoding into a
 store's flat files (:mod:`flaxformer_lite.data.store` names the layout and owns the manifest).
 
-Each pass streams the files batch by batch (:mod:`flaxformer_lite.data.sources`), so memory holds
+Each pass streams the files batch by batch (:mod:`flaxformer_lite.data.readers`), so memory holds
 a few batches, never the corpus. The files are the ones resolved once at the start, never a glob
 expanded again: a file that appears during a prepare is not read without being recorded.
 """
@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from flaxformer_lite.data import sources, tokenizers
+from flaxformer_lite.data import readers, tokenizers
 from flaxformer_lite.data.documents import split_documents, text_digests
-from flaxformer_lite.data.source_kinds import FileSource
+from flaxformer_lite.data.sources import FileSource
 from flaxformer_lite.data.tokenizers import Tokenizer
 
 DIGESTS = "digests.u64"
@@ -43,7 +43,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 class FileHashes:
-    """The sha256 of each file, fed the chunks a pass reads (a :data:`sources.OnRead`)."""
+    """The sha256 of each file, fed the chunks a pass reads (a :data:`readers.OnRead`)."""
 
     def __init__(self, files: list[Path]):
         self._digests = {path: hashlib.sha256() for path in files}
@@ -77,7 +77,7 @@ def hash_files(files: list[Path], progress: Progress | None) -> list[dict[str, A
 class SourcePasses:
     """Passes over a source's records, batch by batch, each with a progress bar of its bytes."""
 
-    source: FileSource  # the kind, with its reading settings
+    source: FileSource  # with its reading settings
     files: list[Path]  # as source.files resolved them
     batch_size: int
     progress: Progress | None
@@ -87,7 +87,7 @@ class SourcePasses:
         return self.source.fields
 
     def batches(
-        self, desc: str, on_read: sources.OnRead | None = None
+        self, desc: str, on_read: readers.OnRead | None = None
     ) -> Iterator[dict[str, list[str]]]:
         """Field name -> texts of the next ``batch_size`` records (fewer if they hold more than
         :data:`BATCH_CHARS` characters), to the end of the source; ``on_read`` sees every chunk
@@ -117,7 +117,7 @@ def fit_tokenizer(
     vocab_size: int | None,
     validation_fraction: float | None,
     where: str,
-    on_read: sources.OnRead | None = None,
+    on_read: readers.OnRead | None = None,
 ) -> Tokenizer:
     """A tokenizer fitted on :func:`training_texts` (the source is also fed to ``on_read``)."""
     texts = training_texts(passes, validation_fraction, where, on_read)
@@ -128,7 +128,7 @@ def training_texts(
     passes: SourcePasses,
     validation_fraction: float | None,
     where: str,
-    on_read: sources.OnRead | None = None,
+    on_read: readers.OnRead | None = None,
 ) -> Iterator[str]:
     """The texts of the training part of the source, what a tokenizer is fitted on: all of it
     if ``validation_fraction`` is None (the validation data come from elsewhere); the head of
@@ -158,7 +158,7 @@ def write_documents(
     directory: Path,
     passes: SourcePasses,
     tokenizer: Tokenizer,
-    on_read: sources.OnRead | None = None,
+    on_read: readers.OnRead | None = None,
 ) -> tuple[int, dict[str, int]]:
     """Encodes the source into ``directory``'s ``{field}.tokens``, ``{field}.offsets`` and
     :data:`DIGESTS`; returns the number of documents and each field's tokens."""
@@ -176,7 +176,7 @@ def write_documents(
     # One batch is encoded (without the GIL, on all cores) while the next is read and hashed
     # and the one before is written: at most three batches in memory, nothing per document.
     with contextlib.ExitStack() as stack:
-        names = [DIGESTS, *(f"{n}.{kind}" for n in passes.fields for kind in ("tokens", "offsets"))]
+        names = [DIGESTS, *(f"{n}.{part}" for n in passes.fields for part in ("tokens", "offsets"))]
         outputs = {name: stack.enter_context((directory / name).open("wb")) for name in names}
         for name in passes.fields:
             outputs[f"{name}.offsets"].write(memoryview(np.zeros(1, np.int64)))

@@ -16,7 +16,7 @@ from flaxformer_lite.data.inputs import (
     setting_changes,
     store_of,
 )
-from flaxformer_lite.data.source_kinds import source_of
+from flaxformer_lite.data.sources import source_of
 from flaxformer_lite.data.tokenizers import KIND_FILE
 from flaxformer_lite.train.config import ConfigError, TrainConfig, config_diff, is_runtime_key
 from flaxformer_lite.train.program import schedule_span
@@ -124,10 +124,10 @@ def check_resume(
 def _data_inside_run(run: RunDir, cfg: TrainConfig) -> list[Difference]:
     """Data files inside the run directory (a glob over a folder that holds the run): the run
     would train on its own lock, logs and checkpoints, and find them changed when it resumes."""
-    kind, root = source_of(cfg.data), run.path.resolve()
+    source, root = source_of(cfg.data), run.path.resolve()
     for key, pattern in cfg.data.paths().items():
         try:
-            files = kind.files(pattern)  # none for a store, named by its directory
+            files = source.files(pattern)  # none for a store, named by its directory
         except (OSError, ValueError):  # named when the data are built
             files = []
         inside = [f.resolve() for f in files if f.resolve().is_relative_to(root)]
@@ -282,9 +282,9 @@ def _changed_settings(saved: TrainConfig, cfg: TrainConfig) -> dict[str, tuple]:
     if schedule_span(cfg) == cfg.train.steps and schedule_span(saved) == saved.train.steps:
         diff.pop("optimizer.schedule_steps", None)
     diff.pop("model.vocab_size", None)
-    kind = source_of(cfg.data)
+    source = source_of(cfg.data)
     for key in [key for key in diff if key.startswith("data.")]:
-        if kind.same_setting(key.removeprefix("data."), *diff[key]):
+        if source.same_setting(key.removeprefix("data."), *diff[key]):
             del diff[key]
     return {k: v for k, v in diff.items() if not is_runtime_key(k)}
 

@@ -1,47 +1,47 @@
-"""Kinds of source as types (issue 46, item 2): one class per ``data.source`` value behind one
-protocol, found in a registry; a kind defined outside the package is one class, registered; each
-kind's fingerprint follows its files."""
+"""Sources as types (issue 46, item 2): one class per ``data.source`` value behind one protocol,
+found in a registry; a source defined outside the package is one class, registered; each
+source's fingerprint follows its files."""
 
 import json
 
 import numpy as np
 import pytest
 
-from flaxformer_lite.data import sources
+from flaxformer_lite.data import readers
 from flaxformer_lite.data.config import DataConfig
 from flaxformer_lite.data.inputs import current_inputs
 from flaxformer_lite.data.pipeline import build_data
-from flaxformer_lite.data.source_kinds import SOURCES, FileSource, register, source_of
+from flaxformer_lite.data.sources import SOURCES, FileSource, register, source_of
 from flaxformer_lite.data.store import prepare_store
 
 TEXTS = [f"row {i} " + "xyz"[i % 3] * (i % 7) for i in range(40)]
 
 
 class CsvTextSource(FileSource):
-    """``label,text`` lines: the text after the first comma (a kind a user adds)."""
+    """``label,text`` lines: the text after the first comma (a source a user adds)."""
 
     name = "csv_text"
 
     def records(self, files, on_read=None):
         for path in files:
-            for line in sources.iter_lines(path, on_read):
+            for line in readers.iter_lines(path, on_read):
                 if line.strip():
                     yield {"text": line.split(",", 1)[1]}
 
 
 @pytest.fixture
-def csv_kind(monkeypatch):
+def csv_source(monkeypatch):
     monkeypatch.setitem(SOURCES, CsvTextSource.name, CsvTextSource)
 
 
-def test_the_registry_holds_every_kind_by_its_setting_value():
+def test_the_registry_holds_every_source_by_its_setting_value():
     assert set(SOURCES) == {"synthetic", "text", "jsonl", "parallel", "prepared"}
-    assert all(kind.name == name for name, kind in SOURCES.items())
+    assert all(source.name == name for name, source in SOURCES.items())
     with pytest.raises(ValueError, match="data.source must be one of synthetic, text, "):
         DataConfig(source="csv_text", path="a.csv")
 
 
-def test_a_kind_defined_outside_the_package_trains_end_to_end(tmp_path, csv_kind):
+def test_a_source_defined_outside_the_package_trains_end_to_end(tmp_path, csv_source):
     path = tmp_path / "rows.csv"
     path.write_text("".join(f"{i % 2},{text}\n" for i, text in enumerate(TEXTS)))
     cfg = DataConfig(source="csv_text", path=str(path), seq_len=16, tokenizer="char")
@@ -78,20 +78,20 @@ def test_a_kind_defined_outside_the_package_trains_end_to_end(tmp_path, csv_kind
     assert len(list((tmp_path / "prepared").iterdir())) == 1
 
 
-def test_register_adds_a_kind_by_its_name(monkeypatch):
-    monkeypatch.setattr("flaxformer_lite.data.source_kinds.SOURCES", dict(SOURCES))
-    from flaxformer_lite.data import source_kinds
+def test_register_adds_a_source_by_its_name(monkeypatch):
+    monkeypatch.setattr("flaxformer_lite.data.sources.SOURCES", dict(SOURCES))
+    from flaxformer_lite.data import sources
 
     assert register(CsvTextSource) is CsvTextSource
-    assert source_kinds.SOURCES["csv_text"] is CsvTextSource
+    assert sources.SOURCES["csv_text"] is CsvTextSource
 
 
-def _write(kind, directory):
-    """One source of ``kind`` in ``directory``: its ``data.path`` and the file to change."""
-    if kind == "jsonl":
+def _write(source, directory):
+    """One source of ``source`` in ``directory``: its ``data.path`` and the file to change."""
+    if source == "jsonl":
         (directory / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
         return str(directory / "a.jsonl"), directory / "a.jsonl"
-    if kind == "parallel":
+    if source == "parallel":
         (directory / "s.txt").write_text("\n".join(TEXTS) + "\n")
         (directory / "t.txt").write_text("\n".join(TEXTS[::-1]) + "\n")
         return f"{directory / 's.txt'},{directory / 't.txt'}", directory / "t.txt"
@@ -99,10 +99,10 @@ def _write(kind, directory):
     return str(directory / "*.txt"), directory / "a.txt"
 
 
-@pytest.mark.parametrize("kind", ["text", "jsonl", "parallel"])
-def test_a_kinds_fingerprint_changes_with_its_files_and_only_then(tmp_path, kind):
-    path, changed = _write(kind, tmp_path)
-    cfg = DataConfig(source=kind, path=path)
+@pytest.mark.parametrize("source", ["text", "jsonl", "parallel"])
+def test_a_sources_fingerprint_changes_with_its_files_and_only_then(tmp_path, source):
+    path, changed = _write(source, tmp_path)
+    cfg = DataConfig(source=source, path=path)
     before = current_inputs(cfg)
     assert [f["path"] for f in before["files"]] == [str(p) for p in source_of(cfg).files(path)]
     changed.write_bytes(changed.read_bytes())  # written again, the same bytes

@@ -1,4 +1,4 @@
-"""The streaming readers of ``data.sources``: records and errors when files are read in tiny
+"""The streaming readers of ``data.readers``: records and errors when files are read in tiny
 chunks (lines and multi-byte characters straddling chunk boundaries), the ways a text file becomes
 documents, compressed files and the built-in texts."""
 
@@ -8,8 +8,8 @@ import lzma
 
 import pytest
 
-from flaxformer_lite.data import sources
-from flaxformer_lite.data.source_kinds import source_named
+from flaxformer_lite.data import readers
+from flaxformer_lite.data.sources import source_named
 
 LINES = ["first line", "", "  ", "héllo wörld ∑ 🎉 日本語", "tab\there", "last line, no break"]
 
@@ -17,16 +17,16 @@ LINES = ["first line", "", "  ", "héllo wörld ∑ 🎉 日本語", "tab\there"
 @pytest.fixture
 def tiny_chunks(monkeypatch):
     """Chunks of a few bytes: lines and multi-byte characters straddle chunk boundaries."""
-    monkeypatch.setattr(sources, "CHUNK_BYTES", 5)
+    monkeypatch.setattr(readers, "CHUNK_BYTES", 5)
 
 
 @pytest.mark.parametrize("ending", ["\n", "\r\n"])
 def test_streaming_readers_give_the_list_readers_records(tmp_path, tiny_chunks, ending):
     (tmp_path / "a.txt").write_bytes(ending.join(LINES).encode())
     (tmp_path / "b.txt").write_bytes(("one" + ending + "two" + ending).encode())
-    files = sources.expand_files(str(tmp_path / "*.txt"))
+    files = readers.expand_files(str(tmp_path / "*.txt"))
     expected = [{"text": t} for t in [*LINES[:1], *LINES[3:], "one", "two"]]
-    assert list(sources.iter_text_records(files, "lines")) == expected
+    assert list(readers.iter_text_records(files, "lines")) == expected
     rows = [json.dumps({"text": t, "n": 1}, ensure_ascii=False) for t in ["a ∑", "b"]]
     (tmp_path / "c.jsonl").write_text(ending.join(["", *rows]) + ending, encoding="utf-8")
     jsonl = [{"text": "a ∑"}, {"text": "b"}]
@@ -35,7 +35,7 @@ def test_streaming_readers_give_the_list_readers_records(tmp_path, tiny_chunks, 
     (tmp_path / "t.txt").write_text(ending.join(["hello", "", "world"]), encoding="utf-8")
     pairs = [{"source": "hallo", "target": "hello"}, {"source": "welt ∑", "target": "world"}]
     pair = source_named("parallel").files(f"{tmp_path / 's.txt'},{tmp_path / 't.txt'}")
-    assert list(sources.iter_parallel_records(pair)) == pairs
+    assert list(readers.iter_parallel_records(pair)) == pairs
 
 
 @pytest.mark.parametrize("ending", ["\n", "\r\n"])
@@ -46,10 +46,10 @@ def test_file_documents_keep_each_files_text_exactly(tmp_path, tiny_chunks, endi
     ]
     for name, text in zip(("a.txt", "b.txt"), texts, strict=True):
         (tmp_path / name).write_bytes(text.encode())
-    files = sources.expand_files(str(tmp_path / "*.txt"))
+    files = readers.expand_files(str(tmp_path / "*.txt"))
     expected = [{"text": text} for text in texts]
-    assert list(sources.iter_text_records(files)) == expected  # "file" is the default
-    assert list(sources.iter_text_records(files, "file")) == expected
+    assert list(readers.iter_text_records(files)) == expected  # "file" is the default
+    assert list(readers.iter_text_records(files, "file")) == expected
     assert list(source_named("text", documents="file").records(files)) == expected
 
 
@@ -59,10 +59,10 @@ def test_paragraphs_are_runs_of_non_blank_lines_with_their_line_breaks(tmp_path,
         encoding="utf-8",
     )
     (tmp_path / "b.txt").write_text("one line\n\n", encoding="utf-8")
-    files = sources.expand_files(str(tmp_path / "*.txt"))
+    files = readers.expand_files(str(tmp_path / "*.txt"))
     expected = ["first para ∑\n  its second line", "second", "third\nlast line, no break"]
     expected.append("one line")  # the next file starts a new paragraph
-    records = list(sources.iter_text_records(files, "paragraphs"))
+    records = list(readers.iter_text_records(files, "paragraphs"))
     assert records == [{"text": text} for text in expected]
     assert list(source_named("text", documents="paragraphs").records(files)) == records
 
@@ -70,15 +70,15 @@ def test_paragraphs_are_runs_of_non_blank_lines_with_their_line_breaks(tmp_path,
 def test_unknown_text_documents_are_refused_naming_the_choices(tmp_path):
     (tmp_path / "a.txt").write_text("a\n")
     with pytest.raises(ValueError, match="unknown text documents 'sentences'.*file, paragraphs"):
-        list(sources.iter_text_records([tmp_path / "a.txt"], "sentences"))
+        list(readers.iter_text_records([tmp_path / "a.txt"], "sentences"))
 
 
-@pytest.mark.parametrize("documents", sources.TEXT_DOCUMENTS)
+@pytest.mark.parametrize("documents", readers.TEXT_DOCUMENTS)
 def test_streaming_reads_in_bounded_chunks_lazily(tmp_path, tiny_chunks, documents):
     path = tmp_path / "a.txt"
     path.write_text("\n".join(f"line {i}" for i in range(1000)) + "\n")
     chunks = []
-    records = sources.iter_text_records([path], documents, lambda p, data: chunks.append(data))
+    records = readers.iter_text_records([path], documents, lambda p, data: chunks.append(data))
     if documents == "lines":
         assert next(records) == {"text": "line 0"}
         assert sum(map(len, chunks)) < 20  # the first record came from the first few chunks
@@ -90,7 +90,7 @@ def test_streaming_reads_in_bounded_chunks_lazily(tmp_path, tiny_chunks, documen
     assert max(map(len, chunks)) == 5 and b"".join(chunks) == path.read_bytes()
 
 
-@pytest.mark.parametrize("documents", sources.TEXT_DOCUMENTS)
+@pytest.mark.parametrize("documents", readers.TEXT_DOCUMENTS)
 @pytest.mark.parametrize(
     "content, reason",
     [
@@ -105,7 +105,7 @@ def test_streaming_errors_name_the_file_line_and_byte(
     path = tmp_path / "bad.txt"
     path.write_bytes(content)
     with pytest.raises(ValueError, match=reason) as info:
-        list(sources.iter_text_records([path], documents))
+        list(readers.iter_text_records([path], documents))
     assert str(path) in str(info.value)
 
 
@@ -115,7 +115,7 @@ def test_streaming_parallel_files_of_other_lengths_are_counted(tmp_path, tiny_ch
     tgt.write_text("x\ny\n")
     for pair, counts in [([src, tgt], (4, 2)), ([tgt, src], (2, 4))]:
         with pytest.raises(ValueError, match=f"has {counts[0]} lines but .* has {counts[1]}"):
-            list(sources.iter_parallel_records(pair))
+            list(readers.iter_parallel_records(pair))
 
 
 # --- compressed files and built-in texts -----------------------------------------------------
@@ -124,7 +124,7 @@ COMPRESS = {"gz": gzip.compress, "xz": lzma.compress}
 
 
 @pytest.mark.parametrize("suffix", sorted(COMPRESS))
-@pytest.mark.parametrize("documents", sources.TEXT_DOCUMENTS)
+@pytest.mark.parametrize("documents", readers.TEXT_DOCUMENTS)
 def test_compressed_files_give_the_plain_files_records(tmp_path, tiny_chunks, suffix, documents):
     text = "\n".join(f"line {i} ∑ 🎉" + "\n" * (i % 3 == 0) for i in range(3000)) + "\r\n"
     plain = tmp_path / "plain" / "a.txt"
@@ -134,11 +134,11 @@ def test_compressed_files_give_the_plain_files_records(tmp_path, tiny_chunks, su
     plain.write_text(text, encoding="utf-8")
     packed.write_bytes(COMPRESS[suffix](plain.read_bytes()))
     assert packed.stat().st_size < plain.stat().st_size  # really compressed
-    expected = list(sources.iter_text_records([plain], documents))
+    expected = list(readers.iter_text_records([plain], documents))
     assert len(expected) > 1 or documents == "file"
     chunks = []
-    (found,) = sources.expand_files(str(tmp_path / "packed" / "*"))
-    records = sources.iter_text_records([found], documents, lambda p, data: chunks.append(data))
+    (found,) = readers.expand_files(str(tmp_path / "packed" / "*"))
+    records = readers.iter_text_records([found], documents, lambda p, data: chunks.append(data))
     assert list(records) == expected
     # on_read sees the file's own (compressed) bytes, as a store hashes them.
     assert sum(map(len, chunks)) == packed.stat().st_size
@@ -150,7 +150,7 @@ def test_a_damaged_compressed_file_is_named(tmp_path, suffix):
     path = tmp_path / f"a.txt.{suffix}"
     path.write_bytes(COMPRESS[suffix](b"some text\n" * 1000)[:-20])  # cut short
     with pytest.raises(ValueError, match="cannot read") as info:
-        list(sources.iter_text_records([path]))
+        list(readers.iter_text_records([path]))
     assert str(path) in str(info.value)
 
 
@@ -161,19 +161,19 @@ def test_a_corrupt_deflate_stream_in_a_gz_is_named(tmp_path):
     packed[20:30] = b"\xff" * 10  # inside the deflate stream, after the header
     path.write_bytes(bytes(packed))
     with pytest.raises(ValueError, match=f"^{path}: cannot read \\(") as info:
-        list(sources.iter_text_records([path]))
+        list(readers.iter_text_records([path]))
     assert len(str(info.value).splitlines()) == 1
 
 
 def test_builtin_tinyshakespeare_resolves_and_reads():
-    (path,) = sources.expand_files("builtin:tinyshakespeare")
+    (path,) = readers.expand_files("builtin:tinyshakespeare")
     assert path.is_file() and path.suffix == ".xz"
-    (record,) = sources.iter_text_records([path])
+    (record,) = readers.iter_text_records([path])
     assert record["text"].startswith("First Citizen:\nBefore we proceed any further")
     assert len(record["text"]) == 1_115_394  # Karpathy's input.txt, whole
 
 
 def test_an_unknown_builtin_text_is_named():
     with pytest.raises(FileNotFoundError, match="builtin:nosuchbook") as info:
-        sources.expand_files("builtin:nosuchbook")
+        readers.expand_files("builtin:nosuchbook")
     assert "builtin:tinyshakespeare" in str(info.value)  # the names there are
