@@ -142,10 +142,10 @@ def prepare_store(
         fitted = {"vocab_size": vocab_size, "validation_fraction": validation_fraction}
     elif tokenizer is None:
         tokenizer = tokenizers.make_tokenizer(tokenizer_kind, path=tokenizer_path)
-    tokenizer_kind = tokenizer_kind if tokenizer is None else tokenizer.file_source
+    tokenizer_kind = tokenizer_kind if tokenizer is None else tokenizer.kind
     request = {
         "source": file_source.identity(path),
-        "tokenizer": {"file_source": tokenizer_kind, "fitted": fitted},
+        "tokenizer": {"kind": tokenizer_kind, "fitted": fitted},
     }
     if tokenizer is not None:
         request["tokenizer"]["sha256"] = _files_sha256(tokenizer.files())[0]
