@@ -140,7 +140,7 @@ def prepare_rates(corpus, directory, vocab: int, repeats: int):
 
     rates["prepare_bpe"] = best_rate(prepare(tokenizer=bpe), tokens, repeats)
     byte_tokens = sum(len(line.encode()) for line in lines)
-    rates["prepare_byte"] = best_rate(prepare(tokenizer_kind="byte"), byte_tokens, repeats)
+    rates["prepare_byte"] = best_rate(prepare(tokenizer_name="byte"), byte_tokens, repeats)
     store = prepare_store(directory / "bytes", documents="lines", **source)
     bpe_store = prepare_store(directory / "bpe", documents="lines", **source, tokenizer=bpe)
     return rates, store, bpe_store.path

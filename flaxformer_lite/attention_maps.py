@@ -170,7 +170,7 @@ def token_labels(tokenizer, ids: Sequence[int]) -> list[str]:
             labels.append(names.get(i) or tokenizer.decode([i]) or f"<{i}>")
             continue
         text = tokenizer.decode([i])
-        if "\ufffd" in text and tokenizer.kind == "byte":
+        if "\ufffd" in text and tokenizer.name == "byte":
             text = f"<0x{i - NUM_SPECIAL:02X}>"
         labels.append(text.replace(" ", "␣").replace("\n", "\\n").replace("\t", "\\t") or "''")
     return labels

@@ -1,4 +1,4 @@
-"""``flaxformer-lite export`` (issue 36): a trained run, of each tokenizer kind, as a Hugging Face
+"""``flaxformer-lite export`` (issue 36): a trained run, of each tokenizer, as a Hugging Face
 directory that ``transformers`` loads offline with its Auto classes and ``AutoTokenizer``: the
 same ids, the same logits (1e-4), the same greedy text as ``generate`` on the run; a masked LM
 and an encoder-decoder too; models without a Hugging Face counterpart refused with one line.
@@ -26,7 +26,7 @@ from flaxformer_lite.train.trained_run import load_run
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-KINDS = ("byte", "char", "word", "bpe", "sentencepiece")
+NAMES = ("byte", "char", "word", "bpe", "sentencepiece")
 LINES = [
     "the quick brown fox jumps over the lazy dog.",
     "a lazy dog sleeps, the quick fox runs!",
@@ -47,7 +47,7 @@ TINY = [
     "data.eval_size=8",
     "train.decode_examples=0",
 ]
-ROUND_TRIP = {}  # tokenizer kind -> max |logit difference|, printed at the end (pytest -s)
+ROUND_TRIP = {}  # tokenizer name -> max |logit difference|, printed at the end (pytest -s)
 
 
 def train(run_dir, overrides, config=None):
@@ -72,10 +72,10 @@ def corpus(tmp_path_factory):
     return root
 
 
-@pytest.fixture(scope="module", params=KINDS)
+@pytest.fixture(scope="module", params=NAMES)
 def lm_export(request, corpus, tmp_path_factory):
-    """A tiny decoder LM trained with tokenizer ``kind`` on the corpus, and its export."""
-    kind, root = request.param, tmp_path_factory.mktemp(request.param)
+    """A tiny decoder LM trained with tokenizer ``name`` on the corpus, and its export."""
+    name, root = request.param, tmp_path_factory.mktemp(request.param)
     options = {
         "bpe": ["data.vocab_size=280"],
         "sentencepiece": [f"data.tokenizer_path={corpus}/spm.model"],
@@ -86,14 +86,14 @@ def lm_export(request, corpus, tmp_path_factory):
             "data.source=text",
             f"data.path={corpus / 'corpus.txt'}",
             "data.text_documents=lines",
-            f"data.tokenizer={kind}",
-            *options.get(kind, []),
+            f"data.tokenizer={name}",
+            *options.get(name, []),
             *TINY,
         ],
     )
     export_run(run_dir, root / "hf")
-    yield kind, run_dir, root / "hf"
-    if len(ROUND_TRIP) == len(KINDS) and kind == KINDS[-1]:
+    yield name, run_dir, root / "hf"
+    if len(ROUND_TRIP) == len(NAMES) and name == NAMES[-1]:
         print("\nexport round trip, max |logit difference|:", ROUND_TRIP)
 
 
@@ -113,7 +113,7 @@ def generated(argv, capsys):
 
 @pytest.mark.slow
 def test_export_loads_in_transformers_as_the_run(hf, lm_export, capsys):
-    kind, run_dir, path = lm_export
+    name, run_dir, path = lm_export
     config = json.loads((path / "config.json").read_text())
     generation = json.loads((path / "generation_config.json").read_text())
     ours = load_run(run_dir)
@@ -128,7 +128,7 @@ def test_export_loads_in_transformers_as_the_run(hf, lm_export, capsys):
     worst = 0.0
     for prompt in PROMPTS:
         prompt_ids = hf_tokenizer(prompt).input_ids
-        assert prompt_ids == [tokenizer.sos_id, *tokenizer.encode(prompt)], kind
+        assert prompt_ids == [tokenizer.sos_id, *tokenizer.encode(prompt)], name
         logits = np.asarray(ours.model(jnp.asarray([prompt_ids])))
         with hf.torch.no_grad():
             theirs = model(hf.torch.tensor([prompt_ids])).logits.numpy()
@@ -142,9 +142,9 @@ def test_export_loads_in_transformers_as_the_run(hf, lm_export, capsys):
         texts.append(
             prompt + hf_tokenizer.decode(out[0, len(prompt_ids) :], skip_special_tokens=True)
         )
-    ROUND_TRIP[kind] = worst
+    ROUND_TRIP[name] = worst
     assert [text[len(prompt) :] for text, prompt in zip(texts, PROMPTS, strict=True)] != [""] * 2
-    assert worst < 1e-4, kind
+    assert worst < 1e-4, name
     flags = [f for p in PROMPTS for f in ("--prompt", p)] + ["--max-new-tokens", "12"]
     assert generated(["--run-dir", str(run_dir), *flags], capsys) == texts
     assert generated(["--hf-dir", str(path), *flags], capsys) == texts
@@ -286,7 +286,7 @@ def test_export_refuses_a_directory_in_use_and_a_missing_run(tmp_path, capsys):
 
 @pytest.mark.parametrize("family", ["gpt2", "llama", "marian"])
 def test_a_checkpoint_tokenizer_exports_as_transformers_reads_it(hf, family, tmp_path):
-    """A run fine-tuned from a Hugging Face checkpoint keeps its tokenizer (``kind: hf``); its
+    """A run fine-tuned from a Hugging Face checkpoint keeps its tokenizer (saved as ``hf``); its
     export reads in AutoTokenizer with the ids our rows have: a decoder LM's prompt starts with
     ``sos`` (GPT-2's tokenizer adds none: the export's does), a Marian source ends with eos."""
     import hf_checkpoints

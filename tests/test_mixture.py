@@ -241,15 +241,15 @@ def test_a_source_named_twice_is_refused(corpora, tmp_path, capsys):
 
 def test_a_mixture_of_prepared_stores_shares_their_tokenizer(corpora, tmp_path):
     root, _ = corpora
-    for name, kind in (("letters", "byte"), ("digits", "byte"), ("other", "char")):
+    for name, tokenizer in (("letters", "byte"), ("digits", "byte"), ("other", "char")):
         path = root / f"{'digits' if name == 'other' else name}.txt"
-        prepare_store(tmp_path / name, source="text", path=str(path), tokenizer_kind=kind)
+        prepare_store(tmp_path / name, source="text", path=str(path), tokenizer_name=tokenizer)
     mixture = {name: MixtureSource(str(tmp_path / name)) for name in ("letters", "digits")}
     cfg = DataConfig(source="prepared", mixture=mixture, seq_len=16)
     data = build_data(
         cfg, task="lm", seed=0, batch_size=8, directory=tmp_path / "tokenizer", prefetch=0
     )
-    assert data.tokenizer.kind == "byte" and set(data.sources) == {"letters", "digits"}
+    assert data.tokenizer.name == "byte" and set(data.sources) == {"letters", "digits"}
     assert next(data.train)["inputs"].shape == (8, 16)
     assert data.notices[0] == (
         "data.mixture: every 1,024 training rows hold letters 512 (50.0%), digits 512 (50.0%)"

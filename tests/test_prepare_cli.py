@@ -90,7 +90,7 @@ def test_a_fine_tuning_config_prepares_with_the_checkpoints_tokenizer(corpus, tm
     status, _, err = prepare(capsys, "--no-progress", "--out", tmp_path / "s", *argv)
     assert status == 0, err
     store = open_store(tmp_path / "s")
-    assert store.tokenizer.kind == "hf"
+    assert store.tokenizer.name == "hf"
     # The file is one document (the default), encoded whole by the checkpoint's tokenizer.
     assert store.documents.document("text", 0).tolist() == bpe.encode(corpus.read_text())
 

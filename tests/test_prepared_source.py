@@ -52,7 +52,7 @@ def assert_same_batches(first, second):
 def test_a_prepared_store_gives_the_batches_of_its_text_source(tmp_path, corpus, rows, documents):
     store = tmp_path / "store"
     prepare_store(
-        store, source="text", path=str(corpus), documents=documents, tokenizer_kind="char"
+        store, source="text", path=str(corpus), documents=documents, tokenizer_name="char"
     )
     settings = dict(seq_len=16, packing=True, lm_rows=rows, tokenizer="char")
     text_cfg = DataConfig(source="text", path=str(corpus), text_documents=documents, **settings)
@@ -109,7 +109,7 @@ def test_a_text_source_is_prepared_once_into_the_run_directory(tmp_path, corpus)
 
 def test_a_store_of_another_tokenizer_is_refused(tmp_path, corpus):
     store = tmp_path / "store"
-    prepare_store(store, source="text", path=str(corpus), tokenizer_kind="char")
+    prepare_store(store, source="text", path=str(corpus), tokenizer_name="char")
     run = tmp_path / "run"
     ByteTokenizer().save(run / "tokenizer")  # the run was made with bytes
     with pytest.raises(ValueError, match="tokenizer"):
@@ -145,7 +145,7 @@ def test_a_missing_or_unfinished_store_is_named(tmp_path):
 
 def test_validation_texts_are_the_stores_even_when_the_source_changed(tmp_path, corpus):
     store = tmp_path / "store"
-    prepare_store(store, source="text", path=str(corpus), documents="lines", tokenizer_kind="byte")
+    prepare_store(store, source="text", path=str(corpus), documents="lines", tokenizer_name="byte")
     cfg = DataConfig(source="prepared", path=str(store), seq_len=16)
     expected = [r["text"] for r in build(cfg, tmp_path / "a").eval_examples]
     assert set(expected) <= set(LINES)
@@ -157,20 +157,20 @@ def test_a_tokenizer_setting_other_than_the_stores_is_refused(tmp_path, corpus, 
     from flaxformer_lite.cli.train import train_main
 
     store = tmp_path / "store"
-    prepare_store(store, source="text", path=str(corpus), tokenizer_kind="bpe", vocab_size=300)
-    for kind in ("char", "byte"):
-        cfg = DataConfig(source="prepared", path=str(store), seq_len=16, tokenizer=kind)
+    prepare_store(store, source="text", path=str(corpus), tokenizer_name="bpe", vocab_size=300)
+    for name in ("char", "byte"):
+        cfg = DataConfig(source="prepared", path=str(store), seq_len=16, tokenizer=name)
         message = (
-            f"{store}: the store's tokenizer is 'bpe'; data.tokenizer says {kind!r}: drop the "
+            f"{store}: the store's tokenizer is 'bpe'; data.tokenizer says {name!r}: drop the "
             "setting (data.tokenizer=null) or set it to 'bpe'"
         )
         with pytest.raises(ValueError, match=re.escape(message)):
-            build(cfg, tmp_path / kind)
+            build(cfg, tmp_path / name)
     for setting in (None, "bpe"):  # not set: the store's
         cfg = DataConfig(source="prepared", path=str(store), seq_len=16, tokenizer=setting)
         data = build(cfg, tmp_path / str(setting))
         data.train.close()
-        assert data.tokenizer.kind == "bpe"
+        assert data.tokenizer.name == "bpe"
     run_dir = tmp_path / "run"
     overrides = ["data.source=prepared", f"data.path={store}", "data.tokenizer=char"]
     assert train_main([f"run_dir={run_dir}", *overrides]) == 2

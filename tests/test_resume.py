@@ -175,7 +175,7 @@ def test_force_cannot_change_the_shapes_of_the_checkpoint(trained, tmp_path, cap
 def test_a_prepared_store_gone_from_under_a_run_is_named(tmp_path, capsys):
     store, corpus = tmp_path / "store", tmp_path / "corpus.txt"
     corpus.write_text(TEXT)
-    prepare_store(store, source="text", path=str(corpus), tokenizer_kind="char")
+    prepare_store(store, source="text", path=str(corpus), tokenizer_name="char")
     run_dir = RunDir(tmp_path / "run")
     cfg = DataConfig(source="prepared", path=str(store), seq_len=16)
     with run_dir.locked():  # as a started run has

@@ -35,16 +35,16 @@ def spm_model(tmp_path_factory):
     return prefix.with_suffix(".model")
 
 
-def settings(kind, spm_model=None):
+def settings(name, spm_model=None):
     return {
-        "tokenizer_kind": kind,
-        "vocab_size": 300 if kind == "bpe" else None,
-        "tokenizer_path": spm_model if kind == "sentencepiece" else None,
+        "tokenizer_name": name,
+        "vocab_size": 300 if name == "bpe" else None,
+        "tokenizer_path": spm_model if name == "sentencepiece" else None,
     }
 
 
-@pytest.mark.parametrize("kind", ["byte", *FITTED, "sentencepiece"])
-def test_a_store_round_trips_every_document(corpus, tmp_path, spm_model, kind):
+@pytest.mark.parametrize("name", ["byte", *FITTED, "sentencepiece"])
+def test_a_store_round_trips_every_document(corpus, tmp_path, spm_model, name):
     pattern, lines = corpus
     store = prepare_store(
         tmp_path / "store",
@@ -52,22 +52,22 @@ def test_a_store_round_trips_every_document(corpus, tmp_path, spm_model, kind):
         path=pattern,
         documents="lines",
         batch_size=16,
-        **settings(kind, spm_model),
+        **settings(name, spm_model),
     )
     check_documents(store, [(line,) for line in lines])
-    assert store.tokenizer.kind == kind
+    assert store.tokenizer.name == name
     reopened = open_store(tmp_path / "store")
     assert reopened.manifest == store.manifest and reopened.tokenizer.same_as(store.tokenizer)
-    if kind in FITTED:  # fitted on the training documents only, as split_documents holds out
+    if name in FITTED:  # fitted on the training documents only, as split_documents holds out
         train, valid = split_documents(store.documents.digests, 0.1, pattern)
         assert len(valid) == round(0.1 * len(lines))
-        fitted = make_tokenizer(kind, texts=[lines[i] for i in train], vocab_size=300)
+        fitted = make_tokenizer(name, texts=[lines[i] for i in train], vocab_size=300)
         assert fitted.same_as(store.tokenizer)
-        assert not make_tokenizer(kind, texts=lines, vocab_size=300).same_as(store.tokenizer)
+        assert not make_tokenizer(name, texts=lines, vocab_size=300).same_as(store.tokenizer)
 
 
-@pytest.mark.parametrize("kind", ["byte", "word"])
-def test_the_manifest_records_exactly_the_files_read(corpus, tmp_path, monkeypatch, kind):
+@pytest.mark.parametrize("name", ["byte", "word"])
+def test_the_manifest_records_exactly_the_files_read(corpus, tmp_path, monkeypatch, name):
     """Each source file's size and sha256 (hashed while the first pass reads it); a file that
     the glob matches only once the prepare has started is neither read nor recorded."""
     pattern, lines = corpus
@@ -80,7 +80,7 @@ def test_the_manifest_records_exactly_the_files_read(corpus, tmp_path, monkeypat
 
     monkeypatch.setattr(tokenizers, "make_tokenizer", make_and_add_a_file)
     store = prepare_store(
-        tmp_path / "store", source="text", path=pattern, documents="lines", tokenizer_kind=kind
+        tmp_path / "store", source="text", path=pattern, documents="lines", tokenizer_name=name
     )
     assert (tmp_path / "c.txt").is_file()
     recorded = [
@@ -107,7 +107,7 @@ def test_parallel_sources_store_source_and_target(tmp_path, layout):
         (tmp_path / "src.txt").write_text("\n".join(sources_) + "\n")
         (tmp_path / "tgt.txt").write_text("\n".join(targets) + "\n")
         path = f"{tmp_path / 'src.txt'},{tmp_path / 'tgt.txt'}"
-    store = prepare_store(tmp_path / "store", source="parallel", path=path, tokenizer_kind="word")
+    store = prepare_store(tmp_path / "store", source="parallel", path=path, tokenizer_name="word")
     assert store.documents.fields == ("source", "target")
     check_documents(store, list(zip(sources_, targets, strict=True)), ("source", "target"))
     assert [f["path"] for f in store.manifest["source"]["files"]] == path.split(",")
@@ -168,7 +168,7 @@ def test_preparing_again_is_a_no_op(corpus, tmp_path):
 @pytest.mark.parametrize(
     "change, reason",
     [
-        ({"tokenizer_kind": "char"}, "a 'bpe' tokenizer, not 'char'"),
+        ({"tokenizer_name": "char"}, "a 'bpe' tokenizer, not 'char'"),
         ({"vocab_size": 290}, "fitted with"),
         ({"validation_fraction": 0.2}, "fitted with"),
         ({"source": "jsonl"}, "source 'text'"),
@@ -216,7 +216,7 @@ def test_file_documents_keep_each_file_whole_and_fit_on_its_head(corpus, tmp_pat
     pattern, _ = corpus
     files = sorted(tmp_path.glob("*.txt"))
     texts = [p.read_bytes().decode("utf-8") for p in files]  # CRLF and blank lines as they are
-    store = prepare_store(tmp_path / "store", source="text", path=pattern, tokenizer_kind="char")
+    store = prepare_store(tmp_path / "store", source="text", path=pattern, tokenizer_name="char")
     check_documents(store, [(text,) for text in texts])
     assert store.manifest["source"]["documents"] == "file"  # the default
     assert text_documents(store.manifest) == "file"
@@ -231,7 +231,7 @@ def test_file_documents_keep_each_file_whole_and_fit_on_its_head(corpus, tmp_pat
         tmp_path / "whole",
         source="text",
         path=pattern,
-        tokenizer_kind="char",
+        tokenizer_name="char",
         validation_fraction=None,
     )
     assert make_tokenizer("char", texts=texts).same_as(whole.tokenizer)

@@ -106,7 +106,7 @@ def move_an_offset(path):
 def test_a_damaged_store_is_refused_naming_the_file(corpus, tmp_path, name, damage, reason):
     pattern, _ = corpus
     prepare_store(
-        tmp_path / "store", source="text", path=pattern, documents="lines", tokenizer_kind="char"
+        tmp_path / "store", source="text", path=pattern, documents="lines", tokenizer_name="char"
     )
     damage(tmp_path / "store" / name)
     with pytest.raises(ValueError, match=reason) as info:
@@ -121,7 +121,7 @@ def test_a_damaged_store_is_refused_naming_the_file(corpus, tmp_path, name, dama
             source="text",
             path=pattern,
             documents="lines",
-            tokenizer_kind="char",
+            tokenizer_name="char",
         )
     with pytest.raises(FileNotFoundError, match="no prepared store"):
         open_store(tmp_path / "nowhere")
@@ -143,7 +143,7 @@ def damaged_char_store(tmp_path, name, damage):
     (tmp_path / "lines.txt").write_text("\n".join(make_lines(60)) + "\n")
     path = str(tmp_path / "lines.txt")
     store = prepare_store(
-        tmp_path / "store", source="text", path=path, documents="lines", tokenizer_kind="char"
+        tmp_path / "store", source="text", path=path, documents="lines", tokenizer_name="char"
     )
     damage(store.path / name)
     return store
@@ -261,11 +261,11 @@ from flaxformer_lite.data import readers, store, store_writer
 readers.CHUNK_BYTES = store_writer.READ_BYTES = 1 << 16
 big, small, out = sys.argv[1:]
 settings = dict(source="text", documents="lines")
-for kind in ("byte", "char"):
-    store.prepare_store(f"{out}/warm-{kind}", path=small, tokenizer_kind=kind, **settings)
+for name in ("byte", "char"):
+    store.prepare_store(f"{out}/warm-{name}", path=small, tokenizer_name=name, **settings)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-for kind in ("byte", "char"):
-    store.prepare_store(f"{out}/{kind}", path=big, tokenizer_kind=kind, batch_size=8, **settings)
+for name in ("byte", "char"):
+    store.prepare_store(f"{out}/{name}", path=big, tokenizer_name=name, batch_size=8, **settings)
 print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
 """
 
@@ -307,7 +307,7 @@ def test_progress_bars_count_every_pass_over_the_source_bytes(
 ):
     pattern, _ = corpus
     size = sum(p.stat().st_size for p in tmp_path.glob("*.txt"))
-    settings = dict(source="text", path=pattern, documents=documents, tokenizer_kind="word")
+    settings = dict(source="text", path=pattern, documents=documents, tokenizer_name="word")
     bars = Bars()
     prepare_store(tmp_path / "store", progress=bars, **settings)
     assert [(b.desc, b.total, b.done, b.closed) for b in bars.bars] == [

@@ -19,7 +19,7 @@ CORPUS = [
     "héllo wörld: naïve café, façade, jalapeño",
     "日本語のテキストも少し",
 ] * 20
-KINDS = ("byte", "char", "word", "bpe", "sentencepiece")
+NAMES = ("byte", "char", "word", "bpe", "sentencepiece")
 
 
 def _train_sentencepiece(directory, **ids):
@@ -55,12 +55,12 @@ def bpe():
 
 @pytest.fixture
 def make(spm_default, bpe):
-    """Builds a tokenizer of any kind from CORPUS (the BPE one is trained once per module)."""
+    """Builds any tokenizer from CORPUS (the BPE one is trained once per module)."""
 
-    def build(kind):
-        if kind == "bpe":
+    def build(name):
+        if name == "bpe":
             return bpe
-        return tk.make_tokenizer(kind, texts=CORPUS, vocab_size=300, path=spm_default)
+        return tk.make_tokenizer(name, texts=CORPUS, vocab_size=300, path=spm_default)
 
     return build
 
@@ -68,18 +68,18 @@ def make(spm_default, bpe):
 # --- shared layout and interface -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_special_id_layout(make, kind):
-    tok = make(kind)
+@pytest.mark.parametrize("name", NAMES)
+def test_special_id_layout(make, name):
+    tok = make(name)
     assert (tok.pad_id, tok.sos_id, tok.eos_id, tok.unk_id) == (0, 1, 2, 3)
-    assert tok.kind == kind
+    assert tok.name == name
     ids = tok.encode("the quick brown fox jumps over the lazy dog.")
     assert ids and all(tk.NUM_SPECIAL <= i < tok.vocab_size for i in ids)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_decode_skips_specials_and_accepts_arrays(make, kind):
-    tok = make(kind)
+@pytest.mark.parametrize("name", NAMES)
+def test_decode_skips_specials_and_accepts_arrays(make, name):
+    tok = make(name)
     ids = tok.encode("judge my vow")
     expected = tok.decode(ids)
     assert tok.decode([tok.sos_id, *ids, tok.eos_id, tok.pad_id, tok.pad_id]) == expected
@@ -87,9 +87,9 @@ def test_decode_skips_specials_and_accepts_arrays(make, kind):
     assert tok.decode([tok.unk_id, tok.pad_id]) == ""
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_decode_rejects_bad_ids(make, kind):
-    tok = make(kind)
+@pytest.mark.parametrize("name", NAMES)
+def test_decode_rejects_bad_ids(make, name):
+    tok = make(name)
     with pytest.raises(ValueError, match=f"token id {tok.vocab_size} is outside"):
         tok.decode([5, tok.vocab_size])
     with pytest.raises(ValueError, match="token id -1"):
@@ -98,18 +98,18 @@ def test_decode_rejects_bad_ids(make, kind):
         tok.decode([[5, 6]])
 
 
-@pytest.mark.parametrize("kind", ["byte", "char", "bpe", "sentencepiece"])
-def test_round_trip(make, kind):
-    """Text made of training characters and single spaces survives every lossless kind."""
-    tok = make(kind)
+@pytest.mark.parametrize("name", ["byte", "char", "bpe", "sentencepiece"])
+def test_round_trip(make, name):
+    """Text made of training characters and single spaces survives every lossless tokenizer."""
+    tok = make(name)
     for text in ["the lazy dog jumps.", "naïve café, jalapeño 日本語", ""]:
         assert tok.decode(tok.encode(text)) == text
 
 
-@pytest.mark.parametrize("kind", ["byte", "bpe"])
-def test_round_trip_any_text(make, kind):
-    """Byte-level kinds have no unknowns and keep whitespace: any string comes back exactly."""
-    tok = make(kind)
+@pytest.mark.parametrize("name", ["byte", "bpe"])
+def test_round_trip_any_text(make, name):
+    """Byte-level tokenizers have no unknowns and keep whitespace: any string comes back exactly."""
+    tok = make(name)
     for text in ["Ünïcödé ✓ 🎉 Ελληνικά 中文 \x00 end", "  spaces\tand\n\nnewlines  ", " "]:
         assert tk.UNK_ID not in tok.encode(text)
         assert tok.decode(tok.encode(text)) == text
@@ -219,9 +219,9 @@ def test_sentencepiece_aligned_layout_maps_onto_itself(spm_aligned):
 # --- save / load ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_save_load_round_trip(make, kind, tmp_path):
-    tok = make(kind)
+@pytest.mark.parametrize("name", NAMES)
+def test_save_load_round_trip(make, name, tmp_path):
+    tok = make(name)
     tok.save(tmp_path / "run" / "tokenizer")  # Parents are created.
     loaded = tk.load_tokenizer(tmp_path / "run" / "tokenizer")
     assert type(loaded) is type(tok)
@@ -229,19 +229,19 @@ def test_save_load_round_trip(make, kind, tmp_path):
     text = "the quick café ∑ fox, 日本語!"
     assert loaded.encode(text) == tok.encode(text)
     assert loaded.decode(tok.encode(text)) == tok.decode(tok.encode(text))
-    marker = json.loads((tmp_path / "run" / "tokenizer" / tk.KIND_FILE).read_text())
-    assert marker == {"kind": kind}
+    marker = json.loads((tmp_path / "run" / "tokenizer" / tk.NAME_FILE).read_text())
+    assert marker == {"kind": name}
 
 
 def test_saved_files_are_plain(make, tmp_path):
-    for kind, name in [("char", tk.VOCAB_FILE), ("word", tk.VOCAB_FILE), ("bpe", tk.BPE_FILE)]:
-        make(kind).save(tmp_path / kind)
-        json.loads((tmp_path / kind / name).read_text(encoding="utf-8"))
+    for name, file in [("char", tk.VOCAB_FILE), ("word", tk.VOCAB_FILE), ("bpe", tk.BPE_FILE)]:
+        make(name).save(tmp_path / name)
+        json.loads((tmp_path / name / file).read_text(encoding="utf-8"))
     make("sentencepiece").save(tmp_path / "sp")
     model_file = str(tmp_path / "sp" / tk.SENTENCEPIECE_FILE)
     sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
     assert sp.get_piece_size() == make("sentencepiece").vocab_size - 1  # The model has no pad.
-    assert sorted(p.name for p in (tmp_path / "word").iterdir()) == [tk.KIND_FILE, tk.VOCAB_FILE]
+    assert sorted(p.name for p in (tmp_path / "word").iterdir()) == [tk.NAME_FILE, tk.VOCAB_FILE]
 
 
 def test_word_lowercase_survives_save(tmp_path):
@@ -262,13 +262,13 @@ def test_nothing_printed(capfd, spm_default, tmp_path):
 # --- errors -----------------------------------------------------------------------------------
 
 
-def test_unknown_kind_lists_valid_kinds():
-    with pytest.raises(ValueError, match="unknown tokenizer kind 'bytes'; valid kinds: byte, char"):
+def test_unknown_name_lists_valid_tokenizers():
+    with pytest.raises(ValueError, match="unknown tokenizer 'bytes'; valid tokenizers: byte, char"):
         tk.make_tokenizer("bytes")
 
 
 @pytest.mark.parametrize(
-    "kind, kwargs, missing",
+    "name, kwargs, missing",
     [
         ("char", {}, "texts"),
         ("word", {}, "texts"),
@@ -277,17 +277,17 @@ def test_unknown_kind_lists_valid_kinds():
         ("sentencepiece", {}, "path"),
     ],
 )
-def test_missing_arguments_are_named(kind, kwargs, missing):
-    with pytest.raises(ValueError, match=f"'{kind}' needs {missing}"):
-        tk.make_tokenizer(kind, **kwargs)
+def test_missing_arguments_are_named(name, kwargs, missing):
+    with pytest.raises(ValueError, match=f"'{name}' needs {missing}"):
+        tk.make_tokenizer(name, **kwargs)
 
 
-@pytest.mark.parametrize("kind", ["char", "word", "bpe"])
-def test_empty_or_bare_string_texts(kind):
-    with pytest.raises(ValueError, match=f"cannot fit a {kind} tokenizer: the texts are empty"):
-        tk.make_tokenizer(kind, texts=["", ""], vocab_size=300)
+@pytest.mark.parametrize("name", ["char", "word", "bpe"])
+def test_empty_or_bare_string_texts(name):
+    with pytest.raises(ValueError, match=f"cannot fit a {name} tokenizer: the texts are empty"):
+        tk.make_tokenizer(name, texts=["", ""], vocab_size=300)
     with pytest.raises(TypeError, match="not a single string"):
-        tk.make_tokenizer(kind, texts="some text", vocab_size=300)
+        tk.make_tokenizer(name, texts="some text", vocab_size=300)
 
 
 def test_word_size_errors():
@@ -308,7 +308,7 @@ def test_sentencepiece_missing_or_corrupt_file_is_named(tmp_path):
 
 
 def test_load_without_marker_names_it(tmp_path):
-    with pytest.raises(FileNotFoundError, match=f"{tk.KIND_FILE}: missing"):
+    with pytest.raises(FileNotFoundError, match=f"{tk.NAME_FILE}: missing"):
         tk.load_tokenizer(tmp_path)
 
 
@@ -319,13 +319,13 @@ def test_load_without_marker_names_it(tmp_path):
         (b"{kind: byte", "not valid UTF-8 JSON"),
         (b"\xff\xfe\x00", "not valid UTF-8 JSON"),
         (b'["byte"]', "expected a JSON object, got list"),
-        (b'{"kind": "bytes"}', "unknown tokenizer kind 'bytes'; valid: byte, char"),
-        (b'{"kind": ["byte"]}', "unknown tokenizer kind"),
+        (b'{"kind": "bytes"}', "unknown tokenizer 'bytes'; valid tokenizers: byte, char"),
+        (b'{"kind": ["byte"]}', "unknown tokenizer"),
     ],
 )
 def test_corrupt_marker_is_named(tmp_path, content, reason):
-    (tmp_path / tk.KIND_FILE).write_bytes(content)
-    with pytest.raises(ValueError, match=f"{tk.KIND_FILE}: {reason}"):
+    (tmp_path / tk.NAME_FILE).write_bytes(content)
+    with pytest.raises(ValueError, match=f"{tk.NAME_FILE}: {reason}"):
         tk.load_tokenizer(tmp_path)
 
 
@@ -349,7 +349,7 @@ def test_bpe_file_with_other_specials_is_rejected(bpe, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "kind, vocab, reason",
+    "name, vocab, reason",
     [
         ("char", {"itos": ["a", "b"]}, "must start with"),
         ("char", {"itos": [*tk.SPECIAL_TOKENS, "a", "a"]}, "distinct"),
@@ -358,10 +358,10 @@ def test_bpe_file_with_other_specials_is_rejected(bpe, tmp_path):
         ("word", {}, "itos"),
     ],
 )
-def test_corrupt_vocab_is_named(tmp_path, kind, vocab, reason):
-    (tmp_path / tk.KIND_FILE).write_text(json.dumps({"kind": kind}))
+def test_corrupt_vocab_is_named(tmp_path, name, vocab, reason):
+    (tmp_path / tk.NAME_FILE).write_text(json.dumps({"kind": name}))
     (tmp_path / tk.VOCAB_FILE).write_text(json.dumps(vocab))
-    with pytest.raises(ValueError, match=f"vocab.json: not a valid {kind} vocabulary .*{reason}"):
+    with pytest.raises(ValueError, match=f"vocab.json: not a valid {name} vocabulary .*{reason}"):
         tk.load_tokenizer(tmp_path)
 
 
@@ -384,9 +384,9 @@ def _hf_tokenizers(bpe, spm_default):
     return json_tok, marian
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_encode_batch_equals_encode_of_each(make, kind):
-    tok = make(kind)
+@pytest.mark.parametrize("name", NAMES)
+def test_encode_batch_equals_encode_of_each(make, name):
+    tok = make(name)
     texts = BATCH + CORPUS[:6]
     assert tok.encode_batch(texts) == [tok.encode(t) for t in texts]
     assert tok.encode_target_batch(texts) == [tok.encode_target(t) for t in texts]

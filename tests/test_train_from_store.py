@@ -44,7 +44,7 @@ def store(tmp_path):
         source="text",
         path=str(corpus),
         documents="lines",
-        tokenizer_kind="char",
+        tokenizer_name="char",
     )
 
 

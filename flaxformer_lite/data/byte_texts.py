@@ -208,7 +208,7 @@ def tokenize(
     tokenizer: Tokenizer, texts: ByteTexts, *, target: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(ids end to end, offsets [n + 1])`` of ``texts``: unsigned ids, 16 bits if the
-    vocabulary fits. Byte ids in one array op; other kinds through their batched encoder (the
+    vocabulary fits. Byte ids in one array op; other tokenizers through their batched encoder (the
     target side's if ``target``)."""
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
     if isinstance(tokenizer, ByteTokenizer):

@@ -10,10 +10,9 @@ from typing import Any, ClassVar
 
 from flaxformer_lite.data import readers
 from flaxformer_lite.data.sources import SOURCES, source_of
-from flaxformer_lite.data.tokenizers import NUM_SPECIAL
+from flaxformer_lite.data.tokenizers import NUM_SPECIAL, TOKENIZERS
 from flaxformer_lite.settings import setting
 
-TOKENIZERS = ("byte", "char", "word", "bpe", "sentencepiece")
 LM_ROWS = ("documents", "windows")
 # Rows of a mixture's block (data/mixture.py): each source has a whole number of them, so the
 # smallest share a weight can give is one row in this many.

@@ -62,7 +62,7 @@ class HfTokenizer(Tokenizer):
       add_bos: whether prompts start with ``sos_id`` (the checkpoint tokenizer's convention).
     """
 
-    kind = "hf"
+    name = "hf"
 
     def __init__(self, files: dict[str, bytes], specials: dict[str, int | None], add_bos: bool):
         """Builds the tokenizer from the contents of its files (``tokenizer.json``, or the three

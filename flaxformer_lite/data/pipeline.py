@@ -61,7 +61,7 @@ from flaxformer_lite.data.features import truncation
 from flaxformer_lite.data.mixture import MixtureBatches, fitted_tokenizer
 from flaxformer_lite.data.run_stores import check_sources, records_of, run_store, validation_store
 from flaxformer_lite.data.sources import source_of, source_of_store
-from flaxformer_lite.data.store import FITTED_KINDS, open_store, text_documents
+from flaxformer_lite.data.store import FITTED_TOKENIZERS, open_store, text_documents
 from flaxformer_lite.data.tokenizers import Tokenizer
 
 # Fitted tokenizers see all training records of a file source, or this many synthetic examples.
@@ -169,7 +169,7 @@ def build_data(
 
     Raises:
       ValueError: the source does not fit ``task``, an unusable batch size or process, a saved
-        tokenizer of another kind, or bad data (the message names the file).
+        another tokenizer, or bad data (the message names the file).
       FileNotFoundError: a missing data or tokenizer file.
     """
     task_type = tasks.task_named(task)
@@ -397,7 +397,7 @@ def _mixture_tokenizer(cfg: DataConfig) -> Tokenizer:
     source = source_of(cfg)
     if source.brings_tokenizer:
         return open_store(source.store_at(next(iter(cfg.mixture.values())).path, None)).tokenizer
-    if cfg.tokenizer in FITTED_KINDS:
+    if cfg.tokenizer in FITTED_TOKENIZERS:
         return fitted_tokenizer(cfg)
     return tokenizers.make_tokenizer(cfg.tokenizer, path=cfg.tokenizer_path)
 
@@ -486,7 +486,7 @@ def _fitted_on_records(cfg: DataConfig, records: Sequence[dict]) -> Tokenizer:
 
 
 def _has_saved_tokenizer(directory: Path) -> bool:
-    return (directory / tokenizers.KIND_FILE).is_file()
+    return (directory / tokenizers.NAME_FILE).is_file()
 
 
 def _saved_tokenizer(cfg: DataConfig, directory: Path, given: Tokenizer | None) -> Tokenizer | None:
@@ -494,11 +494,11 @@ def _saved_tokenizer(cfg: DataConfig, directory: Path, given: Tokenizer | None) 
     if not _has_saved_tokenizer(directory):
         return None
     tokenizer = tokenizers.load_tokenizer(directory)
-    kind = cfg.tokenizer if given is None else given.kind
-    if not source_of(cfg).brings_tokenizer and tokenizer.kind != kind:
-        wanted = f"data.tokenizer={kind!r}" if given is None else f"a {kind!r} tokenizer"
+    name = cfg.tokenizer if given is None else given.name
+    if not source_of(cfg).brings_tokenizer and tokenizer.name != name:
+        wanted = f"data.tokenizer={name!r}" if given is None else f"a {name!r} tokenizer"
         raise ValueError(
-            f"{directory}: holds a saved {tokenizer.kind!r} tokenizer, but this run uses {wanted}"
+            f"{directory}: holds a saved {tokenizer.name!r} tokenizer, but this run uses {wanted}"
         )
     if given is not None and not tokenizer.same_as(given):
         raise ValueError(

@@ -12,7 +12,7 @@ import dataclasses
 from pathlib import Path
 
 from flaxformer_lite.data import readers
-from flaxformer_lite.data.config import TOKENIZERS, DataConfig
+from flaxformer_lite.data.config import DataConfig
 from flaxformer_lite.data.sources import source_of, source_of_store
 from flaxformer_lite.data.store import (
     Store,
@@ -21,7 +21,7 @@ from flaxformer_lite.data.store import (
     prepare_store,
     text_documents,
 )
-from flaxformer_lite.data.tokenizers import Tokenizer
+from flaxformer_lite.data.tokenizers import TOKENIZERS, Tokenizer
 
 
 def check_sources(cfg: DataConfig) -> dict[str, set[Path]]:
@@ -71,11 +71,11 @@ def run_store(cfg: DataConfig, prepared: Path | None, tokenizer: Tokenizer | Non
             f"{store.path}: prepared from {_store_source(store)} data, not with "
             f"data.text_documents={cfg.text_documents!r}"
         )
-    kind = store.tokenizer.kind
-    if cfg.tokenizer is not None and cfg.tokenizer != kind:
-        named = f" or set it to {kind!r}" if kind in TOKENIZERS else ""  # not a checkpoint's
+    name = store.tokenizer.name
+    if cfg.tokenizer is not None and cfg.tokenizer != name:
+        named = f" or set it to {name!r}" if name in TOKENIZERS else ""  # not a checkpoint's
         raise ValueError(
-            f"{store.path}: the store's tokenizer is {kind!r}; data.tokenizer says "
+            f"{store.path}: the store's tokenizer is {name!r}; data.tokenizer says "
             f"{cfg.tokenizer!r}: drop the setting (data.tokenizer=null){named}"
         )
     return store
@@ -130,7 +130,7 @@ def prepare_source(
         field=cfg.field,
         documents=cfg.documents,
         tokenizer=tokenizer,
-        tokenizer_kind=cfg.tokenizer,
+        tokenizer_name=cfg.tokenizer,
         vocab_size=cfg.vocab_size,
         tokenizer_path=cfg.tokenizer_path,
         validation_fraction=None if cfg.validation_path else cfg.validation_fraction,

@@ -30,7 +30,7 @@ class SentencePieceTokenizer(Tokenizer):
     leaves alone (by default NFKC, and runs of whitespace become one space).
     """
 
-    kind = "sentencepiece"
+    name = "sentencepiece"
 
     def __init__(self, model_path: Path | str):
         """Loads ``model_path``; raises FileNotFoundError or ValueError naming it if unusable."""

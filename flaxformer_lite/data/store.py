@@ -1,7 +1,7 @@
 """Prepared token stores: a corpus tokenized once into flat arrays on disk, memory-mapped to read.
 
     store = prepare_store("stores/lines", source="text", path="data/*.txt", documents="lines",
-                          tokenizer_kind="bpe", vocab_size=8192)
+                          tokenizer_name="bpe", vocab_size=8192)
     store = open_store("stores/lines")            # checked against its manifest, read-only
     ids = store.documents.document("text", 0)     # the first document's ids, a view
 
@@ -70,7 +70,7 @@ from flaxformer_lite.data.tokenizers import Tokenizer
 
 FORMAT, VERSION = "flaxformer-lite token store", 1
 MANIFEST, TOKENIZER_DIR, LABELS = "manifest.json", "tokenizer", "labels.i32"
-FITTED_KINDS = ("char", "word", "bpe")
+FITTED_TOKENIZERS = ("char", "word", "bpe")
 _DTYPES = (token_dtype(1), token_dtype(1 << 32))
 
 
@@ -92,7 +92,7 @@ def prepare_store(
     field: str = "text",
     documents: str = "file",
     tokenizer: Tokenizer | None = None,
-    tokenizer_kind: str = "byte",
+    tokenizer_name: str = "byte",
     vocab_size: int | None = None,
     tokenizer_path: Path | str | None = None,
     validation_fraction: float | None = 0.1,
@@ -110,7 +110,7 @@ def prepare_store(
         registered), its files, and the JSONL field holding the text.
       documents: how a ``text`` source's files become documents (``file``, ``paragraphs`` or
         ``lines``: :mod:`~flaxformer_lite.data.readers`).
-      tokenizer: use this tokenizer; otherwise ``tokenizer_kind`` (``byte``, ``sentencepiece``
+      tokenizer: use this tokenizer; otherwise ``tokenizer_name`` (``byte``, ``sentencepiece``
         from ``tokenizer_path``, or ``char``, ``word``, ``bpe`` fitted with ``vocab_size`` on
         the training part: all but the ``validation_fraction`` that
         :func:`~flaxformer_lite.data.documents.split_documents` holds out, or for ``file``
@@ -135,17 +135,17 @@ def prepare_store(
         raise ValueError(f"source {source!r} is not files to prepare into a store")
     files = file_source.files(path)
     fitted = None
-    if tokenizer is None and tokenizer_kind in FITTED_KINDS:
-        if tokenizer_kind == "bpe" and vocab_size is None:
-            raise ValueError("tokenizer kind 'bpe' needs vocab_size")
-        vocab_size = None if tokenizer_kind == "char" else vocab_size
+    if tokenizer is None and tokenizer_name in FITTED_TOKENIZERS:
+        if tokenizer_name == "bpe" and vocab_size is None:
+            raise ValueError("tokenizer 'bpe' needs vocab_size")
+        vocab_size = None if tokenizer_name == "char" else vocab_size
         fitted = {"vocab_size": vocab_size, "validation_fraction": validation_fraction}
     elif tokenizer is None:
-        tokenizer = tokenizers.make_tokenizer(tokenizer_kind, path=tokenizer_path)
-    tokenizer_kind = tokenizer_kind if tokenizer is None else tokenizer.kind
+        tokenizer = tokenizers.make_tokenizer(tokenizer_name, path=tokenizer_path)
+    tokenizer_name = tokenizer_name if tokenizer is None else tokenizer.name
     request = {
         "source": file_source.identity(path),
-        "tokenizer": {"kind": tokenizer_kind, "fitted": fitted},
+        "tokenizer": {"kind": tokenizer_name, "fitted": fitted},
     }
     if tokenizer is not None:
         request["tokenizer"]["sha256"] = _files_sha256(tokenizer.files())[0]
@@ -161,7 +161,7 @@ def prepare_store(
         hashes = FileHashes(files)  # fed by the first pass over the files
         passes = SourcePasses(file_source, files, batch_size, progress)
         if fitted is not None:
-            tokenizer = fit_tokenizer(passes, tokenizer_kind, **fitted, where=path, on_read=hashes)
+            tokenizer = fit_tokenizer(passes, tokenizer_name, **fitted, where=path, on_read=hashes)
             hashes, request["source"]["files"] = None, hashes.infos()
         tokenizer.save(partial / TOKENIZER_DIR)
         count, tokens = write_documents(partial, passes, tokenizer, on_read=hashes)
@@ -256,9 +256,9 @@ def open_store(path: Path | str) -> Store:
             )
     _check_tokenizer_files(path / TOKENIZER_DIR, tokenizer_files)
     tokenizer = tokenizers.load_tokenizer(path / TOKENIZER_DIR)
-    if tokenizer.kind != tokenizer_info.get("kind"):
-        kind = tokenizer_info.get("kind")
-        raise ValueError(f"{path / TOKENIZER_DIR}: a {tokenizer.kind!r} tokenizer, not {kind!r}")
+    if tokenizer.name != tokenizer_info.get("kind"):
+        name = tokenizer_info.get("kind")
+        raise ValueError(f"{path / TOKENIZER_DIR}: a {tokenizer.name!r} tokenizer, not {name!r}")
 
     tokens, offsets = {}, {}
     for name in fields:
@@ -284,7 +284,7 @@ def check_tokenizer(store: Store, tokenizer: Tokenizer) -> None:
         names = ", ".join(sorted(store.manifest["tokenizer"]["files"]))
         raise ValueError(
             f"{store.path / TOKENIZER_DIR}: the store was made with another tokenizer (a "
-            f"{store.tokenizer.kind!r} one: {names}) than this {tokenizer.kind!r} one"
+            f"{store.tokenizer.name!r} one: {names}) than this {tokenizer.name!r} one"
         )
 
 

@@ -113,7 +113,7 @@ class SourcePasses:
 
 def fit_tokenizer(
     passes: SourcePasses,
-    kind: str,
+    name: str,
     vocab_size: int | None,
     validation_fraction: float | None,
     where: str,
@@ -121,7 +121,7 @@ def fit_tokenizer(
 ) -> Tokenizer:
     """A tokenizer fitted on :func:`training_texts` (the source is also fed to ``on_read``)."""
     texts = training_texts(passes, validation_fraction, where, on_read)
-    return tokenizers.make_tokenizer(kind, texts=texts, vocab_size=vocab_size)
+    return tokenizers.make_tokenizer(name, texts=texts, vocab_size=vocab_size)
 
 
 def training_texts(

@@ -1,9 +1,9 @@
 """What every tokenizer shares: the special ids' layout, the :class:`Tokenizer` interface, the
-kind marker of a saved tokenizer, and the reading of its files. Each kind is its own module
+name marker of a saved tokenizer, and the reading of its files. Each tokenizer is its own module
 (:mod:`~flaxformer_lite.data.tokenizers` for byte, char, word and BPE,
 :mod:`~flaxformer_lite.data.sentencepiece_tokenizer`, :mod:`~flaxformer_lite.data.hf_tokenizer`)
-over this one, and :mod:`~flaxformer_lite.data.tokenizers` makes or loads any of them by kind:
-no module of a kind imports the one that dispatches.
+over this one, and :mod:`~flaxformer_lite.data.tokenizers` makes or loads any of them by name:
+no module of a tokenizer imports the one that dispatches.
 """
 
 from __future__ import annotations
@@ -20,13 +20,15 @@ SPECIAL_TOKENS = ("<pad>", "<sos>", "<eos>", "<unk>")
 PAD_ID, SOS_ID, EOS_ID, UNK_ID = range(len(SPECIAL_TOKENS))
 NUM_SPECIAL = len(SPECIAL_TOKENS)
 
-KIND_FILE = "tokenizer_kind.json"
+# The marker of a saved tokenizer, ``{"kind": name}``: file and key keep the names runs were
+# saved with, so those runs load.
+NAME_FILE = "tokenizer_kind.json"
 
 
 class Tokenizer(abc.ABC):
     """Common interface; subclasses implement encoding and their own files."""
 
-    kind: ClassVar[str]
+    name: ClassVar[str]  # the data.tokenizer value that makes it
     pad_id: ClassVar[int] = PAD_ID
     sos_id: ClassVar[int] = SOS_ID
     eos_id: ClassVar[int] = EOS_ID
@@ -47,7 +49,7 @@ class Tokenizer(abc.ABC):
         return self.encode(text)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """:meth:`encode` of each text; kinds with a batched encoder use it (the same ids)."""
+        """:meth:`encode` of each text; tokenizers with a batched encoder use it (the same ids)."""
         return [self.encode(text) for text in texts]
 
     def encode_target_batch(self, texts: Sequence[str]) -> list[list[int]]:
@@ -69,20 +71,20 @@ class Tokenizer(abc.ABC):
         return self._decode_regular([i for i in ids.tolist() if not self.is_special(i)])
 
     def same_as(self, other: Tokenizer) -> bool:
-        """Whether ``other`` is this tokenizer: the same kind and the same files."""
-        return self.kind == other.kind and self._files() == other._files()
+        """Whether ``other`` is this tokenizer: the same name and the same files."""
+        return self.name == other.name and self._files() == other._files()
 
     def is_special(self, token_id: int) -> bool:
         """Whether ``decode`` drops ``token_id``: one of the four special ids."""
         return token_id < NUM_SPECIAL
 
     def files(self) -> dict[str, bytes]:
-        """File name -> contents of what :meth:`save` writes, the kind marker last."""
-        marker = (json.dumps({"kind": self.kind}) + "\n").encode()
-        return {**self._files(), KIND_FILE: marker}
+        """File name -> contents of what :meth:`save` writes, the name marker last."""
+        marker = (json.dumps({"kind": self.name}) + "\n").encode()
+        return {**self._files(), NAME_FILE: marker}
 
     def save(self, directory: Path) -> None:
-        """Writes this tokenizer's files and the kind marker into ``directory`` (created)."""
+        """Writes this tokenizer's files and the name marker into ``directory`` (created)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         # The marker goes last, so an interrupted save into a fresh directory is not loadable.

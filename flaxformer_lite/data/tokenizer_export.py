@@ -1,5 +1,5 @@
 """A run's tokenizer as the files ``transformers.AutoTokenizer`` loads (``PreTrainedTokenizerFast``
-over one ``tokenizer.json``), with our ids, for every tokenizer kind:
+over one ``tokenizer.json``), with our ids, for every tokenizer:
 
 * byte: byte-level BPE without merges: the 256 bytes, as GPT-2's printable byte characters, at
   ids 4..259 (``ByteLevel`` pre-tokenizer and decoder, which maps invalid UTF-8 to U+FFFD as
@@ -50,7 +50,7 @@ def hf_tokenizer_files(tokenizer: Tokenizer, *, task: str, max_length: int) -> d
     """File name -> contents of ``tokenizer``'s Hugging Face files, for a model of ``task``.
 
     Args:
-      tokenizer: a run's tokenizer (any kind ``load_tokenizer`` reads).
+      tokenizer: a run's tokenizer (any ``load_tokenizer`` reads).
       task: ``lm``, ``mlm``, ``classify`` or ``seq2seq``: what the post-processor adds.
       max_length: the model's longest input (``model_max_length``).
 
@@ -58,7 +58,7 @@ def hf_tokenizer_files(tokenizer: Tokenizer, *, task: str, max_length: int) -> d
       ValueError: a tokenizer these files cannot express (named).
     """
     task = task_named(task)
-    if tokenizer.kind == "hf":
+    if tokenizer.name == "hf":
         return _checkpoint_files(tokenizer, task=task, max_length=max_length)
     hf = _hf_tokenizer(tokenizer)
     names = [hf.id_to_token(i) for i in range(NUM_SPECIAL)]
@@ -75,19 +75,19 @@ def _hf_tokenizer(tokenizer: Tokenizer):
     import tokenizers
     from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers
 
-    if tokenizer.kind == "bpe":
+    if tokenizer.name == "bpe":
         hf = tokenizers.Tokenizer.from_str(tokenizer.hf_tokenizer.to_str())
-    elif tokenizer.kind == "byte":
+    elif tokenizer.name == "byte":
         char_of = _bytes_to_unicode()
         vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
         vocab |= {char_of[b]: NUM_SPECIAL + b for b in range(256)}
         hf = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
         hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         hf.decoder = decoders.ByteLevel()
-    elif tokenizer.kind in ("char", "word"):
+    elif tokenizer.name in ("char", "word"):
         vocab = {t: i for i, t in enumerate(tokenizer.itos)}
         hf = tokenizers.Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIAL_TOKENS[3]))
-        if tokenizer.kind == "char":
+        if tokenizer.name == "char":
             hf.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
             hf.decoder = decoders.Fuse()
         else:  # no decoder: tokens are joined with spaces, as ours
@@ -99,17 +99,17 @@ def _hf_tokenizer(tokenizer: Tokenizer):
             )
             if tokenizer.lowercase:
                 hf.normalizer = normalizers.Lowercase()
-    elif tokenizer.kind == "sentencepiece":
+    elif tokenizer.name == "sentencepiece":
         hf = _sentencepiece(tokenizer)
     else:
-        raise ValueError(f"a {tokenizer.kind!r} tokenizer has no Hugging Face form here")
+        raise ValueError(f"a {tokenizer.name!r} tokenizer has no Hugging Face form here")
     names = [hf.id_to_token(i) for i in range(NUM_SPECIAL)]
     hf.add_special_tokens(
         [tokenizers.AddedToken(name, special=True, normalized=False) for name in names]
     )
     found = [hf.token_to_id(name) for name in names]
     if found != list(range(NUM_SPECIAL)) or hf.get_vocab_size() != tokenizer.vocab_size:
-        raise AssertionError(f"the {tokenizer.kind} conversion moved the specials: {found}")
+        raise AssertionError(f"the {tokenizer.name} conversion moved the specials: {found}")
     return hf
 
 
@@ -139,12 +139,12 @@ def _sentencepiece(tokenizer: Tokenizer):
             "which its own specials do not use"
         )
     spec, byte_fallback = proto.normalizer_spec, proto.trainer_spec.byte_fallback
-    user_defined = [piece for piece, _, kind in pieces if kind == 4]
+    user_defined = [piece for piece, _, piece_type in pieces if piece_type == 4]
     if proto.trainer_spec.model_type == 1:  # unigram
         model = models.Unigram([(p, s) for p, s, _ in pieces], NUM_SPECIAL - 1, byte_fallback)
     elif proto.trainer_spec.model_type == 2:  # BPE: merges ranked by the pieces' scores
         vocab = {piece: i for i, (piece, _, _) in enumerate(pieces)}
-        normal = {p: (s, i) for i, (p, s, kind) in enumerate(pieces) if kind == 1}
+        normal = {p: (s, i) for i, (p, s, piece_type) in enumerate(pieces) if piece_type == 1}
         ranked = sorted(
             (-score, i, token[:cut], token[cut:])
             for token, (score, i) in normal.items()

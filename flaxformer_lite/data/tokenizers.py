@@ -1,6 +1,6 @@
 """Tokenizers: byte, character, word, BPE (Hugging Face ``tokenizers``) and SentencePiece.
 
-Every tokenizer shares one id layout, so the data pipeline and the models never ask which kind
+Every tokenizer shares one id layout, so the data pipeline and the models never ask which one
 they hold::
 
     0 <pad>   1 <sos>   2 <eos>   3 <unk>   4.. regular tokens
@@ -12,7 +12,7 @@ which keeps the checkpoint's ids: code that adds specials reads ``tokenizer.sos_
 adds no specials (the pipeline adds ``<sos>``/``<eos>``); ``decode`` drops all four.
 
 ``save(directory)`` writes plain files only (JSON, ``tokenizer.json``, a ``.model`` protobuf) plus
-a marker ``tokenizer_kind.json``; :func:`load_tokenizer` reads back whichever kind was saved.
+a marker ``tokenizer_kind.json``; :func:`load_tokenizer` reads back whichever was saved.
 Nothing here prints, downloads or unpickles. Bad files raise ``FileNotFoundError`` or
 ``ValueError`` whose message starts with the offending path.
 """
@@ -36,7 +36,7 @@ from flaxformer_lite.data.sentencepiece_tokenizer import SENTENCEPIECE_FILE, Sen
 from flaxformer_lite.data.text_pieces import BPE_PIECE_CHARS, PieceCounter
 from flaxformer_lite.data.tokenizer_base import (
     EOS_ID,
-    KIND_FILE,
+    NAME_FILE,
     NUM_SPECIAL,
     PAD_ID,
     SOS_ID,
@@ -57,7 +57,7 @@ logger = logging.getLogger(__name__)
 class ByteTokenizer(Tokenizer):
     """UTF-8 bytes: byte ``b`` is id ``b + NUM_SPECIAL``; vocabulary 260. Needs no files."""
 
-    kind = "byte"
+    name = "byte"
     vocab_size = 256 + NUM_SPECIAL
 
     def encode(self, text: str) -> list[int]:
@@ -109,7 +109,7 @@ class _VocabTokenizer(Tokenizer):
         try:
             return cls(**read_json_object(path))
         except (TypeError, ValueError) as e:
-            raise ValueError(f"{path}: not a valid {cls.kind} vocabulary ({e})") from None
+            raise ValueError(f"{path}: not a valid {cls.name} vocabulary ({e})") from None
 
     def _state(self) -> dict:
         return {"itos": self.itos}
@@ -121,14 +121,14 @@ class _VocabTokenizer(Tokenizer):
 class CharTokenizer(_VocabTokenizer):
     """One id per character; characters unseen by :meth:`fit` encode to ``<unk>``."""
 
-    kind = "char"
+    name = "char"
     separator = ""
 
     @classmethod
     def fit(cls, texts: Iterable[str]) -> CharTokenizer:
         """Vocabulary of every character in ``texts``, sorted by code point (deterministic)."""
         chars = set()
-        for text in _nonempty_texts(texts, cls.kind):
+        for text in _nonempty_texts(texts, cls.name):
             chars.update(text)
         return cls([*SPECIAL_TOKENS, *sorted(chars)])
 
@@ -144,7 +144,7 @@ class WordTokenizer(_VocabTokenizer):
     ``"Hi, there!"`` comes back as ``"Hi , there !"`` (lowercased if ``lowercase``).
     """
 
-    kind = "word"
+    name = "word"
     separator = " "
 
     def __init__(self, itos: Sequence[str], lowercase: bool = False):
@@ -172,7 +172,7 @@ class WordTokenizer(_VocabTokenizer):
         same ids.
         """
         counts = collections.Counter()
-        for text in _nonempty_texts(texts, cls.kind):
+        for text in _nonempty_texts(texts, cls.name):
             counts.update(_WORD_RE.findall(text.lower() if lowercase else text))
         words = sorted((w for w in counts if counts[w] >= min_count), key=lambda w: (-counts[w], w))
         words = words[:max_size] if max_size is not None else words
@@ -193,7 +193,7 @@ class BpeTokenizer(Tokenizer):
     Starting from all 256 bytes, no text is ever unknown and ``decode(encode(text)) == text``.
     """
 
-    kind = "bpe"
+    name = "bpe"
 
     def __init__(self, hf_tokenizer):
         """Wraps a ``tokenizers.Tokenizer`` whose first four ids are the specials, in order."""
@@ -222,7 +222,7 @@ class BpeTokenizer(Tokenizer):
             show_progress=False,
         )
         counter = PieceCounter()
-        pieces = (piece for text in _nonempty_texts(texts, cls.kind) for piece in counter(text))
+        pieces = (piece for text in _nonempty_texts(texts, cls.name) for piece in counter(text))
         tok.train_from_iterator(pieces, trainer=trainer)
         # Pieces cut at spaces are what BPE's pre-tokenizer splits anyway (a single-file corpus
         # always has them): only a run of characters without a space is worth a warning.
@@ -274,15 +274,15 @@ class BpeTokenizer(Tokenizer):
             raise ValueError(f"{path}: not a valid Hugging Face tokenizer file ({e})") from None
 
 
-_KINDS: dict[str, type[Tokenizer]] = {
-    cls.kind: cls for cls in (ByteTokenizer, CharTokenizer, WordTokenizer, BpeTokenizer)
+_CLASSES: dict[str, type[Tokenizer]] = {
+    cls.name: cls for cls in (ByteTokenizer, CharTokenizer, WordTokenizer, BpeTokenizer)
 }
 # SentencePiece lives in its own module, imported when asked for (it needs sentencepiece).
-KINDS = (*_KINDS, "sentencepiece")
+TOKENIZERS = (*_CLASSES, "sentencepiece")
 
 
 def make_tokenizer(
-    kind: str,
+    name: str,
     *,
     texts: Iterable[str] | None = None,
     vocab_size: int | None = None,
@@ -291,55 +291,57 @@ def make_tokenizer(
     """Builds the tokenizer a training config asks for.
 
     Args:
-      kind: one of ``byte``, ``char``, ``word``, ``bpe``, ``sentencepiece``.
+      name: one of ``byte``, ``char``, ``word``, ``bpe``, ``sentencepiece``.
       texts: training texts; required by ``char``, ``word`` and ``bpe``, ignored otherwise.
       vocab_size: required by ``bpe`` (the target size); for ``word`` an optional cap on the
-        vocabulary, specials included; ignored by the other kinds.
+        vocabulary, specials included; ignored by the other tokenizers.
       path: the ``.model`` file, required by ``sentencepiece``.
 
     Raises:
-      ValueError: unknown ``kind``, a missing argument, or unusable texts or model file.
+      ValueError: unknown ``name``, a missing argument, or unusable texts or model file.
       FileNotFoundError: the SentencePiece model file does not exist.
     """
-    if kind not in KINDS:
-        raise ValueError(f"unknown tokenizer kind {kind!r}; valid kinds: {', '.join(KINDS)}")
-    if kind in ("char", "word", "bpe") and texts is None:
-        raise ValueError(f"tokenizer kind {kind!r} needs texts to fit on")
-    if kind == "byte":
+    if name not in TOKENIZERS:
+        valid = ", ".join(TOKENIZERS)
+        raise ValueError(f"unknown tokenizer {name!r}; valid tokenizers: {valid}")
+    if name in ("char", "word", "bpe") and texts is None:
+        raise ValueError(f"tokenizer {name!r} needs texts to fit on")
+    if name == "byte":
         return ByteTokenizer()
-    if kind == "char":
+    if name == "char":
         return CharTokenizer.fit(texts)
-    if kind == "word":
+    if name == "word":
         if vocab_size is not None and vocab_size <= NUM_SPECIAL:
             raise ValueError(f"word vocab_size must be > {NUM_SPECIAL}, got {vocab_size}")
         max_size = None if vocab_size is None else vocab_size - NUM_SPECIAL
         return WordTokenizer.fit(texts, max_size=max_size)
-    if kind == "bpe":
+    if name == "bpe":
         if vocab_size is None:
-            raise ValueError("tokenizer kind 'bpe' needs vocab_size")
+            raise ValueError("tokenizer 'bpe' needs vocab_size")
         return BpeTokenizer.train(texts, vocab_size)
     if path is None:
-        raise ValueError("tokenizer kind 'sentencepiece' needs path (a .model file)")
+        raise ValueError("tokenizer 'sentencepiece' needs path (a .model file)")
     return SentencePieceTokenizer(path)
 
 
 def load_tokenizer(directory: Path | str) -> Tokenizer:
-    """Reads back a tokenizer written by ``Tokenizer.save(directory)``, whatever its kind."""
+    """Reads back a tokenizer written by ``Tokenizer.save(directory)``, whichever it is."""
     directory = Path(directory)
-    marker = directory / KIND_FILE
+    marker = directory / NAME_FILE
     if not marker.is_file():
         raise FileNotFoundError(f"{marker}: missing; no tokenizer was saved in {directory}")
-    kind = read_json_object(marker).get("kind")
-    if kind == "hf":  # a Hugging Face checkpoint's tokenizer, saved by a run trained from it
+    name = read_json_object(marker).get("kind")
+    if name == "hf":  # a Hugging Face checkpoint's tokenizer, saved by a run trained from it
         return HfTokenizer._load_files(directory)
-    if kind == "sentencepiece":
+    if name == "sentencepiece":
         return SentencePieceTokenizer._load_files(directory)
-    if not isinstance(kind, str) or kind not in _KINDS:
-        raise ValueError(f"{marker}: unknown tokenizer kind {kind!r}; valid: {', '.join(KINDS)}")
-    return _KINDS[kind]._load_files(directory)
+    if not isinstance(name, str) or name not in _CLASSES:
+        valid = ", ".join(TOKENIZERS)
+        raise ValueError(f"{marker}: unknown tokenizer {name!r}; valid tokenizers: {valid}")
+    return _CLASSES[name]._load_files(directory)
 
 
-def _nonempty_texts(texts: Iterable[str], kind: str) -> Iterator[str]:
+def _nonempty_texts(texts: Iterable[str], name: str) -> Iterator[str]:
     """Iterates ``texts`` lazily after checking that at least one is non-empty.
 
     A bare string is rejected: iterating it would silently yield single characters.
@@ -349,21 +351,21 @@ def _nonempty_texts(texts: Iterable[str], kind: str) -> Iterator[str]:
     texts = iter(texts)
     first = next((t for t in texts if t), None)
     if first is None:
-        raise ValueError(f"cannot fit a {kind} tokenizer: the texts are empty")
+        raise ValueError(f"cannot fit a {name} tokenizer: the texts are empty")
     return itertools.chain([first], texts)
 
 
-# The shared layout (tokenizer_base) is public here too, beside the kinds that use it.
+# The shared layout (tokenizer_base) is public here too, beside the tokenizers that use it.
 __all__ = [
     "BPE_FILE",
     "EOS_ID",
-    "KIND_FILE",
-    "KINDS",
+    "NAME_FILE",
     "NUM_SPECIAL",
     "PAD_ID",
     "SENTENCEPIECE_FILE",
     "SOS_ID",
     "SPECIAL_TOKENS",
+    "TOKENIZERS",
     "UNK_ID",
     "VOCAB_FILE",
     "BpeTokenizer",

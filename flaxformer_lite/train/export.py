@@ -38,7 +38,7 @@ AUTO_CLASSES = {
 @dataclasses.dataclass(frozen=True)
 class Exported:
     """What :func:`export_run` wrote: the directory, the HF architecture and the ``transformers``
-    Auto class that loads it, the run's checkpoint step and tokenizer kind."""
+    Auto class that loads it, the run's checkpoint step and tokenizer name."""
 
     path: pathlib.Path
     architecture: str
@@ -109,7 +109,7 @@ def export_run(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     architecture = family.config_to_hf(model_config)["architectures"][0]
-    return Exported(out, architecture, AUTO_CLASSES[architecture], loaded.step, tokenizer.kind)
+    return Exported(out, architecture, AUTO_CLASSES[architecture], loaded.step, tokenizer.name)
 
 
 __all__ = ["AUTO_CLASSES", "Exported", "export_run"]

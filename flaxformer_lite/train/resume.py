@@ -17,7 +17,7 @@ from flaxformer_lite.data.inputs import (
     store_of,
 )
 from flaxformer_lite.data.sources import source_of
-from flaxformer_lite.data.tokenizers import KIND_FILE
+from flaxformer_lite.data.tokenizers import NAME_FILE
 from flaxformer_lite.train.config import ConfigError, TrainConfig, config_diff, is_runtime_key
 from flaxformer_lite.train.program import schedule_span
 from flaxformer_lite.train.run_dir import RunDir, move_aside
@@ -156,7 +156,7 @@ def _steps_done(run: RunDir, cfg: TrainConfig, saved_step: int | None) -> list[D
 
 
 def _tokenizer_gone(run: RunDir, resuming: bool) -> list[Difference]:
-    if not resuming or (run.tokenizer / KIND_FILE).is_file():
+    if not resuming or (run.tokenizer / NAME_FILE).is_file():
         return []
     return [
         Difference(
