@@ -71,7 +71,7 @@ def test_presets_carry_the_published_choices():
     assert llama.num_kv_heads < llama.num_heads
     assert not (llama.qkv_bias or llama.mlp_bias or llama.attention_out_bias)
     assert llama.rope_scaling == ops.RopeScaling(
-        kind="llama3",
+        type="llama3",
         factor=32.0,
         low_freq_factor=1.0,
         high_freq_factor=4.0,

@@ -130,11 +130,11 @@ def test_scaling_reaches_apply_rope():
 @pytest.mark.parametrize(
     "kwargs, bad_field",
     [
-        ({"kind": "yarn", "factor": 2.0}, "kind"),
-        ({"kind": "linear", "factor": 0.0}, "factor"),
-        ({"kind": "linear", "factor": True}, "factor"),
-        ({"kind": "llama3", "factor": 8.0, "low_freq_factor": 4.0}, "high_freq_factor"),
-        ({"kind": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192.0}, "original"),
+        ({"type": "yarn", "factor": 2.0}, "type"),
+        ({"type": "linear", "factor": 0.0}, "factor"),
+        ({"type": "linear", "factor": True}, "factor"),
+        ({"type": "llama3", "factor": 8.0, "low_freq_factor": 4.0}, "high_freq_factor"),
+        ({"type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192.0}, "original"),
     ],
 )
 def test_rope_scaling_rejects_bad_fields(kwargs, bad_field):
@@ -142,7 +142,7 @@ def test_rope_scaling_rejects_bad_fields(kwargs, bad_field):
         RopeScaling(**kwargs)
 
 
-def test_rope_scaling_error_lists_valid_kinds():
+def test_rope_scaling_error_lists_valid_types():
     with pytest.raises(ValueError, match="'linear', 'ntk', 'llama3', 'dynamic'"):
         RopeScaling("yarn", 2.0)
 

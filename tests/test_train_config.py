@@ -263,10 +263,15 @@ def test_valid_keys_cover_every_section():
 
 
 def old_style(values: dict) -> dict:
-    """``values`` as runs before the rename saved them: ``data.task`` and ``data.task_options``."""
+    """``values`` as runs before the renames saved them: ``data.task`` and ``data.task_options``,
+    and ``model.rope_scaling.kind``."""
     data = dict(values["data"])
     data["task"], data["task_options"] = data.pop("generator"), data.pop("generator_options")
-    return {**values, "data": data}
+    model = dict(values["model"])
+    if model["rope_scaling"] is not None:
+        scaling = dict(model["rope_scaling"])
+        model["rope_scaling"] = {"kind": scaling.pop("type"), **scaling}
+    return {**values, "data": data, "model": model}
 
 
 def test_the_old_data_task_keys_are_read_as_data_generator_with_a_notice(tmp_path):
@@ -292,6 +297,20 @@ def test_the_old_data_task_keys_are_read_as_data_generator_with_a_notice(tmp_pat
 
 def test_a_saved_config_with_the_old_keys_loads_as_the_same_config():
     """An older run's config.yaml or checkpoint config: resuming it shows no difference."""
-    for cfg in (TrainConfig(), load_config(None, ["data.generator=reverse", "seed=3"])):
+    llama = load_config(None, ["model.preset=llama-style"])
+    assert llama.model.rope_scaling is not None
+    for cfg in (TrainConfig(), load_config(None, ["data.generator=reverse", "seed=3"]), llama):
         saved = config_from_dict(old_style(cfg.to_dict()))
         assert saved == cfg and config_diff(saved, cfg) == {}
+
+
+def test_the_old_rope_scaling_kind_is_read_as_its_type(tmp_path):
+    path = tmp_path / "old.yaml"
+    path.write_text("model:\n  positions: rope\n  rope_scaling: {kind: linear, factor: 2.0}\n")
+    notices = []
+    cfg = load_config(path, ["model.rope_scaling.kind=ntk"], notify=notices.append)
+    assert cfg.model.rope_scaling == RopeScaling("ntk", 2.0)
+    assert notices[0] == (
+        f"config file {path}: model.rope_scaling.kind is now model.rope_scaling.type "
+        "(read as model.rope_scaling.type)"
+    )

@@ -85,11 +85,13 @@ def rope_from_hf(hf: dict[str, Any]) -> tuple[float, ops.RopeScaling | None]:
     else:  # transformers 4.x: a null rope_scaling is plain RoPE
         params = dict(hf.get("rope_scaling") or {"rope_type": "default"})
         theta = hf.get("rope_theta", 10000.0)
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in ROPE_TYPES:
-        raise ValueError(f"unsupported Llama config: rope type {kind!r} (supported: {ROPE_TYPES})")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(
+            f"unsupported Llama config: rope type {rope_type!r} (supported: {ROPE_TYPES})"
+        )
     try:
-        return float(theta), ops.RopeScaling.from_dict({**params, "rope_type": kind})
+        return float(theta), ops.RopeScaling.from_dict({**params, "rope_type": rope_type})
     except ValueError as e:
         raise ValueError(f"unsupported Llama config: rope settings {params}: {e}") from None
 
@@ -151,7 +153,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     require(mismatches(cfg), "this model is not a Llama")
     scaling = cfg.rope_scaling
     rope_scaling = None
-    if scaling is not None and scaling.kind == "linear":
+    if scaling is not None and scaling.type == "linear":
         rope_scaling = {"rope_type": "linear", "factor": scaling.factor}
     elif scaling is not None:
         rope_scaling = {
@@ -222,6 +224,6 @@ def mismatches(cfg: ModelConfig) -> list[str]:
             f"qkv_bias={cfg.qkv_bias} with attention_out_bias={cfg.attention_out_bias} "
             "(Llama's attention_bias sets both)"
         )
-    if cfg.rope_scaling is not None and cfg.rope_scaling.kind not in ROPE_TYPES:
-        problems.append(f"rope_scaling.kind={cfg.rope_scaling.kind!r} (HF has {ROPE_TYPES})")
+    if cfg.rope_scaling is not None and cfg.rope_scaling.type not in ROPE_TYPES:
+        problems.append(f"rope_scaling.type={cfg.rope_scaling.type!r} (HF has {ROPE_TYPES})")
     return problems

@@ -73,7 +73,7 @@ class ModelConfig:
         "half", help="RoPE's pairing of features: half (GPT-NeoX, Llama) or interleaved"
     )
     rope_scaling: ops.RopeScaling | None = setting(
-        None, help="null, or {kind: linear|ntk|llama3|dynamic, factor: ...} to stretch RoPE"
+        None, help="null, or {type: linear|ntk|llama3|dynamic, factor: ...} to stretch RoPE"
     )
     relative_buckets: int = setting(32, help="relative positions: the number of distance buckets")
     relative_max_distance: int = setting(
@@ -177,9 +177,6 @@ class ModelConfig:
         for key in values:
             if key not in names:
                 raise ValueError(f"unknown model config key {key!r}{_suggest(key, names)}")
-        values = dict(values)
-        if isinstance(values.get("rope_scaling"), dict):
-            values["rope_scaling"] = ops.RopeScaling(**values["rope_scaling"])
         return cls(**values)
 
     def to_dict(self, *, derived: bool = True) -> dict[str, Any]:

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-ROPE_SCALING_KINDS = ("linear", "ntk", "llama3", "dynamic")
+ROPE_SCALING_TYPES = ("linear", "ntk", "llama3", "dynamic")
 ROPE_LAYOUTS = ("half", "interleaved")
 
 _LLAMA3_FIELDS = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -45,7 +45,7 @@ class RopeScaling:
     Frozen and hashable, so it can be a static argument of ``jax.jit``.
 
     Attributes:
-        kind: ``"linear"`` (position interpolation: every frequency divided by ``factor``),
+        type: ``"linear"`` (position interpolation: every frequency divided by ``factor``),
             ``"ntk"`` (NTK-aware static scaling of the base by ``factor ** (Dh / (Dh - 2))``),
             ``"llama3"`` (Llama 3.1: only the low frequencies are divided by ``factor``) or
             ``"dynamic"`` (Hugging Face's dynamic NTK: the base recomputed from the current
@@ -59,16 +59,16 @@ class RopeScaling:
             (for dynamic, Hugging Face's ``max_position_embeddings``).
     """
 
-    kind: str
+    type: str
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
 
     def __post_init__(self):
-        if self.kind not in ROPE_SCALING_KINDS:
+        if self.type not in ROPE_SCALING_TYPES:
             raise ValueError(
-                f"RopeScaling.kind must be one of {ROPE_SCALING_KINDS}, got {self.kind!r}"
+                f"RopeScaling.type must be one of {ROPE_SCALING_TYPES}, got {self.type!r}"
             )
         _require_positive("factor", self.factor)
         _require_positive("low_freq_factor", self.low_freq_factor)
@@ -113,18 +113,20 @@ class RopeScaling:
             raise ValueError(
                 f"Unknown RoPE scaling keys {unknown_keys}; expected a subset of {sorted(_HF_KEYS)}"
             )
-        kind = config.get("rope_type", config.get("type"))
-        if kind == "default":
+        rope_type = config.get("rope_type", config.get("type"))
+        if rope_type == "default":
             return None
-        if kind not in ROPE_SCALING_KINDS:
+        if rope_type not in ROPE_SCALING_TYPES:
             raise ValueError(
-                f"RoPE scaling 'rope_type' must be 'default' or one of {ROPE_SCALING_KINDS}, "
-                f"got {kind!r}"
+                f"RoPE scaling 'rope_type' must be 'default' or one of {ROPE_SCALING_TYPES}, "
+                f"got {rope_type!r}"
             )
         if "factor" not in config:
-            raise ValueError(f"RoPE scaling of type {kind!r} needs a 'factor', got {dict(config)}")
+            raise ValueError(
+                f"RoPE scaling of type {rope_type!r} needs a 'factor', got {dict(config)}"
+            )
         fields = {name: config[name] for name in _LLAMA3_FIELDS if name in config}
-        return cls(kind=kind, factor=config["factor"], **fields)
+        return cls(type=rope_type, factor=config["factor"], **fields)
 
 
 def rope_frequencies(
@@ -155,17 +157,17 @@ def rope_frequencies(
     """
     if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
         raise ValueError(f"RoPE head_dim must be a positive even int, got {head_dim!r}")
-    if scaling is not None and scaling.kind in ("ntk", "dynamic") and head_dim == 2:
+    if scaling is not None and scaling.type in ("ntk", "dynamic") and head_dim == 2:
         raise ValueError("NTK RoPE scaling needs head_dim >= 4 (its exponent is d / (d - 2))")
-    if scaling is not None and scaling.kind == "dynamic":
+    if scaling is not None and scaling.type == "dynamic":
         return _dynamic_ntk_frequencies(head_dim, base, scaling, length)
-    if scaling is not None and scaling.kind == "ntk":
+    if scaling is not None and scaling.type == "ntk":
         # Chosen so the lowest frequency is divided by exactly ``factor`` while the highest stays 1.
         base = base * scaling.factor ** (head_dim / (head_dim - 2))
     inv_freq = float(base) ** (-np.arange(0, head_dim, 2) / head_dim)
-    if scaling is not None and scaling.kind == "linear":
+    if scaling is not None and scaling.type == "linear":
         inv_freq = inv_freq / scaling.factor
-    elif scaling is not None and scaling.kind == "llama3":
+    elif scaling is not None and scaling.type == "llama3":
         inv_freq = _llama3_scale(inv_freq, scaling)
     return jnp.asarray(inv_freq, jnp.float32)
 
@@ -247,7 +249,7 @@ def apply_rope(
         )
 
     length = None
-    if scaling is not None and scaling.kind == "dynamic":
+    if scaling is not None and scaling.type == "dynamic":
         length = jnp.max(positions) + 1
     inv_freq = rope_frequencies(head_dim, base=base, scaling=scaling, length=length)
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [(B,) T, Dh / 2]

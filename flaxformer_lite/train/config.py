@@ -224,7 +224,11 @@ RUNTIME_KEYS = (
 # Keys renamed since runs saved their configs: old dotted key -> new, in the same section. An
 # old key is read as its new name wherever it appears (a config file, an override, an older
 # run's config.yaml or checkpoint), so an older run resumes without a difference.
-RENAMED_KEYS = {"data.task": "data.generator", "data.task_options": "data.generator_options"}
+RENAMED_KEYS = {
+    "data.task": "data.generator",
+    "data.task_options": "data.generator_options",
+    "model.rope_scaling.kind": "model.rope_scaling.type",
+}
 
 # Our key for the names nanoGPT, Hugging Face's TrainingArguments / configs and levanter give a
 # setting: an unknown key whose last part is one of them is pointed here, in whatever section it
