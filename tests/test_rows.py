@@ -8,7 +8,7 @@ from flaxformer_lite.data.documents import from_ids
 from flaxformer_lite.data.rows import Packed, Windows, epoch_order
 
 SOS, EOS, T = 1, 2, 16
-KINDS = {"windows": Windows, "documents": Packed}
+LM_ROWS = {"windows": Windows, "documents": Packed}
 
 
 def corpus(count=60, longest=40, seed=0):
@@ -159,18 +159,18 @@ def test_an_epochs_rows_come_shuffled_not_in_the_order_they_were_cut():
         assert sorted(firsts) == sorted(cut_order) and firsts != cut_order
 
 
-@pytest.mark.parametrize("kind", sorted(KINDS))
-def test_rows_are_pure_functions_of_their_global_index(kind):
-    whole = KINDS[kind](DOCUMENTS, TRAIN, T, seed=1).rows(0, 90, SOS, EOS)
-    pieces = KINDS[kind](DOCUMENTS, TRAIN, T, seed=1)
+@pytest.mark.parametrize("lm_rows", sorted(LM_ROWS))
+def test_rows_are_pure_functions_of_their_global_index(lm_rows):
+    whole = LM_ROWS[lm_rows](DOCUMENTS, TRAIN, T, seed=1).rows(0, 90, SOS, EOS)
+    pieces = LM_ROWS[lm_rows](DOCUMENTS, TRAIN, T, seed=1)
     parts = [pieces.rows(first, 7, SOS, EOS) for first in range(0, 84, 7)]
     for key, value in whole.items():
         np.testing.assert_array_equal(np.concatenate([p[key] for p in parts]), value[:84], key)
     # A fresh builder asked for late rows first (a resumed run) makes the same rows.
-    late = KINDS[kind](DOCUMENTS, TRAIN, T, seed=1).rows(70, 20, SOS, EOS)
+    late = LM_ROWS[lm_rows](DOCUMENTS, TRAIN, T, seed=1).rows(70, 20, SOS, EOS)
     for key, value in late.items():
         np.testing.assert_array_equal(value, whole[key][70:], key)
-    other = KINDS[kind](DOCUMENTS, TRAIN, T, seed=2).rows(0, 90, SOS, EOS)
+    other = LM_ROWS[lm_rows](DOCUMENTS, TRAIN, T, seed=2).rows(0, 90, SOS, EOS)
     assert (other["inputs"] != whole["inputs"]).any()
 
 
@@ -184,8 +184,8 @@ def test_rows_have_the_batch_dtypes_and_shapes():
 
 def test_an_empty_document_is_one_position_and_a_corpus_of_empty_documents_works():
     empty = from_ids({"text": [[], [], []]}, np.arange(3))
-    for kind in KINDS.values():
-        rows = kind(empty, np.arange(3), 4, seed=0).rows(0, 2, SOS, EOS)
+    for rows_class in LM_ROWS.values():
+        rows = rows_class(empty, np.arange(3), 4, seed=0).rows(0, 2, SOS, EOS)
         np.testing.assert_array_equal(rows["inputs"][0], [SOS, SOS, SOS, 0])
         np.testing.assert_array_equal(rows["targets"][0], [EOS, EOS, EOS, 0])
         np.testing.assert_array_equal(rows["segment_ids"][0], [1, 2, 3, 0])

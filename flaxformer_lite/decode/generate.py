@@ -184,9 +184,9 @@ def check_lengths(lengths, batch: int, length: int, what: str) -> np.ndarray:
     return lengths.astype(np.int32)
 
 
-def check_model(model, kind: type, what: str) -> None:
-    if not isinstance(model, kind):
-        raise ValueError(f"{what} takes a {kind.__name__}, got {type(model).__name__}")
+def check_model(model, expected: type, what: str) -> None:
+    if not isinstance(model, expected):
+        raise ValueError(f"{what} takes a {expected.__name__}, got {type(model).__name__}")
 
 
 def check_new_tokens(max_new_tokens: int) -> None:
