@@ -2,8 +2,8 @@
 
 What only separate processes show: ``jax.distributed`` start-up, process 0 alone writing the run
 directory's files, checkpoints written collectively and resumed (also onto another mesh), the
-same losses as one process with the same 4 devices, a dead peer stopping the survivor instead of
-hanging it, and bad distributed settings rejected with exit status 2.
+same losses as one process with the same 4 devices (faults and bad settings:
+test_multiprocess_faults.py; the runs and checks both use: multiprocess_cases.py).
 
 Every subprocess gets its own environment (the ``XLA_FLAGS`` of this test process asks for 8
 devices; ``subprocess_env`` turns XLA's backend optimizations off and keeps the session's
@@ -15,191 +15,31 @@ never runs a scenario's set-up twice), to keep the file short on a small machine
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import json
 import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import numpy as np
 import pytest
-from subprocess_env import DISTRIBUTED_ENV, subprocess_env
+from multiprocess_cases import (
+    COMPILED,
+    QUICK,
+    assert_losses_close,
+    assert_succeeded,
+    checkpoint_steps,
+    finish,
+    launcher,
+    records,
+    reports,
+    start_pair,
+)
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
-
-REPO = Path(__file__).resolve().parents[1]
-TRAIN = REPO / "train.py"
-# A small, fast run (one decoder layer compiles quickly); a constant learning rate so that a run
-# resumed with a larger train.steps follows the same schedule as one started with it.
-QUICK = [
-    "train.batch_size=8",
-    "data.seq_len=32",
-    "optimizer.warmup_steps=0",
-    "optimizer.schedule=constant",
-    "model.num_decoder_layers=1",
-    "train.log_every=5",
-    "train.eval_every=10",
-    "train.eval_batches=2",
-    "data.eval_size=16",
-    "checkpoint.every=5",
-]
-RUN_TIMEOUT = 420  # seconds for runs started together, on a loaded machine
-COMPILED = "compiled the train step"  # process 0's line after the first step
-
-
-@dataclasses.dataclass
-class Job:
-    """One ``train.py`` subprocess and the files its output goes to."""
-
-    name: str
-    process: subprocess.Popen
-    stdout: Path
-    stderr: Path
-
-    @property
-    def returncode(self) -> int | None:
-        return self.process.poll()
-
-    def out(self) -> str:
-        return self.stdout.read_text(errors="replace") if self.stdout.exists() else ""
-
-    def err(self) -> str:
-        return self.stderr.read_text(errors="replace") if self.stderr.exists() else ""
-
-    def report(self, chars: int = 2500) -> str:
-        return (
-            f"\n=== {self.name}: exit status {self.returncode} ===\n"
-            f"--- stdout (tail) ---\n{self.out()[-chars:]}\n"
-            f"--- stderr (tail) ---\n{self.err()[-chars:]}"
-        )
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(timeout=30)
-
-
-def reports(jobs) -> str:
-    return "".join(job.report() for job in jobs)
-
-
-@contextlib.contextmanager
-def killed_at_exit():
-    """A list to put jobs in; whatever is still running at the end is killed."""
-    jobs: list[Job] = []
-    try:
-        yield jobs
-    finally:
-        for job in jobs:
-            job.kill()
-
-
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct ports the kernel had free (all held open until each is chosen)."""
-    with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
 
 
 @pytest.fixture
 def launch():
-    """``launch(name, directory, args, devices=2, env=None)`` starts ``python train.py
-    --no-progress *args`` on ``devices`` simulated CPU devices; all are killed after the test."""
-    with killed_at_exit() as jobs:
-
-        def start(name: str, directory: Path, args, *, devices: int = 2, env=None) -> Job:
-            environ = subprocess_env(devices, **(env or {}))
-            directory.mkdir(parents=True, exist_ok=True)
-            stdout, stderr = directory / f"{name}.out", directory / f"{name}.err"
-            with stdout.open("w") as out, stderr.open("w") as err:
-                process = subprocess.Popen(
-                    [sys.executable, str(TRAIN), "--no-progress", *map(str, args)],
-                    stdout=out,
-                    stderr=err,
-                    stdin=subprocess.DEVNULL,
-                    env=environ,
-                    cwd=directory,
-                )
-            jobs.append(Job(name, process, stdout, stderr))
-            return jobs[-1]
-
+    """Starts ``train.py`` processes (``multiprocess_cases.launcher``), killed after the test."""
+    with launcher() as start:
         yield start
-
-
-def start_pair(launch, name: str, directory: Path, args, *, extra=()) -> list[Job]:
-    """Processes 0 and 1 of a two-process run (2 devices each), set up by ``distributed.*``."""
-    (port,) = free_ports(1)
-    common = [
-        *args,
-        f"distributed.coordinator_address=127.0.0.1:{port}",
-        "distributed.num_processes=2",
-        "distributed.initialization_timeout=120",
-        *extra,
-    ]
-    return [
-        launch(f"{name}.p{i}", directory, [*common, f"distributed.process_id={i}"])
-        for i in range(2)
-    ]
-
-
-def finish(jobs, timeout: float = RUN_TIMEOUT) -> None:
-    """Waits for every job; kills them all and fails (with their output) past ``timeout``."""
-    deadline = time.monotonic() + timeout
-    for job in jobs:
-        try:
-            job.process.wait(timeout=max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            for other in jobs:
-                other.kill()
-            pytest.fail(f"{job.name} still running after {timeout} s" + reports(jobs))
-
-
-def assert_succeeded(jobs, what: str) -> None:
-    failed = [job.name for job in jobs if job.returncode != 0]
-    assert not failed, f"{what}: {failed} failed" + reports(jobs)
-
-
-def wait_for_text(job: Job, text: str, watched, timeout: float = RUN_TIMEOUT) -> None:
-    """Polls ``job``'s stdout for ``text``; fails if any of ``watched`` exits first."""
-    deadline = time.monotonic() + timeout
-    while text not in job.out():
-        exited = [w.name for w in watched if w.returncode is not None]
-        if exited:
-            pytest.fail(f"{exited} exited before {job.name} printed {text!r}" + reports(watched))
-        if time.monotonic() > deadline:
-            pytest.fail(f"no {text!r} from {job.name} after {timeout} s" + reports(watched))
-        time.sleep(0.25)
-
-
-def records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def checkpoint_steps(run_dir: Path) -> list[int]:
-    return sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
-
-
-def assert_losses_close(run_dir: Path, reference_dir: Path, context: str) -> None:
-    """Every logged loss and eval loss of ``run_dir`` equals ``reference_dir``'s (rtol 1e-5:
-    the reductions of different device layouts add in different orders)."""
-    keys = ("loss", "eval_loss")
-    got = {(r["step"], k): r[k] for r in records(run_dir) for k in keys if k in r}
-    want = {(r["step"], k): r[k] for r in records(reference_dir) for k in keys if k in r}
-    assert got.keys() == want.keys(), f"{sorted(got)} != {sorted(want)}{context}"
-    np.testing.assert_allclose(
-        [got[k] for k in sorted(want)],
-        [want[k] for k in sorted(want)],
-        rtol=1e-5,
-        err_msg=f"{got} vs {want}{context}",
-    )
 
 
 @pytest.mark.slow
@@ -268,184 +108,3 @@ def test_two_processes_share_one_prepared_text_cache_and_match_one_process(tmp_p
     assert len(caches) == 1 and caches[0].name.startswith("text-"), f"{caches}{context}"
     assert (caches[0] / "manifest.json").is_file(), context
     assert_losses_close(two, reference, context)
-
-
-@pytest.mark.slow
-def test_a_dead_process_stops_the_other_instead_of_hanging(tmp_path, launch):
-    """Two runs at once (heartbeat timeout 5 s): one loses process 1, the other its
-    coordinator, process 0, in the middle of training."""
-    pairs = {}
-    for victim in (1, 0):
-        args = [
-            f"run_dir={tmp_path / f'run{victim}'}",
-            *QUICK,
-            "train.steps=2000",
-            "checkpoint.every=1000",
-            "train.eval_every=1000",
-            "train.log_every=50",
-        ]
-        pairs[victim] = start_pair(
-            launch, f"kill{victim}", tmp_path, args, extra=["distributed.heartbeat_timeout=5"]
-        )
-    for jobs in pairs.values():
-        wait_for_text(jobs[0], COMPILED, jobs)  # both processes are in the training loop
-    time.sleep(1)
-    for victim, jobs in pairs.items():
-        assert all(job.returncode is None for job in jobs), reports(jobs)
-        jobs[victim].process.send_signal(signal.SIGKILL)
-    killed, exited = time.monotonic(), {}
-    while len(exited) < len(pairs) and time.monotonic() < killed + 90:
-        for victim, jobs in pairs.items():
-            if victim not in exited and jobs[1 - victim].returncode is not None:
-                exited[victim] = time.monotonic() - killed
-        time.sleep(0.1)
-    outcomes = [
-        f"SIGKILL to process {victim}: process {1 - victim} exited with status "
-        f"{jobs[1 - victim].returncode} after {exited.get(victim, 90):.1f} s"
-        for victim, jobs in pairs.items()
-    ]
-    for victim, jobs in pairs.items():
-        assert victim in exited, f"{outcomes} (not stopped: a hang)" + reports(jobs)
-        assert jobs[1 - victim].returncode != 0, str(outcomes) + reports(jobs)
-    print("\n" + "\n".join(outcomes))
-
-
-@pytest.mark.slow
-def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path, launch):
-    """The signal reaches process 1 only; the processes agree to stop after the same step, save
-    that step together and both exit 128 + SIGTERM (a process saving alone would hang)."""
-    run_dir = tmp_path / "run"
-    args = [
-        f"run_dir={run_dir}",
-        *QUICK,
-        "train.steps=2000",
-        "checkpoint.every=1000",
-        "train.eval_every=1000",
-        "train.log_every=50",
-    ]
-    jobs = start_pair(launch, "term", tmp_path, args)
-    wait_for_text(jobs[0], COMPILED, jobs)
-    time.sleep(1)
-    jobs[1].process.send_signal(signal.SIGTERM)
-    finish(jobs, timeout=120)
-    assert [job.returncode for job in jobs] == [143, 143], reports(jobs)
-    steps = checkpoint_steps(run_dir)
-    assert len(steps) == 1 and 0 < steps[0] < 2000, (steps, reports(jobs))
-    assert f"SIGTERM at step {steps[0]}: checkpoint saved" in jobs[1].err(), reports(jobs)
-
-
-@pytest.mark.slow
-def test_a_mixture_stopped_by_sigterm_on_two_processes_resumes_as_one_process_trains(
-    tmp_path, launch
-):
-    """A 3:1 mixture of two text files: SIGTERM stops the pair, which resumes; every logged
-    loss, per-source eval loss among them, is the one-process run's."""
-    for name, line in (("a", "the cat sat on mat {}\n"), ("b", "{} + 1 = ?\n")):
-        (tmp_path / f"{name}.txt").write_text("".join(line.format(i) for i in range(200)))
-    args = [
-        *QUICK,
-        "model.d_model=32",
-        "model.num_heads=2",
-        "model.d_ff=64",
-        "data.source=text",
-        "data.text_documents=lines",
-        "data.tokenizer=char",
-        f"data.mixture.a.path={tmp_path / 'a.txt'}",
-        "data.mixture.a.weight=3",
-        f"data.mixture.b.path={tmp_path / 'b.txt'}",
-        "train.steps=300",  # longer, the two layouts' float sums drift apart
-        "train.log_every=20",
-        "train.eval_every=100",
-        "checkpoint.every=1000",
-    ]
-    reference, two = tmp_path / "reference", tmp_path / "two"
-    one = launch("reference", tmp_path, [f"run_dir={reference}", *args], devices=4)
-    pair = start_pair(launch, "term", tmp_path, [f"run_dir={two}", *args])
-    wait_for_text(pair[0], COMPILED, pair)
-    pair[1].process.send_signal(signal.SIGTERM)
-    finish(pair, timeout=120)
-    assert [job.returncode for job in pair] == [143, 143], reports(pair)
-    stopped = checkpoint_steps(two)
-    resumed = start_pair(launch, "resumed", tmp_path, [f"run_dir={two}", *args])
-    finish([*resumed, one])
-    assert_succeeded([one, *resumed], "the mixture runs")
-    context = reports(resumed) + one.report()
-    assert f"resumed from step {stopped[-1]} of" in resumed[0].out(), context
-    assert_losses_close(two, reference, context)
-    got, want = records(two)[-1], records(reference)[-1]
-    for key in ("eval_loss/a", "eval_loss/b"):
-        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key + context)
-
-
-@pytest.mark.slow
-def test_bad_distributed_settings_exit_2_with_a_clear_message(tmp_path, launch):
-    cases = [  # (overrides, environment, what the one-line error says)
-        (
-            [],
-            {"JAX_NUM_PROCESSES": "abc"},
-            "environment variable JAX_NUM_PROCESSES must be an integer, got 'abc'",
-        ),
-        (
-            [
-                "distributed.coordinator_address=127.0.0.1:1",
-                "distributed.num_processes=2",
-                "distributed.process_id=2",
-            ],
-            {},
-            "process_id < num_processes",
-        ),
-        (
-            ["distributed.num_processes=2", "distributed.process_id=0"],
-            {},
-            "coordinator_address should be defined. (set distributed.coordinator_address",
-        ),
-    ]
-    jobs = [
-        launch(f"bad{i}", tmp_path, [f"run_dir={tmp_path / f'run{i}'}", *overrides], env=env)
-        for i, (overrides, env, _) in enumerate(cases)
-    ]
-    finish(jobs, timeout=240)
-    problems = [
-        f"{overrides} {env}: expected exit status 2 and 'error: ...{message}'" + job.report()
-        for job, (overrides, env, message) in zip(jobs, cases, strict=True)
-        if job.returncode != 2 or not job.err().startswith("error: ") or message not in job.err()
-    ]
-    assert not problems, "\n".join(problems)
-    assert not any((tmp_path / f"run{i}").exists() for i in range(len(cases)))
-
-
-@pytest.mark.parametrize(
-    "overrides, env, message",
-    [
-        (
-            [],
-            {"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "first"},
-            "environment variable JAX_PROCESS_ID must be an integer, got 'first'",
-        ),
-        (["distributed.num_processes=abc"], {}, "distributed.num_processes must be an integer"),
-        (["distributed.process_id=1.5"], {}, "distributed.process_id must be an integer"),
-        (
-            ["distributed.heartbeat_timeout=0"],
-            {},
-            "distributed: heartbeat_timeout must be a positive int, got 0",
-        ),
-        (
-            ["distributed.initialization_timeout=-3"],
-            {},
-            "distributed: initialization_timeout must be a positive int, got -3",
-        ),
-    ],
-)
-def test_bad_distributed_settings_in_process(
-    tmp_path, monkeypatch, capsys, overrides, env, message
-):
-    """More of them without a subprocess: they fail before ``jax.distributed`` is touched."""
-    from flaxformer_lite.cli.train import train_main
-
-    for name in DISTRIBUTED_ENV:
-        monkeypatch.delenv(name, raising=False)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    assert train_main([f"run_dir={tmp_path / 'run'}", "--no-progress", *overrides]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and message in err, err
