@@ -82,7 +82,9 @@ def compile_for(
         model that does not generate.
     """
     devices = topology_devices(topology)
-    sizes = parallel.mesh_shape(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, len(devices))
+    sizes = parallel.mesh_shape(
+        cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, len(devices), cfg.mesh.context
+    )
     cfg, mesh = resolve_mesh(cfg, _ordered(devices, sizes))
     rules = cfg.mesh.rules
     microbatches = 1 if decode else cfg.train.grad_accum_steps

@@ -18,6 +18,7 @@ from flaxformer_lite.models import pieces
 from flaxformer_lite.models.config import ModelConfig
 from flaxformer_lite.nn.attention import MultiHeadAttention
 from flaxformer_lite.nn.stack import LayerStack
+from flaxformer_lite.parallel import context as context_parallel
 
 
 def make_layer_norm(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
@@ -221,7 +222,10 @@ class Tower(nnx.Module):
         bias = None
         if self.relative_bias is not None:
             start = 0 if cache_index is None else cache_index
-            bias = self.relative_bias(start + jnp.arange(length), jnp.arange(kv_length))
+            # Queries in the layout's order (zig-zag under context parallelism), keys in
+            # position order, as the attention gathers them.
+            query_positions = start + context_parallel.sequence_order(length)
+            bias = self.relative_bias(query_positions, jnp.arange(kv_length))
         x = self.layers(
             x,
             context,

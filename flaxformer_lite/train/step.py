@@ -20,6 +20,7 @@ from flaxformer_lite import ops
 from flaxformer_lite.data.tasks import check_task
 from flaxformer_lite.models.config import ModelConfig
 from flaxformer_lite.nn.sharding import gathered_for_compute
+from flaxformer_lite.parallel.context import sequence_shards, to_context_layout
 
 
 def task_of(cfg: ModelConfig) -> str:
@@ -61,6 +62,9 @@ def model_loss(
         )
     features = loss_chunk is not None
     if task == "lm":
+        shards = sequence_shards()
+        if shards > 1:  # a loss over tokens: the same in any order
+            batch = to_context_layout(batch, shards)
         outputs = model(
             batch["inputs"],
             positions=batch.get("positions"),

@@ -1,0 +1,196 @@
+"""Context parallelism (mesh.context): each sequence split zig-zag over devices, K/V gathered in
+attention. Training on context meshes gives the losses and gradients of one device.
+
+The 8 devices are the simulated CPU devices of conftest.py; the one-device baseline runs on the
+first of them.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from flaxformer_lite import ops
+from flaxformer_lite.models import ModelConfig, build_model
+from flaxformer_lite.parallel import DEFAULT_RULES, batch_sharding, create_sharded, make_mesh
+from flaxformer_lite.parallel.context import natural_order, to_context_layout, zigzag_order
+from flaxformer_lite.train.config import ConfigError, load_config
+from flaxformer_lite.train.program import tracing_layout
+from flaxformer_lite.train.step import make_train_step, model_loss
+
+pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
+
+B, T, VOCAB, STEPS = 4, 32, 64, 5
+NO_DROPOUT = dict(embedding_dropout=0.0, attention_dropout=0.0, residual_dropout=0.0)
+
+
+# --------------------------------------------------------------------------- the layout
+def test_zigzag_gives_each_shard_an_early_and_a_late_block():
+    order = zigzag_order(16, 4)  # 8 blocks of 2
+    shards = order.reshape(4, 2, 2)
+    for i in range(4):
+        np.testing.assert_array_equal(shards[i, 0], [2 * i, 2 * i + 1])
+        np.testing.assert_array_equal(shards[i, 1], [2 * (7 - i), 2 * (7 - i) + 1])
+    np.testing.assert_array_equal(np.sort(order), np.arange(16))
+    np.testing.assert_array_equal(zigzag_order(6, 1), np.arange(6))
+    x = jnp.arange(2 * 16 * 3).reshape(2, 16, 3)
+    np.testing.assert_array_equal(natural_order(x[:, order], 4, axis=1), x)
+    with pytest.raises(ValueError, match=r"length 20 does not split over mesh.context=4"):
+        zigzag_order(20, 4)
+
+
+def test_layout_moves_every_token_array_and_adds_true_positions():
+    batch = dict(inputs=jnp.arange(2 * 8).reshape(2, 8), weights=jnp.ones((2, 8)))
+    laid = to_context_layout(batch, 2)
+    order = zigzag_order(8, 2)
+    np.testing.assert_array_equal(laid["inputs"], batch["inputs"][:, order])
+    np.testing.assert_array_equal(laid["positions"], np.broadcast_to(order, (2, 8)))
+
+
+def test_query_positions_mask_is_the_rows_of_the_whole_mask():
+    """A query at a given position sees the keys its row of the aligned mask shows."""
+    positions = jnp.asarray([5, 0, 7, 2])
+    for pieces in (
+        dict(is_causal=True),
+        dict(is_causal=True, local_window=(2, 0)),
+        dict(is_causal=True, local_window=(1, 0), global_tokens=2),
+        dict(local_window=(1, 2), global_tokens=1),
+    ):
+        whole = ops.AttentionMask(**pieces).positional(8, 8)[0, 0]
+        rows = ops.AttentionMask(**pieces, query_positions=positions).positional(4, 8)
+        np.testing.assert_array_equal(rows[0, 0], whole[positions])
+
+
+# --------------------------------------------------------------------------- exactness
+def lm_batch(seed, packed):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(3, VOCAB, (B, T + 1)).astype(np.int32)
+    batch = dict(inputs=ids[:, :-1], targets=ids[:, 1:], weights=np.ones((B, T), np.float32))
+    if packed:  # three documents per row, cut at different places; positions restart
+        cuts = rng.integers(1, T, (B, 2))
+        slots = np.arange(T)
+        segment_ids = 1 + (slots >= cuts.min(1, keepdims=True)) + (slots >= cuts.max(1)[:, None])
+        starts = np.where(np.diff(segment_ids, prepend=0, axis=1) != 0, slots, 0)
+        batch["segment_ids"] = segment_ids.astype(np.int32)
+        batch["positions"] = (slots - np.maximum.accumulate(starts, axis=1)).astype(np.int32)
+    return batch
+
+
+def train(cfg, mesh, packed, loss_chunk=None):
+    """Losses, gradient norms and the gradients of the state after ``STEPS`` SGD steps."""
+
+    def create():
+        model = build_model(cfg, rngs=nnx.Rngs(params=0, dropout=1))
+        return model, nnx.Optimizer(model, optax.sgd(0.5), wrt=nnx.Param)
+
+    graphdef, state, shardings = create_sharded(create, mesh, DEFAULT_RULES)
+    batches = [
+        jax.device_put(lm_batch(seed, packed), batch_sharding(mesh, DEFAULT_RULES))
+        for seed in range(STEPS + 1)
+    ]
+
+    @jax.jit
+    def grads(state, batch):
+        model, _ = nnx.merge(graphdef, state)
+        loss = lambda m: model_loss(m, batch, task="lm", loss_chunk=loss_chunk)[0]  # noqa: E731
+        return nnx.grad(loss)(model)
+
+    with tracing_layout(mesh, DEFAULT_RULES):
+        step = make_train_step(
+            graphdef, task="lm", loss_chunk=loss_chunk, state_shardings=shardings
+        )
+        history = []
+        for batch in batches[:STEPS]:
+            state, metrics = step(state, batch)
+            history.append((float(metrics["loss"]), float(metrics["grad_norm"])))
+        final = grads(state, batches[STEPS])
+    return np.asarray(history), jax.tree.map(np.asarray, nnx.to_pure_dict(final))
+
+
+def assert_same_training(cfg, meshes, packed=False, loss_chunk=None):
+    devices = jax.devices()
+    want, want_grads = train(cfg, make_mesh(1, 1, 1, devices=devices[:1]), packed, loss_chunk)
+    for data, fsdp, tensor, context in meshes:
+        used = devices[: data * fsdp * tensor * context]
+        mesh = make_mesh(data, fsdp, tensor, context=context, devices=used)
+        got, got_grads = train(cfg, mesh, packed, loss_chunk)
+        np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=str(dict(mesh.shape)))
+        scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(want_grads))
+        for got_grad, want_grad in zip(
+            jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True
+        ):
+            np.testing.assert_allclose(got_grad, want_grad, rtol=1e-5, atol=1e-5 * scale)
+
+
+def tiny(preset="gpt2-tiny", **overrides):
+    return ModelConfig.from_preset(
+        preset, vocab_size=VOCAB, max_length=T, num_decoder_layers=2, **{**NO_DROPOUT, **overrides}
+    )
+
+
+def test_causal_lm_with_packed_rows_trains_as_on_one_device():
+    """Learned positions, packed rows (segment ids, positions restarting per document) on
+    context 2 and 8, and context x data."""
+    assert_same_training(tiny(), [(1, 1, 1, 2), (1, 1, 1, 8), (2, 1, 1, 4)], packed=True)
+
+
+def test_sliding_window_with_global_tokens_trains_as_on_one_device():
+    """A causal window with global tokens, the masks built from the true positions; context 4
+    and context x fsdp."""
+    cfg = tiny(local_window=(5, 0), global_tokens=2)
+    assert_same_training(cfg, [(1, 1, 1, 4), (1, 2, 1, 4)])
+
+
+def test_rope_with_grouped_heads_trains_as_on_one_device():
+    """Llama-style: RoPE from the true positions, grouped KV heads, packed rows; context 4 and
+    context x tensor."""
+    cfg = tiny("llama-tiny", num_heads=4, num_kv_heads=2, d_model=32, d_ff=64)
+    assert_same_training(cfg, [(1, 1, 1, 4), (1, 1, 2, 2)], packed=True)
+
+
+def test_relative_positions_and_chunked_loss_train_as_on_one_device():
+    """T5's relative bias (queries in the layout order, keys in position order) and the loss
+    a chunk of positions at a time."""
+    cfg = tiny(positions="relative")
+    assert_same_training(cfg, [(1, 1, 1, 4)], loss_chunk=8)
+
+
+def test_context_step_gathers_keys_and_values():
+    """The sequence is split: the step all-gathers keys and values along the context axis."""
+    cfg = tiny()
+    mesh = make_mesh(1, 1, 1, context=4, devices=jax.devices()[:4])
+    graphdef, state, shardings = create_sharded(
+        lambda: (build_model(cfg, rngs=nnx.Rngs(0)),), mesh, DEFAULT_RULES
+    )
+
+    def loss(state, batch):
+        (model,) = nnx.merge(graphdef, state)
+        return model_loss(model, batch, task="lm")[0]
+
+    batch = jax.device_put(lm_batch(0, False), batch_sharding(mesh, DEFAULT_RULES))
+    with tracing_layout(mesh, DEFAULT_RULES):
+        hlo = jax.jit(loss).lower(state, batch).compile().as_text()
+    assert "all-gather" in hlo
+
+
+# --------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["mesh.context=4", "data.seq_len=36"], r"data.seq_len 36 does not split over mesh.con"),
+        (
+            ["mesh.context=2", "model.preset=transformer-tiny"],
+            r"mesh.context=2 splits the sequences of decoder models; model.kind is encoder_dec",
+        ),
+        (
+            ["mesh.context=2", "model.mixer=aft_full"],
+            r"mesh.context=2 with model.mixer=aft_full: only attention mixes tokens",
+        ),
+        (["mesh.context=0"], r"mesh.context must be a positive int or -1"),
+    ],
+)
+def test_unsplittable_settings_are_config_errors(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
