@@ -5,6 +5,8 @@ The 8 devices are the simulated CPU devices of conftest.py; the one-device basel
 first of them.
 """
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,7 @@ import pytest
 from flax import nnx
 
 from flaxformer_lite import ops
+from flaxformer_lite.cli import main
 from flaxformer_lite.models import ModelConfig, build_model
 from flaxformer_lite.parallel import DEFAULT_RULES, batch_sharding, create_sharded, make_mesh
 from flaxformer_lite.parallel.context import natural_order, to_context_layout, zigzag_order
@@ -137,9 +140,9 @@ def test_causal_lm_with_packed_rows_trains_as_on_one_device():
 
 
 def test_sliding_window_with_global_tokens_trains_as_on_one_device():
-    """A causal window with global tokens, the masks built from the true positions; context 4
-    and context x fsdp."""
-    cfg = tiny(local_window=(5, 0), global_tokens=2)
+    """A causal window with global tokens, the masks built from the true positions, in the
+    chunked implementation on each device; context 4 and context x fsdp."""
+    cfg = tiny(local_window=(5, 0), global_tokens=2, attention_implementation="chunked")
     assert_same_training(cfg, [(1, 1, 1, 4), (1, 2, 1, 4)])
 
 
@@ -194,3 +197,32 @@ def test_context_step_gathers_keys_and_values():
 def test_unsplittable_settings_are_config_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+def compile_cli(argv, capsys):
+    status = main(["compile", *argv])
+    out, err = capsys.readouterr()
+    return status, out.strip().splitlines(), err.strip().splitlines()
+
+
+COMPILE_TINY = ["train.batch_size=2", "data.seq_len=16", "--topology", "cpu-8"]
+
+
+def test_compile_refuses_unsplittable_lengths_and_generation_in_one_line(capsys):
+    status, out, err = compile_cli([*COMPILE_TINY, "mesh.context=4", "data.seq_len=36"], capsys)
+    assert (status, out) == (2, [])
+    assert err == [
+        "error: data.seq_len 36 does not split over mesh.context=4: the zig-zag layout cuts "
+        "each sequence into 2 x 4 = 8 equal blocks"
+    ]
+    status, out, err = compile_cli([*COMPILE_TINY, "--decode", "mesh.context=8"], capsys)
+    assert (status, out, len(err)) == (2, [], 1)
+    assert err[0].startswith("error: --decode with mesh.context=8: generation keeps")
+
+
+def test_compile_reports_a_context_mesh(capsys):
+    """mesh.context composes with data on the compile path: its mesh in the report."""
+    status, out, _ = compile_cli([*COMPILE_TINY, "mesh.data=2", "mesh.context=4"], capsys)
+    summary = json.loads(out[-1])
+    assert status == 0 and summary["mesh"] == {"data": 2, "fsdp": 1, "context": 4, "tensor": 1}
+    assert summary["collectives"]["all-gather"] > 0
