@@ -17,8 +17,8 @@ from flax import nnx
 from flaxformer_lite import ops
 from flaxformer_lite.cli import main
 from flaxformer_lite.models import ModelConfig, build_model
+from flaxformer_lite.nn.context_parallel import natural_order, to_context_layout, zigzag_order
 from flaxformer_lite.parallel import DEFAULT_RULES, batch_sharding, create_sharded, make_mesh
-from flaxformer_lite.parallel.context import natural_order, to_context_layout, zigzag_order
 from flaxformer_lite.train.config import ConfigError, load_config
 from flaxformer_lite.train.program import tracing_layout
 from flaxformer_lite.train.step import make_train_step, model_loss

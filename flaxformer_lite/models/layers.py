@@ -16,9 +16,9 @@ from flax import nnx
 
 from flaxformer_lite.models import pieces
 from flaxformer_lite.models.config import ModelConfig
+from flaxformer_lite.nn import context_parallel
 from flaxformer_lite.nn.attention import MultiHeadAttention
 from flaxformer_lite.nn.stack import LayerStack
-from flaxformer_lite.parallel import context as context_parallel
 
 
 def make_layer_norm(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flaxformer_lite import ops
+from flaxformer_lite.nn import context_parallel
 from flaxformer_lite.nn.dense import XAVIER, Dense, KernelInit
-from flaxformer_lite.parallel import context as context_parallel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,7 +265,7 @@ class MultiHeadAttention(nnx.Module):
 
         ``ops.dot_product_attention`` with this module's implementation and dropout; over a
         sequence split by the mesh's context axis, on each device against the gathered keys
-        (``parallel.context.context_attention``). A variant overrides this (and
+        (``nn.context_parallel.context_attention``). A variant overrides this (and
         :meth:`weights`) and keeps the projections, RoPE and the cache.
         """
         dropout_rate = 0.0 if self.deterministic else self.dropout_rate

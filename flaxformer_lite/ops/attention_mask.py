@@ -14,8 +14,9 @@ array:
                      above only at that alignment. Any other offset (a KV cache's write index,
                      often traced) turns them into ``explicit`` at the cache positions.
   ``query_positions`` int ``[T]``: each query's own position, key ``j`` being at ``j``, for the
-                     queries of a sequence split over devices (:mod:`flaxformer_lite.parallel.
-                     context`); folded into ``explicit`` as a given ``query_offset`` is.
+                     queries of a sequence split over devices
+                     (:mod:`flaxformer_lite.nn.context_parallel`); folded into ``explicit``
+                     as a given ``query_offset`` is.
   ``segment_ids``    int ``(q [B, T], kv [B, S])``: a query sees only keys with its id (packing).
   ``explicit``       bool, broadcastable to ``[B, H, T, S]``, True = may attend.
 

@@ -31,7 +31,8 @@ def causal_mask(
       offset: position of the first query, a Python int, a scalar array or a ``[B]`` array
         (one cache index per batch row). May be traced.
       positions: int ``[T]``, each query's own position in place of ``offset + i`` (the
-        queries of a sequence split over devices, see :mod:`flaxformer_lite.parallel.context`).
+        queries of a sequence split over devices, see
+        :mod:`flaxformer_lite.nn.context_parallel`).
 
     Returns:
       bool ``[1, 1, T, S]``, or ``[B, 1, T, S]`` for a per-row ``offset``.

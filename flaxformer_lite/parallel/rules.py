@@ -27,7 +27,7 @@ Rules = Mapping[str, tuple[str, ...]]
 # Data parallelism over "data"; ZeRO-3 parameter sharding over "fsdp", which splits the batch
 # too; Megatron tensor parallelism over "tensor" (attention heads, MLP units, the vocabulary);
 # context parallelism over "context", which splits the activations' sequence
-# (:mod:`.context`; parameters are not split by it).
+# (:mod:`flaxformer_lite.nn.context_parallel`; parameters are not split by it).
 DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "batch": ("data", "fsdp"),
     "activation_length": ("context",),

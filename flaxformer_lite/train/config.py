@@ -29,8 +29,8 @@ import yaml
 
 from flaxformer_lite.data.config import DataConfig
 from flaxformer_lite.models.config import ModelConfig
+from flaxformer_lite.nn.context_parallel import check_context_length
 from flaxformer_lite.parallel import DEFAULT_RULES, MESH_AXES, DistributedConfig, check_rules
-from flaxformer_lite.parallel.context import check_context_length
 from flaxformer_lite.settings import setting
 from flaxformer_lite.train.init_from import checkpoint_model
 from flaxformer_lite.train.optim import OptimizerConfig

@@ -19,8 +19,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from flaxformer_lite import ops
 from flaxformer_lite.data.tasks import check_task
 from flaxformer_lite.models.config import ModelConfig
+from flaxformer_lite.nn.context_parallel import sequence_shards, to_context_layout
 from flaxformer_lite.nn.sharding import gathered_for_compute
-from flaxformer_lite.parallel.context import sequence_shards, to_context_layout
 
 
 def task_of(cfg: ModelConfig) -> str:
