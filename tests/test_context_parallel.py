@@ -6,6 +6,7 @@ first of them.
 """
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -160,22 +161,24 @@ def test_relative_positions_and_chunked_loss_train_as_on_one_device():
     assert_same_training(cfg, [(1, 1, 1, 4)], loss_chunk=8)
 
 
-def test_context_step_gathers_keys_and_values():
-    """The sequence is split: the step all-gathers keys and values along the context axis."""
+def test_context_step_gathers_only_keys_and_values():
+    """The sequence stays split: the only all-gathers of the step (forward and backward, with
+    the loss in blocks) are those of the keys and values, ``[B, T, H, Dh]``."""
     cfg = tiny()
     mesh = make_mesh(1, 1, 1, context=4, devices=jax.devices()[:4])
-    graphdef, state, shardings = create_sharded(
+    graphdef, state, _ = create_sharded(
         lambda: (build_model(cfg, rngs=nnx.Rngs(0)),), mesh, DEFAULT_RULES
     )
 
-    def loss(state, batch):
+    def grads(state, batch):
         (model,) = nnx.merge(graphdef, state)
-        return model_loss(model, batch, task="lm")[0]
+        return nnx.grad(lambda m: model_loss(m, batch, task="lm", loss_chunk=8)[0])(model)
 
     batch = jax.device_put(lm_batch(0, False), batch_sharding(mesh, DEFAULT_RULES))
     with tracing_layout(mesh, DEFAULT_RULES):
-        hlo = jax.jit(loss).lower(state, batch).compile().as_text()
-    assert "all-gather" in hlo
+        hlo = jax.jit(grads).lower(state, batch).compile().as_text()
+    gathered = {shape.split("{")[0] for shape in re.findall(r"= (\S+) all-gather", hlo)}
+    assert gathered == {f"f32[{B},{T},4,16]"}
 
 
 # --------------------------------------------------------------------------- bad input

@@ -91,6 +91,17 @@ def to_context_layout(batch: dict[str, jax.Array], shards: int) -> dict[str, jax
     return {name: jnp.take(x, order, axis=1) for name, x in batch.items()}
 
 
+def shard_rows(x: jax.Array, shards: int) -> jax.Array:
+    """``[B, T, ...]`` split along T over ``shards`` devices -> ``[B * shards, T / shards, ...]``:
+    each device's part of a row as a row of its own, so that a loop over blocks of positions
+    (``ops.chunked_cross_entropy``) walks every device's positions where they lie instead of
+    gathering the sequence."""
+    rows = x.reshape(x.shape[0] * shards, x.shape[1] // shards, *x.shape[2:])
+    batch = linen.logical_to_mesh_axes(("batch",), spmd.get_logical_axis_rules())[0]
+    batch = () if batch is None else (batch,) if isinstance(batch, str) else tuple(batch)
+    return lax.with_sharding_constraint(rows, P((*batch, *sequence_axes())))
+
+
 def natural_order(x: jax.Array, shards: int, axis: int) -> jax.Array:
     """``x`` gathered along ``axis`` in the zig-zag layout -> in position order."""
     x = jnp.moveaxis(x, axis, 0)

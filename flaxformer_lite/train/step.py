@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from flaxformer_lite import ops
 from flaxformer_lite.data.tasks import check_task
 from flaxformer_lite.models.config import ModelConfig
-from flaxformer_lite.nn.context_parallel import sequence_shards, to_context_layout
+from flaxformer_lite.nn.context_parallel import sequence_shards, shard_rows, to_context_layout
 from flaxformer_lite.nn.sharding import gathered_for_compute
 
 
@@ -61,8 +61,8 @@ def model_loss(
             z_loss=z_loss,
         )
     features = loss_chunk is not None
+    shards = sequence_shards()
     if task == "lm":
-        shards = sequence_shards()
         if shards > 1:  # a loss over tokens: the same in any order
             batch = to_context_layout(batch, shards)
         outputs = model(
@@ -78,7 +78,10 @@ def model_loss(
     else:  # mlm
         mlm = model.encode if features else model
         outputs = mlm(batch["inputs"], padding_mask=batch["mask"])
-    loss_kwargs = dict(weights=batch["weights"], label_smoothing=label_smoothing, z_loss=z_loss)
+    targets, weights = batch["targets"], batch["weights"]
+    if features and task == "lm" and shards > 1:  # the loss's blocks stay on their devices
+        outputs, targets, weights = (shard_rows(x, shards) for x in (outputs, targets, weights))
+    loss_kwargs = dict(weights=weights, label_smoothing=label_smoothing, z_loss=z_loss)
     if features:
         head_def, head_state = nnx.split(model.head)
         head_state = jax.tree.map(
@@ -88,12 +91,12 @@ def model_loss(
         )
         return ops.chunked_cross_entropy(
             outputs,
-            batch["targets"],
+            targets,
             lambda x: nnx.merge(head_def, head_state)(x),
             chunk=loss_chunk,
             **loss_kwargs,
         )
-    return ops.cross_entropy(outputs, batch["targets"], **loss_kwargs)
+    return ops.cross_entropy(outputs, targets, **loss_kwargs)
 
 
 def make_train_step(
