@@ -19,9 +19,17 @@ from flaxformer_lite import ops
 from flaxformer_lite.cli import main
 from flaxformer_lite.models import ModelConfig, build_model
 from flaxformer_lite.nn.context_parallel import natural_order, to_context_layout, zigzag_order
-from flaxformer_lite.parallel import DEFAULT_RULES, batch_sharding, create_sharded, make_mesh
+from flaxformer_lite.parallel import (
+    DEFAULT_RULES,
+    abstract_sharded,
+    batch_sharding,
+    create_sharded,
+    make_mesh,
+)
+from flaxformer_lite.train.checkpoint import Checkpointer
 from flaxformer_lite.train.config import ConfigError, load_config
 from flaxformer_lite.train.program import tracing_layout
+from flaxformer_lite.train.restore import from_savable, restore_target, to_savable
 from flaxformer_lite.train.step import make_train_step, model_loss
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
@@ -179,6 +187,46 @@ def test_context_step_gathers_only_keys_and_values():
         hlo = jax.jit(grads).lower(state, batch).compile().as_text()
     gathered = {shape.split("{")[0] for shape in re.findall(r"= (\S+) all-gather", hlo)}
     assert gathered == {f"f32[{B},{T},4,16]"}
+
+
+def test_a_checkpoint_of_a_context_run_restores_on_other_meshes(tmp_path):
+    """Parameters are not split by the context axis: a checkpoint written on context 4 restores
+    onto one device and onto data 2 x context 2, and the next step has the same loss."""
+    cfg = tiny()
+
+    def create():
+        model = build_model(cfg, rngs=nnx.Rngs(params=0, dropout=1))
+        return model, nnx.Optimizer(model, optax.sgd(0.5), wrt=nnx.Param)
+
+    def next_loss(mesh, graphdef, state, shardings):
+        step = make_train_step(graphdef, task="lm", state_shardings=shardings)
+        with tracing_layout(mesh, DEFAULT_RULES):
+            batch = jax.device_put(lm_batch(3, True), batch_sharding(mesh, DEFAULT_RULES))
+            return float(step(state, batch)[1]["loss"])
+
+    source = make_mesh(1, 1, 1, context=4, devices=jax.devices()[:4])
+    graphdef, state, shardings = create_sharded(create, source, DEFAULT_RULES)
+    step = make_train_step(graphdef, task="lm", state_shardings=shardings)
+    with tracing_layout(source, DEFAULT_RULES):
+        for seed in range(2):
+            batch = jax.device_put(lm_batch(seed, True), batch_sharding(source, DEFAULT_RULES))
+            state, _ = step(state, batch)
+    with Checkpointer(tmp_path / "checkpoints", keep=1) as checkpointer:
+        assert checkpointer.save(2, to_savable(state), data_state={}, config={}, force=True)
+        checkpointer.wait()
+    want = next_loss(source, graphdef, state, shardings)
+    targets = [
+        make_mesh(1, 1, 1, devices=jax.devices()[:1]),
+        make_mesh(2, 1, 1, context=2, devices=jax.devices()[:4]),
+    ]
+    with Checkpointer(tmp_path / "checkpoints", keep=1) as checkpointer:
+        for mesh in targets:
+            target_graphdef, abstract, target_shardings = abstract_sharded(
+                create, mesh, DEFAULT_RULES
+            )
+            restored = from_savable(checkpointer.restore(restore_target(abstract)).state, abstract)
+            got = next_loss(mesh, target_graphdef, restored, target_shardings)
+            assert abs(got - want) <= 1e-5 * abs(want), (dict(mesh.shape), got, want)
 
 
 # --------------------------------------------------------------------------- bad input
