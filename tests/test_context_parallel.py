@@ -19,6 +19,8 @@ from flaxformer_lite import ops
 from flaxformer_lite.cli import main
 from flaxformer_lite.models import ModelConfig, build_model
 from flaxformer_lite.nn.context_parallel import natural_order, to_context_layout, zigzag_order
+from flaxformer_lite.ops.attention_choice import BACKENDS
+from flaxformer_lite.ops.attention_inputs import validated_call
 from flaxformer_lite.parallel import (
     DEFAULT_RULES,
     abstract_sharded,
@@ -46,7 +48,7 @@ def test_zigzag_gives_each_shard_an_early_and_a_late_block():
         np.testing.assert_array_equal(shards[i, 0], [2 * i, 2 * i + 1])
         np.testing.assert_array_equal(shards[i, 1], [2 * (7 - i), 2 * (7 - i) + 1])
     np.testing.assert_array_equal(np.sort(order), np.arange(16))
-    np.testing.assert_array_equal(zigzag_order(6, 1), np.arange(6))
+    np.testing.assert_array_equal(zigzag_order(7, 1), np.arange(7))
     x = jnp.arange(2 * 16 * 3).reshape(2, 16, 3)
     np.testing.assert_array_equal(natural_order(x[:, order], 4, axis=1), x)
     with pytest.raises(ValueError, match=r"length 20 does not split over mesh.context=4"):
@@ -73,6 +75,50 @@ def test_query_positions_mask_is_the_rows_of_the_whole_mask():
         whole = ops.AttentionMask(**pieces).positional(8, 8)[0, 0]
         rows = ops.AttentionMask(**pieces, query_positions=positions).positional(4, 8)
         np.testing.assert_array_equal(rows[0, 0], whole[positions])
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        dict(is_causal=True),
+        dict(is_causal=True, local_window=(3, 0), global_tokens=2),
+        dict(local_window=(2, 3)),
+    ],
+    ids=["causal", "causal_window_global", "window"],
+)
+def test_chunked_attention_takes_query_positions_as_they_are(pieces):
+    """ "chunked" reads the queries' positions block by block (no [T, S] mask): its values and
+    gradients are the reference's with the whole mask's rows at those positions."""
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(2, n, 4, 8)), jnp.float32) for n in (12, 24, 24))
+    positions = jnp.asarray(zigzag_order(24, 2).reshape(2, 12)[0])  # 0-5 and 18-23
+    mask = ops.AttentionMask(**pieces, query_positions=positions)
+
+    call = validated_call(q, k, v, None, mask)
+    assert BACKENDS["chunked"].sees(call).mask.explicit is None  # nothing folded for chunked
+    assert BACKENDS["xla"].sees(call).mask.explicit is not None
+
+    def chunked(q, k, v):
+        flags = dict(is_causal=False, local_window=None, global_tokens=0)
+        flags.update({name: value for name, value in pieces.items()})
+        return ops.chunked_attention(
+            q, k, v, **flags, query_positions=positions, block_q=4, block_k=8
+        )
+
+    def outputs_and_grads(attention):
+        def f(q, k, v):
+            out = attention(q, k, v)
+            return (out * jnp.cos(out)).sum(), out
+
+        return jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+
+    (_, want), want_grads = outputs_and_grads(
+        lambda q, k, v: ops.reference_attention(q, k, v, mask=mask)
+    )
+    (_, got), got_grads = outputs_and_grads(chunked)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
 
 # --------------------------------------------------------------------------- exactness

@@ -65,6 +65,8 @@ def zigzag_order(length: int, shards: int) -> np.ndarray:
     """int ``[T]``: the position each slot of the layout holds. Slot block ``2i`` is position
     block ``i`` and slot block ``2i + 1`` position block ``2C - 1 - i`` (device ``i`` holds
     both); with one shard the identity."""
+    if shards == 1:
+        return np.arange(length)
     check_context_length(length, shards, "the sequence length")
     blocks = np.arange(length).reshape(2 * shards, -1)
     return np.concatenate([np.concatenate([blocks[i], blocks[-1 - i]]) for i in range(shards)])

@@ -15,8 +15,8 @@ array:
                      often traced) turns them into ``explicit`` at the cache positions.
   ``query_positions`` int ``[T]``: each query's own position, key ``j`` being at ``j``, for the
                      queries of a sequence split over devices
-                     (:mod:`flaxformer_lite.nn.context_parallel`); folded into ``explicit``
-                     as a given ``query_offset`` is.
+                     (:mod:`flaxformer_lite.nn.context_parallel`); "chunked" takes them as
+                     they are, the other implementations get them folded into ``explicit``.
   ``segment_ids``    int ``(q [B, T], kv [B, S])``: a query sees only keys with its id (packing).
   ``explicit``       bool, broadcastable to ``[B, H, T, S]``, True = may attend.
 
@@ -80,11 +80,17 @@ class AttentionMask:
 
     def aligned(self, q_len: int, kv_len: int) -> AttentionMask:
         """This mask with the causal and window pieces at the implementations' alignment: a
-        given ``query_offset`` or ``query_positions`` folded into ``explicit`` (``[B | 1, 1, T,
-        S]``), and global tokens dropped without a window, where they change nothing."""
-        if self.query_offset is None and self.query_positions is None:
-            global_tokens = int(self.global_tokens) if self.local_window is not None else 0
-            return dataclasses.replace(self, global_tokens=global_tokens)
+        given ``query_offset`` folded into ``explicit`` (:meth:`folded`), and global tokens
+        dropped without a window, where they change nothing. ``query_positions`` stay: an
+        implementation that takes them gets them, the others the mask :meth:`folded`."""
+        if self.query_offset is not None:
+            return self.folded(q_len, kv_len)
+        global_tokens = int(self.global_tokens) if self.local_window is not None else 0
+        return dataclasses.replace(self, global_tokens=global_tokens)
+
+    def folded(self, q_len: int, kv_len: int) -> AttentionMask:
+        """This mask with its causal, window and global-token pieces, at their query offset or
+        positions, folded into ``explicit`` (``[B | 1, 1, T, S]``); segment ids kept."""
         explicit = combine_masks(self.explicit, self.positional(q_len, kv_len))
         return AttentionMask(segment_ids=self.segment_ids, explicit=explicit)
 
