@@ -136,16 +136,16 @@ def lm_batch(seed, packed):
     return batch
 
 
-def train(cfg, mesh, packed, loss_chunk=None):
+def train(cfg, mesh, packed, loss_chunk=None, rules=DEFAULT_RULES):
     """Losses, gradient norms and the gradients of the state after ``STEPS`` SGD steps."""
 
     def create():
         model = build_model(cfg, rngs=nnx.Rngs(params=0, dropout=1))
         return model, nnx.Optimizer(model, optax.sgd(0.5), wrt=nnx.Param)
 
-    graphdef, state, shardings = create_sharded(create, mesh, DEFAULT_RULES)
+    graphdef, state, shardings = create_sharded(create, mesh, rules)
     batches = [
-        jax.device_put(lm_batch(seed, packed), batch_sharding(mesh, DEFAULT_RULES))
+        jax.device_put(lm_batch(seed, packed), batch_sharding(mesh, rules))
         for seed in range(STEPS + 1)
     ]
 
@@ -155,7 +155,7 @@ def train(cfg, mesh, packed, loss_chunk=None):
         loss = lambda m: model_loss(m, batch, task="lm", loss_chunk=loss_chunk)[0]  # noqa: E731
         return nnx.grad(loss)(model)
 
-    with tracing_layout(mesh, DEFAULT_RULES):
+    with tracing_layout(mesh, rules):
         step = make_train_step(
             graphdef, task="lm", loss_chunk=loss_chunk, state_shardings=shardings
         )
@@ -167,13 +167,13 @@ def train(cfg, mesh, packed, loss_chunk=None):
     return np.asarray(history), jax.tree.map(np.asarray, nnx.to_pure_dict(final))
 
 
-def assert_same_training(cfg, meshes, packed=False, loss_chunk=None):
+def assert_same_training(cfg, meshes, packed=False, loss_chunk=None, rules=DEFAULT_RULES):
     devices = jax.devices()
     want, want_grads = train(cfg, make_mesh(1, 1, 1, devices=devices[:1]), packed, loss_chunk)
     for data, fsdp, tensor, context in meshes:
         used = devices[: data * fsdp * tensor * context]
         mesh = make_mesh(data, fsdp, tensor, context=context, devices=used)
-        got, got_grads = train(cfg, mesh, packed, loss_chunk)
+        got, got_grads = train(cfg, mesh, packed, loss_chunk, rules)
         np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=str(dict(mesh.shape)))
         scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(want_grads))
         for got_grad, want_grad in zip(
@@ -206,6 +206,14 @@ def test_rope_with_grouped_heads_trains_as_on_one_device():
     context x tensor."""
     cfg = tiny("llama-tiny", num_heads=4, num_kv_heads=2, d_model=32, d_ff=64)
     assert_same_training(cfg, [(1, 1, 1, 4), (1, 1, 2, 2)], packed=True)
+
+
+def test_sequence_split_over_fsdp_and_context_trains_as_on_one_device():
+    """The rule activation_length -> (fsdp, context) (batch on data only) splits each sequence
+    over both axes while fsdp also splits the parameters: llama-style's long-context layout."""
+    cfg = tiny("llama-tiny", num_heads=4, num_kv_heads=2, d_model=32, d_ff=64)
+    rules = {**DEFAULT_RULES, "batch": ("data",), "activation_length": ("fsdp", "context")}
+    assert_same_training(cfg, [(1, 2, 1, 2)], packed=True, rules=rules)
 
 
 def test_relative_positions_and_chunked_loss_train_as_on_one_device():
