@@ -193,6 +193,4 @@ def context_attention(
     run = jax.shard_map(
         on_device, in_specs=(specs,), out_specs=split, axis_names=set(axes), check_vma=False
     )
-    # The backward pass gathers again and reruns the forward: kept until then, the gathered keys
-    # and values would hold C times each layer's own, for every layer at once.
-    return jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable)(args)
+    return run(args)
