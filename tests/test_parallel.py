@@ -35,6 +35,7 @@ from flaxformer_lite.parallel import (
     logical_spec,
     make_mesh,
     mesh_shape,
+    mesh_sizes,
     process_batch_shard,
     put_batch,
     rule_pairs,
@@ -47,10 +48,12 @@ pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: confte
 
 # --------------------------------------------------------------------------- the mesh
 def test_mesh_shape_resolves_minus_one_and_rejects_bad_sizes():
-    assert mesh_shape(-1, 1, 1, 8) == (8, 1, 1)
-    assert mesh_shape(2, -1, 2, 8) == (2, 2, 2)
-    assert mesh_shape(1, 2, -1, 8) == (1, 2, 4)
-    assert mesh_shape(2, 1, 4, 8) == (2, 1, 4)
+    # (data, fsdp, context, tensor)
+    assert mesh_shape(-1, 1, 1, 8) == (8, 1, 1, 1)
+    assert mesh_shape(2, -1, 2, 8) == (2, 2, 1, 2)
+    assert mesh_shape(1, 2, -1, 8) == (1, 2, 1, 4)
+    assert mesh_shape(2, 1, 4, 8) == (2, 1, 1, 4)
+    assert mesh_shape(2, 1, 1, 8, context=-1) == (2, 1, 4, 1)
     with pytest.raises(ValueError, match=r"needs 4 devices, but there are 8"):
         mesh_shape(2, 2, 1, 8)
     with pytest.raises(ValueError, match=r"needs 16 devices, but there are 8"):
@@ -66,18 +69,29 @@ def test_mesh_shape_resolves_minus_one_and_rejects_bad_sizes():
 
 def test_make_mesh_axes_and_devices():
     mesh = make_mesh(2, 1, 4)
-    assert mesh.axis_names == MESH_AXES == ("data", "fsdp", "tensor")
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 4}
-    assert tuple(mesh.axis_types) == (AxisType.Auto,) * 3
+    assert mesh.axis_names == MESH_AXES == ("data", "fsdp", "context", "tensor")
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "context": 1, "tensor": 4}
+    assert tuple(mesh.axis_types) == (AxisType.Auto,) * 4
     assert sorted(d.id for d in mesh.devices.flat) == list(range(8))
     assert describe_mesh(mesh) == "data 2 x fsdp 1 x tensor 4 (8 cpu devices, 1 process)"
-    assert dict(make_mesh().shape) == {"data": 8, "fsdp": 1, "tensor": 1}
-    assert dict(make_mesh(fsdp=-1, data=2).shape) == {"data": 2, "fsdp": 4, "tensor": 1}
+    assert dict(make_mesh().shape) == {"data": 8, "fsdp": 1, "context": 1, "tensor": 1}
+    assert dict(make_mesh(fsdp=-1, data=2).shape) == {
+        "data": 2,
+        "fsdp": 4,
+        "context": 1,
+        "tensor": 1,
+    }
+    split = make_mesh(2, 1, 1, context=4)
+    assert (
+        describe_mesh(split) == "data 2 x fsdp 1 x context 4 x tensor 1 (8 cpu devices, 1 process)"
+    )
 
     one = make_mesh(devices=jax.devices()[:1])
-    assert dict(one.shape) == {"data": 1, "fsdp": 1, "tensor": 1}
+    assert dict(one.shape) == {"data": 1, "fsdp": 1, "context": 1, "tensor": 1}
+    assert mesh_sizes(one) == {"data": 1, "fsdp": 1, "tensor": 1}
+    assert mesh_sizes(split) == {"data": 2, "fsdp": 1, "context": 4, "tensor": 1}
     assert list(one.devices.flat) == [jax.devices()[0]]
-    assert tuple(one.axis_types) == (AxisType.Auto,) * 3
+    assert tuple(one.axis_types) == (AxisType.Auto,) * 4
     two = make_mesh(1, 1, 2, devices=jax.devices()[2:4])
     assert list(two.devices.flat) == jax.devices()[2:4]
     with pytest.raises(ValueError, match="there are 1"):
@@ -89,7 +103,7 @@ def test_logical_spec_precedence_and_unmapped_names():
     rules = DEFAULT_RULES
     # The batch comes first and takes fsdp: the embed dimension of activations is replicated.
     assert logical_spec(("batch", "length", "embed"), rules) == P(("data", "fsdp"), None, None)
-    assert logical_spec(ACTIVATION_NAMES, rules) == P(("data", "fsdp"), None, None)
+    assert logical_spec(ACTIVATION_NAMES, rules) == P(("data", "fsdp"), "context", None)
     assert logical_spec(("embed", "mlp"), rules) == P("fsdp", "tensor")
     assert logical_spec(("vocab", "embed"), rules) == P("tensor", "fsdp")
     assert logical_spec(("heads", "head_dim", "embed"), rules) == P("tensor", None, "fsdp")

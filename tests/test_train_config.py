@@ -255,6 +255,7 @@ def test_valid_keys_cover_every_section():
         "mesh.data",
         "mesh.fsdp",
         "mesh.tensor",
+        "mesh.context",
         "model.preset",
         "model.num_heads",
         "optimizer.lr",

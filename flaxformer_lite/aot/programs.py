@@ -79,10 +79,17 @@ def compile_for(
       TopologyError: libtpu is missing, or too few CPU devices for ``cpu-N``.
       ValueError: a mesh whose sizes do not match the topology's chips, shapes that do not
         divide over it, a batch that does not split over its batch axes, or ``decode`` for a
-        model that does not generate.
+        model that does not generate or with a context axis.
     """
+    if decode and cfg.mesh.context != 1:
+        raise ValueError(
+            f"--decode with mesh.context={cfg.mesh.context}: generation keeps each sequence's KV "
+            "cache on its devices unsplit; compile it with mesh.context=1"
+        )
     devices = topology_devices(topology)
-    sizes = parallel.mesh_shape(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, len(devices))
+    sizes = parallel.mesh_shape(
+        cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, len(devices), cfg.mesh.context
+    )
     cfg, mesh = resolve_mesh(cfg, _ordered(devices, sizes))
     rules = cfg.mesh.rules
     microbatches = 1 if decode else cfg.train.grad_accum_steps

@@ -23,6 +23,7 @@ import dataclasses
 import math
 import re
 
+from flaxformer_lite import parallel
 from flaxformer_lite.aot.hlo import COLLECTIVES, collective_counts
 from flaxformer_lite.aot.programs import CompiledProgram
 from flaxformer_lite.aot.topology import GIB, Topology
@@ -193,7 +194,7 @@ def analyse(program: CompiledProgram, topology: Topology) -> Report:
     return Report(
         topology=topology,
         program=program.name,
-        mesh=dict(program.mesh.shape),
+        mesh=parallel.mesh_sizes(program.mesh),
         attention=program.attention,
         params=program.param_bytes,
         optimizer=program.optimizer_bytes,
@@ -219,7 +220,7 @@ def _out_of_memory(program: CompiledProgram, topology: Topology) -> Report:
     return Report(
         topology=topology,
         program=program.name,
-        mesh=dict(program.mesh.shape),
+        mesh=parallel.mesh_sizes(program.mesh),
         attention=program.attention,
         params=program.param_bytes,
         optimizer=program.optimizer_bytes,

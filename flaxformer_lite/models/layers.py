@@ -16,6 +16,7 @@ from flax import nnx
 
 from flaxformer_lite.models import pieces
 from flaxformer_lite.models.config import ModelConfig
+from flaxformer_lite.nn import context_parallel
 from flaxformer_lite.nn.attention import MultiHeadAttention
 from flaxformer_lite.nn.stack import LayerStack
 
@@ -221,7 +222,10 @@ class Tower(nnx.Module):
         bias = None
         if self.relative_bias is not None:
             start = 0 if cache_index is None else cache_index
-            bias = self.relative_bias(start + jnp.arange(length), jnp.arange(kv_length))
+            # Queries in the layout's order (zig-zag under context parallelism), keys in
+            # position order, as the attention gathers them.
+            query_positions = start + context_parallel.sequence_order(length)
+            bias = self.relative_bias(query_positions, jnp.arange(kv_length))
         x = self.layers(
             x,
             context,

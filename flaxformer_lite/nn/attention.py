@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flaxformer_lite import ops
+from flaxformer_lite.nn import context_parallel
 from flaxformer_lite.nn.dense import XAVIER, Dense, KernelInit
 
 
@@ -262,17 +263,21 @@ class MultiHeadAttention(nnx.Module):
         whole cache when decoding) with the logit ``bias`` (broadcastable to ``[B, H, T, S]``)
         and ``mask``: ``[B, T, H, Dh]``, which the output projection maps to ``[B, T, D]``.
 
-        ``ops.dot_product_attention`` with this module's implementation and dropout. A variant
-        overrides this (and :meth:`weights`) and keeps the projections, RoPE and the cache.
+        ``ops.dot_product_attention`` with this module's implementation and dropout; over a
+        sequence split by the mesh's context axis, on each device against the gathered keys
+        (``nn.context_parallel.context_attention``). A variant overrides this (and
+        :meth:`weights`) and keeps the projections, RoPE and the cache.
         """
         dropout_rate = 0.0 if self.deterministic else self.dropout_rate
-        dropout = dict(
+        options = dict(
+            implementation=self.implementation,
             dropout_rate=dropout_rate,
             dropout_rng=self.dropout_rngs() if dropout_rate > 0 else None,
         )
-        return ops.dot_product_attention(
-            q, k, v, bias, mask, implementation=self.implementation, **dropout
-        )
+        axes = context_parallel.sequence_axes()
+        if axes:
+            return context_parallel.context_attention(q, k, v, bias, mask, axes=axes, **options)
+        return ops.dot_product_attention(q, k, v, bias, mask, **options)
 
     def weights(
         self, q: jax.Array, k: jax.Array, bias: jax.Array | None, mask: ops.AttentionMask

@@ -14,7 +14,7 @@ from flax import linen
 from flax.core import spmd
 
 # The layout of the residual stream ``[B, T, D]`` between layers.
-ACTIVATION_NAMES = ("batch", "length", "activation_embed")
+ACTIVATION_NAMES = ("batch", "activation_length", "activation_embed")
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:

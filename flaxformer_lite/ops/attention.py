@@ -167,7 +167,7 @@ def attention_weights(
       ValueError: an ``implementation`` registered without ``weights``.
     """
     mask = AttentionMask.of(mask, is_causal, local_window, global_tokens)
-    call = validated_call(query, key, key, bias, mask, scale=scale)
+    call = validated_call(query, key, key, bias, mask, scale=scale).positions_folded()
     if implementation is None or implementation in attention_choice.IMPLEMENTATIONS:
         return xla_weights(call)  # each built-in implementation computes softmax's
     backend = attention_choice.BACKENDS[attention_choice.choose(call, implementation).backend]

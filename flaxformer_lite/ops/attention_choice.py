@@ -53,6 +53,8 @@ class Backend:
         (else it is a ValueError).
       weights: float32 ``[B, H, T, S]``, the attention weights of a call (for attention maps;
         softmax's for the built-in ones), or ``None`` if it has none to show.
+      takes_query_positions: it reads ``call.mask.query_positions`` itself; the others see
+        calls with them folded into the explicit mask (``AttentionCall.positions_folded``).
     """
 
     name: str
@@ -62,6 +64,11 @@ class Backend:
     home: str | None = None
     falls_back: bool = False
     weights: Callable[[AttentionCall], jax.Array] | None = xla_weights
+    takes_query_positions: bool = False
+
+    def sees(self, call: AttentionCall) -> AttentionCall:
+        """``call`` as this implementation takes it."""
+        return call if self.takes_query_positions else call.positions_folded()
 
 
 def _not_on_tpu(call: AttentionCall) -> str | None:
@@ -77,7 +84,14 @@ def _small(call: AttentionCall) -> str | None:
 def _chunked(call: AttentionCall) -> jax.Array:
     args, flags = call.arguments()
     dropout = dict(dropout_rate=call.dropout_rate, dropout_rng=call.dropout_rng)
-    return chunked_attention(*args, **flags, global_tokens=call.mask.global_tokens, **dropout)
+    mask = call.mask
+    return chunked_attention(
+        *args,
+        **flags,
+        global_tokens=mask.global_tokens,
+        query_positions=mask.query_positions,
+        **dropout,
+    )
 
 
 BACKENDS: dict[str, Backend] = {}
@@ -100,7 +114,7 @@ for _backend in (
         home="tpu",
         falls_back=True,
     ),
-    Backend("chunked", _chunked, not_automatic=_small),
+    Backend("chunked", _chunked, not_automatic=_small, takes_query_positions=True),
     Backend("xla", xla_attention),
 ):
     register(_backend)
@@ -177,7 +191,7 @@ def choose(call: AttentionCall, implementation: str | None = None) -> Choice:
                 f"ops.register_attention), got {implementation!r}"
             )
         backend = BACKENDS[implementation]
-        reason = backend.unsupported(call)
+        reason = backend.unsupported(backend.sees(call))
         if reason is None:
             return _recorded(Choice(implementation, implementation), call)
         if not backend.falls_back:
@@ -187,7 +201,8 @@ def choose(call: AttentionCall, implementation: str | None = None) -> Choice:
         backend = BACKENDS[name]
         if name == implementation:
             continue
-        reason = backend.not_automatic(call) or backend.unsupported(call)
+        seen = backend.sees(call)
+        reason = backend.not_automatic(seen) or backend.unsupported(seen)
         if reason is None:
             break  # "xla", the last, runs every call
         passed_over.append((backend.name, reason))
@@ -196,7 +211,8 @@ def choose(call: AttentionCall, implementation: str | None = None) -> Choice:
 
 def run(call: AttentionCall, implementation: str | None = None) -> jax.Array:
     """``[B, T, H, Dv]``: ``call`` run by the implementation :func:`choose` picks."""
-    return BACKENDS[choose(call, implementation).backend].run(call)
+    backend = BACKENDS[choose(call, implementation).backend]
+    return backend.run(backend.sees(call))
 
 
 _RECORDS: contextvars.ContextVar[list[Choice] | None] = contextvars.ContextVar(

@@ -64,6 +64,14 @@ class AttentionCall:
         """The multiplier of the logits: ``scale``, or ``1 / sqrt(Dh)``."""
         return default_scale(self.query, self.scale)
 
+    def positions_folded(self) -> AttentionCall:
+        """This call with the mask's ``query_positions`` folded into its explicit mask
+        (:meth:`AttentionMask.folded`), for implementations that do not take them."""
+        if self.mask.query_positions is None:
+            return self
+        folded = self.mask.folded(self.query.shape[1], self.key.shape[1])
+        return dataclasses.replace(self, mask=folded)
+
     def arguments(self) -> tuple[tuple, dict]:
         """``(query, key, value, bias, mask)`` and the keywords ``scale``, ``is_causal`` and
         ``local_window``: the call as functions that take a mask array and flags take it (the

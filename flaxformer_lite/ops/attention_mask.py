@@ -13,6 +13,10 @@ array:
                      last query aligned with the last key; the implementations take the pieces
                      above only at that alignment. Any other offset (a KV cache's write index,
                      often traced) turns them into ``explicit`` at the cache positions.
+  ``query_positions`` int ``[T]``: each query's own position, key ``j`` being at ``j``, for the
+                     queries of a sequence split over devices
+                     (:mod:`flaxformer_lite.nn.context_parallel`); "chunked" takes them as
+                     they are, the other implementations get them folded into ``explicit``.
   ``segment_ids``    int ``(q [B, T], kv [B, S])``: a query sees only keys with its id (packing).
   ``explicit``       bool, broadcastable to ``[B, H, T, S]``, True = may attend.
 
@@ -37,7 +41,7 @@ from flaxformer_lite.ops.masks import (
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["query_offset", "segment_ids", "explicit"],
+    data_fields=["query_offset", "query_positions", "segment_ids", "explicit"],
     meta_fields=["is_causal", "local_window", "global_tokens"],
 )
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +52,7 @@ class AttentionMask:
     local_window: tuple[int, int] | None = None
     global_tokens: int = 0
     query_offset: int | jax.Array | None = None
+    query_positions: jax.Array | None = None
     segment_ids: tuple[jax.Array, jax.Array] | None = None
     explicit: jax.Array | None = None
 
@@ -63,7 +68,9 @@ class AttentionMask:
         """The value of ``dot_product_attention``'s mask arguments: ``mask`` itself when it is
         an :class:`AttentionMask` (the other arguments then left at their defaults)."""
         if not isinstance(mask, AttentionMask):
-            return cls(is_causal, local_window, global_tokens, None, segment_ids, mask)
+            return cls(
+                is_causal, local_window, global_tokens, segment_ids=segment_ids, explicit=mask
+            )
         if is_causal or local_window is not None or global_tokens or segment_ids is not None:
             raise ValueError(
                 "with an AttentionMask as the mask, give is_causal, local_window, global_tokens "
@@ -73,11 +80,17 @@ class AttentionMask:
 
     def aligned(self, q_len: int, kv_len: int) -> AttentionMask:
         """This mask with the causal and window pieces at the implementations' alignment: a
-        given ``query_offset`` folded into ``explicit`` (``[B | 1, 1, T, S]``), and global
-        tokens dropped without a window, where they change nothing."""
-        if self.query_offset is None:
-            global_tokens = int(self.global_tokens) if self.local_window is not None else 0
-            return dataclasses.replace(self, global_tokens=global_tokens)
+        given ``query_offset`` folded into ``explicit`` (:meth:`folded`), and global tokens
+        dropped without a window, where they change nothing. ``query_positions`` stay: an
+        implementation that takes them gets them, the others the mask :meth:`folded`."""
+        if self.query_offset is not None:
+            return self.folded(q_len, kv_len)
+        global_tokens = int(self.global_tokens) if self.local_window is not None else 0
+        return dataclasses.replace(self, global_tokens=global_tokens)
+
+    def folded(self, q_len: int, kv_len: int) -> AttentionMask:
+        """This mask with its causal, window and global-token pieces, at their query offset or
+        positions, folded into ``explicit`` (``[B | 1, 1, T, S]``); segment ids kept."""
         explicit = combine_masks(self.explicit, self.positional(q_len, kv_len))
         return AttentionMask(segment_ids=self.segment_ids, explicit=explicit)
 
@@ -85,13 +98,14 @@ class AttentionMask:
         """The causal, window and global-token pieces as a bool ``[1, 1, T, S]`` mask
         (``[B, 1, T, S]`` for a per-row ``query_offset``), or ``None`` if there are none."""
         offset = kv_len - q_len if self.query_offset is None else self.query_offset
+        at = dict(offset=offset, positions=self.query_positions)
         masks = []
         if self.is_causal:
-            masks.append(causal_mask(q_len, kv_len, offset))
+            masks.append(causal_mask(q_len, kv_len, **at))
         if self.local_window is not None:
-            window = local_window_mask(q_len, kv_len, self.local_window, offset)
+            window = local_window_mask(q_len, kv_len, self.local_window, **at)
             if self.global_tokens:
-                window = window | global_tokens_mask(q_len, kv_len, self.global_tokens, offset)
+                window = window | global_tokens_mask(q_len, kv_len, self.global_tokens, **at)
             masks.append(window)
         return combine_masks(*masks)
 

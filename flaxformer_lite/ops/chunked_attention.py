@@ -44,10 +44,11 @@ DEFAULT_BLOCK_K = 512
 class _Geometry:
     """Static facts of one call: lengths, blocks, and the visible band of keys per query.
 
-    Query row ``i`` sits at position ``i + S - T`` (``T = q_len``, ``S = kv_len``), key ``j`` at
-    ``j``; the query may see key ``j`` iff ``position - left <= j <= position + right`` and
-    ``j < S``, or, with ``global_tokens`` G, iff ``j < G`` or ``position < G`` (and
-    ``j <= position`` when ``causal``).
+    Query row ``i`` sits at position ``i + S - T`` (``T = q_len``, ``S = kv_len``), or at
+    ``positions[i]`` when the call gives the queries' positions, key ``j`` at ``j``; the query may
+    see key ``j`` iff ``position - left <= j <= position + right`` and ``j < S``, or, with
+    ``global_tokens`` G, iff ``j < G`` or ``position < G`` (and ``j <= position`` when
+    ``causal``). The methods take ``positions``, int ``[T']`` (padded) or ``None``.
     """
 
     q_len: int
@@ -64,26 +65,37 @@ class _Geometry:
     def offset(self) -> int:
         return self.kv_len - self.q_len
 
-    def key_blocks(self, q_block):
+    def row_positions(self, q_block, positions=None):
+        """The lowest and highest position of query block ``q_block``'s rows."""
+        first_row = q_block * self.block_q
+        if positions is not None:
+            block = lax.dynamic_slice_in_dim(positions, first_row, self.block_q)
+            return block.min(), block.max()
+        last_row = jnp.minimum(first_row + self.block_q, self.q_len) - 1
+        return first_row + self.offset, last_row + self.offset
+
+    def key_blocks(self, q_block, positions=None):
         """``[lo, hi)`` ranges of key-block indices that query block ``q_block`` can see: the
         band, preceded with global tokens by the global blocks left of it."""
-        first_row = q_block * self.block_q
-        last_row = jnp.minimum(first_row + self.block_q, self.q_len) - 1
-        lo = jnp.maximum(first_row + self.offset - self.left, 0)
-        hi = jnp.minimum(last_row + self.offset + self.right + 1, self.kv_len)
+        first, last = self.row_positions(q_block, positions)
+        lo = jnp.maximum(first - self.left, 0)
+        hi = jnp.minimum(last + self.right + 1, self.kv_len)
         if not self.global_tokens:
             return (_block_range(lo, hi, self.block_k),)
         # Keys beyond the last row's position stay hidden under causality, global or not.
-        reach = jnp.minimum(last_row + self.offset + 1, self.kv_len) if self.causal else self.kv_len
-        has_global_row = first_row + self.offset < self.global_tokens
+        reach = jnp.minimum(last + 1, self.kv_len) if self.causal else self.kv_len
+        has_global_row = first < self.global_tokens
         lo = jnp.where(has_global_row, 0, lo)
         hi = jnp.where(has_global_row, jnp.maximum(hi, reach), hi)
         first, last = _block_range(lo, hi, self.block_k)
         global_blocks = _block_range(0, jnp.minimum(self.global_tokens, reach), self.block_k)[1]
         return (0, jnp.minimum(global_blocks, first)), (first, last)
 
-    def query_blocks(self, k_block):
-        """``[lo, hi)`` ranges of query-block indices that can see key block ``k_block``."""
+    def query_blocks(self, k_block, positions=None):
+        """``[lo, hi)`` ranges of query-block indices that can see key block ``k_block``: all
+        of them when the queries' positions are given (they need not be in order)."""
+        if positions is not None:
+            return ((0, positions.shape[0] // self.block_q),)
         first_col = k_block * self.block_k
         last_col = jnp.minimum(first_col + self.block_k, self.kv_len) - 1
         lo = jnp.maximum(first_col - self.offset - self.right, 0)
@@ -103,9 +115,12 @@ class _Geometry:
         global_blocks = _block_range(0, global_rows, self.block_q)[1]
         return (0, jnp.minimum(global_blocks, first)), (first, last)
 
-    def visible(self, first_row, first_col):
+    def visible(self, first_row, first_col, positions=None):
         """bool ``[block_q, block_k]``: which (query, key) pairs of a block may attend."""
-        position = first_row + jnp.arange(self.block_q)[:, None] + self.offset
+        if positions is None:
+            position = first_row + jnp.arange(self.block_q)[:, None] + self.offset
+        else:
+            position = lax.dynamic_slice_in_dim(positions, first_row, self.block_q)[:, None]
         col = first_col + jnp.arange(self.block_k)[None, :]
         window = (col >= position - self.left) & (col <= position + self.right)
         if self.global_tokens:
@@ -135,6 +150,7 @@ def chunked_attention(
     global_tokens: int = 0,
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
+    query_positions: jax.Array | None = None,
 ) -> jax.Array:
     """Memory-efficient attention: :func:`flaxformer_lite.ops.reference_attention`'s result and
     gradients in O(T) memory.
@@ -153,6 +169,9 @@ def chunked_attention(
         :func:`flaxformer_lite.ops.dot_product_attention`.
       block_q: query rows per block, a Python int (clipped to T).
       block_k: keys per block, a Python int (clipped to S).
+      query_positions: int ``[T]``, each query's position in place of ``i + S - T`` (the
+        queries of a sequence split over devices); the causal, window and global-token masks
+        are taken at them, block by block, and the backward pass visits every query block.
 
     Returns:
       ``[B, T, H, Dv]`` in the query's dtype.
@@ -188,7 +207,10 @@ def chunked_attention(
     v = _pad_axis(value, 1, kv_pad)
     bias = _pad_logit_axes(group_heads(as_rank4("bias", bias, target), hk), q_pad, kv_pad)
     mask = _pad_logit_axes(group_heads(as_rank4("mask", mask, target), hk), q_pad, kv_pad)
-    out = _attention(geometry, q, k, v, bias, mask, dropout_rng)
+    positions = None
+    if query_positions is not None:  # padded rows repeat the last position: no wider band
+        positions = jnp.pad(jnp.asarray(query_positions, jnp.int32), (0, q_pad), mode="edge")
+    out = _attention(geometry, q, k, v, bias, mask, positions, dropout_rng)
     return out[:, :q_len].reshape(b, q_len, h, value.shape[-1]).astype(query.dtype)
 
 
@@ -234,12 +256,12 @@ def _add_block(total, block, first_row, first_col):
     return lax.dynamic_update_slice(total, current + block, start)
 
 
-def _block_logits(geometry, q_block, k_block, bias, mask, first_row, first_col):
+def _block_logits(geometry, q_block, k_block, bias, mask, positions, first_row, first_col):
     """Biased, masked float32 logits ``[B, Hk, G, bq, bk]`` of pre-scaled q, and their validity."""
     logits = jnp.einsum("bqhgd,bkhd->bhgqk", q_block, k_block, preferred_element_type=jnp.float32)
     if bias is not None:
         logits = logits + _slice_block(bias, first_row, first_col, geometry).astype(jnp.float32)
-    valid = geometry.visible(first_row, first_col)
+    valid = geometry.visible(first_row, first_col, positions)
     if mask is not None:
         valid = valid & _slice_block(mask, first_row, first_col, geometry)
     return jnp.where(valid, logits, MASK_VALUE), valid
@@ -250,7 +272,7 @@ def _dropout_keep(geometry, rng, q_block, k_block, shape):
     return dropout_keep(block_rng, geometry.dropout_rate, shape)
 
 
-def _forward(geometry, q, k, v, bias, mask, rng):
+def _forward(geometry, q, k, v, bias, mask, positions, rng):
     """float32 output ``[B, T', Hk, G, Dv]`` and row log-sum-exp ``[B, Hk, G, T']``.
 
     ``T'`` is the padded query length.
@@ -267,7 +289,9 @@ def _forward(geometry, q, k, v, bias, mask, rng):
             first_col = j * bk
             k_j = lax.dynamic_slice_in_dim(k, first_col, bk, axis=1)
             v_j = lax.dynamic_slice_in_dim(v, first_col, bk, axis=1)
-            logits, valid = _block_logits(geometry, q_i, k_j, bias, mask, first_row, first_col)
+            logits, valid = _block_logits(
+                geometry, q_i, k_j, bias, mask, positions, first_row, first_col
+            )
             new_max = jnp.maximum(row_max, logits.max(axis=-1))
             p = jnp.where(valid, jnp.exp(logits - new_max[..., None]), 0.0)
             correction = jnp.exp(row_max - new_max)
@@ -286,7 +310,7 @@ def _forward(geometry, q, k, v, bias, mask, rng):
             jnp.zeros((b, hk, g, bq, dv), jnp.float32),
         )
         carry = init
-        for lo, hi in geometry.key_blocks(i):
+        for lo, hi in geometry.key_blocks(i, positions):
             carry = lax.fori_loop(lo, hi, one_key_block, carry)
         row_max, row_sum, acc = carry
         # Rows that saw no key (fully masked) have row_sum == 0 and acc == 0: output 0, not NaN.
@@ -301,17 +325,17 @@ def _forward(geometry, q, k, v, bias, mask, rng):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(geometry, q, k, v, bias, mask, rng):
-    return _forward(geometry, q, k, v, bias, mask, rng)[0]
+def _attention(geometry, q, k, v, bias, mask, positions, rng):
+    return _forward(geometry, q, k, v, bias, mask, positions, rng)[0]
 
 
-def _attention_fwd(geometry, q, k, v, bias, mask, rng):
-    out, lse = _forward(geometry, q, k, v, bias, mask, rng)
-    return out, (q, k, v, bias, mask, rng, out, lse)
+def _attention_fwd(geometry, q, k, v, bias, mask, positions, rng):
+    out, lse = _forward(geometry, q, k, v, bias, mask, positions, rng)
+    return out, (q, k, v, bias, mask, positions, rng, out, lse)
 
 
 def _attention_bwd(geometry, residuals, d_out):
-    q, k, v, bias, mask, rng, out, lse = residuals
+    q, k, v, bias, mask, positions, rng, out, lse = residuals
     b, q_len_padded, hk, g, dh = q.shape
     bq, bk, rate = geometry.block_q, geometry.block_k, geometry.dropout_rate
     compute_dtype = q.dtype
@@ -331,7 +355,9 @@ def _attention_bwd(geometry, residuals, d_out):
             do_i = lax.dynamic_slice_in_dim(d_out, first_row, bq, axis=1)
             lse_i = lax.dynamic_slice_in_dim(lse, first_row, bq, axis=3)
             delta_i = lax.dynamic_slice_in_dim(delta, first_row, bq, axis=3)
-            logits, valid = _block_logits(geometry, q_i, k_j, bias, mask, first_row, first_col)
+            logits, valid = _block_logits(
+                geometry, q_i, k_j, bias, mask, positions, first_row, first_col
+            )
             p = jnp.where(valid, jnp.exp(logits - lse_i[..., None]), 0.0)
             dp = jnp.einsum("bqhgd,bkhd->bhgqk", do_i, v_j, preferred_element_type=jnp.float32)
             p_dropped = p
@@ -360,7 +386,7 @@ def _attention_bwd(geometry, residuals, d_out):
 
         dq, dbias = carry
         inner = (dq, dbias, jnp.zeros(k_j.shape, jnp.float32), jnp.zeros(v_j.shape, jnp.float32))
-        for lo, hi in geometry.query_blocks(j):
+        for lo, hi in geometry.query_blocks(j, positions):
             inner = lax.fori_loop(lo, hi, one_query_block, inner)
         dq, dbias, dk_j, dv_j = inner
         return (dq, dbias), (dk_j, dv_j)
@@ -374,7 +400,7 @@ def _attention_bwd(geometry, residuals, d_out):
     dk = jnp.moveaxis(dk, 0, 1).reshape(k.shape)
     dv = jnp.moveaxis(dv, 0, 1).reshape(v.shape)
     dbias = None if bias is None else dbias.astype(bias.dtype)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias, None, None
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias, None, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

@@ -12,7 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def causal_mask(q_len: int, kv_len: int | None = None, offset: int | jax.Array = 0) -> jax.Array:
+def causal_mask(
+    q_len: int,
+    kv_len: int | None = None,
+    offset: int | jax.Array = 0,
+    *,
+    positions: jax.Array | None = None,
+) -> jax.Array:
     """Mask that lets query ``i`` see keys ``j <= i + offset``.
 
     Query ``i`` sits at absolute position ``offset + i`` and key ``j`` at position ``j``. With
@@ -24,13 +30,15 @@ def causal_mask(q_len: int, kv_len: int | None = None, offset: int | jax.Array =
       kv_len: number of keys S; defaults to ``q_len``.
       offset: position of the first query, a Python int, a scalar array or a ``[B]`` array
         (one cache index per batch row). May be traced.
+      positions: int ``[T]``, each query's own position in place of ``offset + i`` (the
+        queries of a sequence split over devices, see
+        :mod:`flaxformer_lite.nn.context_parallel`).
 
     Returns:
       bool ``[1, 1, T, S]``, or ``[B, 1, T, S]`` for a per-row ``offset``.
     """
     kv_len = q_len if kv_len is None else kv_len
-    offset = _check_offset(offset)
-    q_pos = jnp.arange(q_len)[:, None] + offset.reshape(-1, 1, 1, 1)
+    q_pos = _query_positions(q_len, offset, positions)
     k_pos = jnp.arange(kv_len)[None, :]
     return k_pos <= q_pos
 
@@ -40,6 +48,8 @@ def local_window_mask(
     kv_len: int | None = None,
     window: tuple[int, int] = (0, 0),
     offset: int | jax.Array = 0,
+    *,
+    positions: jax.Array | None = None,
 ) -> jax.Array:
     """Sliding-window mask: query at position ``p`` sees keys in ``[p - left, p + right]``.
 
@@ -51,14 +61,14 @@ def local_window_mask(
       kv_len: number of keys S; defaults to ``q_len``.
       window: ``(left, right)`` non-negative ints, how far each query looks back and ahead.
       offset: position of the first query (int, scalar or ``[B]`` array).
+      positions: int ``[T]``, each query's position, as for :func:`causal_mask`.
 
     Returns:
       bool ``[1, 1, T, S]`` (``[B, 1, T, S]`` for a per-row ``offset``).
     """
     left, right = check_local_window(window)
     kv_len = q_len if kv_len is None else kv_len
-    offset = _check_offset(offset)
-    q_pos = jnp.arange(q_len)[:, None] + offset.reshape(-1, 1, 1, 1)
+    q_pos = _query_positions(q_len, offset, positions)
     k_pos = jnp.arange(kv_len)[None, :]
     return (k_pos >= q_pos - left) & (k_pos <= q_pos + right)
 
@@ -68,6 +78,8 @@ def global_tokens_mask(
     kv_len: int | None = None,
     global_tokens: int = 0,
     offset: int | jax.Array = 0,
+    *,
+    positions: jax.Array | None = None,
 ) -> jax.Array:
     """Longformer/BigBird global tokens: the first ``global_tokens`` positions see every key and
     are seen by every query.
@@ -80,14 +92,14 @@ def global_tokens_mask(
       kv_len: number of keys S; defaults to ``q_len``.
       global_tokens: G, a non-negative int.
       offset: position of the first query (int, scalar or ``[B]`` array).
+      positions: int ``[T]``, each query's position, as for :func:`causal_mask`.
 
     Returns:
       bool ``[1, 1, T, S]`` (``[B, 1, T, S]`` for a per-row ``offset``).
     """
     global_tokens = check_global_tokens(global_tokens)
     kv_len = q_len if kv_len is None else kv_len
-    offset = _check_offset(offset)
-    q_pos = jnp.arange(q_len)[:, None] + offset.reshape(-1, 1, 1, 1)
+    q_pos = _query_positions(q_len, offset, positions)
     k_pos = jnp.arange(kv_len)[None, :]
     return (k_pos < global_tokens) | (q_pos < global_tokens)
 
@@ -188,11 +200,18 @@ def check_global_tokens(global_tokens) -> int:
     return int(global_tokens)
 
 
-def _check_offset(offset):
+def _query_positions(q_len, offset, positions):
+    """The queries' positions as a column: ``[1, 1, T, 1]``, or ``[B, 1, T, 1]`` for a per-row
+    offset; ``positions`` (``[T]``) when given, else ``offset + i``."""
+    if positions is not None:
+        positions = jnp.asarray(positions)
+        if positions.shape != (q_len,):
+            raise ValueError(f"mask positions must be [{q_len}], got shape {positions.shape}")
+        return positions.reshape(1, 1, q_len, 1)
     offset = jnp.asarray(offset)
     if offset.ndim > 1:
         raise ValueError(f"mask offset must be a scalar or [batch], got shape {offset.shape}")
-    return offset
+    return jnp.arange(q_len)[:, None] + offset.reshape(-1, 1, 1, 1)
 
 
 def _as_valid(valid, length, name, length_name):

@@ -1,5 +1,5 @@
-"""Sharding over devices and hosts: a ``(data, fsdp, tensor)`` mesh, logical axis rules, state
-created in its shards, batches fed per process, ``jax.distributed`` for several hosts."""
+"""Sharding over devices and hosts: a ``(data, fsdp, context, tensor)`` mesh, logical axis rules,
+state created in its shards, batches fed per process, ``jax.distributed`` for several hosts."""
 
 from flaxformer_lite.parallel.create import abstract_sharded, create_sharded
 from flaxformer_lite.parallel.distributed import (
@@ -8,7 +8,13 @@ from flaxformer_lite.parallel.distributed import (
     process_batch_shard,
     put_batch,
 )
-from flaxformer_lite.parallel.mesh import MESH_AXES, describe_mesh, make_mesh, mesh_shape
+from flaxformer_lite.parallel.mesh import (
+    MESH_AXES,
+    describe_mesh,
+    make_mesh,
+    mesh_shape,
+    mesh_sizes,
+)
 from flaxformer_lite.parallel.rules import (
     DEFAULT_RULES,
     batch_sharding,
@@ -43,6 +49,7 @@ __all__ = [
     "logical_spec",
     "make_mesh",
     "mesh_shape",
+    "mesh_sizes",
     "process_batch_shard",
     "put_batch",
     "replicated_warnings",

@@ -1,8 +1,9 @@
-"""The device mesh: three named axes, ``data`` (replicas), ``fsdp`` (parameter shards) and
-``tensor`` (matmul shards), sized from the config.
+"""The device mesh: four named axes, ``data`` (replicas), ``fsdp`` (parameter shards),
+``context`` (sequence shards) and ``tensor`` (matmul shards), sized from the config.
 
     mesh = make_mesh(data=-1, fsdp=1, tensor=1)   # every device a data-parallel replica
     mesh = make_mesh(data=2, fsdp=1, tensor=4)    # 8 devices: 2 replicas of a 4-way tensor split
+    mesh = make_mesh(data=2, fsdp=1, tensor=1, context=4)  # each sequence split over 4 devices
 
 The axes are ``AxisType.Auto`` on purpose. In JAX's explicit mode every contraction over a
 sharded dimension needs an ``out_sharding`` and layout changes need ``jax.reshard``: the
@@ -21,17 +22,22 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-MESH_AXES = ("data", "fsdp", "tensor")
+# Inner axes get neighbouring chips: tensor (every matmul) innermost, then context (K/V
+# all-gathered by every attention layer).
+MESH_AXES = ("data", "fsdp", "context", "tensor")
 
 
-def mesh_shape(data: int, fsdp: int, tensor: int, device_count: int) -> tuple[int, int, int]:
-    """The axis sizes with the one ``-1`` replaced by the remaining devices.
+def mesh_shape(
+    data: int, fsdp: int, tensor: int, device_count: int, context: int = 1
+) -> tuple[int, int, int, int]:
+    """The axis sizes in :data:`MESH_AXES`' order, ``(data, fsdp, context, tensor)``, with the
+    one ``-1`` replaced by the remaining devices.
 
     Raises:
       ValueError: a size that is not a positive int or -1, more than one -1, or sizes whose
         product is not ``device_count`` (the message names the axes and the device count).
     """
-    sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
+    sizes = {"data": data, "fsdp": fsdp, "context": context, "tensor": tensor}
     for name, size in sizes.items():
         if isinstance(size, bool) or not isinstance(size, int) or size == 0 or size < -1:
             raise ValueError(f"mesh.{name} must be a positive int or -1, got {size!r}")
@@ -51,29 +57,41 @@ def mesh_shape(data: int, fsdp: int, tensor: int, device_count: int) -> tuple[in
             f"mesh {_spell(sizes)} needs {math.prod(sizes.values())} devices, but there are "
             f"{device_count}; set one axis to -1 to take the remaining devices"
         )
-    return sizes["data"], sizes["fsdp"], sizes["tensor"]
+    return tuple(sizes[name] for name in MESH_AXES)
 
 
 def make_mesh(
-    data: int = -1, fsdp: int = 1, tensor: int = 1, *, devices: Sequence[jax.Device] | None = None
+    data: int = -1,
+    fsdp: int = 1,
+    tensor: int = 1,
+    *,
+    context: int = 1,
+    devices: Sequence[jax.Device] | None = None,
 ) -> Mesh:
     """A ``Mesh`` over ``devices`` (default: all devices of all processes) with axes
-    ``("data", "fsdp", "tensor")`` of the given sizes (one may be -1).
+    ``("data", "fsdp", "context", "tensor")`` of the given sizes (one may be -1).
 
     ``jax.make_mesh`` orders the devices so that the innermost axis (``tensor``) stays within a
     host and on neighbouring chips, where the interconnect is fastest.
     """
     devices = list(jax.devices() if devices is None else devices)
-    shape = mesh_shape(data, fsdp, tensor, len(devices))
+    shape = mesh_shape(data, fsdp, tensor, len(devices), context)
     auto = (AxisType.Auto,) * len(MESH_AXES)
     if len(devices) == jax.device_count():
         return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
     return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=auto)
 
 
+def mesh_sizes(mesh: Mesh) -> dict[str, int]:
+    """``{axis: size}``, ``context`` only when it splits the sequence: the reports and
+    descriptions of meshes without it read as before the axis existed."""
+    return {name: size for name, size in mesh.shape.items() if name != "context" or size > 1}
+
+
 def describe_mesh(mesh: Mesh) -> str:
-    """``"data 2 x fsdp 1 x tensor 4 (8 cpu devices, 1 process)"``."""
-    axes = " x ".join(f"{name} {size}" for name, size in mesh.shape.items())
+    """``"data 2 x fsdp 1 x tensor 4 (8 cpu devices, 1 process)"``; ``context`` is named when
+    it splits the sequence."""
+    axes = " x ".join(f"{name} {size}" for name, size in mesh_sizes(mesh).items())
     platform = mesh.devices.flat[0].platform
     processes = len({device.process_index for device in mesh.devices.flat})
     devices = f"{mesh.devices.size} {platform} device{'s' if mesh.devices.size > 1 else ''}"
@@ -81,4 +99,6 @@ def describe_mesh(mesh: Mesh) -> str:
 
 
 def _spell(sizes: dict[str, int]) -> str:
-    return " ".join(f"{name}={size}" for name, size in sizes.items())
+    return " ".join(
+        f"{name}={size}" for name, size in sizes.items() if name != "context" or size != 1
+    )

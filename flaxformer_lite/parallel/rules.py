@@ -7,9 +7,9 @@ Modules name every parameter dimension (``("embed", "heads", "head_dim")``, see
     spec = logical_spec(("embed", "mlp"), rules)        # PartitionSpec("fsdp", "tensor")
 
 The order of the rules is their precedence, and a mesh axis shards at most one dimension of an
-array (``flax.linen.logical_to_mesh_axes``): for the activations ``("batch", "length",
-"activation_embed")`` the batch takes ``data`` and ``fsdp`` first. Names without a rule, or
-with an empty one, are replicated.
+array (``flax.linen.logical_to_mesh_axes``): for the activations ``("batch",
+"activation_length", "activation_embed")`` the batch takes ``data`` and ``fsdp`` first. Names
+without a rule, or with an empty one, are replicated.
 """
 
 from __future__ import annotations
@@ -25,10 +25,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 Rules = Mapping[str, tuple[str, ...]]
 
 # Data parallelism over "data"; ZeRO-3 parameter sharding over "fsdp", which splits the batch
-# too; Megatron tensor parallelism over "tensor" (attention heads, MLP units, the vocabulary).
-# Activations between layers are split by batch only.
+# too; Megatron tensor parallelism over "tensor" (attention heads, MLP units, the vocabulary);
+# context parallelism over "context", which splits the activations' sequence
+# (:mod:`flaxformer_lite.nn.context_parallel`; parameters are not split by it).
 DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "batch": ("data", "fsdp"),
+    "activation_length": ("context",),
     "embed": ("fsdp",),
     "vocab": ("tensor",),
     "heads": ("tensor",),
@@ -57,6 +59,7 @@ CONFIG_FIELDS = {
     "head_dim": "model.head_dim",
     "layers": "the number of layers",
     "length": "model.max_length",
+    "activation_length": "data.seq_len",
 }
 
 

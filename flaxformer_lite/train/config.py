@@ -29,6 +29,7 @@ import yaml
 
 from flaxformer_lite.data.config import DataConfig
 from flaxformer_lite.models.config import ModelConfig
+from flaxformer_lite.nn.context_parallel import check_context_length
 from flaxformer_lite.parallel import DEFAULT_RULES, MESH_AXES, DistributedConfig, check_rules
 from flaxformer_lite.settings import flatten, setting
 from flaxformer_lite.train.init_from import checkpoint_model
@@ -116,9 +117,9 @@ class CheckpointConfig:
 class MeshConfig:
     """The device mesh and how arrays are laid out on it (:mod:`flaxformer_lite.parallel`).
 
-    ``data``, ``fsdp``, ``tensor``: axis sizes; 1 leaves an axis unused, -1 takes the remaining
-    devices. ``rules``: logical axis name -> the mesh axes that shard it (an empty list
-    replicates); earlier rules take precedence when two names of one array want the same mesh
+    ``data``, ``fsdp``, ``context``, ``tensor``: axis sizes; 1 leaves an axis unused, -1 takes
+    the remaining devices. ``rules``: logical axis name -> the mesh axes that shard it (an empty
+    list replicates); earlier rules take precedence when two names of one array want the same mesh
     axis. Rules given in a file or as ``mesh.rules.<name>=a,b`` (or ``=none``) replace the entries
     of :data:`~flaxformer_lite.parallel.DEFAULT_RULES` in place; new names come last.
     """
@@ -128,14 +129,19 @@ class MeshConfig:
         1, help="the fully-sharded-data-parallel axis size; -1: the remaining devices"
     )
     tensor: int = setting(1, help="the tensor-parallel axis size; -1: the remaining devices")
+    context: int = setting(
+        1,
+        help="the context-parallel axis size: each sequence split over this many devices "
+        "(decoder models; data.seq_len divisible by 2 x context)",
+    )
     rules: dict[str, tuple[str, ...]] = setting(
         factory=lambda: dict(DEFAULT_RULES),
         help="logical axis -> the mesh axes that shard it ([] replicates)",
     )
 
     def __post_init__(self):
-        sizes = (self.data, self.fsdp, self.tensor)
-        for name, size in zip(("data", "fsdp", "tensor"), sizes, strict=True):
+        sizes = (self.data, self.fsdp, self.tensor, self.context)
+        for name, size in zip(("data", "fsdp", "tensor", "context"), sizes, strict=True):
             if size == 0 or size < -1:
                 raise ConfigError(f"mesh.{name} must be a positive int or -1, got {size}")
         if sizes.count(-1) > 1:
@@ -183,7 +189,8 @@ class TrainConfig:
     )
     mesh: MeshConfig = setting(
         factory=MeshConfig,
-        help="the device mesh (devices = data x fsdp x tensor) and how arrays are sharded on it",
+        help="the device mesh (devices = data x fsdp x context x tensor) and how arrays are "
+        "sharded on it",
     )
     distributed: DistributedConfig = setting(
         factory=DistributedConfig,
@@ -198,6 +205,27 @@ class TrainConfig:
                 f"({model.max_length}), the rows of the learned position table: lower "
                 "data.seq_len or raise model.max_length"
             )
+        if self.mesh.context > 1:
+            self._check_context()
+
+    def _check_context(self):
+        """A sequence split over ``mesh.context`` devices: a decoder whose only mixer is
+        attention (its keys are gathered across the devices), in whole zig-zag blocks."""
+        context, model = self.mesh.context, self.model
+        if model.kind != "decoder":
+            raise ConfigError(
+                f"mesh.context={context} splits the sequences of decoder models; model.kind is "
+                f"{model.kind}: use mesh.context=1"
+            )
+        if model.mixer != "attention":
+            raise ConfigError(
+                f"mesh.context={context} with model.mixer={model.mixer}: only attention mixes "
+                "tokens across a split sequence; use mesh.context=1"
+            )
+        try:
+            check_context_length(self.data.seq_len, context)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (lists for tuples), ready for YAML and JSON;

@@ -326,7 +326,8 @@ def _mib(num_bytes: int) -> str:
 
 
 def _mesh_text(mesh_cfg) -> str:
-    return f"data {mesh_cfg.data} x fsdp {mesh_cfg.fsdp} x tensor {mesh_cfg.tensor}"
+    context = f" x context {mesh_cfg.context}" if mesh_cfg.context != 1 else ""
+    return f"data {mesh_cfg.data} x fsdp {mesh_cfg.fsdp}{context} x tensor {mesh_cfg.tensor}"
 
 
 def _sync_processes(name: str) -> None:

@@ -27,9 +27,9 @@ def resolve_mesh(cfg: TrainConfig, devices=None) -> tuple[TrainConfig, jax.shard
     Raises:
       ValueError: sizes that do not fit the devices.
     """
-    mesh = parallel.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
-    data_size, fsdp_size, tensor_size = mesh.shape.values()
-    sizes = dict(data=data_size, fsdp=fsdp_size, tensor=tensor_size)
+    sizes = cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor
+    mesh = parallel.make_mesh(*sizes, context=cfg.mesh.context, devices=devices)
+    sizes = dict(mesh.shape)
     return dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, **sizes)), mesh
 
 

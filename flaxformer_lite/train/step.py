@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from flaxformer_lite import ops
 from flaxformer_lite.data.tasks import task_named
 from flaxformer_lite.models.config import ModelConfig
+from flaxformer_lite.nn.context_parallel import sequence_shards, shard_rows, to_context_layout
 from flaxformer_lite.nn.sharding import gathered_for_compute
 
 
@@ -51,8 +52,13 @@ def model_loss(
     """
     task = task_named(task)
     features = loss_chunk is not None and task.per_token
+    shards = sequence_shards()  # above 1 for decoder LMs only (TrainConfig refuses the others)
+    if shards > 1:  # a loss over tokens: the same in any order
+        batch = to_context_layout(batch, shards)
     outputs = task.predict(model, batch, features=features)
     targets, weights = task.targets(batch)
+    if features and shards > 1:  # the loss's blocks stay on their devices
+        outputs, targets, weights = (shard_rows(x, shards) for x in (outputs, targets, weights))
     loss_kwargs = dict(weights=weights, label_smoothing=label_smoothing, z_loss=z_loss)
     if features:
         head_def, head_state = nnx.split(model.head)
