@@ -34,6 +34,7 @@ from flaxformer_lite.train.actions import (
     run_actions,
 )
 from flaxformer_lite.train.checkpoint import Checkpointer, CheckpointShapeError
+from flaxformer_lite.train.compilation_cache import use_compilation_cache
 from flaxformer_lite.train.config import ConfigError, TrainConfig, config_from_dict
 from flaxformer_lite.train.console import Console
 from flaxformer_lite.train.metrics import MetricsWriter, peak_flops, plot_run
@@ -84,6 +85,7 @@ def run(
       TrainingError: a non-finite loss or gradient (the last good checkpoint is kept).
       Interrupted: SIGTERM / SIGINT (after the checkpoint is written).
     """
+    use_compilation_cache(cfg.train.compilation_cache)
     check_pieces(cfg.model)  # code named by import path: refused or traced before any write
     parallel.initialize(cfg.distributed)
     main = jax.process_index() == 0
