@@ -5,7 +5,8 @@
     python train.py --config gpt2_small train.steps=200 optimizer.lr=3e-4
 
 A user error exits 2 (:mod:`flaxformer_lite.cli.errors`); a run stopped by a non-finite step
-exits 1; SIGTERM/SIGINT save a checkpoint and exit 128 + signal.
+exits 1; SIGTERM/SIGINT save a checkpoint and exit 128 + signal. The closing line gives the last
+metrics and where the command's time went (:mod:`flaxformer_lite.train.time_spent`).
 """
 
 from __future__ import annotations
