@@ -43,6 +43,7 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 * 2**30))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+from quick_tier import QUICK_FILES  # noqa: E402
 
 from flaxformer_lite.train import host_memory  # noqa: E402
 
@@ -58,6 +59,16 @@ def pytest_configure(config):
         "fast_compile: compile the module's programs with XLA's backend optimizations "
         "off (see tests/conftest.py)",
     )
+    config.addinivalue_line(
+        "markers", "quick: the quick tier, `pytest -m quick` (see tests/quick_tier.py)"
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks the quick tier: the tests of :data:`quick_tier.QUICK_FILES` not marked slow."""
+    for item in items:
+        if item.path.name in QUICK_FILES and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.quick)
 
 
 def pytest_unconfigure(config):

@@ -5,7 +5,8 @@
     python train.py --config gpt2_small train.steps=200 optimizer.lr=3e-4
 
 A user error exits 2 (:mod:`flaxformer_lite.cli.errors`); a run stopped by a non-finite step
-exits 1; SIGTERM/SIGINT save a checkpoint and exit 128 + signal.
+exits 1; SIGTERM/SIGINT save a checkpoint and exit 128 + signal. The closing line gives the last
+metrics and where the command's time went (:mod:`flaxformer_lite.train.time_spent`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import pathlib
 import sys
+import time
 
 from flaxformer_lite.cli.errors import exit_on_signals, guarded, notice, say
 from flaxformer_lite.cli.flags import CONFIG_HELP, CommandParser, add_trust_code
@@ -32,11 +34,12 @@ EXAMPLES = (
 
 def train_main(argv: list[str] | None = None) -> int:
     """``train.py``: train (or resume) the configured run."""
+    started = time.perf_counter()  # the closing line's wall time counts the imports
     parser = CommandParser(prog="train.py", description=DESCRIPTION, examples=EXAMPLES)
     add_train_arguments(parser)
     args = parser.parse_intermixed_args(argv)
     with exit_on_signals():  # importing JAX takes seconds too
-        return _train(args)
+        return _train(args, started)
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,7 +76,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _train(args) -> int:
+def _train(args, started: float) -> int:
     if args.show_config:
         return guarded(lambda: show_config(args.config, args.overrides))
     from flaxformer_lite.train.host_memory import reuse_freed_host_memory
@@ -83,22 +86,24 @@ def _train(args) -> int:
 
     from flaxformer_lite.train.loop import Interrupted, TrainingError, run
     from flaxformer_lite.train.resume import stretch_schedule
+    from flaxformer_lite.train.time_spent import TimeSpent
 
     def train():
         cfg = load_config(args.config, args.overrides, notify=notice)
         if args.stretch_schedule:
             cfg = stretch_schedule(cfg)
         library_log_to(RunDir(cfg.run_dir).library_log)
+        spent = TimeSpent(started)
         # A bar only on a terminal: written to a file or a pipe it is one line of carriage returns.
         bar = not args.no_progress and sys.stdout.isatty() and sys.stderr.isatty()
-        last = run(cfg, fresh=args.fresh, force=args.force, progress=bar, log=say)
+        last = run(cfg, fresh=args.fresh, force=args.force, progress=bar, log=say, spent=spent)
         summary = ", ".join(
             f"{k} {v:,}" if isinstance(v, int) else f"{k} {v:.4g}"
             for k, v in last.items()
             if v is not None
         )
         if jax.process_index() == 0:  # a multi-process run reports once
-            say(f"done: {cfg.run_dir} ({summary})")
+            say(f"done: {cfg.run_dir} ({summary}); {spent.summary()}")
         return 0
 
     try:

@@ -7,6 +7,7 @@ between.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
@@ -21,6 +22,7 @@ from flaxformer_lite.decode.text import printable
 from flaxformer_lite.train.checkpoint import Checkpointer
 from flaxformer_lite.train.console import Console
 from flaxformer_lite.train.decode_eval import continue_texts, decodable, decode_eval
+from flaxformer_lite.train.time_spent import TimeSpent
 from flaxformer_lite.train.trained_run import to_savable
 
 
@@ -128,6 +130,8 @@ class LogTrain:
     """Every ``train.log_every`` steps: the step's loss, accuracy, gradient norm, learning rate
     and throughput."""
 
+    part = None  # reading the step's metrics waits for it: the steps' time
+
     def __init__(self, interval: int, total: int, schedule, throughput: Throughput, console):
         self.interval, self.total, self.schedule = interval, total, schedule
         self.throughput, self.console = throughput, console
@@ -148,6 +152,8 @@ class Evaluate:
     (``train.eval_batches`` of them, default all), perplexity, and decoded samples; for a
     mixture, each source's too (``eval_loss/<name>``, ..., the cap per source; decoded scores
     per source only)."""
+
+    part = "evaluations"
 
     def __init__(self, cfg, data, task: str, eval_step, eval_graphdef, place, console: Console):
         self.cfg, self.data, self.task, self.eval_step = cfg, data, task_named(task), eval_step
@@ -200,6 +206,8 @@ class SaveCheckpoint:
     """Every ``checkpoint.every`` steps and at the run's last step (the end, or a stop signal):
     the state, the data iterator's state, the config and the step's eval loss."""
 
+    part = "checkpoints"
+
     def __init__(self, checkpointer: Checkpointer, cfg):
         self.checkpointer, self.cfg = checkpointer, cfg
 
@@ -218,13 +226,18 @@ class SaveCheckpoint:
         )
 
 
-def run_actions(due: list, end: StepEnd, checkpointer: Checkpointer) -> None:
+def run_actions(
+    due: list, end: StepEnd, checkpointer: Checkpointer, spent: TimeSpent | None = None
+) -> None:
     """Runs the actions ``due`` at ``end``, in order (a save last: it keeps the step's eval
-    loss). One that fails (an evaluation, a log line) first lets the save due at the same step
-    be written, so that the error never costs the steps trained."""
+    loss), each counted to its ``part`` of ``spent``. One that fails (an evaluation, a log line)
+    first lets the save due at the same step be written, so that the error never costs the
+    steps trained."""
     for number, action in enumerate(due):
+        timed = spent is not None and action.part is not None
         try:
-            action(end)
+            with spent.part(action.part) if timed else contextlib.nullcontext():
+                action(end)
         except Exception:
             for save in (a for a in due[number + 1 :] if isinstance(a, SaveCheckpoint)):
                 save(end)

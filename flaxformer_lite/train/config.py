@@ -71,6 +71,11 @@ class LoopConfig:
     skip_nonfinite: bool = setting(
         False, help="skip a step with a non-finite loss or gradient instead of stopping"
     )
+    compilation_cache: bool = setting(
+        True,
+        help="keep compiled programs in ~/.cache/flaxformer_lite/jax ($XDG_CACHE_HOME): a "
+        "second run of a config compiles nothing it compiled before; false: compile every run",
+    )
 
     def __post_init__(self):
         if self.batch_size % max(self.grad_accum_steps, 1):
@@ -244,6 +249,7 @@ RUNTIME_KEYS = (
     "train.eval_batches",
     "train.decode_examples",
     "train.log_samples",
+    "train.compilation_cache",
     "checkpoint.",
     "mesh.",
     "distributed.",

@@ -34,6 +34,7 @@ from flaxformer_lite.train.actions import (
     run_actions,
 )
 from flaxformer_lite.train.checkpoint import Checkpointer, CheckpointShapeError
+from flaxformer_lite.train.compilation_cache import use_compilation_cache
 from flaxformer_lite.train.config import ConfigError, TrainConfig, config_from_dict
 from flaxformer_lite.train.console import Console
 from flaxformer_lite.train.metrics import MetricsWriter, peak_flops, plot_run
@@ -54,11 +55,18 @@ from flaxformer_lite.train.resume import (
 from flaxformer_lite.train.run_dir import RunDir
 from flaxformer_lite.train.signals import Interrupted, SignalAgreement, stop_on_signals
 from flaxformer_lite.train.step import make_eval_step, task_of
+from flaxformer_lite.train.time_spent import TimeSpent
 from flaxformer_lite.train.trained_run import from_savable, load_hf_weights, restore_target
 
 
 def run(
-    cfg: TrainConfig, *, fresh: bool = False, force: bool = False, progress: bool = True, log=print
+    cfg: TrainConfig,
+    *,
+    fresh: bool = False,
+    force: bool = False,
+    progress: bool = True,
+    log=print,
+    spent: TimeSpent | None = None,
 ) -> dict[str, float]:
     """Trains ``cfg`` in ``cfg.run_dir``, resuming from its newest checkpoint; returns the last
     logged metrics.
@@ -73,6 +81,8 @@ def run(
       force: resume even if the model, optimizer or data config changed.
       progress: show a progress bar (for a terminal); else print a line per logged step.
       log: where one-line messages go.
+      spent: where the run's time goes, counted from its creation (the command's start);
+        None: from this call.
 
     Raises:
       ConfigError: differences from the run directory (without ``force``), bad data or settings.
@@ -84,15 +94,17 @@ def run(
       TrainingError: a non-finite loss or gradient (the last good checkpoint is kept).
       Interrupted: SIGTERM / SIGINT (after the checkpoint is written).
     """
+    spent = TimeSpent() if spent is None else spent
+    use_compilation_cache(cfg.train.compilation_cache)
     check_pieces(cfg.model)  # code named by import path: refused or traced before any write
     parallel.initialize(cfg.distributed)
     main = jax.process_index() == 0
     log, progress = (log, progress) if main else (_quiet, False)
     run_dir = RunDir(cfg.run_dir)
     # Process 0 holds the directory's lock for the whole run (other processes share it).
-    with run_dir.locked(fresh=fresh, log=log) if main else contextlib.nullcontext():
+    with spent, run_dir.locked(fresh=fresh, log=log) if main else contextlib.nullcontext():
         _sync_processes("run directory ready")
-        started = start(cfg, run_dir, force=force, log=log)
+        started = start(cfg, run_dir, force=force, log=log, spent=spent)
         # The data's prefetch thread ends with the run, however the run ends.
         with contextlib.closing(started.checkpointer), contextlib.closing(started.data.train):
             return train(started, progress=progress, log=log)
@@ -116,6 +128,7 @@ class StartedRun:
       train_step: the jitted train step.
       eval_step: the jitted eval step.
       place: puts a batch of this process's rows onto the mesh.
+      spent: where the run's time goes.
     """
 
     cfg: TrainConfig
@@ -130,11 +143,16 @@ class StartedRun:
     train_step: Callable
     eval_step: Callable
     place: Callable
+    spent: TimeSpent
 
 
-def start(cfg: TrainConfig, run_dir: RunDir, *, force: bool, log) -> StartedRun:
+def start(
+    cfg: TrainConfig, run_dir: RunDir, *, force: bool, log, spent: TimeSpent | None = None
+) -> StartedRun:
     """Checks ``run_dir`` against ``cfg`` (every difference at once), builds the data and the
-    train state, restores the newest checkpoint into it, and records the config."""
+    train state, restores the newest checkpoint into it, and records the config; ``spent``
+    (default: a new one) counts the time."""
+    spent = TimeSpent() if spent is None else spent
     main = jax.process_index() == 0
     cfg, mesh = resolve_mesh(cfg)
     batch_sharding = parallel.batch_sharding(mesh, cfg.mesh.rules)
@@ -151,13 +169,15 @@ def start(cfg: TrainConfig, run_dir: RunDir, *, force: bool, log) -> StartedRun:
             saved = config_from_dict(checkpointer.restore_config())
         check_resume(run_dir, cfg, saved, resumed_step, force=force, main=main, log=log)
         _sync_processes("inputs checked")
-        data = _build_data(cfg, run_dir, batch_sharding, main)
+        with spent.part("data"):
+            data = _build_data(cfg, run_dir, batch_sharding, main)
         cfg = _settled_config(cfg, saved, data.vocab_size, log)
         built = build_train_state(cfg, mesh, abstract=resumed_step is not None)
         state, step = built.state, 0
         if saved is not None:
             try:
-                restored = checkpointer.restore(restore_target(state))
+                with spent.part("checkpoints"):
+                    restored = checkpointer.restore(restore_target(state))
             except CheckpointShapeError as error:  # --force takes another config, not arrays
                 raise shapes_changed(error, saved, cfg) from None
             state = from_savable(restored.state, state)
@@ -188,6 +208,7 @@ def start(cfg: TrainConfig, run_dir: RunDir, *, force: bool, log) -> StartedRun:
             built.eval_graphdef, task=task_of(cfg.model), loss_chunk=cfg.train.loss_chunk
         ),
         place=lambda batch: parallel.put_batch(batch, batch_sharding, cfg.train.batch_size),
+        spent=spent,
     )
 
 
@@ -217,8 +238,9 @@ def train(run: StartedRun, *, progress: bool, log) -> dict[str, float]:
     for notice in (warmup_notice(cfg.optimizer, total), *data.notices):
         if notice:
             log(notice)
-    state, last = run.state, {}
-    batch = run.place(next(data.train)) if step < total else None
+    state, last, spent = run.state, {}, run.spent
+    with spent.part("data"):
+        batch = run.place(next(data.train)) if step < total else None
     agree = SignalAgreement()
     # The steps are traced under the mesh and rules: the layers pin their activations' layout.
     with (
@@ -227,6 +249,7 @@ def train(run: StartedRun, *, progress: bool, log) -> dict[str, float]:
         contextlib.closing(console),
         tracing_layout(run.mesh, cfg.mesh.rules),
     ):
+        spent.loop_begins()
         while step < total:
             started = time.perf_counter()
             state, metrics = run.train_step(state, batch)
@@ -234,7 +257,9 @@ def train(run: StartedRun, *, progress: bool, log) -> dict[str, float]:
             console.advance()
             data_state = data.train.get_state()  # what a checkpoint at this step saves
             if step < total:
+                taken = time.perf_counter()
                 batch = run.place(next(data.train))
+                spent.add("data", time.perf_counter() - taken)
             finite.later(step, metrics)
             signum = agree(stop.signum)
             end = StepEnd(step, state, metrics, data_state, step == total or signum is not None)
@@ -244,18 +269,21 @@ def train(run: StartedRun, *, progress: bool, log) -> dict[str, float]:
             finite.now()  # a checkpoint is written only after its step's flag is read
             if throughput.started is None:
                 throughput.compiled(step, started)
-            run_actions(due, end, run.checkpointer)
+            run_actions(due, end, run.checkpointer, spent)
             if end.values:
                 writer.write(step, end.values)
                 last = end.values
             if signum is not None:
-                run.checkpointer.wait()
+                with spent.part("checkpoints"):
+                    run.checkpointer.wait()
                 raise Interrupted(signum, step)
             if due:  # tokens/s times training steps alone, not evaluations or saves
                 throughput.restart(step)
-        run.checkpointer.wait()
+        with spent.part("checkpoints"):
+            run.checkpointer.wait()
     if main:
-        plot_run(run.run_dir.path)
+        with spent.part("plots"):
+            plot_run(run.run_dir.path)
     return last
 
 

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
+from flaxformer_lite.train.compilation_cache import user_cache_dir
 from flaxformer_lite.train.figures import (
     draw,
     log_scale_if_wide,
@@ -386,11 +387,10 @@ def peak_flops() -> float | None:
 
 def cpu_peak_flops() -> float:
     """This machine's :func:`matmul_peak_flops`, measured once and kept in
-    ``$XDG_CACHE_HOME/flaxformer_lite/cpu_peak_flops.json`` (default ``~/.cache``) under the
+    ``cpu_peak_flops.json`` of :func:`~.compilation_cache.user_cache_dir` under the
     CPU's name, its cores and jax's version. Timed at every start, the peak moved by 20% (a run
     read MFU 0.50, and 0.42 resumed): kept, every run on the machine divides by one number."""
-    cache = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
-    path = cache / "flaxformer_lite" / "cpu_peak_flops.json"
+    path = user_cache_dir() / "cpu_peak_flops.json"
     key = f"{_cpu_name()}, {len(os.sched_getaffinity(0))} cores, jax {jax.__version__}"
     try:
         known = json.loads(path.read_text())

@@ -43,6 +43,7 @@ from flaxformer_lite.train.actions import (
     Throughput,
     run_actions,
 )
+from flaxformer_lite.train.compilation_cache import use_compilation_cache
 from flaxformer_lite.train.config import (
     ConfigError,
     TrainConfig,
@@ -117,6 +118,7 @@ def sweep(
 
 def _sweep(cfg: TrainConfig, vary, *, fresh: bool, force: bool, vmap: bool | None, log) -> dict:
     """:func:`sweep`, the code it names trusted or not."""
+    use_compilation_cache(cfg.train.compilation_cache)
     members = sweep_members(cfg, vary)
     for member in members:  # code named by import path, imported (if trusted) and traced
         check_pieces(member.cfg.model)
