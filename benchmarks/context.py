@@ -46,6 +46,7 @@ from flax import nnx  # noqa: E402
 
 from flaxformer_lite.aot import parse_topology  # noqa: E402
 from flaxformer_lite.models import ModelConfig, build_model  # noqa: E402
+from flaxformer_lite.models.accounting import training_flops_per_token  # noqa: E402
 from flaxformer_lite.parallel import (  # noqa: E402
     DEFAULT_RULES,
     batch_sharding,
@@ -226,8 +227,8 @@ def timed_step(cfg: ModelConfig, mesh, batch: dict):
 
 
 def time_rows(args) -> dict:
-    """Median seconds per step of context and data parallelism at the same tokens, and the
-    median of the rounds' ratios (context / data)."""
+    """Seconds per step of context and data parallelism at the same tokens, each layout's model
+    FLOPs per step, and the median of the rounds' ratios of seconds (context / data)."""
     cfg = ModelConfig.from_preset(
         args.preset,
         max_length=args.seq * DEVICES,
@@ -255,28 +256,41 @@ def time_rows(args) -> dict:
         for name, run in runs.items():
             seconds[name].append(run(args.steps) / args.steps)
     ratios = [c / d for c, d in zip(seconds["context"], seconds["data"], strict=True)]
+    tokens = args.seq * DEVICES
+    shapes = {"context": (1, tokens), "data": (DEVICES, args.seq)}
     return {
         "preset": args.preset,
         "layers": args.layers,
-        "tokens_per_step": args.seq * DEVICES,
-        "context": {"sequences": 1, "length": args.seq * DEVICES, "seconds": seconds["context"]},
-        "data": {"sequences": DEVICES, "length": args.seq, "seconds": seconds["data"]},
+        "tokens_per_step": tokens,
+        **{
+            name: {
+                "sequences": sequences,
+                "length": length,
+                "flops": tokens * training_flops_per_token(cfg, length),
+                "seconds": seconds[name],
+            }
+            for name, (sequences, length) in shapes.items()
+        },
         "ratio": statistics.median(ratios),
     }
 
 
 def time_table(result: dict) -> list[str]:
+    """The markdown table; the FLOPs' ratio is the share of the time ratio that a causal
+    sequence 8x as long needs anyway (attention's keys grow with it)."""
     lines = [
-        "| layout | sequences x tokens | median ms per step | of data parallelism |",
-        "|---|---|---|---|",
+        "| layout | sequences x tokens | model GFLOPs per step | median ms per step "
+        "| time of data 8's | FLOPs of data 8's |",
+        "|---|---|---|---|---|---|",
     ]
     for name, mesh in (("context", "context 8"), ("data", "data 8")):
         part = result[name]
         median = statistics.median(part["seconds"])
         ratio = result["ratio"] if name == "context" else 1.0
+        work = part["flops"] / result["data"]["flops"]
         lines.append(
-            f"| {mesh} | {part['sequences']} x {part['length']:,} | {median * 1e3:.1f} "
-            f"| {ratio:.2f}x |"
+            f"| {mesh} | {part['sequences']} x {part['length']:,} | {part['flops'] / 1e9:.2f} "
+            f"| {median * 1e3:.1f} | {ratio:.2f}x | {work:.2f}x |"
         )
     return lines
 
