@@ -167,8 +167,11 @@ def memory_table(rows: list[dict], longest: dict[int, int | None], budget) -> li
             cells = [f"failed: {row['error']}", "**no**"]
         else:
             sizes = {key: value / GIB for key, value in row["per_chip_bytes"].items()}
-            memory = "{params:.2f} + {optimizer:.2f} + {temp:.2f} = {total:.2f}".format(**sizes)
-            cells = [memory, "yes" if fits(row, budget) else "**no**"]
+            refused = "collectives" in row and row["collectives"] is None  # temp: as asked
+            form = "{params:.2f} + {optimizer:.2f} + " + (
+                "{temp:.2f} asked" if refused else "{temp:.2f} = {total:.2f}"
+            )
+            cells = [form.format(**sizes), "yes" if fits(row, budget) else "**no**"]
         lines.append(
             "| "
             + " | ".join(

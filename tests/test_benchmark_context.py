@@ -12,7 +12,8 @@ GIB = 2**30
 
 
 def fake_compile(arguments: list[str]) -> dict:
-    """A compile whose total per chip is one GiB per 1,024 tokens per chip (``T / C``)."""
+    """A compile whose total per chip is one GiB per 1,024 tokens per chip (``T / C``), refused
+    (no collectives) above v5e's 16 GiB."""
     settings = dict(a.split("=", 1) for a in arguments if "=" in a)
     length, context = int(settings["data.seq_len"]), int(settings["mesh.context"])
     total = length // context / 1024 * GIB
@@ -21,6 +22,7 @@ def fake_compile(arguments: list[str]) -> dict:
     return {"command": " ".join(arguments), "compile_seconds": 0.0, "mesh": mesh} | {
         "per_chip_bytes": sizes,
         "fits": total <= 16 * GIB,
+        "collectives": {} if total <= 16 * GIB else None,
     }
 
 
@@ -75,6 +77,9 @@ def test_memory_sweep_finds_each_context_its_length_and_keeps_its_rows(
     )
     assert benchmark.main(argv)["longest"] == {1: 16384, 2: 32768, 8: 131072}
     assert len(compiled) == 3  # 32,768, 65,536 and 262,144 tokens: new lengths
+    printed = capsys.readouterr().out.splitlines()
+    assert "| 1 | 8 x 1 | 16,384 x 8 | 16,384 | 0.00 + 0.00 + 16.00 = 16.00 | yes |" in printed
+    assert "| 8 | 1 x 8 | 262,144 x 1 | 32,768 | 0.00 + 0.00 + 32.00 asked | **no** |" in printed
 
 
 @pytest.mark.slow
