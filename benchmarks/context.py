@@ -63,18 +63,19 @@ GIB = 2**30
 
 # ----------------------------------------------------------------------------- memory
 def memory_arguments(
-    recipe: str, topology: str, context: int, length: int, extra: list[str]
+    model: str, topology: str, context: int, length: int, extra: list[str]
 ) -> list[str]:
     """The ``flaxformer-lite`` arguments of one row: fsdp N/C x context C, N/C sequences of
-    ``length`` (gpt2-small's position table as long as the sequence)."""
+    ``length`` (a learned position table as long as the sequence)."""
     chips = parse_topology(topology).chips
+    recipe, overrides = compile_table.MODELS[model]
     return [
         "compile",
         "--config",
         recipe,
         "--topology",
         topology,
-        *compile_table.MODELS[recipe_model(recipe)][1],
+        *overrides,
         "mesh.data=1",
         f"mesh.fsdp={chips // context}",
         f"mesh.context={context}",
@@ -83,11 +84,6 @@ def memory_arguments(
         f"model.max_length={length}",
         *extra,
     ]
-
-
-def recipe_model(recipe: str) -> str:
-    """compile_table's name of ``recipe`` (``gpt2_small`` -> ``gpt2-small``)."""
-    return {recipe: model for model, (recipe, _) in compile_table.MODELS.items()}[recipe]
 
 
 def fits(row: dict, budget_gib: float | None) -> bool:
@@ -117,19 +113,21 @@ def longest_fitting(compile_length, start: int, limit: int, fit) -> int | None:
 
 
 def memory_rows(args) -> tuple[list[dict], dict[int, int | None]]:
-    """Every row compiled (or read from ``--out``) and the longest fitting length per context."""
+    """Every row compiled (or read from ``--out``, but those that failed, which are compiled
+    again) and the longest fitting length per context."""
     done = {}
     if args.out.exists():
         for line in args.out.read_text().splitlines():
             row = json.loads(line)
-            done[(row["context"], row["length"], tuple(row["set"]))] = row
+            if "error" not in row:
+                done[(row["context"], row["length"], tuple(row["set"]))] = row
     rows, longest = [], {}
     for context in args.contexts:
 
         def compile_length(length: int, context=context) -> dict:
             key = (context, length, tuple(args.set))
             if key not in done:
-                arguments = memory_arguments(args.recipe, args.topology, context, length, args.set)
+                arguments = memory_arguments(args.model, args.topology, context, length, args.set)
                 sequences = parse_topology(args.topology).chips // context
                 row = {"context": context, "length": length, "sequences": sequences}
                 row["set"] = args.set
@@ -161,8 +159,7 @@ def memory_table(rows: list[dict], longest: dict[int, int | None], budget) -> li
         "|---|---|---|---|---|---|",
     ]
     for row in sorted(rows, key=lambda row: (row["context"], row["length"])):
-        mesh = row.get("mesh", {})
-        shape = f"{mesh.get('fsdp', '?')} x {mesh.get('context', row['context'])}"
+        shape = f"{row['sequences']} x {row['context']}"  # fsdp N/C: a sequence per fsdp shard
         if "error" in row:
             cells = [f"failed: {row['error']}", "**no**"]
         else:
@@ -305,7 +302,7 @@ def parser() -> argparse.ArgumentParser:
     modes = command_line.add_subparsers(dest="mode", required=True)
     memory = modes.add_parser("memory", help="the longest sequence that fits, compiled")
     memory.add_argument("--out", type=pathlib.Path, required=True, help="the rows, JSON lines")
-    memory.add_argument("--recipe", default="gpt2_small", choices=["gpt2_small"])
+    memory.add_argument("--model", default="gpt2-small", choices=list(compile_table.MODELS))
     memory.add_argument("--topology", default="v5e-8")
     memory.add_argument("--contexts", nargs="+", type=int, default=list(CONTEXTS))
     memory.add_argument("--start", type=int, default=16384, help="tokens per chip tried first")
