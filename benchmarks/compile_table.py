@@ -70,10 +70,9 @@ def row_arguments(model: str, topology: str, layout: str, extra: list[str]) -> l
     ]
 
 
-def compile_row(model: str, topology: str, layout: str, extra: list[str]) -> dict:
-    """Compiles one row in a fresh process: the compile's JSON summary with the row's name, its
-    command and the compile's wall time; ``error`` instead of a summary when it printed none."""
-    arguments = row_arguments(model, topology, layout, extra)
+def compile_command(arguments: list[str]) -> dict:
+    """Runs ``flaxformer-lite ARGUMENTS`` in a fresh process (JAX on the CPU): its JSON summary
+    with its command and wall time; ``error`` instead when it printed none."""
     program = [
         sys.executable,
         "-c",
@@ -86,8 +85,7 @@ def compile_row(model: str, topology: str, layout: str, extra: list[str]) -> dic
         text=True,
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )
-    row = {"model": model, "topology": topology, "layout": layout, "set": extra}
-    row["command"] = "flaxformer-lite " + " ".join(arguments)
+    row = {"command": "flaxformer-lite " + " ".join(arguments)}
     row["compile_seconds"] = round(time.perf_counter() - start, 1)
     lines = done.stdout.strip().splitlines()
     try:
@@ -95,6 +93,12 @@ def compile_row(model: str, topology: str, layout: str, extra: list[str]) -> dic
     except (IndexError, json.JSONDecodeError):
         row["error"] = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
     return row
+
+
+def compile_row(model: str, topology: str, layout: str, extra: list[str]) -> dict:
+    """Compiles one row in a fresh process (:func:`compile_command`), named by its key."""
+    row = {"model": model, "topology": topology, "layout": layout, "set": extra}
+    return row | compile_command(row_arguments(model, topology, layout, extra))
 
 
 def row_key(model: str, topology: str, layout: str, extra: list[str]) -> tuple:
