@@ -185,3 +185,11 @@ def test_a_prepared_store_gone_from_under_a_run_is_named(tmp_path, capsys):
     err = refused([*args, "--no-progress"], capsys)
     assert f"no prepared store at {store} (no manifest.json)" in err, err
     assert f"{corpus}: gone" not in err and "--force" not in err, err
+
+
+def test_a_synthetic_run_with_a_leftover_data_path_resumes(tmp_path, capsys):
+    """A generator's data need no store, whatever ``data.path`` says (it is unused)."""
+    args = [f"run_dir={tmp_path / 'run'}", *TINY, "data.path=unused.txt", "--no-progress"]
+    assert train_main([*args, "train.steps=1"]) == 0, capsys.readouterr().err
+    assert train_main([*args, "train.steps=2"]) == 0, capsys.readouterr().err
+    assert "no prepared store" not in capsys.readouterr().err

@@ -190,7 +190,8 @@ def _input_differences(
     """The data files and settings against the ``recorded`` inputs; a given store that is gone
     is not a change ``--force`` can go on with, and other weights of a mixture's sources are
     said in one line."""
-    if not source_of(cfg.data).made_by_run:  # a given store, that the run cannot make again
+    source = source_of(cfg.data)
+    if source.stored and not source.made_by_run:  # a given store, that the run cannot make again
         missing = [
             path for path in cfg.data.paths().values() if store_of(cfg.data, None, path) is None
         ]
