@@ -35,8 +35,8 @@ def use_compilation_cache(enabled: bool) -> None:
     ``enabled``, off (the user's directory too). Call before the run compiles."""
     import jax
 
+    jax.config.update("jax_enable_compilation_cache", enabled)
     if not enabled:
-        jax.config.update("jax_enable_compilation_cache", False)
         return
     if jax.config.jax_compilation_cache_dir:
         return
