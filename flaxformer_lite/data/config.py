@@ -183,7 +183,7 @@ class DataConfig:
     @property
     def documents(self) -> str:
         """How a text file becomes documents: ``text_documents``, or a whole file by default."""
-        return self.text_documents or "file"
+        return self.text_documents or readers.DEFAULT_DOCUMENTS
 
     def paths(self) -> dict[str, str]:
         """The settings that name files or stores, by key, and the path each names:

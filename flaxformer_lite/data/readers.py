@@ -1,6 +1,6 @@
 """Readers of local training data: text files, JSONL fields and parallel (translation) text.
 
-Records are dicts of strings, in the shapes the synthetic tasks use: ``{"text": ...}`` for text
+Records are dicts of strings, in the shapes the synthetic generators use: ``{"text": ...}`` for text
 and JSONL files, ``{"source": ..., "target": ...}`` for parallel text. Each has a streaming
 reader, ``iter_text_records``, ``iter_jsonl_records`` and ``iter_parallel_records`` (its source,
 :mod:`~flaxformer_lite.data.sources`, calls it), which reads the files in bounded chunks and
@@ -42,7 +42,8 @@ from pathlib import Path
 _GLOB_CHARS = frozenset("*?[")
 # Bytes read at a time: what a streaming reader holds, with the longest line.
 CHUNK_BYTES = 1 << 20
-TEXT_DOCUMENTS = ("file", "paragraphs", "lines")
+DEFAULT_DOCUMENTS = "file"  # what data.text_documents unset means
+TEXT_DOCUMENTS = (DEFAULT_DOCUMENTS, "paragraphs", "lines")
 BUILTIN = "builtin:"
 # Public-domain texts shipped compressed in the package: name -> file in data/texts/.
 BUILTIN_TEXTS = {"tinyshakespeare": "tinyshakespeare.txt.xz"}
@@ -163,13 +164,13 @@ def iter_paragraphs(path: Path, on_read: OnRead | None = None) -> Iterator[str]:
 
 
 def iter_text_records(
-    files: Sequence[Path], documents: str = "file", on_read: OnRead | None = None
+    files: Sequence[Path], documents: str = DEFAULT_DOCUMENTS, on_read: OnRead | None = None
 ) -> Iterator[dict[str, str]]:
     """``{"text": document}`` for every document of ``files``, made as ``documents`` (one of
     :data:`TEXT_DOCUMENTS`) says."""
     check_text_documents(documents)
     for path in files:
-        if documents == "file":
+        if documents == DEFAULT_DOCUMENTS:
             yield {"text": read_text(path, on_read)}
         elif documents == "paragraphs":
             yield from ({"text": paragraph} for paragraph in iter_paragraphs(path, on_read))

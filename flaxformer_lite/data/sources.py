@@ -63,7 +63,7 @@ class Source:
     reads_documents: ClassVar[bool] = False
     unrecorded: ClassVar[dict[str, Any]] = {}
 
-    def __init__(self, field: str = "text", documents: str = "file"):
+    def __init__(self, field: str = "text", documents: str = readers.DEFAULT_DOCUMENTS):
         self.field, self.documents = field, documents
 
     def check(self, cfg: DataConfig) -> None:
@@ -162,7 +162,7 @@ class TextSource(FileSource):
 
     @property
     def whole_files(self) -> bool:
-        return self.documents == "file"
+        return self.documents == readers.DEFAULT_DOCUMENTS
 
     def records(self, files, on_read=None):
         return readers.iter_text_records(files, self.documents, on_read)
@@ -178,7 +178,7 @@ class TextSource(FileSource):
     @classmethod
     def settled(cls, key: str, value: Any) -> Any:
         if key == "text_documents" and value is None:  # unset, a text file is one document
-            return "file"
+            return readers.DEFAULT_DOCUMENTS
         return value
 
 
@@ -294,7 +294,9 @@ def source_of(cfg: DataConfig) -> Source:
     return source_named(cfg.source, field=cfg.field, documents=cfg.documents)
 
 
-def source_named(name: str, field: str = "text", documents: str = "file") -> Source:
+def source_named(
+    name: str, field: str = "text", documents: str = readers.DEFAULT_DOCUMENTS
+) -> Source:
     """The source named ``name`` (a setting's value, or a store manifest's ``source.kind``).
 
     Raises:
@@ -314,4 +316,7 @@ def source_of_store(made_from: dict[str, Any]) -> Source:
       ValueError: a source this version does not know.
     """
     source = type(source_named(made_from["kind"]))
-    return source(made_from.get("field") or "text", source.documents_of(made_from) or "file")
+    return source(
+        made_from.get("field") or "text",
+        source.documents_of(made_from) or readers.DEFAULT_DOCUMENTS,
+    )

@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from flaxformer_lite.data import tokenizers
+from flaxformer_lite.data import readers, tokenizers
 from flaxformer_lite.data.documents import FIELDS, Documents
 from flaxformer_lite.data.sources import FileSource, source_named
 from flaxformer_lite.data.store_writer import (
@@ -70,7 +70,6 @@ from flaxformer_lite.data.tokenizers import Tokenizer
 
 FORMAT, VERSION = "flaxformer-lite token store", 1
 MANIFEST, TOKENIZER_DIR, LABELS = "manifest.json", "tokenizer", "labels.i32"
-FITTED_TOKENIZERS = ("char", "word", "bpe")
 _DTYPES = (token_dtype(1), token_dtype(1 << 32))
 
 
@@ -90,7 +89,7 @@ def prepare_store(
     source: str,
     path: str,
     field: str = "text",
-    documents: str = "file",
+    documents: str = readers.DEFAULT_DOCUMENTS,
     tokenizer: Tokenizer | None = None,
     tokenizer_name: str = "byte",
     vocab_size: int | None = None,
@@ -135,7 +134,7 @@ def prepare_store(
         raise ValueError(f"source {source!r} is not files to prepare into a store")
     files = file_source.files(path)
     fitted = None
-    if tokenizer is None and tokenizer_name in FITTED_TOKENIZERS:
+    if tokenizer is None and tokenizer_name in tokenizers.FITTED_TOKENIZERS:
         if tokenizer_name == "bpe" and vocab_size is None:
             raise ValueError("tokenizer 'bpe' needs vocab_size")
         vocab_size = None if tokenizer_name == "char" else vocab_size
