@@ -61,7 +61,7 @@ from flaxformer_lite.data.features import truncation
 from flaxformer_lite.data.mixture import MixtureBatches, fitted_tokenizer
 from flaxformer_lite.data.run_stores import check_sources, records_of, run_store, validation_store
 from flaxformer_lite.data.sources import source_of, source_of_store
-from flaxformer_lite.data.store import FITTED_TOKENIZERS, open_store, text_documents
+from flaxformer_lite.data.store import open_store, text_documents
 from flaxformer_lite.data.tokenizers import Tokenizer
 
 # Fitted tokenizers see all training records of a file source, or this many synthetic examples.
@@ -169,7 +169,7 @@ def build_data(
 
     Raises:
       ValueError: the source does not fit ``task``, an unusable batch size or process, a saved
-        another tokenizer, or bad data (the message names the file).
+        tokenizer that is not the run's, or bad data (the message names the file).
       FileNotFoundError: a missing data or tokenizer file.
     """
     task_type = tasks.task_named(task)
@@ -397,7 +397,7 @@ def _mixture_tokenizer(cfg: DataConfig) -> Tokenizer:
     source = source_of(cfg)
     if source.brings_tokenizer:
         return open_store(source.store_at(next(iter(cfg.mixture.values())).path, None)).tokenizer
-    if cfg.tokenizer in FITTED_TOKENIZERS:
+    if cfg.tokenizer in tokenizers.FITTED_TOKENIZERS:
         return fitted_tokenizer(cfg)
     return tokenizers.make_tokenizer(cfg.tokenizer, path=cfg.tokenizer_path)
 

@@ -277,8 +277,9 @@ class BpeTokenizer(Tokenizer):
 _CLASSES: dict[str, type[Tokenizer]] = {
     cls.name: cls for cls in (ByteTokenizer, CharTokenizer, WordTokenizer, BpeTokenizer)
 }
-# SentencePiece lives in its own module, imported when asked for (it needs sentencepiece).
+# SentencePiece's tokenizer loads the sentencepiece package only when one is made or loaded.
 TOKENIZERS = (*_CLASSES, "sentencepiece")
+FITTED_TOKENIZERS = ("char", "word", "bpe")  # fitted on texts; the others are given whole
 
 
 def make_tokenizer(
@@ -304,7 +305,7 @@ def make_tokenizer(
     if name not in TOKENIZERS:
         valid = ", ".join(TOKENIZERS)
         raise ValueError(f"unknown tokenizer {name!r}; valid tokenizers: {valid}")
-    if name in ("char", "word", "bpe") and texts is None:
+    if name in FITTED_TOKENIZERS and texts is None:
         raise ValueError(f"tokenizer {name!r} needs texts to fit on")
     if name == "byte":
         return ByteTokenizer()
