@@ -7,7 +7,7 @@ The model is GPT-2-shaped (the ``gpt2-small`` preset: pre-LN, learned positions,
 fused QKV, tied embeddings) scaled down so that the run takes minutes on a small CPU: by default
 4 layers, d_model 256, 4 heads, d_ff 1024, an 8192-token vocabulary and a position table of 1024
 (5.5M parameters, float32, dropout off). Its random weights are multiplied by
-``--weight-scale`` (3, as in tests/test_decode.py) so that greedy tokens vary from step to step
+``--weight-scale`` (3, as in tests/decode_cases.py) so that greedy tokens vary from step to step
 instead of repeating one token, which gives the agreement check below some teeth; the speed
 does not depend on the values. Every row of a batch holds a prompt of ``--prompt-length``
 random tokens (32 by default); each method continues it greedily by exactly ``--new-tokens``
@@ -173,7 +173,7 @@ def run(args) -> dict:
         )
     model = build_model(cfg, rngs=nnx.Rngs(args.seed))
     model.eval()
-    if args.weight_scale != 1:  # as tests/test_decode.py does: tokens vary from step to step
+    if args.weight_scale != 1:  # as tests/decode_cases.py does: tokens vary from step to step
         params = nnx.state(model, nnx.Param)
         nnx.update(model, jax.tree.map(lambda x: x * args.weight_scale, params))
     libraries, hf_skipped = (None, "--no-hf") if args.no_hf else hf_gpt2.load_torch()

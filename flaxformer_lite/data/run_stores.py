@@ -87,7 +87,7 @@ def validation_store(cfg: DataConfig, prepared: Path | None, train: Store) -> St
     if source.made_by_run:
         return prepare_validation(cfg, source.store_at(cfg.validation_path, prepared), train)
     store = open_store(source.store_at(cfg.validation_path, prepared))
-    _check_same_kind(cfg, store, train)
+    _check_same_source(cfg, store, train)
     check_tokenizer(store, train.tokenizer)
     return store
 
@@ -99,7 +99,7 @@ def prepare_validation(cfg: DataConfig, out_dir: Path, train: Store, progress=No
     return prepare_source(valid_cfg, out_dir, train.tokenizer, progress)
 
 
-def _check_same_kind(cfg: DataConfig, store: Store, train: Store) -> None:
+def _check_same_source(cfg: DataConfig, store: Store, train: Store) -> None:
     path = cfg.validation_path
     made, wanted = _store_source(store), _store_source(train)
     if made != wanted:

@@ -1,7 +1,8 @@
 """The train and eval steps: pure functions of the split model + optimizer state, jitted once,
 with the state donated so parameters and moments are updated in place.
 
-The loss of each model kind is written once (:func:`model_loss`); gradient accumulation sums the
+The loss of every task is written once (:func:`model_loss`; each task's model call is its
+:class:`~flaxformer_lite.data.tasks.Task`'s); gradient accumulation sums the
 microbatches' token-weighted gradients, so ``k`` microbatches give the gradient of the whole batch.
 A step whose loss or gradients are not finite leaves the state untouched and says so.
 """
