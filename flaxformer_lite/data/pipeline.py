@@ -61,7 +61,7 @@ from flaxformer_lite.data.features import truncation
 from flaxformer_lite.data.mixture import MixtureBatches, fitted_tokenizer
 from flaxformer_lite.data.run_stores import check_sources, records_of, run_store, validation_store
 from flaxformer_lite.data.sources import source_of, source_of_store
-from flaxformer_lite.data.store import open_store, text_documents
+from flaxformer_lite.data.store import open_store
 from flaxformer_lite.data.tokenizers import Tokenizer
 
 # Fitted tokenizers see all training records of a file source, or this many synthetic examples.
@@ -338,7 +338,7 @@ def _load_store(
         corpus = Corpus((documents, train), (valid_store.documents, valid), examples)
         return store.tokenizer, corpus
     where = cfg.path or str(store.path)
-    if text_documents(store.manifest) == "file":
+    if source_of_store(store.manifest["source"]).whole_files:
         documents, train, valid = hold_out_tails(documents, cfg.validation_fraction, where)
         train, valid = train[: cfg.train_size], valid[: cfg.eval_size]
         examples = _decoded_records(store.tokenizer, documents, valid)
