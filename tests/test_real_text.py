@@ -262,7 +262,7 @@ class _Stream:
 def test_the_bar_is_for_terminals_and_plain_lines_are_for_the_rest(monkeypatch, flags, tty, bar):
     seen = {}
 
-    def fake_run(cfg, *, fresh, force, progress, log):
+    def fake_run(cfg, *, fresh, force, progress, log, spent):
         seen["progress"] = progress
         return {}
 
