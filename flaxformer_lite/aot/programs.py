@@ -88,7 +88,7 @@ def compile_for(
         )
     devices = topology_devices(topology)
     sizes = parallel.mesh_shape(
-        cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, len(devices), cfg.mesh.context
+        cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, len(devices), context=cfg.mesh.context
     )
     cfg, mesh = resolve_mesh(cfg, _ordered(devices, sizes))
     rules = cfg.mesh.rules

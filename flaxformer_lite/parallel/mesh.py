@@ -28,7 +28,7 @@ MESH_AXES = ("data", "fsdp", "context", "tensor")
 
 
 def mesh_shape(
-    data: int, fsdp: int, tensor: int, device_count: int, context: int = 1
+    data: int, fsdp: int, tensor: int, device_count: int, *, context: int = 1
 ) -> tuple[int, int, int, int]:
     """The axis sizes in :data:`MESH_AXES`' order, ``(data, fsdp, context, tensor)``, with the
     one ``-1`` replaced by the remaining devices.
@@ -75,7 +75,7 @@ def make_mesh(
     host and on neighbouring chips, where the interconnect is fastest.
     """
     devices = list(jax.devices() if devices is None else devices)
-    shape = mesh_shape(data, fsdp, tensor, len(devices), context)
+    shape = mesh_shape(data, fsdp, tensor, len(devices), context=context)
     auto = (AxisType.Auto,) * len(MESH_AXES)
     if len(devices) == jax.device_count():
         return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
