@@ -284,11 +284,7 @@ def _check_fits(cfg: DataConfig, task: str) -> None:
     source = source_of(cfg)
     records = source.record_type_of(cfg)
     if records is not None:  # else checked against the store's manifest once it is open
-        _check_records(records, source.described(cfg), task)
-
-
-def _check_records(records: str, given: str, task: str) -> None:
-    tasks.task_named(task).check_records(records, given)
+        tasks.task_named(task).check_records(records, source.described(cfg))
 
 
 def _load(
@@ -321,7 +317,7 @@ def _load_store(
     check_sources(cfg)
     store = run_store(cfg, prepared, chosen)
     records = records_of(store)
-    _check_records(records, f"the store {store.path} ({records} documents)", task)
+    tasks.task_named(task).check_records(records, f"the store {store.path} ({records} documents)")
     valid_store = None
     if cfg.validation_path is not None:
         try:
