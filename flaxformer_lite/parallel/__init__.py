@@ -14,6 +14,7 @@ from flaxformer_lite.parallel.mesh import (
     make_mesh,
     mesh_shape,
     mesh_sizes,
+    shown_sizes,
 )
 from flaxformer_lite.parallel.rules import (
     DEFAULT_RULES,
@@ -50,6 +51,7 @@ __all__ = [
     "make_mesh",
     "mesh_shape",
     "mesh_sizes",
+    "shown_sizes",
     "process_batch_shard",
     "put_batch",
     "replicated_warnings",

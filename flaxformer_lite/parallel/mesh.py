@@ -82,10 +82,15 @@ def make_mesh(
     return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=auto)
 
 
+def shown_sizes(sizes: dict[str, int]) -> dict[str, int]:
+    """``sizes`` (``{axis: size}``) less ``context`` when it does not split the sequence: the
+    reports and descriptions of meshes without it read as before the axis existed."""
+    return {name: size for name, size in sizes.items() if name != "context" or size != 1}
+
+
 def mesh_sizes(mesh: Mesh) -> dict[str, int]:
-    """``{axis: size}``, ``context`` only when it splits the sequence: the reports and
-    descriptions of meshes without it read as before the axis existed."""
-    return {name: size for name, size in mesh.shape.items() if name != "context" or size > 1}
+    """``{axis: size}`` of ``mesh``, as :func:`shown_sizes` shows them."""
+    return shown_sizes(dict(mesh.shape))
 
 
 def describe_mesh(mesh: Mesh) -> str:
@@ -99,6 +104,4 @@ def describe_mesh(mesh: Mesh) -> str:
 
 
 def _spell(sizes: dict[str, int]) -> str:
-    return " ".join(
-        f"{name}={size}" for name, size in sizes.items() if name != "context" or size != 1
-    )
+    return " ".join(f"{name}={size}" for name, size in shown_sizes(sizes).items())

@@ -354,8 +354,8 @@ def _mib(num_bytes: int) -> str:
 
 
 def _mesh_text(mesh_cfg) -> str:
-    context = f" x context {mesh_cfg.context}" if mesh_cfg.context != 1 else ""
-    return f"data {mesh_cfg.data} x fsdp {mesh_cfg.fsdp}{context} x tensor {mesh_cfg.tensor}"
+    sizes = {name: getattr(mesh_cfg, name) for name in parallel.MESH_AXES}
+    return " x ".join(f"{name} {size}" for name, size in parallel.shown_sizes(sizes).items())
 
 
 def _sync_processes(name: str) -> None:
