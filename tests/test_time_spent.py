@@ -1,8 +1,9 @@
 """Where a run's time went: the closing line's parts are all there and add up to its wall time,
-and the compilation is the union of JAX's nested compile spans, taken out of the parts that
-hold it."""
+and the compilation is the union of JAX's nested compile spans on the run's thread, and its
+waits for the background compile, taken out of the parts that hold them."""
 
 import re
+import threading
 import time
 
 import pytest
@@ -32,6 +33,24 @@ def test_nested_compile_spans_count_once_and_leave_the_parts_that_hold_them():
     assert parts["evaluations"] < 0.0  # the block's time less the compilation spans put in it
     assert list(parts) == list(PARTS)
     assert sum(parts.values()) == pytest.approx(10.0, abs=0.05)
+
+
+def test_compiling_on_another_thread_counts_only_while_the_run_waits_for_it():
+    spent = TimeSpent(started=time.perf_counter() - 10.0)
+    now = time.time()
+    spent._compile_span(_COMPILE, now - 3.0, now - 1.0)  # the run's own: the first step's
+    elsewhere = threading.Thread(  # overlapping it: counted too, it would be counted twice
+        target=spent._compile_span, args=(_COMPILE, now - 2.0, now)
+    )
+    elsewhere.start()
+    elsewhere.join()
+    with spent.part("evaluations"), spent.waiting_for_compilation():
+        time.sleep(0.05)
+    parts = spent.parts()
+    assert parts["compilation"] == pytest.approx(2.05, abs=0.02)
+    assert parts["evaluations"] == pytest.approx(0.0, abs=0.02)
+    assert all(seconds >= 0 for seconds in parts.values())
+    assert sum(parts.values()) == pytest.approx(10.05, abs=0.02)
 
 
 def test_the_start_up_ends_where_the_loop_begins():

@@ -31,8 +31,10 @@ from flaxformer_lite.train.actions import (
     StepEnd,
     Throughput,
     TrainingError,
+    quiet,
     run_actions,
 )
+from flaxformer_lite.train.background_compile import BackgroundCompile
 from flaxformer_lite.train.checkpoint import Checkpointer, CheckpointShapeError
 from flaxformer_lite.train.compilation_cache import use_compilation_cache
 from flaxformer_lite.train.config import ConfigError, TrainConfig, config_from_dict
@@ -99,7 +101,7 @@ def run(
     check_pieces(cfg.model)  # code named by import path: refused or traced before any write
     parallel.initialize(cfg.distributed)
     main = jax.process_index() == 0
-    log, progress = (log, progress) if main else (_quiet, False)
+    log, progress = (log, progress) if main else (quiet, False)
     run_dir = RunDir(cfg.run_dir)
     # Process 0 holds the directory's lock for the whole run (other processes share it).
     with spent, run_dir.locked(fresh=fresh, log=log) if main else contextlib.nullcontext():
@@ -230,15 +232,19 @@ def train(run: StartedRun, *, progress: bool, log) -> dict[str, float]:
     resumed_step = run.step if run.resumed else None
     finite = FiniteCheck(cfg.train.skip_nonfinite, run.checkpointer, resumed_step, log)
     task = task_of(cfg.model)
+    state, last, spent = run.state, {}, run.spent
+    compiling = BackgroundCompile(spent)
+    evaluate = Evaluate(
+        cfg, data, task, run.eval_step, run.built.eval_graphdef, run.place, console, compiling
+    )
     actions = [
         LogTrain(cfg.train.log_every, total, run.built.schedule, throughput, console),
-        Evaluate(cfg, data, task, run.eval_step, run.built.eval_graphdef, run.place, console),
+        evaluate,
         SaveCheckpoint(run.checkpointer, cfg),
     ]
     for notice in (warmup_notice(cfg.optimizer, total), *data.notices):
         if notice:
             log(notice)
-    state, last, spent = run.state, {}, run.spent
     with spent.part("data"):
         batch = run.place(next(data.train)) if step < total else None
     agree = SignalAgreement()
@@ -248,11 +254,14 @@ def train(run: StartedRun, *, progress: bool, log) -> dict[str, float]:
         contextlib.closing(writer),
         contextlib.closing(console),
         tracing_layout(run.mesh, cfg.mesh.rules),
+        contextlib.closing(compiling),
     ):
         spent.loop_begins()
         while step < total:
             started = time.perf_counter()
             state, metrics = run.train_step(state, batch)
+            if not compiling.started:  # the evaluation compiles while the first steps run
+                compiling.start(_evaluation_compiler(evaluate, state, run.mesh, cfg.mesh.rules))
             step += 1
             console.advance()
             data_state = data.train.get_state()  # what a checkpoint at this step saves
@@ -285,6 +294,20 @@ def train(run: StartedRun, *, progress: bool, log) -> dict[str, float]:
         with spent.part("plots"):
             plot_run(run.run_dir.path)
     return last
+
+
+def _evaluation_compiler(evaluate: Evaluate, state, mesh, rules) -> Callable[[], None]:
+    """What compiles ``evaluate``'s programs for ``state`` (as the loop traces them: under the
+    mesh and rules); it takes the shapes and shardings now, before a step donates ``state``."""
+    shapes = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
+    )
+
+    def compile_evaluation() -> None:
+        with tracing_layout(mesh, rules):
+            evaluate.compile(shapes)
+
+    return compile_evaluation
 
 
 def _build_data(cfg: TrainConfig, run_dir: RunDir, batch_sharding, main: bool) -> Data:
@@ -364,10 +387,6 @@ def _sync_processes(name: str) -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
-
-
-def _quiet(_message: str) -> None:
-    pass
 
 
 class NoMetrics:

@@ -1,0 +1,75 @@
+"""The evaluation's programs compile on a thread of their own once the first train step is
+dispatched: none of them compiles on the run's thread, and the evaluation gives the very values
+it gives when it compiles them itself."""
+
+import json
+import threading
+import time
+
+import pytest
+from jax import monitoring
+from tiny_runs import TINY
+
+from flaxformer_lite.cli.train import train_main
+from flaxformer_lite.train import loop
+from flaxformer_lite.train.background_compile import BackgroundCompile
+
+pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
+
+# d_ff of no other test: the decoding program is traced anew, not found in this process's caches.
+_RUN = [
+    "--no-progress",
+    *TINY,
+    "model.d_ff=72",
+    "train.steps=2",
+    "train.eval_every=2",
+    "train.decode_examples=2",
+]
+_EVALUATION = ("eval_step", "_generate")
+
+
+def _evaluations(run_dir) -> list[dict]:
+    """The evaluations' values in ``run_dir/metrics.jsonl``, by step."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [
+        {key: value for key, value in record.items() if key == "step" or key.startswith("eval_")}
+        for record in map(json.loads, lines)
+        if "eval_loss" in record
+    ]
+
+
+def test_the_evaluation_compiles_beside_the_first_steps_and_scores_the_same(tmp_path, monkeypatch):
+    traced, dispatched = [], []
+
+    def record_trace(event, start_time, end_time, **kwargs):
+        if event == "/jax/core/compile/jaxpr_trace_duration":
+            traced.append((kwargs.get("fun_name"), threading.current_thread(), start_time))
+
+    step_of = loop.configured_train_step
+
+    def recorded_step(*args, **kwargs):
+        step = step_of(*args, **kwargs)
+
+        def dispatch(state, batch):
+            out = step(state, batch)
+            dispatched.append(time.time())
+            return out
+
+        return dispatch
+
+    monkeypatch.setattr(loop, "configured_train_step", recorded_step)
+    monitoring.register_event_time_span_listener(record_trace)
+    try:
+        assert train_main([*_RUN, f"run_dir={tmp_path / 'beside'}"]) == 0
+    finally:
+        monitoring.unregister_event_time_span_listener(record_trace)
+    evaluation = [(name, thread, start) for name, thread, start in traced if name in _EVALUATION]
+    assert sorted({name for name, _, _ in evaluation}) == sorted(_EVALUATION)
+    assert all(thread is not threading.main_thread() for _, thread, _ in evaluation)
+    assert min(start for _, _, start in evaluation) >= dispatched[0]
+
+    monkeypatch.setattr(BackgroundCompile, "start", lambda self, compile_programs: None)
+    assert train_main([*_RUN, f"run_dir={tmp_path / 'in_turn'}"]) == 0
+    beside = _evaluations(tmp_path / "beside")
+    assert beside and "eval_exact_match" in beside[0]
+    assert beside == _evaluations(tmp_path / "in_turn")
