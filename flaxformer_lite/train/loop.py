@@ -8,6 +8,7 @@ Nothing here parses command lines; :mod:`flaxformer_lite.cli` does.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import time
@@ -219,7 +220,9 @@ def train(run: StartedRun, *, progress: bool, log) -> dict[str, float]:
 
     The host runs one step ahead of the devices: it dispatches step s, takes and places batch
     s + 1 while s runs, and reads a step's results only when an action is due at it, or, for
-    its finite flag, one step late, once the next step is dispatched."""
+    its finite flag, one step late, once the next step is dispatched. The evaluation's programs
+    compile on a thread of their own while the first steps run (:mod:`.background_compile`),
+    and the plots are drawn while the last checkpoint is written."""
     cfg, data, step, total = run.cfg, run.data, run.step, run.cfg.train.steps
     if step == total:
         log(f"{run.run_dir} is at step {step} = train.steps already; raise train.steps to go on")
@@ -288,12 +291,24 @@ def train(run: StartedRun, *, progress: bool, log) -> dict[str, float]:
                 raise Interrupted(signum, step)
             if due:  # tokens/s times training steps alone, not evaluations or saves
                 throughput.restart(step)
+        # metrics.jsonl holds every step (flushed as written): the plots are drawn from it while
+        # the last checkpoint is written, and both are done when the run returns.
+        plots = _plotting(run.run_dir.path) if main else None
         with spent.part("checkpoints"):
             run.checkpointer.wait()
-    if main:
+    if plots is not None:
         with spent.part("plots"):
-            plot_run(run.run_dir.path)
+            plots.result()
     return last
+
+
+def _plotting(run_dir) -> concurrent.futures.Future:
+    """:func:`plot_run` of ``run_dir`` on a thread of its own; the future's result waits for
+    it (and raises what it raised)."""
+    plotter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="plots")
+    plots = plotter.submit(plot_run, run_dir)
+    plotter.shutdown(wait=False)  # the thread ends with the plots
+    return plots
 
 
 def _evaluation_compiler(evaluate: Evaluate, state, mesh, rules) -> Callable[[], None]:

@@ -8,8 +8,10 @@ tracing, lowering and compiling (or reading back from the cache) on the run's ow
 first step, a program the background compile had not ready), and the time that thread waits for
 the background compile (:mod:`.background_compile`); compiling on other threads while the steps
 run costs the run no time of its own, so it is not counted. Data, evaluations, checkpoints and
-plots are the spans the loop times, less the compilation inside them; start-up and steps are what
-remains before the loop begins and after (steps: dispatching them and waiting for the devices).
+plots are the spans the loop times, less the compilation inside them (the plots, drawn while the
+last checkpoint is written, count what the run waits for them past it); start-up and steps are
+what remains before the loop begins and after (steps: dispatching them and waiting for the
+devices).
 """
 
 from __future__ import annotations
