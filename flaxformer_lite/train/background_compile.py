@@ -27,10 +27,6 @@ class BackgroundCompile:
         self.spent = spent
         self._thread: threading.Thread | None = None
 
-    @property
-    def started(self) -> bool:
-        return self._thread is not None
-
     def start(self, compile_programs: Callable[[], None]) -> None:
         """Runs ``compile_programs`` on a new thread."""
         self._thread = threading.Thread(

@@ -40,6 +40,7 @@ from flaxformer_lite.train.checkpoint import Checkpointer, CheckpointShapeError
 from flaxformer_lite.train.compilation_cache import use_compilation_cache
 from flaxformer_lite.train.config import ConfigError, TrainConfig, config_from_dict
 from flaxformer_lite.train.console import Console
+from flaxformer_lite.train.figures import pyplot as figure_pyplot
 from flaxformer_lite.train.metrics import MetricsWriter, peak_flops, plot_run
 from flaxformer_lite.train.optim import warmup_notice
 from flaxformer_lite.train.program import (
@@ -221,8 +222,9 @@ def train(run: StartedRun, *, progress: bool, log) -> dict[str, float]:
     The host runs one step ahead of the devices: it dispatches step s, takes and places batch
     s + 1 while s runs, and reads a step's results only when an action is due at it, or, for
     its finite flag, one step late, once the next step is dispatched. The evaluation's programs
-    compile on a thread of their own while the first steps run (:mod:`.background_compile`),
-    and the plots are drawn while the last checkpoint is written."""
+    compile on a thread of their own while the first steps run (:mod:`.background_compile`);
+    matplotlib is imported on another, where the plots are drawn while the last checkpoint is
+    written."""
     cfg, data, step, total = run.cfg, run.data, run.step, run.cfg.train.steps
     if step == total:
         log(f"{run.run_dir} is at step {step} = train.steps already; raise train.steps to go on")
@@ -251,6 +253,7 @@ def train(run: StartedRun, *, progress: bool, log) -> dict[str, float]:
     with spent.part("data"):
         batch = run.place(next(data.train)) if step < total else None
     agree = SignalAgreement()
+    plotter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="plots")
     # The steps are traced under the mesh and rules: the layers pin their activations' layout.
     with (
         stop_on_signals() as stop,
@@ -258,13 +261,16 @@ def train(run: StartedRun, *, progress: bool, log) -> dict[str, float]:
         contextlib.closing(console),
         tracing_layout(run.mesh, cfg.mesh.rules),
         contextlib.closing(compiling),
+        plotter,
     ):
         spent.loop_begins()
         while step < total:
             started = time.perf_counter()
             state, metrics = run.train_step(state, batch)
-            if not compiling.started:  # the evaluation compiles while the first steps run
+            if step == run.step:  # what the first evaluation and the end need, meanwhile
                 compiling.start(_evaluation_compiler(evaluate, state, run.mesh, cfg.mesh.rules))
+                if main:
+                    plotter.submit(figure_pyplot)
             step += 1
             console.advance()
             data_state = data.train.get_state()  # what a checkpoint at this step saves
@@ -293,22 +299,13 @@ def train(run: StartedRun, *, progress: bool, log) -> dict[str, float]:
                 throughput.restart(step)
         # metrics.jsonl holds every step (flushed as written): the plots are drawn from it while
         # the last checkpoint is written, and both are done when the run returns.
-        plots = _plotting(run.run_dir.path) if main else None
+        plots = plotter.submit(plot_run, run.run_dir.path) if main else None
         with spent.part("checkpoints"):
             run.checkpointer.wait()
-    if plots is not None:
-        with spent.part("plots"):
-            plots.result()
+        if plots is not None:
+            with spent.part("plots"):
+                plots.result()
     return last
-
-
-def _plotting(run_dir) -> concurrent.futures.Future:
-    """:func:`plot_run` of ``run_dir`` on a thread of its own; the future's result waits for
-    it (and raises what it raised)."""
-    plotter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="plots")
-    plots = plotter.submit(plot_run, run_dir)
-    plotter.shutdown(wait=False)  # the thread ends with the plots
-    return plots
 
 
 def _evaluation_compiler(evaluate: Evaluate, state, mesh, rules) -> Callable[[], None]:
