@@ -13,6 +13,7 @@ from tiny_runs import TINY
 from flaxformer_lite.cli.train import train_main
 from flaxformer_lite.train import loop
 from flaxformer_lite.train.background_compile import BackgroundCompile
+from flaxformer_lite.train.time_spent import TimeSpent
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 
@@ -73,3 +74,15 @@ def test_the_evaluation_compiles_beside_the_first_steps_and_scores_the_same(tmp_
     beside = _evaluations(tmp_path / "beside")
     assert beside and "eval_exact_match" in beside[0]
     assert beside == _evaluations(tmp_path / "in_turn")
+
+
+def test_the_wait_for_the_thread_is_compilation_and_its_errors_are_left_to_the_caller():
+    spent = TimeSpent()
+    compiling = BackgroundCompile(spent)
+    compiling.wait()  # not started: nothing to wait for
+    compiling.start(lambda: time.sleep(0.2))
+    compiling.wait()
+    assert spent.parts()["compilation"] == pytest.approx(0.2, abs=0.1)
+    failing = BackgroundCompile(spent)
+    failing.start(lambda: 1 / 0)  # the program is compiled again where it is called
+    failing.close()
