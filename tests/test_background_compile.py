@@ -1,16 +1,23 @@
 """The evaluation's programs compile on a thread of their own once the first train step is
 dispatched: none of them compiles on the run's thread, and the evaluation gives the very values
-it gives when it compiles them itself."""
+it gives when it compiles them itself; ``compile_only`` compiles a decoding for a model of
+shapes, and the call on the model's arrays finds it compiled."""
 
 import json
 import threading
 import time
 
+import jax
+import numpy as np
 import pytest
+from decode_cases import make
+from flax import nnx
 from jax import monitoring
 from tiny_runs import TINY
 
 from flaxformer_lite.cli.train import train_main
+from flaxformer_lite.decode import beam_search, seq2seq_generate
+from flaxformer_lite.decode.generate import compile_only
 from flaxformer_lite.train import loop
 from flaxformer_lite.train.background_compile import BackgroundCompile
 from flaxformer_lite.train.time_spent import TimeSpent
@@ -86,3 +93,34 @@ def test_the_wait_for_the_thread_is_compilation_and_its_errors_are_left_to_the_c
     failing = BackgroundCompile(spent)
     failing.start(lambda: 1 / 0)  # the program is compiled again where it is called
     failing.close()
+
+
+def test_compile_only_compiles_a_shaped_model_s_decoding_and_the_call_finds_it():
+    model = make("transformer-tiny", d_ff=40)  # a width of its own: compiled here first
+    graphdef, state = nnx.split(model)
+    # Its arrays are on the default device, uncommitted: shapes with no sharding stand for them.
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    shaped = nnx.merge(graphdef, shapes)
+    sources = np.array([[5, 6, 7, 2], [8, 9, 2, 0]], np.int32)
+    decoders = [
+        lambda m: seq2seq_generate(m, sources, max_new_tokens=3, src_lengths=[4, 3]),
+        lambda m: beam_search(m, sources, max_new_tokens=3, beam_size=2)[0],
+    ]
+    compiled = []
+
+    def record_compile(event, start_time, end_time, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(kwargs.get("fun_name"))
+
+    monitoring.register_event_time_span_listener(record_compile)
+    try:
+        with compile_only():
+            zeros = [decode(shaped) for decode in decoders]
+        assert {"jit(_seq2seq_generate)", "jit(_beam_search)"} <= set(compiled)
+        compiled.clear()
+        tokens = [np.asarray(decode(model)) for decode in decoders]
+    finally:
+        monitoring.unregister_event_time_span_listener(record_compile)
+    assert not [name for name in compiled if "seq2seq" in name or "beam" in name], compiled
+    for zero, real in zip(zeros, tokens, strict=True):
+        assert zero.shape == real.shape and zero.dtype == real.dtype and not zero.any()
