@@ -46,6 +46,23 @@ def test_every_command_help_says_what_it_does_with_an_example(command, capsys):
     assert f"flaxformer-lite {command}" in example or "train.py" in example, text
 
 
+def test_help_imports_no_library_only_some_commands_use():
+    code = (
+        "import sys\n"
+        "from flaxformer_lite.cli import main\n"
+        "for argv in (['--help'], ['train', '--help']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "heavy = ('matplotlib', 'orbax', 'transformers', 'tokenizers', 'sacrebleu', 'torch')\n"
+        "print(*[name for name in heavy if name in sys.modules])"
+    )
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.splitlines()[-1] == "", child.stdout
+
+
 def test_flags_use_dashes_and_the_underscore_spellings_stay_aliases():
     parser = generate_cli.parser()
     dashed = parser.parse_args(

@@ -297,7 +297,8 @@ def test_sample_py_names_the_top_p_flag(tmp_path):
 
 def test_an_encoder_run_is_named_in_plain_words(tmp_path, capsys, monkeypatch):
     """Issue 43 item 19: it said "holds a Encoder"."""
-    loaded = types.SimpleNamespace(model=Encoder.__new__(Encoder), tokenizer=None)
+    cache = types.SimpleNamespace(train=types.SimpleNamespace(compilation_cache=True))
+    loaded = types.SimpleNamespace(model=Encoder.__new__(Encoder), tokenizer=None, config=cache)
     monkeypatch.setattr(trained_run, "load_run", lambda *_args, **_kwargs: loaded)
     assert main(["generate", "--run-dir", str(tmp_path), "--prompt", "x"]) == 2
     assert capsys.readouterr().err == (

@@ -1,8 +1,9 @@
 """Where a run's time went: the closing line's parts are all there and add up to its wall time,
-and the compilation is the union of JAX's nested compile spans, taken out of the parts that
-hold it."""
+and the compilation is the union of JAX's nested compile spans on the run's thread, and its
+waits for the background compile, taken out of the parts that hold them."""
 
 import re
+import threading
 import time
 
 import pytest
@@ -34,6 +35,24 @@ def test_nested_compile_spans_count_once_and_leave_the_parts_that_hold_them():
     assert sum(parts.values()) == pytest.approx(10.0, abs=0.05)
 
 
+def test_compiling_on_another_thread_counts_only_while_the_run_waits_for_it():
+    spent = TimeSpent(started=time.perf_counter() - 10.0)
+    now = time.time()
+    spent._compile_span(_COMPILE, now - 3.0, now - 1.0)  # the run's own: the first step's
+    elsewhere = threading.Thread(  # overlapping it: counted too, it would be counted twice
+        target=spent._compile_span, args=(_COMPILE, now - 2.0, now)
+    )
+    elsewhere.start()
+    elsewhere.join()
+    with spent.part("evaluations"), spent.waiting_for_compilation():
+        time.sleep(0.05)
+    parts = spent.parts()
+    assert parts["compilation"] == pytest.approx(2.05, abs=0.02)
+    assert parts["evaluations"] == pytest.approx(0.0, abs=0.02)
+    assert all(seconds >= 0 for seconds in parts.values())
+    assert sum(parts.values()) == pytest.approx(10.05, abs=0.02)
+
+
 def test_the_start_up_ends_where_the_loop_begins():
     spent = TimeSpent(started=time.perf_counter() - 2.0)
     spent.add("data", 0.5)
@@ -62,4 +81,6 @@ def test_the_closing_line_says_where_the_time_went(tmp_path, capsys):
     assert sum(seconds.values()) == pytest.approx(total, abs=0.05 * len(PARTS))  # rounded
     assert wall - 0.5 < total <= wall + 0.05  # the command counts from its start
     assert all(value >= 0 for value in seconds.values()), closing
-    assert seconds["compilation"] > 0 and seconds["plots"] > 0, closing
+    # The plots are drawn while the last checkpoint is written: they may cost no time of their own.
+    assert seconds["compilation"] > 0 and seconds["checkpoints"] > 0, closing
+    assert (tmp_path / "run" / "plots" / "loss.png").is_file()

@@ -69,12 +69,14 @@ def compile_parser() -> argparse.ArgumentParser:
 
 def _compile(args) -> int:
     from flaxformer_lite.aot import analyse, compile_for, parse_topology, prepare_host
+    from flaxformer_lite.train.compilation_cache import use_compilation_cache
 
     topology = parse_topology(args.topology)
     prepare_host(topology)  # before anything starts a JAX backend
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     cfg = load_config(args.config, args.overrides, notify=notice)
+    use_compilation_cache(cfg.train.compilation_cache)
     program = compile_for(cfg, topology, decode=args.decode, max_new_tokens=args.max_new_tokens)
     report = analyse(program, topology)
     for line in report.lines():

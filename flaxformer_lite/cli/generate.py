@@ -126,9 +126,11 @@ def run(args: argparse.Namespace, say=print) -> int:
         model, tokenizer = load_hf_checkpoint(args.hf_dir)
         add_bos, source = tokenizer.add_bos, args.hf_dir
     else:
+        from flaxformer_lite.train.compilation_cache import use_compilation_cache
         from flaxformer_lite.train.trained_run import load_run
 
         loaded = load_run(args.run_dir, step=args.step)
+        use_compilation_cache(loaded.config.train.compilation_cache)  # before the decoding compiles
         model, tokenizer, add_bos, source = loaded.model, loaded.tokenizer, True, args.run_dir
     if not isinstance(model, DecoderLM | EncoderDecoder):
         raise ValueError(

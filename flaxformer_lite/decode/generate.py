@@ -5,11 +5,15 @@ Prompts of different lengths share a batch: each row is right-aligned in the cac
 slots first, masked out of attention) and carries its own positions, so one prefill call reads
 every prompt and all rows then decode in lockstep. Rows that emit ``eos_id`` stop and are padded
 from there on; the loop ends when every row has stopped or ``max_new_tokens`` are made.
+
+Under :func:`compile_only` the decoding programs are compiled, not run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 from collections.abc import Callable
 
 import jax
@@ -66,7 +70,8 @@ def generate(
     check_new_tokens(max_new_tokens)
     check_sampling(temperature, top_k, top_p, rng, min_tokens_to_keep)
     graphdef, state = nnx.split(model)
-    return _generate(
+    return run_program(
+        _generate,
         graphdef,
         state,
         prompt_tokens.astype(jnp.int32),
@@ -118,6 +123,32 @@ def _generate(graphdef, state, prompt, lengths, rng, *, max_new_tokens, sampling
     inside = source < length + max_new_tokens
     out = jnp.take_along_axis(joined, jnp.where(inside, source, 0), axis=1)
     return jnp.where(inside, out, pad_id)
+
+
+_compiling = threading.local()
+
+
+@contextlib.contextmanager
+def compile_only():
+    """Within the block, on this thread, :func:`generate`, ``seq2seq_generate`` and
+    ``beam_search`` compile their program for their inputs' shapes and shardings, into JAX's
+    caches, and return zeros of its result's shape instead of running it: a caller's whole
+    decoding path runs through, on a model whose state may be ``jax.ShapeDtypeStruct``s, and a
+    later call with inputs like these runs without compiling."""
+    _compiling.on = True
+    try:
+        yield
+    finally:
+        _compiling.on = False
+
+
+def run_program(program, *args, **static):
+    """``program(*args, **static)`` for a jitted ``program``; under :func:`compile_only`, its
+    compilation, and numpy zeros shaped like its result."""
+    if not getattr(_compiling, "on", False):
+        return program(*args, **static)
+    compiled = program.lower(*args, **static).compile()
+    return jax.tree.map(lambda out: np.zeros(out.shape, out.dtype), compiled.out_info)
 
 
 def sampling_loop(

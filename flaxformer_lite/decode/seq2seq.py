@@ -16,6 +16,7 @@ from flaxformer_lite.decode.generate import (
     check_lengths,
     check_model,
     check_new_tokens,
+    run_program,
     sampling_loop,
 )
 from flaxformer_lite.decode.sampling import check_sampling
@@ -59,7 +60,8 @@ def seq2seq_generate(
     check_new_tokens(max_new_tokens)
     check_sampling(temperature, top_k, top_p, rng, min_tokens_to_keep)
     graphdef, state = nnx.split(model)
-    return _seq2seq_generate(
+    return run_program(
+        _seq2seq_generate,
         graphdef,
         state,
         src,
@@ -135,7 +137,8 @@ def beam_search(
     if alpha < 0:
         raise ValueError(f"alpha must be >= 0, got {alpha}")
     graphdef, state = nnx.split(model)
-    return _beam_search(
+    return run_program(
+        _beam_search,
         graphdef,
         state,
         src,

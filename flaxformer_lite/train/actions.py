@@ -18,7 +18,9 @@ import jax
 from flax import nnx
 
 from flaxformer_lite.data.tasks import Task, task_named
+from flaxformer_lite.decode.generate import compile_only
 from flaxformer_lite.decode.text import printable
+from flaxformer_lite.train.background_compile import BackgroundCompile
 from flaxformer_lite.train.checkpoint import Checkpointer
 from flaxformer_lite.train.console import Console
 from flaxformer_lite.train.decode_eval import continue_texts, decodable, decode_eval
@@ -151,18 +153,43 @@ class Evaluate:
     """Every ``train.eval_every`` steps: the loss and accuracy over the validation batches
     (``train.eval_batches`` of them, default all), perplexity, and decoded samples; for a
     mixture, each source's too (``eval_loss/<name>``, ..., the cap per source; decoded scores
-    per source only)."""
+    per source only). With ``compiled``, the first evaluation waits for its programs, which
+    :meth:`compile` compiles on that thread, instead of compiling them itself."""
 
     part = "evaluations"
 
-    def __init__(self, cfg, data, task: str, eval_step, eval_graphdef, place, console: Console):
+    def __init__(
+        self,
+        cfg,
+        data,
+        task: str,
+        eval_step,
+        eval_graphdef,
+        place,
+        console: Console,
+        compiled: BackgroundCompile | None = None,
+    ):
         self.cfg, self.data, self.task, self.eval_step = cfg, data, task_named(task), eval_step
         self.eval_graphdef, self.place, self.console = eval_graphdef, place, console
+        self.compiled = compiled
 
     def due(self, end: StepEnd) -> bool:
         return every(self.cfg.train.eval_every, self.cfg.train.steps, end.step)
 
+    def compile(self, state) -> None:
+        """Compiles, without running them, the programs an evaluation of a train state shaped
+        like ``state`` (arrays or ``jax.ShapeDtypeStruct``s, with their shardings) runs: the
+        eval step on a validation batch, and the decoding of :func:`decoded_eval`."""
+        batch = next(self.data.eval_batches(), None)
+        if batch is not None:
+            self.eval_step.lower(state, self.place(batch)).compile()
+        model = nnx.merge(self.eval_graphdef, state)[0]
+        with compile_only():
+            self._decoded(model, 0, log=quiet)
+
     def __call__(self, end: StepEnd) -> None:
+        if self.compiled is not None:
+            self.compiled.wait()
         cap = self.cfg.train.eval_batches
         if self.data.sources:  # each source's pass on its own, then over all of them
             by_source = {
@@ -180,21 +207,21 @@ class Evaluate:
             )
         scores = self._perplexity(scores)
         model = nnx.merge(self.eval_graphdef, end.state)[0]
-        # A mixture decodes each source's examples: a corpus BLEU does not pool.
-        for name, part in self.data.sources.items() or [("", self.data)]:
-            decoded = decoded_eval(
-                self.cfg,
-                self.data,
-                part.eval_examples,
-                self.task,
-                model,
-                end.step,
-                self.console.say,
-            )
-            scores |= {f"{key}/{name}" if name else key: value for key, value in decoded.items()}
+        scores |= self._decoded(model, end.step, self.console.say)
         over = eval_coverage(self.cfg, self.data, self.task, scores["eval_tokens"])
         self.console.evaluated(end.step, scores, over)
         end.values |= scores
+
+    def _decoded(self, model, step: int, log) -> dict[str, float]:
+        """:func:`decoded_eval`'s scores of ``model``; a mixture's per source (``key/name``),
+        since a corpus BLEU does not pool."""
+        scores = {}
+        for name, part in self.data.sources.items() or [("", self.data)]:
+            decoded = decoded_eval(
+                self.cfg, self.data, part.eval_examples, self.task, model, step, log
+            )
+            scores |= {f"{key}/{name}" if name else key: value for key, value in decoded.items()}
+        return scores
 
     def _perplexity(self, scores: dict[str, float]) -> dict[str, float]:
         if not self.task.perplexity:
@@ -337,3 +364,7 @@ def decoded_eval(cfg, data, examples, task: Task, model, step: int, log) -> dict
             f"(reference {sample.reference!r})"
         )
     return values | {"eval_decoded_examples": len(samples)}
+
+
+def quiet(_message: str) -> None:
+    """A log that drops its messages."""

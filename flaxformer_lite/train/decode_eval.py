@@ -20,7 +20,6 @@ import dataclasses
 from collections.abc import Sequence
 
 import jax
-import sacrebleu
 
 from flaxformer_lite.data import synthetic
 from flaxformer_lite.data.documents import TEXT_RECORDS
@@ -93,6 +92,8 @@ def decode_eval(
         "eval_token_accuracy": token_accuracy(outputs, references),
     }
     if not continues and not isinstance(examples, synthetic.Generator):
+        import sacrebleu  # imported here: only translation data is scored by it
+
         metrics["eval_bleu"] = sacrebleu.corpus_bleu(
             predictions, [[reference for _, reference in pairs]]
         ).score

@@ -8,6 +8,7 @@ Nothing here parses command lines; :mod:`flaxformer_lite.cli` does.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import time
@@ -31,12 +32,15 @@ from flaxformer_lite.train.actions import (
     StepEnd,
     Throughput,
     TrainingError,
+    quiet,
     run_actions,
 )
+from flaxformer_lite.train.background_compile import BackgroundCompile
 from flaxformer_lite.train.checkpoint import Checkpointer, CheckpointShapeError
 from flaxformer_lite.train.compilation_cache import use_compilation_cache
 from flaxformer_lite.train.config import ConfigError, TrainConfig, config_from_dict
 from flaxformer_lite.train.console import Console
+from flaxformer_lite.train.figures import pyplot as figure_pyplot
 from flaxformer_lite.train.metrics import MetricsWriter, peak_flops, plot_run
 from flaxformer_lite.train.optim import warmup_notice
 from flaxformer_lite.train.program import (
@@ -99,7 +103,7 @@ def run(
     check_pieces(cfg.model)  # code named by import path: refused or traced before any write
     parallel.initialize(cfg.distributed)
     main = jax.process_index() == 0
-    log, progress = (log, progress) if main else (_quiet, False)
+    log, progress = (log, progress) if main else (quiet, False)
     run_dir = RunDir(cfg.run_dir)
     # Process 0 holds the directory's lock for the whole run (other processes share it).
     with spent, run_dir.locked(fresh=fresh, log=log) if main else contextlib.nullcontext():
@@ -217,7 +221,10 @@ def train(run: StartedRun, *, progress: bool, log) -> dict[str, float]:
 
     The host runs one step ahead of the devices: it dispatches step s, takes and places batch
     s + 1 while s runs, and reads a step's results only when an action is due at it, or, for
-    its finite flag, one step late, once the next step is dispatched."""
+    its finite flag, one step late, once the next step is dispatched. The evaluation's programs
+    compile on a thread of their own while the first steps run (:mod:`.background_compile`);
+    matplotlib is imported on another, where the plots are drawn while the last checkpoint is
+    written."""
     cfg, data, step, total = run.cfg, run.data, run.step, run.cfg.train.steps
     if step == total:
         log(f"{run.run_dir} is at step {step} = train.steps already; raise train.steps to go on")
@@ -230,29 +237,40 @@ def train(run: StartedRun, *, progress: bool, log) -> dict[str, float]:
     resumed_step = run.step if run.resumed else None
     finite = FiniteCheck(cfg.train.skip_nonfinite, run.checkpointer, resumed_step, log)
     task = task_of(cfg.model)
+    state, last, spent = run.state, {}, run.spent
+    compiling = BackgroundCompile(spent)
+    evaluate = Evaluate(
+        cfg, data, task, run.eval_step, run.built.eval_graphdef, run.place, console, compiling
+    )
     actions = [
         LogTrain(cfg.train.log_every, total, run.built.schedule, throughput, console),
-        Evaluate(cfg, data, task, run.eval_step, run.built.eval_graphdef, run.place, console),
+        evaluate,
         SaveCheckpoint(run.checkpointer, cfg),
     ]
     for notice in (warmup_notice(cfg.optimizer, total), *data.notices):
         if notice:
             log(notice)
-    state, last, spent = run.state, {}, run.spent
     with spent.part("data"):
         batch = run.place(next(data.train)) if step < total else None
     agree = SignalAgreement()
+    plotter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="plots")
     # The steps are traced under the mesh and rules: the layers pin their activations' layout.
     with (
         stop_on_signals() as stop,
         contextlib.closing(writer),
         contextlib.closing(console),
         tracing_layout(run.mesh, cfg.mesh.rules),
+        contextlib.closing(compiling),
+        plotter,
     ):
         spent.loop_begins()
         while step < total:
             started = time.perf_counter()
             state, metrics = run.train_step(state, batch)
+            if step == run.step:  # what the first evaluation and the end need, meanwhile
+                compiling.start(_evaluation_compiler(evaluate, state, run.mesh, cfg.mesh.rules))
+                if main:
+                    plotter.submit(figure_pyplot)
             step += 1
             console.advance()
             data_state = data.train.get_state()  # what a checkpoint at this step saves
@@ -279,12 +297,29 @@ def train(run: StartedRun, *, progress: bool, log) -> dict[str, float]:
                 raise Interrupted(signum, step)
             if due:  # tokens/s times training steps alone, not evaluations or saves
                 throughput.restart(step)
+        # metrics.jsonl holds every step (flushed as written): the plots are drawn from it while
+        # the last checkpoint is written, and both are done when the run returns.
+        plots = plotter.submit(plot_run, run.run_dir.path) if main else None
         with spent.part("checkpoints"):
             run.checkpointer.wait()
-    if main:
-        with spent.part("plots"):
-            plot_run(run.run_dir.path)
+        if plots is not None:
+            with spent.part("plots"):
+                plots.result()
     return last
+
+
+def _evaluation_compiler(evaluate: Evaluate, state, mesh, rules) -> Callable[[], None]:
+    """What compiles ``evaluate``'s programs for ``state`` (as the loop traces them: under the
+    mesh and rules); it takes the shapes and shardings now, before a step donates ``state``."""
+    shapes = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
+    )
+
+    def compile_evaluation() -> None:
+        with tracing_layout(mesh, rules):
+            evaluate.compile(shapes)
+
+    return compile_evaluation
 
 
 def _build_data(cfg: TrainConfig, run_dir: RunDir, batch_sharding, main: bool) -> Data:
@@ -364,10 +399,6 @@ def _sync_processes(name: str) -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
-
-
-def _quiet(_message: str) -> None:
-    pass
 
 
 class NoMetrics:

@@ -41,6 +41,7 @@ from flaxformer_lite.train.actions import (
     SaveCheckpoint,
     StepEnd,
     Throughput,
+    quiet,
     run_actions,
 )
 from flaxformer_lite.train.compilation_cache import use_compilation_cache
@@ -124,7 +125,7 @@ def _sweep(cfg: TrainConfig, vary, *, fresh: bool, force: bool, vmap: bool | Non
         check_pieces(member.cfg.model)
     parallel.initialize(cfg.distributed)
     main = jax.process_index() == 0
-    log = log if main else _quiet  # every process trains, process 0 reports and writes
+    log = log if main else quiet  # every process trains, process 0 reports and writes
     groups = _groups(members)  # bad settings are refused before anything is written
     directory = pathlib.Path(cfg.run_dir)
     record = {"vary": {k: [_plain(v) for v in values] for k, values in vary.items()}}
@@ -620,10 +621,6 @@ def _member_numbers(configs: list[TrainConfig], tables: list) -> dict[str, jax.A
     for name in LOSS_NUMBERS:
         numbers[name] = jnp.asarray([getattr(c.train, name) for c in configs], jnp.float32)
     return numbers
-
-
-def _quiet(_message: str) -> None:
-    pass
 
 
 def _prefixed(name: str, log):

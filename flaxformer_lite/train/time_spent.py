@@ -4,10 +4,14 @@
     steps 45.0 s, evaluations 3.0 s, checkpoints 1.2 s, plots 0.8 s
 
 The parts add up to the wall time by construction. Compilation is JAX's own account of its
-tracing, lowering and compiling (or reading back from the cache), wherever it happens (the
-first step, the first evaluation); data, evaluations, checkpoints and plots are the spans the
-loop times, less the compilation inside them; start-up and steps are what remains before the
-loop begins and after (steps: dispatching them and waiting for the devices).
+tracing, lowering and compiling (or reading back from the cache) on the run's own thread (the
+first step, a program the background compile had not ready), and the time that thread waits for
+the background compile (:mod:`.background_compile`); compiling on other threads while the steps
+run costs the run no time of its own, so it is not counted. Data, evaluations, checkpoints and
+plots are the spans the loop times, less the compilation inside them (the plots, drawn while the
+last checkpoint is written, count what the run waits for them past it); start-up and steps are
+what remains before the loop begins and after (steps: dispatching them and waiting for the
+devices).
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ _COMPILE_EVENTS = (
 
 class TimeSpent:
     """A run's wall time from ``started`` (a ``time.perf_counter()``; default: now), split into
-    :data:`PARTS`. A context manager: JAX's compilation is counted while it is open."""
+    :data:`PARTS`. A context manager: JAX's compilation on the thread that creates it is counted
+    while it is open."""
 
     def __init__(self, started: float | None = None):
         self.started = time.perf_counter() if started is None else started
@@ -36,7 +41,7 @@ class TimeSpent:
         self._loop_began: float | None = None
         self._spans: list[tuple[float, float]] = []  # the outermost compile spans so far
         self._compiling = 0.0  # their total
-        self._lock = threading.Lock()
+        self._thread = threading.get_ident()  # the run's: its compilation is what is counted
 
     def __enter__(self) -> TimeSpent:
         from jax import monitoring
@@ -50,14 +55,28 @@ class TimeSpent:
         monitoring.unregister_event_time_span_listener(self._compile_span)
 
     def _compile_span(self, event: str, start_time: float, end_time: float, **kwargs) -> None:
-        if event not in _COMPILE_EVENTS:
+        # Spans of other threads overlap this one's: counted too, they would be counted twice.
+        if event not in _COMPILE_EVENTS or threading.get_ident() != self._thread:
             return
-        with self._lock:  # an outer span arrives after the inner ones it contains
-            while self._spans and self._spans[-1][0] >= start_time:
-                start, end = self._spans.pop()
-                self._compiling -= end - start
-            self._spans.append((start_time, end_time))
-            self._compiling += end_time - start_time
+        self._count_compiling(start_time, end_time)
+
+    def _count_compiling(self, start_time: float, end_time: float) -> None:
+        # An outer span arrives after the inner ones it contains.
+        while self._spans and self._spans[-1][0] >= start_time:
+            start, end = self._spans.pop()
+            self._compiling -= end - start
+        self._spans.append((start_time, end_time))
+        self._compiling += end_time - start_time
+
+    @contextlib.contextmanager
+    def waiting_for_compilation(self):
+        """Counts the time inside the block, where this thread waits for programs compiled on
+        another, as compilation."""
+        started = time.time()
+        try:
+            yield
+        finally:
+            self._count_compiling(started, time.time())
 
     @contextlib.contextmanager
     def part(self, name: str):
