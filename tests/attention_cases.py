@@ -5,6 +5,8 @@ different orders): the round-off of Dh-term logits and S-term outputs of values 
 ~1e-6 here, a tenth of them, while a wrong mask, scale or head grouping moves outputs by 1e-2.
 """
 
+import re
+
 import jax.numpy as jnp
 import numpy as np
 from attention_reference import naive_attention
@@ -26,6 +28,13 @@ def assert_close_to_scale(actual, expected, rel=GRAD_REL):
     """
     expected = np.asarray(expected, np.float64)
     np.testing.assert_allclose(actual, expected, rtol=0, atol=rel * np.abs(expected).max())
+
+
+def dense_bool_shapes(text, rows, cols):
+    """The bool buffers of a lowered or compiled program's text whose last axes are [rows, cols]."""
+    stablehlo = re.findall(rf"tensor<(?:\d+x)*{rows}x{cols}xi1>", text)
+    hlo = re.findall(rf"pred\[(?:\d+,)*{rows},{cols}\]", text)
+    return stablehlo + hlo
 
 
 def make_qkv(seed, b=2, tq=9, tk=9, hq=4, hk=2, d=8, dv=None, dtype=np.float32):

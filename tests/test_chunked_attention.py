@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_cases import ATOL, BF16_GRAD_REL, assert_close_to_scale
+from attention_cases import ATOL, BF16_GRAD_REL, assert_close_to_scale, dense_bool_shapes
 from attention_reference import naive_attention
 
 from flaxformer_lite import ops
@@ -96,6 +96,79 @@ def test_values_and_gradients_equal_reference(case, blocks, bias_name):
     for g_chunked, g_reference in zip(grads_chunked, grads_reference, strict=True):
         assert g_chunked.shape == g_reference.shape
         assert_close_to_scale(g_chunked, g_reference)
+
+
+# (flags, (block_q, block_k)) of packed rows: causal with grouped heads, blocks that divide the
+# lengths and blocks that do not (padded keys and rows), windows, global tokens, a key padding
+# mask beside the ids, and queries at given positions.
+SEGMENT_CASES = {
+    "causal_gqa": (dict(is_causal=True), (4, 4)),
+    "causal_padded_blocks": (dict(is_causal=True), (5, 3)),
+    "window": (dict(local_window=(3, 2)), (4, 5)),
+    "causal_window_global": (dict(is_causal=True, local_window=(2, 0), global_tokens=2), (3, 4)),
+    "key_padding": (dict(is_causal=True, key_padding=True), (5, 5)),
+    "short_query": (dict(is_causal=True, tq=5), (2, 4)),
+    "query_positions": (dict(is_causal=True, query_positions=True), (4, 5)),
+}
+
+
+def packed_ids(rng, b, length):
+    """int ``[B, length]``: each row cut into up to four segments, 0 first (as padding is)."""
+    return np.sort(rng.integers(0, 4, (b, length)), axis=1).astype(np.int32)
+
+
+@pytest.mark.parametrize("case", SEGMENT_CASES)
+def test_segment_ids_equal_their_dense_mask_in_values_and_gradients(case):
+    """The kernel masks each block by its slice of the ids: the values and gradients of the
+    reference with the segments' whole ``[T, S]`` mask, and a float64 formula's values."""
+    flags, (block_q, block_k) = SEGMENT_CASES[case]
+    flags = dict(flags)
+    key_padding, at_positions = flags.pop("key_padding", False), flags.pop("query_positions", 0)
+    q, k, v, _, _, flags = setup(flags, None)
+    b, tq, tk = q.shape[0], q.shape[1], k.shape[1]
+    rng = np.random.default_rng(1)
+    kv_ids = packed_ids(rng, b, tk)
+    rows = np.arange(tk - tq, tk)
+    if at_positions:  # the queries of one shard of a zig-zag layout: positions 0-5 and 18-23
+        q, rows = q[:, :6].repeat(2, axis=1), np.r_[0:6, 18:24]
+        k, v, kv_ids = (jnp.concatenate([x, x], axis=1) for x in (k, v, kv_ids))
+        flags["query_positions"] = jnp.asarray(rows)
+    segment_ids = (jnp.asarray(np.asarray(kv_ids)[:, rows]), jnp.asarray(kv_ids))
+    mask = jnp.asarray(rng.random((b, 1, 1, k.shape[1])) < 0.8) if key_padding else None
+    whole = ops.AttentionMask(**flags, segment_ids=segment_ids, explicit=mask)
+    reference = lambda q, k, v, bias, mask: ops.reference_attention(q, k, v, mask=whole)  # noqa: E731
+    chunked = functools.partial(
+        ops.chunked_attention, **flags, segment_ids=segment_ids, block_q=block_q, block_k=block_k
+    )
+    out_reference, grads_reference = loss_and_grads(reference, q, k, v, None, None)
+    out_chunked, grads_chunked = loss_and_grads(chunked, q, k, v, None, mask)
+    np.testing.assert_allclose(out_chunked, out_reference, atol=ATOL)
+    for g_chunked, g_reference in zip(grads_chunked, grads_reference, strict=True):
+        assert_close_to_scale(g_chunked, g_reference)
+    if case in ("causal_gqa", "causal_padded_blocks", "key_padding"):
+        allowed = np.asarray(segment_ids[0])[:, None, :, None] == kv_ids[:, None, None, :]
+        if mask is not None:
+            allowed = allowed & np.asarray(mask)
+        expected = naive_attention(q, k, v, mask=allowed, causal=True)
+        np.testing.assert_allclose(out_chunked, expected, atol=ATOL)
+
+
+def test_segment_ids_build_no_dense_mask():
+    """Packed rows of 4096 tokens: chunked's forward and backward hold the segments' mask only
+    block by block, never as a ``[T, S]`` array (the dispatch passes the ids as ids)."""
+    t = 4096
+    x = jax.ShapeDtypeStruct((1, t, 2, 16), jnp.float32)
+    ids = jax.ShapeDtypeStruct((1, t), jnp.int32)
+
+    def loss(q, ids):
+        attend = functools.partial(ops.dot_product_attention, implementation="chunked")
+        return jnp.sum(attend(q, q, q, is_causal=True, segment_ids=(ids, ids)))
+
+    text = jax.jit(jax.value_and_grad(loss)).lower(x, ids).as_text()
+    assert dense_bool_shapes(text, 512, 512)  # the blocks' masks are there
+    assert dense_bool_shapes(text, t, t) == []
+    folded = jax.jit(lambda ids: ops.segment_mask(ids, ids)).lower(ids).as_text()
+    assert dense_bool_shapes(folded, t, t)  # the check sees a dense mask where there is one
 
 
 def test_bfloat16_gradients_close_to_float32():

@@ -5,6 +5,8 @@ The 8 devices are the simulated CPU devices of conftest.py; the one-device basel
 first of them.
 """
 
+import dataclasses
+import functools
 import json
 import re
 
@@ -13,12 +15,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from attention_cases import dense_bool_shapes
 from flax import nnx
 
 from flaxformer_lite import ops
 from flaxformer_lite.cli import main
 from flaxformer_lite.models import ModelConfig, build_model
-from flaxformer_lite.nn.context_parallel import natural_order, to_context_layout, zigzag_order
+from flaxformer_lite.nn.context_parallel import (
+    context_attention,
+    natural_order,
+    to_context_layout,
+    zigzag_order,
+)
 from flaxformer_lite.ops.attention_choice import BACKENDS
 from flaxformer_lite.ops.attention_inputs import validated_call
 from flaxformer_lite.parallel import (
@@ -119,6 +127,82 @@ def test_chunked_attention_takes_query_positions_as_they_are(pieces):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     for g, w in zip(got_grads, want_grads, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+def context_attention_in_order(shards, implementation, q, k, v, mask):
+    """``context_attention`` over the active mesh's context axis (``shards`` devices) of inputs
+    and a mask in position order, its output back in position order."""
+    order = zigzag_order(q.shape[1], shards)
+
+    def laid_out(x, axis):  # the T and S axes of a mask, where they are whole
+        return x if x.shape[axis] == 1 else jnp.take(x, order, axis=axis)
+
+    laid = dict(explicit=None, segment_ids=None)
+    if mask.explicit is not None:
+        laid["explicit"] = laid_out(laid_out(mask.explicit, 2), 3)
+    if mask.segment_ids is not None:
+        laid["segment_ids"] = tuple(laid_out(x, 1) for x in mask.segment_ids)
+    attend = functools.partial(
+        context_attention,
+        mask=dataclasses.replace(mask, **laid),
+        axes=("context",),
+        implementation=implementation,
+        bias=None,
+    )
+    return natural_order(attend(q[:, order], k[:, order], v[:, order]), shards, axis=1)
+
+
+@pytest.mark.parametrize("implementation", ["chunked", "xla"])
+@pytest.mark.parametrize("padding", ["keys", "queries_and_keys"])
+def test_context_attention_with_padding_and_segments_equals_one_device(implementation, padding):
+    """The explicit mask (a key padding mask ``[B, 1, 1, S]``, or query and key padding
+    ``[B, 1, T, S]``, split along T) beside packed rows' segment ids, over context 4: the values
+    and gradients of one device."""
+    rng = np.random.default_rng(0)
+    b, t = 2, 32
+    q, k, v = (jnp.asarray(rng.normal(size=(b, t, h, 8)), jnp.float32) for h in (4, 2, 2))
+    valid = jnp.asarray(rng.random((b, t)) < 0.8)
+    ids = jnp.asarray(np.sort(rng.integers(1, 4, (b, t)), axis=1))
+    explicit = valid[:, None, None, :] if padding == "keys" else ops.padding_mask(valid)
+    mask = ops.AttentionMask(is_causal=True, segment_ids=(ids, ids), explicit=explicit)
+    mesh = make_mesh(1, 1, 1, context=4, devices=jax.devices()[:4])
+
+    def outputs_and_grads(attention):
+        def f(q, k, v):
+            out = attention(q, k, v)
+            return (out * jnp.cos(out)).sum(), out
+
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+
+    (_, want), want_grads = outputs_and_grads(
+        lambda q, k, v: ops.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+    )
+    with jax.set_mesh(mesh):
+        (_, got), got_grads = outputs_and_grads(
+            lambda q, k, v: context_attention_in_order(4, implementation, q, k, v, mask)
+        )
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, w, atol=1e-5)
+
+
+def test_context_attention_passes_segment_ids_to_chunked_as_ids():
+    """Over context 4, each device's 512 queries meet the 2,048 gathered keys' segment ids block
+    by block in "chunked": no ``[T / C, S]`` mask of them, forward or backward."""
+    t, shards = 2048, 4
+    mesh = make_mesh(1, 1, 1, context=shards, devices=jax.devices()[:shards])
+    x = jax.ShapeDtypeStruct((1, t, 2, 16), jnp.float32)
+    ids = jax.ShapeDtypeStruct((1, t), jnp.int32)
+
+    def loss(q, ids):
+        mask = ops.AttentionMask(is_causal=True, segment_ids=(ids, ids))
+        attend = functools.partial(context_attention, axes=("context",), implementation="chunked")
+        return jnp.sum(attend(q, q, q, None, mask))
+
+    with jax.set_mesh(mesh):
+        text = jax.jit(jax.value_and_grad(loss)).lower(x, ids).as_text()
+    assert dense_bool_shapes(text, t // shards, t // shards)  # the blocks' masks are there
+    assert dense_bool_shapes(text, t // shards, t) == []
 
 
 # --------------------------------------------------------------------------- exactness

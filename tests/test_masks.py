@@ -32,6 +32,28 @@ def test_local_window_mask():
         ops.local_window_mask(4, 4, (1,))
 
 
+def test_positions_replace_the_offset_and_refuse_one_beside_them():
+    """Query positions are absolute: each row is the row of the mask at that position, and an
+    offset given beside them (once silently dropped) is an error, for a mask and its pieces."""
+    positions = jnp.asarray([6, 1, 4])
+    whole = ops.causal_mask(8, 8)[0, 0] & ops.local_window_mask(8, 8, (2, 0))[0, 0]
+    rows = ops.causal_mask(3, 8, positions=positions) & ops.local_window_mask(
+        3, 8, (2, 0), positions=positions
+    )
+    np.testing.assert_array_equal(rows[0, 0], whole[np.asarray(positions)])
+    for make in (
+        lambda **at: ops.causal_mask(3, 8, **at),
+        lambda **at: ops.local_window_mask(3, 8, (2, 0), **at),
+        lambda **at: ops.global_tokens_mask(3, 8, 1, **at),
+    ):
+        for offset in (0, 5, jnp.asarray(2)):
+            with pytest.raises(ValueError, match="offset and positions are both given"):
+                make(offset=offset, positions=positions)
+    both = ops.AttentionMask(is_causal=True, query_offset=2, query_positions=positions)
+    with pytest.raises(ValueError, match="offset and positions are both given"):
+        both.positional(3, 8)
+
+
 def test_padding_mask_from_bools_and_lengths_agree():
     lengths_q, lengths_kv = jnp.array([3, 1]), jnp.array([2, 4])
     valid_q = jnp.arange(4)[None] < lengths_q[:, None]

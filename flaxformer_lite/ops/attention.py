@@ -128,7 +128,8 @@ def dot_product_attention(
         implementations. "chunked" has a custom VJP (see the conventions in
         :mod:`flaxformer_lite.ops`).
       segment_ids: optional int ``(q [B, T], kv [B, S])``, a mask by segment (packing): a query
-        sees only keys with its id. The Pallas TPU kernel takes them as they are.
+        sees only keys with its id. The Pallas TPU kernel and "chunked" take them as they are
+        (no ``[T, S]`` mask of them is built).
 
     Returns:
       ``[B, T, H, Dv]`` in the query's dtype.

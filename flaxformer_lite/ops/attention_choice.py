@@ -82,7 +82,9 @@ def _small(call: AttentionCall) -> str | None:
 
 
 def _chunked(call: AttentionCall) -> jax.Array:
-    args, flags = call.arguments()
+    # Segment ids go in as ids: the kernel masks each block by them, where folded into the
+    # mask they would be a dense [B, 1, T, S] array.
+    args, flags = call.arguments(takes_segment_ids=True)
     dropout = dict(dropout_rate=call.dropout_rate, dropout_rng=call.dropout_rng)
     mask = call.mask
     return chunked_attention(

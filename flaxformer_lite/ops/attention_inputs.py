@@ -72,12 +72,16 @@ class AttentionCall:
         folded = self.mask.folded(self.query.shape[1], self.key.shape[1])
         return dataclasses.replace(self, mask=folded)
 
-    def arguments(self) -> tuple[tuple, dict]:
+    def arguments(self, *, takes_segment_ids: bool = False) -> tuple[tuple, dict]:
         """``(query, key, value, bias, mask)`` and the keywords ``scale``, ``is_causal`` and
-        ``local_window``: the call as functions that take a mask array and flags take it (the
-        segment ids folded into the mask)."""
+        ``local_window``: the call as functions that take a mask array and flags take it. The
+        segment ids are folded into the mask, or, for a function that ``takes_segment_ids``,
+        left out of it and passed as the keyword ``segment_ids``."""
         mask = self.mask
         flags = dict(scale=self.scale, is_causal=mask.is_causal, local_window=mask.local_window)
+        if takes_segment_ids:
+            flags["segment_ids"] = mask.segment_ids
+            return (self.query, self.key, self.value, self.bias, mask.explicit), flags
         return (self.query, self.key, self.value, self.bias, mask.given()), flags
 
 

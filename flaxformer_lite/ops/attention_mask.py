@@ -13,8 +13,8 @@ array:
                      last query aligned with the last key; the implementations take the pieces
                      above only at that alignment. Any other offset (a KV cache's write index,
                      often traced) turns them into ``explicit`` at the cache positions.
-  ``query_positions`` int ``[T]``: each query's own position, key ``j`` being at ``j``, for the
-                     queries of a sequence split over devices
+  ``query_positions`` int ``[T]``: each query's own position, key ``j`` being at ``j`` (not
+                     beside a ``query_offset``), for the queries of a sequence split over devices
                      (:mod:`flaxformer_lite.nn.context_parallel`); "chunked" takes them as
                      they are, the other implementations get them folded into ``explicit``.
   ``segment_ids``    int ``(q [B, T], kv [B, S])``: a query sees only keys with its id (packing).
@@ -97,8 +97,9 @@ class AttentionMask:
     def positional(self, q_len: int, kv_len: int) -> jax.Array | None:
         """The causal, window and global-token pieces as a bool ``[1, 1, T, S]`` mask
         (``[B, 1, T, S]`` for a per-row ``query_offset``), or ``None`` if there are none."""
-        offset = kv_len - q_len if self.query_offset is None else self.query_offset
-        at = dict(offset=offset, positions=self.query_positions)
+        at = dict(offset=self.query_offset, positions=self.query_positions)
+        if self.query_offset is None and self.query_positions is None:
+            at["offset"] = kv_len - q_len  # the last query aligned with the last key
         masks = []
         if self.is_causal:
             masks.append(causal_mask(q_len, kv_len, **at))

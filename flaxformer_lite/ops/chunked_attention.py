@@ -10,6 +10,8 @@ Blocks that a causal or sliding-window mask hides entirely are skipped: each que
 only over the key blocks in its visible band (and each key block over its query band in the
 backward pass); with global tokens also over the global blocks, which are always kept.
 Lengths need not divide by the block sizes; the tails are padded and masked.
+Packed rows' segment ids are taken as ids and each block's mask is built from the block's slice
+of them, like the causal and window masks: no ``[T, S]`` mask exists for them.
 Attention dropout draws its keep-mask per block from ``fold_in(fold_in(rng, q_block), k_block)``
 and redraws the same mask in the backward pass.
 
@@ -34,7 +36,9 @@ from flaxformer_lite.ops.attention_inputs import (
     dropout_keep,
     group_heads,
     validated_attention_inputs,
+    validated_segment_ids,
 )
+from flaxformer_lite.ops.masks import segment_mask
 
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 512
@@ -151,6 +155,7 @@ def chunked_attention(
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
     query_positions: jax.Array | None = None,
+    segment_ids: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """Memory-efficient attention: :func:`flaxformer_lite.ops.reference_attention`'s result and
     gradients in O(T) memory.
@@ -172,6 +177,8 @@ def chunked_attention(
       query_positions: int ``[T]``, each query's position in place of ``i + S - T`` (the
         queries of a sequence split over devices); the causal, window and global-token masks
         are taken at them, block by block, and the backward pass visits every query block.
+      segment_ids: optional int ``(q [B, T], kv [B, S])``: a query sees only keys with its id
+        (packed rows); each block's mask is built from the block's slice of the ids.
 
     Returns:
       ``[B, T, H, Dv]`` in the query's dtype.
@@ -179,6 +186,7 @@ def chunked_attention(
     query, key, value, bias, mask = validated_attention_inputs(
         query, key, value, bias, mask, local_window, dropout_rate, dropout_rng, global_tokens
     )
+    segment_ids = validated_segment_ids(segment_ids, query, key)
     if not all(isinstance(size, int) and size > 0 for size in (block_q, block_k)):
         raise ValueError(f"block sizes must be positive ints, got {block_q=}, {block_k=}")
     b, q_len, h, dh = query.shape
@@ -207,10 +215,13 @@ def chunked_attention(
     v = _pad_axis(value, 1, kv_pad)
     bias = _pad_logit_axes(group_heads(as_rank4("bias", bias, target), hk), q_pad, kv_pad)
     mask = _pad_logit_axes(group_heads(as_rank4("mask", mask, target), hk), q_pad, kv_pad)
+    segments = None
+    if segment_ids is not None:  # padded keys are hidden by the geometry, padded rows dropped
+        segments = (_pad_axis(segment_ids[0], 1, q_pad), _pad_axis(segment_ids[1], 1, kv_pad))
     positions = None
     if query_positions is not None:  # padded rows repeat the last position: no wider band
         positions = jnp.pad(jnp.asarray(query_positions, jnp.int32), (0, q_pad), mode="edge")
-    out = _attention(geometry, q, k, v, bias, mask, positions, dropout_rng)
+    out = _attention(geometry, q, k, v, bias, mask, segments, positions, dropout_rng)
     return out[:, :q_len].reshape(b, q_len, h, value.shape[-1]).astype(query.dtype)
 
 
@@ -256,7 +267,17 @@ def _add_block(total, block, first_row, first_col):
     return lax.dynamic_update_slice(total, current + block, start)
 
 
-def _block_logits(geometry, q_block, k_block, bias, mask, positions, first_row, first_col):
+def _block_segment_mask(segments, first_row, first_col, geometry):
+    """bool ``[B, 1, 1, block_q, block_k]``: the segment mask of the block's slice of the ids."""
+    q_ids, kv_ids = segments
+    q_ids = lax.dynamic_slice_in_dim(q_ids, first_row, geometry.block_q, axis=1)
+    kv_ids = lax.dynamic_slice_in_dim(kv_ids, first_col, geometry.block_k, axis=1)
+    return segment_mask(q_ids, kv_ids)[:, None]
+
+
+def _block_logits(
+    geometry, q_block, k_block, bias, mask, segments, positions, first_row, first_col
+):
     """Biased, masked float32 logits ``[B, Hk, G, bq, bk]`` of pre-scaled q, and their validity."""
     logits = jnp.einsum("bqhgd,bkhd->bhgqk", q_block, k_block, preferred_element_type=jnp.float32)
     if bias is not None:
@@ -264,6 +285,8 @@ def _block_logits(geometry, q_block, k_block, bias, mask, positions, first_row, 
     valid = geometry.visible(first_row, first_col, positions)
     if mask is not None:
         valid = valid & _slice_block(mask, first_row, first_col, geometry)
+    if segments is not None:
+        valid = valid & _block_segment_mask(segments, first_row, first_col, geometry)
     return jnp.where(valid, logits, MASK_VALUE), valid
 
 
@@ -272,7 +295,7 @@ def _dropout_keep(geometry, rng, q_block, k_block, shape):
     return dropout_keep(block_rng, geometry.dropout_rate, shape)
 
 
-def _forward(geometry, q, k, v, bias, mask, positions, rng):
+def _forward(geometry, q, k, v, bias, mask, segments, positions, rng):
     """float32 output ``[B, T', Hk, G, Dv]`` and row log-sum-exp ``[B, Hk, G, T']``.
 
     ``T'`` is the padded query length.
@@ -290,7 +313,7 @@ def _forward(geometry, q, k, v, bias, mask, positions, rng):
             k_j = lax.dynamic_slice_in_dim(k, first_col, bk, axis=1)
             v_j = lax.dynamic_slice_in_dim(v, first_col, bk, axis=1)
             logits, valid = _block_logits(
-                geometry, q_i, k_j, bias, mask, positions, first_row, first_col
+                geometry, q_i, k_j, bias, mask, segments, positions, first_row, first_col
             )
             new_max = jnp.maximum(row_max, logits.max(axis=-1))
             p = jnp.where(valid, jnp.exp(logits - new_max[..., None]), 0.0)
@@ -325,17 +348,17 @@ def _forward(geometry, q, k, v, bias, mask, positions, rng):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(geometry, q, k, v, bias, mask, positions, rng):
-    return _forward(geometry, q, k, v, bias, mask, positions, rng)[0]
+def _attention(geometry, q, k, v, bias, mask, segments, positions, rng):
+    return _forward(geometry, q, k, v, bias, mask, segments, positions, rng)[0]
 
 
-def _attention_fwd(geometry, q, k, v, bias, mask, positions, rng):
-    out, lse = _forward(geometry, q, k, v, bias, mask, positions, rng)
-    return out, (q, k, v, bias, mask, positions, rng, out, lse)
+def _attention_fwd(geometry, q, k, v, bias, mask, segments, positions, rng):
+    out, lse = _forward(geometry, q, k, v, bias, mask, segments, positions, rng)
+    return out, (q, k, v, bias, mask, segments, positions, rng, out, lse)
 
 
 def _attention_bwd(geometry, residuals, d_out):
-    q, k, v, bias, mask, positions, rng, out, lse = residuals
+    q, k, v, bias, mask, segments, positions, rng, out, lse = residuals
     b, q_len_padded, hk, g, dh = q.shape
     bq, bk, rate = geometry.block_q, geometry.block_k, geometry.dropout_rate
     compute_dtype = q.dtype
@@ -356,7 +379,7 @@ def _attention_bwd(geometry, residuals, d_out):
             lse_i = lax.dynamic_slice_in_dim(lse, first_row, bq, axis=3)
             delta_i = lax.dynamic_slice_in_dim(delta, first_row, bq, axis=3)
             logits, valid = _block_logits(
-                geometry, q_i, k_j, bias, mask, positions, first_row, first_col
+                geometry, q_i, k_j, bias, mask, segments, positions, first_row, first_col
             )
             p = jnp.where(valid, jnp.exp(logits - lse_i[..., None]), 0.0)
             dp = jnp.einsum("bqhgd,bkhd->bhgqk", do_i, v_j, preferred_element_type=jnp.float32)
@@ -400,7 +423,8 @@ def _attention_bwd(geometry, residuals, d_out):
     dk = jnp.moveaxis(dk, 0, 1).reshape(k.shape)
     dv = jnp.moveaxis(dv, 0, 1).reshape(v.shape)
     dbias = None if bias is None else dbias.astype(bias.dtype)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias, None, None, None
+    grads = dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias
+    return (*grads, None, None, None, None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

@@ -15,7 +15,7 @@ import numpy as np
 def causal_mask(
     q_len: int,
     kv_len: int | None = None,
-    offset: int | jax.Array = 0,
+    offset: int | jax.Array | None = None,
     *,
     positions: jax.Array | None = None,
 ) -> jax.Array:
@@ -29,10 +29,10 @@ def causal_mask(
       q_len: number of queries T.
       kv_len: number of keys S; defaults to ``q_len``.
       offset: position of the first query, a Python int, a scalar array or a ``[B]`` array
-        (one cache index per batch row). May be traced.
+        (one cache index per batch row); 0 when not given. May be traced.
       positions: int ``[T]``, each query's own position in place of ``offset + i`` (the
         queries of a sequence split over devices, see
-        :mod:`flaxformer_lite.nn.context_parallel`).
+        :mod:`flaxformer_lite.nn.context_parallel`); not together with ``offset``.
 
     Returns:
       bool ``[1, 1, T, S]``, or ``[B, 1, T, S]`` for a per-row ``offset``.
@@ -47,7 +47,7 @@ def local_window_mask(
     q_len: int,
     kv_len: int | None = None,
     window: tuple[int, int] = (0, 0),
-    offset: int | jax.Array = 0,
+    offset: int | jax.Array | None = None,
     *,
     positions: jax.Array | None = None,
 ) -> jax.Array:
@@ -60,7 +60,8 @@ def local_window_mask(
       q_len: number of queries T.
       kv_len: number of keys S; defaults to ``q_len``.
       window: ``(left, right)`` non-negative ints, how far each query looks back and ahead.
-      offset: position of the first query (int, scalar or ``[B]`` array).
+      offset: position of the first query (int, scalar or ``[B]`` array), as for
+        :func:`causal_mask`.
       positions: int ``[T]``, each query's position, as for :func:`causal_mask`.
 
     Returns:
@@ -77,7 +78,7 @@ def global_tokens_mask(
     q_len: int,
     kv_len: int | None = None,
     global_tokens: int = 0,
-    offset: int | jax.Array = 0,
+    offset: int | jax.Array | None = None,
     *,
     positions: jax.Array | None = None,
 ) -> jax.Array:
@@ -91,7 +92,8 @@ def global_tokens_mask(
       q_len: number of queries T.
       kv_len: number of keys S; defaults to ``q_len``.
       global_tokens: G, a non-negative int.
-      offset: position of the first query (int, scalar or ``[B]`` array).
+      offset: position of the first query (int, scalar or ``[B]`` array), as for
+        :func:`causal_mask`.
       positions: int ``[T]``, each query's position, as for :func:`causal_mask`.
 
     Returns:
@@ -202,13 +204,24 @@ def check_global_tokens(global_tokens) -> int:
 
 def _query_positions(q_len, offset, positions):
     """The queries' positions as a column: ``[1, 1, T, 1]``, or ``[B, 1, T, 1]`` for a per-row
-    offset; ``positions`` (``[T]``) when given, else ``offset + i``."""
+    offset; ``positions`` (``[T]``) when given, else ``offset + i`` (``offset`` ``None``: 0).
+
+    Raises:
+      ValueError: both ``offset`` and ``positions`` given, or either of the wrong shape.
+    """
     if positions is not None:
+        # Positions are absolute: an offset beside them would be silently dropped or, added,
+        # shift them a second time.
+        if offset is not None:
+            raise ValueError(
+                "mask offset and positions are both given: give the first query's offset or "
+                "each query's positions, not both"
+            )
         positions = jnp.asarray(positions)
         if positions.shape != (q_len,):
             raise ValueError(f"mask positions must be [{q_len}], got shape {positions.shape}")
         return positions.reshape(1, 1, q_len, 1)
-    offset = jnp.asarray(offset)
+    offset = jnp.asarray(0 if offset is None else offset)
     if offset.ndim > 1:
         raise ValueError(f"mask offset must be a scalar or [batch], got shape {offset.shape}")
     return jnp.arange(q_len)[:, None] + offset.reshape(-1, 1, 1, 1)
