@@ -44,6 +44,8 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 * 2**30))
 import jax  # noqa: E402
 import pytest  # noqa: E402
 from quick_tier import QUICK_FILES  # noqa: E402
+from shared_dirs import shared_across_workers  # noqa: E402
+from tiny_runs import SHARED_RUNS  # noqa: E402
 
 from flaxformer_lite.train import host_memory  # noqa: E402
 
@@ -162,3 +164,26 @@ def hf():
     transformers = pytest.importorskip("transformers", reason=NEEDS_EXTRA)
     transformers.logging.set_verbosity_error()
     return types.SimpleNamespace(torch=torch, transformers=transformers)
+
+
+@pytest.fixture(scope="session")
+def trained_runs(tmp_path_factory):
+    """``trained_runs(name)``: the run directory of ``tiny_runs.SHARED_RUNS[name]``, trained
+    once per session for every test file that needs such a run (with XLA's backend
+    optimizations off, as the ``fast_compile`` modules compile). Read it only: a test that
+    writes into a run (resumes it, damages it) works on a ``shutil.copytree`` of it."""
+    from flaxformer_lite.train.config import load_config
+    from flaxformer_lite.train.loop import run
+
+    def trained(name):
+        def train(directory):
+            previous = _set_optimizations_off(True)
+            try:
+                cfg = load_config(None, [f"run_dir={directory / 'run'}", *SHARED_RUNS[name]])
+                run(cfg, progress=False, log=lambda _: None)
+            finally:
+                _set_optimizations_off(previous)
+
+        return shared_across_workers(tmp_path_factory, f"trained_{name}", train)[0] / "run"
+
+    return trained
