@@ -44,6 +44,9 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 * 2**30))
 import jax  # noqa: E402
 import pytest  # noqa: E402
 from quick_tier import QUICK_FILES  # noqa: E402
+from shared_dirs import shared_across_workers  # noqa: E402
+from slow_files import SLOWEST_FILES  # noqa: E402
+from tiny_runs import SHARED_RUNS  # noqa: E402
 
 from flaxformer_lite.train import host_memory  # noqa: E402
 
@@ -65,10 +68,14 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Marks the quick tier: the tests of :data:`quick_tier.QUICK_FILES` not marked slow."""
+    """Marks the quick tier: the tests of :data:`quick_tier.QUICK_FILES` not marked slow; and
+    puts the files of :data:`slow_files.SLOWEST_FILES` first, in that order, each file's tests
+    together and in their own order, so that xdist's workers start on them."""
     for item in items:
         if item.path.name in QUICK_FILES and item.get_closest_marker("slow") is None:
             item.add_marker(pytest.mark.quick)
+    rank = {name: place for place, name in enumerate(SLOWEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 def pytest_unconfigure(config):
@@ -162,3 +169,26 @@ def hf():
     transformers = pytest.importorskip("transformers", reason=NEEDS_EXTRA)
     transformers.logging.set_verbosity_error()
     return types.SimpleNamespace(torch=torch, transformers=transformers)
+
+
+@pytest.fixture(scope="session")
+def trained_runs(tmp_path_factory):
+    """``trained_runs(name)``: the run directory of ``tiny_runs.SHARED_RUNS[name]``, trained
+    once per session for every test file that needs such a run (with XLA's backend
+    optimizations off, as the ``fast_compile`` modules compile). Read it only: a test that
+    writes into a run (resumes it, damages it) works on a ``shutil.copytree`` of it."""
+    from flaxformer_lite.train.config import load_config
+    from flaxformer_lite.train.loop import run
+
+    def trained(name):
+        def train(directory):
+            previous = _set_optimizations_off(True)
+            try:
+                cfg = load_config(None, [f"run_dir={directory / 'run'}", *SHARED_RUNS[name]])
+                run(cfg, progress=False, log=lambda _: None)
+            finally:
+                _set_optimizations_off(previous)
+
+        return shared_across_workers(tmp_path_factory, f"trained_{name}", train)[0] / "run"
+
+    return trained

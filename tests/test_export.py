@@ -7,6 +7,7 @@ Each tiny run trains a few steps, once per module (the runs compile for a few se
 
 import json
 import pathlib
+import shutil
 import socket
 import subprocess
 import sys
@@ -316,10 +317,11 @@ def test_a_checkpoint_tokenizer_exports_as_transformers_reads_it(hf, family, tmp
     assert (exported.eos_token_id, exported.pad_token_id) == (ours.eos_id, ours.pad_id)
 
 
-def test_export_out_inside_a_run_is_refused_and_a_link_is_followed(tmp_path, capsys):
+def test_export_out_inside_a_run_is_refused_and_a_link_is_followed(trained_runs, tmp_path, capsys):
     """Issue 43 item 15: RUN/checkpoints/30 looked like step 30 of the run; a link to an empty
     directory failed with [Errno 20] Not a directory."""
-    run_dir = train(tmp_path / "run", [*TINY, "train.steps=2", "checkpoint.every=2"])
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained_runs("tiny"), run_dir)
     for out in (run_dir / "checkpoints" / "30", run_dir / "exports" / "default"):
         assert main(["export", "--run-dir", str(run_dir), "--out", str(out)]) == 2
         err = capsys.readouterr().err

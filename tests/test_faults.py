@@ -19,8 +19,6 @@ from subprocess_env import subprocess_env
 from tiny_runs import TINY
 
 from flaxformer_lite.train.checkpoint import Checkpointer, CheckpointError
-from flaxformer_lite.train.config import load_config
-from flaxformer_lite.train.loop import run
 from flaxformer_lite.train.metrics import read_metrics
 
 pytestmark = pytest.mark.fast_compile
@@ -172,13 +170,11 @@ def test_kills_at_random_points_of_saves_always_resume(tmp_path):
     assert steps == list(range(1, 13)), steps
 
 
-@pytest.fixture(scope="module")
-def saved_run(tmp_path_factory):
-    """A run of 2 steps with a checkpoint at each, trained once for the tests that copy it."""
-    run_dir = tmp_path_factory.mktemp("saved") / "run"
-    cfg = load_config(None, [f"run_dir={run_dir}", *TINY, "train.steps=2", "checkpoint.every=1"])
-    run(cfg, progress=False, log=lambda _: None)
-    return run_dir
+@pytest.fixture
+def saved_run(trained_runs):
+    """A run of 2 steps with a checkpoint at each (``tiny_runs.SHARED_RUNS["tiny"]``), trained
+    once per session; the tests copy it."""
+    return trained_runs("tiny")
 
 
 def copied_run(saved_run, tmp_path) -> pathlib.Path:

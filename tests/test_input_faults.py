@@ -2,6 +2,7 @@
 (YAML numbers, duplicate keys, non-UTF-8), non-finite settings, out of memory, a run on other
 data or extended steps on resume, warnings that reach the terminal as plain lines."""
 
+import shutil
 import subprocess
 import sys
 import threading
@@ -281,10 +282,12 @@ def test_the_package_s_warnings_reach_the_terminal_as_plain_lines(absl_first):
     assert (child.returncode, child.stderr) == (0, "warning: step 2\n")
 
 
-def test_stretch_schedule_resumes_a_raised_run_on_the_longer_schedule(tmp_path, capsys):
+def test_stretch_schedule_resumes_a_raised_run_on_the_longer_schedule(
+    trained_runs, tmp_path, capsys
+):
     """Issue 45 item 8: the one flag the extension's line names, resuming without --force."""
-    common = ["--no-progress", f"run_dir={tmp_path / 'run'}", *TINY]
-    assert train_main([*common, "train.steps=2"]) == 0
+    shutil.copytree(trained_runs("tiny"), tmp_path / "run")  # 2 steps of SHARED_RUNS["tiny"]
+    common = ["--no-progress", f"run_dir={tmp_path / 'run'}", *TINY, "checkpoint.every=1"]
     assert train_main([*common, "train.steps=4", "--stretch-schedule"]) == 0
     out = capsys.readouterr().out
     assert "keeps its" not in out and "done:" in out

@@ -5,9 +5,7 @@ The 8 devices are the simulated CPU devices of conftest.py; the one-device basel
 training runs comes from a subprocess started with a single device.
 """
 
-import fcntl
 import json
-import os
 import pathlib
 import re
 import shutil
@@ -19,6 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from parallel_helpers import TINY, B, T, flat, key_free, tiny
+from shared_dirs import shared_across_workers
 from subprocess_env import subprocess_env
 
 from flaxformer_lite.parallel import (
@@ -133,22 +132,15 @@ def one_device_baseline(tmp_path_factory):
 def mesh_2x4_run(tmp_path_factory):
     """``(run_dir, messages)`` of 20 steps on data 2 x tensor 4, checkpointed at steps 10 and 20.
 
-    Shared by the xdist workers of this session (a file lock; the pattern of pytest-xdist's
-    docs): the losses test and the resume test both need it, and it takes a while."""
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent
-    run_dir, done = root / "parallel_mesh_2x4" / "run", root / "parallel_mesh_2x4.json"
-    with open(root / "parallel_mesh_2x4.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not done.exists():
-            shutil.rmtree(run_dir, ignore_errors=True)
-            messages = train_in_process(
-                run_dir, "train.steps=20", "checkpoint.every=10", "mesh.data=2", "mesh.tensor=4"
-            )
-            done.write_text(json.dumps(messages))
-        messages = json.loads(done.read_text())
-    return run_dir, messages
+    Shared by the xdist workers of this session (``shared_dirs``): the losses test and the
+    resume test both need it, and it takes a while."""
+
+    def train(directory):
+        overrides = ("train.steps=20", "checkpoint.every=10", "mesh.data=2", "mesh.tensor=4")
+        return train_in_process(directory / "run", *overrides)
+
+    directory, messages = shared_across_workers(tmp_path_factory, "parallel_mesh_2x4", train)
+    return directory / "run", messages
 
 
 def test_a_data_fsdp_tensor_mesh_compiles_without_rematerialization(tmp_path):

@@ -402,6 +402,20 @@ def test_documents_with_a_fitted_tokenizer_encode_each_text():
         assert documents.document("target", i).tolist() == tokenizer.encode(generator[i]["target"])
 
 
+def test_documents_are_kept_read_only_for_an_equal_generator_and_tokenizer():
+    built = syn.make_generator("number_words", size=300).documents(ByteTokenizer())
+    assert syn.make_generator("number_words", size=300).documents(ByteTokenizer()) is built
+    with pytest.raises(ValueError, match="read-only"):
+        built.tokens["source"][0] = 0
+    other_seed = syn.make_generator("number_words", size=300, seed=1).documents(ByteTokenizer())
+    assert other_seed is not built
+    texts = [syn.make_generator("number_words", size=300)[i]["source"] for i in range(300)]
+    word = syn.make_generator("number_words", size=300).documents(
+        make_tokenizer("word", texts=texts)
+    )
+    assert word is not built and word.tokens["source"].size < built.tokens["source"].size
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_whole_chunks_of_validation_and_train_share_no_input(name):
     train = syn.make_generator(name, seed=0, size=2 * syn.CHUNK).documents(ByteTokenizer())

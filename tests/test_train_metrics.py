@@ -9,6 +9,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import struct
 import threading
 
@@ -21,8 +22,7 @@ from tiny_runs import TINY
 from flaxformer_lite.cli import main
 from flaxformer_lite.cli.train import train_main
 from flaxformer_lite.train import metrics
-from flaxformer_lite.train.config import TrainConfig, load_config
-from flaxformer_lite.train.loop import run
+from flaxformer_lite.train.config import TrainConfig
 from flaxformer_lite.train.metrics import MetricsWriter, plot_run, read_metrics
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
@@ -167,15 +167,17 @@ def test_a_metrics_file_that_is_not_a_regular_file_is_refused(tmp_path, kind):
 
 
 @pytest.mark.slow
-def test_resuming_with_metrics_on_a_character_device_exits_2_with_one_line(tmp_path, capsys):
+def test_resuming_with_metrics_on_a_character_device_exits_2_with_one_line(
+    trained_runs, tmp_path, capsys
+):
     run_dir = tmp_path / "run"
-    args = [f"run_dir={run_dir}", *TINY, "train.steps=2"]
-    run(load_config(None, args), progress=False, log=lambda _: None)
+    shutil.copytree(trained_runs("tiny"), run_dir)
+    args = [f"run_dir={run_dir}", *TINY, "checkpoint.every=1"]  # SHARED_RUNS["tiny"]'s
     path = run_dir / "metrics.jsonl"
     path.unlink()
     make_not_regular(path, "a character device")
     capsys.readouterr()
-    assert train_main(["--no-progress", *args[:-1], "train.steps=4"]) == 2
+    assert train_main(["--no-progress", *args, "train.steps=4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "holds symbolic links" in err[0], err  # a link: the run writes
     assert "metrics.jsonl -> /dev/null" in err[0], err

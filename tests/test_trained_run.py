@@ -14,34 +14,19 @@ from flaxformer_lite.data.tokenizers import ByteTokenizer
 from flaxformer_lite.models import DecoderLM, build_model
 from flaxformer_lite.train.checkpoint import Checkpointer
 from flaxformer_lite.train.config import load_config
-from flaxformer_lite.train.loop import run
 from flaxformer_lite.train.optim import make_optimizer
 from flaxformer_lite.train.trained_run import LoadedRun, load_run, to_savable
 
-# A tiny one-layer GPT-2-style run: 3 steps, checkpoints at steps 2 and 3, on all 8 devices.
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 
-TINY_RUN = [
-    "model.num_decoder_layers=1",
-    "train.steps=3",
-    "checkpoint.every=2",
-    "train.batch_size=8",
-    "data.seq_len=32",
-    "optimizer.warmup_steps=0",
-    "optimizer.schedule=constant",
-    "train.log_every=1",
-    "train.eval_every=3",
-    "train.eval_batches=1",
-    "data.eval_size=8",
-]
 TOKENS = jnp.asarray([[1, *ByteTokenizer().encode("12+34=46")]])
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("restore") / "run"
-    run(load_config(None, [f"run_dir={path}", *TINY_RUN]), progress=False, log=lambda _: None)
-    return path
+@pytest.fixture
+def run_dir(trained_runs):
+    """A tiny one-layer GPT-2-style run on all 8 devices: 2 steps, checkpoints at steps 1 and 2
+    (``tiny_runs.SHARED_RUNS["tiny"]``); read, never written (copies are)."""
+    return trained_runs("tiny")
 
 
 def checkpointed_model(run_dir, step):
@@ -73,11 +58,11 @@ def checkpointed_model(run_dir, step):
 def test_loads_the_newest_checkpoint(run_dir):
     loaded = load_run(run_dir)
     assert isinstance(loaded, LoadedRun) and isinstance(loaded.model, DecoderLM)
-    assert loaded.step == 3
+    assert loaded.step == 2
     assert loaded.config == load_config(run_dir / "config.yaml")
     assert loaded.config.model.vocab_size == 260  # resolved from the tokenizer, as trained
     assert isinstance(loaded.tokenizer, ByteTokenizer)
-    reference, saved = checkpointed_model(run_dir, 3)
+    reference, saved = checkpointed_model(run_dir, 2)
     # Every saved variable of the model (parameters and RNG state) came back unchanged.
     jax.tree.map(np.testing.assert_array_equal, to_savable(nnx.state(loaded.model)), saved)
     np.testing.assert_array_equal(loaded.model(TOKENS), reference(TOKENS))
@@ -97,9 +82,9 @@ def test_model_is_in_eval_mode_on_one_device(run_dir):
 
 
 def test_loads_a_given_step(run_dir):
-    loaded = load_run(run_dir, step=2)
-    assert loaded.step == 2
-    reference, _ = checkpointed_model(run_dir, 2)
+    loaded = load_run(run_dir, step=1)
+    assert loaded.step == 1
+    reference, _ = checkpointed_model(run_dir, 1)
     np.testing.assert_array_equal(loaded.model(TOKENS), reference(TOKENS))
     newest = load_run(run_dir).model(TOKENS)
     assert np.abs(np.asarray(newest - loaded.model(TOKENS))).max() > 1e-6
@@ -147,7 +132,7 @@ def test_errors_name_the_path(run_dir, tmp_path):
     (tmp_path / "checkpoints").mkdir()
     with pytest.raises(FileNotFoundError, match="no finished checkpoint"):
         load_run(tmp_path)
-    with pytest.raises(ValueError, match=r"no checkpoint for step 7; it has steps \[2, 3\]"):
+    with pytest.raises(ValueError, match=r"no checkpoint for step 7; it has steps \[1, 2\]"):
         load_run(run_dir, step=7)
 
     no_tokenizer = tmp_path / "no_tokenizer"
@@ -161,16 +146,16 @@ def test_unreadable_checkpoint_is_reported_left_in_place_and_the_previous_loaded
 ):
     copy = tmp_path / "run"
     shutil.copytree(run_dir, copy)
-    for path in (copy / "checkpoints" / "3" / "state").rglob("*"):
+    for path in (copy / "checkpoints" / "2" / "state").rglob("*"):
         if path.is_file() and path.parent.name == "d":  # the array data files
             path.write_bytes(b"")
-    assert load_run(copy).step == 2
-    warnings = [r.getMessage() for r in caplog.records if "step 3" in r.getMessage()]
+    assert load_run(copy).step == 1
+    warnings = [r.getMessage() for r in caplog.records if "step 2" in r.getMessage()]
     assert warnings and all(len(w.splitlines()) == 1 for w in warnings), warnings
     assert "TensorStore" not in " ".join(warnings)  # no many-line array spec
-    with pytest.raises(ValueError, match=r"step 3 .*cannot be restored.*other steps: \[2\]"):
-        load_run(copy, step=3)
-    assert (copy / "checkpoints" / "3").is_dir()  # a reader never moves checkpoints aside
+    with pytest.raises(ValueError, match=r"step 2 .*cannot be restored.*other steps: \[1\]"):
+        load_run(copy, step=2)
+    assert (copy / "checkpoints" / "2").is_dir()  # a reader never moves checkpoints aside
 
 
 def test_generate_skips_a_checkpoint_with_unreadable_metrics(run_dir, tmp_path):
@@ -178,8 +163,8 @@ def test_generate_skips_a_checkpoint_with_unreadable_metrics(run_dir, tmp_path):
     not need them."""
     copy = tmp_path / "run"
     shutil.copytree(run_dir, copy)
-    (copy / "checkpoints" / "3" / "metrics" / "metrics").write_text("{not json")
-    assert load_run(copy).step == 3
+    (copy / "checkpoints" / "2" / "metrics" / "metrics").write_text("{not json")
+    assert load_run(copy).step == 2
 
 
 def test_none_readable_names_the_directory(run_dir, tmp_path):
@@ -188,7 +173,7 @@ def test_none_readable_names_the_directory(run_dir, tmp_path):
     for path in (copy / "checkpoints").rglob("*"):
         if path.is_file() and path.parent.name == "d":
             path.write_bytes(b"")
-    with pytest.raises(ValueError, match="none of the checkpoints in .*steps \\[2, 3\\]") as info:
+    with pytest.raises(ValueError, match="none of the checkpoints in .*steps \\[1, 2\\]") as info:
         load_run(copy)
     assert len(str(info.value).splitlines()) == 1
 

@@ -36,7 +36,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -295,7 +295,8 @@ def _load(
     source = source_of(cfg)
     if not source.stored:
         train, valid = source.examples(cfg, "train", seed), source.examples(cfg, "validation", seed)
-        fit = [train[i] for i in range(min(len(train), FIT_EXAMPLES))]
+        # Drawn only if a tokenizer is fitted on them: the byte tokenizer reads none.
+        fit = (train[i] for i in range(min(len(train), FIT_EXAMPLES)))
         tokenizer = chosen or _fitted_on_records(cfg, fit)
         corpus = Corpus(
             (train.documents(tokenizer), np.arange(len(train))),
@@ -472,7 +473,7 @@ def run_tokenizer(cfg: DataConfig, directory: Path, given: Tokenizer | None) -> 
     return chosen
 
 
-def _fitted_on_records(cfg: DataConfig, records: Sequence[dict]) -> Tokenizer:
+def _fitted_on_records(cfg: DataConfig, records: Iterable[dict]) -> Tokenizer:
     """The tokenizer ``data.tokenizer`` names, fitted on ``records`` if it is fitted. Only the
     writing process saves it; fitting is deterministic, so the others fit the same one."""
     texts = (r[key] for r in records for key in ("text", "source", "target") if key in r)

@@ -92,6 +92,9 @@ _EMPTY_AFTER = 65_536
 _MAX_ROUND = 2**18  # candidates drawn at once
 _CACHED_CHUNKS = 16
 _CHUNKS: collections.OrderedDict[tuple, Drawn] = collections.OrderedDict()  # the last used
+_KEPT_DOCUMENTS = 2  # a run's two splits
+# (generator, tokenizer, documents) of the last built, the newest last.
+_DOCUMENTS: list[tuple[Generator, Tokenizer, Documents]] = []
 
 
 def split_of(key: str) -> str:
@@ -183,7 +186,24 @@ class Generator(abc.ABC):
         return record
 
     def documents(self, tokenizer: Tokenizer) -> Documents:
-        """All ``size`` examples tokenized, in order; ``digests`` are the inputs' hashes."""
+        """All ``size`` examples tokenized, in order; ``digests`` are the inputs' hashes.
+
+        Read-only arrays, kept for the next equal generator and tokenizer: drawing a million
+        examples takes seconds, and another run in this process (a sweep's, a notebook's, a
+        test session's) often asks for the same ones.
+        """
+        for generator, kept_tokenizer, documents in _DOCUMENTS:
+            if generator == self and kept_tokenizer.same_as(tokenizer):
+                return documents
+        documents = self._tokenized(tokenizer)
+        arrays = [*documents.tokens.values(), *documents.offsets.values(), documents.digests]
+        for array in [*arrays, *([] if documents.labels is None else [documents.labels])]:
+            array.setflags(write=False)
+        _DOCUMENTS.append((self, tokenizer, documents))
+        del _DOCUMENTS[:-_KEPT_DOCUMENTS]
+        return documents
+
+    def _tokenized(self, tokenizer: Tokenizer) -> Documents:
         chunks = [self.chunk(c) for c in range(-(-self.size // CHUNK))]
         chunks[-1] = chunks[-1].take(np.arange(self.size - CHUNK * (len(chunks) - 1)))
         drawn = Drawn.concatenate(chunks)
