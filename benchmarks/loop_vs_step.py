@@ -11,13 +11,16 @@ the mean seconds per step of those two windows. The median share is what a bench
 
 from __future__ import annotations
 
+import pathlib
+import statistics
+import sys
 import time
 from unittest import mock
 
 import jax
 
 from flaxformer_lite.train import loop
-from flaxformer_lite.train.config import TrainConfig
+from flaxformer_lite.train.config import TrainConfig, load_config
 from flaxformer_lite.train.metrics import read_metrics
 
 # jax.monitoring's events for tracing, lowering and compiling a program.
@@ -54,6 +57,46 @@ def paired_shares(logged: list[float], between: list[float], tokens_per_step: in
         tokens_per_sec * (between[i] + between[i + 1]) / 2 / tokens_per_step
         for i, tokens_per_sec in enumerate(logged)
     ]
+
+
+def train_py_against_step(
+    overrides: list[str],
+    steps: int,
+    windows: int,
+    directory: pathlib.Path,
+    config: pathlib.Path | None = None,
+) -> dict:
+    """``windows`` fresh runs of train.py's loop on ``config`` (default: the embedded one) with
+    ``overrides``, each between two windows of ``steps`` steps of the step alone; the window
+    after a run times the step that run compiled. One more run comes first: it compiles and
+    only opens the first window. Tokens count ``batch_size * seq_len`` per step on both sides,
+    as the loop logs them."""
+
+    def fresh_run(number: int) -> tuple[LoopRun, int]:
+        short = short_run_overrides(directory / f"run{number}", steps)
+        cfg = load_config(config, overrides + [f"{key}={value}" for key, value in short.items()])
+        return LoopRun(cfg), cfg.train.batch_size * cfg.data.seq_len
+
+    # The step's first timed steps after a run can be slower: a few untimed ones first.
+    warmup = max(1, steps // 5)
+    latest, tokens_per_step = fresh_run(0)
+    between, logged = [latest.seconds_per_step(steps, warmup)], []
+    for number in range(1, windows + 1):
+        latest, _ = fresh_run(number)
+        logged.append(latest.tokens_per_sec)
+        between.append(latest.seconds_per_step(steps, warmup))
+        print(f"train.py run {number}/{windows} done", file=sys.stderr, flush=True)
+    shares = paired_shares(logged, between, tokens_per_step)
+    return {
+        "tokens_per_step": tokens_per_step,
+        "steps_per_window": steps,
+        "logged_tokens_per_sec": logged,
+        "step_seconds": between,
+        "shares": shares,
+        "train_py_tokens_per_sec": statistics.median(logged),
+        "step_tokens_per_sec": tokens_per_step / statistics.median(between),
+        "share": statistics.median(shares),
+    }
 
 
 class LoopRun:
