@@ -28,8 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import statistics
-import sys
 import sysconfig
 import tempfile
 import time
@@ -45,10 +43,9 @@ from flaxformer_lite.data.readers import iter_text_records
 from flaxformer_lite.data.store import prepare_store
 from flaxformer_lite.data.tasks import task_named
 from flaxformer_lite.data.tokenizers import make_tokenizer
-from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.host_memory import reuse_freed_host_memory
 
-from loop_vs_step import LoopRun, paired_shares, short_run_overrides
+from loop_vs_step import train_py_against_step
 
 SHARE_TARGET = 0.95  # train.py's logged tokens/s over its step alone's
 TRAIN_PY_RUNS = ("default", "bpe")  # the summary's train_py_<name> entries, in table order
@@ -207,41 +204,6 @@ def train_py_runs(args, bpe_store) -> dict[str, tuple[str, int, list[str]]]:
             args.bpe_steps,
             bpe,
         ),
-    }
-
-
-def train_py_against_step(
-    overrides: list[str], steps: int, windows: int, directory: pathlib.Path
-) -> dict:
-    """``windows`` fresh runs of train.py's loop on ``overrides``, each between two windows of
-    ``steps`` steps of the step alone; the window after a run times the step that run compiled.
-    One more run comes first: it compiles and only opens the first window. Tokens count
-    ``batch_size * seq_len`` per step on both sides, as the loop logs them."""
-
-    def fresh_run(number: int) -> tuple[LoopRun, int]:
-        short = short_run_overrides(directory / f"run{number}", steps)
-        cfg = load_config(None, overrides + [f"{key}={value}" for key, value in short.items()])
-        return LoopRun(cfg), cfg.train.batch_size * cfg.data.seq_len
-
-    # The step's first timed steps after a run can be slower: a few untimed ones first.
-    warmup = max(1, steps // 5)
-    latest, tokens_per_step = fresh_run(0)
-    between, logged = [latest.seconds_per_step(steps, warmup)], []
-    for number in range(1, windows + 1):
-        latest, _ = fresh_run(number)
-        logged.append(latest.tokens_per_sec)
-        between.append(latest.seconds_per_step(steps, warmup))
-        print(f"train.py run {number}/{windows} done", file=sys.stderr, flush=True)
-    shares = paired_shares(logged, between, tokens_per_step)
-    return {
-        "tokens_per_step": tokens_per_step,
-        "steps_per_window": steps,
-        "logged_tokens_per_sec": logged,
-        "step_seconds": between,
-        "shares": shares,
-        "train_py_tokens_per_sec": statistics.median(logged),
-        "step_tokens_per_sec": tokens_per_step / statistics.median(between),
-        "share": statistics.median(shares),
     }
 
 

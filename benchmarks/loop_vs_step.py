@@ -11,13 +11,16 @@ the mean seconds per step of those two windows. The median share is what a bench
 
 from __future__ import annotations
 
+import pathlib
+import statistics
+import sys
 import time
 from unittest import mock
 
 import jax
 
 from flaxformer_lite.train import loop
-from flaxformer_lite.train.config import TrainConfig
+from flaxformer_lite.train.config import TrainConfig, load_config
 from flaxformer_lite.train.metrics import read_metrics
 
 # jax.monitoring's events for tracing, lowering and compiling a program.
@@ -56,16 +59,61 @@ def paired_shares(logged: list[float], between: list[float], tokens_per_step: in
     ]
 
 
+def train_py_against_step(
+    overrides: list[str],
+    steps: int,
+    windows: int,
+    directory: pathlib.Path,
+    config: pathlib.Path | None = None,
+) -> dict:
+    """``windows`` fresh runs of train.py's loop on ``config`` (default: the embedded one) with
+    ``overrides``, each between two windows of ``steps`` steps of the step alone; the window
+    after a run times the step that run compiled. One more run comes first: it compiles and
+    only opens the first window. Tokens count ``batch_size * seq_len`` per step on both sides,
+    as the loop logs them."""
+
+    def fresh_run(number: int) -> tuple[LoopRun, int]:
+        short = short_run_overrides(directory / f"run{number}", steps)
+        cfg = load_config(config, overrides + [f"{key}={value}" for key, value in short.items()])
+        return LoopRun(cfg), cfg.train.batch_size * cfg.data.seq_len
+
+    # The step's first timed steps after a run can be slower: a few untimed ones first.
+    warmup = max(1, steps // 5)
+    latest, tokens_per_step = fresh_run(0)
+    between, logged, host_cpu = [latest.seconds_per_step(steps, warmup)], [], []
+    for number in range(1, windows + 1):
+        latest, _ = fresh_run(number)
+        logged.append(latest.tokens_per_sec)
+        host_cpu.append(latest.host_cpu_seconds)
+        between.append(latest.seconds_per_step(steps, warmup))
+        print(f"train.py run {number}/{windows} done", file=sys.stderr, flush=True)
+    shares = paired_shares(logged, between, tokens_per_step)
+    return {
+        "tokens_per_step": tokens_per_step,
+        "steps_per_window": steps,
+        "logged_tokens_per_sec": logged,
+        "step_seconds": between,
+        "shares": shares,
+        "host_cpu_seconds": host_cpu,
+        "train_py_tokens_per_sec": statistics.median(logged),
+        "step_tokens_per_sec": tokens_per_step / statistics.median(between),
+        "share": statistics.median(shares),
+    }
+
+
 class LoopRun:
     """A run of the loop that keeps what its last step ran (the compiled train step, the state it
     returned, the placed batch it was given), to time that same step alone afterwards.
 
     The loop builds its step with ``configured_train_step``; the run wraps the step it gets to
-    record each call's batch and new state, a dictionary update per step.
+    record each call's batch and new state, a dictionary update per step, and the loop thread's
+    CPU time at each call (``time.thread_time``): the host's own work per step, which a loaded
+    machine's other processes do not inflate as they do wall time.
     """
 
     def __init__(self, cfg: TrainConfig):
         last: dict = {}
+        cpu_at_calls: list[float] = []
         configured_train_step = loop.configured_train_step
 
         def recording_train_step(*args, **kwargs):
@@ -73,6 +121,7 @@ class LoopRun:
             last["step"] = step
 
             def recorded(state, batch):
+                cpu_at_calls.append(time.thread_time())
                 state, metrics = step(state, batch)
                 last.update(state=state, batch=batch)
                 return state, metrics
@@ -82,6 +131,10 @@ class LoopRun:
         with mock.patch.object(loop, "configured_train_step", recording_train_step):
             self.tokens_per_sec = logged_tokens_per_sec(cfg)
         self.step, self.state, self.batch = last["step"], last["state"], last["batch"]
+        # The median between consecutive calls: the steps that logged, evaluated or saved are
+        # the few slow ones; the first call compiled.
+        between_calls = [b - a for a, b in zip(cpu_at_calls[1:], cpu_at_calls[2:], strict=False)]
+        self.host_cpu_seconds = statistics.median(between_calls)
         self.mesh = jax.tree.leaves(self.state)[0].sharding.mesh
 
     def seconds_per_step(self, steps: int, warmup: int) -> float:

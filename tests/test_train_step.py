@@ -194,6 +194,27 @@ def test_the_update_overwrites_the_donated_state_in_place():
     assert memory.temp_size_in_bytes < 2.5 * param_bytes
 
 
+def test_the_step_over_the_states_leaves_is_the_same_step():
+    _, model, optimizer = setup("gpt2-tiny")
+    graphdef, state = nnx.split((model, optimizer))
+    leaves, treedef = jax.tree.flatten(jax.tree.map(jnp.copy, state))
+    batch = make_batch("lm")
+    state, metrics = make_train_step(graphdef, task="lm")(state, batch)
+    on_leaves = make_train_step(graphdef, task="lm", state_treedef=treedef)
+    leaves, leaf_metrics = on_leaves(leaves, batch)
+    assert isinstance(leaves, list)
+    for key in ("loss", "grad_norm", "finite"):
+        np.testing.assert_allclose(leaf_metrics[key], metrics[key], rtol=1e-6, err_msg=key)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+        snapshot(treedef.unflatten(leaves)),
+        snapshot(state),
+    )
+    memory = on_leaves.lower(leaves, batch).compile().memory_analysis()  # donated, as the state
+    batch_bytes = sum(x.nbytes for x in batch.values())
+    assert memory.alias_size_in_bytes == memory.argument_size_in_bytes - batch_bytes
+
+
 def test_eval_step_is_the_loss_without_dropout():
     cfg, model, optimizer = setup("gpt2-tiny", residual_dropout=0.3)
     batch = make_batch("lm")

@@ -129,7 +129,7 @@ class StartedRun:
       state: the train state at ``step``.
       step: the optimizer steps done (the restored checkpoint's, or 0).
       resumed: whether ``state`` was restored from a checkpoint.
-      train_step: the jitted train step.
+      train_step: the jitted train step, over the state's leaves (``jax.tree.leaves``).
       eval_step: the jitted eval step.
       place: puts a batch of this process's rows onto the mesh.
       spent: where the run's time goes.
@@ -207,7 +207,9 @@ def start(
         state=state,
         step=step,
         resumed=saved is not None,
-        train_step=configured_train_step(cfg, built.graphdef, built.shardings),
+        train_step=configured_train_step(
+            cfg, built.graphdef, built.shardings, jax.tree.structure(state)
+        ),
         eval_step=make_eval_step(
             built.eval_graphdef, task=task_of(cfg.model), loss_chunk=cfg.train.loss_chunk
         ),
@@ -221,7 +223,8 @@ def train(run: StartedRun, *, progress: bool, log) -> dict[str, float]:
 
     The host runs one step ahead of the devices: it dispatches step s, takes and places batch
     s + 1 while s runs, and reads a step's results only when an action is due at it, or, for
-    its finite flag, one step late, once the next step is dispatched. The evaluation's programs
+    its finite flag, one step late, once the next step is dispatched. Between actions the state
+    stays a list of its leaves, what the step takes and returns. The evaluation's programs
     compile on a thread of their own while the first steps run (:mod:`.background_compile`);
     matplotlib is imported on another, where the plots are drawn while the last checkpoint is
     written."""
@@ -237,7 +240,7 @@ def train(run: StartedRun, *, progress: bool, log) -> dict[str, float]:
     resumed_step = run.step if run.resumed else None
     finite = FiniteCheck(cfg.train.skip_nonfinite, run.checkpointer, resumed_step, log)
     task = task_of(cfg.model)
-    state, last, spent = run.state, {}, run.spent
+    (leaves, treedef), last, spent = jax.tree.flatten(run.state), {}, run.spent
     compiling = BackgroundCompile(spent)
     evaluate = Evaluate(
         cfg, data, task, run.eval_step, run.built.eval_graphdef, run.place, console, compiling
@@ -266,8 +269,9 @@ def train(run: StartedRun, *, progress: bool, log) -> dict[str, float]:
         spent.loop_begins()
         while step < total:
             started = time.perf_counter()
-            state, metrics = run.train_step(state, batch)
+            leaves, metrics = run.train_step(leaves, batch)
             if step == run.step:  # what the first evaluation and the end need, meanwhile
+                state = treedef.unflatten(leaves)
                 compiling.start(_evaluation_compiler(evaluate, state, run.mesh, cfg.mesh.rules))
                 if main:
                     plotter.submit(figure_pyplot)
@@ -280,10 +284,11 @@ def train(run: StartedRun, *, progress: bool, log) -> dict[str, float]:
                 spent.add("data", time.perf_counter() - taken)
             finite.later(step, metrics)
             signum = agree(stop.signum)
-            end = StepEnd(step, state, metrics, data_state, step == total or signum is not None)
-            due = [action for action in actions if action.due(end)]
+            final = step == total or signum is not None
+            due = [action for action in actions if action.due(StepEnd(step, None, {}, {}, final))]
             if throughput.started is not None and not due:
                 continue
+            end = StepEnd(step, treedef.unflatten(leaves), metrics, data_state, final)
             finite.now()  # a checkpoint is written only after its step's flag is read
             if throughput.started is None:
                 throughput.compiled(step, started)

@@ -78,9 +78,10 @@ def make_train_state(cfg: TrainConfig, tx) -> tuple[nnx.Module, nnx.Optimizer]:
     return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
-def configured_train_step(cfg: TrainConfig, graphdef, shardings):
+def configured_train_step(cfg: TrainConfig, graphdef, shardings, state_treedef=None):
     """The jitted train step of ``cfg`` (its task, loss settings and microbatches) for the
-    state of ``graphdef`` laid out by ``shardings``."""
+    state of ``graphdef`` laid out by ``shardings``; given ``state_treedef``, over the state's
+    leaves (:func:`~.step.make_train_step`)."""
     return make_train_step(
         graphdef,
         task=task_of(cfg.model),
@@ -89,6 +90,7 @@ def configured_train_step(cfg: TrainConfig, graphdef, shardings):
         loss_chunk=cfg.train.loss_chunk,
         grad_accum_steps=cfg.train.grad_accum_steps,
         state_shardings=shardings,
+        state_treedef=state_treedef,
     )
 
 

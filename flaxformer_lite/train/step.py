@@ -87,16 +87,25 @@ def make_train_step(
     loss_chunk: int | None = None,
     grad_accum_steps: int = 1,
     state_shardings=None,
+    state_treedef=None,
 ):
     """``step(state, batch) -> (state, metrics)``: :func:`train_step` jitted, ``state`` donated.
 
     ``state_shardings`` (:func:`flaxformer_lite.parallel.state_shardings`) keeps the new state in
     the layout of the old one and returns the metrics replicated. Traced under
     ``jax.set_mesh`` and ``nnx.logical_axis_rules``, the layers pin their activations' layout.
+
+    With ``state_treedef`` (the state's ``jax.tree.structure``) the step takes and returns the
+    state's leaves, a list, in its place: the same program. ``jax.jit`` flattens its arguments
+    and unflattens its results at every call, and an nnx state does both through a Python call
+    per ``Variable``, host time that a training loop pays every step; a list of arrays costs
+    none of it.
     """
     out_shardings = None
     if state_shardings is not None:
         mesh = jax.tree.leaves(state_shardings)[0].mesh
+        if state_treedef is not None:
+            state_shardings = jax.tree.leaves(state_shardings)
         out_shardings = (state_shardings, NamedSharding(mesh, PartitionSpec()))
     step = functools.partial(
         train_step,
@@ -109,7 +118,19 @@ def make_train_step(
     )
     if grad_accum_steps < 1:
         raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
+    if state_treedef is not None:
+        step = _on_leaves(step, state_treedef)
     return jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
+
+
+def _on_leaves(step, state_treedef):
+    """``step(state, batch) -> (state, metrics)`` as a function of the state's leaves."""
+
+    def step_on_leaves(leaves: list, batch: dict):
+        state, metrics = step(state_treedef.unflatten(leaves), batch)
+        return jax.tree.leaves(state), metrics
+
+    return step_on_leaves
 
 
 def train_step(
