@@ -135,7 +135,8 @@ class LogTrain:
     part = None  # reading the step's metrics waits for it: the steps' time
 
     def __init__(self, interval: int, total: int, schedule, throughput: Throughput, console):
-        self.interval, self.total, self.schedule = interval, total, schedule
+        # One program: evaluated op by op, an optax schedule compiles a program per operation.
+        self.interval, self.total, self.schedule = interval, total, jax.jit(schedule)
         self.throughput, self.console = throughput, console
 
     def due(self, end: StepEnd) -> bool:
