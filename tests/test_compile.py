@@ -242,6 +242,43 @@ def test_a_loop_bound_is_read_from_either_side_of_its_condition():
     assert collective_counts(unknown, num_devices=4)["all-gather"]["exact"] is False
 
 
+# The TPU's async chain: one all-gather (one channel) copied into its start fusion, a
+# continuation that overlaps it with a matmul, and its done fusion.
+CHAIN = """\
+%start (p0: bf16[4,64]) -> (bf16[4,64], bf16[32,64], u32[]) {
+  %p0 = bf16[4,64]{1,0} parameter(0)
+  %ag.1 = bf16[32,64]{1,0} all-gather(%p0), channel_id=30, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, frontend_attributes={chain_id="2"}
+  ROOT %cc.1 = (bf16[4,64]{1,0}, bf16[32,64]{1,0}, u32[]) custom-call(%ag.1), custom_call_target="AsyncCollectiveStart"
+}
+
+%async_collective_fusion.1 (p0: bf16[4,64], p1: bf16[32,64], p2: f32[8,8]) -> (f32[8,8], bf16[32,64]) {
+  %p0 = bf16[4,64]{1,0} parameter(0)
+  %ag.2 = bf16[32,64]{1,0} all-gather(%p0), channel_id=30, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, frontend_attributes={chain_id="2"}
+  %mm = f32[8,8]{1,0} convolution(%p2, %p2), dim_labels=bf_io->bf
+  ROOT %t = (f32[8,8]{1,0}, bf16[32,64]{1,0}) tuple(%mm, %ag.2)
+}
+
+%done (p0: bf16[4,64], p1: bf16[32,64]) -> bf16[32,64] {
+  %p0 = bf16[4,64]{1,0} parameter(0)
+  %ag.3 = bf16[32,64]{1,0} all-gather(%p0), channel_id=30, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, frontend_attributes={chain_id="2"}
+  ROOT %cc.3 = bf16[32,64]{1,0} custom-call(%p0, %p1, %ag.3), custom_call_target="AsyncCollectiveDone"
+}
+
+ENTRY %main (k: bf16[4,64], w: f32[8,8]) -> bf16[32,64] {
+  %s = (bf16[4,64]{1,0}, bf16[32,64]{1,0}, u32[]) fusion(%k), kind=kCustom, calls=%start
+  %c = (f32[8,8]{1,0}, bf16[32,64]{1,0}) fusion(%k, %g, %w), kind=kCustom, calls=%async_collective_fusion.1
+  ROOT %d = bf16[32,64]{1,0} fusion(%k, %g), kind=kCustom, calls=%done
+}
+"""  # noqa: E501 - HLO lines as XLA writes them
+
+
+def test_an_async_chain_of_fusions_counts_its_collective_once():
+    gathered = collective_counts(CHAIN, num_devices=8)["all-gather"]
+    assert gathered == dict(
+        instructions=1, operands=1, executed=1, exact=True, bytes=7 / 8 * 32 * 64 * 2
+    )
+
+
 def _run(argv, capsys):
     status = main(["compile", *argv])
     out, err = capsys.readouterr()

@@ -4,9 +4,12 @@
     counts["all-gather"]   # {"instructions": 12, "operands": 12, "executed": 48,
                            #  "exact": True, "bytes": 25165824}
 
-An async ``*-start``/``*-done`` pair counts once (as its start). A collective inside a loop body
-is one instruction; ``executed`` multiplies it by the loops' known trip counts (a conditional's
-branches count once each; ``exact`` is False where a loop without a known trip count holds one).
+An async ``*-start``/``*-done`` pair counts once (as its start). The TPU compiler also runs a
+collective as a chain of fusions (``AsyncCollectiveStart``, continuations that overlap it with
+other work, ``AsyncCollectiveDone``), each holding a copy of it: it counts once, in the start's
+fusion. A collective inside a loop body is one instruction; ``executed`` multiplies it by the
+loops' known trip counts (a conditional's branches count once each; ``exact`` is False where a
+loop without a known trip count holds one).
 The TPU compiler writes a reduce-scatter as a fusion ``all-reduce-scatter`` (an all-reduce and a
 slice): it counts as a reduce-scatter. ``bytes`` is what one device sends per step, as a
 bidirectional ring moves it: ``(n - 1) / n`` of the whole array for an all-gather,
@@ -46,6 +49,9 @@ _MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 _BITS = {"pred": 8, "bf16": 16}
 # TPU: a fusion of an all-reduce and a dynamic slice that is the program's reduce-scatter.
 _REDUCE_SCATTER_FUSION = "all-reduce-scatter"
+# TPU: the collectives of an async chain carry its id; the chain's first fusion ends in its start.
+_CHAINED = re.compile(r"\bchain_id=")
+_CHAIN_START = 'custom_call_target="AsyncCollectiveStart"'
 
 
 def collective_counts(hlo_text: str, num_devices: int = 1) -> dict[str, dict]:
@@ -53,7 +59,8 @@ def collective_counts(hlo_text: str, num_devices: int = 1) -> dict[str, dict]:
     they carry, ``executed`` per run of the entry computation, ``exact`` (see the module
     docstring) and ``bytes`` one device sends per run. ``num_devices`` is the group size of a
     collective whose ``replica_groups`` are empty (all devices)."""
-    found = []  # (computation, opcode, operands, bytes sent per execution)
+    found = []  # (computation, opcode, operands, bytes sent per execution, in a chain)
+    chain_starts = set()  # the computations that start an async chain
     callers: dict[str, list[tuple[str, int | str]]] = {}  # a trip count, or the condition's name
     constants: dict[str, int] = {}
     bounds: dict[str, int] = {}  # loop condition -> trip count
@@ -65,6 +72,8 @@ def collective_counts(hlo_text: str, num_devices: int = 1) -> dict[str, dict]:
             if line.startswith("ENTRY"):
                 entry = computation
             continue
+        if _CHAIN_START in line:
+            chain_starts.add(computation)
         if constant := _CONSTANT.match(line):
             constants[constant.group(1)] = int(constant.group(2))
         if bound := _BOUND.match(line):  # `i < N`, or `N > i`
@@ -90,7 +99,8 @@ def collective_counts(hlo_text: str, num_devices: int = 1) -> dict[str, dict]:
             array_bytes = None
         if array_bytes is not None:
             operands = _operand_count(line, match.end())
-            found.append((computation, base, operands, _sent_bytes(base, array_bytes, group)))
+            sent = _sent_bytes(base, array_bytes, group)
+            found.append((computation, base, operands, sent, bool(_CHAINED.search(line))))
         trip, condition = _TRIP_COUNT.search(line), _CONDITION.search(line)
         for kind, value in _CALLED.findall(line):
             factor = 1
@@ -115,7 +125,9 @@ def collective_counts(hlo_text: str, num_devices: int = 1) -> dict[str, dict]:
     counts = {
         op: dict(instructions=0, operands=0, executed=0, exact=True, bytes=0) for op in COLLECTIVES
     }
-    for name, op, operands, sent in found:
+    for name, op, operands, sent, chained in found:
+        if chained and name not in chain_starts:
+            continue  # a continuation or the end of a chain counted at its start
         count, exact = runs(name)
         counts[op]["instructions"] += 1
         counts[op]["operands"] += operands
