@@ -4,6 +4,7 @@ it gives when it compiles them itself; ``compile_only`` compiles a decoding for 
 shapes, and the call on the model's arrays finds it compiled."""
 
 import json
+import logging
 import threading
 import time
 
@@ -83,7 +84,7 @@ def test_the_evaluation_compiles_beside_the_first_steps_and_scores_the_same(tmp_
     assert beside == _evaluations(tmp_path / "in_turn")
 
 
-def test_the_wait_for_the_thread_is_compilation_and_its_errors_are_left_to_the_caller():
+def test_the_wait_is_compilation_and_a_failed_compile_is_warned_and_left_to_the_caller(caplog):
     spent = TimeSpent()
     compiling = BackgroundCompile(spent)
     compiling.wait()  # not started: nothing to wait for
@@ -91,8 +92,10 @@ def test_the_wait_for_the_thread_is_compilation_and_its_errors_are_left_to_the_c
     compiling.wait()
     assert spent.parts()["compilation"] == pytest.approx(0.2, abs=0.1)
     failing = BackgroundCompile(spent)
-    failing.start(lambda: 1 / 0)  # the program is compiled again where it is called
-    failing.close()
+    with caplog.at_level(logging.WARNING, logger="flaxformer_lite.train.background_compile"):
+        failing.start(lambda: 1 / 0)  # the program is compiled again where it is called
+        failing.close()
+    assert "did not compile in the background (ZeroDivisionError" in caplog.text
 
 
 def test_compile_only_compiles_a_shaped_model_s_decoding_and_the_call_finds_it():

@@ -12,11 +12,13 @@ is called, and fails there if it fails.
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import threading
 from collections.abc import Callable
 
 from flaxformer_lite.train.time_spent import TimeSpent
+
+logger = logging.getLogger(__name__)
 
 
 class BackgroundCompile:
@@ -48,6 +50,14 @@ class BackgroundCompile:
 
 
 def _quietly(compile_programs: Callable[[], None]) -> None:
-    # The evaluation compiles what failed here, where it is called, and raises there if it fails.
-    with contextlib.suppress(Exception):
+    # The evaluation compiles what failed here, where it is called, and raises there if it fails;
+    # a warning says the thread failed, so that a broken compile path does not go unseen.
+    try:
         compile_programs()
+    except Exception as error:
+        logger.warning(
+            "the evaluation's programs did not compile in the background (%s: %s); the "
+            "evaluation compiles them itself",
+            type(error).__name__,
+            error,
+        )
