@@ -135,11 +135,11 @@ def compile_only():
     caches, and return zeros of its result's shape instead of running it: a caller's whole
     decoding path runs through, on a model whose state may be ``jax.ShapeDtypeStruct``s, and a
     later call with inputs like these runs without compiling."""
-    _compiling.on = True
+    outer, _compiling.on = getattr(_compiling, "on", False), True
     try:
         yield
     finally:
-        _compiling.on = False
+        _compiling.on = outer
 
 
 def run_program(program, *args, **static):
