@@ -7,7 +7,8 @@ The parts add up to the wall time by construction. Compilation is JAX's own acco
 tracing, lowering and compiling (or reading back from the cache) on the run's own thread (the
 first step, a program the background compile had not ready), and the time that thread waits for
 the background compile (:mod:`.background_compile`); compiling on other threads while the steps
-run costs the run no time of its own, so it is not counted. Data, evaluations, checkpoints and
+run is not counted, since the run does not wait for it: where it takes the cores from the steps,
+it shows in the steps' time. Data, evaluations, checkpoints and
 plots are the spans the loop times, less the compilation inside them (the plots, drawn while the
 last checkpoint is written, count what the run waits for them past it); start-up and steps are
 what remains before the loop begins and after (steps: dispatching them and waiting for the
