@@ -171,13 +171,16 @@ def test_a_checkpoint_holds_the_data_state_of_its_own_step(tmp_path, recorded):
         assert checkpoint_data_state(run_dir, step) == recorded.states[step - 1], step
 
 
-def test_the_data_prefetch_thread_ends_with_the_run(tmp_path):
-    def prefetching():
-        return [t for t in threading.enumerate() if t.name == "flaxformer-lite-prefetch"]
+def _run_threads():
+    """The threads a run starts: the data's prefetch, the background compile, the plots'."""
+    names = ("flaxformer-lite-prefetch", "background-compile", "plots")
+    return [t for t in threading.enumerate() if t.name.startswith(names)]
 
-    before = prefetching()
+
+def test_the_run_s_threads_end_with_the_run(tmp_path):
+    before = _run_threads()
     run(config(tmp_path / "run", "train.steps=2"), progress=False, log=quiet)
-    assert prefetching() == before
+    assert _run_threads() == before
 
 
 def test_a_step_found_non_finite_one_step_late_is_never_checkpointed(tmp_path, recorded):
@@ -187,8 +190,10 @@ def test_a_step_found_non_finite_one_step_late_is_never_checkpointed(tmp_path, r
     recorded.nonfinite = {5}
     due = ["checkpoint.every=2", "train.log_every=100", "train.eval_every=100"]
     cfg = config(run_dir, "train.steps=10", *due)
+    threads = _run_threads()
     with pytest.raises(TrainingError, match="^step 5: .*last good checkpoint: step 4$"):
         run(cfg, progress=False, log=quiet)
+    assert _run_threads() == threads  # a run that fails leaves none of its threads behind
     assert first(recorded.events, ("dispatch", 6)) < first(recorded.events, ("read", 5, "finite"))
     with Checkpointer(run_dir / "checkpoints", keep=10) as checkpointer:
         assert checkpointer.all_steps() == [2, 4]
