@@ -25,6 +25,7 @@ import time
 REPO = pathlib.Path(__file__).resolve().parents[1]
 FIRST_STEP = "compiled the train step"
 COMPILATION = re.compile(r"compilation ([\d.]+) s")
+TARGET = 0.4  # the second run's first step as a share of the first's
 
 
 def parser() -> argparse.ArgumentParser:
@@ -49,6 +50,9 @@ def timed_run(overrides: list[str], environ: dict[str, str]) -> dict[str, float]
             times["compilation"] = float(COMPILATION.search(line)[1])
     if child.wait() != 0:
         raise RuntimeError(f"{' '.join(command)} exited {child.returncode}")
+    missing = {"first_step": FIRST_STEP, "compilation": "done: ..."}.keys() - times.keys()
+    if missing:
+        raise RuntimeError(f"{' '.join(command)} printed no {sorted(missing)} line")
     return times | {"exit": time.perf_counter() - started}
 
 
@@ -63,11 +67,18 @@ def table(first: dict[str, float], second: dict[str, float], load: float) -> str
         f"({second['first_step'] / first['first_step']:.0%}) | {second['exit']:.1f} s "
         f"({second['exit'] / first['exit']:.0%}) | {second['compilation']:.1f} s |",
     ]
-    return "\n".join(rows) + f"\n\nload average (1 min) before the runs: {load:.1f}"
+    share = second["first_step"] / first["first_step"]
+    verdict = "PASS" if share <= TARGET else "FAIL"
+    return "\n".join(rows) + (
+        f"\n\n{verdict}: the second run's first step at {share:.0%} of the first's (target: at "
+        f"most {TARGET:.0%}); load average (1 min) before the runs: {load:.1f}"
+    )
 
 
 def main(argv: list[str] | None = None) -> str:
     args = parser().parse_args(argv)
+    if args.steps < 1:
+        parser().error(f"--steps must be at least 1, got {args.steps}")
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="first-step-") as scratch:
         environ = os.environ | {"XDG_CACHE_HOME": str(pathlib.Path(scratch) / "cache")}

@@ -15,7 +15,19 @@ def test_the_table_gives_the_second_run_as_a_share_of_the_first():
     second = {"first_step": 3.0, "exit": 12.0, "compilation": 1.0}
     text = benchmark.table(first, second, load=1.5)
     assert "| second, the cache warm | 3.0 s (30%) | 12.0 s (60%) | 1.0 s |" in text
-    assert text.endswith("load average (1 min) before the runs: 1.5")
+    assert text.endswith(
+        "PASS: the second run's first step at 30% of the first's (target: at most 40%); "
+        "load average (1 min) before the runs: 1.5"
+    )
+    slow = benchmark.table(first, second | {"first_step": 4.5}, load=1.5)
+    assert "FAIL: the second run's first step at 45%" in slow
+
+
+def test_a_run_length_below_one_step_is_refused(capsys):
+    with pytest.raises(SystemExit) as exited:
+        load_benchmark("first_step").main(["--steps", "0"])
+    assert exited.value.code == 2
+    assert "--steps must be at least 1, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.slow
