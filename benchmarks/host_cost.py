@@ -96,7 +96,7 @@ def run(args) -> dict:
 def table(summary: dict) -> list[str]:
     lines = [
         "| size | tokens/step | loop µs/step | step alone µs/step | host µs/step "
-        "| loop thread CPU µs/step | loop / step |",
+        "| loop thread CPU µs/step | loop tokens/s / step alone tokens/s (median of pairs) |",
         "|---|---|---|---|---|---|---|",
     ]
     for m in summary["sizes"].values():
