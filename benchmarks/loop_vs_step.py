@@ -116,9 +116,9 @@ class LoopRun:
         cpu_at_calls: list[float] = []
         configured_train_step = loop.configured_train_step
 
-        def recording_train_step(*args, **kwargs):
-            step = configured_train_step(*args, **kwargs)
-            last["step"] = step
+        def recording_train_step(cfg, graphdef, shardings, state_treedef):
+            step = configured_train_step(cfg, graphdef, shardings, state_treedef)
+            last.update(step=step, treedef=state_treedef)
 
             def recorded(state, batch):
                 cpu_at_calls.append(time.thread_time())
@@ -131,6 +131,7 @@ class LoopRun:
         with mock.patch.object(loop, "configured_train_step", recording_train_step):
             self.tokens_per_sec = logged_tokens_per_sec(cfg)
         self.step, self.state, self.batch = last["step"], last["state"], last["batch"]
+        self.treedef = last["treedef"]  # the loop's step takes and returns the state's leaves
         # The median between consecutive calls: the steps that logged, evaluated or saved are
         # the few slow ones; the first call compiled.
         between_calls = [b - a for a, b in zip(cpu_at_calls[1:], cpu_at_calls[2:], strict=False)]
