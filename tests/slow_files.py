@@ -10,9 +10,7 @@ that gets much faster or slower moves.
 """
 
 SLOWEST_FILES = (
-    "test_train_e2e.py",
     "test_context_parallel.py",
-    "test_parallel_training.py",
     "test_faults.py",
     "test_sweep.py",
     "test_multiprocess_faults.py",
