@@ -45,7 +45,6 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 from quick_tier import QUICK_FILES  # noqa: E402
 from shared_dirs import shared_across_workers  # noqa: E402
-from slow_files import SLOWEST_FILES  # noqa: E402
 from tiny_runs import SHARED_RUNS  # noqa: E402
 
 from flaxformer_lite.train import host_memory  # noqa: E402
@@ -68,14 +67,10 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Marks the quick tier: the tests of :data:`quick_tier.QUICK_FILES` not marked slow; and
-    puts the files of :data:`slow_files.SLOWEST_FILES` first, in that order, each file's tests
-    together and in their own order, so that xdist's workers start on them."""
+    """Marks the quick tier: the tests of :data:`quick_tier.QUICK_FILES` not marked slow."""
     for item in items:
         if item.path.name in QUICK_FILES and item.get_closest_marker("slow") is None:
             item.add_marker(pytest.mark.quick)
-    rank = {name: place for place, name in enumerate(SLOWEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 def pytest_unconfigure(config):

@@ -1,17 +1,13 @@
 """The quick tier (``pytest -m quick``, :mod:`quick_tier`): its files exist, it reaches every
-module of the package, and README says how to run it. The whole suite's order
-(:mod:`slow_files`): the slowest files first, each file's tests together."""
+module of the package, and README says how to run it."""
 
 import ast
 import json
 import pathlib
 import subprocess
 import sys
-import types
 
-import conftest
 from quick_tier import QUICK_FILES
-from slow_files import SLOWEST_FILES
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
@@ -72,19 +68,3 @@ def test_every_package_has_a_quick_file_of_its_own():
 def test_the_readme_says_how_to_run_the_quick_tier():
     readme = (REPO / "README.md").read_text()
     assert "\n.venv/bin/python -m pytest -n 2 -m quick\n" in readme
-
-
-def test_the_slowest_files_exist_and_are_collected_first():
-    missing = sorted(name for name in SLOWEST_FILES if not (TESTS / name).is_file())
-    assert not missing, f"tests/slow_files.py names files that are gone: {missing}"
-    assert len(set(SLOWEST_FILES)) == len(SLOWEST_FILES)
-
-    def item(name, test):
-        return types.SimpleNamespace(path=TESTS / name, test=test, get_closest_marker=lambda _: 0)
-
-    first, second = SLOWEST_FILES[:2]
-    collected = [("test_a.py", 1), ("test_a.py", 2), (second, 1), (second, 2), (first, 1)]
-    items = [item(*test) for test in collected]
-    conftest.pytest_collection_modifyitems(None, items)
-    order = [(i.path.name, i.test) for i in items]
-    assert order == [(first, 1), (second, 1), (second, 2), ("test_a.py", 1), ("test_a.py", 2)]
