@@ -4,8 +4,8 @@ alone, at three sizes, in one process (``loop_vs_step.py``, as ``data.py`` and `
 
 - ``noop``: a step that does almost nothing on the device (width 8, one layer of one head, 8 rows
   of 16 tokens of the embedded default's data): the loop's wall time per step is then the
-  host's work between steps (dispatching the step, taking and placing the next batch, the data
-  state, reading the metrics) wherever it is not hidden behind the step;
+  host's work between steps (dispatching the step, taking the next batch, the data state,
+  reading the metrics) wherever it is not hidden behind the step;
 - ``default``: the embedded default (``train.py`` with no overrides);
 - ``recipe``: nanoGPT's Tiny Shakespeare recipe (``configs/shakespeare_char.yaml``, the settings
   ``shakespeare_char.py`` trains).
@@ -17,7 +17,8 @@ and after it (:func:`loop_vs_step.train_py_against_step`). Per step: the loop's 
 host's microseconds, their difference; the share is the median of the runs' paired shares.
 Wall times on a shared machine move with its load, so each run also counts the loop thread's
 CPU time from one step's call to the next (the median over the run's steps): the host's own
-work per step, whatever the load (the data's prefetch thread makes the batches apart from it).
+work per step, whatever the load (the data's prefetch thread makes and places the batches
+apart from it).
 Target: the loop at least 97% of its step alone at the default's and at the recipe's size. The
 last line is one JSON object.
 """

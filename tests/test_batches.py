@@ -263,5 +263,25 @@ def test_a_slow_consumer_never_waits_for_a_faster_pipeline():
     iterator.close()
 
 
+@pytest.mark.parametrize("prefetch", [0, 3])
+def test_placed_batches_are_placed_where_they_are_made_and_counted_as_before(prefetch):
+    placed_on = []
+
+    def place(batch):
+        placed_on.append(threading.current_thread().name)
+        return {"placed": batch["step"]}
+
+    iterator = TrainIterator(lambda step: {"step": step}, {}, prefetch=prefetch)
+    assert next(iterator) == {"step": 0}
+    iterator.place_with(place)  # batches made ahead unplaced are made again, placed
+    assert [next(iterator) for _ in range(3)] == [{"placed": s} for s in (1, 2, 3)]
+    assert iterator.get_state()["step"] == 4
+    iterator.set_state({"pipeline": {}, "step": 0})
+    assert next(iterator) == {"placed": 0}
+    iterator.close()
+    made_by = "flaxformer-lite-prefetch" if prefetch else threading.current_thread().name
+    assert set(placed_on) == {made_by}
+
+
 def test_layout_local_size():
     assert dataclasses.replace(layout(), process_count=4).local_size == 2

@@ -76,6 +76,9 @@ class _Iterator:
     def set_state(self, state):
         self._inner.set_state(state)
 
+    def place_with(self, place):
+        self._inner.place_with(place)
+
     def close(self):
         self._inner.close()
 
@@ -93,11 +96,18 @@ class _Data:
 def recorded(monkeypatch):
     """Runs the loop with the steps and batches recorded: ``events`` (``("next",)``,
     ``("dispatch", s)``, ``("read", s, key)`` in order), ``states`` (the iterator state after
-    each batch; index 0 is the state of the first batch of the run), and ``nonfinite`` (steps
+    each batch; index 0 is the state of the first batch of the run), ``placed_on``
+    (the thread of each batch put on the devices), and ``nonfinite`` (steps
     whose ``finite`` flag the fake reports False, the real update having happened)."""
     record = type("Record", (), {})()
     record.events, record.states, record.nonfinite, record.signal_at = [], [], set(), None
+    record.placed_on = []
     run_data, make_train_step = loop.run_data, loop.configured_train_step
+    put_batch = loop.parallel.put_batch
+
+    def recording_put_batch(*args, **kwargs):
+        record.placed_on.append(threading.current_thread().name)
+        return put_batch(*args, **kwargs)
 
     def recording_data(*args, **kwargs):
         return _Data(run_data(*args, **kwargs), record.events, record.states)
@@ -120,6 +130,7 @@ def recorded(monkeypatch):
 
         return step
 
+    monkeypatch.setattr(loop.parallel, "put_batch", recording_put_batch)
     monkeypatch.setattr(loop, "run_data", recording_data)
     monkeypatch.setattr(loop, "configured_train_step", recording_step)
     record.start = 0
@@ -152,6 +163,8 @@ def test_the_next_batch_is_placed_before_a_step_is_read_and_flags_are_read_one_s
         else:  # read once the next step is dispatched
             assert first(events, ("dispatch", step + 1)) < read
     assert {e[2] for e in events if e[0] == "read" and e[1] not in due} == {"finite"}
+    # Every training batch is placed by the data's prefetch thread (the evaluation's elsewhere).
+    assert recorded.placed_on.count("flaxformer-lite-prefetch") >= 8
 
 
 def checkpoint_data_state(run_dir, step):

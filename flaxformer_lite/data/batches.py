@@ -198,12 +198,14 @@ class TrainIterator:
     made ahead in a background thread (a bounded queue, so ``next()`` does not wait while
     ``make`` keeps up). The state counts the batches handed out, not those made, and an error
     raised while making a batch is raised by the ``next()`` that would have returned it.
-    :meth:`close` stops the thread.
+    :meth:`close` stops the thread. :meth:`place_with` has the batches placed (on the devices)
+    where they are made.
     """
 
     def __init__(self, make, pipeline: dict[str, Any], prefetch: int = 4):
         self._worker: _Prefetch | None = None
         self._make, self._prefetch = make, prefetch
+        self._place = None
         self._pipeline = json.loads(json.dumps(pipeline))  # a copy, and proof it serializes
         self._step = 0
         self._closed = False
@@ -215,10 +217,10 @@ class TrainIterator:
         if self._closed:
             raise ValueError("the data iterator was closed")
         if not self._prefetch:
-            batch = self._make(self._step)
+            batch = self._made(self._step)
         else:
             if self._worker is None:
-                self._worker = _Prefetch(self._make, self._step, self._prefetch)
+                self._worker = _Prefetch(self._made, self._step, self._prefetch)
             try:
                 batch = self._worker.get()
             except BaseException:  # the worker's error, or an interrupt while waiting
@@ -226,6 +228,17 @@ class TrainIterator:
                 raise
         self._step += 1
         return batch
+
+    def place_with(self, place) -> None:
+        """From the next batch on, hands out ``place(batch)`` (e.g. a batch's arrays on the
+        devices) instead of ``batch``; made ahead like the batch, so a training loop does not
+        wait for the transfer between its steps."""
+        self._stop()  # batches made ahead unplaced are made again
+        self._place = place
+
+    def _made(self, step: int):
+        batch = self._make(step)
+        return batch if self._place is None else self._place(batch)
 
     def get_state(self) -> dict[str, Any]:
         return {"pipeline": dict(self._pipeline), "step": self._step}

@@ -221,9 +221,10 @@ def start(
 def train(run: StartedRun, *, progress: bool, log) -> dict[str, float]:
     """Steps ``run`` to ``train.steps``; returns the metrics logged last.
 
-    The host runs one step ahead of the devices: it dispatches step s, takes and places batch
-    s + 1 while s runs, and reads a step's results only when an action is due at it, or, for
-    its finite flag, one step late, once the next step is dispatched. Between actions the state
+    The host runs one step ahead of the devices: it dispatches step s, takes batch s + 1 (made
+    and placed on the devices by the data's prefetch thread) while s runs, and reads a step's
+    results only when an action is due at it, or, for its finite flag, one step late, once the
+    next step is dispatched. Between actions the state
     stays a list of its leaves, what the step takes and returns. The evaluation's programs
     compile on a thread of their own while the first steps run (:mod:`.background_compile`);
     matplotlib is imported on another, where the plots are drawn while the last checkpoint is
@@ -253,8 +254,9 @@ def train(run: StartedRun, *, progress: bool, log) -> dict[str, float]:
     for notice in (warmup_notice(cfg.optimizer, total), *data.notices):
         if notice:
             log(notice)
+    data.train.place_with(run.place)  # in the prefetch thread, beside the steps
     with spent.part("data"):
-        batch = run.place(next(data.train)) if step < total else None
+        batch = next(data.train) if step < total else None
     agree = SignalAgreement()
     plotter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="plots")
     # The steps are traced under the mesh and rules: the layers pin their activations' layout.
@@ -280,7 +282,7 @@ def train(run: StartedRun, *, progress: bool, log) -> dict[str, float]:
             data_state = data.train.get_state()  # what a checkpoint at this step saves
             if step < total:
                 taken = time.perf_counter()
-                batch = run.place(next(data.train))
+                batch = next(data.train)
                 spent.add("data", time.perf_counter() - taken)
             finite.later(step, metrics)
             signum = agree(stop.signum)
