@@ -1,8 +1,8 @@
-"""What the training loop does at the steps it is due, each an action with ``due(end)`` and
-``__call__(end)`` over the :class:`StepEnd` of a finished step: log the training metrics
-(:class:`LogTrain`), evaluate (:class:`Evaluate`), save a checkpoint (:class:`SaveCheckpoint`).
-:class:`FiniteCheck` reads each step's finite flag, and :class:`Throughput` times the steps in
-between.
+"""What the training loop does at the steps it is due, each an action with ``due(step, final)``
+(whether it is due after ``step``; ``final``: the run's last) and ``__call__(end)`` over that
+step's :class:`StepEnd`: log the training metrics (:class:`LogTrain`), evaluate
+(:class:`Evaluate`), save a checkpoint (:class:`SaveCheckpoint`). :class:`FiniteCheck` reads
+each step's finite flag, and :class:`Throughput` times the steps in between.
 """
 
 from __future__ import annotations
@@ -139,8 +139,8 @@ class LogTrain:
         self.interval, self.total, self.schedule = interval, total, jax.jit(schedule)
         self.throughput, self.console = throughput, console
 
-    def due(self, end: StepEnd) -> bool:
-        return every(self.interval, self.total, end.step)
+    def due(self, step: int, final: bool) -> bool:
+        return every(self.interval, self.total, step)
 
     def __call__(self, end: StepEnd) -> None:
         values = {k: float(end.metrics[k]) for k in ("loss", "accuracy", "grad_norm")}
@@ -174,8 +174,8 @@ class Evaluate:
         self.eval_graphdef, self.place, self.console = eval_graphdef, place, console
         self.compiled = compiled
 
-    def due(self, end: StepEnd) -> bool:
-        return every(self.cfg.train.eval_every, self.cfg.train.steps, end.step)
+    def due(self, step: int, final: bool) -> bool:
+        return every(self.cfg.train.eval_every, self.cfg.train.steps, step)
 
     def compile(self, state) -> None:
         """Compiles, without running them, the programs an evaluation of a train state shaped
@@ -239,8 +239,8 @@ class SaveCheckpoint:
     def __init__(self, checkpointer: Checkpointer, cfg):
         self.checkpointer, self.cfg = checkpointer, cfg
 
-    def due(self, end: StepEnd) -> bool:
-        return end.final or end.step % self.cfg.checkpoint.every == 0
+    def due(self, step: int, final: bool) -> bool:
+        return final or step % self.cfg.checkpoint.every == 0
 
     def __call__(self, end: StepEnd) -> None:
         eval_loss = end.values.get("eval_loss")

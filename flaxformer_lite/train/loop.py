@@ -287,7 +287,7 @@ def train(run: StartedRun, *, progress: bool, log) -> dict[str, float]:
             finite.later(step, metrics)
             signum = agree(stop.signum)
             final = step == total or signum is not None
-            due = [action for action in actions if action.due(StepEnd(step, None, {}, {}, final))]
+            due = [action for action in actions if action.due(step, final)]
             if throughput.started is not None and not due:
                 continue
             end = StepEnd(step, treedef.unflatten(leaves), metrics, data_state, final)

@@ -338,8 +338,7 @@ def _step_group(lanes: list[_Lane], directory, record, diverged: dict, *, vmap: 
             pending = (step, active)
             signum = agree(stop.signum)
             final = step == total or signum is not None
-            probe = StepEnd(step, None, {}, {}, final)
-            if not any(action.due(probe) for lane in lanes for action in lane.actions):
+            if not any(action.due(step, final) for lane in lanes for action in lane.actions):
                 continue
             _note_divergence(lanes, alive, *pending, directory, record, diverged, log)
             pending = None
@@ -349,7 +348,7 @@ def _step_group(lanes: list[_Lane], directory, record, diverged: dict, *, vmap: 
                     member = program.member(stacked, index, lane.run)
                     metrics_of = program.member_metrics(metrics, index)
                     end = StepEnd(step, member, metrics_of, data_states[index], final)
-                    due = [action for action in lane.actions if action.due(end)]
+                    due = [action for action in lane.actions if action.due(step, final)]
                     with tracing_layout(lane.run.mesh, cfg.mesh.rules):
                         run_actions(due, end, lane.run.checkpointer)
                     if end.values:
