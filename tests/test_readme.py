@@ -32,6 +32,7 @@ from flaxformer_lite.cli.export import export_parser
 from flaxformer_lite.cli.prepare import prepare_parser
 from flaxformer_lite.cli.sweep import sweep_parser
 from flaxformer_lite.cli.train import add_train_arguments
+from flaxformer_lite.models import pieces
 from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.recipes import recipe_path
 from flaxformer_lite.train.sweep_members import parse_vary, sweep_members
@@ -245,10 +246,30 @@ def _prints(stated: str, *values) -> None:
     assert re.fullmatch(pattern, printed), f"printed {printed!r}; the comment says {stated!r}"
 
 
+@pytest.fixture
+def registries_restored():
+    """The library's registries of pieces as they were before the test: a block's
+    ``register_mixer("talking_heads", ...)`` would otherwise replace test_pieces.py's piece of
+    that name for the rest of the process."""
+    registries = (
+        pieces.ATTENTION,
+        pieces.MIXERS,
+        pieces.POSITION_BIASES,
+        pieces.NORMS,
+        pieces.FEED_FORWARDS,
+    )
+    saved = [(registry.entries, dict(registry.entries)) for registry in registries]
+    yield
+    for entries, before in saved:
+        entries.clear()
+        entries.update(before)
+
+
 @pytest.mark.parametrize("code", _python_blocks())
-def test_python_block_runs_as_written(code, request, tmp_path, monkeypatch):
-    """Each block defines what it uses: run alone, in a fresh namespace and an empty directory;
-    what a print's comment says it prints, it prints."""
+def test_python_block_runs_as_written(code, request, tmp_path, monkeypatch, registries_restored):
+    """Each block defines what it uses: run alone, in a fresh namespace and an empty directory,
+    leaving the registries of pieces as they were; what a print's comment says it prints, it
+    prints."""
     monkeypatch.chdir(tmp_path)
     where = f"the Python block at {request.node.callspec.id}"
     namespace = {"__name__": "__readme__", "_prints": _prints}
