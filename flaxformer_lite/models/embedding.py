@@ -12,6 +12,7 @@ from flaxformer_lite.models.config import ModelConfig, sqrt_d_model
 from flaxformer_lite.models.layers import make_layer_norm
 from flaxformer_lite.nn.dense import Dense
 from flaxformer_lite.nn.embed import Embed
+from flaxformer_lite.nn.rngs import dropout
 
 
 def token_embedding(cfg: ModelConfig, rngs: nnx.Rngs) -> Embed:
@@ -75,7 +76,7 @@ class InputEmbedding(nnx.Module):
             else None
         )
         self.norm = make_layer_norm(cfg, rngs) if cfg.embed_norm else None
-        self.dropout = nnx.Dropout(cfg.embedding_dropout, rngs=rngs)
+        self.dropout = dropout(cfg.embedding_dropout, rngs)
 
     def __call__(
         self, inputs: jax.Array, positions: jax.Array, token_types: jax.Array | None = None

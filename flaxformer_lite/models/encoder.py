@@ -16,6 +16,7 @@ from flaxformer_lite.models.embedding import (
 from flaxformer_lite.models.heads import OutputHead
 from flaxformer_lite.models.layers import Tower, key_mask
 from flaxformer_lite.nn.dense import Dense
+from flaxformer_lite.nn.rngs import dropout
 
 
 class Encoder(nnx.Module):
@@ -63,7 +64,7 @@ class Encoder(nnx.Module):
             if with_classifier
             else None
         )
-        self.classifier_dropout = nnx.Dropout(cfg.residual_dropout, rngs=rngs)
+        self.classifier_dropout = dropout(cfg.residual_dropout, rngs)
 
     def encode(
         self,

@@ -18,6 +18,7 @@ from flaxformer_lite.models import pieces
 from flaxformer_lite.models.config import ModelConfig
 from flaxformer_lite.nn import context_parallel
 from flaxformer_lite.nn.attention import MultiHeadAttention
+from flaxformer_lite.nn.rngs import dropout
 from flaxformer_lite.nn.stack import LayerStack
 
 
@@ -72,7 +73,7 @@ class TransformerLayer(nnx.Module):
         self.mlp = pieces.FEED_FORWARDS.get(cfg.feed_forward)(cfg, num_layers=num_layers, rngs=rngs)
         # A parallel block normalizes once for both branches.
         self.mlp_norm = None if self.parallel else make_layer_norm(cfg, rngs)
-        self.dropout = nnx.Dropout(cfg.residual_dropout, rngs=rngs)
+        self.dropout = dropout(cfg.residual_dropout, rngs)
 
     def __call__(
         self,

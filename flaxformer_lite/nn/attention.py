@@ -11,6 +11,7 @@ from flax import nnx
 from flaxformer_lite import ops
 from flaxformer_lite.nn import context_parallel
 from flaxformer_lite.nn.dense import XAVIER, Dense, KernelInit
+from flaxformer_lite.nn.rngs import fork
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +155,7 @@ class MultiHeadAttention(nnx.Module):
             use_bias=out_bias,
             **{**common, "init": out_init or init},
         )
-        self.dropout_rngs = rngs["dropout"].fork() if dropout_rate > 0 else None
+        self.dropout_rngs = fork(rngs["dropout"]) if dropout_rate > 0 else None
         self.deterministic, self.sow_weights = False, sow_weights
         # nnx.Cache arrays after init_cache.
         self.cached_key = nnx.data(None)

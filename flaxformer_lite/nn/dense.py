@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from flaxformer_lite.nn.rngs import next_key
 from flaxformer_lite.ops.projection import project
 
 INIT_SCHEMES = ("xavier", "normal")
@@ -24,7 +25,9 @@ def param(rngs: nnx.Rngs, init, shape: tuple[int, ...], names: tuple, dtype) -> 
     """A parameter initialized as ``init(key, shape, dtype)`` and tagged with logical axis names."""
     if len(names) != len(shape):
         raise ValueError(f"parameter of shape {shape} needs {len(shape)} axis names, got {names}")
-    return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=names, eager_sharding=False)
+    return nnx.Param(
+        init(next_key(rngs.params), shape, dtype), out_sharding=names, eager_sharding=False
+    )
 
 
 @dataclasses.dataclass(frozen=True)
