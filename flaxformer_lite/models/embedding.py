@@ -12,7 +12,7 @@ from flaxformer_lite.models.config import ModelConfig, sqrt_d_model
 from flaxformer_lite.models.layers import make_layer_norm
 from flaxformer_lite.nn.dense import Dense
 from flaxformer_lite.nn.embed import Embed
-from flaxformer_lite.nn.rngs import dropout
+from flaxformer_lite.nn.rngs import apply_dropout, dropout
 
 
 def token_embedding(cfg: ModelConfig, rngs: nnx.Rngs) -> Embed:
@@ -112,4 +112,4 @@ class InputEmbedding(nnx.Module):
             )
         if self.norm is not None:
             x = self.norm(x)
-        return self.dropout(x)
+        return apply_dropout(self.dropout, x)

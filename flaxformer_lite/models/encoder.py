@@ -16,7 +16,7 @@ from flaxformer_lite.models.embedding import (
 from flaxformer_lite.models.heads import OutputHead
 from flaxformer_lite.models.layers import Tower, key_mask
 from flaxformer_lite.nn.dense import Dense
-from flaxformer_lite.nn.rngs import dropout
+from flaxformer_lite.nn.rngs import apply_dropout, dropout
 
 
 class Encoder(nnx.Module):
@@ -127,7 +127,7 @@ class Encoder(nnx.Module):
             )
         if self.pooler is not None:
             pooled = jnp.tanh(self.pooler(pooled))
-        return self.classifier(self.classifier_dropout(pooled))
+        return self.classifier(apply_dropout(self.classifier_dropout, pooled))
 
     def _token_types(self, inputs, token_types) -> jax.Array | None:
         """``token_types`` checked: int ``[B, T]``, for a model with token-type embeddings."""

@@ -18,7 +18,7 @@ from flaxformer_lite.models import pieces
 from flaxformer_lite.models.config import ModelConfig
 from flaxformer_lite.nn import context_parallel
 from flaxformer_lite.nn.attention import MultiHeadAttention
-from flaxformer_lite.nn.rngs import dropout
+from flaxformer_lite.nn.rngs import apply_dropout, dropout
 from flaxformer_lite.nn.stack import LayerStack
 
 
@@ -123,7 +123,9 @@ class TransformerLayer(nnx.Module):
         )
         if self.parallel:
             h = self.self_attention_norm(x) if self.pre_norm else x
-            branches = self.dropout(self_attention(h)) + self.dropout(self.mlp(h))
+            branches = apply_dropout(self.dropout, self_attention(h)) + apply_dropout(
+                self.dropout, self.mlp(h)
+            )
             x = x + branches if self.pre_norm else self.self_attention_norm(x + branches)
             if self.cross_attention is not None:
                 x = self._sublayer(x, self.cross_attention_norm, cross_attention)
@@ -161,8 +163,8 @@ class TransformerLayer(nnx.Module):
 
     def _sublayer(self, x, norm, fn):
         if self.pre_norm:
-            return x + self.dropout(fn(norm(x)))
-        return norm(x + self.dropout(fn(x)))
+            return x + apply_dropout(self.dropout, fn(norm(x)))
+        return norm(x + apply_dropout(self.dropout, fn(x)))
 
 
 class Tower(nnx.Module):

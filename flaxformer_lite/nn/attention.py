@@ -11,7 +11,7 @@ from flax import nnx
 from flaxformer_lite import ops
 from flaxformer_lite.nn import context_parallel
 from flaxformer_lite.nn.dense import XAVIER, Dense, KernelInit
-from flaxformer_lite.nn.rngs import fork
+from flaxformer_lite.nn.rngs import fork, next_key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,7 +273,7 @@ class MultiHeadAttention(nnx.Module):
         options = dict(
             implementation=self.implementation,
             dropout_rate=dropout_rate,
-            dropout_rng=self.dropout_rngs() if dropout_rate > 0 else None,
+            dropout_rng=next_key(self.dropout_rngs) if dropout_rate > 0 else None,
         )
         axes = context_parallel.sequence_axes()
         if axes:

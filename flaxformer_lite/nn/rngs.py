@@ -4,7 +4,8 @@ grow with what a trace already holds.
 A stream's own call updates its counter as ``count[...] += 1``, and flax then compares the new
 and old counts' ``getattr(x, "sharding", None)``: on a tracer that raises an AttributeError whose
 message JAX builds by walking every equation traced so far, so building a model under ``jax.jit``
-or ``nnx.eval_shape`` took time quadratic in its size. Replacing the counter whole skips the probe.
+or ``nnx.eval_shape``, and tracing its training step (a dropout key per layer), took time
+quadratic in its depth. Replacing the counter whole skips the probe.
 """
 
 from __future__ import annotations
@@ -31,3 +32,11 @@ def dropout(rate: float, rngs: nnx.Rngs) -> nnx.Dropout:
     layer = nnx.Dropout(rate)
     layer.rngs = fork(rngs["dropout"])
     return layer
+
+
+def apply_dropout(layer: nnx.Dropout, x: jax.Array) -> jax.Array:
+    """``layer(x)``, its key drawn by :func:`next_key` where the layer draws one (a rate
+    strictly between 0 and 1, not deterministic)."""
+    if layer.rate in (0.0, 1.0) or layer.deterministic:
+        return layer(x)
+    return layer(x, rngs=next_key(layer.rngs))
