@@ -140,36 +140,6 @@ def test_a_signal_during_start_up_exits_128_plus_signal(tmp_path, signum):
     )
 
 
-@pytest.mark.slow
-def test_kills_at_random_points_of_saves_always_resume(tmp_path):
-    """kill -9 at random moments of a run that saves every step; each restart resumes from a
-    finished checkpoint, and the last one reaches the end with every step logged once. (The run
-    first reaches a checkpoint: a kill before the first one leaves logged steps without a
-    checkpoint, which the next start refuses, by design, without --fresh.)"""
-    run_dir = tmp_path / "run"
-    args = ["train.py", "--no-progress", f"run_dir={run_dir}", *TINY, "checkpoint.every=1"]
-    first = start([*args, "train.steps=2"], tmp_path)
-    _, err = first.communicate(timeout=300)
-    assert first.returncode == 0, err[-3000:]
-    args.append("train.steps=12")
-    rng = random.Random(0)
-    for _ in range(3):
-        child = start(args, tmp_path)
-        lines = 0
-        while lines < 2 + rng.randrange(4):  # start-up lines, then the first logged steps
-            if not child.stdout.readline():
-                break
-            lines += 1
-        threading.Event().wait(rng.uniform(0.0, 1.0))
-        child.kill()
-        child.communicate()
-    final = start(args, tmp_path)
-    out, err = final.communicate(timeout=300)
-    assert final.returncode == 0, err[-3000:]
-    steps = [r["step"] for r in read_metrics(run_dir)]
-    assert steps == list(range(1, 13)), steps
-
-
 @pytest.fixture
 def saved_run(trained_runs):
     """A run of 2 steps with a checkpoint at each (``tiny_runs.SHARED_RUNS["tiny"]``), trained
@@ -188,6 +158,34 @@ def listing(directory: pathlib.Path) -> dict[str, bytes]:
     return {
         str(p.relative_to(directory)): p.read_bytes() for p in directory.rglob("*") if p.is_file()
     }
+
+
+@pytest.mark.slow
+def test_kills_at_random_points_of_saves_always_resume(saved_run, tmp_path):
+    """kill -9 at random moments of a run that saves every step; each restart resumes from a
+    finished checkpoint, and the last one reaches the end with every step logged once. (The run
+    starts from a copy of the saved run, at a checkpoint: a kill before the first one leaves
+    logged steps without a checkpoint, which the next start refuses, by design, without
+    --fresh.)"""
+    run_dir = copied_run(saved_run, tmp_path)
+    args = ["train.py", "--no-progress", f"run_dir={run_dir}", *TINY, "checkpoint.every=1"]
+    args += ["train.steps=12"]
+    rng = random.Random(0)
+    for _ in range(3):
+        child = start(args, tmp_path)
+        lines = 0
+        while lines < 2 + rng.randrange(4):  # start-up lines, then the first logged steps
+            if not child.stdout.readline():
+                break
+            lines += 1
+        threading.Event().wait(rng.uniform(0.0, 1.0))
+        child.kill()
+        child.communicate()
+    final = start(args, tmp_path)
+    out, err = final.communicate(timeout=300)
+    assert final.returncode == 0, err[-3000:]
+    steps = [r["step"] for r in read_metrics(run_dir)]
+    assert steps == list(range(1, 13)), steps
 
 
 @pytest.mark.slow
