@@ -260,11 +260,15 @@ def export_command(*args):
 
 
 @pytest.mark.slow
-def test_a_model_without_a_hugging_face_counterpart_is_refused(tmp_path):
-    run_dir = train(tmp_path / "run", ["model.mixer=aft_simple", *TINY])
-    child = export_command("--run-dir", run_dir, "--out", tmp_path / "hf")
-    assert child.returncode == 2, child.stderr
-    (line,) = [line for line in child.stderr.splitlines() if line.startswith("error:")]
+def test_a_model_without_a_hugging_face_counterpart_is_refused(tmp_path, capsys):
+    """A run of one step has the checkpoint the refusal reads. (The command's exit status from
+    a process of its own: test_export_refuses_a_directory_in_use_and_a_missing_run.)"""
+    one_step = [*TINY, "train.steps=1", "checkpoint.every=1"]
+    run_dir = train(tmp_path / "run", ["model.mixer=aft_simple", *one_step])
+    capsys.readouterr()
+    assert main(["export", "--run-dir", str(run_dir), "--out", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    (line,) = [line for line in err.splitlines() if line.startswith("error:")]
     assert line.startswith(f"error: export of {run_dir}: model.mixer=aft_simple")
     assert "has no Hugging Face counterpart" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing written, nothing left
