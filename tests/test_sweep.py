@@ -28,13 +28,13 @@ from flaxformer_lite.train.sweep_summary import difference, mean_std, read_summa
 
 pytestmark = pytest.mark.fast_compile
 
-STEPS = 30
+STEPS = 20
 SETTINGS = [
     *TINY,
     f"train.steps={STEPS}",
     "data.train_size=2000",
     "train.log_every=5",
-    "train.eval_every=15",
+    "train.eval_every=10",
     "checkpoint.every=100",
     # Non-zero numbers that the members' step takes as arrays.
     "train.label_smoothing=0.1",
@@ -63,7 +63,7 @@ def assert_close(a, b, rtol):
 
 @pytest.fixture(scope="module")
 def swept(tmp_path_factory):
-    """Four members (two seeds x two learning rates), 30 steps, vmapped over the 8 simulated
+    """Four members (two seeds x two learning rates), 20 steps, vmapped over the 8 simulated
     devices (on a CPU a sweep steps its members in turn unless told to vmap them)."""
     directory = tmp_path_factory.mktemp("sweep") / "s"
     cfg = load_config(None, [*SETTINGS, f"run_dir={directory}"])
@@ -283,7 +283,7 @@ def test_plot_draws_each_group_s_mean_and_spread(swept, capsys):
     assert capsys.readouterr().out.strip() == f"wrote {directory / 'plots' / 'sweep.png'}"
     records = [read_metrics(directory / name, log=None) for name in MEMBERS[1::2]]  # lr=3e-3
     steps, mean, std = group_curve(records, "eval_loss")
-    assert list(steps) == [15, 30]
+    assert list(steps) == [10, 20]
     values = [[r["eval_loss"] for r in rs if "eval_loss" in r] for rs in records]
     np.testing.assert_allclose(mean, np.mean(values, axis=0), rtol=1e-12)
     np.testing.assert_allclose(std, np.std(values, axis=0, ddof=1), rtol=1e-12)
