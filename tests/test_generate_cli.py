@@ -63,7 +63,7 @@ def lm_run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def translation_run(tmp_path_factory):
     """The encoder-decoder preset on a TSV file of parallel sentences (BLEU is reported for
-    translation data), 40 steps."""
+    translation data), 20 steps: one evaluation."""
     root = tmp_path_factory.mktemp("mt")
     task = synthetic.make_generator("number_words", split="train", seed=0, size=300)
     lines = [f"{task[i]['source']}\t{task[i]['target']}" for i in range(len(task))]
@@ -75,7 +75,7 @@ def translation_run(tmp_path_factory):
             "data.source=parallel",
             f"data.path={root / 'pairs.tsv'}",
             "data.seq_len=40",
-            "train.steps=40",
+            "train.steps=20",
             *QUICK,
         ],
     )
@@ -232,7 +232,7 @@ def test_generate_command_translates_with_beam_search(translation_run, capsys):
         == 0
     )
     greedy = capsys.readouterr().out.strip()
-    # The library's greedy decode of the same source (after 40 steps it may be empty).
+    # The library's greedy decode of the same source (after 20 steps it may be empty).
     ids = np.asarray(seq2seq_generate(loaded.model, src, max_new_tokens=6))[0]
     assert greedy == f"forty-two -> {loaded.tokenizer.decode(until_eos(ids, EOS_ID))}".strip()
 
