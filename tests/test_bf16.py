@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from attention_cases import BF16_GRAD_REL, assert_close_to_scale, make_qkv
 from flax import nnx
-from test_train_e2e import QUICK, losses, quiet
+from test_train_e2e import losses, quiet
+from tiny_runs import SHARED_RUNS
 from tpu_topology import v5e_2x2
 
 from flaxformer_lite import ops, parallel
@@ -21,23 +22,22 @@ from flaxformer_lite.train.step import make_train_step
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 
-STEPS = 150
 
-
-def final_loss(run_dir, *overrides):
-    """The mean logged loss of the last 50 steps (10 logs: one batch's loss is noisy) of the
-    embedded default run, shortened."""
-    cfg = load_config(None, [f"run_dir={run_dir}", *QUICK, f"train.steps={STEPS}", *overrides])
-    run(cfg, progress=False, log=quiet)
+def final_loss(run_dir):
+    """The mean logged loss of the last 50 steps (10 logs: one batch's loss is noisy)."""
     logged = losses(run_dir)
-    return np.mean([loss for step, loss in logged.items() if step > STEPS - 50])
+    return np.mean([loss for step, loss in logged.items() if step > max(logged) - 50])
 
 
 @pytest.mark.slow
-def test_bfloat16_trains_the_default_run_within_2_percent_of_float32(tmp_path):
-    float32 = final_loss(tmp_path / "float32")
-    bfloat16 = final_loss(tmp_path / "bfloat16", "model.dtype=bfloat16")
-    first = losses(tmp_path / "float32")[5]
+def test_bfloat16_trains_the_default_run_within_2_percent_of_float32(tmp_path, trained_runs):
+    """The embedded default shortened (SHARED_RUNS["quick"]): its float32 run is shared with
+    test_train_e2e.py, the bfloat16 one differs in the dtype alone."""
+    float32_run = trained_runs("quick")
+    overrides = [f"run_dir={tmp_path / 'bfloat16'}", *SHARED_RUNS["quick"], "model.dtype=bfloat16"]
+    run(load_config(None, overrides), progress=False, log=quiet)
+    float32, bfloat16 = final_loss(float32_run), final_loss(tmp_path / "bfloat16")
+    first = losses(float32_run)[5]
     assert float32 < 0.6 * first  # it learned: the comparison is not between two starts
     assert abs(bfloat16 - float32) <= 0.02 * float32, (bfloat16, float32)
 

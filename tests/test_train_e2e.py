@@ -2,6 +2,7 @@
 
 import json
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,11 +14,11 @@ import numpy as np
 import pytest
 from flax import nnx
 from subprocess_env import subprocess_env
+from tiny_runs import QUICK, SHARED_RUNS
 
 from flaxformer_lite.cli import main
 from flaxformer_lite.cli.train import train_main
 from flaxformer_lite.models import build_model, training_flops_per_token
-from flaxformer_lite.train import loop
 from flaxformer_lite.train.checkpoint import Checkpointer
 from flaxformer_lite.train.config import ConfigError, load_config
 from flaxformer_lite.train.loop import TrainingError, run
@@ -28,17 +29,6 @@ from flaxformer_lite.train.trained_run import to_savable
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-# A small, fast run: 8 rows of 32 tokens, no warmup surprises, quiet.
-QUICK = [
-    "train.batch_size=8",
-    "data.seq_len=32",
-    "optimizer.warmup_steps=0",
-    "optimizer.schedule=constant",
-    "train.log_every=5",
-    "train.eval_every=10",
-    "train.eval_batches=2",
-    "data.eval_size=16",
-]
 
 
 def config(run_dir, *overrides):
@@ -58,22 +48,17 @@ def quiet(_message):
     pass
 
 
-def test_the_default_run_learns(tmp_path):
-    cfg = config(tmp_path / "run", "train.steps=120", "optimizer.lr=0.003")
-    last = run(cfg, progress=False, log=quiet)
-    logged = losses(tmp_path / "run")
-    assert logged[120] < 0.6 * logged[5], logged
-    evals = [r["eval_accuracy"] for r in records(tmp_path / "run") if "eval_accuracy" in r]
+def test_the_default_run_learns(trained_runs):
+    run_dir = trained_runs("quick")  # QUICK for 150 steps, shared with test_bf16.py
+    logged = losses(run_dir)
+    assert logged[150] < 0.6 * logged[5], logged
+    evals = [r["eval_accuracy"] for r in records(run_dir) if "eval_accuracy" in r]
     assert evals[-1] > evals[0] + 0.05, evals
+    last = records(run_dir)[-1]
     assert last["tokens_per_sec"] > 0 and 0 < last["mfu"] < 1
-    # MFU: the model's FLOPs per token times tokens/s over the machine's peak (the loop's own),
-    # of the model as the run settled it (its vocabulary the tokenizer's)
-    settled = load_config(tmp_path / "run" / "config.yaml").model
-    flops = training_flops_per_token(settled, cfg.data.seq_len) * last["tokens_per_sec"]
-    assert last["mfu"] == pytest.approx(flops / loop.peak_flops(), rel=1e-6)
     for name in ("config.yaml", "plots/loss.png", "plots/learning_rate.png", "tb"):
-        assert (tmp_path / "run" / name).exists(), name
-    saved = load_config(tmp_path / "run" / "config.yaml")
+        assert (run_dir / name).exists(), name
+    saved = load_config(run_dir / "config.yaml")
     assert saved.model.vocab_size == 260  # resolved from the byte tokenizer
 
 
@@ -108,9 +93,17 @@ def test_logged_tokens_per_sec_times_the_training_steps_alone(tmp_path, monkeypa
         "checkpoint.every=4",
     )
     run(cfg, progress=False, log=quiet)
-    logged = {r["step"]: r["tokens_per_sec"] for r in records(tmp_path / "run")}
+    logged = {r["step"]: r for r in records(tmp_path / "run")}
     assert sorted(logged) == [3, 6, 9, 12]
-    assert logged == {step: pytest.approx(8 * 32) for step in logged}  # 8 x 32 tokens a second
+    tokens_per_sec = {step: r["tokens_per_sec"] for step, r in logged.items()}
+    assert tokens_per_sec == {step: pytest.approx(8 * 32) for step in logged}  # 8 x 32 a second
+    # MFU: the model's FLOPs per token times tokens/s over the machine's peak (the loop's own),
+    # of the model as the run settled it (its vocabulary the tokenizer's)
+    settled = load_config(tmp_path / "run" / "config.yaml").model
+    mfu = training_flops_per_token(settled, cfg.data.seq_len) * 8 * 32 / loop.peak_flops()
+    assert {step: r["mfu"] for step, r in logged.items()} == {
+        step: pytest.approx(mfu, rel=1e-6) for step in logged
+    }
 
 
 def test_metrics_writer_records_missing_values_as_null(tmp_path):
@@ -125,15 +118,12 @@ def test_metrics_writer_records_missing_values_as_null(tmp_path):
 
 
 def test_interrupted_and_resumed_equals_uninterrupted(tmp_path):
-    straight = config(tmp_path / "straight", "train.steps=30", "checkpoint.every=10")
-    run(straight, progress=False, log=quiet)
-    first = config(tmp_path / "resumed", "train.steps=20", "checkpoint.every=10")
-    run(first, progress=False, log=quiet)
-    run(
-        config(tmp_path / "resumed", "train.steps=30", "checkpoint.every=10"),
-        progress=False,
-        log=quiet,
-    )
+    # Every step logged, an evaluation and a checkpoint every 2 steps: resumed at step 4, the
+    # run trains steps 5 and 6 on the uninterrupted run's batches and evaluates at 6 as it does.
+    often = ["train.log_every=1", "train.eval_every=2", "checkpoint.every=2"]
+    run(config(tmp_path / "straight", "train.steps=6", *often), progress=False, log=quiet)
+    run(config(tmp_path / "resumed", "train.steps=4", *often), progress=False, log=quiet)
+    run(config(tmp_path / "resumed", "train.steps=6", *often), progress=False, log=quiet)
     assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
 
     def final_state(run_dir):
@@ -153,7 +143,7 @@ def test_interrupted_and_resumed_equals_uninterrupted(tmp_path):
         )
         with Checkpointer(run_dir / "checkpoints", keep=3) as checkpointer:
             restored = checkpointer.restore(abstract)
-        assert restored.step == 30
+        assert restored.step == 6
         return restored.state
 
     jax.tree.map(
@@ -168,24 +158,26 @@ def test_interrupted_and_resumed_equals_uninterrupted(tmp_path):
     assert evals[0] == evals[1]
 
 
-def test_changed_config_is_refused_unless_forced_and_fresh_moves_the_run_aside(tmp_path):
+def test_changed_config_is_refused_unless_forced_and_fresh_moves_the_run_aside(
+    trained_runs, tmp_path
+):
     run_dir = tmp_path / "run"
-    run(config(run_dir, "train.steps=10"), progress=False, log=quiet)
+    shutil.copytree(trained_runs("tiny"), run_dir)  # 2 steps of SHARED_RUNS["tiny"]
+
+    def tiny(*overrides):
+        return load_config(None, [f"run_dir={run_dir}", *SHARED_RUNS["tiny"], *overrides])
+
     with pytest.raises(ConfigError, match="model.num_heads: 4 -> 2"):
-        run(config(run_dir, "train.steps=12", "model.num_heads=2"), progress=False, log=quiet)
+        run(tiny("train.steps=3", "model.num_heads=2"), progress=False, log=quiet)
     messages = []
     run(
-        config(run_dir, "train.steps=12", "optimizer.lr=0.002"),
-        force=True,
-        progress=False,
-        log=messages.append,
+        tiny("train.steps=3", "optimizer.lr=0.002"), force=True, progress=False, log=messages.append
     )
     assert any("optimizer.lr" in m for m in messages)
-    run(
-        config(run_dir, "train.steps=5", "model.num_heads=2"), fresh=True, progress=False, log=quiet
-    )
+    assert max(losses(run_dir)) == 3
+    run(tiny("train.steps=1", "model.num_heads=2"), fresh=True, progress=False, log=quiet)
     assert (tmp_path / "run.old1" / "checkpoints").exists()
-    assert max(losses(run_dir)) == 5
+    assert max(losses(run_dir)) == 1
 
 
 def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
@@ -327,7 +319,7 @@ def test_kill_9_resumes_from_the_last_finished_checkpoint(tmp_path):
     "preset, steps, metric, target, loss_ratio",
     # Token accuracy of the digits (chance ~0.1); sentence accuracy over 3 classes (chance 1/3).
     [
-        ("transformer_tiny", 150, "eval_accuracy", 0.25, 0.7),
+        ("transformer_tiny", 100, "eval_accuracy", 0.25, 0.7),
         ("bert_tiny", 300, "eval_accuracy", 0.42, 0.9),
     ],
 )
@@ -337,7 +329,7 @@ def test_tiny_presets_learn_their_tasks(
     """The CPU presets of the encoder-decoder (number words -> digits) and the encoder
     (3-way sentiment with negation), shortened; their full runs go further. Hundreds of steps:
     compiled with XLA's optimizations, which pay here. The encoder-decoder is well past its
-    target by step 100 (eval accuracy about 0.5 there, 0.6 at 150); the encoder needs 300."""
+    target at step 100 (eval accuracy about 0.6 there); the encoder needs 300."""
     cfg = load_config(
         REPO / "configs" / f"{preset}.yaml",
         [
