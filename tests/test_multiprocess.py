@@ -96,7 +96,7 @@ def test_two_processes_share_one_prepared_text_cache_and_match_one_process(tmp_p
     lines = [f"{a} plus {b} is {a + b}" for a in range(60) for b in range(0, 60, 7)]
     (tmp_path / "corpus.txt").write_text("\n".join(lines) + "\n")
     text = ["data.source=text", f"data.path={tmp_path / 'corpus.txt'}", "data.tokenizer=char"]
-    args = [*QUICK, *text, "train.steps=10"]
+    args = [*QUICK, *text, "train.steps=10", "checkpoint.every=1000"]  # the final one only
     reference = tmp_path / "reference"
     one = launch("reference", tmp_path, [f"run_dir={reference}", *args], devices=4)
     two = tmp_path / "two"
