@@ -224,11 +224,10 @@ def train(run: StartedRun, *, progress: bool, log) -> dict[str, float]:
     The host runs one step ahead of the devices: it dispatches step s, takes batch s + 1 (made
     and placed on the devices by the data's prefetch thread) while s runs, and reads a step's
     results only when an action is due at it, or, for its finite flag, one step late, once the
-    next step is dispatched. Between actions the state
-    stays a list of its leaves, what the step takes and returns. The evaluation's programs
-    compile on a thread of their own while the first steps run (:mod:`.background_compile`);
-    matplotlib is imported on another, where the plots are drawn while the last checkpoint is
-    written."""
+    next step is dispatched. Between actions the state stays a list of its leaves, what the
+    step takes and returns. The evaluation's programs compile on a thread of their own while
+    the first steps run (:mod:`.background_compile`); matplotlib is imported on another, where
+    the plots are drawn while the last checkpoint is written."""
     cfg, data, step, total = run.cfg, run.data, run.step, run.cfg.train.steps
     if step == total:
         log(f"{run.run_dir} is at step {step} = train.steps already; raise train.steps to go on")

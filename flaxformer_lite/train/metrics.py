@@ -299,7 +299,7 @@ def run_figures(run_dir: pathlib.Path) -> dict:
 def _fixed_margins(figure, top: float, **spacing) -> None:
     """Margins of ``figure`` in inches: ``top`` above (titles, a tokens axis), 0.8 left, 0.6
     below, 0.2 right. ``tight_layout`` would measure them by drawing the figure once more, and
-    leave a layout engine that has ``savefig`` draw it yet again: most of the plots' cost."""
+    leave a layout engine that has ``savefig`` draw it yet again before the drawing it saves."""
     width, height = figure.get_size_inches()
     figure.subplots_adjust(
         left=0.8 / width,
