@@ -15,8 +15,9 @@ Compiling is most of the suite's time on a CPU:
   temporary one is removed at the end of the session.
 * A module marked ``pytestmark = pytest.mark.fast_compile`` compiles with XLA's LLVM backend
   optimizations off (JAX's ``jax_disable_most_optimizations``, what the XLA flag
-  ``--xla_backend_optimization_level=0`` does): about half the compile time, the same values
-  up to float32 round-off, slower to run. A test in it that runs a program for hundreds of
+  ``--xla_backend_optimization_level=0`` does) and with XLA:CPU's elemental emitters
+  (tests/fast_compile.py): a fraction of the compile time, the same values up to float32
+  round-off, slower to run. A test in it that runs a program for hundreds of
   steps, where the optimizations pay, asks for them back with the ``full_optimization``
   fixture. Subprocesses started with ``subprocess_env.subprocess_env`` compile the same way.
   Unmarked modules compile as users' programs do.
@@ -41,6 +42,7 @@ if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 * 2**30))
 
+import fast_compile  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
 from quick_tier import QUICK_FILES  # noqa: E402
@@ -76,6 +78,9 @@ def pytest_collection_modifyitems(config, items):
 def pytest_unconfigure(config):
     if os.environ.get(_OWN_CACHE) == str(os.getpid()):
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
+
+fast_compile.add_to_unoptimized_compiles()
 
 
 def _set_optimizations_off(off: bool):

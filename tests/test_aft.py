@@ -8,6 +8,8 @@ import pytest
 from flaxformer_lite import ops
 from flaxformer_lite.ops import attention_free
 
+pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
+
 
 def numpy_aft(q, k, v, w=None, *, is_causal=False, local_window=None, mask=None, segment_ids=None):
     """``Y_t = sigmoid(Q_t) * sum_t' exp(K_t' + w_tt') V_t' / sum_t' exp(K_t' + w_tt')``,

@@ -23,6 +23,8 @@ from flaxformer_lite.cli import main
 from flaxformer_lite.data import tasks
 from flaxformer_lite.train.config import load_config
 
+pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
+
 TINY = ["train.batch_size=8", "data.seq_len=16"]
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 SUMMARY_KEYS = {

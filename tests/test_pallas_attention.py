@@ -27,6 +27,8 @@ from flaxformer_lite.train.optim import make_optimizer
 from flaxformer_lite.train.program import make_train_state
 from flaxformer_lite.train.step import make_train_step
 
+pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
+
 T = 9  # not a multiple of the kernels' block: padded keys must stay hidden
 
 # Rows: real lengths 5 (right padding) and 6 keys from the left (left padding: with a causal mask

@@ -160,9 +160,12 @@ def test_a_chunked_loss_step_equals_the_plain_step(preset, overrides):
     chunked_eval = make_eval_step(eval_graphdef, task=task, loss_chunk=3)(chunked, batch)
     for key in ("loss", "accuracy", "num_tokens"):
         np.testing.assert_allclose(chunked_eval[key], plain_eval[key], rtol=rtol, err_msg=key)
-    if cfg.dtype == "float32":  # bf16 rounding flips the sign of Adam's first step on tiny grads
+    # Adam's first step is lr * g / (|g| + eps) = lr * sign(g) but for tiny gradients, whose
+    # round-off it scales up: within a thousandth of a step (lr = 1e-2). bf16 rounding flips
+    # the sign of such a step.
+    if cfg.dtype == "float32":
         jax.tree.map(
-            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
             snapshot(chunked),
             snapshot(plain),
         )
