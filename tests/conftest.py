@@ -24,6 +24,7 @@ Compiling is most of the suite's time on a CPU:
 """
 
 import os
+import pathlib
 import shutil
 import sys
 import tempfile
@@ -47,7 +48,7 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 from quick_tier import QUICK_FILES  # noqa: E402
 from shared_dirs import shared_across_workers  # noqa: E402
-from tiny_runs import SHARED_RUNS  # noqa: E402
+from tiny_runs import SHARED_RUNS, TRANSLATION  # noqa: E402
 
 from flaxformer_lite.train import host_memory  # noqa: E402
 
@@ -192,3 +193,30 @@ def trained_runs(tmp_path_factory):
         return shared_across_workers(tmp_path_factory, f"trained_{name}", train)[0] / "run"
 
     return trained
+
+
+@pytest.fixture(scope="session")
+def trained_translation(tmp_path_factory):
+    """``(run_dir, log)``: ``tiny_runs.TRANSLATION`` on 300 parallel sentences of the
+    ``number_words`` generator (``pairs.tsv`` beside the run), trained once per session as
+    ``trained_runs``' runs are, and the lines its loop logged. Read it only."""
+    from flaxformer_lite.data import synthetic
+    from flaxformer_lite.train.config import load_config
+    from flaxformer_lite.train.loop import run
+
+    def train(directory):
+        task = synthetic.make_generator("number_words", split="train", seed=0, size=300)
+        pairs = directory / "pairs.tsv"
+        pairs.write_text("".join(f"{task[i]['source']}\t{task[i]['target']}\n" for i in range(300)))
+        config = pathlib.Path(__file__).parents[1] / "configs" / "transformer_tiny.yaml"
+        overrides = [f"run_dir={directory / 'run'}", f"data.path={pairs}", *TRANSLATION]
+        log = []
+        previous = _set_optimizations_off(True)
+        try:
+            run(load_config(config, overrides), progress=False, log=log.append)
+        finally:
+            _set_optimizations_off(previous)
+        return log
+
+    directory, log = shared_across_workers(tmp_path_factory, "trained_translation", train)
+    return directory / "run", log

@@ -26,7 +26,6 @@ from flaxformer_lite.nn.attention import MultiHeadAttention
 from flaxformer_lite.nn.stack import stack_layer_states
 from flaxformer_lite.train.checkpoint import Checkpointer
 from flaxformer_lite.train.config import load_config
-from flaxformer_lite.train.loop import run
 from flaxformer_lite.train.optim import make_optimizer
 from flaxformer_lite.train.program import make_train_state
 from flaxformer_lite.train.trained_run import to_savable
@@ -324,28 +323,6 @@ def test_plot_writes_one_png_per_layer_with_a_grid_of_heads(tmp_path):
 # ------------------------------------------------------------------ the CLI on saved runs
 
 
-@pytest.fixture(scope="module")
-def trained_seq2seq_run(tmp_path_factory):
-    """A tiny encoder-decoder run (1 + 1 scanned layers, 2 steps) trained by train.py's loop."""
-    path = tmp_path_factory.mktemp("maps") / "run"
-    overrides = [
-        f"run_dir={path}",
-        "model.num_encoder_layers=1",
-        "model.num_decoder_layers=1",
-        "model.scan_layers=true",
-        "train.steps=2",
-        "train.batch_size=8",
-        "data.seq_len=32",
-        "optimizer.warmup_steps=1",
-        "train.eval_batches=1",
-        "data.eval_size=8",
-        "train.decode_examples=0",
-    ]
-    cfg = load_config(REPO / "configs" / "transformer_tiny.yaml", overrides)
-    run(cfg, progress=False, log=lambda _: None)
-    return path
-
-
 def untrained_run(run_dir, preset, *overrides):
     """A run directory as train.py lays it out (checkpoint, tokenizer), at initialization."""
     cfg = load_config(
@@ -365,12 +342,13 @@ def written(capsys):
     return sorted(line.split("/")[-1] for line in lines)
 
 
-def test_cli_plots_a_trained_encoder_decoder(trained_seq2seq_run, tmp_path, capsys):
+def test_cli_plots_a_trained_encoder_decoder(trained_translation, tmp_path, capsys):
+    """A tiny encoder-decoder (1 + 1 scanned layers) trained by train.py's loop (conftest.py)."""
     out = tmp_path / "maps"
     argv = [
         "attention",
         "--run_dir",
-        str(trained_seq2seq_run),
+        str(trained_translation[0]),
         "--text",
         "forty-two",
         "--out",
@@ -380,8 +358,8 @@ def test_cli_plots_a_trained_encoder_decoder(trained_seq2seq_run, tmp_path, caps
     names = ["cross_layer0.png", "decoder_layer0.png", "encoder_layer0.png"]
     assert written(capsys) == names
     assert all((out / name).read_bytes()[:8] == PNG_MAGIC for name in names)
-    assert main([*argv, "--step", "2"]) == 0  # without a target: the encoder only
-    assert written(capsys) == ["encoder_layer0.png"]
+    assert main([*argv, "--step", "10"]) == 0  # an earlier checkpoint, without a target:
+    assert written(capsys) == ["encoder_layer0.png"]  # the encoder only
 
 
 def test_cli_plots_a_decoder_into_the_run_by_default(tmp_path, capsys):

@@ -18,7 +18,6 @@ import pytest
 from subprocess_env import subprocess_env
 
 from flaxformer_lite.cli import main
-from flaxformer_lite.data import synthetic
 from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.export import export_run
 from flaxformer_lite.train.loop import run
@@ -184,23 +183,8 @@ def test_masked_lm_export_loads_as_auto_model_for_masked_lm(hf, corpus, tmp_path
 
 
 @pytest.mark.slow
-def test_encoder_decoder_export_translates_as_the_run(hf, tmp_path, capsys):
-    task = synthetic.make_generator("number_words", split="train", seed=0, size=200)
-    pairs = tmp_path / "pairs.tsv"
-    pairs.write_text("".join(f"{task[i]['source']}\t{task[i]['target']}\n" for i in range(200)))
-    marian = ["model.norm_eps=1e-5", "model.sinusoidal_layout=concat", "model.output_bias=true"]
-    run_dir = train(
-        tmp_path / "run",
-        [
-            "data.source=parallel",
-            f"data.path={pairs}",
-            "data.seq_len=40",
-            *marian,
-            *TINY[1:],
-            "optimizer.schedule=constant",
-        ],
-        REPO / "configs" / "transformer_tiny.yaml",
-    )
+def test_encoder_decoder_export_translates_as_the_run(hf, trained_translation, tmp_path, capsys):
+    run_dir = trained_translation[0]  # conftest.py: Marian's conventions, 1 + 1 scanned layers
     exported = export_run(run_dir, tmp_path / "hf")
     assert exported.auto_class == "AutoModelForSeq2SeqLM"
     model, hf_tokenizer = hf_model(hf, exported.auto_class, exported.path)

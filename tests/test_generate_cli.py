@@ -60,30 +60,6 @@ def lm_run(tmp_path_factory):
     return run_dir, logs
 
 
-@pytest.fixture(scope="module")
-def translation_run(tmp_path_factory):
-    """The encoder-decoder preset on a TSV file of parallel sentences (BLEU is reported for
-    translation data), 20 steps: one evaluation."""
-    root = tmp_path_factory.mktemp("mt")
-    task = synthetic.make_generator("number_words", split="train", seed=0, size=300)
-    lines = [f"{task[i]['source']}\t{task[i]['target']}" for i in range(len(task))]
-    (root / "pairs.tsv").write_text("\n".join(lines) + "\n")
-    cfg = load_config(
-        REPO / "configs" / "transformer_tiny.yaml",
-        [
-            f"run_dir={root / 'run'}",
-            "data.source=parallel",
-            f"data.path={root / 'pairs.tsv'}",
-            "data.seq_len=40",
-            "train.steps=20",
-            *QUICK,
-        ],
-    )
-    logs = []
-    run(cfg, progress=False, log=logs.append)
-    return root / "run", logs
-
-
 def test_lm_eval_decodes_and_scores(lm_run):
     run_dir, logs = lm_run
     evals = [r for r in metrics(run_dir) if "eval_loss" in r]
@@ -183,8 +159,8 @@ def test_sample_py_entry_point(lm_run, capsys, monkeypatch):
     assert capsys.readouterr().out.startswith("3+4=")
 
 
-def test_translation_eval_reports_bleu(translation_run):
-    run_dir, logs = translation_run
+def test_translation_eval_reports_bleu(trained_translation):
+    run_dir, logs = trained_translation  # conftest.py, shared with other files
     evals = [r for r in metrics(run_dir) if "eval_loss" in r]
     for record in evals:
         assert 0 <= record["eval_bleu"] <= 100
@@ -192,8 +168,8 @@ def test_translation_eval_reports_bleu(translation_run):
     assert any(re.match(r"step \d+ sample ", line) and "->" in line for line in logs)
 
 
-def test_generate_command_translates_with_beam_search(translation_run, capsys):
-    run_dir, _ = translation_run
+def test_generate_command_translates_with_beam_search(trained_translation, capsys):
+    run_dir, _ = trained_translation
     argv = [
         "generate",
         "--run_dir",

@@ -1,7 +1,7 @@
 """Overrides of a ``train.py`` run that compiles and steps in seconds (one layer, short rows,
 no decoding), for the tests that run the command to see how it ends; those of a small run of the
 embedded default that still learns (QUICK); and the trained runs that test files share
-(conftest.py's ``trained_runs``)."""
+(conftest.py's ``trained_runs`` and ``trained_translation``)."""
 
 TINY = [
     "model.num_decoder_layers=1",
@@ -35,3 +35,23 @@ SHARED_RUNS = {
     "tiny": [*TINY, "train.steps=2", "checkpoint.every=1"],
     "quick": [*QUICK, "train.steps=150"],
 }
+
+# The encoder-decoder preset (configs/transformer_tiny.yaml) as conftest.py's
+# ``trained_translation`` trains it for test_export.py, test_generate_cli.py and
+# test_attention_maps.py: 1 + 1 scanned layers with Marian's conventions (what the export writes
+# as MarianMT), on a TSV of parallel number words -> digits (BLEU is reported for translation
+# data), cut to QUICK: 20 steps, evaluations and checkpoints at 10 and 20.
+TRANSLATION = [
+    "data.source=parallel",
+    "model.num_encoder_layers=1",
+    "model.num_decoder_layers=1",
+    "model.scan_layers=true",
+    "model.norm_eps=1e-5",
+    "model.sinusoidal_layout=concat",
+    "model.output_bias=true",
+    *QUICK,
+    "data.seq_len=40",
+    "optimizer.lr=0.003",
+    "train.steps=20",
+    "checkpoint.every=10",
+]
