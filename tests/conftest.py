@@ -172,23 +172,29 @@ def hf():
     return types.SimpleNamespace(torch=torch, transformers=transformers)
 
 
+def _train_unoptimized(config, overrides: list[str], log=lambda _: None) -> None:
+    """The training loop on ``config`` (a path, or None for the embedded default) with
+    ``overrides``, compiled as the ``fast_compile`` modules compile."""
+    from flaxformer_lite.train.config import load_config
+    from flaxformer_lite.train.loop import run
+
+    previous = _set_optimizations_off(True)
+    try:
+        run(load_config(config, overrides), progress=False, log=log)
+    finally:
+        _set_optimizations_off(previous)
+
+
 @pytest.fixture(scope="session")
 def trained_runs(tmp_path_factory):
     """``trained_runs(name)``: the run directory of ``tiny_runs.SHARED_RUNS[name]``, trained
     once per session for every test file that needs such a run (with XLA's backend
     optimizations off, as the ``fast_compile`` modules compile). Read it only: a test that
     writes into a run (resumes it, damages it) works on a ``shutil.copytree`` of it."""
-    from flaxformer_lite.train.config import load_config
-    from flaxformer_lite.train.loop import run
 
     def trained(name):
         def train(directory):
-            previous = _set_optimizations_off(True)
-            try:
-                cfg = load_config(None, [f"run_dir={directory / 'run'}", *SHARED_RUNS[name]])
-                run(cfg, progress=False, log=lambda _: None)
-            finally:
-                _set_optimizations_off(previous)
+            _train_unoptimized(None, [f"run_dir={directory / 'run'}", *SHARED_RUNS[name]])
 
         return shared_across_workers(tmp_path_factory, f"trained_{name}", train)[0] / "run"
 
@@ -201,21 +207,16 @@ def trained_translation(tmp_path_factory):
     ``number_words`` generator (``pairs.tsv`` beside the run), trained once per session as
     ``trained_runs``' runs are, and the lines its loop logged. Read it only."""
     from flaxformer_lite.data import synthetic
-    from flaxformer_lite.train.config import load_config
-    from flaxformer_lite.train.loop import run
 
     def train(directory):
         task = synthetic.make_generator("number_words", split="train", seed=0, size=300)
         pairs = directory / "pairs.tsv"
         pairs.write_text("".join(f"{task[i]['source']}\t{task[i]['target']}\n" for i in range(300)))
         config = pathlib.Path(__file__).parents[1] / "configs" / "transformer_tiny.yaml"
-        overrides = [f"run_dir={directory / 'run'}", f"data.path={pairs}", *TRANSLATION]
         log = []
-        previous = _set_optimizations_off(True)
-        try:
-            run(load_config(config, overrides), progress=False, log=log.append)
-        finally:
-            _set_optimizations_off(previous)
+        _train_unoptimized(
+            config, [f"run_dir={directory / 'run'}", f"data.path={pairs}", *TRANSLATION], log.append
+        )
         return log
 
     directory, log = shared_across_workers(tmp_path_factory, "trained_translation", train)
