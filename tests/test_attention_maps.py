@@ -1,7 +1,6 @@
 """attention_maps: the weights every layer really uses, their heatmaps, and the CLI."""
 
 import math
-import pathlib
 import subprocess
 import sys
 
@@ -37,7 +36,6 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # Maps of one model from two programs (scan and loop, eager and jit), which may sum in other
 # orders: weights in [0, 1] agree to float32 round-off of the logits behind them.
 MAPS_ATOL = 1e-5
-REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def make(preset, *, seed=0, **overrides):

@@ -6,7 +6,6 @@ and an encoder-decoder too; models without a Hugging Face counterpart refused wi
 Each tiny run trains a few steps, once per module (the runs compile for a few seconds each)."""
 
 import json
-import pathlib
 import shutil
 import socket
 import subprocess
@@ -25,7 +24,6 @@ from flaxformer_lite.train.trained_run import load_run
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 NAMES = ("byte", "char", "word", "bpe", "sentencepiece")
 LINES = [
     "the quick brown fox jumps over the lazy dog.",
