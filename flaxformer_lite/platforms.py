@@ -6,6 +6,10 @@ TPU backend at start-up, and on a host without TPU chips it prints warnings abou
 before JAX falls back to the CPU. There, with no other accelerator plugin installed, importing the
 package asks JAX for the CPU alone: the same backend, without the warnings. A ``JAX_PLATFORMS``
 the user set is kept, and so is a backend already started.
+
+The check imports no JAX (a command's ``--help`` needs none): it runs JAX's own test for TPU
+chips from its file, and where JAX is not imported yet asks for the CPU through
+``JAX_PLATFORMS``, as a user would, which JAX reads once it is imported.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import os
+import pathlib
+import sys
 
 _ACCELERATOR_PLUGINS = ("jax-cuda", "jax_cuda", "jax-rocm", "jax_rocm")
 
@@ -22,15 +28,28 @@ def skip_absent_tpu() -> None:
     and no GPU plugin is installed; call before any JAX backend starts."""
     if os.environ.get("JAX_PLATFORMS") or importlib.util.find_spec("libtpu") is None:
         return
-    try:
-        from jax._src import hardware_utils  # jax's own test, as cloud_tpu_init uses it
-    except ImportError:  # moved in another jax version: leave the choice to jax
-        return
-    if hardware_utils.num_available_tpu_chips_and_device_id()[0]:
+    if tpu_chip_count() != 0:  # chips, or jax's test moved: leave the choice to jax
         return
     names = (dist.metadata["Name"] or "" for dist in importlib.metadata.distributions())
     if any(name.startswith(_ACCELERATOR_PLUGINS) for name in names):
         return
-    import jax
+    if "jax" in sys.modules:
+        sys.modules["jax"].config.update("jax_platforms", "cpu")
+    else:
+        os.environ["JAX_PLATFORMS"] = "cpu"
 
-    jax.config.update("jax_platforms", "cpu")
+
+def tpu_chip_count() -> int | None:
+    """The TPU chips on this host's PCI bus, by jax's own test (``jax._src.hardware_utils``, as
+    cloud_tpu_init uses it), run from its file without importing JAX; None if jax moved it."""
+    jax_spec = importlib.util.find_spec("jax")
+    if jax_spec is None or jax_spec.origin is None:
+        return None
+    path = pathlib.Path(jax_spec.origin).parent / "_src" / "hardware_utils.py"
+    spec = importlib.util.spec_from_file_location("flaxformer_lite._jax_hardware_utils", path)
+    if spec is None or not path.is_file():
+        return None
+    hardware_utils = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hardware_utils)
+    count = getattr(hardware_utils, "num_available_tpu_chips_and_device_id", None)
+    return None if count is None else count()[0]

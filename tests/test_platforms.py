@@ -2,6 +2,7 @@
 without libtpu's start-up warnings; a host with chips, a GPU plugin or the user's
 ``JAX_PLATFORMS`` is left to jax."""
 
+import glob
 import importlib.util
 import os
 import subprocess
@@ -14,35 +15,48 @@ from jax._src import hardware_utils
 from flaxformer_lite import platforms
 
 GUARDED = (
-    "import jax; from flaxformer_lite.cli.errors import guarded; "
+    "from flaxformer_lite.cli.errors import guarded; import jax; "
     "guarded(lambda: print(jax.config.jax_platforms, jax.devices()[0].platform) or 0)"
 )
 
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu not installed")
-def test_a_command_on_a_host_without_tpu_chips_starts_the_cpu_quietly():
+@pytest.mark.parametrize("first", ["jax", "flaxformer_lite"])
+def test_a_command_on_a_host_without_tpu_chips_starts_the_cpu_quietly(first):
+    """Imported after jax, the package sets jax's config; before it, ``JAX_PLATFORMS``."""
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    code = f"import {first}, sys; print('jax' in sys.modules); {GUARDED}"
     result = subprocess.run(
-        [sys.executable, "-c", GUARDED], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["cpu", "cpu"]
+    assert result.stdout.split() == [str(first == "jax"), "cpu", "cpu"]
     assert "TPU" not in result.stderr, result.stderr
 
 
-@pytest.mark.parametrize("case", ["tpu chips", "gpu plugin", "user's choice", "no libtpu"])
+@pytest.mark.parametrize(
+    "case", ["tpu chips", "jax's test moved", "gpu plugin", "user's choice", "no libtpu"]
+)
 def test_the_choice_is_left_to_jax_unless_libtpu_has_no_chips(monkeypatch, case):
     updates = []
     monkeypatch.setattr(jax.config, "update", lambda *args: updates.append(args))
-    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.setenv("JAX_PLATFORMS", "")  # unset for the check; restored after the test
     monkeypatch.setattr(platforms.importlib.util, "find_spec", lambda name: object())
-    monkeypatch.setattr(hardware_utils, "num_available_tpu_chips_and_device_id", lambda: (0, None))
+    monkeypatch.setattr(platforms, "tpu_chip_count", lambda: 0)
     monkeypatch.setattr(platforms.importlib.metadata, "distributions", lambda: [])
     platforms.skip_absent_tpu()
     assert updates == [("jax_platforms", "cpu")]  # libtpu, no chips, no other plugin
+    assert os.environ["JAX_PLATFORMS"] == ""  # jax imported: its config, not the environment
+    with monkeypatch.context() as before_jax:
+        before_jax.delitem(sys.modules, "jax")
+        platforms.skip_absent_tpu()
+    assert updates == [("jax_platforms", "cpu")] and os.environ["JAX_PLATFORMS"] == "cpu"
+    monkeypatch.setenv("JAX_PLATFORMS", "")
     updates.clear()
     if case == "tpu chips":
-        monkeypatch.setattr(hardware_utils, "num_available_tpu_chips_and_device_id", lambda: (4, 5))
+        monkeypatch.setattr(platforms, "tpu_chip_count", lambda: 4)
+    elif case == "jax's test moved":
+        monkeypatch.setattr(platforms, "tpu_chip_count", lambda: None)
     elif case == "gpu plugin":
 
         class Plugin:
@@ -53,8 +67,27 @@ def test_the_choice_is_left_to_jax_unless_libtpu_has_no_chips(monkeypatch, case)
         monkeypatch.setenv("JAX_PLATFORMS", "tpu,cpu")
     else:
         monkeypatch.setattr(platforms.importlib.util, "find_spec", lambda name: None)
+    with monkeypatch.context() as before_jax:
+        before_jax.delitem(sys.modules, "jax")
+        platforms.skip_absent_tpu()
     platforms.skip_absent_tpu()
     assert updates == []
+    assert os.environ["JAX_PLATFORMS"] == ("tpu,cpu" if case == "user's choice" else "")
+
+
+def test_tpu_chips_are_counted_by_jaxs_own_test_without_importing_it(monkeypatch, tmp_path):
+    """``tpu_chip_count`` runs jax's ``hardware_utils`` from its file: on this host it agrees
+    with the imported module, and it reads the PCI devices as jax does (two TPU v4 chips and
+    a device of another vendor, faked)."""
+    assert platforms.tpu_chip_count() == hardware_utils.num_available_tpu_chips_and_device_id()[0]
+    for name, vendor, device in [("a", "0x1ae0", "0x005e"), ("b", "0x1ae0", "0x005e")] + [
+        ("c", "0x10de", "0x005e")
+    ]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "vendor").write_text(vendor + "\n")
+        (tmp_path / name / "device").write_text(device + "\n")
+    monkeypatch.setattr(glob, "glob", lambda pattern: sorted(map(str, tmp_path.glob("*/vendor"))))
+    assert platforms.tpu_chip_count() == 2
 
 
 def test_importing_the_package_and_load_run_print_nothing(tmp_path):
