@@ -22,44 +22,41 @@ stopped by a non-finite step exits 1; SIGTERM/SIGINT save a checkpoint and exit 
 
 from __future__ import annotations
 
+import importlib
 import sys
 
-from flaxformer_lite.cli.ablation import ablation_main
-from flaxformer_lite.cli.attention import attention_main
-from flaxformer_lite.cli.compare import compare_main
-from flaxformer_lite.cli.compile import compile_main
-from flaxformer_lite.cli.config import config_main
-from flaxformer_lite.cli.export import export_main
 from flaxformer_lite.cli.flags import CommandParser
-from flaxformer_lite.cli.generate import generate_main
-from flaxformer_lite.cli.plot import plot_main
-from flaxformer_lite.cli.prepare import prepare_main
-from flaxformer_lite.cli.sweep import sweep_main
-from flaxformer_lite.cli.train import train_main
 
-# name: (entry point, what it does); each command's --help has its flags and examples.
+# name: what it does; each command's --help has its flags and examples. Command NAME is
+# ``NAME_main`` of ``flaxformer_lite.cli.NAME``, imported when it runs: the listing and each
+# command's --help import nothing another command needs (JAX, Flax, Orbax, matplotlib).
 COMMANDS = {
-    "train": (train_main, "train or resume a run (as python train.py)"),
-    "sweep": (sweep_main, "train several runs (seeds, settings) as one program; mean ± std"),
-    "ablation": (ablation_main, "sweep configs over seeds and set them side by side, mean ± std"),
-    "config": (config_main, "print the resolved config as YAML, every key explained"),
-    "prepare": (prepare_main, "tokenize a text, jsonl or parallel source once into a store"),
-    "plot": (plot_main, "draw every metric a run logged (loss, evals, ...) as PNGs"),
-    "compare": (compare_main, "put runs side by side: curves, final metrics, config diff"),
-    "generate": (generate_main, "continue or translate prompts with a run (as sample.py)"),
-    "export": (export_main, "write a run as a Hugging Face directory (model and tokenizer)"),
-    "attention": (attention_main, "plot a run's attention weights on a text"),
-    "compile": (compile_main, "compile a config's step for a TPU slice: memory, collectives, MFU"),
+    "train": "train or resume a run (as python train.py)",
+    "sweep": "train several runs (seeds, settings) as one program; mean ± std",
+    "ablation": "sweep configs over seeds and set them side by side, mean ± std",
+    "config": "print the resolved config as YAML, every key explained",
+    "prepare": "tokenize a text, jsonl or parallel source once into a store",
+    "plot": "draw every metric a run logged (loss, evals, ...) as PNGs",
+    "compare": "put runs side by side: curves, final metrics, config diff",
+    "generate": "continue or translate prompts with a run (as sample.py)",
+    "export": "write a run as a Hugging Face directory (model and tokenizer)",
+    "attention": "plot a run's attention weights on a text",
+    "compile": "compile a config's step for a TPU slice: memory, collectives, MFU",
 }
+
+
+def entry_point(name: str):
+    """Command ``name``'s ``main(argv) -> exit status``, its module imported now."""
+    return getattr(importlib.import_module(f"flaxformer_lite.cli.{name}"), f"{name}_main")
 
 
 def main(argv: list[str] | None = None) -> int:
     """``flaxformer-lite COMMAND ...``: runs one of :data:`COMMANDS`."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] and argv[0] in COMMANDS:
-        return COMMANDS[argv[0]][0](argv[1:])
+        return entry_point(argv[0])(argv[1:])
     width = max(map(len, COMMANDS))
-    listing = "\n".join(f"  {name:<{width}}  {what}" for name, (_, what) in COMMANDS.items())
+    listing = "\n".join(f"  {name:<{width}}  {what}" for name, what in COMMANDS.items())
     parser = CommandParser(
         prog="flaxformer-lite",
         description="Train, inspect and sample flaxformer_lite models. "

@@ -24,7 +24,6 @@ import pathlib
 
 from flaxformer_lite.cli.errors import guarded, notice, say
 from flaxformer_lite.cli.flags import CONFIG_HELP, CommandParser, add_trust_code
-from flaxformer_lite.train.config import load_config
 
 
 def compile_main(argv: list[str] | None = None) -> int:
@@ -70,6 +69,7 @@ def compile_parser() -> argparse.ArgumentParser:
 def _compile(args) -> int:
     from flaxformer_lite.aot import analyse, compile_for, parse_topology, prepare_host
     from flaxformer_lite.train.compilation_cache import use_compilation_cache
+    from flaxformer_lite.train.config import load_config
 
     topology = parse_topology(args.topology)
     prepare_host(topology)  # before anything starts a JAX backend

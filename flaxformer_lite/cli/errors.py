@@ -12,14 +12,11 @@ import signal
 import sys
 from collections.abc import Callable
 
-import jax
-
-from flaxformer_lite import parallel
 from flaxformer_lite.cli.library_log import plain_terminal_records
-from flaxformer_lite.train.config import ConfigError
 
-# OSError: unreadable, unwritable or corrupt files, a full disk (CheckpointError is one).
-USER_ERRORS = (ConfigError, ValueError, OSError)
+# ValueError: bad settings and data (ConfigError is one); OSError: unreadable, unwritable or
+# corrupt files, a full disk (CheckpointError is one).
+USER_ERRORS = (ValueError, OSError)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -35,11 +32,19 @@ def guarded(fn: Callable[[], int], *, trust_code: bool = False) -> int:
     except USER_ERRORS as error:
         say(f"error: {error}", stream=sys.stderr)
         return 2
-    except jax.errors.JaxRuntimeError as error:
-        if "RESOURCE_EXHAUSTED" not in str(error):
+    except Exception as error:
+        if not _resource_exhausted(error):
             raise
         say(f"error: {out_of_memory(str(error))}", stream=sys.stderr)
         return 2
+
+
+def _resource_exhausted(error: Exception) -> bool:
+    """Whether ``error`` is XLA's RESOURCE_EXHAUSTED. JAX is imported by the commands that run
+    programs, not here: a command that never imported it raised no error of JAX's."""
+    jax = sys.modules.get("jax")
+    runtime_error = jax is not None and isinstance(error, jax.errors.JaxRuntimeError)
+    return runtime_error and "RESOURCE_EXHAUSTED" in str(error)
 
 
 # The sizes in XLA's out-of-memory messages: "12884901888 bytes", "2147483648B", "2.00GiB",
@@ -58,6 +63,8 @@ def out_of_memory(message: str) -> str:
     elif found := _FREE.search(message):
         what = f"{_gib(*found.group(1, 2))} asked for, {_gib(*found.group(3, 4))} free"
     else:
+        from flaxformer_lite import parallel
+
         where, limit = parallel.device_memory_limit()
         has = f"the {where} has {limit / 2**30:.2f} GiB" if limit else f"on the {where}"
         found = _ASKED.search(message)

@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-
-import jax
+from typing import TYPE_CHECKING
 
 from flaxformer_lite.cli.errors import guarded, notice, say
 from flaxformer_lite.cli.flags import CommandParser, add_trust_code
 from flaxformer_lite.cli.library_log import library_log_to
-from flaxformer_lite.data.tokenizers import Tokenizer
-from flaxformer_lite.decode.text import continue_or_translate, printable, translate_beam
-from flaxformer_lite.models import DecoderLM, EncoderDecoder
+
+if TYPE_CHECKING:
+    from flaxformer_lite.data.tokenizers import Tokenizer
+    from flaxformer_lite.models import DecoderLM, EncoderDecoder
 
 
 def generate_main(argv: list[str] | None = None, prog: str = "flaxformer-lite generate") -> int:
@@ -120,6 +120,11 @@ def parser(prog: str = "flaxformer-lite generate") -> argparse.ArgumentParser:
 def run(args: argparse.Namespace, say=print) -> int:
     """Loads the run or checkpoint and prints one block per prompt (and sample)."""
     check_flags(args)
+    import jax  # here, not at the top: --help and a wrong flag need no JAX
+
+    from flaxformer_lite.decode.text import continue_or_translate, printable, translate_beam
+    from flaxformer_lite.models import DecoderLM, EncoderDecoder
+
     if args.hf_dir is not None:
         if args.step is not None:
             raise ValueError("--step applies to --run-dir, not --hf-dir")

@@ -19,7 +19,6 @@ import time
 from flaxformer_lite.cli.errors import exit_on_signals, guarded, notice, say
 from flaxformer_lite.cli.flags import CONFIG_HELP, CommandParser, add_trust_code
 from flaxformer_lite.cli.library_log import library_log_to
-from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.run_dir import RunDir
 
 DESCRIPTION = """Train a model as the config says, in its run directory: with no flags, the
@@ -84,6 +83,7 @@ def _train(args, started: float) -> int:
     reuse_freed_host_memory()  # before JAX starts its backend's threads
     import jax
 
+    from flaxformer_lite.train.config import load_config
     from flaxformer_lite.train.loop import Interrupted, TrainingError, run
     from flaxformer_lite.train.resume import stretch_schedule
     from flaxformer_lite.train.time_spent import TimeSpent
@@ -118,6 +118,7 @@ def _train(args, started: float) -> int:
 
 def show_config(path: pathlib.Path | None, overrides: list[str]) -> int:
     """Prints the config of ``path`` and ``overrides`` as commented YAML; returns 0."""
+    from flaxformer_lite.train.config import load_config
     from flaxformer_lite.train.config_help import annotated_yaml
 
     say(annotated_yaml(load_config(path, overrides, notify=notice)).rstrip("\n"))
