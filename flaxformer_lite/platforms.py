@@ -46,9 +46,9 @@ def tpu_chip_count() -> int | None:
     if jax_spec is None or jax_spec.origin is None:
         return None
     path = pathlib.Path(jax_spec.origin).parent / "_src" / "hardware_utils.py"
-    spec = importlib.util.spec_from_file_location("flaxformer_lite._jax_hardware_utils", path)
-    if spec is None or not path.is_file():
+    if not path.is_file():
         return None
+    spec = importlib.util.spec_from_file_location("flaxformer_lite._jax_hardware_utils", path)
     hardware_utils = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(hardware_utils)
     count = getattr(hardware_utils, "num_available_tpu_chips_and_device_id", None)

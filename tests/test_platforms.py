@@ -80,9 +80,8 @@ def test_tpu_chips_are_counted_by_jaxs_own_test_without_importing_it(monkeypatch
     with the imported module, and it reads the PCI devices as jax does (two TPU v4 chips and
     a device of another vendor, faked)."""
     assert platforms.tpu_chip_count() == hardware_utils.num_available_tpu_chips_and_device_id()[0]
-    for name, vendor, device in [("a", "0x1ae0", "0x005e"), ("b", "0x1ae0", "0x005e")] + [
-        ("c", "0x10de", "0x005e")
-    ]:
+    devices = {"a": ("0x1ae0", "0x005e"), "b": ("0x1ae0", "0x005e"), "c": ("0x10de", "0x005e")}
+    for name, (vendor, device) in devices.items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "vendor").write_text(vendor + "\n")
         (tmp_path / name / "device").write_text(device + "\n")
