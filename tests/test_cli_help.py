@@ -12,7 +12,7 @@ import typing
 import pytest
 import yaml
 
-from flaxformer_lite.cli import COMMANDS, main
+from flaxformer_lite.cli import COMMANDS, entry_point, main
 from flaxformer_lite.cli import generate as generate_cli
 from flaxformer_lite.cli.attention import attention_parser
 from flaxformer_lite.cli.train import train_main
@@ -22,6 +22,8 @@ from flaxformer_lite.train.config_help import annotated_yaml, help_lines, leaf_k
 from flaxformer_lite.train.recipes import recipes, summary
 
 REPO_CONFIGS = ["configs/default.yaml", "configs/transformer_tiny.yaml", "configs/bert_tiny.yaml"]
+# Each command's function, its module imported here (the quick tier's files import every module).
+ENTRY_POINTS = {name: entry_point(name) for name in COMMANDS}
 
 
 def help_text(argv, capsys) -> str:
@@ -36,6 +38,15 @@ def test_top_level_help_lists_every_command_with_what_it_does(capsys):
     for name, what in COMMANDS.items():
         assert re.search(rf"^  {name} +{re.escape(what)}$", text, re.M), name
     assert "examples:" in text
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_every_command_runs_its_modules_main(command):
+    function = ENTRY_POINTS[command]
+    assert (function.__module__, function.__name__) == (
+        f"flaxformer_lite.cli.{command}",
+        f"{command}_main",
+    )
 
 
 @pytest.mark.parametrize("command", list(COMMANDS))
