@@ -29,7 +29,11 @@ from flaxformer_lite.train.trained_run import load_run
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-QUICK = [
+# lm_run's 40 steps: evaluations every 20 steps with decoded examples and logged samples.
+DECODING_RUN = [
+    "train.steps=40",
+    "optimizer.lr=0.003",
+    "data.seq_len=32",
     "train.batch_size=8",
     "optimizer.warmup_steps=0",
     "optimizer.schedule=constant",
@@ -51,10 +55,7 @@ def metrics(run_dir):
 def lm_run(tmp_path_factory):
     """The embedded default (arithmetic, gpt2-tiny), 40 steps."""
     run_dir = tmp_path_factory.mktemp("lm") / "run"
-    cfg = load_config(
-        None,
-        [f"run_dir={run_dir}", "data.seq_len=32", "train.steps=40", "optimizer.lr=0.003", *QUICK],
-    )
+    cfg = load_config(None, [f"run_dir={run_dir}", *DECODING_RUN])
     logs = []
     run(cfg, progress=False, log=logs.append)
     return run_dir, logs
