@@ -9,7 +9,11 @@ the user set is kept, and so is a backend already started.
 
 The check imports no JAX (a command's ``--help`` needs none): it runs JAX's own test for TPU
 chips from its file, and where JAX is not imported yet asks for the CPU through
-``JAX_PLATFORMS``, as a user would, which JAX reads once it is imported.
+``JAX_PLATFORMS=cpu``, as a user would, which JAX reads once it is imported. The variable then
+stays in the process's environment, and processes it starts inherit it: on this host they would
+decide the same (a child bound for a host with TPU chips or a GPU needs an environment of its
+own). Imported after JAX, the package sets JAX's config instead and the environment is left as
+it was.
 """
 
 from __future__ import annotations
@@ -41,15 +45,18 @@ def skip_absent_tpu() -> None:
 
 def tpu_chip_count() -> int | None:
     """The TPU chips on this host's PCI bus, by jax's own test (``jax._src.hardware_utils``, as
-    cloud_tpu_init uses it), run from its file without importing JAX; None if jax moved it."""
+    cloud_tpu_init uses it), run from its file without importing JAX; None where that file
+    is gone or no longer runs on its own (another jax version)."""
     jax_spec = importlib.util.find_spec("jax")
     if jax_spec is None or jax_spec.origin is None:
         return None
     path = pathlib.Path(jax_spec.origin).parent / "_src" / "hardware_utils.py"
     if not path.is_file():
         return None
-    spec = importlib.util.spec_from_file_location("flaxformer_lite._jax_hardware_utils", path)
+    spec = importlib.util.spec_from_file_location("_jax_hardware_utils", path)
     hardware_utils = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(hardware_utils)
-    count = getattr(hardware_utils, "num_available_tpu_chips_and_device_id", None)
-    return None if count is None else count()[0]
+    try:  # importing the package must not fail on a change in jax's private module
+        spec.loader.exec_module(hardware_utils)
+        return hardware_utils.num_available_tpu_chips_and_device_id()[0]
+    except Exception:
+        return None

@@ -13,7 +13,7 @@ from flaxformer_lite.train import host_memory
 
 # A jitted function whose temporaries (4 MiB each) XLA's worker threads allocate and free on
 # every call; it prints the minor page faults per call once warm. "reuse" makes the setting
-# where train.py does: after the CLI module (and jax) is imported, before JAX's backend starts.
+# where train.py does: after the CLI module is imported, before JAX is (and its backend starts).
 FAULTS_PER_CALL = """
 import resource, sys
 if sys.argv[1] == "reuse":

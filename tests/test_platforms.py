@@ -7,6 +7,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import types
 
 import jax
 import pytest
@@ -48,7 +49,7 @@ def test_the_choice_is_left_to_jax_unless_libtpu_has_no_chips(monkeypatch, case)
     assert updates == [("jax_platforms", "cpu")]  # libtpu, no chips, no other plugin
     assert os.environ["JAX_PLATFORMS"] == ""  # jax imported: its config, not the environment
     with monkeypatch.context() as before_jax:
-        before_jax.delitem(sys.modules, "jax")
+        before_jax.setattr(platforms, "sys", types.SimpleNamespace(modules={}))
         platforms.skip_absent_tpu()
     assert updates == [("jax_platforms", "cpu")] and os.environ["JAX_PLATFORMS"] == "cpu"
     monkeypatch.setenv("JAX_PLATFORMS", "")
@@ -68,17 +69,18 @@ def test_the_choice_is_left_to_jax_unless_libtpu_has_no_chips(monkeypatch, case)
     else:
         monkeypatch.setattr(platforms.importlib.util, "find_spec", lambda name: None)
     with monkeypatch.context() as before_jax:
-        before_jax.delitem(sys.modules, "jax")
+        before_jax.setattr(platforms, "sys", types.SimpleNamespace(modules={}))
         platforms.skip_absent_tpu()
     platforms.skip_absent_tpu()
     assert updates == []
     assert os.environ["JAX_PLATFORMS"] == ("tpu,cpu" if case == "user's choice" else "")
 
 
-def test_tpu_chips_are_counted_by_jaxs_own_test_without_importing_it(monkeypatch, tmp_path):
+def test_tpu_chips_are_counted_by_jaxs_own_test_run_from_its_file(monkeypatch, tmp_path):
     """``tpu_chip_count`` runs jax's ``hardware_utils`` from its file: on this host it agrees
-    with the imported module, and it reads the PCI devices as jax does (two TPU v4 chips and
-    a device of another vendor, faked)."""
+    with the imported module, it reads the PCI devices as jax does (two TPU v4 chips and a
+    device of another vendor, faked), a failure in it is None (left to jax), and it imports
+    no JAX."""
     assert platforms.tpu_chip_count() == hardware_utils.num_available_tpu_chips_and_device_id()[0]
     devices = {"a": ("0x1ae0", "0x005e"), "b": ("0x1ae0", "0x005e"), "c": ("0x10de", "0x005e")}
     for name, (vendor, device) in devices.items():
@@ -87,6 +89,12 @@ def test_tpu_chips_are_counted_by_jaxs_own_test_without_importing_it(monkeypatch
         (tmp_path / name / "device").write_text(device + "\n")
     monkeypatch.setattr(glob, "glob", lambda pattern: sorted(map(str, tmp_path.glob("*/vendor"))))
     assert platforms.tpu_chip_count() == 2
+    (tmp_path / "a" / "device").unlink()  # jax's test raises FileNotFoundError
+    assert platforms.tpu_chip_count() is None
+    code = "import sys; from flaxformer_lite import platforms; n = platforms.tpu_chip_count(); "
+    code += "print(isinstance(n, int), 'jax' in sys.modules)"
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert (child.returncode, child.stdout) == (0, "True False\n"), child.stderr
 
 
 def test_importing_the_package_and_load_run_print_nothing(tmp_path):
