@@ -14,6 +14,7 @@ import types
 import numpy as np
 import pytest
 from subprocess_env import subprocess_env
+from tiny_runs import QUICK
 
 from flaxformer_lite.cli import main
 from flaxformer_lite.data import synthetic
@@ -29,18 +30,13 @@ from flaxformer_lite.train.trained_run import load_run
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-# lm_run's 40 steps: evaluations every 20 steps with decoded examples and logged samples.
+# lm_run: tiny_runs.QUICK for 40 steps, evaluations every 20 with decoded examples and samples.
 DECODING_RUN = [
+    *QUICK,
     "train.steps=40",
     "optimizer.lr=0.003",
-    "data.seq_len=32",
-    "train.batch_size=8",
-    "optimizer.warmup_steps=0",
-    "optimizer.schedule=constant",
     "train.log_every=10",
     "train.eval_every=20",
-    "train.eval_batches=2",
-    "data.eval_size=16",
     "train.decode_examples=6",
     "train.log_samples=2",
 ]
