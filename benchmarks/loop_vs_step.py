@@ -120,17 +120,18 @@ class LoopRun:
             step = configured_train_step(cfg, graphdef, shardings, state_treedef)
             last.update(step=step, treedef=state_treedef)
 
-            def recorded(state, batch):
+            def recorded(state, batch, numbers, active):
                 cpu_at_calls.append(time.thread_time())
-                state, metrics = step(state, batch)
-                last.update(state=state, batch=batch)
-                return state, metrics
+                state, metrics, active = step(state, batch, numbers, active)
+                last.update(state=state, batch=batch, numbers=numbers, active=active)
+                return state, metrics, active
 
             return recorded
 
         with mock.patch.object(loop, "configured_train_step", recording_train_step):
             self.tokens_per_sec = logged_tokens_per_sec(cfg)
         self.step, self.state, self.batch = last["step"], last["state"], last["batch"]
+        self.numbers, self.active = last["numbers"], last["active"]  # the run's own
         self.treedef = last["treedef"]  # the loop's step takes and returns the state's leaves
         # The median between consecutive calls: the steps that logged, evaluated or saved are
         # the few slow ones; the first call compiled.
@@ -167,6 +168,6 @@ class LoopRun:
             return
         state = self.state
         for _ in range(steps):
-            state, metrics = self.step(state, self.batch)
+            state, metrics, _ = self.step(state, self.batch, self.numbers, self.active)
         float(metrics["loss"])  # waits for the last step
         self.state = state

@@ -130,7 +130,7 @@ def _peak_flops_once_per_worker(monkeypatch):
     train). The peak is the host's, so a worker measures it once, at its first run, and its later
     in-process runs reuse it; ``metrics.peak_flops`` itself, the benchmarks and the subprocesses
     measure as before."""
-    from flaxformer_lite.train import loop, metrics, sweep
+    from flaxformer_lite.train import loop, metrics
 
     def once():
         if not _PEAK_FLOPS:
@@ -138,7 +138,6 @@ def _peak_flops_once_per_worker(monkeypatch):
         return _PEAK_FLOPS[0]
 
     monkeypatch.setattr(loop, "peak_flops", once)
-    monkeypatch.setattr(sweep, "peak_flops", once)
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ from tiny_runs import TINY
 
 from flaxformer_lite import load_run
 from flaxformer_lite.cli import main
+from flaxformer_lite.train import lanes
 from flaxformer_lite.train import sweep as sweep_module
 from flaxformer_lite.train.config import ConfigError, load_config
 from flaxformer_lite.train.loop import Interrupted, run
@@ -116,21 +117,16 @@ def test_the_summary_is_the_mean_and_sample_deviation_of_the_members_metrics(swe
 
 def test_sigterm_then_the_same_sweep_again_equals_an_unbroken_sweep(swept, tmp_path, monkeypatch):
     directory, _, _ = swept
-    compiled = sweep_module._VmappedProgram.compiled
+    step_of, calls = lanes.Vmapped.step, []
 
     def stopping_at_step_12(self, *args):
-        step_fn, calls = compiled(self, *args), []
-
-        def step(*step_args):
-            calls.append(1)
-            if len(calls) == 12:
-                os.kill(os.getpid(), signal.SIGTERM)
-            return step_fn(*step_args)
-
-        return step
+        calls.append(1)
+        if len(calls) == 12:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return step_of(self, *args)
 
     cfg = load_config(None, [*SETTINGS, f"run_dir={tmp_path / 's'}"])
-    monkeypatch.setattr(sweep_module._VmappedProgram, "compiled", stopping_at_step_12)
+    monkeypatch.setattr(lanes.Vmapped, "step", stopping_at_step_12)
     with pytest.raises(Interrupted) as stopped:
         sweep(cfg, VARY, vmap=True, log=lambda _: None)
     assert stopped.value.step == 12
@@ -300,7 +296,7 @@ def test_a_member_loads_generates_and_exports_as_a_run(swept, tmp_path):
 
 
 def test_a_sweep_that_does_not_fit_says_so_before_training(tmp_path, monkeypatch):
-    monkeypatch.setattr(sweep_module.parallel, "device_memory_limit", lambda: ("host", 2**20))
+    monkeypatch.setattr(lanes.parallel, "device_memory_limit", lambda: ("host", 2**20))
     cfg = load_config(None, [*SETTINGS, f"run_dir={tmp_path / 's'}", "seed=0"])
     with pytest.raises(
         ConfigError,

@@ -116,8 +116,8 @@ def recorded(monkeypatch):
         step_fn = make_train_step(*args, **kwargs)
         calls = {"n": 0}
 
-        def step(state, batch):
-            state, metrics = step_fn(state, batch)
+        def step(state, batch, numbers, active):
+            state, metrics, active = step_fn(state, batch, numbers, active)
             calls["n"] += 1
             # Steps counted from the run's first step (a resumed run starts at its checkpoint).
             at = calls["n"] + record.start
@@ -126,7 +126,7 @@ def recorded(monkeypatch):
                 metrics = dict(metrics, finite=False, loss=float("nan"))
             if at == record.signal_at:
                 os.kill(os.getpid(), signal.SIGTERM)
-            return state, {k: _Value(v, at, k, record.events) for k, v in metrics.items()}
+            return state, {k: _Value(v, at, k, record.events) for k, v in metrics.items()}, active
 
         return step
 

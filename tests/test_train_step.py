@@ -20,6 +20,7 @@ from flaxformer_lite.train.program import (
     train_and_eval_graphdefs,
 )
 from flaxformer_lite.train.step import make_eval_step, make_train_step, model_loss, task_of
+from flaxformer_lite.train.step_numbers import step_numbers
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 
@@ -298,6 +299,7 @@ def test_a_chunked_loss_step_equals_the_plain_step_under_fsdp_and_tensor_paralle
         batch = jax.device_put(make_batch("lm"), parallel.batch_sharding(mesh, cfg.mesh.rules))
         with tracing_layout(mesh, cfg.mesh.rules):
             step = configured_train_step(cfg, built.graphdef, built.shardings)
-            _, metrics[chunk] = step(built.state, batch)
+            numbers = step_numbers(cfg, built.schedule)
+            _, metrics[chunk], _ = step(built.state, batch, numbers, True)
     for key in ("loss", "accuracy", "num_tokens", "grad_norm"):
         np.testing.assert_allclose(metrics["3"][key], metrics["null"][key], rtol=1e-5, err_msg=key)

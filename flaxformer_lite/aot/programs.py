@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.experimental import mesh_utils
+from jax.sharding import NamedSharding, PartitionSpec
 
 from flaxformer_lite import parallel
 from flaxformer_lite.aot.topology import Topology, topology_devices
@@ -34,6 +35,7 @@ from flaxformer_lite.train.program import (
     resolve_mesh,
     tracing_layout,
 )
+from flaxformer_lite.train.step_numbers import step_numbers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,10 +137,16 @@ def _train_step(cfg: TrainConfig, mesh, _max_new_tokens):
     state, shardings = built.state, built.shardings
     step = configured_train_step(cfg, built.graphdef, shardings)
     batch = abstract_batch(cfg, parallel.batch_sharding(mesh, cfg.mesh.rules))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    numbers = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
+        step_numbers(cfg, built.schedule),
+    )
+    active = jax.ShapeDtypeStruct((), jnp.bool_, sharding=replicated)
     params = _params(state[0], shardings[0])
     tokens = cfg.train.batch_size * cfg.data.seq_len
     flops = tokens * training_flops_per_token(cfg.model, cfg.data.seq_len)
-    return step, (state, batch), (params, (state[1], shardings[1])), flops, 1
+    return step, (state, batch, numbers, active), (params, (state[1], shardings[1])), flops, 1
 
 
 def _generation(cfg: TrainConfig, mesh, max_new_tokens: int):

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 
 from flaxformer_lite.data.tasks import Task, task_named
@@ -67,6 +68,7 @@ class Throughput:
         self.peak, self.log = peak, log
         self.started: float | None = None
         self.first_step = 0
+        self._held: tuple[int, tuple] | None = None
 
     def compiled(self, step: int, step_started: float) -> None:
         """After the first step, which compiled the step function."""
@@ -76,8 +78,17 @@ class Throughput:
     def restart(self, step: int) -> None:
         self.started, self.first_step = time.perf_counter(), step
 
+    def hold(self, step: int) -> None:
+        """Takes the rates at ``step`` now: what :meth:`rates` gives at ``step`` after, for
+        every run the step advanced, whatever is done in between (another's evaluation)."""
+        self._held = None
+        self._held = (step, self.rates(step))
+
     def rates(self, step: int) -> tuple[float | None, float | None]:
-        """``(tokens_per_sec, mfu)`` since the restart; None before a step was timed."""
+        """``(tokens_per_sec, mfu)`` since the restart (or as held at ``step``); None before a
+        step was timed."""
+        if self._held is not None and self._held[0] == step:
+            return self._held[1]
         steps = step - self.first_step
         if not steps:
             return None, None
@@ -87,45 +98,47 @@ class Throughput:
 
 
 class FiniteCheck:
-    """Reads the steps' finite flags, each once its successor is dispatched (or at once when the
-    step is due for an action), and stops the run on a non-finite one (with
-    ``train.skip_nonfinite``, logs it)."""
+    """Reads the lanes' finite flags of a step once the next step is dispatched (or at once when
+    the step is due for an action), and hands each lane's non-finite step to its
+    ``on_nonfinite(step, metrics)`` (log it, freeze the lane, or stop the run)."""
 
-    def __init__(self, skip: bool, checkpointer: Checkpointer, resumed_step: int | None, log):
-        self.skip, self.checkpointer, self.log = skip, checkpointer, log
-        self.resumed_step = resumed_step
-        self._unchecked: tuple[int, dict] | None = None
+    def __init__(self, on_nonfinite: list, program):
+        self.on_nonfinite, self.program = on_nonfinite, program
+        self._unchecked: tuple[int, Any] | None = None
 
-    def later(self, step: int, metrics: dict) -> None:
-        """Checks the step before ``step`` (queued behind it) and keeps ``step``'s flag."""
+    def later(self, step: int, metrics) -> None:
+        """Checks the step before ``step`` (queued behind it) and keeps ``step``'s flags."""
         self.now()
         self._unchecked = (step, metrics)
 
     def now(self) -> None:
         """Checks the step kept last, waiting for it."""
-        if self._unchecked is not None:
-            (step, metrics), self._unchecked = self._unchecked, None
-            self._check(step, metrics)
+        if self._unchecked is None:
+            return
+        (step, metrics), self._unchecked = self._unchecked, None
+        for index, finite in enumerate(self.program.finite(metrics)):
+            if not finite:
+                self.on_nonfinite[index](step, self.program.member_metrics(metrics, index))
 
-    def _check(self, step: int, metrics: dict) -> None:
-        if bool(metrics["finite"]):
-            return
-        message = (
-            f"step {step}: the loss or a gradient is not finite (loss "
-            f"{float(metrics['loss'])}); the update was skipped"
-        )
-        if self.skip:
-            self.log(message)
-            return
-        self.checkpointer.wait()  # a save in flight is good: name it as the last one
-        newest = self.checkpointer.latest_step()
-        if newest is None:
-            where = "last good checkpoint: none written yet"
-        elif newest == self.resumed_step:  # restored, not saved from steps checked here
-            where = f"newest checkpoint: step {newest}, the one this run resumed from"
-        else:
-            where = f"last good checkpoint: step {newest}"
-        raise TrainingError(f"{message} and the run stopped; {where}")
+
+def nonfinite_error(
+    step: int, loss: float, checkpointer: Checkpointer, resumed_step: int | None
+) -> TrainingError:
+    """The error that stops a run at its non-finite step ``step``, naming its last good
+    checkpoint (a save in flight is waited for: it is good)."""
+    message = (
+        f"step {step}: the loss or a gradient is not finite (loss {loss}); the update was "
+        "skipped and the run stopped"
+    )
+    checkpointer.wait()
+    newest = checkpointer.latest_step()
+    if newest is None:
+        where = "last good checkpoint: none written yet"
+    elif newest == resumed_step:  # restored, not saved from steps checked here
+        where = f"newest checkpoint: step {newest}, the one this run resumed from"
+    else:
+        where = f"last good checkpoint: step {newest}"
+    return TrainingError(f"{message}; {where}")
 
 
 class LogTrain:
@@ -134,9 +147,9 @@ class LogTrain:
 
     part = None  # reading the step's metrics waits for it: the steps' time
 
-    def __init__(self, interval: int, total: int, schedule, throughput: Throughput, console):
-        # One program: evaluated op by op, an optax schedule compiles a program per operation.
-        self.interval, self.total, self.schedule = interval, total, jax.jit(schedule)
+    def __init__(self, interval: int, total: int, rates, throughput: Throughput, console):
+        """``rates``: the learning rate by optimizer step, the step's own table of them."""
+        self.interval, self.total, self.rates = interval, total, np.asarray(rates)
         self.throughput, self.console = throughput, console
 
     def due(self, step: int, final: bool) -> bool:
@@ -144,7 +157,7 @@ class LogTrain:
 
     def __call__(self, end: StepEnd) -> None:
         values = {k: float(end.metrics[k]) for k in ("loss", "accuracy", "grad_norm")}
-        values["learning_rate"] = float(self.schedule(end.step - 1))
+        values["learning_rate"] = float(self.rates[min(end.step, len(self.rates)) - 1])
         values["tokens_per_sec"], values["mfu"] = self.throughput.rates(end.step)
         self.console.logged(end.step, values)
         end.values |= values

@@ -32,6 +32,7 @@ from flaxformer_lite.train.actions import (
     StepEnd,
     Throughput,
     TrainingError,
+    nonfinite_error,
     quiet,
     run_actions,
 )
@@ -41,6 +42,7 @@ from flaxformer_lite.train.compilation_cache import use_compilation_cache
 from flaxformer_lite.train.config import ConfigError, TrainConfig, config_from_dict
 from flaxformer_lite.train.console import Console
 from flaxformer_lite.train.figures import pyplot as figure_pyplot
+from flaxformer_lite.train.lanes import InTurn, Lane, Vmapped
 from flaxformer_lite.train.metrics import MetricsWriter, peak_flops, plot_run
 from flaxformer_lite.train.optim import warmup_notice
 from flaxformer_lite.train.program import (
@@ -59,6 +61,7 @@ from flaxformer_lite.train.resume import (
 from flaxformer_lite.train.run_dir import RunDir
 from flaxformer_lite.train.signals import Interrupted, SignalAgreement, stop_on_signals
 from flaxformer_lite.train.step import make_eval_step, task_of
+from flaxformer_lite.train.step_numbers import step_numbers
 from flaxformer_lite.train.time_spent import TimeSpent
 from flaxformer_lite.train.trained_run import from_savable, load_hf_weights, restore_target
 
@@ -111,7 +114,7 @@ def run(
         started = start(cfg, run_dir, force=force, log=log, spent=spent)
         # The data's prefetch thread ends with the run, however the run ends.
         with contextlib.closing(started.checkpointer), contextlib.closing(started.data.train):
-            return train(started, progress=progress, log=log)
+            return train([Lane(started)], progress=progress, log=log)[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +132,10 @@ class StartedRun:
       state: the train state at ``step``.
       step: the optimizer steps done (the restored checkpoint's, or 0).
       resumed: whether ``state`` was restored from a checkpoint.
-      train_step: the jitted train step, over the state's leaves (``jax.tree.leaves``).
+      treedef: the state's tree structure (the steps take and return its leaves).
+      numbers: the run's numbers, as its train step takes them (:mod:`.step_numbers`).
+      train_step: the jitted train step, over the state's leaves
+        (:func:`~.program.configured_train_step`).
       eval_step: the jitted eval step.
       place: puts a batch of this process's rows onto the mesh.
       spent: where the run's time goes.
@@ -144,6 +150,8 @@ class StartedRun:
     state: Any
     step: int
     resumed: bool
+    treedef: Any
+    numbers: dict
     train_step: Callable
     eval_step: Callable
     place: Callable
@@ -207,6 +215,8 @@ def start(
         state=state,
         step=step,
         resumed=saved is not None,
+        treedef=jax.tree.structure(state),
+        numbers=step_numbers(cfg, built.schedule),
         train_step=configured_train_step(
             cfg, built.graphdef, built.shardings, jax.tree.structure(state)
         ),
@@ -218,100 +228,184 @@ def start(
     )
 
 
-def train(run: StartedRun, *, progress: bool, log) -> dict[str, float]:
-    """Steps ``run`` to ``train.steps``; returns the metrics logged last.
+def train(lanes: list[Lane], *, progress: bool, log, vmap: bool = False) -> list[dict[str, float]]:
+    """Steps ``lanes`` (a run, or a sweep's members that share a program, all at one step) to
+    ``train.steps``; returns the metrics each logged last.
 
-    The host runs one step ahead of the devices: it dispatches step s, takes batch s + 1 (made
-    and placed on the devices by the data's prefetch thread) while s runs, and reads a step's
-    results only when an action is due at it, or, for its finite flag, one step late, once the
-    next step is dispatched. Between actions the state stays a list of its leaves, what the
-    step takes and returns. The evaluation's programs compile on a thread of their own while
-    the first steps run (:mod:`.background_compile`); matplotlib is imported on another, where
-    the plots are drawn while the last checkpoint is written."""
-    cfg, data, step, total = run.cfg, run.data, run.step, run.cfg.train.steps
-    if step == total:
-        log(f"{run.run_dir} is at step {step} = train.steps already; raise train.steps to go on")
-    console = Console(total, step, bar=progress, log=log)
+    One compiled step advances every lane (:class:`~.lanes.InTurn`, or with ``vmap``
+    :class:`~.lanes.Vmapped`), each on its own batches and numbers; each lane's actions fire at
+    their steps. The host runs one step ahead of the devices: it dispatches step s, takes
+    batch s + 1 (made, and placed on the devices, by each lane's prefetch thread) while s runs,
+    and reads a step's results only when an action is due at it, or, for its finite flags, one
+    step late, once the next step is dispatched. Between actions a state stays a list of its
+    leaves, what the step takes and returns. The evaluation's programs, one set for all the
+    lanes, compile on a thread of their own while the first steps run
+    (:mod:`.background_compile`); matplotlib is imported on another, where the plots are drawn
+    while the last checkpoints are written."""
+    first = lanes[0].run
+    cfg, step, total, spent = first.cfg, first.step, first.cfg.train.steps, first.spent
     main = jax.process_index() == 0
-    writer = MetricsWriter(run.run_dir.path, resume_step=step) if main else NoMetrics()
+    if step == total:
+        where = first.run_dir if len(lanes) == 1 else "the members"
+        log(f"{where} is at step {step} = train.steps already; raise train.steps to go on")
+    program = (Vmapped if vmap else InTurn)(lanes)
     tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
     flops_per_token = training_flops_per_token(cfg.model, cfg.data.seq_len)
     throughput = Throughput(tokens_per_step, flops_per_token, peak_flops(), log)
-    resumed_step = run.step if run.resumed else None
-    finite = FiniteCheck(cfg.train.skip_nonfinite, run.checkpointer, resumed_step, log)
-    task = task_of(cfg.model)
-    (leaves, treedef), last, spent = jax.tree.flatten(run.state), {}, run.spent
-    compiling = BackgroundCompile(spent)
-    evaluate = Evaluate(
-        cfg, data, task, run.eval_step, run.built.eval_graphdef, run.place, console, compiling
-    )
-    actions = [
-        LogTrain(cfg.train.log_every, total, run.built.schedule, throughput, console),
-        evaluate,
-        SaveCheckpoint(run.checkpointer, cfg),
-    ]
-    for notice in (warmup_notice(cfg.optimizer, total), *data.notices):
-        if notice:
-            log(notice)
-    data.train.place_with(run.place)  # in the prefetch thread, beside the steps
+    program.prefetch()  # in the prefetch threads, beside the steps
     with spent.part("data"):
-        batch = next(data.train) if step < total else None
+        batches = program.next_batches() if step < total else None
+    states = program.stack([jax.tree.leaves(lane.run.state) for lane in lanes])
+    active = program.active()
+    if step < total:  # a sweep's step that does not fit is refused before anything is logged
+        program.compile(states, batches, active, log)
+    compiling = BackgroundCompile(spent)
+    loops = [
+        _LaneLoop(lane, first.eval_step, throughput, compiling, progress, log, main)
+        for lane in lanes
+    ]
+    finite = FiniteCheck([each.on_nonfinite for each in loops], program)
     agree = SignalAgreement()
     plotter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="plots")
     # The steps are traced under the mesh and rules: the layers pin their activations' layout.
-    with (
-        stop_on_signals() as stop,
-        contextlib.closing(writer),
-        contextlib.closing(console),
-        tracing_layout(run.mesh, cfg.mesh.rules),
-        contextlib.closing(compiling),
-        plotter,
-    ):
+    with contextlib.ExitStack() as stack:
+        stop = stack.enter_context(stop_on_signals())
+        for each in loops:
+            stack.callback(each.close)
+        stack.enter_context(tracing_layout(first.mesh, cfg.mesh.rules))
+        stack.enter_context(contextlib.closing(compiling))
+        stack.enter_context(plotter)
         spent.loop_begins()
         while step < total:
             started = time.perf_counter()
-            leaves, metrics = run.train_step(leaves, batch)
-            if step == run.step:  # what the first evaluation and the end need, meanwhile
-                state = treedef.unflatten(leaves)
-                compiling.start(_evaluation_compiler(evaluate, state, run.mesh, cfg.mesh.rules))
+            states, metrics, active = program.step(states, batches, active)
+            if step == first.step:  # what the first evaluation and the end need, meanwhile
+                state = first.treedef.unflatten(program.member(states, 0))
+                compiling.start(
+                    _evaluation_compiler(loops[0].evaluate, state, first.mesh, cfg.mesh.rules)
+                )
                 if main:
                     plotter.submit(figure_pyplot)
             step += 1
-            console.advance()
-            data_state = data.train.get_state()  # what a checkpoint at this step saves
+            for each in loops:
+                each.console.advance()
+            data_states = [lane.run.data.train.get_state() for lane in lanes]
             if step < total:
                 taken = time.perf_counter()
-                batch = next(data.train)
+                batches = program.next_batches()
                 spent.add("data", time.perf_counter() - taken)
             finite.later(step, metrics)
             signum = agree(stop.signum)
             final = step == total or signum is not None
-            due = [action for action in actions if action.due(step, final)]
-            if throughput.started is not None and not due:
+            due = [each.due(step, final) for each in loops]
+            if throughput.started is not None and not any(due):
                 continue
-            end = StepEnd(step, treedef.unflatten(leaves), metrics, data_state, final)
             finite.now()  # a checkpoint is written only after its step's flag is read
             if throughput.started is None:
                 throughput.compiled(step, started)
-            run_actions(due, end, run.checkpointer, spent)
-            if end.values:
-                writer.write(step, end.values)
-                last = end.values
+            throughput.hold(step)
+            for index, each in enumerate(loops):
+                if each.lane.alive and due[index]:
+                    leaves = program.member(states, index)
+                    end = StepEnd(
+                        step,
+                        each.lane.run.treedef.unflatten(leaves),
+                        program.member_metrics(metrics, index),
+                        data_states[index],
+                        final,
+                    )
+                    each.act(due[index], end, spent)
             if signum is not None:
                 with spent.part("checkpoints"):
-                    run.checkpointer.wait()
+                    for lane in lanes:
+                        lane.run.checkpointer.wait()
                 raise Interrupted(signum, step)
-            if due:  # tokens/s times training steps alone, not evaluations or saves
+            if any(due):  # tokens/s times training steps alone, not evaluations or saves
                 throughput.restart(step)
+        finite.now()
         # metrics.jsonl holds every step (flushed as written): the plots are drawn from it while
-        # the last checkpoint is written, and both are done when the run returns.
-        plots = plotter.submit(plot_run, run.run_dir.path) if main else None
+        # the last checkpoints are written, and both are done when the run returns.
+        plots = [plotter.submit(plot_run, lane.run.run_dir.path) for lane in lanes] if main else []
         with spent.part("checkpoints"):
-            run.checkpointer.wait()
-        if plots is not None:
-            with spent.part("plots"):
-                plots.result()
-    return last
+            for lane in lanes:
+                lane.run.checkpointer.wait()
+        with spent.part("plots"):
+            for drawn in plots:
+                drawn.result()
+    return [lane.last for lane in lanes]
+
+
+class _LaneLoop:
+    """What the loop keeps of a lane while it steps: its console, metrics writer and actions
+    (logging, evaluating with the lanes' one eval step, saving), and what a non-finite step of
+    it does."""
+
+    def __init__(self, lane: Lane, eval_step, throughput, compiling, progress, log, main: bool):
+        run, total = lane.run, lane.run.cfg.train.steps
+        self.lane, self.log = lane, lane.log(log)
+        self.console = Console(total, run.step, bar=progress and lane.name is None, log=self.log)
+        self.writer = (
+            MetricsWriter(run.run_dir.path, resume_step=run.step, log=self.log)
+            if main
+            else NoMetrics()
+        )
+        self.evaluate = Evaluate(
+            run.cfg,
+            run.data,
+            task_of(run.cfg.model),
+            eval_step,
+            run.built.eval_graphdef,
+            run.place,
+            self.console,
+            compiling,
+        )
+        self.actions = [
+            LogTrain(run.cfg.train.log_every, total, run.numbers["lr"], throughput, self.console),
+            self.evaluate,
+            SaveCheckpoint(run.checkpointer, run.cfg),
+        ]
+        self.resumed_step = run.step if run.resumed else None
+        for notice in (warmup_notice(run.cfg.optimizer, total), *run.data.notices):
+            if notice:
+                self.log(notice)
+
+    def due(self, step: int, final: bool) -> list:
+        """The actions due after ``step`` (none once the lane is frozen)."""
+        if not self.lane.alive:
+            return []
+        return [action for action in self.actions if action.due(step, final)]
+
+    def act(self, due: list, end: StepEnd, spent: TimeSpent) -> None:
+        run_actions(due, end, self.lane.run.checkpointer, spent)
+        if end.values:
+            self.writer.write(end.step, end.values)
+            self.lane.last = end.values
+
+    def on_nonfinite(self, step: int, metrics: dict) -> None:
+        """Step ``step`` was not finite: logged (``train.skip_nonfinite``), the lane frozen
+        (a sweep's member), or the run stopped.
+
+        Raises:
+          TrainingError: a run's step, naming its last good checkpoint."""
+        if not self.lane.alive:
+            return
+        run = self.lane.run
+        if run.cfg.train.skip_nonfinite:
+            loss = float(metrics["loss"])
+            self.log(
+                f"step {step}: the loss or a gradient is not finite (loss {loss}); the update "
+                "was skipped"
+            )
+            return
+        if self.lane.frozen is not None:
+            self.lane.alive = False
+            self.lane.frozen(step)
+            return
+        raise nonfinite_error(step, float(metrics["loss"]), run.checkpointer, self.resumed_step)
+
+    def close(self) -> None:
+        self.writer.close()
+        self.console.close()
 
 
 def _evaluation_compiler(evaluate: Evaluate, state, mesh, rules) -> Callable[[], None]:
@@ -417,4 +511,4 @@ class NoMetrics:
         pass
 
 
-__all__ = ["Interrupted", "StartedRun", "TrainingError", "run", "start", "train"]
+__all__ = ["Interrupted", "Lane", "StartedRun", "TrainingError", "run", "start", "train"]

@@ -11,13 +11,14 @@ from typing import Any
 
 import jax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from flaxformer_lite import parallel
 from flaxformer_lite.data import tasks
 from flaxformer_lite.models import build_model
 from flaxformer_lite.train.config import TrainConfig
-from flaxformer_lite.train.optim import make_optimizer
-from flaxformer_lite.train.step import make_train_step, task_of
+from flaxformer_lite.train.optim import make_optimizer, optimizer_of, table_schedule
+from flaxformer_lite.train.step import on_leaves, task_of, train_step
 
 
 def resolve_mesh(cfg: TrainConfig, devices=None) -> tuple[TrainConfig, jax.sharding.Mesh]:
@@ -79,19 +80,45 @@ def make_train_state(cfg: TrainConfig, tx) -> tuple[nnx.Module, nnx.Optimizer]:
 
 
 def configured_train_step(cfg: TrainConfig, graphdef, shardings, state_treedef=None):
-    """The jitted train step of ``cfg`` (its task, loss settings and microbatches) for the
-    state of ``graphdef`` laid out by ``shardings``; given ``state_treedef``, over the state's
-    leaves (:func:`~.step.make_train_step`)."""
-    return make_train_step(
-        graphdef,
-        task=task_of(cfg.model),
-        label_smoothing=cfg.train.label_smoothing,
-        z_loss=cfg.train.z_loss,
-        loss_chunk=cfg.train.loss_chunk,
-        grad_accum_steps=cfg.train.grad_accum_steps,
-        state_shardings=shardings,
-        state_treedef=state_treedef,
-    )
+    """The jitted train step of ``cfg`` (:func:`numbered_step`) for the state of ``graphdef``
+    laid out by ``shardings``, the state donated and kept in its layout, the other results
+    replicated; given ``state_treedef``, over the state's leaves (:func:`~.step.on_leaves`:
+    no Python call per ``Variable`` at every step)."""
+    step = numbered_step(cfg, graphdef)
+    replicated = NamedSharding(jax.tree.leaves(shardings)[0].mesh, PartitionSpec())
+    if state_treedef is not None:
+        step, shardings = on_leaves(step, state_treedef), jax.tree.leaves(shardings)
+    return jax.jit(step, donate_argnums=0, out_shardings=(shardings, replicated, replicated))
+
+
+def numbered_step(cfg: TrainConfig, graphdef):
+    """``step(state, batch, numbers, active) -> (state, metrics, active)``: ``cfg``'s
+    :func:`~.step.train_step` (its task, loss chunks and microbatches) with its numbers
+    (:func:`~.step_numbers.step_numbers`) as arguments, the learning rate read from their
+    table at the optimizer's step.
+
+    A state whose ``active`` flag is off is returned as it is (a sweep's frozen member); a step
+    that is not finite turns the flag off, unless ``train.skip_nonfinite`` (then only that step
+    is skipped)."""
+    skip = cfg.train.skip_nonfinite
+
+    def step(state, batch, numbers, active):
+        tx = optimizer_of(cfg.optimizer, table_schedule(numbers["lr"]), numbers)
+        state, metrics = train_step(
+            graphdef,
+            state,
+            batch,
+            task=task_of(cfg.model),
+            label_smoothing=numbers["label_smoothing"],
+            z_loss=numbers["z_loss"],
+            loss_chunk=cfg.train.loss_chunk,
+            grad_accum_steps=cfg.train.grad_accum_steps,
+            tx=tx,
+            update=active,
+        )
+        return state, metrics, active & (metrics["finite"] | skip)
+
+    return step
 
 
 @contextlib.contextmanager

@@ -119,16 +119,17 @@ def make_train_step(
     if grad_accum_steps < 1:
         raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
     if state_treedef is not None:
-        step = _on_leaves(step, state_treedef)
+        step = on_leaves(step, state_treedef)
     return jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
 
 
-def _on_leaves(step, state_treedef):
-    """``step(state, batch) -> (state, metrics)`` as a function of the state's leaves."""
+def on_leaves(step, state_treedef):
+    """``step(state, *args) -> (state, *results)`` as a function of the state's leaves:
+    ``(leaves, *args) -> (leaves, *results)``."""
 
-    def step_on_leaves(leaves: list, batch: dict):
-        state, metrics = step(state_treedef.unflatten(leaves), batch)
-        return jax.tree.leaves(state), metrics
+    def step_on_leaves(leaves: list, *args):
+        state, *results = step(state_treedef.unflatten(leaves), *args)
+        return jax.tree.leaves(state), *results
 
     return step_on_leaves
 
@@ -144,6 +145,7 @@ def train_step(
     loss_chunk: int | None = None,
     grad_accum_steps: int = 1,
     tx: optax.GradientTransformation | None = None,
+    update=True,
 ):
     """One optimizer step of the split ``(model, optimizer)`` state on ``batch``: ``(state,
     metrics)``, to be jitted (:func:`make_train_step`) or vmapped over a sweep's members.
@@ -154,7 +156,8 @@ def train_step(
     rows ``i, i + k, ...`` of the batch, run one after another (``lax.scan``), for k times less
     activation memory; every device keeps computing on its own rows. Metrics: ``loss``,
     ``z_loss``, ``accuracy``, ``num_tokens``, ``grad_norm`` and ``finite`` (False when the loss
-    or a gradient was NaN/Inf; the state is then returned unchanged). ``label_smoothing`` and
+    or a gradient was NaN/Inf; the state is then returned unchanged, as it is where ``update``, a
+    bool or a traced flag, is False: a sweep's frozen member). ``label_smoothing`` and
     ``z_loss`` (floats or scalar arrays) and ``loss_chunk`` positions at a time: as
     :func:`model_loss`.
     """
@@ -211,7 +214,7 @@ def train_step(
     # The update runs inside the taken branch, so XLA writes the new state over the donated
     # old one; choosing between an updated copy and the old state afterwards would keep both
     # alive: the whole state once more in temporary memory, mapped afresh every step.
-    state = jax.lax.cond(finite, apply_update, lambda state: state, state)
+    state = jax.lax.cond(finite & update, apply_update, lambda state: state, state)
     return state, metrics
 
 

@@ -21,29 +21,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import pathlib
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
-from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from flaxformer_lite import parallel
-from flaxformer_lite.models import training_flops_per_token
 from flaxformer_lite.models.pieces import check_pieces, trusted_code
-from flaxformer_lite.train.actions import (
-    Evaluate,
-    LogTrain,
-    SaveCheckpoint,
-    StepEnd,
-    Throughput,
-    quiet,
-    run_actions,
-)
+from flaxformer_lite.train.actions import quiet
 from flaxformer_lite.train.compilation_cache import use_compilation_cache
 from flaxformer_lite.train.config import (
     ConfigError,
@@ -53,28 +39,18 @@ from flaxformer_lite.train.config import (
     flatten,
     is_runtime_key,
 )
-from flaxformer_lite.train.console import Console
-from flaxformer_lite.train.loop import NoMetrics, StartedRun, start
-from flaxformer_lite.train.metrics import MetricsWriter, peak_flops
-from flaxformer_lite.train.optim import NUMBERS, optimizer_of, schedule_table, table_schedule
+from flaxformer_lite.train.lanes import Lane
+from flaxformer_lite.train.loop import start, train
 from flaxformer_lite.train.program import (
     abstract_batch,
     build_train_state,
+    numbered_step,
     resolve_mesh,
-    tracing_layout,
 )
 from flaxformer_lite.train.resume import restore_data_state
 from flaxformer_lite.train.run_dir import RunDir, move_aside
-from flaxformer_lite.train.signals import Interrupted, SignalAgreement, stop_on_signals
-from flaxformer_lite.train.step import make_eval_step, task_of, train_step
-from flaxformer_lite.train.sweep_members import (
-    LOSS_NUMBERS,
-    PER_MEMBER,
-    Member,
-    numbers_aside,
-    split_settings,
-    sweep_members,
-)
+from flaxformer_lite.train.step_numbers import PER_MEMBER, numbers_aside, step_numbers
+from flaxformer_lite.train.sweep_members import Member, split_settings, sweep_members
 from flaxformer_lite.train.sweep_summary import summarize, summary_table
 from flaxformer_lite.train.trained_run import from_savable, restore_target
 
@@ -233,40 +209,38 @@ def _announce(members, groups, diverged, log) -> None:
         log(f"{name}: diverged at step {step} in an earlier session; not trained")
 
 
-@dataclasses.dataclass
-class _Lane:
-    """A member in its group's program: its started run, and while it steps, what it writes
-    and the actions due at its steps."""
-
-    member: Member
-    run: StartedRun
-    writer: Any = None
-    console: Console | None = None
-    actions: list = dataclasses.field(default_factory=list)
-
-
 def _train_group(group: list[Member], directory, record, diverged, *, force: bool, vmap, log):
-    """Prepares the group's members as runs, stacks them, and steps them to ``train.steps``."""
-    lanes: list[_Lane] = []
+    """Starts the group's members as runs (each as ``train.py`` starts one) and trains them
+    together in the run's loop, each a lane that a non-finite step freezes."""
+    lanes: list[Lane] = []
+
+    def freezer(name: str):
+        def frozen(step: int) -> None:
+            diverged[name] = step
+            log(
+                f"{name}: the loss or a gradient is not finite at step {step}; the member is "
+                f"frozen at step {step - 1} and trains no further (the others go on)"
+            )
+            _write_json(directory / SWEEP_FILE, record | {"diverged": diverged})
+
+        return frozen
+
     try:
         for member in group:
             say = _prefixed(member.name, log)
-            lanes.append(
-                _Lane(member, start(member.cfg, RunDir(member.cfg.run_dir), force=force, log=say))
-            )
+            started = start(member.cfg, RunDir(member.cfg.run_dir), force=force, log=say)
+            lanes.append(Lane(started, name=member.name, frozen=freezer(member.name)))
         _align_steps(lanes, log)
         if vmap is None:
             vmap = lanes[0].run.mesh.devices.flat[0].platform != "cpu"
-        _step_group(lanes, directory, record, diverged, vmap=vmap, log=log)
+        train(lanes, progress=False, log=log, vmap=vmap)
     finally:
         for lane in lanes:
-            if lane.writer is not None:
-                lane.writer.close()
             lane.run.checkpointer.close()
             lane.run.data.train.close()
 
 
-def _align_steps(lanes: list[_Lane], log) -> None:
+def _align_steps(lanes: list[Lane], log) -> None:
     """Restores the members that are ahead (a sweep stopped while some members' saves were in
     flight) to the newest step every member has a checkpoint of, so that they step together.
 
@@ -285,282 +259,8 @@ def _align_steps(lanes: list[_Lane], log) -> None:
         restored = run.checkpointer.restore(restore_target(run.state), step=common)
         restore_data_state(run.data.train, restored.data_state, False, log)
         state = from_savable(restored.state, run.state)
-        log(f"{lane.member.name}: back to step {common}, the step every member reached")
+        log(f"{lane.name}: back to step {common}, the step every member reached")
         lane.run = dataclasses.replace(run, state=state, step=common)
-
-
-def _step_group(lanes: list[_Lane], directory, record, diverged: dict, *, vmap: bool, log):
-    """The group's steps, one compiled program for every member (vmapped, or in turn), and each
-    member's actions at the steps they are due (as :func:`.loop.train`), under its run's mesh."""
-    first = lanes[0].run
-    cfg, step, total = first.cfg, first.step, first.cfg.train.steps
-    task = task_of(cfg.model)
-    program = (_VmappedProgram if vmap else _LoopProgram)(lanes)
-    eval_step = make_eval_step(
-        first.built.eval_graphdef, task=task, loss_chunk=cfg.train.loss_chunk
-    )
-    flops_per_token = training_flops_per_token(cfg.model, cfg.data.seq_len)
-    tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
-    throughput = Throughput(tokens_per_step, flops_per_token, peak_flops(), log)
-    rates = _StepRates()
-    stacked = program.stack([lane.run.state for lane in lanes])
-    active = program.active()
-    batch = program.place([next(lane.run.data.train) for lane in lanes]) if step < total else None
-    if step < total:
-        step_fn = program.compiled(stacked, batch, active, log)
-    main = jax.process_index() == 0
-    for lane in lanes:
-        run, say = lane.run, _prefixed(lane.member.name, log)
-        lane.writer = (
-            MetricsWriter(run.run_dir.path, resume_step=run.step, log=say) if main else NoMetrics()
-        )
-        lane.console = Console(total, step, bar=False, log=say)
-        lane.actions = [
-            LogTrain(cfg.train.log_every, total, run.built.schedule, rates, lane.console),
-            Evaluate(
-                run.cfg, run.data, task, eval_step, run.built.eval_graphdef, run.place, lane.console
-            ),
-            SaveCheckpoint(run.checkpointer, run.cfg),
-        ]
-    alive = [True] * len(lanes)
-    pending = None  # (step, the members' flags after it), read one step late
-    agree = SignalAgreement()
-    throughput.restart(step)
-    with stop_on_signals() as stop:
-        while step < total:
-            stacked, metrics, active = step_fn(stacked, batch, program.numbers, active)
-            step += 1
-            data_states = [lane.run.data.train.get_state() for lane in lanes]
-            if step < total:
-                batch = program.place([next(lane.run.data.train) for lane in lanes])
-            if pending is not None:
-                _note_divergence(lanes, alive, *pending, directory, record, diverged, log)
-            pending = (step, active)
-            signum = agree(stop.signum)
-            final = step == total or signum is not None
-            if not any(action.due(step, final) for lane in lanes for action in lane.actions):
-                continue
-            _note_divergence(lanes, alive, *pending, directory, record, diverged, log)
-            pending = None
-            rates.now = throughput.rates(step)  # every member's, over the same steps
-            for index, lane in enumerate(lanes):
-                if alive[index]:
-                    member = program.member(stacked, index, lane.run)
-                    metrics_of = program.member_metrics(metrics, index)
-                    end = StepEnd(step, member, metrics_of, data_states[index], final)
-                    due = [action for action in lane.actions if action.due(step, final)]
-                    with tracing_layout(lane.run.mesh, cfg.mesh.rules):
-                        run_actions(due, end, lane.run.checkpointer)
-                    if end.values:
-                        lane.writer.write(step, end.values)
-            if signum is not None:
-                for lane in lanes:
-                    lane.run.checkpointer.wait()
-                raise Interrupted(signum, step)
-            throughput.restart(step)  # tokens/s times training steps alone, not evaluations
-        if pending is not None:
-            _note_divergence(lanes, alive, *pending, directory, record, diverged, log)
-    for lane in lanes:
-        lane.run.checkpointer.wait()
-        lane.console.close()
-
-
-class _StepRates:
-    """The program's tokens/s and MFU per member at a logged step, taken once for all members
-    (:class:`~.actions.LogTrain` asks for them member by member, between evaluations)."""
-
-    now: tuple[float | None, float | None] = (None, None)
-
-    def rates(self, step: int) -> tuple[float | None, float | None]:
-        return self.now
-
-
-def _note_divergence(lanes, alive, step, active, directory, record, diverged, log) -> None:
-    """Marks the members whose step ``step`` was not finite (their flag in ``active`` fell)."""
-    flags = np.asarray(active)
-    for index, lane in enumerate(lanes):
-        if alive[index] and not flags[index]:
-            alive[index] = False
-            diverged[lane.member.name] = step
-            log(
-                f"{lane.member.name}: the loss or a gradient is not finite at step {step}; the "
-                f"member is frozen at step {step - 1} and trains no further (the others go on)"
-            )
-            _write_json(directory / SWEEP_FILE, record | {"diverged": diverged})
-
-
-class _VmappedProgram:
-    """A group's members as one vmapped step: their states stacked on a leading member axis,
-    on a mesh whose ``member`` axis spreads the members over the devices (each device trains
-    its share; as many members as divide the runs' ``data`` axis, the rest of it splitting each
-    member's batch as in a run), their numbers as arrays."""
-
-    def __init__(self, lanes: list[_Lane]):
-        first = lanes[0].run
-        self.first, self.size = first, len(lanes)
-        self.mesh = member_mesh(first.mesh, self.size)
-        self.rules = first.cfg.mesh.rules
-        self.shardings = jax.tree.map(
-            lambda s: NamedSharding(self.mesh, PartitionSpec("member", *s.spec)),
-            first.built.shardings,
-            is_leaf=lambda x: isinstance(x, NamedSharding),
-        )
-        self.member_sharding = NamedSharding(self.mesh, PartitionSpec("member"))
-        self.numbers = jax.device_put(_lanes_numbers(lanes), self.member_sharding)
-
-    def stack(self, states: list):
-        """The members' states stacked, on the member mesh."""
-        return jax.device_put(jax.tree.map(lambda *xs: jnp.stack(xs), *states), self.shardings)
-
-    def member(self, stacked, index: int, run: StartedRun):
-        """Member ``index``'s state, laid out as its run lays it out."""
-        return jax.device_put(jax.tree.map(lambda x: x[index], stacked), run.built.shardings)
-
-    def member_metrics(self, metrics: dict, index: int) -> dict:
-        return {key: value[index] for key, value in metrics.items()}
-
-    def active(self) -> jax.Array:
-        return jax.device_put(jnp.ones(self.size, bool), self.member_sharding)
-
-    def place(self, batches: list[dict]) -> dict:
-        """``{key: [M, B, ...]}`` from each member's batch of this process's rows."""
-        batch_spec = parallel.batch_sharding(self.first.mesh, self.rules).spec
-        sharding = NamedSharding(self.mesh, PartitionSpec("member", *batch_spec))
-        local = {key: np.stack([batch[key] for batch in batches]) for key in batches[0]}
-        rows = self.first.cfg.train.batch_size
-        shapes = {key: (self.size, rows, *value.shape[2:]) for key, value in local.items()}
-        return jax.make_array_from_process_local_data(sharding, local, shapes)
-
-    def compiled(self, stacked, batch, active, log):
-        """The step compiled for these arrays, after checking that it fits the devices.
-
-        Raises:
-          ConfigError: the step needs more memory than a device has."""
-        started = time.perf_counter()
-        step = member_step(self.first.cfg, self.first.built.graphdef)
-        spread = self.member_sharding
-        jitted = jax.jit(
-            jax.vmap(step, spmd_axis_name="member"),
-            donate_argnums=0,
-            out_shardings=(self.shardings, spread, spread),
-        )
-        with tracing_layout(self.mesh, self.rules):
-            compiled = jitted.lower(stacked, batch, self.numbers, active).compile()
-        members = self.size // self.mesh.shape["member"]
-        _check_fits(_step_bytes(compiled), members)
-        log(
-            f"compiled one step for {self.size} members, vmapped, on mesh "
-            f"{parallel.describe_mesh(self.mesh)} in {time.perf_counter() - started:.1f} s: "
-            f"{_fit_text(_step_bytes(compiled), members)}"
-        )
-        return compiled
-
-
-class _LoopProgram:
-    """A group's members stepped one after another by one compiled step (a member's, not
-    vmapped), each member's arrays laid out as its run's: on a CPU, whose cores one member's
-    step keeps busy, a batched step is slower than its members' steps in turn."""
-
-    def __init__(self, lanes: list[_Lane]):
-        first = lanes[0].run
-        self.first, self.size = first, len(lanes)
-        self.replicated = NamedSharding(first.mesh, PartitionSpec())
-        numbers = _lanes_numbers(lanes)
-        self.numbers = [
-            jax.device_put(jax.tree.map(lambda x, i=i: x[i], numbers), self.replicated)
-            for i in range(self.size)
-        ]
-
-    def stack(self, states: list) -> list:
-        return list(states)
-
-    def member(self, states: list, index: int, run: StartedRun):
-        return states[index]
-
-    def member_metrics(self, metrics: list, index: int) -> dict:
-        return metrics[index]
-
-    def active(self) -> list:
-        return [jax.device_put(jnp.asarray(True), self.replicated)] * self.size
-
-    def place(self, batches: list[dict]) -> list:
-        return [self.first.place(batch) for batch in batches]
-
-    def compiled(self, states, batches, active, log):
-        """Each member's step in turn, compiled once, after checking that every member's
-        state fits the devices beside one step.
-
-        Raises:
-          ConfigError: they need more memory than a device has."""
-        started = time.perf_counter()
-        first = self.first
-        jitted = jax.jit(
-            member_step(first.cfg, first.built.graphdef),
-            donate_argnums=0,
-            out_shardings=(first.built.shardings, self.replicated, self.replicated),
-        )
-        with tracing_layout(first.mesh, first.cfg.mesh.rules):
-            compiled = jitted.lower(states[0], batches[0], self.numbers[0], active[0]).compile()
-        state_bytes = parallel.device_bytes(states[0], first.built.shardings)
-        held = _step_bytes(compiled) + (self.size - 1) * state_bytes
-        _check_fits(held, self.size)
-        log(
-            f"compiled one step for {self.size} members, run for each in turn, on mesh "
-            f"{parallel.describe_mesh(first.mesh)} in {time.perf_counter() - started:.1f} s: "
-            f"{_fit_text(held, self.size)}"
-        )
-
-        def step(states, batches, numbers, active):
-            members = zip(states, batches, numbers, active, strict=True)
-            results = [compiled(*member) for member in members]
-            return tuple(list(outputs) for outputs in zip(*results, strict=True))
-
-        return step
-
-
-def _fit_text(per_device: int, members: int) -> str:
-    return (
-        f"{per_device / 2**20:,.1f} MiB per device for {members} member"
-        f"{'s' if members > 1 else ''} ({per_device / members / 2**20:,.1f} MiB each)"
-    )
-
-
-def _check_fits(per_device: int, members: int) -> None:
-    """Raises ConfigError when ``per_device`` bytes are more than a device has."""
-    where, limit = parallel.device_memory_limit()
-    if limit is not None and per_device > limit:
-        raise ConfigError(
-            f"the sweep's step needs {_fit_text(per_device, members)}; the {where} has "
-            f"{limit / 2**20:,.0f} MiB: fewer members per program (vary fewer values), a "
-            "smaller train.batch_size, or more devices"
-        )
-
-
-def member_step(cfg: TrainConfig, graphdef):
-    """``step(state, batch, numbers, active) -> (state, metrics, active)``: a member's
-    :func:`~.step.train_step` with its numbers (:func:`_member_numbers`) as arrays.
-
-    A member whose ``active`` flag is off keeps its state; one whose step is not finite turns
-    its flag off (unless ``train.skip_nonfinite``: then only that step is skipped)."""
-    skip = cfg.train.skip_nonfinite
-
-    def step(state, batch, numbers, active):
-        tx = optimizer_of(cfg.optimizer, table_schedule(numbers["lr"]), numbers)
-        new_state, metrics = train_step(
-            graphdef,
-            state,
-            batch,
-            task=task_of(cfg.model),
-            label_smoothing=numbers["label_smoothing"],
-            z_loss=numbers["z_loss"],
-            loss_chunk=cfg.train.loss_chunk,
-            grad_accum_steps=cfg.train.grad_accum_steps,
-            tx=tx,
-        )
-        state = jax.lax.cond(active, lambda: new_state, lambda: state)
-        return state, metrics, active & (metrics["finite"] | skip)
-
-    return step
 
 
 def program_key(cfg: TrainConfig) -> tuple[str, str]:
@@ -570,56 +270,15 @@ def program_key(cfg: TrainConfig) -> tuple[str, str]:
     mesh = resolve_mesh(cfg)[1]
     built = build_train_state(cfg, mesh, abstract=True)
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), built.state)
-    steps = max(cfg.train.steps, 1)
-    numbers = jax.tree.map(lambda x: x[0], _member_numbers([cfg], [jnp.zeros(steps)]))
+    numbers = step_numbers(cfg, built.schedule)
     batch = abstract_batch(cfg, None)
-    jaxpr = jax.make_jaxpr(member_step(cfg, built.graphdef))(state, batch, numbers, True)
+    jaxpr = jax.make_jaxpr(numbered_step(cfg, built.graphdef))(state, batch, numbers, True)
     loop = {
         key: value
         for key, value in flatten(cfg.to_dict()).items()
         if key.split(".")[0] in ("train", "checkpoint", "mesh") and key not in PER_MEMBER
     }
     return str(jaxpr), repr(sorted(loop.items()))
-
-
-def member_mesh(mesh: jax.sharding.Mesh, members: int) -> jax.sharding.Mesh:
-    """``mesh`` with a ``member`` axis in front, taken from its ``data`` axis: as many devices
-    as the largest divisor of both ``members`` and the ``data`` size (the members spread over
-    them), the rest of ``data`` left to each member's batch."""
-    data = mesh.shape["data"]
-    spread = math.gcd(members, data)
-    devices = mesh.devices.reshape(spread, data // spread, *mesh.devices.shape[1:])
-    names = ("member", *mesh.axis_names)
-    return jax.sharding.Mesh(devices, names, axis_types=(AxisType.Auto,) * len(names))
-
-
-def _step_bytes(compiled) -> int:
-    """The bytes a device holds while the compiled step runs: its arguments, outputs and
-    temporaries, less the donated arguments' bytes the outputs reuse."""
-    stats = compiled.memory_analysis()
-    if stats is None:
-        return 0
-    held = stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
-    return held - stats.alias_size_in_bytes
-
-
-def _lanes_numbers(lanes: list[_Lane]) -> dict[str, jax.Array]:
-    """The numbers of the lanes' members, stacked; their learning rates for ``train.steps``."""
-    total = max(lanes[0].run.cfg.train.steps, 1)
-    tables = [schedule_table(lane.run.built.schedule, total) for lane in lanes]
-    return _member_numbers([lane.run.cfg for lane in lanes], tables)
-
-
-def _member_numbers(configs: list[TrainConfig], tables: list) -> dict[str, jax.Array]:
-    """Each member's numbers, stacked: ``lr`` ``[M, steps]`` (its schedule's rate by step),
-    the optimizer's :data:`~.optim.NUMBERS` and the loss's, ``[M]`` float32."""
-    numbers = {"lr": jnp.stack(tables)}
-    for name in NUMBERS:  # an unset clip_norm clips nothing: its group's transformation has none
-        values = [getattr(c.optimizer, name) for c in configs]
-        numbers[name] = jnp.asarray([0.0 if v is None else v for v in values], jnp.float32)
-    for name in LOSS_NUMBERS:
-        numbers[name] = jnp.asarray([getattr(c.train, name) for c in configs], jnp.float32)
-    return numbers
 
 
 def _prefixed(name: str, log):

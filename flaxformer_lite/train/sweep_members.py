@@ -6,8 +6,9 @@ name, and the groups of members that can train as one compiled program.
 
 Which members share a program is read from the program itself (:func:`.sweep.program_key`:
 the traced step, whose arguments carry the numbers): members that differ only in the numbers the
-step takes as arrays (:data:`PER_MEMBER`: the seed, the learning-rate schedule, the optimizer's
-:data:`~.optim.NUMBERS`, label smoothing, z-loss) are traced once (:func:`numbers_aside`); others
+step takes as arguments (:data:`~.step_numbers.PER_MEMBER`: the seed, the learning-rate schedule,
+the optimizer's numbers, label smoothing, z-loss) are traced once
+(:func:`~.step_numbers.numbers_aside`); others
 are traced each, and share a program when their steps are the same (an initialization scale,
 a data file) and not when they differ (width, depth, norms, dropout rates, the attention
 variant).
@@ -30,20 +31,7 @@ from flaxformer_lite.train.config import (
     set_dotted,
     valid_keys,
 )
-from flaxformer_lite.train.optim import NUMBERS
 from flaxformer_lite.train.schema import OverrideText
-
-# The loss settings the sweep's step takes as arrays, one number per member.
-LOSS_NUMBERS = ("label_smoothing", "z_loss")
-# The optimizer's settings that make up its learning-rate schedule, which a member's step reads
-# from a table of rates computed for it (:func:`~.optim.schedule_table`).
-SCHEDULE_SETTINGS = ("lr", "schedule", "warmup_steps", "end_lr_ratio", "schedule_steps")
-# The settings that are a member's own numbers in its group's program (or its own directory).
-PER_MEMBER = frozenset(
-    {"seed", "run_dir"}
-    | {f"train.{name}" for name in LOSS_NUMBERS}
-    | {f"optimizer.{name}" for name in (*NUMBERS, *SCHEDULE_SETTINGS)}
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,16 +116,6 @@ def member_config(cfg: TrainConfig, settings: Mapping[str, Any], run_dir) -> Tra
         return config_from_dict(values)
     except (ConfigError, ValueError) as error:
         raise ConfigError(f"--vary {', '.join(settings)}: {error}") from None
-
-
-def numbers_aside(cfg: TrainConfig) -> str:
-    """``cfg`` without the settings the sweep's step takes as numbers (:data:`PER_MEMBER`):
-    members that differ only in those train as one program. Whether ``clip_norm`` is set stays
-    (clipping is a step of its own in the optimizer)."""
-    flat = flatten(cfg.to_dict())
-    kept = {key: value for key, value in flat.items() if key not in PER_MEMBER}
-    kept["optimizer.clip_norm"] = flat["optimizer.clip_norm"] is not None
-    return repr(sorted(kept.items()))
 
 
 def split_settings(members: Sequence[Member], groups: Sequence[Sequence[Member]]) -> list[str]:

@@ -1,0 +1,245 @@
+"""The runs one loop steps together (:func:`.loop.train`), each a :class:`Lane`, and the two
+ways one compiled step advances them: :class:`InTurn`, each lane's state through the step one
+after another (a run, a lane alone; a sweep's members on a CPU, whose cores one member's step
+keeps busy), and :class:`Vmapped`, their states stacked on a leading member axis through the
+vmapped step (a sweep's members on accelerators, where a small model leaves most of a chip idle).
+
+Either way every lane's numbers are arguments of the step (:mod:`.step_numbers`), so a sweep's
+member stepped in turn runs the very program, on the very arguments, of its own run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from flaxformer_lite import parallel
+from flaxformer_lite.train.config import ConfigError
+from flaxformer_lite.train.program import numbered_step, tracing_layout
+from flaxformer_lite.train.step import on_leaves
+
+
+@dataclasses.dataclass
+class Lane:
+    """A run as the loop steps it.
+
+    Attributes:
+      run: the started run (:class:`.loop.StartedRun`).
+      name: its name among a sweep's members; None for ``train.py``'s run.
+      frozen: what a sweep does with a member whose step is not finite (called with the
+        step); None: the run stops (:class:`~.actions.TrainingError`).
+      alive: False once the lane is frozen: it steps and logs no further.
+      last: the metrics it logged last.
+    """
+
+    run: Any
+    name: str | None = None
+    frozen: Callable[[int], None] | None = None
+    alive: bool = True
+    last: dict = dataclasses.field(default_factory=dict)
+
+    def log(self, log: Callable[[str], None]) -> Callable[[str], None]:
+        """``log`` with the lane's name before each message (a sweep's member)."""
+        if self.name is None:
+            return log
+        return lambda message: log(f"{self.name}: {message}")
+
+
+class InTurn:
+    """The lanes stepped one after another by one jitted step (their first lane's), each lane's
+    arrays laid out as its run lays them out; its batches placed on the devices by its data's
+    prefetch thread, beside the steps. A frozen lane is not stepped."""
+
+    vmapped = False
+
+    def __init__(self, lanes: list[Lane]):
+        first = lanes[0].run
+        self.lanes, self.first = lanes, first
+        replicated = NamedSharding(first.mesh, PartitionSpec())
+        self.numbers = [jax.device_put(lane.run.numbers, replicated) for lane in lanes]
+        self._active = jax.device_put(jnp.asarray(True), replicated)
+        self._metrics: list = [None] * len(lanes)
+
+    def prefetch(self) -> None:
+        for lane in self.lanes:
+            lane.run.data.train.place_with(lane.run.place)
+
+    def next_batches(self) -> list:
+        return [next(lane.run.data.train) if lane.alive else None for lane in self.lanes]
+
+    def stack(self, leaves: list[list]) -> list[list]:
+        return list(leaves)
+
+    def member(self, states: list, index: int) -> list:
+        """Lane ``index``'s state leaves."""
+        return states[index]
+
+    def member_metrics(self, metrics: list, index: int) -> dict:
+        return metrics[index]
+
+    def finite(self, metrics: list) -> list[bool]:
+        """Each lane's step was finite (waits for the steps)."""
+        return [bool(m["finite"]) for m in metrics]
+
+    def active(self) -> list:
+        return [self._active] * len(self.lanes)
+
+    def compile(self, states, batches, active, log) -> None:
+        """For a sweep's members: compiles the step ahead and checks that every member's state
+        fits the devices beside one step (a run compiles at its first step).
+
+        Raises:
+          ConfigError: they need more memory than a device has."""
+        if len(self.lanes) == 1:
+            return
+        started, first = time.perf_counter(), self.first
+        with tracing_layout(first.mesh, first.cfg.mesh.rules):
+            lowered = first.train_step.lower(states[0], batches[0], self.numbers[0], active[0])
+        compiled = lowered.compile()
+        state_bytes = parallel.device_bytes(first.state, first.built.shardings)
+        held = step_bytes(compiled) + (len(self.lanes) - 1) * state_bytes
+        check_fits(held, len(self.lanes))
+        log(
+            f"compiled one step for {len(self.lanes)} members, run for each in turn, on mesh "
+            f"{parallel.describe_mesh(first.mesh)} in {time.perf_counter() - started:.1f} s: "
+            f"{fit_text(held, len(self.lanes))}"
+        )
+
+    def step(self, states: list, batches: list, active: list):
+        step = self.first.train_step
+        for index, lane in enumerate(self.lanes):
+            if lane.alive:
+                states[index], self._metrics[index], active[index] = step(
+                    states[index], batches[index], self.numbers[index], active[index]
+                )
+        return states, list(self._metrics), active
+
+
+class Vmapped:
+    """The lanes as one vmapped step: their states stacked on a leading member axis, on a mesh
+    whose ``member`` axis spreads the members over the devices (each device trains its share;
+    as many members as divide the runs' ``data`` axis, the rest of it splitting each member's
+    batch as in a run), their numbers stacked. A frozen lane's state is kept by its flag."""
+
+    vmapped = True
+
+    def __init__(self, lanes: list[Lane]):
+        first = lanes[0].run
+        self.lanes, self.first, self.size = lanes, first, len(lanes)
+        self.mesh = member_mesh(first.mesh, self.size)
+        self.rules = first.cfg.mesh.rules
+        self.shardings = [
+            NamedSharding(self.mesh, PartitionSpec("member", *s.spec))
+            for s in jax.tree.leaves(first.built.shardings)
+        ]
+        self.member_sharding = NamedSharding(self.mesh, PartitionSpec("member"))
+        numbers = [lane.run.numbers for lane in lanes]
+        stacked = jax.tree.map(lambda *xs: np.stack(xs), *numbers)
+        self.numbers = jax.device_put(stacked, self.member_sharding)
+        self._compiled = None
+
+    def prefetch(self) -> None:
+        """The members' batches are stacked before they are placed: none placed ahead."""
+
+    def next_batches(self) -> dict:
+        """``{key: [M, B, ...]}`` from each member's batch of this process's rows."""
+        batches = [next(lane.run.data.train) for lane in self.lanes]
+        batch_spec = parallel.batch_sharding(self.first.mesh, self.rules).spec
+        sharding = NamedSharding(self.mesh, PartitionSpec("member", *batch_spec))
+        local = {key: np.stack([batch[key] for batch in batches]) for key in batches[0]}
+        rows = self.first.cfg.train.batch_size
+        shapes = {key: (self.size, rows, *value.shape[2:]) for key, value in local.items()}
+        return jax.make_array_from_process_local_data(sharding, local, shapes)
+
+    def stack(self, leaves: list[list]) -> list:
+        """The members' state leaves stacked, on the member mesh."""
+        stacked = [jnp.stack(xs) for xs in zip(*leaves, strict=True)]
+        return jax.device_put(stacked, self.shardings)
+
+    def member(self, stacked: list, index: int) -> list:
+        """Member ``index``'s state leaves, laid out as its run lays them out."""
+        shardings = jax.tree.leaves(self.lanes[index].run.built.shardings)
+        return jax.device_put([x[index] for x in stacked], shardings)
+
+    def member_metrics(self, metrics: dict, index: int) -> dict:
+        return {key: value[index] for key, value in metrics.items()}
+
+    def finite(self, metrics: dict) -> list[bool]:
+        return [bool(flag) for flag in np.asarray(metrics["finite"])]
+
+    def active(self) -> jax.Array:
+        return jax.device_put(jnp.ones(self.size, bool), self.member_sharding)
+
+    def compile(self, stacked, batch, active, log) -> None:
+        """Compiles the step for these arrays, after checking that it fits the devices.
+
+        Raises:
+          ConfigError: the step needs more memory than a device has."""
+        started, first = time.perf_counter(), self.first
+        step = on_leaves(numbered_step(first.cfg, first.built.graphdef), first.treedef)
+        spread = self.member_sharding
+        jitted = jax.jit(
+            jax.vmap(step, spmd_axis_name="member"),
+            donate_argnums=0,
+            out_shardings=(self.shardings, spread, spread),
+        )
+        with tracing_layout(self.mesh, self.rules):
+            compiled = jitted.lower(stacked, batch, self.numbers, active).compile()
+        members = self.size // self.mesh.shape["member"]
+        check_fits(step_bytes(compiled), members)
+        log(
+            f"compiled one step for {self.size} members, vmapped, on mesh "
+            f"{parallel.describe_mesh(self.mesh)} in {time.perf_counter() - started:.1f} s: "
+            f"{fit_text(step_bytes(compiled), members)}"
+        )
+        self._compiled = compiled
+
+    def step(self, stacked, batch, active):
+        return self._compiled(stacked, batch, self.numbers, active)
+
+
+def member_mesh(mesh: jax.sharding.Mesh, members: int) -> jax.sharding.Mesh:
+    """``mesh`` with a ``member`` axis in front, taken from its ``data`` axis: as many devices
+    as the largest divisor of both ``members`` and the ``data`` size (the members spread over
+    them), the rest of ``data`` left to each member's batch."""
+    data = mesh.shape["data"]
+    spread = math.gcd(members, data)
+    devices = mesh.devices.reshape(spread, data // spread, *mesh.devices.shape[1:])
+    names = ("member", *mesh.axis_names)
+    return jax.sharding.Mesh(devices, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def fit_text(per_device: int, members: int) -> str:
+    return (
+        f"{per_device / 2**20:,.1f} MiB per device for {members} member"
+        f"{'s' if members > 1 else ''} ({per_device / members / 2**20:,.1f} MiB each)"
+    )
+
+
+def check_fits(per_device: int, members: int) -> None:
+    """Raises ConfigError when ``per_device`` bytes are more than a device has."""
+    where, limit = parallel.device_memory_limit()
+    if limit is not None and per_device > limit:
+        raise ConfigError(
+            f"the sweep's step needs {fit_text(per_device, members)}; the {where} has "
+            f"{limit / 2**20:,.0f} MiB: fewer members per program (vary fewer values), a "
+            "smaller train.batch_size, or more devices"
+        )
+
+
+def step_bytes(compiled) -> int:
+    """The bytes a device holds while the compiled step runs: its arguments, outputs and
+    temporaries, less the donated arguments' bytes the outputs reuse."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return 0
+    held = stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+    return held - stats.alias_size_in_bytes
