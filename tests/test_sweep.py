@@ -23,6 +23,7 @@ from flaxformer_lite.train.loop import Interrupted, run
 from flaxformer_lite.train.metrics import read_metrics
 from flaxformer_lite.train.run_dir import RunDir
 from flaxformer_lite.train.sweep import sweep
+from flaxformer_lite.train.sweep_dir import SweepDir
 from flaxformer_lite.train.sweep_members import split_settings, sweep_members
 from flaxformer_lite.train.sweep_plot import group_curve
 from flaxformer_lite.train.sweep_summary import difference, mean_std, read_summary
@@ -30,6 +31,7 @@ from flaxformer_lite.train.sweep_summary import difference, mean_std, read_summa
 pytestmark = pytest.mark.fast_compile
 
 STEPS = 20
+LONG_STEPS = 200  # the in-turn members against their runs
 SETTINGS = [
     *TINY,
     f"train.steps={STEPS}",
@@ -98,6 +100,28 @@ def test_a_member_trains_as_its_solo_run(swept, tmp_path):
     run(load_config(member / "config.yaml", [f"run_dir={tmp_path / 'solo'}"]), progress=False)
     # The same arithmetic, vmapped and laid out over member x data instead of data alone.
     assert_close(numbers(member), numbers(tmp_path / "solo"), rtol=2e-4)
+
+
+def test_each_member_stepped_in_turn_logs_exactly_what_its_own_run_logs(tmp_path):
+    """Four members (two seeds x two learning rates, cosine-decayed, with label smoothing, weight
+    decay and Adam's b2 as numbers) for 200 steps on a CPU, stepped in turn, then each alone with
+    ``train.py --config <member>/config.yaml``: the same program on the same numbers, so every
+    logged number is equal, not close."""
+    steps = [
+        f"train.steps={LONG_STEPS}",
+        "train.log_every=10",
+        "train.eval_every=100",
+        "optimizer.schedule=cosine",
+    ]
+    cfg = load_config(None, [*SETTINGS, *steps, f"run_dir={tmp_path / 's'}"])
+    sweep(cfg, VARY, vmap=False, log=lambda _: None)
+    for name in MEMBERS:
+        member = tmp_path / "s" / name
+        solo = tmp_path / "solo" / name
+        assert main(["train", "--config", str(member / "config.yaml"), f"run_dir={solo}"]) == 0
+        logged = numbers(member)
+        assert max(logged) == LONG_STEPS and sum("eval_loss" in r for r in logged.values()) == 2
+        assert numbers(solo) == logged, name
 
 
 def test_the_summary_is_the_mean_and_sample_deviation_of_the_members_metrics(swept):
@@ -247,7 +271,14 @@ def test_the_difference_of_two_groups_has_its_standard_error():
         ({"model.init_std": ["0.02", "0.05"]}, [2]),
         # The graph or the shapes: a program each.
         ({"model.num_decoder_layers": ["1", "2"], "seed": ["0", "1"]}, [2, 2]),
-        ({"model.residual_dropout": ["0.1", "0.2"]}, [1, 1]),
+        # Dropout rates of the embedding and the residual branches are numbers too...
+        (
+            {"model.residual_dropout": ["0.1", "0.2"], "model.embedding_dropout": ["0.1", "0.3"]},
+            [4],
+        ),
+        # ...but dropout on or off is the graph, and attention dropout's rate a constant.
+        ({"model.residual_dropout": ["0", "0.2"]}, [1, 1]),
+        ({"model.attention_dropout": ["0.1", "0.2"]}, [1, 1]),
         ({"optimizer.clip_norm": ["1.0", "null"]}, [1, 1]),
     ],
 )
@@ -317,7 +348,10 @@ def test_fresh_moves_another_sweep_aside(tmp_path):
     record = {"vary": {"seed": ["0"]}, "config": {}, "members": {"seed=0": {"seed": "0"}}}
     lines = []
     assert (
-        sweep_module._open_directory(other, record, fresh=True, force=False, log=lines.append) == {}
+        sweep_module._open_directory(
+            SweepDir(other), record, fresh=True, force=False, log=lines.append
+        )
+        == {}
     )
     assert lines == [f"--fresh: moved the previous sweep to {tmp_path / 's.old1'}"]
     assert json.loads((tmp_path / "s.old1" / "sweep.json").read_text()) == before

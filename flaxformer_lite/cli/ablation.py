@@ -111,11 +111,12 @@ def _sweep(config: str, sweep_dir: pathlib.Path, seeds: int, steps: int | None) 
 def _compare(configs, runs: pathlib.Path, seconds: dict, out: pathlib.Path) -> dict:
     """Prints the table of the configs' sweeps, their differing settings and the figure."""
     from flaxformer_lite.train import compare
+    from flaxformer_lite.train.sweep_dir import SweepDir
 
     rows, means = [], []
     for config in configs:
         name = pathlib.Path(config).stem
-        summary = json.loads((runs / name / "sweep.json").read_text())["summary"]
+        summary = SweepDir(runs / name).read()["summary"]
         members = compare.load_runs([runs / name / member for member in summary["members"]])
         means.append(_mean_run(name, members))
         (group,) = summary["groups"].values()  # the members differ only in their seed

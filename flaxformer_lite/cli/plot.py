@@ -40,10 +40,10 @@ def plot_main(argv: list[str] | None = None) -> int:
 def _plot(run_dir: pathlib.Path) -> int:
     from flaxformer_lite.train.metrics import plot_run
     from flaxformer_lite.train.run_dir import RunDir
+    from flaxformer_lite.train.sweep_dir import SweepDir
     from flaxformer_lite.train.sweep_plot import plot_sweep
 
-    sweep = (run_dir / "sweep.json").is_file()
-    written = plot_sweep(run_dir) if sweep else plot_run(run_dir)
+    written = plot_sweep(run_dir) if SweepDir(run_dir).is_sweep() else plot_run(run_dir)
     if not written:
         raise ValueError(f"{RunDir(run_dir).metrics}: no metrics logged yet, nothing to plot")
     for path in written:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import pathlib
 import sys
+import time
 
 from flaxformer_lite.cli.errors import exit_on_signals, guarded, notice, say
 from flaxformer_lite.cli.flags import CONFIG_HELP, CommandParser, add_trust_code
@@ -35,9 +36,10 @@ EXAMPLES = (
 
 def sweep_main(argv: list[str] | None = None) -> int:
     """``flaxformer-lite sweep``: train (or resume) the sweep."""
+    started = time.perf_counter()  # the closing line's wall time counts the imports
     args = sweep_parser().parse_intermixed_args(argv)
     with exit_on_signals():  # importing JAX takes seconds too
-        return _sweep(args)
+        return _sweep(args, started)
 
 
 def sweep_parser() -> CommandParser:
@@ -70,21 +72,30 @@ def sweep_parser() -> CommandParser:
     return parser
 
 
-def _sweep(args) -> int:
+def _sweep(args, started: float) -> int:
     from flaxformer_lite.train.host_memory import reuse_freed_host_memory
 
     reuse_freed_host_memory()  # before JAX starts its backend's threads
+    import jax
+
     from flaxformer_lite.train.config import load_config
     from flaxformer_lite.train.loop import Interrupted
     from flaxformer_lite.train.sweep import sweep
+    from flaxformer_lite.train.sweep_dir import SweepDir
     from flaxformer_lite.train.sweep_members import parse_vary
+    from flaxformer_lite.train.time_spent import TimeSpent
 
     def train():
         vary = parse_vary(args.vary)
         cfg = load_config(args.config, args.overrides, notify=notice)
-        library_log_to(pathlib.Path(cfg.run_dir) / "library.log")
-        sweep(cfg, vary, fresh=args.fresh, force=args.force, vmap=args.vmap, log=say)
-        say(f"done: {cfg.run_dir} (sweep.json: every member's results and each group's)")
+        library_log_to(SweepDir(cfg.run_dir).library_log)
+        spent = TimeSpent(started)
+        sweep(cfg, vary, fresh=args.fresh, force=args.force, vmap=args.vmap, log=say, spent=spent)
+        if jax.process_index() == 0:  # a multi-process sweep reports once
+            say(
+                f"done: {cfg.run_dir} (sweep.json: every member's results and each group's); "
+                f"{spent.summary()}"
+            )
         return 0
 
     try:

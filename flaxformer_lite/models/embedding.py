@@ -76,7 +76,7 @@ class InputEmbedding(nnx.Module):
             else None
         )
         self.norm = make_layer_norm(cfg, rngs) if cfg.embed_norm else None
-        self.dropout = dropout(cfg.embedding_dropout, rngs)
+        self.dropout = dropout(cfg.embedding_dropout, rngs, "embedding")
 
     def __call__(
         self, inputs: jax.Array, positions: jax.Array, token_types: jax.Array | None = None

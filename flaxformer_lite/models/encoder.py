@@ -64,7 +64,7 @@ class Encoder(nnx.Module):
             if with_classifier
             else None
         )
-        self.classifier_dropout = dropout(cfg.residual_dropout, rngs)
+        self.classifier_dropout = dropout(cfg.residual_dropout, rngs, "residual")
 
     def encode(
         self,

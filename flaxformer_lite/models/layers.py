@@ -73,7 +73,7 @@ class TransformerLayer(nnx.Module):
         self.mlp = pieces.FEED_FORWARDS.get(cfg.feed_forward)(cfg, num_layers=num_layers, rngs=rngs)
         # A parallel block normalizes once for both branches.
         self.mlp_norm = None if self.parallel else make_layer_norm(cfg, rngs)
-        self.dropout = dropout(cfg.residual_dropout, rngs)
+        self.dropout = dropout(cfg.residual_dropout, rngs, "residual")
 
     def __call__(
         self,

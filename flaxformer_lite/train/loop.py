@@ -159,11 +159,18 @@ class StartedRun:
 
 
 def start(
-    cfg: TrainConfig, run_dir: RunDir, *, force: bool, log, spent: TimeSpent | None = None
+    cfg: TrainConfig,
+    run_dir: RunDir,
+    *,
+    force: bool,
+    log,
+    spent: TimeSpent | None = None,
+    initializers: dict | None = None,
 ) -> StartedRun:
     """Checks ``run_dir`` against ``cfg`` (every difference at once), builds the data and the
     train state, restores the newest checkpoint into it, and records the config; ``spent``
-    (default: a new one) counts the time."""
+    (default: a new one) counts the time; ``initializers``: compiled initializers shared with
+    other runs (:func:`~.program.build_train_state`)."""
     spent = TimeSpent() if spent is None else spent
     main = jax.process_index() == 0
     cfg, mesh = resolve_mesh(cfg)
@@ -184,7 +191,9 @@ def start(
         with spent.part("data"):
             data = _build_data(cfg, run_dir, batch_sharding, main)
         cfg = _settled_config(cfg, saved, data.vocab_size, log)
-        built = build_train_state(cfg, mesh, abstract=resumed_step is not None)
+        built = build_train_state(
+            cfg, mesh, abstract=resumed_step is not None, initializers=initializers
+        )
         state, step = built.state, 0
         if saved is not None:
             try:

@@ -6,19 +6,23 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from flaxformer_lite import parallel
 from flaxformer_lite.data import tasks
 from flaxformer_lite.models import build_model
+from flaxformer_lite.nn.rngs import dropout_rates
 from flaxformer_lite.train.config import TrainConfig
 from flaxformer_lite.train.optim import make_optimizer, optimizer_of, table_schedule
 from flaxformer_lite.train.step import on_leaves, task_of, train_step
+from flaxformer_lite.train.step_numbers import DROPOUT_NUMBERS, numbers_aside
 
 
 def resolve_mesh(cfg: TrainConfig, devices=None) -> tuple[TrainConfig, jax.sharding.Mesh]:
@@ -54,14 +58,32 @@ class TrainState:
     schedule: Callable[[int], Any]
 
 
-def build_train_state(cfg: TrainConfig, mesh: jax.sharding.Mesh, *, abstract: bool) -> TrainState:
+def build_train_state(
+    cfg: TrainConfig,
+    mesh: jax.sharding.Mesh,
+    *,
+    abstract: bool,
+    initializers: dict[str, Callable] | None = None,
+) -> TrainState:
     """The train state of ``cfg`` on ``mesh``: created (seeded by ``cfg.seed``) to start a run,
-    or ``abstract`` to restore a checkpoint into or to compile for."""
+    or ``abstract`` to restore a checkpoint into or to compile for.
+
+    The seed is an argument of the compiled initializer, so every seed of one config runs one
+    program; ``initializers`` keeps it for the next config with the same state (a sweep's
+    members: compiled once, however many seeds)."""
     tx, schedule = make_optimizer(
         cfg.optimizer, total_steps=schedule_span(cfg), d_model=cfg.model.d_model
     )
-    make = parallel.abstract_sharded if abstract else parallel.create_sharded
-    graphdef, state, shardings = make(lambda: make_train_state(cfg, tx), mesh, cfg.mesh.rules)
+    create = functools.partial(make_train_state, cfg, tx)
+    graphdef, state, shardings = parallel.abstract_sharded(create, mesh, cfg.mesh.rules)
+    if not abstract:
+        key = numbers_aside(cfg)  # what the state is made from, the seed and numbers aside
+        initializers = {} if initializers is None else initializers
+        if key not in initializers:
+            initializers[key] = jax.jit(
+                lambda seed: nnx.split(create(seed))[1], out_shardings=shardings
+            )
+        state = initializers[key](jnp.int32(cfg.seed))
     graphdef, eval_graphdef = train_and_eval_graphdefs(graphdef, state)
     return TrainState(graphdef, eval_graphdef, state, shardings, schedule)
 
@@ -72,10 +94,13 @@ def schedule_span(cfg: TrainConfig) -> int:
     return cfg.optimizer.schedule_steps or cfg.train.steps
 
 
-def make_train_state(cfg: TrainConfig, tx) -> tuple[nnx.Module, nnx.Optimizer]:
-    """The run's ``(model, optimizer)`` as ``train.py`` creates them (seeded by ``cfg.seed``);
-    their split state is what a checkpoint holds (through :func:`~.trained_run.to_savable`)."""
-    model = build_model(cfg.model, rngs=nnx.Rngs(params=cfg.seed, dropout=cfg.seed + 1))
+def make_train_state(cfg: TrainConfig, tx, seed=None) -> tuple[nnx.Module, nnx.Optimizer]:
+    """The run's ``(model, optimizer)`` as ``train.py`` creates them, seeded by ``seed`` (an int
+    or a traced scalar; default ``cfg.seed``); their split state is what a checkpoint holds
+    (through :func:`~.trained_run.to_savable`)."""
+    seed = cfg.seed if seed is None else seed
+    rngs = nnx.Rngs(params=jax.random.key(seed), dropout=jax.random.key(seed + 1))
+    model = build_model(cfg.model, rngs=rngs)
     return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
@@ -104,18 +129,20 @@ def numbered_step(cfg: TrainConfig, graphdef):
 
     def step(state, batch, numbers, active):
         tx = optimizer_of(cfg.optimizer, table_schedule(numbers["lr"]), numbers)
-        state, metrics = train_step(
-            graphdef,
-            state,
-            batch,
-            task=task_of(cfg.model),
-            label_smoothing=numbers["label_smoothing"],
-            z_loss=numbers["z_loss"],
-            loss_chunk=cfg.train.loss_chunk,
-            grad_accum_steps=cfg.train.grad_accum_steps,
-            tx=tx,
-            update=active,
-        )
+        rates = {kind: numbers[name] for name, kind in DROPOUT_NUMBERS.items()}
+        with dropout_rates(rates):
+            state, metrics = train_step(
+                graphdef,
+                state,
+                batch,
+                task=task_of(cfg.model),
+                label_smoothing=numbers["label_smoothing"],
+                z_loss=numbers["z_loss"],
+                loss_chunk=cfg.train.loss_chunk,
+                grad_accum_steps=cfg.train.grad_accum_steps,
+                tx=tx,
+                update=active,
+            )
         return state, metrics, active & (metrics["finite"] | skip)
 
     return step

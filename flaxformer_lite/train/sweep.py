@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -50,11 +49,11 @@ from flaxformer_lite.train.program import (
 from flaxformer_lite.train.resume import restore_data_state
 from flaxformer_lite.train.run_dir import RunDir, move_aside
 from flaxformer_lite.train.step_numbers import PER_MEMBER, numbers_aside, step_numbers
+from flaxformer_lite.train.sweep_dir import SweepDir
 from flaxformer_lite.train.sweep_members import Member, split_settings, sweep_members
 from flaxformer_lite.train.sweep_summary import summarize, summary_table
+from flaxformer_lite.train.time_spent import TimeSpent
 from flaxformer_lite.train.trained_run import from_savable, restore_target
-
-SWEEP_FILE = "sweep.json"
 
 
 def sweep(
@@ -66,6 +65,7 @@ def sweep(
     vmap: bool | None = None,
     trust_code: bool = False,
     log=print,
+    spent: TimeSpent | None = None,
 ) -> dict:
     """Trains every member of the sweep of ``cfg`` over ``vary`` in ``cfg.run_dir/<member>``,
     resuming them from their checkpoints; returns the summary (also in ``cfg.run_dir/sweep.json``).
@@ -84,16 +84,19 @@ def sweep(
         (False); None: vmapped on accelerators, in turn on a CPU (docs/design.md, "Sweeps").
       trust_code: import the code the settings name by import path (``models.pieces``).
       log: where one-line messages go.
+      spent: where the sweep's time goes, counted from its creation (the command's start);
+        None: from this call.
 
     Raises:
       ConfigError: a bad varied key or value, a directory that holds a run or another sweep,
         and what ``train.py`` refuses of a member.
     """
-    with trusted_code(trust_code):
-        return _sweep(cfg, vary, fresh=fresh, force=force, vmap=vmap, log=log)
+    spent = TimeSpent() if spent is None else spent
+    with trusted_code(trust_code), spent:
+        return _sweep(cfg, vary, fresh=fresh, force=force, vmap=vmap, log=log, spent=spent)
 
 
-def _sweep(cfg: TrainConfig, vary, *, fresh: bool, force: bool, vmap: bool | None, log) -> dict:
+def _sweep(cfg: TrainConfig, vary, *, fresh: bool, force: bool, vmap, log, spent) -> dict:
     """:func:`sweep`, the code it names trusted or not."""
     use_compilation_cache(cfg.train.compilation_cache)
     members = sweep_members(cfg, vary)
@@ -103,7 +106,7 @@ def _sweep(cfg: TrainConfig, vary, *, fresh: bool, force: bool, vmap: bool | Non
     main = jax.process_index() == 0
     log = log if main else quiet  # every process trains, process 0 reports and writes
     groups = _groups(members)  # bad settings are refused before anything is written
-    directory = pathlib.Path(cfg.run_dir)
+    directory = SweepDir(cfg.run_dir)
     record = {"vary": {k: [_plain(v) for v in values] for k, values in vary.items()}}
     record["config"] = dataclasses.replace(cfg, run_dir="").to_dict()
     record["members"] = {m.name: {k: _plain(v) for k, v in m.settings.items()} for m in members}
@@ -115,47 +118,53 @@ def _sweep(cfg: TrainConfig, vary, *, fresh: bool, force: bool, vmap: bool | Non
             if main and member.name not in diverged:
                 stack.enter_context(RunDir(member.cfg.run_dir).locked(log=log))
         for group in groups:
-            _train_group(group, directory, record, diverged, force=force, vmap=vmap, log=log)
-    summary = summarize(directory, members, diverged)
-    _write_json(directory / SWEEP_FILE, record | {"diverged": diverged, "summary": summary})
+            _train_group(
+                group, directory, record, diverged, force=force, vmap=vmap, log=log, spent=spent
+            )
+            spent.loop_ends()
+    summary = summarize(directory.path, members, diverged)
+    directory.write(record | {"diverged": diverged, "summary": summary})
     log(summary_table(summary))
     return summary
 
 
-def _open_directory(directory: pathlib.Path, record: dict, *, fresh: bool, force: bool, log):
+def _open_directory(directory: SweepDir, record: dict, *, fresh: bool, force: bool, log):
     """Checks ``directory`` for this sweep (new, empty, or the same sweep's), moves it aside
     with ``fresh``, records the sweep; returns its diverged members ``{name: step}``.
 
     Raises:
       ConfigError: a file, a run, a directory of other files, or another sweep.
       RunDirLinkError: symbolic links in it, which the sweep's writes would follow."""
-    if directory.exists() and not directory.is_dir():
-        raise ConfigError(f"run_dir {directory} is a file, not a sweep directory")
-    if directory.is_dir():
-        RunDir(directory).refuse_links()
-    if RunDir(directory).is_run():
+    path = directory.path
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"run_dir {path} is a file, not a sweep directory")
+    if path.is_dir():
+        RunDir(path).refuse_links()
+    if RunDir(path).is_run():
         raise ConfigError(
-            f"run_dir {directory} holds a run (train.py's), not a sweep: choose another run_dir"
+            f"run_dir {path} holds a run (train.py's), not a sweep: choose another run_dir"
         )
-    path = directory / SWEEP_FILE
-    held = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
-    held = [name for name in held if name != "library.log"]  # the command's, written first
-    if held and not path.exists():
+    held = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+    held = [name for name in held if name != directory.library_log.name]  # written first
+    if held and not directory.is_sweep():
         held = ", ".join(held[:5])
         raise ConfigError(
-            f"run_dir {directory} is not a sweep directory: it holds {held} and no {SWEEP_FILE}; "
-            "choose a new or empty run_dir"
+            f"run_dir {path} is not a sweep directory: it holds {held} and no "
+            f"{directory.record.name}; choose a new or empty run_dir"
         )
-    if fresh and path.exists():
-        log(f"--fresh: moved the previous sweep to {move_aside(directory)}")
+    if fresh and directory.is_sweep():
+        log(f"--fresh: moved the previous sweep to {move_aside(path)}")
     diverged = {}
-    if path.exists():
-        old = _read_json(path)
-        _check_same_sweep(directory, old, record, force)
+    if directory.is_sweep():
+        try:
+            old = directory.read()
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        _check_same_sweep(path, old, record, force)
         diverged = dict(old.get("diverged", {}))
     if jax.process_index() == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-    _write_json(path, record | {"diverged": diverged})
+        path.mkdir(parents=True, exist_ok=True)
+    directory.write(record | {"diverged": diverged})
     return diverged
 
 
@@ -209,10 +218,13 @@ def _announce(members, groups, diverged, log) -> None:
         log(f"{name}: diverged at step {step} in an earlier session; not trained")
 
 
-def _train_group(group: list[Member], directory, record, diverged, *, force: bool, vmap, log):
+def _train_group(
+    group: list[Member], directory, record, diverged, *, force: bool, vmap, log, spent
+):
     """Starts the group's members as runs (each as ``train.py`` starts one) and trains them
     together in the run's loop, each a lane that a non-finite step freezes."""
     lanes: list[Lane] = []
+    initializers: dict = {}  # one compiled initializer for the members' seeds
 
     def freezer(name: str):
         def frozen(step: int) -> None:
@@ -221,14 +233,21 @@ def _train_group(group: list[Member], directory, record, diverged, *, force: boo
                 f"{name}: the loss or a gradient is not finite at step {step}; the member is "
                 f"frozen at step {step - 1} and trains no further (the others go on)"
             )
-            _write_json(directory / SWEEP_FILE, record | {"diverged": diverged})
+            directory.write(record | {"diverged": diverged})
 
         return frozen
 
     try:
         for member in group:
             say = _prefixed(member.name, log)
-            started = start(member.cfg, RunDir(member.cfg.run_dir), force=force, log=say)
+            started = start(
+                member.cfg,
+                RunDir(member.cfg.run_dir),
+                force=force,
+                log=say,
+                spent=spent,
+                initializers=initializers,
+            )
             lanes.append(Lane(started, name=member.name, frozen=freezer(member.name)))
         _align_steps(lanes, log)
         if vmap is None:
@@ -287,19 +306,3 @@ def _prefixed(name: str, log):
 
 def _plain(value):
     return value if isinstance(value, str | int | float | bool) or value is None else str(value)
-
-
-def _read_json(path: pathlib.Path) -> dict:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"{path}: not a readable sweep record ({error})") from None
-
-
-def _write_json(path: pathlib.Path, values: dict) -> None:
-    """Written aside and renamed, by process 0: a killed write keeps the old file."""
-    if jax.process_index() != 0:
-        return
-    partial = path.with_name(path.name + ".tmp")
-    partial.write_text(json.dumps(values, indent=1) + "\n", encoding="utf-8")
-    partial.replace(path)

@@ -14,6 +14,7 @@ import numpy as np
 from flaxformer_lite.train.compare import load_runs
 from flaxformer_lite.train.figures import log_scale_if_wide, pyplot, readable_ticks
 from flaxformer_lite.train.run_dir import RunDir
+from flaxformer_lite.train.sweep_dir import SweepDir
 from flaxformer_lite.train.sweep_summary import read_summary
 
 CURVES = ("loss", "eval_loss", "eval_accuracy", "eval_exact_match")
@@ -37,10 +38,11 @@ def plot_sweep(directory: pathlib.Path) -> list[pathlib.Path]:
       ValueError: ``directory/sweep.json`` is not a sweep's record (:func:`.read_summary`).
       RunDirLinkError: the sweep's directory holds symbolic links (nothing is written).
     """
+    sweep_dir = SweepDir(directory)
     RunDir(directory).refuse_links()
     groups = read_summary(directory)["groups"]
     runs = {
-        name: load_runs([directory / member for member in group["members"]])
+        name: load_runs([sweep_dir.member(member).path for member in group["members"]])
         for name, group in groups.items()
         if group["members"]
     }
@@ -76,7 +78,7 @@ def plot_sweep(directory: pathlib.Path) -> list[pathlib.Path]:
             readable_ticks(ax)
     handles, labels = axes[0][0].get_legend_handles_labels()
     figure.legend(handles, labels, loc="outside upper center", ncols=min(len(labels), 3))
-    plots = directory / "plots"
+    plots = sweep_dir.plots
     plots.mkdir(exist_ok=True)
     path = plots / "sweep.png"
     figure.savefig(path, dpi=100)

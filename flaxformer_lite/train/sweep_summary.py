@@ -10,7 +10,6 @@ the difference of two groups' means with its standard error.
 
 from __future__ import annotations
 
-import json
 import math
 import pathlib
 import statistics
@@ -18,6 +17,7 @@ from collections.abc import Sequence
 
 from flaxformer_lite.train.compare import format_table
 from flaxformer_lite.train.metrics import read_metrics
+from flaxformer_lite.train.sweep_dir import SweepDir
 from flaxformer_lite.train.sweep_members import Member, group_of
 
 BEST = "best_eval_loss"  # the lowest eval_loss a member logged
@@ -58,8 +58,8 @@ def summarize(directory: pathlib.Path, members: Sequence[Member], diverged: dict
     "diverged": [...]}}}``; a diverged member is listed in its group, not counted in it."""
     summary: dict = {"members": {}, "groups": {}}
     for member in members:
-        path = directory / member.name
-        results = member_results(path) if (path / "metrics.jsonl").exists() else {}
+        run = SweepDir(directory).member(member.name)
+        results = member_results(run.path) if run.metrics.exists() else {}
         group = group_of(member)
         summary["members"][member.name] = {
             "group": group,
@@ -110,25 +110,25 @@ def read_summary(directory: pathlib.Path) -> dict:
 
     Raises:
       ValueError: ``directory/sweep.json`` is not a sweep's record."""
-    path = directory / "sweep.json"
+    sweep_dir = SweepDir(directory)
+    record = sweep_dir.read()
     try:
-        record = json.loads(path.read_text(encoding="utf-8"))
         if "summary" in record:
             return record["summary"]
         members = [Member(name, settings, None) for name, settings in record["members"].items()]
         return summarize(directory, members, record.get("diverged", {}))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        raise ValueError(f"{path}: not a sweep's record ({error})") from None
+        raise ValueError(f"{sweep_dir.record}: not a sweep's record ({error})") from None
 
 
 def split_group(path: pathlib.Path | str) -> tuple[pathlib.Path, str | None] | None:
     """``(DIR, None)`` for a sweep ``DIR`` (holding ``sweep.json``), ``(DIR, GROUP)`` for
     ``DIR:GROUP``, or ``None``: not a sweep. A group's name may hold colons (an import path)."""
     text = str(path)
-    if (pathlib.Path(text) / "sweep.json").is_file():
+    if SweepDir(text).is_sweep():
         return pathlib.Path(text), None
     for i, char in enumerate(text):
-        if char == ":" and (pathlib.Path(text[:i]) / "sweep.json").is_file():
+        if char == ":" and SweepDir(text[:i]).is_sweep():
             return pathlib.Path(text[:i]), text[i + 1 :]
     return None
 

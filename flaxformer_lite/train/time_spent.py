@@ -39,7 +39,10 @@ class TimeSpent:
     def __init__(self, started: float | None = None):
         self.started = time.perf_counter() if started is None else started
         self.seconds = dict.fromkeys(PARTS, 0.0)
-        self._loop_began: float | None = None
+        # The remainder (what no part times) is start-up outside the loops, steps inside them:
+        # each one's share up to the last boundary, and the remainder at that boundary.
+        self._between = {"start-up": 0.0, "steps": 0.0}
+        self._mark, self._in_loop = 0.0, False
         self._spans: list[tuple[float, float]] = []  # the outermost compile spans so far
         self._compiling = 0.0  # their total
         self._thread = threading.get_ident()  # the run's: its compilation is what is counted
@@ -93,8 +96,17 @@ class TimeSpent:
         self.seconds[name] += seconds
 
     def loop_begins(self) -> None:
-        """The start-up ends: what remains from here on is the steps'."""
-        self._loop_began = self._remainder()
+        """The start-up ends: what remains from here on is the steps' (until :meth:`loop_ends`)."""
+        self._boundary()
+
+    def loop_ends(self) -> None:
+        """A loop ends: what remains from here on is start-up again (a sweep's next program)."""
+        self._boundary()
+
+    def _boundary(self) -> None:
+        now = self._remainder()
+        self._between["steps" if self._in_loop else "start-up"] += now - self._mark
+        self._mark, self._in_loop = now, not self._in_loop
 
     def _remainder(self) -> float:
         timed = sum(self.seconds[name] for name in PARTS if name not in ("start-up", "steps"))
@@ -103,13 +115,9 @@ class TimeSpent:
     def parts(self) -> dict[str, float]:
         """Seconds per part so far, in :data:`PARTS` order; they sum to the wall time since
         ``started`` at the moment of the call."""
-        remainder = self._remainder()
-        start_up = remainder if self._loop_began is None else self._loop_began
-        return self.seconds | {
-            "start-up": start_up,
-            "steps": remainder - start_up,
-            "compilation": self._compiling,
-        }
+        since = dict(self._between)
+        since["steps" if self._in_loop else "start-up"] += self._remainder() - self._mark
+        return self.seconds | since | {"compilation": self._compiling}
 
     def summary(self) -> str:
         """``61.2 s: start-up 3.1 s, data 2.5 s, ...``: the wall time and its parts."""
