@@ -356,8 +356,17 @@ def test_cli_plots_a_trained_encoder_decoder(trained_translation, tmp_path, caps
     names = ["cross_layer0.png", "decoder_layer0.png", "encoder_layer0.png"]
     assert written(capsys) == names
     assert all((out / name).read_bytes()[:8] == PNG_MAGIC for name in names)
-    assert main([*argv, "--step", "10"]) == 0  # an earlier checkpoint, without a target:
+    earlier = [*argv[:-1], str(tmp_path / "earlier"), "--step", "10"]
+    assert main(earlier) == 0  # an earlier checkpoint, without a target:
     assert written(capsys) == ["encoder_layer0.png"]  # the encoder only
+    # The maps of the first call are the user's now: a folder with files is refused, whole.
+    before = {name: (out / name).read_bytes() for name in names}
+    assert main([*argv, "--target", "42"]) == 2
+    assert "is not a new or empty folder" in capsys.readouterr().err
+    assert {name: (out / name).read_bytes() for name in names} == before
+    (tmp_path / "link").symlink_to(tmp_path / "earlier")
+    assert main([*argv[:-1], str(tmp_path / "link")]) == 2
+    assert "is not a new or empty folder" in capsys.readouterr().err
 
 
 def test_cli_plots_a_decoder_into_the_run_by_default(tmp_path, capsys):

@@ -54,14 +54,24 @@ def test_a_partial_last_metrics_line_is_dropped_with_a_notice(tmp_path):
         read_metrics(tmp_path)
 
 
-def test_metrics_without_checkpoints_are_kept_unless_fresh(tmp_path):
+def test_a_run_that_logged_but_wrote_no_checkpoint_starts_again_keeping_its_metrics(tmp_path):
+    """kill -9 (or a full disk) after the first logged step and before the first checkpoint:
+    the same command starts the run again at step 0, the metrics it logged kept aside."""
     run_dir = tmp_path / "run"
-    with RunDir(run_dir).locked():  # a run that logged, its checkpoints deleted
+    with RunDir(run_dir).locked():  # a run that logged, and wrote no checkpoint
         (run_dir / "metrics.jsonl").write_text('{"step": 5, "loss": 1.0}\n')
+        (run_dir / "tb").mkdir()
+        (run_dir / "tb" / "events").write_text("events")
     cfg = load_config(None, [f"run_dir={run_dir}", *TINY, "train.steps=2"])
-    with pytest.raises(ConfigError, match="no checkpoint to resume from; pass --fresh"):
-        run(cfg, progress=False, log=lambda _: None)
-    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 5, "loss": 1.0}\n'
+    lines = []
+    run(cfg, progress=False, log=lines.append)
+    assert (
+        f"{run_dir} logged steps but wrote no checkpoint: starting again at step 0 (what it "
+        "logged is kept in metrics.jsonl.old1 and tb.old1)"
+    ) in lines
+    assert (run_dir / "metrics.jsonl.old1").read_text() == '{"step": 5, "loss": 1.0}\n'
+    assert (run_dir / "tb.old1" / "events").read_text() == "events"
+    assert [r["step"] for r in read_metrics(run_dir, log=None)] == [1, 2]
 
 
 @pytest.mark.parametrize(

@@ -57,14 +57,36 @@ def test_next_key_and_fork_draw_what_the_stream_would():
 
 
 def test_dropout_is_flax_dropout_with_the_same_stream():
-    ours = rngs.dropout(0.25, nnx.Rngs(params=0, dropout=5))
+    ours = rngs.dropout(0.25, nnx.Rngs(params=0, dropout=5), "residual")
     flax_own = nnx.Dropout(0.25, rngs=nnx.Rngs(params=0, dropout=5))
-    assert nnx.graphdef(ours) == nnx.graphdef(flax_own)
+    assert type(ours) is nnx.Dropout and ours.kind == "residual"
     _assert_same(nnx.state(ours), nnx.state(flax_own))
+    x = jnp.ones((4, 8))
+    _assert_same(rngs.apply_dropout(ours, x), flax_own(x))
     # Without a dropout stream, both fall back to the default one.
     _assert_same(
-        nnx.state(rngs.dropout(0.25, nnx.Rngs(7))), nnx.state(nnx.Dropout(0.25, rngs=nnx.Rngs(7)))
+        nnx.state(rngs.dropout(0.25, nnx.Rngs(7), "embedding")),
+        nnx.state(nnx.Dropout(0.25, rngs=nnx.Rngs(7))),
     )
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.25])
+def test_a_rate_given_as_a_number_drops_as_flax_dropout_at_that_rate(rate):
+    """Inside ``dropout_rates`` a layer of the kind drops at the given rate, an array (traced in
+    a step), with the same key and mask as ``nnx.Dropout`` at that rate; other kinds keep their
+    own."""
+    x = jnp.arange(64, dtype=jnp.float32).reshape(8, 8) + 1.0
+    ours = rngs.dropout(0.5, nnx.Rngs(dropout=3), "residual")
+    other = rngs.dropout(0.5, nnx.Rngs(dropout=3), "embedding")
+    flax_own = nnx.Dropout(rate, rngs=nnx.Rngs(dropout=3))
+
+    def dropped(rate):
+        with rngs.dropout_rates({"residual": rate}):
+            return rngs.apply_dropout(ours, x), rngs.apply_dropout(other, x)
+
+    residual, embedding = dropped(jnp.float32(rate))
+    _assert_same(residual, flax_own(x))
+    _assert_same(embedding, nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=3))(x))
 
 
 @pytest.mark.parametrize("rate", [0.0, 0.25, 1.0])

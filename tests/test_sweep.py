@@ -4,6 +4,7 @@ bit-exactly; 8 devices equal one; the summary's means and deviations are the mem
 
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -77,7 +78,8 @@ def swept(tmp_path_factory):
 
 def test_the_members_are_runs_trained_as_one_program(swept):
     directory, summary, lines = swept
-    assert sorted(p.name for p in directory.iterdir() if p.is_dir()) == MEMBERS
+    assert sorted(p.name for p in directory.iterdir() if p.is_dir()) == ["plots", *MEMBERS]
+    assert lines[-1] == f"wrote {directory / 'plots' / 'sweep.png'}"  # in place of a member's
     assert lines[0] == "sweep: 4 members, 1 compiled program (4 members)"
     assert any(
         line.startswith("compiled one step for 4 members, vmapped, on mesh member 4 x data 2")
@@ -102,7 +104,9 @@ def test_a_member_trains_as_its_solo_run(swept, tmp_path):
     assert_close(numbers(member), numbers(tmp_path / "solo"), rtol=2e-4)
 
 
-def test_each_member_stepped_in_turn_logs_exactly_what_its_own_run_logs(tmp_path):
+def test_each_member_stepped_in_turn_logs_exactly_what_its_own_run_logs(
+    tmp_path, full_optimization
+):
     """Four members (two seeds x two learning rates, cosine-decayed, with label smoothing, weight
     decay and Adam's b2 as numbers) for 200 steps on a CPU, stepped in turn, then each alone with
     ``train.py --config <member>/config.yaml``: the same program on the same numbers, so every
@@ -165,6 +169,52 @@ def test_sigterm_then_the_same_sweep_again_equals_an_unbroken_sweep(swept, tmp_p
     )
     for name in MEMBERS:
         assert numbers(tmp_path / "s" / name) == numbers(directory / name), name
+
+
+def test_members_resumed_at_other_steps_wait_for_each_other_and_end_as_unbroken(tmp_path):
+    """With ``checkpoint.keep=1`` a member may hold only a later step than another (killed while
+    saving), or none at all (killed after logging, before its first save): each resumes from its
+    own newest, the ones ahead wait, and every logged number equals an unbroken sweep's."""
+    settings = [
+        *SETTINGS,
+        "seed=0",
+        "checkpoint.every=4",
+        "checkpoint.keep=1",
+        "train.log_every=4",
+        "train.eval_every=4",
+        "optimizer.schedule=constant",
+    ]
+    vary = {"optimizer.lr": ["1e-3", "3e-3"]}
+
+    def swept(directory, steps, log=lambda _: None):
+        cfg = load_config(None, [*settings, f"run_dir={directory}", f"train.steps={steps}"])
+        sweep(cfg, vary, vmap=False, log=log)
+
+    swept(tmp_path / "unbroken", 12)
+    directory = tmp_path / "s"
+    swept(directory, 4)
+    shutil.copytree(directory / "lr=3e-3", tmp_path / "at4")
+    swept(directory, 8)
+    shutil.rmtree(directory / "lr=3e-3")
+    shutil.copytree(tmp_path / "at4", directory / "lr=3e-3")  # its checkpoint 4, not 8
+    lines = []
+    swept(directory, 12, log=lines.append)
+    assert "lr=1e-3: at step 8, waits for the members at step 4" in lines
+    for name in vary_names(vary):
+        assert numbers(directory / name) == numbers(tmp_path / "unbroken" / name), name
+    # A member that logged and saved nothing yet starts again; the other waits at its step.
+    shutil.rmtree(directory / "lr=3e-3" / "checkpoints")
+    lines = []
+    swept(directory, 16, log=lines.append)
+    assert "lr=1e-3: at step 12, waits for the members at step 0" in lines
+    assert any(
+        "lr=3e-3: " in line and "wrote no checkpoint: starting again" in line for line in lines
+    )
+    assert [r["step"] for r in read_metrics(directory / "lr=3e-3", log=None)] == [4, 8, 12, 16]
+
+
+def vary_names(vary):
+    return [member.name for member in sweep_members(load_config(None, ["run_dir=s"]), vary)]
 
 
 def test_a_diverging_member_is_frozen_and_the_others_train_on(swept, tmp_path):

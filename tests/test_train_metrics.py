@@ -24,6 +24,7 @@ from flaxformer_lite.cli.train import train_main
 from flaxformer_lite.train import metrics
 from flaxformer_lite.train.config import TrainConfig
 from flaxformer_lite.train.metrics import MetricsWriter, plot_run, read_metrics
+from flaxformer_lite.train.run_dir import MARK
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 
@@ -186,6 +187,7 @@ def test_resuming_with_metrics_on_a_character_device_exits_2_with_one_line(
 
 @pytest.mark.parametrize("logged", ["", "\n"])
 def test_plot_refuses_a_run_with_nothing_logged_and_keeps_its_plots(tmp_path, capsys, logged):
+    (tmp_path / "run.json").write_text(json.dumps(MARK))  # a run's directory
     path = tmp_path / "metrics.jsonl"
     path.write_text(logged)
     plots = tmp_path / "plots"
@@ -198,6 +200,12 @@ def test_plot_refuses_a_run_with_nothing_logged_and_keeps_its_plots(tmp_path, ca
     ]
     assert sorted(plots.iterdir()) == [plots / "loss.png"]
     assert (plots / "loss.png").read_bytes() == b"the last run's plot"
+    (tmp_path / "run.json").unlink()  # metrics and plots, not a run's: the user's folder
+    path.write_text('{"step": 1, "loss": 2.0}\n')
+    assert main(["plot", str(tmp_path)]) == 2
+    assert "is neither a run directory" in capsys.readouterr().err
+    assert (plots / "loss.png").read_bytes() == b"the last run's plot"
+    (tmp_path / "run.json").write_text(json.dumps(MARK))
     path.unlink()
     assert main(["plot", str(tmp_path)]) == 2
     assert "no metrics file" in capsys.readouterr().err
@@ -304,6 +312,7 @@ def test_an_infinite_loss_does_not_make_a_narrow_loss_a_log_axis(tmp_path):
 def test_a_dropped_partial_line_is_a_warning_not_among_the_output(tmp_path, capsys, caplog):
     """Issue 43 item 19: the notice went to stdout, unlabelled; as a warning of the package it
     reaches the terminal's stderr as ``warning: ...`` (plain_terminal_records)."""
+    (tmp_path / "run.json").write_text(json.dumps(MARK))  # a run's directory
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
     assert main(["plot", str(tmp_path)]) == 0
     out = capsys.readouterr().out

@@ -25,7 +25,9 @@ def attention_parser() -> argparse.ArgumentParser:
     parser.add_argument("--run-dir", type=pathlib.Path, required=True, help="a trained run")
     parser.add_argument("--text", required=True, help="the input (an encoder-decoder's source)")
     parser.add_argument(
-        "--out", type=pathlib.Path, help="where the PNGs go (default: RUN_DIR/plots/attention)"
+        "--out",
+        type=pathlib.Path,
+        help="a new or empty folder for the PNGs (default: RUN_DIR/plots/attention)",
     )
     parser.add_argument(
         "--target",
@@ -60,6 +62,13 @@ def _attention(args) -> int:
         )
     if args.out is None:  # the run's own plots/: written only if no link leads out of it
         RunDir(args.run_dir).refuse_links()
+    elif args.out.is_symlink() or (
+        args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir()))
+    ):  # as export and prepare: the user's files are never written over
+        raise ValueError(
+            f"--out {args.out} is not a new or empty folder: choose another (the maps are one "
+            "PNG per layer, written into it)"
+        )
     out = args.out if args.out is not None else RunDir(args.run_dir).plots / "attention"
     paths = write_text_attention_maps(
         run.model, run.tokenizer, args.text, out, target=args.target, note=f"step {run.step}"

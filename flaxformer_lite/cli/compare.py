@@ -100,6 +100,11 @@ def _compare_sweeps(first: pathlib.Path, second: pathlib.Path, metrics) -> int:
         group_a, group_b = a[label_a], b[label_b]
         shared = [m for m in sweep_summary.TABLE_METRICS if m in group_a and m in group_b]
         chosen = metrics or shared
+        if not chosen:  # a group whose members all diverged has no results
+            raise ValueError(
+                f"{label_a} and {label_b} have no metric in common to compare (a group whose "
+                "members all diverged, or stopped before logging, has none)"
+            )
         missing = [m for m in chosen if m not in group_a or m not in group_b]
         if missing:
             raise ValueError(f"{label_a} and {label_b} do not both have {', '.join(missing)}")

@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import sys
+import traceback
 from collections.abc import Callable
 
 from flaxformer_lite.cli.library_log import plain_terminal_records
@@ -33,10 +34,36 @@ def guarded(fn: Callable[[], int], *, trust_code: bool = False) -> int:
         say(f"error: {error}", stream=sys.stderr)
         return 2
     except Exception as error:
+        if _backend_refused(error):
+            say(f"error: {backend_refused(error)}", stream=sys.stderr)
+            return 2
         if not _resource_exhausted(error):
             raise
         say(f"error: {out_of_memory(str(error))}", stream=sys.stderr)
         return 2
+
+
+def _backend_refused(error: Exception) -> bool:
+    """Whether ``error`` is JAX failing to start the platforms ``JAX_PLATFORMS`` names: its
+    RuntimeError, or, for a platform whose plugin is not installed (``cuda``), an assertion in
+    its backend set-up."""
+    if isinstance(error, RuntimeError):
+        return "Unable to initialize backend" in str(error)
+    if isinstance(error, AssertionError) and error.__traceback__ is not None:
+        last = traceback.extract_tb(error.__traceback__)[-1]
+        return last.filename.endswith(os.path.join("jax", "_src", "xla_bridge.py"))
+    return False
+
+
+def backend_refused(error: Exception) -> str:
+    """The line for a backend JAX could not start: what it said, and the setting that asked."""
+    said = str(error).strip().splitlines()[0] if str(error).strip() else "no backend it names"
+    asked = os.environ.get("JAX_PLATFORMS")
+    where = f"JAX_PLATFORMS={asked}" if asked else "the default platform"
+    return (
+        f"JAX could not start {where} ({said}); set JAX_PLATFORMS to a platform this machine "
+        "has (cpu, or the accelerator whose JAX plugin is installed), or unset it"
+    )
 
 
 def _resource_exhausted(error: Exception) -> bool:

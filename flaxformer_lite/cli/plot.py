@@ -43,7 +43,14 @@ def _plot(run_dir: pathlib.Path) -> int:
     from flaxformer_lite.train.sweep_dir import SweepDir
     from flaxformer_lite.train.sweep_plot import plot_sweep
 
-    written = plot_sweep(run_dir) if SweepDir(run_dir).is_sweep() else plot_run(run_dir)
+    sweep = SweepDir(run_dir).is_sweep()
+    if not sweep and run_dir.is_dir() and not RunDir(run_dir).is_run():  # plots/ is the user's
+        raise ValueError(
+            f"{run_dir} is neither a run directory (it has no {RunDir(run_dir).mark.name}, which "
+            f"a run writes first) nor a sweep (no {SweepDir(run_dir).record.name}): plot draws "
+            "into a run's or a sweep's plots/ only"
+        )
+    written = plot_sweep(run_dir) if sweep else plot_run(run_dir)
     if not written:
         raise ValueError(f"{RunDir(run_dir).metrics}: no metrics logged yet, nothing to plot")
     for path in written:

@@ -11,6 +11,7 @@ checkpoints written; the same command resumes).
 from __future__ import annotations
 
 import argparse
+import math
 import pathlib
 import sys
 import time
@@ -26,6 +27,7 @@ an initialization scale) train together as one compiled program; settings that c
 graph or shapes split them into programs run one after another. At the end, each group of
 members that differ only in their seed gets its metrics as mean ± std, in run_dir/sweep.json.
 The same command resumes."""
+MANY_MEMBERS = 64  # more members than this need --yes
 EXAMPLES = (
     "flaxformer-lite sweep --vary seed=0,1,2,3 run_dir=runs/seeds train.steps=300",
     "flaxformer-lite sweep --config shakespeare_char --vary seed=0,1,2 "
@@ -65,6 +67,12 @@ def sweep_parser() -> CommandParser:
         help="step a program's members as one vmapped step, or (--no-vmap) by one compiled "
         "step in turn (default: vmapped on accelerators, in turn on a CPU)",
     )
+    parser.add_argument(
+        "--yes",
+        action="store_true",
+        help=f"train a sweep of more than {MANY_MEMBERS} members (each starts as a run does: "
+        "seconds a member before the first step)",
+    )
     add_trust_code(parser)
     parser.add_argument(
         "overrides", nargs="*", metavar="key=value", help="settings of every member"
@@ -87,8 +95,24 @@ def _sweep(args, started: float) -> int:
 
     def train():
         vary = parse_vary(args.vary)
-        cfg = load_config(args.config, args.overrides, notify=notice)
-        library_log_to(SweepDir(cfg.run_dir).library_log)
+        count = math.prod(len(values) for values in vary.values())
+        if count > MANY_MEMBERS and not args.yes:
+            raise ValueError(
+                f"--vary makes {count:,} members, each started as a run is (its data, state and "
+                f"directory) before the first step: pass --yes to train them all, or vary fewer "
+                "values"
+            )
+        # The varied keys' first values complete the shared settings (every member gets its
+        # own): a data.path that only --vary gives.
+        firsts = [
+            f"{key}={values[0]}"
+            for key, values in vary.items()
+            if key != "run_dir" and isinstance(values[0], str)
+        ]
+        cfg = load_config(args.config, [*args.overrides, *firsts], notify=notice)
+        directory = SweepDir(cfg.run_dir)
+        directory.refuse_if_not_a_sweep()  # before the libraries' log is written in it
+        library_log_to(directory.library_log)
         spent = TimeSpent(started)
         sweep(cfg, vary, fresh=args.fresh, force=args.force, vmap=args.vmap, log=say, spent=spent)
         if jax.process_index() == 0:  # a multi-process sweep reports once

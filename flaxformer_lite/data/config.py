@@ -167,17 +167,18 @@ class DataConfig:
                 "data.mixture names the training data: leave data.path and data.validation_path "
                 "unset (each source has its own path and validation_path)"
             )
-        total = sum(entry.weight for entry in self.mixture.values())
+        weights = [entry.weight for entry in self.mixture.values()]
+        shares = dict(zip(self.mixture, weight_shares(weights), strict=True))
         for name, entry in self.mixture.items():
             if not _NAME.fullmatch(name):
                 raise ValueError(
                     f"data.mixture.{name}: a source's name is letters, digits, '_', '-' and '.' "
                     "(it names its metrics, eval_loss/<name>)"
                 )
-            if entry.weight / total < 1 / BLOCK_ROWS:
+            if shares[name] < 1 / BLOCK_ROWS:
                 raise ValueError(
                     f"data.mixture.{name}.weight={entry.weight}: a share of "
-                    f"{entry.weight / total:.2g} of the rows is under the least one, 1/{BLOCK_ROWS}"
+                    f"{shares[name]:.2g} of the rows is under the least one, 1/{BLOCK_ROWS}"
                 )
 
     @property
@@ -222,3 +223,12 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
 def _check_int(name: str, value: Any, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"data.{name} must be an int >= {low}, got {value!r}")
+
+
+def weight_shares(weights) -> list[float]:
+    """Each weight's share of their sum, computed over the weights divided by the largest, so
+    that weights near the float's largest do not overflow the sum."""
+    largest = max(weights)
+    scaled = [weight / largest for weight in weights]
+    total = math.fsum(scaled)
+    return [weight / total for weight in scaled]

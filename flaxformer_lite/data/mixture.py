@@ -20,7 +20,7 @@ import numpy as np
 
 from flaxformer_lite.data import tokenizers
 from flaxformer_lite.data.batches import TrainBatches
-from flaxformer_lite.data.config import BLOCK_ROWS, DataConfig
+from flaxformer_lite.data.config import BLOCK_ROWS, DataConfig, weight_shares
 from flaxformer_lite.data.sources import source_of
 from flaxformer_lite.data.store_writer import BATCH_SIZE, SourcePasses, training_texts
 from flaxformer_lite.data.tokenizers import Tokenizer
@@ -31,7 +31,7 @@ _MIX_STREAM = 0x0D0E  # keeps the blocks' orders apart from other draws made fro
 def block_counts(weights: Sequence[float]) -> np.ndarray:
     """int64 ``[S]``: each source's rows in a block of :data:`BLOCK_ROWS`, by weight; the rows
     left by rounding down go to the largest remainders (ties to the first source)."""
-    shares = np.asarray(weights, np.float64) / np.sum(weights) * BLOCK_ROWS
+    shares = np.asarray(weight_shares(weights), np.float64) * BLOCK_ROWS
     counts = np.floor(shares).astype(np.int64)
     left = BLOCK_ROWS - int(counts.sum())
     counts[np.argsort(-(shares - counts), kind="stable")[:left]] += 1

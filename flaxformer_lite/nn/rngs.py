@@ -66,7 +66,7 @@ def apply_dropout(layer: nnx.Dropout, x: jax.Array) -> jax.Array:
     :func:`dropout_rates`, by ``nnx.Dropout``'s formula."""
     if layer.rate in (0.0, 1.0) or layer.deterministic:
         return layer(x)
-    rate = (_RATES.get() or {}).get(layer.kind)
+    rate = (_RATES.get() or {}).get(getattr(layer, "kind", None))
     if rate is None:
         return layer(x, rngs=next_key(layer.rngs))
     keep_prob = 1.0 - rate

@@ -38,6 +38,9 @@ class Lane:
         step); None: the run stops (:class:`~.actions.TrainingError`).
       alive: False once the lane is frozen: it steps and logs no further.
       last: the metrics it logged last.
+
+    A lane resumed at a later step than the others waits for them: it takes the steps after
+    its own (:meth:`steps_after`).
     """
 
     run: Any
@@ -45,6 +48,10 @@ class Lane:
     frozen: Callable[[int], None] | None = None
     alive: bool = True
     last: dict = dataclasses.field(default_factory=dict)
+
+    def steps_after(self, done: int) -> bool:
+        """Whether the lane takes the step after ``done`` steps: alive, and at that step."""
+        return self.alive and self.run.step <= done
 
     def log(self, log: Callable[[str], None]) -> Callable[[str], None]:
         """``log`` with the lane's name before each message (a sweep's member)."""
@@ -56,7 +63,8 @@ class Lane:
 class InTurn:
     """The lanes stepped one after another by one jitted step (their first lane's), each lane's
     arrays laid out as its run lays them out; its batches placed on the devices by its data's
-    prefetch thread, beside the steps. A frozen lane is not stepped."""
+    prefetch thread, beside the steps. A frozen lane, or one waiting for the others, is not
+    stepped."""
 
     vmapped = False
 
@@ -72,8 +80,11 @@ class InTurn:
         for lane in self.lanes:
             lane.run.data.train.place_with(lane.run.place)
 
-    def next_batches(self) -> list:
-        return [next(lane.run.data.train) if lane.alive else None for lane in self.lanes]
+    def next_batches(self, done: int) -> list:
+        """The batches of the step after ``done`` steps, of the lanes that take it."""
+        return [
+            next(lane.run.data.train) if lane.steps_after(done) else None for lane in self.lanes
+        ]
 
     def stack(self, leaves: list[list]) -> list[list]:
         return list(leaves)
@@ -86,10 +97,10 @@ class InTurn:
         return metrics[index]
 
     def finite(self, metrics: list) -> list[bool]:
-        """Each lane's step was finite (waits for the steps)."""
-        return [bool(m["finite"]) for m in metrics]
+        """Each lane's step was finite (waits for the steps); a lane not stepped was."""
+        return [m is None or bool(m["finite"]) for m in metrics]
 
-    def active(self) -> list:
+    def active(self, done: int) -> list:
         return [self._active] * len(self.lanes)
 
     def compile(self, states, batches, active, log) -> None:
@@ -101,8 +112,9 @@ class InTurn:
         if len(self.lanes) == 1:
             return
         started, first = time.perf_counter(), self.first
+        i = next(i for i, batch in enumerate(batches) if batch is not None)  # a lane stepping
         with tracing_layout(first.mesh, first.cfg.mesh.rules):
-            lowered = first.train_step.lower(states[0], batches[0], self.numbers[0], active[0])
+            lowered = first.train_step.lower(states[i], batches[i], self.numbers[i], active[i])
         compiled = lowered.compile()
         state_bytes = parallel.device_bytes(first.state, first.built.shardings)
         held = step_bytes(compiled) + (len(self.lanes) - 1) * state_bytes
@@ -113,21 +125,23 @@ class InTurn:
             f"{fit_text(held, len(self.lanes))}"
         )
 
-    def step(self, states: list, batches: list, active: list):
-        step = self.first.train_step
+    def step(self, states: list, batches: list, active: list, done: int):
+        """The step after ``done`` steps, of each lane that takes it."""
+        step, metrics = self.first.train_step, [None] * len(self.lanes)
         for index, lane in enumerate(self.lanes):
-            if lane.alive:
-                states[index], self._metrics[index], active[index] = step(
+            if lane.steps_after(done):
+                states[index], metrics[index], active[index] = step(
                     states[index], batches[index], self.numbers[index], active[index]
                 )
-        return states, list(self._metrics), active
+        return states, metrics, active
 
 
 class Vmapped:
     """The lanes as one vmapped step: their states stacked on a leading member axis, on a mesh
     whose ``member`` axis spreads the members over the devices (each device trains its share;
     as many members as divide the runs' ``data`` axis, the rest of it splitting each member's
-    batch as in a run), their numbers stacked. A frozen lane's state is kept by its flag."""
+    batch as in a run), their numbers stacked. The state of a frozen lane, or of one waiting for
+    the others (given another's batch), is kept by its flag."""
 
     vmapped = True
 
@@ -149,9 +163,14 @@ class Vmapped:
     def prefetch(self) -> None:
         """The members' batches are stacked before they are placed: none placed ahead."""
 
-    def next_batches(self) -> dict:
-        """``{key: [M, B, ...]}`` from each member's batch of this process's rows."""
-        batches = [next(lane.run.data.train) for lane in self.lanes]
+    def next_batches(self, done: int) -> dict:
+        """``{key: [M, B, ...]}`` from each member's batch of this process's rows for the step
+        after ``done`` steps (a waiting member's: another's, its own data left untouched)."""
+        batches = [
+            next(lane.run.data.train) if lane.run.step <= done else None for lane in self.lanes
+        ]
+        taken = next(batch for batch in batches if batch is not None)
+        batches = [taken if batch is None else batch for batch in batches]
         batch_spec = parallel.batch_sharding(self.first.mesh, self.rules).spec
         sharding = NamedSharding(self.mesh, PartitionSpec("member", *batch_spec))
         local = {key: np.stack([batch[key] for batch in batches]) for key in batches[0]}
@@ -175,8 +194,9 @@ class Vmapped:
     def finite(self, metrics: dict) -> list[bool]:
         return [bool(flag) for flag in np.asarray(metrics["finite"])]
 
-    def active(self) -> jax.Array:
-        return jax.device_put(jnp.ones(self.size, bool), self.member_sharding)
+    def active(self, done: int) -> jax.Array:
+        flags = np.asarray([lane.run.step <= done for lane in self.lanes])
+        return jax.device_put(flags, self.member_sharding)
 
     def compile(self, stacked, batch, active, log) -> None:
         """Compiles the step for these arrays, after checking that it fits the devices.
@@ -202,7 +222,12 @@ class Vmapped:
         )
         self._compiled = compiled
 
-    def step(self, stacked, batch, active):
+    def step(self, stacked, batch, active, done: int):
+        """The step after ``done`` steps; a member waiting for it joins now (its flag set, the
+        others' kept as the devices left them)."""
+        joining = np.asarray([lane.run.step == done for lane in self.lanes])
+        if joining.any() and done > min(lane.run.step for lane in self.lanes):
+            active = active | jax.device_put(joining, self.member_sharding)
         return self._compiled(stacked, batch, self.numbers, active)
 
 

@@ -237,9 +237,12 @@ def start(
     )
 
 
-def train(lanes: list[Lane], *, progress: bool, log, vmap: bool = False) -> list[dict[str, float]]:
-    """Steps ``lanes`` (a run, or a sweep's members that share a program, all at one step) to
-    ``train.steps``; returns the metrics each logged last.
+def train(
+    lanes: list[Lane], *, progress: bool, log, vmap: bool = False, plots: bool = True
+) -> list[dict[str, float]]:
+    """Steps ``lanes`` (a run, or a sweep's members that share a program) to ``train.steps``;
+    returns the metrics each logged last. A lane resumed at a later step than others waits for
+    them.
 
     One compiled step advances every lane (:class:`~.lanes.InTurn`, or with ``vmap``
     :class:`~.lanes.Vmapped`), each on its own batches and numbers; each lane's actions fire at
@@ -249,10 +252,11 @@ def train(lanes: list[Lane], *, progress: bool, log, vmap: bool = False) -> list
     step late, once the next step is dispatched. Between actions a state stays a list of its
     leaves, what the step takes and returns. The evaluation's programs, one set for all the
     lanes, compile on a thread of their own while the first steps run
-    (:mod:`.background_compile`); matplotlib is imported on another, where the plots are drawn
-    while the last checkpoints are written."""
+    (:mod:`.background_compile`); matplotlib is imported on another, where each lane's plots are
+    drawn while the last checkpoints are written (unless not ``plots``: a sweep draws its own)."""
     first = lanes[0].run
-    cfg, step, total, spent = first.cfg, first.step, first.cfg.train.steps, first.spent
+    cfg, total, spent = first.cfg, first.cfg.train.steps, first.spent
+    step = start_step = min(lane.run.step for lane in lanes)
     main = jax.process_index() == 0
     if step == total:
         where = first.run_dir if len(lanes) == 1 else "the members"
@@ -263,9 +267,9 @@ def train(lanes: list[Lane], *, progress: bool, log, vmap: bool = False) -> list
     throughput = Throughput(tokens_per_step, flops_per_token, peak_flops(), log)
     program.prefetch()  # in the prefetch threads, beside the steps
     with spent.part("data"):
-        batches = program.next_batches() if step < total else None
+        batches = program.next_batches(step) if step < total else None
     states = program.stack([jax.tree.leaves(lane.run.state) for lane in lanes])
-    active = program.active()
+    active = program.active(step)
     if step < total:  # a sweep's step that does not fit is refused before anything is logged
         program.compile(states, batches, active, log)
     compiling = BackgroundCompile(spent)
@@ -287,21 +291,22 @@ def train(lanes: list[Lane], *, progress: bool, log, vmap: bool = False) -> list
         spent.loop_begins()
         while step < total:
             started = time.perf_counter()
-            states, metrics, active = program.step(states, batches, active)
-            if step == first.step:  # what the first evaluation and the end need, meanwhile
+            states, metrics, active = program.step(states, batches, active, step)
+            if step == start_step:  # what the first evaluation and the end need, meanwhile
                 state = first.treedef.unflatten(program.member(states, 0))
                 compiling.start(
                     _evaluation_compiler(loops[0].evaluate, state, first.mesh, cfg.mesh.rules)
                 )
-                if main:
+                if main and plots:
                     plotter.submit(figure_pyplot)
             step += 1
             for each in loops:
-                each.console.advance()
+                if each.lane.run.step < step:
+                    each.console.advance()
             data_states = [lane.run.data.train.get_state() for lane in lanes]
             if step < total:
                 taken = time.perf_counter()
-                batches = program.next_batches()
+                batches = program.next_batches(step)
                 spent.add("data", time.perf_counter() - taken)
             finite.later(step, metrics)
             signum = agree(stop.signum)
@@ -334,12 +339,13 @@ def train(lanes: list[Lane], *, progress: bool, log, vmap: bool = False) -> list
         finite.now()
         # metrics.jsonl holds every step (flushed as written): the plots are drawn from it while
         # the last checkpoints are written, and both are done when the run returns.
-        plots = [plotter.submit(plot_run, lane.run.run_dir.path) for lane in lanes] if main else []
+        drawn_by = lanes if main and plots else []
+        drawing = [plotter.submit(plot_run, lane.run.run_dir.path) for lane in drawn_by]
         with spent.part("checkpoints"):
             for lane in lanes:
                 lane.run.checkpointer.wait()
         with spent.part("plots"):
-            for drawn in plots:
+            for drawn in drawing:
                 drawn.result()
     return [lane.last for lane in lanes]
 
@@ -379,8 +385,9 @@ class _LaneLoop:
                 self.log(notice)
 
     def due(self, step: int, final: bool) -> list:
-        """The actions due after ``step`` (none once the lane is frozen)."""
-        if not self.lane.alive:
+        """The actions due after ``step`` (none once the lane is frozen, nor before the lane
+        took a step)."""
+        if not self.lane.alive or step <= self.lane.run.step:
             return []
         return [action for action in self.actions if action.due(step, final)]
 
@@ -396,7 +403,7 @@ class _LaneLoop:
 
         Raises:
           TrainingError: a run's step, naming its last good checkpoint."""
-        if not self.lane.alive:
+        if not self.lane.alive or step <= self.lane.run.step:  # frozen, or waited
             return
         run = self.lane.run
         if run.cfg.train.skip_nonfinite:

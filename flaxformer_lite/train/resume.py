@@ -103,14 +103,15 @@ def check_resume(
         *_data_inside_run(run, cfg),
         *_steps_done(run, cfg, saved_step),
         *_tokenizer_gone(run, resuming),
-        *_metrics_without_checkpoint(run, resuming),
         *([] if recorded is None else _input_differences(run, cfg, recorded, resuming)),
         *([] if saved is None else _config_differences(saved, cfg, data_compared)),
     ]
+    if differences and (not force or any(d.forced is None for d in differences)):
+        raise ConfigError("\n".join(d.text() for d in differences))
+    if main and not resuming:
+        _keep_metrics_without_checkpoint(run, log)
     if not differences:
         return
-    if not force or any(d.forced is None for d in differences):
-        raise ConfigError("\n".join(d.text() for d in differences))
     for difference in differences:
         log(
             "\n".join(
@@ -167,21 +168,17 @@ def _tokenizer_gone(run: RunDir, resuming: bool) -> list[Difference]:
     ]
 
 
-def _metrics_without_checkpoint(run: RunDir, resuming: bool) -> list[Difference]:
-    """A run with logged steps but no checkpoint (deleted, or never written) would start over at
-    step 0 and drop those steps' metrics and TensorBoard events: the user decides."""
-    if resuming or run.has_checkpoint() or not run.metrics.is_file():
-        return []
-    if run.metrics.stat().st_size == 0:
-        return []
-    return [
-        Difference(
-            f"{run.metrics} holds logged steps but {run.checkpoints} has no checkpoint to "
-            "resume from",
-            (),
-            f"pass {_FRESH}",
-        )
-    ]
+def _keep_metrics_without_checkpoint(run: RunDir, log) -> None:
+    """A run that logged steps but wrote no checkpoint (stopped by kill -9 or a full disk
+    before its first) has nothing to resume and nothing to lose: it starts again at step 0, its
+    metrics and TensorBoard events kept aside (``metrics.jsonl.old<N>``, ``tb.old<N>``)."""
+    if run.has_checkpoint() or not run.metrics.is_file() or run.metrics.stat().st_size == 0:
+        return
+    kept = [move_aside(path) for path in (run.metrics, run.tensorboard) if path.exists()]
+    log(
+        f"{run} logged steps but wrote no checkpoint: starting again at step 0 (what it logged "
+        f"is kept in {' and '.join(path.name for path in kept)})"
+    )
 
 
 def _input_differences(

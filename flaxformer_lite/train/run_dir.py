@@ -177,7 +177,7 @@ class RunDir:
         self.refuse_if_not_a_run()
         self.refuse_links()
         if fresh and self.path.exists():
-            _check_movable(self.path)
+            check_movable(self.path)
             with _flock(self.lock):
                 moved = move_aside(self.path)
             log(f"--fresh: moved the previous run to {moved}")
@@ -192,6 +192,15 @@ class RunDir:
             if created:
                 self._remove_if_unused()
             raise
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Holds the lock of this existing run directory, writing nothing else in it.
+
+        Raises:
+          RunDirInUseError: another process holds it."""
+        with _flock(self.lock):
+            yield
 
     def _remove_if_unused(self) -> None:
         """Removes the directory if a failed run left nothing in it but its lock, its mark,
@@ -229,7 +238,7 @@ def _flock(path: pathlib.Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _check_movable(path: pathlib.Path) -> None:
+def check_movable(path: pathlib.Path) -> None:
     """Refuses to move aside a directory that cannot go as a whole: a mount point (it would be
     copied, emptied, then fail to go) or one holding the current directory (``.``).
 

@@ -120,10 +120,12 @@ def coerce(annotation, value, key: str, base: Mapping[str, Any] | None = None):
         _, value_type = typing.get_args(annotation)
         merged = {**(base or {}), **value}
         return {str(k): coerce(value_type, v, f"{key}.{k}") for k, v in merged.items()}
-    if origin is tuple:  # tuple[item, ...]: a list, one item, none, or "a,b" on the command line
+    if origin is tuple:  # tuple[item, ...]: a list, one item, none; "a,b" or "[a,b]" as text
         item_type = typing.get_args(annotation)[0]
         if isinstance(value, OverrideText):
             text = value.strip()
+            if text.startswith("[") and text.endswith("]"):  # as --help and YAML write it
+                text = text[1:-1]
             value = [] if text.lower() in ("", "none", "null", "~") else text.split(",")
             value = [OverrideText(item.strip()) for item in value]
         if value is None or isinstance(value, str):

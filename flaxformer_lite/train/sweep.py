@@ -20,13 +20,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import pathlib
+import shutil
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 
 from flaxformer_lite import parallel
+from flaxformer_lite.data.run_stores import check_sources
+from flaxformer_lite.data.sources import source_of
 from flaxformer_lite.models.pieces import check_pieces, trusted_code
 from flaxformer_lite.train.actions import quiet
 from flaxformer_lite.train.compilation_cache import use_compilation_cache
@@ -46,14 +50,13 @@ from flaxformer_lite.train.program import (
     numbered_step,
     resolve_mesh,
 )
-from flaxformer_lite.train.resume import restore_data_state
-from flaxformer_lite.train.run_dir import RunDir, move_aside
+from flaxformer_lite.train.run_dir import RunDir
 from flaxformer_lite.train.step_numbers import PER_MEMBER, numbers_aside, step_numbers
 from flaxformer_lite.train.sweep_dir import SweepDir
 from flaxformer_lite.train.sweep_members import Member, split_settings, sweep_members
+from flaxformer_lite.train.sweep_plot import plot_sweep
 from flaxformer_lite.train.sweep_summary import summarize, summary_table
 from flaxformer_lite.train.time_spent import TimeSpent
-from flaxformer_lite.train.trained_run import from_savable, restore_target
 
 
 def sweep(
@@ -82,6 +85,7 @@ def sweep(
       force: resume members whose settings changed (as ``train.py --force``).
       vmap: step a group's members as one vmapped step (True) or by one compiled step in turn
         (False); None: vmapped on accelerators, in turn on a CPU (docs/design.md, "Sweeps").
+        A vmapped sweep takes ``mesh.context=1``.
       trust_code: import the code the settings name by import path (``models.pieces``).
       log: where one-line messages go.
       spent: where the sweep's time goes, counted from its creation (the command's start);
@@ -106,6 +110,15 @@ def _sweep(cfg: TrainConfig, vary, *, fresh: bool, force: bool, vmap, log, spent
     main = jax.process_index() == 0
     log = log if main else quiet  # every process trains, process 0 reports and writes
     groups = _groups(members)  # bad settings are refused before anything is written
+    _check_data_files(members)
+    if vmap is None:
+        vmap = jax.devices()[0].platform != "cpu"
+    context = max(member.cfg.mesh.context for member in members)
+    if vmap and context != 1:
+        raise ConfigError(
+            f"a vmapped sweep with mesh.context={context}: its member axis and the context axis "
+            "do not share one step; pass --no-vmap (the members in turn) or mesh.context=1"
+        )
     directory = SweepDir(cfg.run_dir)
     record = {"vary": {k: [_plain(v) for v in values] for k, values in vary.items()}}
     record["config"] = dataclasses.replace(cfg, run_dir="").to_dict()
@@ -113,19 +126,50 @@ def _sweep(cfg: TrainConfig, vary, *, fresh: bool, force: bool, vmap, log, spent
     diverged = _open_directory(directory, record, fresh=fresh and main, force=force, log=log)
     groups = [kept for group in groups if (kept := [m for m in group if m.name not in diverged])]
     _announce(members, groups, diverged, log)
+    prepared: dict[str, RunDir] = {}  # the first member to prepare each data's files
     with contextlib.ExitStack() as stack:
         for member in members:
             if main and member.name not in diverged:
                 stack.enter_context(RunDir(member.cfg.run_dir).locked(log=log))
         for group in groups:
             _train_group(
-                group, directory, record, diverged, force=force, vmap=vmap, log=log, spent=spent
+                group,
+                directory,
+                record,
+                diverged,
+                force=force,
+                vmap=vmap,
+                log=log,
+                spent=spent,
+                prepared=prepared,
             )
             spent.loop_ends()
     summary = summarize(directory.path, members, diverged)
     directory.write(record | {"diverged": diverged, "summary": summary})
     log(summary_table(summary))
+    if main:  # the groups' curves, in place of a plot per member (`plot DIR/<member>` draws it)
+        with spent.part("plots"):
+            for path in plot_sweep(directory.path):
+                log(f"wrote {path}")
     return summary
+
+
+def _check_data_files(members: list[Member]) -> None:
+    """Each member's data files exist and hold text (:func:`~flaxformer_lite.data.run_stores.
+    check_sources`), before the sweep writes anything.
+
+    Raises:
+      ConfigError: naming the member and the file."""
+    for member in members:
+        data = member.cfg.data
+        parts = data.mixture_sources().values() if data.mixture else [data]
+        for part in parts:
+            if part.path is None or not source_of(part).stored:
+                continue
+            try:
+                check_sources(part)
+            except (FileNotFoundError, ValueError) as error:
+                raise ConfigError(f"{member.name}: {error}") from None
 
 
 def _open_directory(directory: SweepDir, record: dict, *, fresh: bool, force: bool, log):
@@ -135,35 +179,19 @@ def _open_directory(directory: SweepDir, record: dict, *, fresh: bool, force: bo
     Raises:
       ConfigError: a file, a run, a directory of other files, or another sweep.
       RunDirLinkError: symbolic links in it, which the sweep's writes would follow."""
-    path = directory.path
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"run_dir {path} is a file, not a sweep directory")
-    if path.is_dir():
-        RunDir(path).refuse_links()
-    if RunDir(path).is_run():
-        raise ConfigError(
-            f"run_dir {path} holds a run (train.py's), not a sweep: choose another run_dir"
-        )
-    held = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
-    held = [name for name in held if name != directory.library_log.name]  # written first
-    if held and not directory.is_sweep():
-        held = ", ".join(held[:5])
-        raise ConfigError(
-            f"run_dir {path} is not a sweep directory: it holds {held} and no "
-            f"{directory.record.name}; choose a new or empty run_dir"
-        )
+    directory.refuse_if_not_a_sweep(written=(directory.library_log.name,))  # the command's
     if fresh and directory.is_sweep():
-        log(f"--fresh: moved the previous sweep to {move_aside(path)}")
+        directory.move_aside(log)
     diverged = {}
     if directory.is_sweep():
         try:
             old = directory.read()
         except ValueError as error:
             raise ConfigError(str(error)) from None
-        _check_same_sweep(path, old, record, force)
+        _check_same_sweep(directory.path, old, record, force)
         diverged = dict(old.get("diverged", {}))
     if jax.process_index() == 0:
-        path.mkdir(parents=True, exist_ok=True)
+        directory.path.mkdir(parents=True, exist_ok=True)
     directory.write(record | {"diverged": diverged})
     return diverged
 
@@ -177,7 +205,8 @@ def _check_same_sweep(directory: pathlib.Path, old: dict, new: dict, force: bool
         added = sorted(set(new["members"]) - set(old.get("members", {})))
         problems.append(f"members not in this sweep {gone}, members new in it {added}")
     changed = config_diff(config_from_dict(old["config"]), config_from_dict(new["config"]))
-    changed = {k: v for k, v in changed.items() if not is_runtime_key(k)}
+    # A varied key's shared value is no member's: the members' own are compared above.
+    changed = {k: v for k, v in changed.items() if not is_runtime_key(k) and k not in new["vary"]}
     if changed and not force:
         problems += [f"{key}: {a!r} -> {b!r}" for key, (a, b) in changed.items()]
     if problems:
@@ -219,7 +248,7 @@ def _announce(members, groups, diverged, log) -> None:
 
 
 def _train_group(
-    group: list[Member], directory, record, diverged, *, force: bool, vmap, log, spent
+    group: list[Member], directory, record, diverged, *, force: bool, vmap, log, spent, prepared
 ):
     """Starts the group's members as runs (each as ``train.py`` starts one) and trains them
     together in the run's loop, each a lane that a non-finite step freezes."""
@@ -240,6 +269,7 @@ def _train_group(
     try:
         for member in group:
             say = _prefixed(member.name, log)
+            _reuse_prepared_data(member, prepared)
             started = start(
                 member.cfg,
                 RunDir(member.cfg.run_dir),
@@ -249,37 +279,48 @@ def _train_group(
                 initializers=initializers,
             )
             lanes.append(Lane(started, name=member.name, frozen=freezer(member.name)))
-        _align_steps(lanes, log)
-        if vmap is None:
-            vmap = lanes[0].run.mesh.devices.flat[0].platform != "cpu"
-        train(lanes, progress=False, log=log, vmap=vmap)
+        _say_waiting(lanes, log)
+        train(lanes, progress=False, log=log, vmap=vmap, plots=False)
     finally:
         for lane in lanes:
             lane.run.checkpointer.close()
             lane.run.data.train.close()
 
 
-def _align_steps(lanes: list[Lane], log) -> None:
-    """Restores the members that are ahead (a sweep stopped while some members' saves were in
-    flight) to the newest step every member has a checkpoint of, so that they step together.
+def _reuse_prepared_data(member: Member, prepared: dict[str, RunDir]) -> None:
+    """Gives a member whose data settings equal an earlier member's, from files a run prepares
+    (text, jsonl, parallel: the same whatever the seed), that member's tokenizer and prepared
+    stores, hard-linked (written once, never changed), instead of tokenizing the files again;
+    notes the first member of each data's settings. Process 0 writes the runs' files."""
+    data, run = member.cfg.data, RunDir(member.cfg.run_dir)
+    if jax.process_index() != 0 or not source_of(data).made_by_run:
+        return
+    key = repr((data, member.cfg.init_from))
+    if key not in prepared:
+        prepared[key] = run
+        return
+    first = prepared[key]
+    if run.tokenizer.exists() or run.prepared.exists() or not first.prepared.is_dir():
+        return  # a member resumed, or data the first member did not prepare
+    for source, target in ((first.tokenizer, run.tokenizer), (first.prepared, run.prepared)):
+        shutil.copytree(source, target, copy_function=_linked)
 
-    Raises:
-      ConfigError: a member with no checkpoint beside members with some."""
-    common = min(lane.run.step for lane in lanes)
+
+def _linked(source: str, target: str) -> None:
+    """A hard link (the same file, in the member's own directory), else a copy."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
+def _say_waiting(lanes: list[Lane], log) -> None:
+    """Names the members resumed at later steps than others (a sweep stopped while some saves
+    were in flight, or before some members' first): they wait for the others."""
+    start = min(lane.run.step for lane in lanes)
     for lane in lanes:
-        run = lane.run
-        if run.step == common:
-            continue
-        if common == 0:
-            raise ConfigError(
-                f"{run.run_dir} is at step {run.step}, other members have no checkpoint: pass "
-                "--fresh to move the sweep aside and start over"
-            )
-        restored = run.checkpointer.restore(restore_target(run.state), step=common)
-        restore_data_state(run.data.train, restored.data_state, False, log)
-        state = from_savable(restored.state, run.state)
-        log(f"{lane.name}: back to step {common}, the step every member reached")
-        lane.run = dataclasses.replace(run, state=state, step=common)
+        if lane.run.step > start:
+            log(f"{lane.name}: at step {lane.run.step}, waits for the members at step {start}")
 
 
 def program_key(cfg: TrainConfig) -> tuple[str, str]:

@@ -10,11 +10,14 @@ SWEEP/
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import pathlib
+from collections.abc import Callable
 
-from flaxformer_lite.train.run_dir import RunDir
+from flaxformer_lite.train.config import ConfigError
+from flaxformer_lite.train.run_dir import RunDir, check_movable, move_aside
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +44,47 @@ class SweepDir:
         """Whether a sweep recorded itself here."""
         return self.record.is_file()
 
+    def refuse_if_not_a_sweep(self, written: tuple[str, ...] = ()) -> None:
+        """Refuses a file, a directory with symbolic links (the sweep's writes would follow
+        them), a run's directory, and one that holds files (other than ``written``, the
+        command's own) but no sweep record: the user's.
+
+        Raises:
+          ConfigError: naming the directory and what it holds.
+          RunDirLinkError: naming the links."""
+        path = self.path
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"run_dir {path} is a file, not a sweep directory")
+        if not path.is_dir():
+            return
+        RunDir(path).refuse_links()
+        if RunDir(path).is_run():
+            raise ConfigError(
+                f"run_dir {path} holds a run (train.py's), not a sweep: choose another run_dir"
+            )
+        held = sorted(p.name for p in path.iterdir() if p.name not in written)
+        if held and not self.is_sweep():
+            raise ConfigError(
+                f"run_dir {path} is not a sweep directory: it holds {', '.join(held[:5])} and no "
+                f"{self.record.name}; choose a new or empty run_dir"
+            )
+
+    def member_runs(self) -> list[RunDir]:
+        """The run directories in the sweep directory."""
+        return [RunDir(p) for p in sorted(self.path.iterdir()) if RunDir(p).is_run()]
+
+    def move_aside(self, log: Callable[[str], None]) -> None:
+        """Moves the sweep to ``<path>.old<N>``, holding every member's lock meanwhile.
+
+        Raises:
+          ValueError: a directory that cannot move as a whole (a mount point).
+          RunDirInUseError: a process trains a member (nothing is moved)."""
+        check_movable(self.path)
+        with contextlib.ExitStack() as held:
+            for run in self.member_runs():
+                held.enter_context(run.held())
+            log(f"--fresh: moved the previous sweep to {move_aside(self.path)}")
+
     def read(self) -> dict:
         """The sweep's record.
 
@@ -50,8 +94,14 @@ class SweepDir:
             record = json.loads(self.record.read_text(encoding="utf-8"))
         except (OSError, ValueError) as error:
             raise ValueError(f"{self.record}: not a readable sweep record ({error})") from None
-        if not isinstance(record, dict):
-            raise ValueError(f"{self.record}: not a sweep record (a JSON object)")
+        shapes = {"members": dict, "config": dict, "vary": dict, "diverged": dict}
+        if not isinstance(record, dict) or not all(k in record for k in ("members", "config")):
+            raise ValueError(
+                f"{self.record}: not a sweep record (an object with its members and config)"
+            )
+        for key, shape in shapes.items():
+            if key in record and not isinstance(record[key], shape):
+                raise ValueError(f"{self.record}: {key} is not an object ({record[key]!r})")
         return record
 
     def write(self, record: dict) -> None:

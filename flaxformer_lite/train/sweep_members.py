@@ -17,11 +17,14 @@ variant).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import pathlib
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+import yaml
 
 from flaxformer_lite.train.config import (
     ConfigError,
@@ -49,23 +52,45 @@ class Member:
     cfg: TrainConfig
 
 
-def parse_vary(texts: Sequence[str]) -> dict[str, list[str]]:
-    """``["seed=0,1,2", "optimizer.lr=1e-3,3e-3"]`` -> ``{"seed": ["0", "1", "2"], ...}``.
+def parse_vary(texts: Sequence[str]) -> dict[str, list]:
+    """``["seed=0,1,2", "optimizer.lr=1e-3,3e-3"]`` -> ``{"seed": ["0", "1", "2"], ...}``; values
+    that hold commas as a YAML list: ``data.path=["a,b.txt", c.txt]``.
 
     Raises:
-      ConfigError: a text that is not ``KEY=V1,V2,...``, or a key given twice.
+      ConfigError: a text that is not ``KEY=V1,V2,...`` or ``KEY=[V1, V2, ...]``, or a key
+        given twice.
     """
-    vary: dict[str, list[str]] = {}
+    vary: dict[str, list] = {}
     for text in texts:
         key, sep, values = text.partition("=")
-        key = key.strip()
-        listed = [value.strip() for value in values.split(",")]
-        if not sep or not key or not all(listed):
-            raise ConfigError(f"--vary takes KEY=V1,V2,..., got {text!r}")
+        key, values = key.strip(), values.strip()
+        if values.startswith("["):
+            listed = _yaml_list(text, values)
+        else:
+            listed = [value.strip() for value in values.split(",")]
+        if not sep or not key or not listed or not all(v not in ("", None) for v in listed):
+            raise ConfigError(
+                f"--vary takes KEY=V1,V2,... (or KEY=[V1, V2, ...] for values with commas), "
+                f"got {text!r}"
+            )
         if key in vary:
             raise ConfigError(f"--vary {key} is given twice: give its values once, V1,V2,...")
         vary[key] = listed
     return vary
+
+
+def _yaml_list(text: str, values: str) -> list:
+    """The YAML flow list ``values`` of ``--vary text``.
+
+    Raises:
+      ConfigError: not a YAML list."""
+    try:
+        listed = yaml.safe_load(values)
+    except yaml.YAMLError:
+        listed = None
+    if not isinstance(listed, list):
+        raise ConfigError(f'--vary {text!r}: [...] must be a YAML list, e.g. [a, "b,c"]')
+    return listed
 
 
 def sweep_members(cfg: TrainConfig, vary: Mapping[str, Sequence[Any]]) -> list[Member]:
@@ -90,7 +115,9 @@ def sweep_members(cfg: TrainConfig, vary: Mapping[str, Sequence[Any]]) -> list[M
     members, names, configs = [], {}, {}
     for values in itertools.product(*vary.values()):
         settings = dict(zip(vary, values, strict=True))
-        name = ",".join(f"{labels[key]}={_path_text(value)}" for key, value in settings.items())
+        name = _fitted(
+            ",".join(f"{labels[key]}={_path_text(value)}" for key, value in settings.items())
+        )
         member_cfg = member_config(cfg, settings, pathlib.Path(cfg.run_dir) / name)
         if name in names:
             raise ConfigError(f"two members are named {name!r}: {names[name]} and {settings}")
@@ -156,6 +183,20 @@ def _labels(keys: list[str]) -> dict[str, str]:
                 break
         labels[key] = label
     return labels
+
+
+# A member's directory name, in bytes: file systems take 255, and a group's name beside it too.
+NAME_BYTES = 200
+
+
+def _fitted(name: str) -> str:
+    """``name``, or where it is longer than :data:`NAME_BYTES`, its start and a hash of the
+    whole (``sweep.json`` keeps each member's settings)."""
+    encoded = name.encode()
+    if len(encoded) <= NAME_BYTES:
+        return name
+    digest = hashlib.sha256(encoded).hexdigest()[:12]
+    return encoded[: NAME_BYTES - 13].decode(errors="ignore") + "~" + digest
 
 
 def _path_text(value: Any) -> str:

@@ -114,11 +114,46 @@ def read_summary(directory: pathlib.Path) -> dict:
     record = sweep_dir.read()
     try:
         if "summary" in record:
-            return record["summary"]
-        members = [Member(name, settings, None) for name, settings in record["members"].items()]
-        return summarize(directory, members, record.get("diverged", {}))
+            summary = record["summary"]
+        else:
+            members = [Member(n, settings, None) for n, settings in record["members"].items()]
+            summary = summarize(directory, members, record.get("diverged", {}))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise ValueError(f"{sweep_dir.record}: not a sweep's record ({error})") from None
+    _check_summary(summary, sweep_dir.record)
+    return summary
+
+
+def _check_summary(summary, where: pathlib.Path) -> None:
+    """Raises ValueError naming the first entry of ``summary`` that is not of its shape: groups
+    and members by name, each group's metrics a mean, a deviation (or None) and a count."""
+    if not isinstance(summary, dict) or not all(
+        isinstance(summary.get(key), dict) for key in ("groups", "members")
+    ):
+        raise ValueError(f"{where}: its summary is not a sweep's (groups and members by name)")
+    for name, group in summary["groups"].items():
+        if not isinstance(group, dict) or not isinstance(group.get("members"), list):
+            raise ValueError(f"{where}: group {name!r} is not a sweep's group ({group!r})")
+        for metric, stats in group.items():
+            if metric not in ("members", "diverged") and not _is_stats(stats):
+                raise ValueError(
+                    f"{where}: group {name!r}, {metric}: not a mean, a deviation and a count "
+                    f"({stats!r})"
+                )
+
+
+def _is_stats(stats) -> bool:
+    def number(x) -> bool:
+        return isinstance(x, int | float) and not isinstance(x, bool)
+
+    return (
+        isinstance(stats, dict)
+        and number(stats.get("mean"))
+        and (stats.get("std") is None or number(stats["std"]))
+        and isinstance(stats.get("n"), int)
+        and not isinstance(stats["n"], bool)
+        and stats["n"] >= 1
+    )
 
 
 def split_group(path: pathlib.Path | str) -> tuple[pathlib.Path, str | None] | None:
@@ -187,6 +222,8 @@ def summary_table(summary: dict) -> str:
 
 def difference_text(metric: str, diff: dict) -> str:
     """One line: the difference, its standard error, and what it means."""
+    if not math.isfinite(diff["difference"]) or not math.isfinite(diff["stderr"] or 0.0):
+        return f"{metric}: difference {diff['difference']:+.4g}: a mean is not finite, no verdict"
     if diff["stderr"] is None:
         return f"{metric}: difference {diff['difference']:+.4g} (one member: no error bar)"
     verdict = (
