@@ -7,6 +7,7 @@ import re
 import numpy as np
 import pytest
 
+import flaxformer_lite.data.generator as base
 import flaxformer_lite.data.synthetic as syn
 from flaxformer_lite.data.byte_texts import ByteTexts, stable_hash
 from flaxformer_lite.data.documents import LABELLED_RECORDS, PAIR_RECORDS, TEXT_RECORDS
@@ -25,7 +26,7 @@ NAMES = sorted(syn.GENERATORS)
 def _key(generator, record):
     """The input a record is judged on: what must never cross from validation into train."""
     if generator.records == TEXT_RECORDS:
-        return syn.split_prompt(record["text"])[0]
+        return base.split_prompt(record["text"])[0]
     if generator.records == PAIR_RECORDS:
         return record["source"]
     return record["text"]
@@ -33,7 +34,7 @@ def _key(generator, record):
 
 def _reference(generator, record):
     if generator.records == TEXT_RECORDS:
-        return syn.split_prompt(record["text"])[1]
+        return base.split_prompt(record["text"])[1]
     if generator.records == PAIR_RECORDS:
         return record["target"]
     return record["label"]
@@ -96,14 +97,14 @@ def test_validation_inputs_never_appear_in_train(name, options):
     train_keys = {_key(t, t[i]) for t in train for i in range(len(t))}
     valid_keys = {_key(t, t[i]) for t in valid for i in range(len(t))}
     assert not train_keys & valid_keys
-    assert {syn.split_of(k) for k in valid_keys} == {"validation"}
+    assert {base.split_of(k) for k in valid_keys} == {"validation"}
     assert len(valid_keys) >= 5  # even the small domains keep a usable validation set
 
 
 def test_hash_partition_sends_about_the_validation_fraction():
     keys = [f"{i}+{i * 7}=" for i in range(20_000)]
-    share = sum(syn.split_of(k) == "validation" for k in keys) / len(keys)
-    assert abs(share - syn.VALIDATION_FRACTION) < 0.01
+    share = sum(base.split_of(k) == "validation" for k in keys) / len(keys)
+    assert abs(share - base.VALIDATION_FRACTION) < 0.01
 
 
 def test_records_hold_the_documented_keys():
@@ -142,7 +143,7 @@ def test_arithmetic_writes_zero_padded_reversed_answers_by_default():
     generator = syn.make_generator("arithmetic", size=3000)
     texts = [generator[i]["text"] for i in range(len(generator))]
     assert all(re.fullmatch(r"\d{3}[+-]\d{3}=\d{4}", text) for text in texts)
-    prompt, answer = syn.split_prompt(texts[0])
+    prompt, answer = base.split_prompt(texts[0])
     a, op, b = int(prompt[:3]), prompt[3], int(prompt[4:7])
     assert int(answer[::-1]) == (a + b if op == "+" else a - b)
 
@@ -164,8 +165,8 @@ def test_arithmetic_fixed_width_and_reversed_answers_are_correct(fixed_width, re
             assert written == str(int(written))
     # The same problems as the plain format, in the same order, when only the answer is reversed.
     if not fixed_width:
-        assert [syn.split_prompt(generator[i]["text"])[0] for i in range(50)] == [
-            syn.split_prompt(plain[i]["text"])[0] for i in range(50)
+        assert [base.split_prompt(generator[i]["text"])[0] for i in range(50)] == [
+            base.split_prompt(plain[i]["text"])[0] for i in range(50)
         ]
 
 
@@ -173,7 +174,7 @@ def test_reverse_answers_are_correct():
     generator = syn.make_generator("reverse", max_length=6)
     lengths = set()
     for i in range(500):
-        prompt, answer = syn.split_prompt(generator[i]["text"])
+        prompt, answer = base.split_prompt(generator[i]["text"])
         assert re.fullmatch(r"[a-z]+=", prompt) and answer == prompt[:-1][::-1]
         lengths.add(len(answer))
     assert lengths == set(range(1, 7))
@@ -304,15 +305,16 @@ def test_metric_names():
 
 
 def test_split_prompt():
-    assert syn.split_prompt("123+45=168") == ("123+45=", "168")
+    assert base.split_prompt("123+45=168") == ("123+45=", "168")
     with pytest.raises(ValueError, match="no '='"):
-        syn.split_prompt("123+45")
+        base.split_prompt("123+45")
 
 
 def test_sizes_and_indexing():
-    assert len(syn.make_generator("arithmetic")) == syn.DEFAULT_SIZES["train"]
+    assert len(syn.make_generator("arithmetic")) == base.DEFAULT_SIZES["train"]
     assert (
-        len(syn.make_generator("arithmetic", split="validation")) == syn.DEFAULT_SIZES["validation"]
+        len(syn.make_generator("arithmetic", split="validation"))
+        == base.DEFAULT_SIZES["validation"]
     )
     generator = syn.make_generator("reverse", size=5)
     assert list(generator) == [generator[i] for i in range(5)]
@@ -357,13 +359,13 @@ def test_bad_values_are_named(name, kwargs, message):
 def test_a_domain_too_small_for_a_split_fails_at_construction():
     # The only input, "zero", belongs to exactly one split; the other split cannot be built.
     failures = []
-    for split in syn.SPLITS:
+    for split in base.SPLITS:
         try:
             syn.make_generator("number_words", split=split, max_value=0)
         except ValueError as error:
             assert "widen the domain" in str(error)
             failures.append(split)
-    assert failures == [s for s in syn.SPLITS if s != syn.split_of("zero")]
+    assert failures == [s for s in base.SPLITS if s != base.split_of("zero")]
 
 
 # --- documents: every example tokenized at once ---------------------------------------------
@@ -371,12 +373,12 @@ def test_a_domain_too_small_for_a_split_fails_at_construction():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_documents_hold_the_records_tokenized_across_chunks(name):
-    size = syn.CHUNK + 7  # two chunks
+    size = base.CHUNK + 7  # two chunks
     generator = syn.make_generator(name, seed=2, size=size)
     documents = generator.documents(ByteTokenizer())
     assert len(documents) == size
     tokenizer = ByteTokenizer()
-    for i in (0, 1, syn.CHUNK - 1, syn.CHUNK, size - 1):
+    for i in (0, 1, base.CHUNK - 1, base.CHUNK, size - 1):
         record = generator[i]
         for field in documents.fields:
             assert tokenizer.decode(documents.document(field, i)) == record[field]
@@ -387,8 +389,8 @@ def test_documents_hold_the_records_tokenized_across_chunks(name):
     expected = stable_hash(ByteTexts.from_strings(keys))
     np.testing.assert_array_equal(documents.digests[:50], expected)
     assert (
-        syn.make_generator(name, seed=2, size=2 * syn.CHUNK)[syn.CHUNK + 3]
-        == generator[syn.CHUNK + 3]
+        syn.make_generator(name, seed=2, size=2 * base.CHUNK)[base.CHUNK + 3]
+        == generator[base.CHUNK + 3]
     )
 
 
@@ -418,10 +420,10 @@ def test_documents_are_kept_read_only_for_an_equal_generator_and_tokenizer():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_whole_chunks_of_validation_and_train_share_no_input(name):
-    train = syn.make_generator(name, seed=0, size=2 * syn.CHUNK).documents(ByteTokenizer())
+    train = syn.make_generator(name, seed=0, size=2 * base.CHUNK).documents(ByteTokenizer())
     valid = syn.make_generator(name, seed=1, split="validation").documents(ByteTokenizer())
     assert not set(train.digests.tolist()) & set(valid.digests.tolist())
-    assert (valid.digests < np.uint64(int(syn.VALIDATION_FRACTION * 2**64))).all()
+    assert (valid.digests < np.uint64(int(base.VALIDATION_FRACTION * 2**64))).all()
 
 
 def test_generator_options_come_from_the_data_config_and_bad_ones_are_named():

@@ -14,6 +14,7 @@ alone would.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -21,7 +22,9 @@ import numpy as np
 from flaxformer_lite.data import tokenizers
 from flaxformer_lite.data.batches import TrainBatches
 from flaxformer_lite.data.config import BLOCK_ROWS, DataConfig, weight_shares
+from flaxformer_lite.data.run_stores import check_sources
 from flaxformer_lite.data.sources import source_of
+from flaxformer_lite.data.store import open_store
 from flaxformer_lite.data.store_writer import BATCH_SIZE, SourcePasses, training_texts
 from flaxformer_lite.data.tokenizers import Tokenizer
 
@@ -128,3 +131,45 @@ def fitted_tokenizer(cfg: DataConfig) -> Tokenizer:
     weights = [entry.weight for entry in cfg.mixture.values()]
     texts = weighted_texts(streams, sizes, weights)
     return tokenizers.make_tokenizer(cfg.tokenizer, texts=texts, vocab_size=cfg.vocab_size)
+
+
+def check_mixture_sources(parts: dict[str, DataConfig]) -> None:
+    """Each source's files (:func:`check_sources`), and no source's validation data that
+    another trains on."""
+    named = {}
+    for name, part in parts.items():
+        with named_source(name):
+            named[name] = check_sources(part)
+    for name, files in named.items():
+        for other, other_files in named.items():
+            shared = sorted(files.get("validation_path", set()) & other_files["path"])
+            if other != name and shared:
+                raise ValueError(
+                    f"data.mixture.{name}.validation_path={parts[name].validation_path}: "
+                    f"{shared[0]} is training data of data.mixture.{other} too: the evaluation "
+                    "would be on text the model trained on"
+                )
+
+
+@contextlib.contextmanager
+def named_source(name: str) -> Iterator[None]:
+    """Names the mixture's source ``name`` in a data error raised inside."""
+    try:
+        yield
+    except (FileNotFoundError, ValueError) as error:
+        message = str(error)
+        for key in ("data.path", "data.validation_path"):  # the source's own settings
+            if message.startswith(key):
+                raise type(error)(f"data.mixture.{name}.{message[5:]}") from None
+        raise type(error)(f"data.mixture.{name}: {message}") from None
+
+
+def mixture_tokenizer(cfg: DataConfig) -> Tokenizer:
+    """A new mixture's tokenizer: its first store's (each store is checked against it), one
+    fitted on the sources by weight, or the one ``data.tokenizer`` names."""
+    source = source_of(cfg)
+    if source.brings_tokenizer:
+        return open_store(source.store_at(next(iter(cfg.mixture.values())).path, None)).tokenizer
+    if cfg.tokenizer in tokenizers.FITTED_TOKENIZERS:
+        return fitted_tokenizer(cfg)
+    return tokenizers.make_tokenizer(cfg.tokenizer, path=cfg.tokenizer_path)

@@ -32,7 +32,6 @@ number of processes.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import itertools
@@ -55,13 +54,23 @@ from flaxformer_lite.data.documents import (
     Documents,
     hold_out_tails,
     split_documents,
-    text_digests,
 )
 from flaxformer_lite.data.features import truncation
-from flaxformer_lite.data.mixture import MixtureBatches, fitted_tokenizer
-from flaxformer_lite.data.run_stores import check_sources, records_of, run_store, validation_store
+from flaxformer_lite.data.mixture import (
+    MixtureBatches,
+    check_mixture_sources,
+    mixture_tokenizer,
+    named_source,
+)
+from flaxformer_lite.data.run_stores import (
+    check_sources,
+    decoded_records,
+    records_of,
+    run_store,
+    validation_records,
+    validation_store,
+)
 from flaxformer_lite.data.sources import source_of, source_of_store
-from flaxformer_lite.data.store import open_store
 from flaxformer_lite.data.tokenizers import Tokenizer
 
 # Fitted tokenizers see all training records of a file source, or this many synthetic examples.
@@ -190,7 +199,7 @@ def build_data(
     _check_fits(cfg, task)
     save = process_index == 0 if save_tokenizer is None else save_tokenizer
     if cfg.mixture:  # before a tokenizer is fitted on them
-        _check_mixture_sources(cfg.mixture_sources())
+        check_mixture_sources(cfg.mixture_sources())
     chosen = run_tokenizer(cfg, Path(directory), tokenizer)
     if cfg.mixture:
         tokenizer, corpora = chosen, _load_mixture(cfg, task, prepared, chosen)
@@ -331,18 +340,18 @@ def _load_store(
     if valid_store is not None:
         train, valid = np.arange(len(documents)), np.arange(len(valid_store.documents))
         train, valid = train[: cfg.train_size], valid[: cfg.eval_size]
-        examples = _validation_records(valid_store, valid)
+        examples = validation_records(valid_store, valid)
         corpus = Corpus((documents, train), (valid_store.documents, valid), examples)
         return store.tokenizer, corpus
     where = cfg.path or str(store.path)
     if source_of_store(store.manifest["source"]).whole_files:
         documents, train, valid = hold_out_tails(documents, cfg.validation_fraction, where)
         train, valid = train[: cfg.train_size], valid[: cfg.eval_size]
-        examples = _decoded_records(store.tokenizer, documents, valid)
+        examples = decoded_records(store.tokenizer, documents, valid)
     else:
         train, valid = split_documents(documents.digests, cfg.validation_fraction, where)
         train, valid = train[: cfg.train_size], valid[: cfg.eval_size]
-        examples = _validation_records(store, valid)
+        examples = validation_records(store, valid)
     return store.tokenizer, Corpus((documents, train), (documents, valid), examples)
 
 
@@ -352,51 +361,9 @@ def _load_mixture(
     """Each source of a mixture tokenized with the mixture's ``tokenizer``, by name."""
     corpora = {}
     for name, part in cfg.mixture_sources().items():
-        with _named(name):
+        with named_source(name):
             corpora[name] = _load_store(part, prepared, tokenizer, task)[1]
     return corpora
-
-
-def _check_mixture_sources(parts: dict[str, DataConfig]) -> None:
-    """Each source's files (:func:`check_sources`), and no source's validation data that
-    another trains on."""
-    named = {}
-    for name, part in parts.items():
-        with _named(name):
-            named[name] = check_sources(part)
-    for name, files in named.items():
-        for other, other_files in named.items():
-            shared = sorted(files.get("validation_path", set()) & other_files["path"])
-            if other != name and shared:
-                raise ValueError(
-                    f"data.mixture.{name}.validation_path={parts[name].validation_path}: "
-                    f"{shared[0]} is training data of data.mixture.{other} too: the evaluation "
-                    "would be on text the model trained on"
-                )
-
-
-@contextlib.contextmanager
-def _named(name: str) -> Iterator[None]:
-    """Names the mixture's source ``name`` in a data error raised inside."""
-    try:
-        yield
-    except (FileNotFoundError, ValueError) as error:
-        message = str(error)
-        for key in ("data.path", "data.validation_path"):  # the source's own settings
-            if message.startswith(key):
-                raise type(error)(f"data.mixture.{name}.{message[5:]}") from None
-        raise type(error)(f"data.mixture.{name}: {message}") from None
-
-
-def _mixture_tokenizer(cfg: DataConfig) -> Tokenizer:
-    """A new mixture's tokenizer: its first store's (each store is checked against it), one
-    fitted on the sources by weight, or the one ``data.tokenizer`` names."""
-    source = source_of(cfg)
-    if source.brings_tokenizer:
-        return open_store(source.store_at(next(iter(cfg.mixture.values())).path, None)).tokenizer
-    if cfg.tokenizer in tokenizers.FITTED_TOKENIZERS:
-        return fitted_tokenizer(cfg)
-    return tokenizers.make_tokenizer(cfg.tokenizer, path=cfg.tokenizer_path)
 
 
 def prepare_run_store(
@@ -414,10 +381,10 @@ def prepare_run_store(
     if not cfg.mixture:
         _prepare_stores(cfg, prepared, run_tokenizer(cfg, directory, given))
         return
-    _check_mixture_sources(cfg.mixture_sources())
+    check_mixture_sources(cfg.mixture_sources())
     tokenizer = run_tokenizer(cfg, directory, given)
     for name, part in cfg.mixture_sources().items():
-        with _named(name):
+        with named_source(name):
             _prepare_stores(part, prepared, tokenizer)
     if not _has_saved_tokenizer(directory):
         tokenizer.save(directory)
@@ -430,38 +397,11 @@ def _prepare_stores(cfg: DataConfig, prepared: Path, tokenizer: Tokenizer | None
         validation_store(cfg, prepared, store)
 
 
-def _validation_records(store, ids: np.ndarray) -> list[dict[str, str]]:
-    """The records (text, or source and target) of the validation documents ``ids``, for
-    generation scores: read again from the source files when they still hold these documents
-    (their digests match the store's), else decoded from the store."""
-    made_from = store.manifest["source"]
-    wanted = set(ids.tolist())
-    try:
-        files = [Path(file["path"]) for file in made_from["files"]]
-        records = source_of_store(made_from).records(files)
-        records = itertools.islice(records, int(ids.max()) + 1)  # the rest is not needed
-        by_index = {i: r for i, r in enumerate(records) if i in wanted}
-    except (FileNotFoundError, ValueError):
-        by_index = {}
-    if len(by_index) == len(wanted):
-        found = [by_index[i] for i in ids.tolist()]
-        columns = {f: [r[f] for r in found] for f in store.documents.fields}
-        if np.array_equal(text_digests(columns), store.documents.digests[ids]):
-            return found
-    return _decoded_records(store.tokenizer, store.documents, ids)
-
-
-def _decoded_records(tokenizer: Tokenizer, documents: Documents, ids: np.ndarray) -> list[dict]:
-    """The records of documents ``ids``, decoded from their ids."""
-    fields = documents.fields
-    return [{f: tokenizer.decode(documents.document(f, i)) for f in fields} for i in ids.tolist()]
-
-
 def run_tokenizer(cfg: DataConfig, directory: Path, given: Tokenizer | None) -> Tokenizer | None:
     """Which tokenizer the run uses, decided here for every source before its data are read:
     the run's own, saved in ``directory`` (a resumed run keeps its ids), else ``given``
-    (``init_from``'s, with its ids), else a mixture's (:func:`_mixture_tokenizer`). None: the
-    one ``data.tokenizer`` names is made with the data: fitted on a synthetic generator's
+    (``init_from``'s, with its ids), else a mixture's (:func:`.mixture.mixture_tokenizer`).
+    None: the one ``data.tokenizer`` names is made with the data: fitted on a synthetic generator's
     examples (:func:`_fitted_on_records`) or as a store is prepared, or a prepared store's own.
 
     Raises:
@@ -469,7 +409,7 @@ def run_tokenizer(cfg: DataConfig, directory: Path, given: Tokenizer | None) -> 
     """
     chosen = _saved_tokenizer(cfg, directory, given) or given
     if chosen is None and cfg.mixture:
-        return _mixture_tokenizer(cfg)
+        return mixture_tokenizer(cfg)
     return chosen
 
 

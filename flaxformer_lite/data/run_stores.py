@@ -9,10 +9,14 @@ them ahead (:func:`prepare_source`, :func:`prepare_validation`).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from pathlib import Path
+
+import numpy as np
 
 from flaxformer_lite.data import readers
 from flaxformer_lite.data.config import DataConfig
+from flaxformer_lite.data.documents import Documents, text_digests
 from flaxformer_lite.data.sources import source_of, source_of_store
 from flaxformer_lite.data.store import (
     Store,
@@ -141,3 +145,30 @@ def prepare_source(
 def records_of(store: Store) -> str:
     """The type of records of a store: those its source yields."""
     return source_of_store(store.manifest["source"]).record_type
+
+
+def validation_records(store, ids: np.ndarray) -> list[dict[str, str]]:
+    """The records (text, or source and target) of the validation documents ``ids``, for
+    generation scores: read again from the source files when they still hold these documents
+    (their digests match the store's), else decoded from the store."""
+    made_from = store.manifest["source"]
+    wanted = set(ids.tolist())
+    try:
+        files = [Path(file["path"]) for file in made_from["files"]]
+        records = source_of_store(made_from).records(files)
+        records = itertools.islice(records, int(ids.max()) + 1)  # the rest is not needed
+        by_index = {i: r for i, r in enumerate(records) if i in wanted}
+    except (FileNotFoundError, ValueError):
+        by_index = {}
+    if len(by_index) == len(wanted):
+        found = [by_index[i] for i in ids.tolist()]
+        columns = {f: [r[f] for r in found] for f in store.documents.fields}
+        if np.array_equal(text_digests(columns), store.documents.digests[ids]):
+            return found
+    return decoded_records(store.tokenizer, store.documents, ids)
+
+
+def decoded_records(tokenizer: Tokenizer, documents: Documents, ids: np.ndarray) -> list[dict]:
+    """The records of documents ``ids``, decoded from their ids."""
+    fields = documents.fields
+    return [{f: tokenizer.decode(documents.document(f, i)) for f in fields} for i in ids.tolist()]

@@ -29,7 +29,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from flaxformer_lite.data import readers, synthetic
+from flaxformer_lite.data import generator, readers, synthetic
 from flaxformer_lite.data.documents import PAIR_RECORDS, TEXT_RECORDS
 
 if TYPE_CHECKING:  # the settings are read, never built, here
@@ -257,9 +257,9 @@ class SyntheticSource(Source):
         super().check(cfg)
         for name in ("train_size", "eval_size"):
             size = getattr(cfg, name)
-            if size is not None and size > synthetic.MAX_SIZE:
+            if size is not None and size > generator.MAX_SIZE:
                 raise ValueError(
-                    f"data.{name} must be at most {synthetic.MAX_SIZE:,} for a synthetic "
+                    f"data.{name} must be at most {generator.MAX_SIZE:,} for a synthetic "
                     f"generator (its examples are made in memory at start-up), got {size}"
                 )
 
@@ -269,7 +269,7 @@ class SyntheticSource(Source):
     def described(self, cfg: DataConfig) -> str:
         return f"data.generator={cfg.generator!r} ({self.record_type_of(cfg)} examples)"
 
-    def examples(self, cfg: DataConfig, split: str, seed: int) -> synthetic.Generator:
+    def examples(self, cfg: DataConfig, split: str, seed: int) -> generator.Generator:
         """The generator's ``split`` (``train`` or ``validation``) for ``seed``."""
         size = cfg.train_size if split == "train" else cfg.eval_size
         options = cfg.generator_options

@@ -8,7 +8,7 @@ from flaxformer_lite.models.config import ModelConfig
 from flaxformer_lite.models.decoder_lm import DecoderLM
 from flaxformer_lite.models.encoder import Encoder
 from flaxformer_lite.models.encoder_decoder import EncoderDecoder
-from flaxformer_lite.models.pieces import check_pieces
+from flaxformer_lite.models.piece_checks import check_pieces
 
 MODEL_CLASSES = {"encoder_decoder": EncoderDecoder, "decoder": DecoderLM, "encoder": Encoder}
 

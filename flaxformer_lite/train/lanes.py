@@ -1,8 +1,9 @@
-"""The runs one loop steps together (:func:`.loop.train`), each a :class:`Lane`, and the two
-ways one compiled step advances them: :class:`InTurn`, each lane's state through the step one
-after another (a run, a lane alone; a sweep's members on a CPU, whose cores one member's step
-keeps busy), and :class:`Vmapped`, their states stacked on a leading member axis through the
-vmapped step (a sweep's members on accelerators, where a small model leaves most of a chip idle).
+"""The runs one loop steps together (:func:`.loop.train`), each a :class:`Lane` with its
+actions (:class:`LaneActions`), and the two ways one compiled step advances them:
+:class:`InTurn`, each lane's state through the step one after another (a run, a lane alone; a
+sweep's members on a CPU, whose cores one member's step keeps busy), and :class:`Vmapped`,
+their states stacked on a leading member axis through the vmapped step (a sweep's members on
+accelerators, where a small model leaves most of a chip idle).
 
 Either way every lane's numbers are arguments of the step (:mod:`.step_numbers`), so a sweep's
 member stepped in turn runs the very program, on the very arguments, of its own run.
@@ -22,9 +23,21 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from flaxformer_lite import parallel
+from flaxformer_lite.train.actions import (
+    Evaluate,
+    LogTrain,
+    SaveCheckpoint,
+    StepEnd,
+    nonfinite_error,
+    run_actions,
+)
 from flaxformer_lite.train.config import ConfigError
+from flaxformer_lite.train.console import Console
+from flaxformer_lite.train.metrics import MetricsWriter
+from flaxformer_lite.train.optim import warmup_notice
 from flaxformer_lite.train.program import numbered_step, tracing_layout
-from flaxformer_lite.train.step import on_leaves
+from flaxformer_lite.train.step import on_leaves, task_of
+from flaxformer_lite.train.time_spent import TimeSpent
 
 
 @dataclasses.dataclass
@@ -58,6 +71,90 @@ class Lane:
         if self.name is None:
             return log
         return lambda message: log(f"{self.name}: {message}")
+
+
+class LaneActions:
+    """What the loop keeps of a lane while it steps: its console, metrics writer and actions
+    (logging, evaluating with the lanes' one eval step, saving), and what a non-finite step of
+    it does."""
+
+    def __init__(self, lane: Lane, eval_step, throughput, compiling, progress, log, main: bool):
+        run, total = lane.run, lane.run.cfg.train.steps
+        self.lane, self.log = lane, lane.log(log)
+        self.console = Console(total, run.step, bar=progress and lane.name is None, log=self.log)
+        self.writer = (
+            MetricsWriter(run.run_dir.path, resume_step=run.step, log=self.log)
+            if main
+            else NoMetrics()
+        )
+        self.evaluate = Evaluate(
+            run.cfg,
+            run.data,
+            task_of(run.cfg.model),
+            eval_step,
+            run.built.eval_graphdef,
+            run.place,
+            self.console,
+            compiling,
+        )
+        self.actions = [
+            LogTrain(run.cfg.train.log_every, total, run.numbers["lr"], throughput, self.console),
+            self.evaluate,
+            SaveCheckpoint(run.checkpointer, run.cfg),
+        ]
+        self.resumed_step = run.step if run.resumed else None
+        for notice in (warmup_notice(run.cfg.optimizer, total), *run.data.notices):
+            if notice:
+                self.log(notice)
+
+    def due(self, step: int, final: bool) -> list:
+        """The actions due after ``step`` (none once the lane is frozen, nor before the lane
+        took a step)."""
+        if not self.lane.alive or step <= self.lane.run.step:
+            return []
+        return [action for action in self.actions if action.due(step, final)]
+
+    def act(self, due: list, end: StepEnd, spent: TimeSpent) -> None:
+        run_actions(due, end, self.lane.run.checkpointer, spent)
+        if end.values:
+            self.writer.write(end.step, end.values)
+            self.lane.last = end.values
+
+    def on_nonfinite(self, step: int, metrics: dict) -> None:
+        """Step ``step`` was not finite: logged (``train.skip_nonfinite``), the lane frozen
+        (a sweep's member), or the run stopped.
+
+        Raises:
+          TrainingError: a run's step, naming its last good checkpoint."""
+        if not self.lane.alive or step <= self.lane.run.step:  # frozen, or waited
+            return
+        run = self.lane.run
+        if run.cfg.train.skip_nonfinite:
+            loss = float(metrics["loss"])
+            self.log(
+                f"step {step}: the loss or a gradient is not finite (loss {loss}); the update "
+                "was skipped"
+            )
+            return
+        if self.lane.frozen is not None:
+            self.lane.alive = False
+            self.lane.frozen(step)
+            return
+        raise nonfinite_error(step, float(metrics["loss"]), run.checkpointer, self.resumed_step)
+
+    def close(self) -> None:
+        self.writer.close()
+        self.console.close()
+
+
+class NoMetrics:
+    """The metrics writer of processes other than 0: they compute the metrics, 0 writes them."""
+
+    def write(self, step: int, values) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class InTurn:

@@ -23,28 +23,22 @@ from flaxformer_lite.data.hf_tokenizer import load_hf_tokenizer
 from flaxformer_lite.data.pipeline import Data
 from flaxformer_lite.data.run_data import DataRequest, RunPaths, run_data
 from flaxformer_lite.models import training_flops_per_token
-from flaxformer_lite.models.pieces import check_pieces
+from flaxformer_lite.models.piece_checks import check_pieces
 from flaxformer_lite.train.actions import (
     Evaluate,
     FiniteCheck,
-    LogTrain,
-    SaveCheckpoint,
     StepEnd,
     Throughput,
     TrainingError,
-    nonfinite_error,
     quiet,
-    run_actions,
 )
 from flaxformer_lite.train.background_compile import BackgroundCompile
 from flaxformer_lite.train.checkpoint import Checkpointer, CheckpointShapeError
 from flaxformer_lite.train.compilation_cache import use_compilation_cache
 from flaxformer_lite.train.config import ConfigError, TrainConfig, config_from_dict
-from flaxformer_lite.train.console import Console
 from flaxformer_lite.train.figures import pyplot as figure_pyplot
-from flaxformer_lite.train.lanes import InTurn, Lane, Vmapped
-from flaxformer_lite.train.metrics import MetricsWriter, peak_flops, plot_run
-from flaxformer_lite.train.optim import warmup_notice
+from flaxformer_lite.train.lanes import InTurn, Lane, LaneActions, Vmapped
+from flaxformer_lite.train.metrics import peak_flops, plot_run
 from flaxformer_lite.train.program import (
     TrainState,
     build_train_state,
@@ -274,7 +268,7 @@ def train(
         program.compile(states, batches, active, log)
     compiling = BackgroundCompile(spent)
     loops = [
-        _LaneLoop(lane, first.eval_step, throughput, compiling, progress, log, main)
+        LaneActions(lane, first.eval_step, throughput, compiling, progress, log, main)
         for lane in lanes
     ]
     finite = FiniteCheck([each.on_nonfinite for each in loops], program)
@@ -348,80 +342,6 @@ def train(
             for drawn in drawing:
                 drawn.result()
     return [lane.last for lane in lanes]
-
-
-class _LaneLoop:
-    """What the loop keeps of a lane while it steps: its console, metrics writer and actions
-    (logging, evaluating with the lanes' one eval step, saving), and what a non-finite step of
-    it does."""
-
-    def __init__(self, lane: Lane, eval_step, throughput, compiling, progress, log, main: bool):
-        run, total = lane.run, lane.run.cfg.train.steps
-        self.lane, self.log = lane, lane.log(log)
-        self.console = Console(total, run.step, bar=progress and lane.name is None, log=self.log)
-        self.writer = (
-            MetricsWriter(run.run_dir.path, resume_step=run.step, log=self.log)
-            if main
-            else NoMetrics()
-        )
-        self.evaluate = Evaluate(
-            run.cfg,
-            run.data,
-            task_of(run.cfg.model),
-            eval_step,
-            run.built.eval_graphdef,
-            run.place,
-            self.console,
-            compiling,
-        )
-        self.actions = [
-            LogTrain(run.cfg.train.log_every, total, run.numbers["lr"], throughput, self.console),
-            self.evaluate,
-            SaveCheckpoint(run.checkpointer, run.cfg),
-        ]
-        self.resumed_step = run.step if run.resumed else None
-        for notice in (warmup_notice(run.cfg.optimizer, total), *run.data.notices):
-            if notice:
-                self.log(notice)
-
-    def due(self, step: int, final: bool) -> list:
-        """The actions due after ``step`` (none once the lane is frozen, nor before the lane
-        took a step)."""
-        if not self.lane.alive or step <= self.lane.run.step:
-            return []
-        return [action for action in self.actions if action.due(step, final)]
-
-    def act(self, due: list, end: StepEnd, spent: TimeSpent) -> None:
-        run_actions(due, end, self.lane.run.checkpointer, spent)
-        if end.values:
-            self.writer.write(end.step, end.values)
-            self.lane.last = end.values
-
-    def on_nonfinite(self, step: int, metrics: dict) -> None:
-        """Step ``step`` was not finite: logged (``train.skip_nonfinite``), the lane frozen
-        (a sweep's member), or the run stopped.
-
-        Raises:
-          TrainingError: a run's step, naming its last good checkpoint."""
-        if not self.lane.alive or step <= self.lane.run.step:  # frozen, or waited
-            return
-        run = self.lane.run
-        if run.cfg.train.skip_nonfinite:
-            loss = float(metrics["loss"])
-            self.log(
-                f"step {step}: the loss or a gradient is not finite (loss {loss}); the update "
-                "was skipped"
-            )
-            return
-        if self.lane.frozen is not None:
-            self.lane.alive = False
-            self.lane.frozen(step)
-            return
-        raise nonfinite_error(step, float(metrics["loss"]), run.checkpointer, self.resumed_step)
-
-    def close(self) -> None:
-        self.writer.close()
-        self.console.close()
 
 
 def _evaluation_compiler(evaluate: Evaluate, state, mesh, rules) -> Callable[[], None]:
@@ -515,16 +435,6 @@ def _sync_processes(name: str) -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
-
-
-class NoMetrics:
-    """The metrics writer of processes other than 0: they compute the metrics, 0 writes them."""
-
-    def write(self, step: int, values) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 __all__ = ["Interrupted", "Lane", "StartedRun", "TrainingError", "run", "start", "train"]

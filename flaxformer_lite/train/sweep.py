@@ -29,9 +29,11 @@ from typing import Any
 import jax
 
 from flaxformer_lite import parallel
+from flaxformer_lite.data.mixture import check_mixture_sources
 from flaxformer_lite.data.run_stores import check_sources
 from flaxformer_lite.data.sources import source_of
-from flaxformer_lite.models.pieces import check_pieces, trusted_code
+from flaxformer_lite.models.piece_checks import check_pieces
+from flaxformer_lite.models.pieces import trusted_code
 from flaxformer_lite.train.actions import quiet
 from flaxformer_lite.train.compilation_cache import use_compilation_cache
 from flaxformer_lite.train.config import (
@@ -162,14 +164,15 @@ def _check_data_files(members: list[Member]) -> None:
       ConfigError: naming the member and the file."""
     for member in members:
         data = member.cfg.data
-        parts = data.mixture_sources().values() if data.mixture else [data]
-        for part in parts:
-            if part.path is None or not source_of(part).stored:
-                continue
-            try:
-                check_sources(part)
-            except (FileNotFoundError, ValueError) as error:
-                raise ConfigError(f"{member.name}: {error}") from None
+        if not source_of(data).stored or not (data.path or data.mixture):
+            continue
+        try:
+            if data.mixture:
+                check_mixture_sources(data.mixture_sources())
+            else:
+                check_sources(data)
+        except (FileNotFoundError, ValueError) as error:
+            raise ConfigError(f"{member.name}: {error}") from None
 
 
 def _open_directory(directory: SweepDir, record: dict, *, fresh: bool, force: bool, log):

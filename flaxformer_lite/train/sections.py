@@ -1,0 +1,135 @@
+"""The sections of the training config that no other package owns: the loop (``train``), the
+checkpoints (``checkpoint``) and the device mesh (``mesh``); :mod:`.config` puts them together
+with the model's, the data's and the optimizer's into :class:`~.config.TrainConfig`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from flaxformer_lite.parallel import DEFAULT_RULES, MESH_AXES, check_rules
+from flaxformer_lite.settings import setting
+from flaxformer_lite.train.schema import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+    """The training loop. ``steps`` counts optimizer steps; ``batch_size`` is global (split into
+    ``grad_accum_steps`` microbatches). A step with a non-finite loss or gradient stops the run,
+    or is skipped with ``skip_nonfinite``. Each evaluation covers every validation token, or the
+    first ``eval_batches`` batches (the log says what share). It also greedy-decodes the first
+    ``decode_examples`` validation examples of LM prompt=answer tasks and seq2seq data, scores
+    them (exact match, token accuracy, BLEU for translation) and logs ``log_samples`` of them;
+    0 turns decoding off. On plain text, it logs ``log_samples`` continuations of validation
+    prompts instead."""
+
+    steps: int = setting(3000, help="optimizer steps of the whole run (may be raised on resume)")
+    batch_size: int = setting(32, help="examples (rows) per optimizer step, over all devices")
+    grad_accum_steps: int = setting(1, help="microbatches per step (batch_size must be a multiple)")
+    log_every: int = setting(50, help="log training metrics every this many steps")
+    eval_every: int = setting(500, help="evaluate every this many steps (and at the end)")
+    eval_batches: int | None = setting(
+        None, help="validation batches per evaluation; null: all (every token)"
+    )
+    decode_examples: int = setting(
+        256, help="validation examples greedy-decoded and scored per evaluation"
+    )
+    log_samples: int = setting(3, help="decoded examples printed per evaluation")
+    label_smoothing: float = setting(0.0, help="label smoothing of the loss, in [0, 1)")
+    z_loss: float = setting(0.0, help="weight of the log(Z)^2 penalty on the logits (PaLM); 0: off")
+    loss_chunk: int | None = setting(
+        None,
+        help="positions per block of the training loss: the logits of batch x loss_chunk tokens "
+        "at a time, recomputed in the backward pass (same loss, less memory); null: all at once",
+    )
+    skip_nonfinite: bool = setting(
+        False, help="skip a step with a non-finite loss or gradient instead of stopping"
+    )
+    compilation_cache: bool = setting(
+        True,
+        help="keep compiled programs in ~/.cache/flaxformer_lite/jax ($XDG_CACHE_HOME): a "
+        "second run of a config compiles nothing it compiled before; false: compile every run",
+    )
+
+    def __post_init__(self):
+        if self.batch_size % max(self.grad_accum_steps, 1):
+            raise ConfigError(
+                f"train.batch_size ({self.batch_size}) must be a multiple of "
+                f"train.grad_accum_steps ({self.grad_accum_steps})"
+            )
+        names = (
+            "steps",
+            "batch_size",
+            "grad_accum_steps",
+            "log_every",
+            "eval_every",
+        )
+        for name in names:
+            _check_positive(f"train.{name}", getattr(self, name))
+        for name in ("eval_batches", "loss_chunk"):
+            if getattr(self, name) is not None:
+                _check_positive(f"train.{name}", getattr(self, name))
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ConfigError(
+                f"train.label_smoothing must be in [0, 1), got {self.label_smoothing}"
+            )
+        if self.z_loss < 0:
+            raise ConfigError(f"train.z_loss must be >= 0, got {self.z_loss}")
+        for name in ("decode_examples", "log_samples"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpoints every ``every`` steps (and at the end), keeping the last ``keep``."""
+
+    every: int = setting(500, help="save every this many steps (and at the end)")
+    keep: int = setting(3, help="keep the last this many checkpoints (and the best by eval loss)")
+
+    def __post_init__(self):
+        _check_positive("checkpoint.every", self.every)
+        _check_positive("checkpoint.keep", self.keep)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """The device mesh and how arrays are laid out on it (:mod:`flaxformer_lite.parallel`).
+
+    ``data``, ``fsdp``, ``context``, ``tensor``: axis sizes; 1 leaves an axis unused, -1 takes
+    the remaining devices. ``rules``: logical axis name -> the mesh axes that shard it (an empty
+    list replicates); earlier rules take precedence when two names of one array want the same mesh
+    axis. Rules given in a file or as ``mesh.rules.<name>=a,b`` (or ``=none``) replace the entries
+    of :data:`~flaxformer_lite.parallel.DEFAULT_RULES` in place; new names come last.
+    """
+
+    data: int = setting(-1, help="the data-parallel axis size; -1: the remaining devices")
+    fsdp: int = setting(
+        1, help="the fully-sharded-data-parallel axis size; -1: the remaining devices"
+    )
+    tensor: int = setting(1, help="the tensor-parallel axis size; -1: the remaining devices")
+    context: int = setting(
+        1,
+        help="the context-parallel axis size: each sequence split over this many devices "
+        "(decoder models; data.seq_len divisible by 2 x context)",
+    )
+    rules: dict[str, tuple[str, ...]] = setting(
+        factory=lambda: dict(DEFAULT_RULES),
+        help="logical axis -> the mesh axes that shard it ([] replicates)",
+    )
+
+    def __post_init__(self):
+        sizes = (self.data, self.fsdp, self.tensor, self.context)
+        for name, size in zip(("data", "fsdp", "tensor", "context"), sizes, strict=True):
+            if size == 0 or size < -1:
+                raise ConfigError(f"mesh.{name} must be a positive int or -1, got {size}")
+        if sizes.count(-1) > 1:
+            raise ConfigError(f"at most one mesh axis may be -1, got {sizes}")
+        try:
+            check_rules(self.rules, MESH_AXES)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+
+
+def _check_positive(key: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{key} must be a positive int, got {value!r}")
