@@ -37,6 +37,8 @@ flaxformer_lite.register_positions("same_relative", user_pieces.same_relative)
 flaxformer_lite.register_positions("log_distance", user_pieces.LogDistanceBias)
 flaxformer_lite.register_norm("same_layernorm", user_pieces.same_layer_norm)
 flaxformer_lite.register_norm("scalenorm", user_pieces.ScaleNorm)
+flaxformer_lite.register_norm("picky", user_pieces.PickyNorm)
+flaxformer_lite.register_norm("picky_value", user_pieces.picky_value_norm)
 flaxformer_lite.register_feed_forward("same_mlp", user_pieces.same_mlp)
 flaxformer_lite.register_feed_forward("relu_squared", user_pieces.ReluSquared)
 
@@ -183,6 +185,18 @@ def test_bad_code_is_one_line_naming_the_setting_before_training(
     assert len(error.splitlines()) == 1 and f"{key}='{name}:{attr}'" in error
     assert message in error, error
     assert not (directory / "run").exists()
+
+
+@pytest.mark.parametrize("norm", ["picky", "picky_value"])
+def test_a_piece_that_fails_at_the_run_s_shapes_is_named_and_leaves_no_run(tmp_path, capsys, norm):
+    """It passes the check on 8 positions and fails in the first step on the run's 32: a
+    RuntimeError or a ValueError, one line naming the setting, no run directory left."""
+    argv = ["train", f"model.norm={norm}", f"run_dir={tmp_path / 'run'}", *TINY]
+    assert main(argv) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "the first train step failed" in error[0], error
+    assert f"model.norm='{norm}'" in error[0] and "I only work on 8 positions" in error[0]
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_module_that_does_not_import_is_named(tmp_path, monkeypatch, capsys):

@@ -192,3 +192,14 @@ def test_a_platform_jax_cannot_start_is_one_line(tmp_path, platforms):
     assert done.returncode == 2 and len(err) == 1, done.stderr[-2000:]
     assert err[0].startswith(f"error: JAX could not start JAX_PLATFORMS={platforms}")
     assert not (tmp_path / "r").exists() and os.path.isdir(tmp_path)
+
+
+def test_a_mixture_source_s_weight_can_be_varied(tmp_path):
+    for name in "xy":
+        (tmp_path / f"{name}.txt").write_text(f"text of {name}\n" * 20)
+    sources = [f"data.mixture.{name}.path={tmp_path / name}.txt" for name in "xy"]
+    cfg = load_config(None, [f"run_dir={tmp_path / 's'}", "data.source=text", *sources])
+    members = sweep_members(cfg, {"data.mixture.y.weight": ["1", "3"]})
+    assert [m.name for m in members] == ["weight=1", "weight=3"]
+    assert [m.cfg.data.mixture["y"].weight for m in members] == [1.0, 3.0]
+    assert {m.cfg.data.mixture["x"].path for m in members} == {f"{tmp_path / 'x'}.txt"}

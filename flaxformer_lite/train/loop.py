@@ -23,7 +23,7 @@ from flaxformer_lite.data.hf_tokenizer import load_hf_tokenizer
 from flaxformer_lite.data.pipeline import Data
 from flaxformer_lite.data.run_data import DataRequest, RunPaths, run_data
 from flaxformer_lite.models import training_flops_per_token
-from flaxformer_lite.models.piece_checks import check_pieces
+from flaxformer_lite.models.piece_checks import check_pieces, failed_with_pieces
 from flaxformer_lite.train.actions import (
     Evaluate,
     FiniteCheck,
@@ -283,6 +283,7 @@ def train(
         stack.enter_context(contextlib.closing(compiling))
         stack.enter_context(plotter)
         spent.loop_begins()
+        stack.enter_context(_naming_pieces(cfg.model, lambda: step <= start_step + 1))
         while step < total:
             started = time.perf_counter()
             states, metrics, active = program.step(states, batches, active, step)
@@ -342,6 +343,22 @@ def train(
             for drawn in drawing:
                 drawn.result()
     return [lane.last for lane in lanes]
+
+
+@contextlib.contextmanager
+def _naming_pieces(model_cfg, first_step: Callable[[], bool]):
+    """An error of the first step (its trace, compile or run) of a model with a user's pieces,
+    named as theirs (:func:`~flaxformer_lite.models.piece_checks.failed_with_pieces`); the
+    loop's own stops (a signal, a non-finite step, the disk) pass as they are."""
+    try:
+        yield
+    except (Interrupted, TrainingError, OSError):
+        raise
+    except Exception as error:
+        failure = failed_with_pieces(error, model_cfg) if first_step() else None
+        if failure is None:
+            raise
+        raise failure from error
 
 
 def _evaluation_compiler(evaluate: Evaluate, state, mesh, rules) -> Callable[[], None]:

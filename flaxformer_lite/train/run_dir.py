@@ -203,15 +203,20 @@ class RunDir:
             yield
 
     def _remove_if_unused(self) -> None:
-        """Removes the directory if a failed run left nothing in it but its lock, its mark,
-        the stores it prepared (a cache of the data, made again at the next start) and empty
-        folders: bad input (a validation file that fails after the training data were
-        prepared) leaves no trace."""
-        ours = (self.lock, self.mark)
+        """Removes the directory (made by this call) if a failed run left nothing in it that a
+        step made: no checkpoint and no logged step, only its lock, its mark, its config, the
+        record of its inputs, its tokenizer, the stores it prepared (made again at the next
+        start), empty TensorBoard logs and empty folders. Bad input found late (a validation
+        file that fails after the training data were prepared, a user's piece that fails at the
+        run's shapes in the first step) leaves no trace."""
+        if self.has_checkpoint() or (self.metrics.is_file() and self.metrics.stat().st_size):
+            return
+        kept = (self.prepared, self.tokenizer, self.tensorboard)
+        ours = (self.lock, self.mark, self.config, self.inputs, self.metrics)
         files = [
             p
             for p in self.path.rglob("*")
-            if not p.is_dir() and p not in ours and not p.is_relative_to(self.prepared)
+            if not p.is_dir() and p not in ours and not any(p.is_relative_to(k) for k in kept)
         ]
         if not files:
             shutil.rmtree(self.path, ignore_errors=True)

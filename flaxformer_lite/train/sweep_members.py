@@ -107,7 +107,7 @@ def sweep_members(cfg: TrainConfig, vary: Mapping[str, Sequence[Any]]) -> list[M
     for key in vary:
         if key == "run_dir":
             raise ConfigError("run_dir is the sweep's: each member runs in <run_dir>/<member>")
-        if key not in valid_keys():
+        if key not in valid_keys() and key not in leaves:  # a mixture's source is a leaf
             config_from_dict(_nested(key, 0))  # raises, naming the closest key
         if key not in leaves:
             raise ConfigError(f"--vary {key}: not a setting a sweep can vary; vary its keys")
