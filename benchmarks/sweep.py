@@ -117,7 +117,7 @@ def closing_parts(printed: str) -> dict[str, float] | None:
     if not done:
         return None
     listed = done[-1].rsplit("; ", 1)[1].split(": ", 1)[1]
-    pairs = (re.fullmatch(r"(\S+) ([\d.]+) s", part).groups() for part in listed.split(", "))
+    pairs = (re.fullmatch(r"(\S+) (-?[\d.]+) s", part).groups() for part in listed.split(", "))
     return {name: float(seconds) for name, seconds in pairs}
 
 

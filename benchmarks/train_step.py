@@ -3,11 +3,13 @@
     python benchmarks/train_step.py                    # 4 layers, d_model 256, T 256, batch 8
     python benchmarks/train_step.py --layers 12 --d-model 768 --heads 12 --seq 128 --batch 4
 
-Ours is the step ``train.py`` runs, built the way it builds it: ``make_train_state`` (model +
-``nnx.Optimizer``), ``make_optimizer`` (global-norm clipping, AdamW with the decay mask, warmup
-schedule), ``make_train_step`` (``jax.jit``, the state donated, the finite check) on an ``lm``
-batch of random tokens. The model is the embedded default's GPT-2 (pre-LN, learned positions,
-gelu_tanh, fused QKV, tied embeddings) at the size given, float32, dropout off.
+Ours is the computation ``train.py`` runs, built the way it builds it: ``make_train_state``
+(model + ``nnx.Optimizer``), ``make_optimizer`` (global-norm clipping, AdamW with the decay mask,
+warmup schedule), ``make_train_step`` (``jax.jit``, the state donated, the finite check) on an
+``lm`` batch of random tokens; ``train.py`` itself runs it as ``configured_train_step``, with the
+optimizer's and the loss's numbers as arguments rather than constants. The model is the
+embedded default's GPT-2 (pre-LN, learned positions, gelu_tanh, fused QKV, tied embeddings) at
+the size given, float32, dropout off.
 
 The peer is Hugging Face transformers' ``GPT2LMHeadModel`` of the same shape (its default
 attention, ``sdpa``) with ``torch.optim.AdamW`` (same learning rate, betas, eps and weight decay)

@@ -171,10 +171,12 @@ def test_sigterm_then_the_same_sweep_again_equals_an_unbroken_sweep(swept, tmp_p
         assert numbers(tmp_path / "s" / name) == numbers(directory / name), name
 
 
-def test_members_resumed_at_other_steps_wait_for_each_other_and_end_as_unbroken(tmp_path):
+@pytest.mark.parametrize("vmap", [False, True])
+def test_members_resumed_at_other_steps_wait_for_each_other_and_end_as_unbroken(tmp_path, vmap):
     """With ``checkpoint.keep=1`` a member may hold only a later step than another (killed while
     saving), or none at all (killed after logging, before its first save): each resumes from its
-    own newest, the ones ahead wait, and every logged number equals an unbroken sweep's."""
+    own newest, the ones ahead wait (stepped in turn: not stepped; vmapped: their flags off, given
+    another's batch), and every logged number equals an unbroken sweep's."""
     settings = [
         *SETTINGS,
         "seed=0",
@@ -188,7 +190,7 @@ def test_members_resumed_at_other_steps_wait_for_each_other_and_end_as_unbroken(
 
     def swept(directory, steps, log=lambda _: None):
         cfg = load_config(None, [*settings, f"run_dir={directory}", f"train.steps={steps}"])
-        sweep(cfg, vary, vmap=False, log=log)
+        sweep(cfg, vary, vmap=vmap, log=log)
 
     swept(tmp_path / "unbroken", 12)
     directory = tmp_path / "s"

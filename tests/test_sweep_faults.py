@@ -203,3 +203,21 @@ def test_a_mixture_source_s_weight_can_be_varied(tmp_path):
     assert [m.name for m in members] == ["weight=1", "weight=3"]
     assert [m.cfg.data.mixture["y"].weight for m in members] == [1.0, 3.0]
     assert {m.cfg.data.mixture["x"].path for m in members} == {f"{tmp_path / 'x'}.txt"}
+
+
+def test_members_whose_files_give_other_vocabularies_train_as_programs_of_their_own(tmp_path):
+    """One program by their traces, but a character tokenizer fitted on each member's file
+    gives each its own vocabulary: the members train apart, each to the end."""
+    (tmp_path / "a.txt").write_text("abc abc\n" * 200)
+    (tmp_path / "b.txt").write_text("xyz uvw xyz\n" * 200)
+    paths = ",".join(str(tmp_path / name) for name in ("a.txt", "b.txt"))
+    overrides = ["data.source=text", "data.tokenizer=char", "train.steps=2", "data.seq_len=16"]
+    argv = ["sweep", *TINY, *overrides, f"run_dir={tmp_path / 's'}", "--vary", f"data.path={paths}"]
+    assert main(argv) == 0
+    record = json.loads((tmp_path / "s" / "sweep.json").read_text())
+    assert [m["results"]["step"] for m in record["summary"]["members"].values()] == [2, 2]
+    sizes = {
+        load_config(path / "config.yaml").model.vocab_size
+        for path in (tmp_path / "s").glob("path=*")
+    }
+    assert len(sizes) == 2

@@ -23,7 +23,9 @@ from flaxformer_lite.cli.library_log import library_log_to
 DESCRIPTION = """Train a sweep: one run for each combination of the --vary values, in
 run_dir/<member> (each a run: generate, export, plot, compare and load_run read it). Members that
 differ only in numbers (the seed, the optimizer's numbers and schedule, label smoothing, z-loss,
-an initialization scale) train together as one compiled program; settings that change the model's
+embedding and residual dropout, an initialization scale) train together as one compiled program
+(each member then logs exactly what train.py --config run_dir/<member>/config.yaml
+run_dir=ELSEWHERE logs); settings that change the model's
 graph or shapes split them into programs run one after another. At the end, each group of
 members that differ only in their seed gets its metrics as mean ± std, in run_dir/sweep.json.
 The same command resumes."""

@@ -8,6 +8,8 @@ import math
 import re
 from typing import Any, ClassVar
 
+import numpy as np
+
 from flaxformer_lite.data import readers
 from flaxformer_lite.data.sources import SOURCES, source_of
 from flaxformer_lite.data.tokenizers import NUM_SPECIAL, TOKENIZERS
@@ -225,10 +227,13 @@ def _check_int(name: str, value: Any, low: int) -> None:
         raise ValueError(f"data.{name} must be an int >= {low}, got {value!r}")
 
 
-def weight_shares(weights) -> list[float]:
-    """Each weight's share of their sum, computed over the weights divided by the largest, so
-    that weights near the float's largest do not overflow the sum."""
-    largest = max(weights)
-    scaled = [weight / largest for weight in weights]
-    total = math.fsum(scaled)
-    return [weight / total for weight in scaled]
+def weight_shares(weights) -> np.ndarray:
+    """float64 ``[S]``: each weight's share of their sum; where the sum overflows (weights near
+    the float's largest), the shares of the weights divided by the largest."""
+    weights = np.asarray(weights, np.float64)
+    with np.errstate(over="ignore"):
+        total = np.sum(weights)
+    if not np.isfinite(total):
+        weights = weights / weights.max()
+        total = np.sum(weights)
+    return weights / total

@@ -34,7 +34,7 @@ _MIX_STREAM = 0x0D0E  # keeps the blocks' orders apart from other draws made fro
 def block_counts(weights: Sequence[float]) -> np.ndarray:
     """int64 ``[S]``: each source's rows in a block of :data:`BLOCK_ROWS`, by weight; the rows
     left by rounding down go to the largest remainders (ties to the first source)."""
-    shares = np.asarray(weight_shares(weights), np.float64) * BLOCK_ROWS
+    shares = weight_shares(weights) * BLOCK_ROWS
     counts = np.floor(shares).astype(np.int64)
     left = BLOCK_ROWS - int(counts.sum())
     counts[np.argsort(-(shares - counts), kind="stable")[:left]] += 1

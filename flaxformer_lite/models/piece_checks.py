@@ -121,7 +121,11 @@ def _check_output(setting, value, contract, out, wanted: tuple, given: str) -> N
         )
 
 
-def failed_with_pieces(error: Exception, cfg: ModelConfig) -> ValueError | None:
+class PieceError(ValueError):
+    """A user's piece failed in a run's first step (bad input: nothing of the run is kept)."""
+
+
+def failed_with_pieces(error: Exception, cfg: ModelConfig) -> PieceError | None:
     """The one-line error for ``error``, raised by the first train step of a model of ``cfg``
     whose pieces include a user's (they passed :func:`check_pieces` on small inputs, not at the
     run's shapes): it names them; None for a model of built-in pieces only."""
@@ -129,7 +133,7 @@ def failed_with_pieces(error: Exception, cfg: ModelConfig) -> ValueError | None:
     if not pieces:
         return None
     named = ", ".join(f"{setting}={value!r}" for setting, value in pieces.items())
-    return ValueError(
+    return PieceError(
         f"the first train step failed ({type(error).__name__}: {first_line(error)}) in a model "
         f"with code of yours, {named}: it traced on small inputs, not on the run's "
         f"(train.batch_size x data.seq_len); check it at those shapes"

@@ -163,8 +163,6 @@ class InTurn:
     prefetch thread, beside the steps. A frozen lane, or one waiting for the others, is not
     stepped."""
 
-    vmapped = False
-
     def __init__(self, lanes: list[Lane]):
         first = lanes[0].run
         self.lanes, self.first = lanes, first
@@ -190,6 +188,10 @@ class InTurn:
         """Lane ``index``'s state leaves."""
         return states[index]
 
+    def member_shapes(self, states: list, index: int) -> list:
+        """Lane ``index``'s state leaves' shapes and shardings."""
+        return [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in states[index]]
+
     def member_metrics(self, metrics: list, index: int) -> dict:
         return metrics[index]
 
@@ -200,14 +202,14 @@ class InTurn:
     def active(self, done: int) -> list:
         return [self._active] * len(self.lanes)
 
-    def compile(self, states, batches, active, log) -> None:
+    def compile(self, states, batches, active, log) -> bool:
         """For a sweep's members: compiles the step ahead and checks that every member's state
-        fits the devices beside one step (a run compiles at its first step).
+        fits the devices beside one step; whether it compiled (a run compiles at its first step).
 
         Raises:
           ConfigError: they need more memory than a device has."""
         if len(self.lanes) == 1:
-            return
+            return False
         started, first = time.perf_counter(), self.first
         i = next(i for i, batch in enumerate(batches) if batch is not None)  # a lane stepping
         with tracing_layout(first.mesh, first.cfg.mesh.rules):
@@ -221,6 +223,7 @@ class InTurn:
             f"{parallel.describe_mesh(first.mesh)} in {time.perf_counter() - started:.1f} s: "
             f"{fit_text(held, len(self.lanes))}"
         )
+        return True
 
     def step(self, states: list, batches: list, active: list, done: int):
         """The step after ``done`` steps, of each lane that takes it."""
@@ -239,8 +242,6 @@ class Vmapped:
     as many members as divide the runs' ``data`` axis, the rest of it splitting each member's
     batch as in a run), their numbers stacked. The state of a frozen lane, or of one waiting for
     the others (given another's batch), is kept by its flag."""
-
-    vmapped = True
 
     def __init__(self, lanes: list[Lane]):
         first = lanes[0].run
@@ -264,9 +265,11 @@ class Vmapped:
         """``{key: [M, B, ...]}`` from each member's batch of this process's rows for the step
         after ``done`` steps (a waiting member's: another's, its own data left untouched)."""
         batches = [
-            next(lane.run.data.train) if lane.run.step <= done else None for lane in self.lanes
+            next(lane.run.data.train) if lane.steps_after(done) else None for lane in self.lanes
         ]
-        taken = next(batch for batch in batches if batch is not None)
+        taken = next((batch for batch in batches if batch is not None), None)
+        if taken is None:  # every lane frozen: the loop ends here
+            return None
         batches = [taken if batch is None else batch for batch in batches]
         batch_spec = parallel.batch_sharding(self.first.mesh, self.rules).spec
         sharding = NamedSharding(self.mesh, PartitionSpec("member", *batch_spec))
@@ -276,14 +279,26 @@ class Vmapped:
         return jax.make_array_from_process_local_data(sharding, local, shapes)
 
     def stack(self, leaves: list[list]) -> list:
-        """The members' state leaves stacked, on the member mesh."""
+        """The members' state leaves stacked, on the member mesh; the members' own arrays are
+        freed (the stack is their state from here on)."""
         stacked = [jnp.stack(xs) for xs in zip(*leaves, strict=True)]
-        return jax.device_put(stacked, self.shardings)
+        stacked = jax.device_put(stacked, self.shardings)
+        for x in (x for member in leaves for x in member):
+            x.delete()
+        return stacked
 
     def member(self, stacked: list, index: int) -> list:
         """Member ``index``'s state leaves, laid out as its run lays them out."""
         shardings = jax.tree.leaves(self.lanes[index].run.built.shardings)
         return jax.device_put([x[index] for x in stacked], shardings)
+
+    def member_shapes(self, stacked: list, index: int) -> list:
+        """Member ``index``'s state leaves' shapes and shardings, as its run lays them out."""
+        shardings = jax.tree.leaves(self.lanes[index].run.built.shardings)
+        return [
+            jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=sharding)
+            for x, sharding in zip(stacked, shardings, strict=True)
+        ]
 
     def member_metrics(self, metrics: dict, index: int) -> dict:
         return {key: value[index] for key, value in metrics.items()}
@@ -295,8 +310,8 @@ class Vmapped:
         flags = np.asarray([lane.run.step <= done for lane in self.lanes])
         return jax.device_put(flags, self.member_sharding)
 
-    def compile(self, stacked, batch, active, log) -> None:
-        """Compiles the step for these arrays, after checking that it fits the devices.
+    def compile(self, stacked, batch, active, log) -> bool:
+        """Compiles the step for these arrays, after checking that it fits the devices; True.
 
         Raises:
           ConfigError: the step needs more memory than a device has."""
@@ -318,6 +333,7 @@ class Vmapped:
             f"{fit_text(step_bytes(compiled), members)}"
         )
         self._compiled = compiled
+        return True
 
     def step(self, stacked, batch, active, done: int):
         """The step after ``done`` steps; a member waiting for it joins now (its flag set, the

@@ -23,7 +23,7 @@ from flaxformer_lite.data.hf_tokenizer import load_hf_tokenizer
 from flaxformer_lite.data.pipeline import Data
 from flaxformer_lite.data.run_data import DataRequest, RunPaths, run_data
 from flaxformer_lite.models import training_flops_per_token
-from flaxformer_lite.models.piece_checks import check_pieces, failed_with_pieces
+from flaxformer_lite.models.piece_checks import PieceError, check_pieces, failed_with_pieces
 from flaxformer_lite.train.actions import (
     Evaluate,
     FiniteCheck,
@@ -103,7 +103,8 @@ def run(
     log, progress = (log, progress) if main else (quiet, False)
     run_dir = RunDir(cfg.run_dir)
     # Process 0 holds the directory's lock for the whole run (other processes share it).
-    with spent, run_dir.locked(fresh=fresh, log=log) if main else contextlib.nullcontext():
+    locked = run_dir.locked(fresh=fresh, log=log, removed_after=(PieceError,))
+    with spent, locked if main else contextlib.nullcontext():
         _sync_processes("run directory ready")
         started = start(cfg, run_dir, force=force, log=log, spent=spent)
         # The data's prefetch thread ends with the run, however the run ends.
@@ -264,33 +265,33 @@ def train(
         batches = program.next_batches(step) if step < total else None
     states = program.stack([jax.tree.leaves(lane.run.state) for lane in lanes])
     active = program.active(step)
-    if step < total:  # a sweep's step that does not fit is refused before anything is logged
-        program.compile(states, batches, active, log)
+    # A sweep's step is compiled (and one that does not fit refused) before anything is logged.
+    ahead = step < total and program.compile(states, batches, active, log)
     compiling = BackgroundCompile(spent)
-    loops = [
-        LaneActions(lane, first.eval_step, throughput, compiling, progress, log, main)
-        for lane in lanes
-    ]
-    finite = FiniteCheck([each.on_nonfinite for each in loops], program)
     agree = SignalAgreement()
     plotter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="plots")
     # The steps are traced under the mesh and rules: the layers pin their activations' layout.
     with contextlib.ExitStack() as stack:
         stop = stack.enter_context(stop_on_signals())
-        for each in loops:
-            stack.callback(each.close)
+        loops = []
+        for lane in lanes:
+            loops.append(
+                LaneActions(lane, first.eval_step, throughput, compiling, progress, log, main)
+            )
+            stack.callback(loops[-1].close)
+        finite = FiniteCheck([each.on_nonfinite for each in loops], program)
         stack.enter_context(tracing_layout(first.mesh, cfg.mesh.rules))
         stack.enter_context(contextlib.closing(compiling))
         stack.enter_context(plotter)
         spent.loop_begins()
-        stack.enter_context(_naming_pieces(cfg.model, lambda: step <= start_step + 1))
-        while step < total:
+        while step < total and any(lane.alive for lane in lanes):
             started = time.perf_counter()
-            states, metrics, active = program.step(states, batches, active, step)
+            with _naming_pieces(cfg.model) if step == start_step else contextlib.nullcontext():
+                states, metrics, active = program.step(states, batches, active, step)
             if step == start_step:  # what the first evaluation and the end need, meanwhile
-                state = first.treedef.unflatten(program.member(states, 0))
+                shapes = first.treedef.unflatten(program.member_shapes(states, 0))
                 compiling.start(
-                    _evaluation_compiler(loops[0].evaluate, state, first.mesh, cfg.mesh.rules)
+                    _evaluation_compiler(loops[0].evaluate, shapes, first.mesh, cfg.mesh.rules)
                 )
                 if main and plots:
                     plotter.submit(figure_pyplot)
@@ -309,8 +310,13 @@ def train(
             due = [each.due(step, final) for each in loops]
             if throughput.started is not None and not any(due):
                 continue
-            finite.now()  # a checkpoint is written only after its step's flag is read
-            if throughput.started is None:
+            # A checkpoint is written only after its step's flag is read (an error of a user's
+            # piece may surface there, where the first step's results are read).
+            with _naming_pieces(cfg.model) if step == start_step + 1 else contextlib.nullcontext():
+                finite.now()
+            if throughput.started is None and ahead:  # the first step, compiled before
+                throughput.restart(step)
+            elif throughput.started is None:  # the first step, which compiled
                 throughput.compiled(step, started)
             throughput.hold(step)
             for index, each in enumerate(loops):
@@ -346,27 +352,27 @@ def train(
 
 
 @contextlib.contextmanager
-def _naming_pieces(model_cfg, first_step: Callable[[], bool]):
+def _naming_pieces(model_cfg):
     """An error of the first step (its trace, compile or run) of a model with a user's pieces,
     named as theirs (:func:`~flaxformer_lite.models.piece_checks.failed_with_pieces`); the
-    loop's own stops (a signal, a non-finite step, the disk) pass as they are."""
+    loop's own stops (a signal, a non-finite step, the disk, the device's memory) pass as they
+    are."""
     try:
         yield
     except (Interrupted, TrainingError, OSError):
         raise
     except Exception as error:
-        failure = failed_with_pieces(error, model_cfg) if first_step() else None
+        failure = (
+            None if "RESOURCE_EXHAUSTED" in str(error) else failed_with_pieces(error, model_cfg)
+        )
         if failure is None:
             raise
         raise failure from error
 
 
-def _evaluation_compiler(evaluate: Evaluate, state, mesh, rules) -> Callable[[], None]:
-    """What compiles ``evaluate``'s programs for ``state`` (as the loop traces them: under the
-    mesh and rules); it takes the shapes and shardings now, before a step donates ``state``."""
-    shapes = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
-    )
+def _evaluation_compiler(evaluate: Evaluate, shapes, mesh, rules) -> Callable[[], None]:
+    """What compiles ``evaluate``'s programs for a state of ``shapes`` (``jax.ShapeDtypeStruct``s
+    with their shardings) as the loop traces them: under the mesh and rules."""
 
     def compile_evaluation() -> None:
         with tracing_layout(mesh, rules):

@@ -136,7 +136,8 @@ def numbered_step(cfg: TrainConfig, graphdef):
                 state,
                 batch,
                 task=task_of(cfg.model),
-                label_smoothing=numbers["label_smoothing"],
+                # Off, the loss skips the smoothing term (a mean over the vocabulary).
+                label_smoothing=numbers["label_smoothing"] if cfg.train.label_smoothing else 0.0,
                 z_loss=numbers["z_loss"],
                 loss_chunk=cfg.train.loss_chunk,
                 grad_accum_steps=cfg.train.grad_accum_steps,

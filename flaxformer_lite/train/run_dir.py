@@ -160,9 +160,16 @@ class RunDir:
         partial.replace(self.config)
 
     @contextlib.contextmanager
-    def locked(self, *, fresh: bool = False, log: Callable[[str], None] = print) -> Iterator[None]:
+    def locked(
+        self,
+        *,
+        fresh: bool = False,
+        log: Callable[[str], None] = print,
+        removed_after: tuple[type[BaseException], ...] = (),
+    ) -> Iterator[None]:
         """Creates the directory and holds its lock while the ``with`` block runs; a directory
-        this call created is removed again if the block fails before writing a file.
+        this call created is removed again if the block fails before writing a file, or, after
+        an error of ``removed_after`` (bad input found at the first step), before any step.
 
         ``fresh`` first moves an existing run aside to ``<run_dir>.old<N>``, under that
         directory's lock, so that a directory in use is never moved.
@@ -188,9 +195,9 @@ class RunDir:
                 if not self._is_marked():
                     self.mark.write_text(json.dumps(MARK) + "\n", encoding="utf-8")
                 yield
-        except BaseException:
+        except BaseException as error:
             if created:
-                self._remove_if_unused()
+                self._remove_if_unused(bad_input=isinstance(error, removed_after))
             raise
 
     @contextlib.contextmanager
@@ -202,17 +209,19 @@ class RunDir:
         with _flock(self.lock):
             yield
 
-    def _remove_if_unused(self) -> None:
-        """Removes the directory (made by this call) if a failed run left nothing in it that a
-        step made: no checkpoint and no logged step, only its lock, its mark, its config, the
-        record of its inputs, its tokenizer, the stores it prepared (made again at the next
-        start), empty TensorBoard logs and empty folders. Bad input found late (a validation
-        file that fails after the training data were prepared, a user's piece that fails at the
-        run's shapes in the first step) leaves no trace."""
+    def _remove_if_unused(self, bad_input: bool) -> None:
+        """Removes the directory (made by this call) if a failed run left nothing in it but its
+        lock, its mark, the stores it prepared (a cache of the data, made again at the next
+        start) and empty folders: bad input (a validation file that fails after the training
+        data were prepared) leaves no trace. After ``bad_input`` found at the first step (a
+        user's piece that fails at the run's shapes) also its config, the record of its inputs,
+        its tokenizer and empty logs; any other failure (out of memory) keeps them."""
         if self.has_checkpoint() or (self.metrics.is_file() and self.metrics.stat().st_size):
             return
-        kept = (self.prepared, self.tokenizer, self.tensorboard)
-        ours = (self.lock, self.mark, self.config, self.inputs, self.metrics)
+        kept, ours = [self.prepared], [self.lock, self.mark]
+        if bad_input:
+            kept += [self.tokenizer, self.tensorboard]
+            ours += [self.config, self.inputs, self.metrics]
         files = [
             p
             for p in self.path.rglob("*")

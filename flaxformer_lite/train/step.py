@@ -148,7 +148,9 @@ def train_step(
     update=True,
 ):
     """One optimizer step of the split ``(model, optimizer)`` state on ``batch``: ``(state,
-    metrics)``, to be jitted (:func:`make_train_step`) or vmapped over a sweep's members.
+    metrics)``, to be jitted: by :func:`make_train_step` with its numbers as constants, or, as
+    every run's step, by :func:`~flaxformer_lite.train.program.configured_train_step` with them
+    as arguments (vmapped over a sweep's members on accelerators).
 
     ``graphdef, state = nnx.split((model, optimizer))``; ``optimizer`` an ``nnx.Optimizer`` over
     ``nnx.Param``, which applies the update, or ``tx`` in its place (a transformation with the

@@ -53,11 +53,11 @@ def step_numbers(cfg: TrainConfig, schedule) -> dict[str, np.ndarray]:
 def numbers_aside(cfg: TrainConfig) -> str:
     """``cfg`` without the settings that are a member's own (:data:`PER_MEMBER`): members that
     differ only in those train as one program. Whether ``clip_norm`` is set stays (clipping is
-    a transformation of its own in the optimizer), and whether each dropout drops (a layer at
-    rate 0 draws no key)."""
+    a transformation of its own in the optimizer), whether each dropout drops (a layer at
+    rate 0 draws no key) and whether labels are smoothed (a term of the loss)."""
     flat = flatten(cfg.to_dict())
     kept = {key: value for key, value in flat.items() if key not in PER_MEMBER}
     kept["optimizer.clip_norm"] = flat["optimizer.clip_norm"] is not None
-    for name in DROPOUT_NUMBERS:
-        kept[f"model.{name}"] = flat[f"model.{name}"] > 0
+    for key in (*(f"model.{name}" for name in DROPOUT_NUMBERS), "train.label_smoothing"):
+        kept[key] = flat[key] > 0
     return repr(sorted(kept.items()))

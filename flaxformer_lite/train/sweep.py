@@ -115,7 +115,7 @@ def _sweep(cfg: TrainConfig, vary, *, fresh: bool, force: bool, vmap, log, spent
     _check_data_files(members)
     if vmap is None:
         vmap = jax.devices()[0].platform != "cpu"
-    context = max(member.cfg.mesh.context for member in members)
+    context = max(resolve_mesh(member.cfg)[0].mesh.context for member in members)
     if vmap and context != 1:
         raise ConfigError(
             f"a vmapped sweep with mesh.context={context}: its member axis and the context axis "
@@ -151,9 +151,20 @@ def _sweep(cfg: TrainConfig, vary, *, fresh: bool, force: bool, vmap, log, spent
     log(summary_table(summary))
     if main:  # the groups' curves, in place of a plot per member (`plot DIR/<member>` draws it)
         with spent.part("plots"):
-            for path in plot_sweep(directory.path):
-                log(f"wrote {path}")
+            _plot(directory, log)
     return summary
+
+
+def _plot(directory: SweepDir, log) -> None:
+    """Draws the sweep's figure; one that cannot be drawn (a member's metrics removed, links
+    put in the directory meanwhile) is said, not raised: the training it shows is done."""
+    try:
+        written = plot_sweep(directory.path)
+    except (ValueError, OSError) as error:
+        log(f"warning: the sweep's figure was not drawn ({error}); flaxformer-lite plot draws it")
+        return
+    for path in written:
+        log(f"wrote {path}")
 
 
 def _check_data_files(members: list[Member]) -> None:
@@ -186,16 +197,20 @@ def _open_directory(directory: SweepDir, record: dict, *, fresh: bool, force: bo
     if fresh and directory.is_sweep():
         directory.move_aside(log)
     diverged = {}
-    if directory.is_sweep():
-        try:
-            old = directory.read()
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
-        _check_same_sweep(directory.path, old, record, force)
-        diverged = dict(old.get("diverged", {}))
-    if jax.process_index() == 0:
-        directory.path.mkdir(parents=True, exist_ok=True)
-    directory.write(record | {"diverged": diverged})
+    with contextlib.ExitStack() as held:
+        if directory.is_sweep():
+            try:
+                old = directory.read()
+            except ValueError as error:
+                raise ConfigError(str(error)) from None
+            _check_same_sweep(directory.path, old, record, force)
+            diverged = dict(old.get("diverged", {}))
+            main = jax.process_index() == 0
+            for run in directory.member_runs() if main else []:  # none trained by another process
+                held.enter_context(run.held())
+        if jax.process_index() == 0:
+            directory.path.mkdir(parents=True, exist_ok=True)
+        directory.write(record | {"diverged": diverged})
     return diverged
 
 
@@ -282,12 +297,24 @@ def _train_group(
                 initializers=initializers,
             )
             lanes.append(Lane(started, name=member.name, frozen=freezer(member.name)))
-        _say_waiting(lanes, log)
-        train(lanes, progress=False, log=log, vmap=vmap, plots=False)
+        for same_shapes in _by_state_shapes(lanes):
+            _say_waiting(same_shapes, log)
+            train(same_shapes, progress=False, log=log, vmap=vmap, plots=False)
     finally:
         for lane in lanes:
             lane.run.checkpointer.close()
             lane.run.data.train.close()
+
+
+def _by_state_shapes(lanes: list[Lane]) -> list[list[Lane]]:
+    """The lanes by the shapes of their states, in order: members traced as one program before
+    their data were read may still differ in the vocabulary a tokenizer fitted on each one's
+    files gave them, and then train as programs of their own."""
+    groups: dict[tuple, list[Lane]] = {}
+    for lane in lanes:
+        shapes = tuple((x.shape, x.dtype) for x in jax.tree.leaves(lane.run.state))
+        groups.setdefault(shapes, []).append(lane)
+    return list(groups.values())
 
 
 def _reuse_prepared_data(member: Member, prepared: dict[str, RunDir]) -> None:
@@ -303,8 +330,11 @@ def _reuse_prepared_data(member: Member, prepared: dict[str, RunDir]) -> None:
         prepared[key] = run
         return
     first = prepared[key]
-    if run.tokenizer.exists() or run.prepared.exists() or not first.prepared.is_dir():
-        return  # a member resumed, or data the first member did not prepare
+    made = (run.tokenizer, run.prepared, run.inputs, run.checkpoints)
+    if any(path.exists() for path in made) or not first.prepared.is_dir():
+        return  # a member resumed (or to be refused), or data the first did not prepare
+    if not first.tokenizer.is_dir():
+        return
     for source, target in ((first.tokenizer, run.tokenizer), (first.prepared, run.prepared)):
         shutil.copytree(source, target, copy_function=_linked)
 

@@ -7,11 +7,10 @@ name, and the groups of members that can train as one compiled program.
 Which members share a program is read from the program itself (:func:`.sweep.program_key`:
 the traced step, whose arguments carry the numbers): members that differ only in the numbers the
 step takes as arguments (:data:`~.step_numbers.PER_MEMBER`: the seed, the learning-rate schedule,
-the optimizer's numbers, label smoothing, z-loss) are traced once
-(:func:`~.step_numbers.numbers_aside`); others
-are traced each, and share a program when their steps are the same (an initialization scale,
-a data file) and not when they differ (width, depth, norms, dropout rates, the attention
-variant).
+the optimizer's numbers, label smoothing, z-loss, the embedding and residual dropout rates) are
+traced once (:func:`~.step_numbers.numbers_aside`); others are traced each, and share a program
+when their steps are the same (an initialization scale, a data file) and not when they differ
+(width, depth, norms, dropout on or off, attention dropout's rate, the attention variant).
 """
 
 from __future__ import annotations
