@@ -10,7 +10,9 @@ compiled program), trained twice, every training a subprocess of its own started
 temporary directory: first by ``flaxformer-lite sweep --config C --vary seed=0,...,M-1
 train.steps=S`` (with ``--vmap``: its members as one vmapped step, where the default on a CPU
 runs one compiled step for each member in turn), then by M ``flaxformer-lite train --config C
-seed=N train.steps=S --no-progress`` (``train.py``'s command), one after another. The cases:
+seed=N train.steps=S --no-progress`` (``train.py``'s command), one after another, every one
+with ``train.compilation_cache=false`` (each process compiles what it runs, as on a new
+machine: a cache the sweep warmed would spare the runs their compiling). The cases:
 
 - ``default``: the embedded default (``--default-config``, by default none: what ``train.py``
   runs with no ``--config``), ``--seeds`` (4) members of ``--default-steps`` (240) steps.
@@ -135,7 +137,8 @@ def case(name: str, config: str | None, members: int, steps: int, directory: pat
     """The case's sweep and its runs, trained one after another; the figures of the module's
     docstring."""
     shared = [] if config is None else ["--config", config]
-    shared.append(f"train.steps={steps}")
+    # Every process compiles what it runs: a cache warmed by the sweep would spare the runs.
+    shared += [f"train.steps={steps}", "train.compilation_cache=false"]
     seeds = ",".join(map(str, range(members)))
     sweep_dir = directory / name / "sweep"
     vary = ["--vary", f"seed={seeds}", *(["--vmap"] if vmap else [])]
