@@ -7,13 +7,14 @@ accelerators), or run for each member in turn (on a CPU).
     summary["groups"]["lr=0.001"]["eval_loss"]  # {"mean": ..., "std": ..., "n": 3, ...}
 
 Each member is a run (``<run_dir>/<member>``: config.yaml, metrics.jsonl, tb/, checkpoints,
-tokenizer), started by :func:`.loop.start` as ``train.py`` starts one, so everything that
-reads a run reads a member. A group's members step in lockstep, each on its own batches, their
-numbers (the learning rate by step, Adam's betas and epsilon, weight decay, clipping, label
-smoothing, z-loss) passed to the step as arrays. A member whose step is not finite is
-frozen in the program at its last finite state and trains no further; the others go on.
-``<run_dir>/sweep.json`` records the sweep (its members, the diverged ones) and, at the end, the
-summary (:mod:`.sweep_summary`).
+tokenizer), started by :func:`.loop.start` as ``train.py`` starts one and trained by the run's
+own loop (:func:`.loop.train`, each member a lane), so everything that reads a run reads a
+member. A group's members step in lockstep, each on its own batches and its own numbers
+(:mod:`.step_numbers`), as every run passes them; members resumed at later steps wait for the
+others. A member whose step is not finite is frozen in the program at its last finite state and
+trains no further; the others go on. ``<run_dir>/sweep.json`` (:class:`.sweep_dir.SweepDir`)
+records the sweep (its members, the diverged ones) and, at the end, the summary
+(:mod:`.sweep_summary`).
 """
 
 from __future__ import annotations
