@@ -16,7 +16,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from flax import nnx
 
 from flaxformer_lite import parallel
 from flaxformer_lite.data.hf_tokenizer import load_hf_tokenizer
@@ -43,6 +42,7 @@ from flaxformer_lite.train.program import (
     TrainState,
     build_train_state,
     configured_train_step,
+    layout_lines,
     resolve_mesh,
     tracing_layout,
 )
@@ -208,7 +208,8 @@ def start(
         raise
     if main:
         run_dir.write_config(cfg.to_dict())
-    _log_layout(state, built.shardings, mesh, log)
+    for line in layout_lines(state, built.shardings, mesh):
+        log(line)
     return StartedRun(
         cfg=cfg,
         run_dir=run_dir,
@@ -424,27 +425,6 @@ def _settled_config(cfg: TrainConfig, saved: TrainConfig | None, vocab_size: int
             f"{_mesh_text(saved.mesh)}: arrays are resharded as they are restored"
         )
     return keep_schedule_span(saved, cfg, log)
-
-
-def _log_layout(state, shardings, mesh, log) -> None:
-    """The start-up summary: the mesh, bytes per device, and large replicated parameters."""
-    log(f"mesh: {parallel.describe_mesh(mesh)}")
-    params = nnx.filter_state(state[0], nnx.Param)
-    param_shardings = nnx.filter_state(shardings[0], nnx.Param)
-    parts = {"parameters": (params, param_shardings), "optimizer state": (state[1], shardings[1])}
-    sizes = []
-    for name, (part, part_shardings) in parts.items():
-        layouts = parallel.array_layouts(part, part_shardings)
-        total = sum(layout.total_bytes for layout in layouts)
-        per_device = sum(layout.device_bytes for layout in layouts)
-        sizes.append(f"{name} {_mib(per_device)} of {_mib(total)}")
-    log("per device: " + ", ".join(sizes))
-    for warning in parallel.replicated_warnings(params, param_shardings, mesh):
-        log(f"warning: {warning}")
-
-
-def _mib(num_bytes: int) -> str:
-    return f"{num_bytes / 2**20:.2f} MiB"
 
 
 def _mesh_text(mesh_cfg) -> str:

@@ -149,6 +149,32 @@ def numbered_step(cfg: TrainConfig, graphdef):
     return step
 
 
+def layout_lines(state, shardings, mesh) -> list[str]:
+    """The start-up summary of a train state laid out on ``mesh``: the mesh, the bytes of the
+    parameters and of the optimizer state per device (of all), and a warning for each large
+    replicated parameter."""
+    lines = [f"mesh: {parallel.describe_mesh(mesh)}"]
+    params = nnx.filter_state(state[0], nnx.Param)
+    param_shardings = nnx.filter_state(shardings[0], nnx.Param)
+    parts = {"parameters": (params, param_shardings), "optimizer state": (state[1], shardings[1])}
+    sizes = []
+    for name, (part, part_shardings) in parts.items():
+        layouts = parallel.array_layouts(part, part_shardings)
+        total = sum(layout.total_bytes for layout in layouts)
+        per_device = sum(layout.device_bytes for layout in layouts)
+        sizes.append(f"{name} {_mib(per_device)} of {_mib(total)}")
+    lines.append("per device: " + ", ".join(sizes))
+    lines += [
+        f"warning: {warning}"
+        for warning in parallel.replicated_warnings(params, param_shardings, mesh)
+    ]
+    return lines
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:.2f} MiB"
+
+
 @contextlib.contextmanager
 def tracing_layout(mesh: jax.sharding.Mesh, rules):
     """The mesh and logical axis rules the steps are traced under: the layers pin their
