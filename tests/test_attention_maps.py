@@ -326,7 +326,7 @@ def untrained_run(run_dir, preset, *overrides):
     cfg = load_config(
         None, [f"run_dir={run_dir}", f"model.preset={preset}", "model.vocab_size=260", *overrides]
     )
-    tx, _ = make_optimizer(cfg.optimizer, total_steps=cfg.train.steps, d_model=cfg.model.d_model)
+    tx, _ = make_optimizer(cfg.optimizer, cfg.model, total_steps=cfg.train.steps)
     state = nnx.split(make_train_state(cfg, tx))[1]
     with Checkpointer(run_dir / "checkpoints", keep=1) as checkpointer:
         checkpointer.save(1, to_savable(state), data_state={}, config=cfg.to_dict(), force=True)

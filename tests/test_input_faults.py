@@ -20,7 +20,7 @@ from flaxformer_lite.train.checkpoint import Checkpointer
 from flaxformer_lite.train.config import ConfigError, load_config
 from flaxformer_lite.train.loop import run
 from flaxformer_lite.train.metrics import MetricsWriter, read_metrics
-from flaxformer_lite.train.optim import make_optimizer
+from flaxformer_lite.train.optim import make_schedule
 from flaxformer_lite.train.resume import _config_differences, keep_schedule_span, stretch_schedule
 from flaxformer_lite.train.run_dir import RunDir
 
@@ -174,7 +174,7 @@ def test_more_train_steps_on_resume_keep_the_schedule_span():
         "(this run goes on along the stretched schedule) or --fresh (start over)"
     ]
     assert _config_differences(saved, kept) == []  # no other change
-    _, schedule = make_optimizer(kept.optimizer, total_steps=60, d_model=64)
+    schedule = make_schedule(kept.optimizer, total_steps=60, d_model=64)
     rates = [float(schedule(step)) for step in (60, 61, 79)]
     np.testing.assert_allclose(rates, [1e-4] * 3, rtol=1e-5)  # stays at the end value
     # Stretching it over the run's steps (--stretch-schedule) is the run's own shape of

@@ -82,8 +82,8 @@ def test_weight_decay_applies_to_kernels_only_by_default():
     # One AdamW step with zero gradients: only the masked parameters shrink, by lr * wd.
     tx, _ = make_optimizer(
         OptimizerConfig(lr=0.1, schedule="constant", warmup_steps=0, weight_decay=0.5),
+        cfg,
         total_steps=10,
-        d_model=cfg.d_model,
     )
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     before = jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
@@ -107,7 +107,7 @@ def test_clipping_bounds_the_global_norm():
     unclipped = OptimizerConfig(**{**cfg.__dict__, "clip_norm": None})
 
     def updates(cfg, grads):
-        tx, _ = make_optimizer(cfg, total_steps=2, d_model=8)
+        tx, _ = make_optimizer(cfg, ModelConfig.from_preset("gpt2-tiny"), total_steps=2)
         state, out = tx.init(params), []
         for g in grads:
             update, state = tx.update(g, state, params)
@@ -159,7 +159,7 @@ def test_a_warmup_as_long_as_the_run_leaves_no_decay_span(schedule):
     of a decay span shrinking to 0 (cosine and linear reach their end at ``total_steps``)."""
     cfg = OptimizerConfig(lr=2.0, schedule=schedule, warmup_steps=100, end_lr_ratio=0.1)
     assert warmup_notice(cfg, 100) is None
-    lr_schedule = make_optimizer(cfg, total_steps=100, d_model=8)[1]
+    lr_schedule = make_schedule(cfg, total_steps=100, d_model=8)
     steps = np.array([0, 1, 50, 99, 100, 101, 500])
     end = 2.0 if schedule == "constant" else 0.2
     expected = np.where(steps < 100, 2.0 * steps / 100, end)

@@ -130,7 +130,7 @@ def test_interrupted_and_resumed_equals_uninterrupted(tmp_path):
         """The checkpointed parameters and optimizer state, restored into the structure the
         loop builds (its shapes traced, nothing computed), on one device."""
         cfg = load_config(run_dir / "config.yaml")
-        tx, _ = make_optimizer(cfg.optimizer, total_steps=cfg.train.steps, d_model=64)
+        tx, _ = make_optimizer(cfg.optimizer, cfg.model, total_steps=cfg.train.steps)
 
         def savable():
             model = build_model(cfg.model, rngs=nnx.Rngs(0))

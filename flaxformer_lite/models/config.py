@@ -14,6 +14,7 @@ from flaxformer_lite.nn.attention import Rope
 from flaxformer_lite.nn.attention_free import AFT_MIXERS
 from flaxformer_lite.nn.dense import INIT_SCHEMES, KernelInit
 from flaxformer_lite.nn.mlp import ACTIVATIONS
+from flaxformer_lite.nn.parametrization import PARAMETRIZATIONS, attention_scale, multiplier
 from flaxformer_lite.nn.stack import REMAT_POLICIES
 from flaxformer_lite.settings import setting
 
@@ -124,6 +125,16 @@ class ModelConfig:
         "xavier", help="xavier (Glorot uniform) or normal with init_std (GPT-2, BERT)"
     )
     init_std: float = setting(0.02, help="the standard deviation of init=normal")
+    parametrization: str = setting(
+        "standard",
+        help="standard, or mup: each parameter's init, learning rate and output scaled with "
+        "d_model / mup_base_width (docs/reference.md has the table)",
+    )
+    mup_base_width: int | None = setting(
+        None,
+        help="mup: the d_model at which muP is the standard parametrization (its learning "
+        "rates hold at every width)",
+    )
     scale_residual_init: bool = setting(
         False, help="GPT-2: residual projections' init times 1/sqrt(2 layers)"
     )
@@ -218,8 +229,25 @@ class ModelConfig:
 
     # ----------------------------------------------------------------------- derived
     @property
+    def width_multiplier(self) -> float | None:
+        """muP's ``m = d_model / mup_base_width``; None under the standard parametrization."""
+        if self.parametrization != "mup":
+            return None
+        return self.d_model / self.mup_base_width
+
+    @property
     def kernel_init(self) -> KernelInit:
-        return KernelInit(self.init, self.init_std)
+        return KernelInit(self.init, self.init_std, width_multiplier=self.width_multiplier)
+
+    @property
+    def attention_scale(self) -> float | None:
+        """The attention logits' multiplier; None: the standard ``1 / sqrt(Dh)``."""
+        m = self.width_multiplier
+        if m is None:
+            return None
+        # A head_dim derived from d_model grows with it; one set explicitly stays.
+        base_head_dim = self.head_dim / m if "head_dim" in self._derived else self.head_dim
+        return attention_scale(self.head_dim, base_head_dim)
 
     @property
     def rope(self) -> Rope | None:
@@ -235,6 +263,27 @@ class ModelConfig:
         return "decoder" if self.num_decoder_layers else "encoder"
 
     # ----------------------------------------------------------------------- validation
+    def _check_parametrization(self):
+        _check_choice("parametrization", self.parametrization, PARAMETRIZATIONS)
+        if self.parametrization == "standard":
+            if self.mup_base_width is not None:
+                raise ValueError(
+                    "model.mup_base_width is the base width of muP; set "
+                    "model.parametrization=mup, or leave mup_base_width null"
+                )
+            return
+        if self.mup_base_width is None:
+            raise ValueError(
+                "model.parametrization=mup needs model.mup_base_width (the d_model at which "
+                "muP is the standard parametrization)"
+            )
+        _check_positive_int("mup_base_width", self.mup_base_width)
+        if self.mup_base_width > self.d_model:
+            raise ValueError(
+                f"model.mup_base_width ({self.mup_base_width}) is larger than model.d_model "
+                f"({self.d_model}): muP scales a model up from its base width"
+            )
+
     def _check_mixer(self):
         pieces.MIXERS.check(self.mixer)
         if self.aft_window is not None:
@@ -301,6 +350,7 @@ class ModelConfig:
         if not self.norm_bias and self.norm == "rmsnorm":
             raise ValueError(f"norm_bias=False applies to layernorm; {self.norm} has no bias")
         _check_choice("init", self.init, INIT_SCHEMES)
+        self._check_parametrization()
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("param_dtype", self.param_dtype, DTYPES)
         _check_choice("remat", self.remat, tuple(REMAT_POLICIES))
@@ -368,5 +418,14 @@ def _suggest(name: str, options) -> str:
 
 
 def sqrt_d_model(cfg: ModelConfig) -> float:
-    """The paper's embedding multiplier ``sqrt(d_model)`` (1 when ``scale_embeddings`` is off)."""
-    return math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0
+    """The paper's embedding multiplier ``sqrt(d_model)`` (1 when ``scale_embeddings`` is off);
+    under muP held at the base width's, ``sqrt(mup_base_width)``, as every input multiplier."""
+    if not cfg.scale_embeddings:
+        return 1.0
+    return math.sqrt(cfg.d_model if cfg.width_multiplier is None else cfg.mup_base_width)
+
+
+def output_multiplier(cfg: ModelConfig) -> float:
+    """The multiplier of an output head's logits: muP's ``1 / m``; 1 under the standard."""
+    m = cfg.width_multiplier
+    return 1.0 if m is None else multiplier("output", "output", m)

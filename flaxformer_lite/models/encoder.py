@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from flaxformer_lite.models.config import ModelConfig
+from flaxformer_lite.models.config import ModelConfig, output_multiplier
 from flaxformer_lite.models.embedding import (
     InputEmbedding,
     check_length,
@@ -127,6 +127,7 @@ class Encoder(nnx.Module):
             )
         if self.pooler is not None:
             pooled = jnp.tanh(self.pooler(pooled))
+        pooled = pooled * jnp.asarray(output_multiplier(self.config), pooled.dtype)  # muP's 1 / m
         return self.classifier(apply_dropout(self.classifier_dropout, pooled))
 
     def _token_types(self, inputs, token_types) -> jax.Array | None:

@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
-from flaxformer_lite.models.config import ModelConfig
+from flaxformer_lite.models.config import ModelConfig, output_multiplier
 from flaxformer_lite.models.layers import make_layer_norm
 from flaxformer_lite.nn.dense import Dense, param
 from flaxformer_lite.nn.embed import Embed
@@ -15,11 +16,13 @@ from flaxformer_lite.nn.mlp import nonlinearity_of
 
 class OutputHead(nnx.Module):
     """``[B, T, D]`` -> vocabulary logits (tied to the token table or separate), or a regression
-    ``[B, T, output_dim]``; BERT's MLM transform (dense, activation, norm) first if configured."""
+    ``[B, T, output_dim]``; BERT's MLM transform (dense, activation, norm) first if configured.
+    Under muP the outputs are multiplied by ``1 / m`` (:func:`~.config.output_multiplier`)."""
 
     def __init__(self, cfg: ModelConfig, *, tokens: Embed | None, rngs: nnx.Rngs):
         common = dict(init=cfg.kernel_init, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
         self.nonlinearity = nonlinearity_of(cfg.activation)
+        self.multiplier = output_multiplier(cfg)
         if cfg.mlm_transform and cfg.output_dim is None:
             self.transform = Dense(cfg.d_model, cfg.d_model, names=("embed", "embed_out"), **common)
             self.transform_norm = make_layer_norm(cfg, rngs)
@@ -49,6 +52,8 @@ class OutputHead(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.transform is not None:
             x = self.transform_norm(self.nonlinearity(self.transform(x)))
+        if self.multiplier != 1.0:  # on the features: [B, T, D] is the smaller array
+            x = x * jnp.asarray(self.multiplier, x.dtype)
         if self.projection is not None:
             return self.projection(x)
         logits = self.tokens.attend(x)

@@ -191,6 +191,7 @@ def attention_options(cfg: ModelConfig, *, num_layers: int, cross: bool = False)
         global_tokens=0 if cross else cfg.global_tokens,
         dropout_rate=cfg.attention_dropout,
         implementation=cfg.attention_implementation,
+        scale=cfg.attention_scale,
         init=cfg.kernel_init,
         out_init=residual_init(cfg, num_layers),
         dtype=cfg.dtype,

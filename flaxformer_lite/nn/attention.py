@@ -57,6 +57,7 @@ class MultiHeadAttention(nnx.Module):
         positions.
       dropout_rate: dropout on the attention weights.
       implementation: passed to ``ops.dot_product_attention`` (None = chosen per input).
+      scale: the logits' multiplier (None: ``1 / sqrt(Dh)``; muP's is ``~1 / Dh``).
       init, out_init: initializers of the input and output projections.
       dtype, param_dtype: compute and storage dtypes.
       sow_weights: at every call, sow the attention weights ``[B, H, T, S]`` (float32, those
@@ -82,6 +83,7 @@ class MultiHeadAttention(nnx.Module):
         global_tokens: int = 0,
         dropout_rate: float = 0.0,
         implementation: str | None = None,
+        scale: float | None = None,
         init: KernelInit = XAVIER,
         out_init: KernelInit | None = None,
         dtype=jnp.float32,
@@ -103,7 +105,7 @@ class MultiHeadAttention(nnx.Module):
             raise ValueError("local_window and global_tokens are for self-attention")
         self.local_window = None if local_window is None else tuple(local_window)
         self.global_tokens = global_tokens
-        self.implementation = implementation
+        self.implementation, self.scale = implementation, scale
         common = dict(init=init, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         context_features = context_features or d_model
         if fused_qkv and num_kv_heads < num_heads:
@@ -272,6 +274,7 @@ class MultiHeadAttention(nnx.Module):
         dropout_rate = 0.0 if self.deterministic else self.dropout_rate
         options = dict(
             implementation=self.implementation,
+            scale=self.scale,
             dropout_rate=dropout_rate,
             dropout_rng=next_key(self.dropout_rngs) if dropout_rate > 0 else None,
         )
@@ -285,7 +288,9 @@ class MultiHeadAttention(nnx.Module):
     ) -> jax.Array:
         """float32 ``[B, H, T, S]``: the weights :meth:`attend` gives each key, sown for
         attention maps (``sow_weights``); arguments as :meth:`attend`'s."""
-        return ops.attention_weights(q, k, bias, mask, implementation=self.implementation)
+        return ops.attention_weights(
+            q, k, bias, mask, scale=self.scale, implementation=self.implementation
+        )
 
     def _split_qkv(self, qkv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Queries ``[B, T, H, Dh]`` and keys, values ``[B, T, Hk, Dh]`` of the fused projection."""

@@ -122,6 +122,7 @@ def context_attention(
     *,
     axes: tuple[str, ...],
     implementation: str | None = None,
+    scale: float | None = None,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
 ) -> jax.Array:
@@ -135,7 +136,7 @@ def context_attention(
       mask: self-attention's pieces without a cache; its ``explicit`` array (rank 4) and
         ``segment_ids`` have their T and S axes in the layout order, like the tokens.
       axes: the mesh axes splitting T (:func:`sequence_axes`); the other axes stay automatic.
-      implementation, dropout_rate, dropout_rng: as for ``ops.dot_product_attention``, run on
+      implementation, scale, dropout_rate, dropout_rng: as for ``ops.dot_product_attention``, run on
         each device's queries against all keys; dropout draws per device.
 
     Returns:
@@ -185,6 +186,7 @@ def context_attention(
             args.get("bias"),
             dataclasses.replace(mask, **pieces),
             implementation=implementation,
+            scale=scale,
             dropout_rate=dropout_rate,
             dropout_rng=None if rng is None else jax.random.fold_in(rng, index),
         )

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from flaxformer_lite.nn.parametrization import Kernel, multiplier, role_of
 from flaxformer_lite.nn.rngs import next_key
 from flaxformer_lite.ops.projection import project
 
@@ -41,11 +42,15 @@ class KernelInit:
       std: standard deviation of ``"normal"``.
       scale: extra factor on the standard deviation; GPT-2 multiplies the projections that
         write into the residual stream by ``1 / sqrt(2 * num_layers)``.
+      width_multiplier: muP's ``m = d_model / base_width``: each kernel's standard deviation
+        times its role's power of ``m`` (:data:`~.parametrization.MUP`); None: the standard
+        parametrization.
     """
 
     scheme: str = "xavier"
     std: float = 0.02
     scale: float = 1.0
+    width_multiplier: float | None = None
 
     def __post_init__(self):
         if self.scheme not in INIT_SCHEMES:
@@ -53,6 +58,11 @@ class KernelInit:
 
     def scaled(self, factor: float) -> KernelInit:
         return dataclasses.replace(self, scale=self.scale * factor)
+
+    def for_role(self, role: str) -> KernelInit:
+        """This initialization for a parameter of ``role`` (muP's multiplier of its scheme)."""
+        factor = multiplier(f"init_{self.scheme}", role, self.width_multiplier)
+        return dataclasses.replace(self.scaled(factor), width_multiplier=None)
 
     def kernel(
         self, num_in_axes: int, fused_axes: tuple[int, ...] = (), split: tuple[int, ...] = ()
@@ -63,7 +73,7 @@ class KernelInit:
         axes that index separate projections stored together (q/k/v), left out of the fans.
         ``split`` gives the sizes of separate projections concatenated along the first output
         axis (a grouped q/k/v kernel ``[D, H + 2 * Hk, Dh]``): each piece is initialized as
-        its own kernel.
+        its own kernel. (Under muP, call it on :meth:`for_role`'s initialization.)
         """
         if split:
             return self._concatenated(num_in_axes, fused_axes, split)
@@ -107,7 +117,7 @@ class KernelInit:
         ``sqrt(dim)`` as in the paper, embeddings then have unit variance.
         """
         std = self.std if self.scheme == "normal" else dim**-0.5
-        return nnx.initializers.normal(std)
+        return nnx.initializers.normal(std * self.scale)
 
 
 XAVIER = KernelInit()  # Tensor2Tensor's initialization, the default of every module
@@ -151,9 +161,10 @@ class Dense(nnx.Module):
         rngs: nnx.Rngs,
     ):
         self.in_shape, self.out_shape = _as_tuple(in_shape), _as_tuple(out_shape)
-        self.dtype = dtype
+        self.fused_axes, self.split, self.dtype = tuple(fused_axes), tuple(split), dtype
         shape = self.in_shape + self.out_shape
-        kernel_init = init.kernel(len(self.in_shape), fused_axes, split)
+        self.role = role_of(names, len(self.in_shape))
+        kernel_init = init.for_role(self.role).kernel(len(self.in_shape), fused_axes, split)
         self.kernel = param(rngs, kernel_init, shape, names, param_dtype)
         self.bias = (
             param(
@@ -166,6 +177,19 @@ class Dense(nnx.Module):
             if use_bias
             else None
         )
+
+    def kernel_axes(self) -> Kernel:
+        """The kernel's role and its input and output axes (after a scanned stack's layers;
+        the stacked q/k/v of ``fused_axes`` are neither)."""
+        layers = self.kernel.ndim - len(self.in_shape) - len(self.out_shape)
+        num_in = len(self.in_shape)
+        inputs = tuple(range(layers, layers + num_in))
+        outputs = tuple(
+            layers + num_in + i
+            for i in range(len(self.out_shape))
+            if num_in + i not in self.fused_axes
+        )
+        return Kernel(self.role, inputs, outputs, split=bool(self.split))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """``[..., *in_shape] -> [..., *out_shape]`` in the compute dtype."""

@@ -18,7 +18,7 @@ class Embed(nnx.Module):
       num_embeddings: vocabulary (or position, or token-type) count.
       features: embedding size D.
       names: logical axis names of the table, ``("vocab", "embed")`` for tokens.
-      init: a :class:`KernelInit` (its ``embedding`` initializer is used).
+      init: a :class:`KernelInit` (its ``embedding`` initializer, the table's role ``input``).
       dtype: compute dtype of the outputs; param_dtype: storage dtype.
     """
 
@@ -35,7 +35,8 @@ class Embed(nnx.Module):
     ):
         self.dtype = dtype
         shape = (num_embeddings, features)
-        self.embedding = param(rngs, init.embedding(features), shape, names, param_dtype)
+        table_init = init.for_role("input").embedding(features)
+        self.embedding = param(rngs, table_init, shape, names, param_dtype)
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         """``[...]`` int ids -> ``[..., D]`` in the compute dtype.

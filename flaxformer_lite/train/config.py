@@ -92,6 +92,12 @@ class TrainConfig:
                 f"({model.max_length}), the rows of the learned position table: lower "
                 "data.seq_len or raise model.max_length"
             )
+        if model.parametrization == "mup" and self.optimizer.schedule == "inverse_sqrt":
+            raise ConfigError(
+                "model.parametrization=mup with optimizer.schedule=inverse_sqrt: that schedule "
+                "scales every learning rate by d_model^-0.5, which muP's per-parameter rates "
+                "replace; use cosine, linear or constant"
+            )
         if self.mesh.context > 1:
             self._check_context()
 

@@ -38,6 +38,7 @@ from flaxformer_lite.train.config import ConfigError, TrainConfig, config_from_d
 from flaxformer_lite.train.figures import pyplot as figure_pyplot
 from flaxformer_lite.train.lanes import InTurn, Lane, LaneActions, Vmapped
 from flaxformer_lite.train.metrics import peak_flops, plot_run
+from flaxformer_lite.train.optim import check_parameters
 from flaxformer_lite.train.program import (
     TrainState,
     build_train_state,
@@ -98,6 +99,7 @@ def run(
     spent = TimeSpent() if spent is None else spent
     use_compilation_cache(cfg.train.compilation_cache)
     check_pieces(cfg.model)  # code named by import path: refused or traced before any write
+    check_parameters(cfg.optimizer, cfg.model)
     parallel.initialize(cfg.distributed)
     main = jax.process_index() == 0
     log, progress = (log, progress) if main else (quiet, False)

@@ -4,30 +4,47 @@ Schedules: linear warmup then cosine, linear or constant decay (optax), and the 
 inverse-square-root schedule ``lr = scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)``
 (Vaswani et al. 2017, eq. 3), which optax does not ship. The optimizer is AdamW with a
 weight-decay mask (kernels decay; norms, biases and embedding tables do not, by default) behind
-global-norm clipping.
+global-norm clipping; or Muon (``optax.contrib.muon``) for the hidden matrices, each q, k, v and
+output projection and each MLP kernel orthogonalized as its own ``[in, out]`` matrix, with AdamW
+for the rest. Under muP each parameter's rate is multiplied by its role's power of the width
+multiplier (:data:`~flaxformer_lite.nn.parametrization.MUP`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
+from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
+from flaxformer_lite.models.build import abstract_model
+from flaxformer_lite.models.config import ModelConfig
+from flaxformer_lite.nn.parametrization import Kernel, multiplier, parameter_roles
 from flaxformer_lite.settings import setting
 
 SCHEDULES = ("cosine", "linear", "constant", "inverse_sqrt")
+OPTIMIZERS = ("adamw", "muon")
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW, its schedule and clipping. Defaults suit the small CPU models; the paper presets use
-    ``schedule="inverse_sqrt", lr=1.0, warmup_steps=4000, b2=0.98, eps=1e-9``. Each field's
-    help is beside it. A run resumed with more ``train.steps`` keeps the span its schedule had
-    (the rate stays at its end value after it), unless ``schedule_steps`` is set (with
-    ``--force``) to stretch it.
+    """AdamW or Muon, the schedule and clipping. Defaults suit the small CPU models; the paper
+    presets use ``schedule="inverse_sqrt", lr=1.0, warmup_steps=4000, b2=0.98, eps=1e-9``. Each
+    field's help is beside it. A run resumed with more ``train.steps`` keeps the span its
+    schedule had (the rate stays at its end value after it), unless ``schedule_steps`` is set
+    (with ``--force``) to stretch it.
     """
+
+    name: str = setting(
+        "adamw",
+        help="adamw, or muon: Muon (optax.contrib.muon) for the hidden matrices, AdamW (b1, b2, "
+        "eps) for embeddings, the output head, norms and biases",
+    )
 
     lr: float = setting(
         3e-3,
@@ -62,8 +79,33 @@ class OptimizerConfig:
     schedule_steps: int | None = setting(
         None, help="steps the cosine / linear decay spans; null: train.steps (kept on resume)"
     )
+    muon_lr_ratio: float = setting(
+        1.0, help="muon: the matrices' learning rate as a multiple of lr (the schedule's)"
+    )
+    muon_rms: float | None = setting(
+        0.2,
+        help="muon: scale each orthogonalized update to this RMS times its rate, AdamW's typical "
+        "RMS (Moonlight's rule: Muon then takes AdamW's lr and weight decay); null: Keller "
+        "Jordan's scale sqrt(max(1, fan_out / fan_in)), which wants a larger muon_lr_ratio",
+    )
+    muon_beta: float = setting(0.95, help="muon: the momentum (Nesterov) of the matrices")
+    muon_ns_steps: int = setting(5, help="muon: Newton-Schulz iterations per update")
 
     def __post_init__(self):
+        if self.name not in OPTIMIZERS:
+            raise ValueError(f"optimizer.name must be one of {OPTIMIZERS}, got {self.name!r}")
+        for name in ("muon_lr_ratio", "muon_rms"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int | float) or value <= 0
+            ):
+                raise ValueError(f"optimizer.{name} must be a number > 0, got {value!r}")
+        if not 0 <= self.muon_beta < 1:
+            raise ValueError(f"optimizer.muon_beta must be in [0, 1), got {self.muon_beta!r}")
+        if not isinstance(self.muon_ns_steps, int) or self.muon_ns_steps < 1:
+            raise ValueError(
+                f"optimizer.muon_ns_steps must be an int >= 1, got {self.muon_ns_steps!r}"
+            )
         if self.schedule not in SCHEDULES:
             raise ValueError(
                 f"optimizer.schedule must be one of {SCHEDULES}, got {self.schedule!r}"
@@ -166,24 +208,29 @@ def weight_decay_mask(params, *, decay_embeddings: bool = False):
 
 # The optimizer's numbers besides its schedule: floats in a run's step, arrays in a sweep's (one
 # compiled step for members that differ in them).
-NUMBERS = ("b1", "b2", "eps", "weight_decay", "clip_norm")
+NUMBERS = ("b1", "b2", "eps", "weight_decay", "clip_norm", "muon_lr_ratio", "muon_rms", "muon_beta")
 
 
 def make_optimizer(
-    cfg: OptimizerConfig, *, total_steps: int, d_model: int
+    cfg: OptimizerConfig, model: ModelConfig, *, total_steps: int
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """``(transformation, schedule)``: clipping, then AdamW with the decay mask."""
-    schedule = make_schedule(cfg, total_steps=total_steps, d_model=d_model)
+    """``(transformation, schedule)`` of ``cfg`` for ``model``'s parameters."""
+    schedule = make_schedule(cfg, total_steps=total_steps, d_model=model.d_model)
     numbers = {name: getattr(cfg, name) for name in NUMBERS}
-    return optimizer_of(cfg, schedule, numbers), schedule
+    return optimizer_of(cfg, model, schedule, numbers), schedule
 
 
 def optimizer_of(
-    cfg: OptimizerConfig, learning_rate: optax.Schedule, numbers: dict
+    cfg: OptimizerConfig, model: ModelConfig, learning_rate: optax.Schedule, numbers: dict
 ) -> optax.GradientTransformation:
-    """Clipping (if ``cfg.clip_norm`` is set), then AdamW with ``cfg``'s decay mask, at
-    ``learning_rate`` by step and with the :data:`NUMBERS` of ``numbers``: floats, or scalar
-    arrays traced in a step. The transformation's state has the same structure either way."""
+    """Clipping (if ``cfg.clip_norm`` is set), then AdamW with ``cfg``'s decay mask or Muon and
+    AdamW, then muP's rate multipliers, at ``learning_rate`` by step and with the
+    :data:`NUMBERS` of ``numbers``: floats, or scalar arrays traced in a step. The
+    transformation's state has the same structure either way.
+
+    Raises:
+      ValueError: Muon or muP on parameters they cannot place (:func:`check_parameters`).
+    """
     adamw = optax.adamw(
         learning_rate,
         b1=numbers["b1"],
@@ -192,9 +239,153 @@ def optimizer_of(
         weight_decay=numbers["weight_decay"],
         mask=lambda params: weight_decay_mask(params, decay_embeddings=cfg.decay_embeddings),
     )
-    if cfg.clip_norm is None:
-        return adamw
-    return optax.chain(optax.clip_by_global_norm(numbers["clip_norm"]), adamw)
+    steps = [] if cfg.clip_norm is None else [optax.clip_by_global_norm(numbers["clip_norm"])]
+    if cfg.name == "adamw" and model.width_multiplier is None:
+        return optax.chain(*steps, adamw) if steps else adamw
+    check_parameters(cfg, model)
+    kernels = model_kernels(model)
+    if cfg.name == "muon":
+        labels = functools.partial(_leaf_values, kernels, lambda k: _optimizer_of(cfg, k))
+        update = optax.partition(
+            {"muon": _muon(cfg, kernels, learning_rate, numbers), "adamw": adamw}, labels
+        )
+    else:
+        update = adamw
+    steps.append(update)
+    for factor, mask in _rate_multipliers(cfg, model, kernels):
+        steps.append(optax.masked(optax.scale(factor), mask))
+    return optax.chain(*steps)
+
+
+@functools.cache
+def model_kernels(model: ModelConfig) -> dict[tuple, Kernel]:
+    """Each parameter of ``model``'s by its path: its role and axes
+    (:func:`~flaxformer_lite.nn.parametrization.parameter_roles` of the abstract model)."""
+    return parameter_roles(abstract_model(model))
+
+
+def check_parameters(cfg: OptimizerConfig, model: ModelConfig) -> None:
+    """Muon needs a hidden matrix and cannot split a grouped q/k/v kernel; muP needs a role for
+    every parameter. (A run checks before it writes anything.)
+
+    Raises:
+      ValueError: naming the setting (and the parameter) in the way.
+    """
+    if cfg.name == "adamw" and model.parametrization == "standard":
+        return
+    kernels = model_kernels(model)
+    if model.parametrization == "mup":
+        unknown = [path for path, kernel in kernels.items() if kernel.role == "unknown"]
+        if unknown:
+            raise ValueError(
+                f"model.parametrization=mup cannot scale parameter {_path_name(unknown[0])}: "
+                "built by a user's piece, not by Dense or Embed, its logical axis names do not "
+                "say which of its axes grow with the width"
+            )
+    if cfg.name != "muon":
+        return
+    if any(kernel.split and kernel.role == "hidden" for kernel in kernels.values()):
+        raise ValueError(
+            "optimizer.name=muon orthogonalizes q, k and v apart; model.fused_qkv with "
+            "num_kv_heads < num_heads concatenates them along one axis, which Muon cannot "
+            "split: set model.fused_qkv=false (the same projections as three kernels)"
+        )
+    if not any(_optimizer_of(cfg, kernel) == "muon" for kernel in kernels.values()):
+        raise ValueError(
+            "optimizer.name=muon: the model has no hidden matrix for Muon (no projection "
+            "kernel from the width to the width); use optimizer.name=adamw"
+        )
+
+
+def _optimizer_of(cfg: OptimizerConfig, kernel: Kernel) -> str:
+    """``"muon"`` for a hidden projection kernel under Muon, else ``"adamw"``."""
+    is_matrix = kernel.role == "hidden" and bool(kernel.inputs)
+    return "muon" if cfg.name == "muon" and is_matrix else "adamw"
+
+
+def _muon(cfg: OptimizerConfig, kernels: dict, learning_rate, numbers: dict):
+    """Muon over the hidden matrices (the other leaves masked out): ``optax.contrib``'s
+    momentum and Newton-Schulz orthogonalization of each matrix over its input and output axes
+    (a scanned stack's layers and a fused q/k/v's three are batch axes), its shape scale, AdamW's
+    decoupled weight decay, at ``muon_lr_ratio`` times ``learning_rate``: the Muon branch of
+    ``optax.contrib.muon``, whose own AdamW branch would decay norms and biases."""
+
+    def dimension_numbers(params):
+        return _leaf_values(kernels, lambda k: MuonDimensionNumbers(k.inputs, k.outputs), params)
+
+    return optax.chain(
+        scale_by_muon(
+            ns_steps=cfg.muon_ns_steps,
+            beta=numbers["muon_beta"],
+            nesterov=True,
+            weight_dimension_numbers=dimension_numbers,
+        ),
+        _scale_by_shape(kernels, None if cfg.muon_rms is None else numbers["muon_rms"]),
+        optax.add_decayed_weights(numbers["weight_decay"]),
+        optax.scale_by_learning_rate(lambda count: numbers["muon_lr_ratio"] * learning_rate(count)),
+    )
+
+
+def _scale_by_shape(kernels: dict, rms) -> optax.GradientTransformation:
+    """Each orthogonalized update times ``rms * sqrt(max(fan_in, fan_out))`` (an update of RMS
+    ``rms``, Moonlight's), or without ``rms`` Keller Jordan's ``sqrt(max(1, fan_out / fan_in))``:
+    ``optax.contrib.muon``'s scale, over our matrices' input and output axes."""
+
+    def update(updates, state, params=None):
+        del params
+
+        def scaled(path, update):
+            kernel = kernels[_path_key(path)]
+            fan_in = math.prod(update.shape[i] for i in kernel.inputs)
+            fan_out = math.prod(update.shape[i] for i in kernel.outputs)
+            if rms is None:
+                return update * math.sqrt(max(1.0, fan_out / fan_in))
+            return update * (rms * math.sqrt(max(fan_in, fan_out)))
+
+        return jax.tree_util.tree_map_with_path(scaled, updates), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update)
+
+
+def _rate_multipliers(cfg: OptimizerConfig, model: ModelConfig, kernels: dict):
+    """``[(factor, mask)]``: muP's learning-rate multiplier of each parameter by the optimizer
+    that updates it, one masked scaling per factor other than 1 (none under the standard)."""
+    m = model.width_multiplier
+    if m is None:
+        return []
+    rms = "muon_rms_lr" if cfg.muon_rms is not None else "muon_lr"
+
+    def factor(kernel: Kernel) -> float:
+        field = rms if _optimizer_of(cfg, kernel) == "muon" else "adamw_lr"
+        return multiplier(field, kernel.role, m)
+
+    factors = sorted({factor(kernel) for kernel in kernels.values()} - {1.0})
+    return [
+        (f, functools.partial(_leaf_values, kernels, lambda k, f=f: factor(k) == f))
+        for f in factors
+    ]
+
+
+def _leaf_values(kernels: dict, value_of, params):
+    """``params`` with each parameter replaced by ``value_of(its Kernel)``: works on the
+    optimizer's trees of ``nnx.Variable``s (at init) and of arrays (at each update)."""
+
+    def value(path, _):
+        return value_of(kernels[_path_key(path)])
+
+    return jax.tree_util.tree_map_with_path(
+        value, params, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+
+
+def _path_key(path) -> tuple:
+    """A tree path as :func:`~flaxformer_lite.nn.parametrization.parameter_roles` keys it."""
+    keys = tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", None))) for k in path)
+    return keys[:-1] if keys and keys[-1] == "value" else keys
+
+
+def _path_name(path: tuple) -> str:
+    return "/".join(map(str, path))
 
 
 def schedule_table(schedule: optax.Schedule, steps: int) -> jax.Array:

@@ -71,9 +71,7 @@ def build_train_state(
     The seed is an argument of the compiled initializer, so every seed of one config runs one
     program; ``initializers`` keeps it for the next config with the same state (a sweep's
     members: compiled once, however many seeds)."""
-    tx, schedule = make_optimizer(
-        cfg.optimizer, total_steps=schedule_span(cfg), d_model=cfg.model.d_model
-    )
+    tx, schedule = make_optimizer(cfg.optimizer, cfg.model, total_steps=schedule_span(cfg))
     create = functools.partial(make_train_state, cfg, tx)
     graphdef, state, shardings = parallel.abstract_sharded(create, mesh, cfg.mesh.rules)
     if not abstract:
@@ -128,7 +126,7 @@ def numbered_step(cfg: TrainConfig, graphdef):
     skip = cfg.train.skip_nonfinite
 
     def step(state, batch, numbers, active):
-        tx = optimizer_of(cfg.optimizer, table_schedule(numbers["lr"]), numbers)
+        tx = optimizer_of(cfg.optimizer, cfg.model, table_schedule(numbers["lr"]), numbers)
         rates = {kind: numbers[name] for name, kind in DROPOUT_NUMBERS.items()}
         with dropout_rates(rates):
             state, metrics = train_step(

@@ -37,8 +37,8 @@ PER_MEMBER = frozenset(
 def step_numbers(cfg: TrainConfig, schedule) -> dict[str, np.ndarray]:
     """``cfg``'s numbers as its step takes them: ``lr`` ``[train.steps]`` (``schedule``'s rate
     at each optimizer step), the optimizer's :data:`~.optim.NUMBERS`, :data:`LOSS_NUMBERS` and
-    :data:`DROPOUT_NUMBERS`, float32 scalars. An unset ``clip_norm`` is 0: a step without
-    clipping never reads it."""
+    :data:`DROPOUT_NUMBERS`, float32 scalars. An unset ``clip_norm`` or ``muon_rms`` is 0: a
+    step without clipping (or Muon's RMS scale) never reads it."""
     numbers = {"lr": np.asarray(schedule_table(schedule, max(cfg.train.steps, 1)))}
     for name in NUMBERS:
         value = getattr(cfg.optimizer, name)
@@ -53,11 +53,13 @@ def step_numbers(cfg: TrainConfig, schedule) -> dict[str, np.ndarray]:
 def numbers_aside(cfg: TrainConfig) -> str:
     """``cfg`` without the settings that are a member's own (:data:`PER_MEMBER`): members that
     differ only in those train as one program. Whether ``clip_norm`` is set stays (clipping is
-    a transformation of its own in the optimizer), whether each dropout drops (a layer at
+    a transformation of its own in the optimizer), whether Muon's ``muon_rms`` scale is, whether
+    each dropout drops (a layer at
     rate 0 draws no key) and whether labels are smoothed (a term of the loss)."""
     flat = flatten(cfg.to_dict())
     kept = {key: value for key, value in flat.items() if key not in PER_MEMBER}
     kept["optimizer.clip_norm"] = flat["optimizer.clip_norm"] is not None
+    kept["optimizer.muon_rms"] = flat["optimizer.muon_rms"] is not None
     for key in (*(f"model.{name}" for name in DROPOUT_NUMBERS), "train.label_smoothing"):
         kept[key] = flat[key] > 0
     return repr(sorted(kept.items()))

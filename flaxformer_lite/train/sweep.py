@@ -47,6 +47,7 @@ from flaxformer_lite.train.config import (
 )
 from flaxformer_lite.train.lanes import Lane
 from flaxformer_lite.train.loop import start, train
+from flaxformer_lite.train.optim import check_parameters
 from flaxformer_lite.train.program import (
     abstract_batch,
     build_train_state,
@@ -109,6 +110,7 @@ def _sweep(cfg: TrainConfig, vary, *, fresh: bool, force: bool, vmap, log, spent
     members = sweep_members(cfg, vary)
     for member in members:  # code named by import path, imported (if trusted) and traced
         check_pieces(member.cfg.model)
+        check_parameters(member.cfg.optimizer, member.cfg.model)
     parallel.initialize(cfg.distributed)
     main = jax.process_index() == 0
     log = log if main else quiet  # every process trains, process 0 reports and writes

@@ -1,0 +1,137 @@
+"""How each parameter scales with the model's width: the standard parametrization, or muP
+(maximal update parametrization; Yang et al. 2022, Tensor Programs V, Table 8) relative to a base
+width, under which the best learning rate of a narrow model is the best of a wide one.
+
+A parameter's role follows from the logical names of its axes (:data:`WIDTH_AXES` grow with the
+width): a kernel that maps the width to the width is ``hidden``, one that maps a fixed size to
+the width (an embedding table, the projection of continuous inputs) is ``input``, one that maps
+the width to a fixed size (the vocabulary head, a classifier) is ``output``; biases and norm
+scales are ``vector``. :data:`MUP` gives each role's multipliers as powers of the width
+multiplier ``m = d_model / base_width``; docs/reference.md has the same table, and a test holds
+the two together.
+
+    roles = parameter_roles(model)   # {("decoder", "layers", 0, "mlp", "wi", "kernel"): Kernel}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from flax import nnx
+
+PARAMETRIZATIONS = ("standard", "mup")
+# The logical axes whose size grows with the model's width (d_model, d_ff, heads, head_dim).
+WIDTH_AXES = frozenset(
+    {"embed", "embed_out", "mlp", "heads", "kv_heads", "qkv_heads", "head_dim", "aft_features"}
+)
+ROLES = ("input", "hidden", "output", "vector")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """A role's multipliers under muP, each the power of ``m`` it is multiplied by.
+
+    Attributes:
+      init_normal: the initial standard deviation of ``init=normal``.
+      init_xavier: the same of ``init=xavier`` (Glorot's fans already grow with the width; an
+        embedding table's ``D^-1/2`` is held at the base width's).
+      adamw_lr: AdamW's learning rate (its decoupled weight decay with it, as PyTorch's
+        per-group rate scales both).
+      muon_lr: Muon's learning rate, with Muon's own shape scale ``sqrt(max(1, out / in))``.
+      muon_rms_lr: the same with ``optimizer.muon_rms`` set (updates of a fixed RMS, whose
+        spectral norm grows with ``sqrt(m)``).
+      output: the multiplier of what the parameter computes (the logits of an output head).
+    """
+
+    init_normal: float = 0.0
+    init_xavier: float = 0.0
+    adamw_lr: float = 0.0
+    muon_lr: float = 0.0
+    muon_rms_lr: float = 0.0
+    output: float = 0.0
+
+
+MUP = {
+    "input": Rule(init_xavier=0.5),
+    "hidden": Rule(init_normal=-0.5, adamw_lr=-1.0, muon_rms_lr=-0.5),
+    "output": Rule(output=-1.0),
+    "vector": Rule(),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """A parameter's role and, for a projection kernel, which of its axes are its inputs,
+    outputs and stacked copies (the layers of a scanned stack, the 3 of a fused q/k/v).
+
+    ``split``: separate projections concatenated along an output axis (a grouped q/k/v
+    kernel ``[D, H + 2 Hk, Dh]``)."""
+
+    role: str
+    inputs: tuple[int, ...] = ()
+    outputs: tuple[int, ...] = ()
+    split: bool = False
+
+
+def role_of(names: tuple, num_in_axes: int) -> str:
+    """The role of a kernel whose axes have logical ``names``, the first ``num_in_axes`` its
+    inputs (a leading ``"layers"`` axis of a scanned stack is neither)."""
+    names = tuple(name for name in names if name != "layers")
+    wide_in = bool(WIDTH_AXES & set(names[:num_in_axes]))
+    wide_out = bool(WIDTH_AXES & set(names[num_in_axes:]))
+    if wide_in and wide_out:
+        return "hidden"
+    if wide_in:
+        return "output"
+    return "input" if wide_out else "vector"
+
+
+def multiplier(rule_field: str, role: str, width_multiplier: float | None) -> float:
+    """``m ** MUP[role].<rule_field>`` under muP (``width_multiplier`` is ``m``); 1 under the
+    standard parametrization (``width_multiplier`` None)."""
+    if width_multiplier is None:
+        return 1.0
+    return width_multiplier ** getattr(MUP[role], rule_field)
+
+
+def attention_scale(head_dim: int, base_head_dim: int | None) -> float | None:
+    """The attention logits' multiplier: muP's ``1 / Dh`` (the dot product of two correlated
+    vectors grows with ``Dh``), times ``sqrt(base_head_dim)`` so that at the base width it is
+    the standard ``1 / sqrt(Dh)``; None (the standard) without a base."""
+    if base_head_dim is None:
+        return None
+    return math.sqrt(base_head_dim) / head_dim
+
+
+def parameter_roles(model: nnx.Module) -> dict[tuple, Kernel]:
+    """Every ``nnx.Param`` of ``model`` by its path: its :class:`Kernel`; role ``"unknown"`` for a
+    parameter of several axes not built by ``Dense`` or ``Embed`` whose role its axis names do
+    not give (a user's piece). Works on an abstract model (``nnx.eval_shape``)."""
+    from flaxformer_lite.nn.dense import Dense
+    from flaxformer_lite.nn.embed import Embed
+
+    roles: dict[tuple, Kernel] = {}
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, Dense):
+            roles[(*path, "kernel")] = node.kernel_axes()
+            if node.bias is not None:
+                roles[(*path, "bias")] = Kernel("vector")
+        elif isinstance(node, Embed):
+            roles[(*path, "embedding")] = Kernel("input")
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Param) and path not in roles:
+            roles[path] = _role_by_names(node)
+    return roles
+
+
+def _role_by_names(param: nnx.Param) -> Kernel:
+    """A parameter's role from its shape and logical names: one axis (besides the layers) is
+    a vector; more with at most one width axis, an ``input`` (a table of position biases)."""
+    names = param.get_metadata().get("out_sharding") or ()
+    layers = sum(name == "layers" for name in names)
+    if param.ndim - layers <= 1:
+        return Kernel("vector")
+    if len(names) == param.ndim and len(WIDTH_AXES & set(names)) <= 1:
+        return Kernel("input")
+    return Kernel("unknown")
