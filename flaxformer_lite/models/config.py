@@ -39,7 +39,9 @@ class ModelConfig:
         None, help="key/value heads Hk (fewer is GQA, 1 is MQA); null: num_heads"
     )
     head_dim: int | None = setting(None, help="Dh; null: d_model // num_heads")
-    d_ff: int = setting(2048, help="the MLP's hidden width F")
+    d_ff: int | None = setting(
+        2048, help="the MLP's hidden width F; null: 4 * d_model (it then scales with the width)"
+    )
     num_encoder_layers: int = setting(
         6, help="encoder layers (0 with decoder layers: a decoder-only LM)"
     )
@@ -307,13 +309,13 @@ class ModelConfig:
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", ops.RopeScaling(**self.rope_scaling))
-        for name in ("vocab_size", "d_model", "num_heads", "d_ff", "max_length"):
+        for name in ("vocab_size", "d_model", "num_heads", "max_length"):
             _check_positive_int(name, getattr(self, name))
         for name in ("num_encoder_layers", "num_decoder_layers", "type_vocab_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-        for name in ("num_kv_heads", "head_dim", "num_classes", "input_dim", "output_dim"):
+        for name in ("num_kv_heads", "head_dim", "d_ff", "num_classes", "input_dim", "output_dim"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
         if self.head_dim is None and self.d_model % self.num_heads:
@@ -323,12 +325,16 @@ class ModelConfig:
             )
         # The defaults derived from other fields, resolved once: every reader sees ints. Which
         # ones were derived is kept (not a field: equality and asdict ignore it) for to_dict.
-        derived = frozenset(n for n in ("num_kv_heads", "head_dim") if getattr(self, n) is None)
+        derived = frozenset(
+            n for n in ("num_kv_heads", "head_dim", "d_ff") if getattr(self, n) is None
+        )
         object.__setattr__(self, "_derived", derived)
         if self.num_kv_heads is None:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
         if self.head_dim is None:
             object.__setattr__(self, "head_dim", self.d_model // self.num_heads)
+        if self.d_ff is None:
+            object.__setattr__(self, "d_ff", 4 * self.d_model)
         if not (self.num_encoder_layers or self.num_decoder_layers):
             raise ValueError("a model needs num_encoder_layers > 0 or num_decoder_layers > 0")
         pieces.NORMS.check(self.norm)
