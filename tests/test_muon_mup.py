@@ -242,3 +242,13 @@ def test_mup_at_its_base_width_is_the_standard_parametrization(preset):
     tokens = jax.random.randint(jax.random.key(0), (2, 12), 1, cfg.vocab_size)
     args = (tokens, tokens) if cfg.kind == "encoder_decoder" else (tokens,)
     np.testing.assert_allclose(mup_model(*args), sp_model(*args), rtol=1e-6, atol=1e-6)
+
+
+def test_a_mup_model_away_from_its_base_width_is_not_written_as_hugging_face():
+    from flaxformer_lite.interop.hf import writable_family
+
+    cfg, mup = pair("gpt2-tiny")
+    assert writable_family(cfg) is not None
+    assert writable_family(cfg.replace(parametrization="mup", mup_base_width=cfg.d_model))
+    with pytest.raises(ValueError, match="parametrization=mup at 4x its base width"):
+        writable_family(mup)

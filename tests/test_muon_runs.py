@@ -74,9 +74,10 @@ def assert_relatively_close(losses, reference, rtol=RTOL):
 
 # --------------------------------------------------------------------------- 1. meshes
 @pytest.fixture(scope="module")
-def one_device_baseline(tmp_path_factory):
-    """``(process, run_dir)``: the Muon + muP run on a single CPU device in a subprocess, started
-    before the in-process runs so that it runs while they do."""
+def one_device(tmp_path_factory):
+    """``one_device()``: the losses and eval losses by step of the Muon + muP run on a single
+    CPU device, in a subprocess started at the module's first mesh test and awaited only when
+    its numbers are needed, so that it runs while that test's run does."""
     run_dir = tmp_path_factory.mktemp("muon_one_device") / "run"
     process = subprocess.Popen(
         [
@@ -94,20 +95,20 @@ def one_device_baseline(tmp_path_factory):
         env=subprocess_env(1, JAX_DEFAULT_MATMUL_PRECISION="highest"),
         cwd=REPO,
     )
-    yield process, run_dir
+    finished = []
+
+    def numbers():
+        if not finished:
+            output, _ = process.communicate(timeout=400)
+            assert process.returncode == 0, output
+            assert "mesh: data 1 x fsdp 1 x tensor 1 (1 cpu device, 1 process)" in output, output
+            finished.append((losses_of(run_dir), losses_of(run_dir, "eval_loss")))
+        return finished[0]
+
+    yield numbers
     if process.poll() is None:
         process.kill()
         process.wait()
-
-
-@pytest.fixture(scope="module")
-def one_device(one_device_baseline):
-    """The baseline's losses and eval losses by step, once it has finished."""
-    process, run_dir = one_device_baseline
-    output, _ = process.communicate(timeout=400)
-    assert process.returncode == 0, output
-    assert "mesh: data 1 x fsdp 1 x tensor 1 (1 cpu device, 1 process)" in output, output
-    return losses_of(run_dir), losses_of(run_dir, "eval_loss")
 
 
 @pytest.mark.parametrize(
@@ -125,7 +126,7 @@ def one_device(one_device_baseline):
     ids=["data2_fsdp2_tensor2", "data2_context2_tensor2"],
 )
 def test_muon_with_mup_on_a_mesh_logs_the_losses_of_one_device(
-    tmp_path, one_device_baseline, one_device, mesh, summary
+    tmp_path, one_device, mesh, summary
 ):
     messages = []
     cfg = load_config(
@@ -134,7 +135,7 @@ def test_muon_with_mup_on_a_mesh_logs_the_losses_of_one_device(
     )
     run(cfg, progress=False, log=messages.append)
     assert summary in messages, [m for m in messages if m.startswith("mesh")]
-    losses, evals = one_device
+    losses, evals = one_device()
     assert sorted(losses) == [5, 10] and sorted(evals) == [MESH_STEPS]
     assert_relatively_close(losses_of(tmp_path / "run"), losses)
     assert_relatively_close(losses_of(tmp_path / "run", "eval_loss"), evals)
@@ -144,7 +145,8 @@ def test_muon_with_mup_on_a_mesh_logs_the_losses_of_one_device(
 def test_a_muon_run_interrupted_and_resumed_equals_the_uninterrupted_run(tmp_path):
     """6 steps straight, and 4 then resumed to 6 (checkpoints every 2): the same losses and
     the same parameters and optimizer state (Muon's momentum, AdamW's moments), bit for bit."""
-    often = [*TINY, *MUON_MUP, "train.log_every=1", "checkpoint.every=2"]
+    # A constant rate: a 4-step run's schedule is a 6-step run's first 4 steps.
+    often = [*TINY, *MUON_MUP, "optimizer.schedule=constant", "checkpoint.every=2"]
 
     def train(name, steps):
         cfg = load_config(None, [f"run_dir={tmp_path / name}", *often, f"train.steps={steps}"])
@@ -202,20 +204,16 @@ def test_a_sweep_over_muon_s_rate_trains_one_program_and_each_member_equals_its_
         "train.eval_every=4",
         "checkpoint.every=100",
         "optimizer.weight_decay=0.1",
+        "seed=1",
     ]
-    vary = {"optimizer.muon_lr_ratio": ["0.5", "2"], "seed": ["0", "1"]}
-    names = [
-        "muon_lr_ratio=0.5,seed=0",
-        "muon_lr_ratio=0.5,seed=1",
-        "muon_lr_ratio=2,seed=0",
-        "muon_lr_ratio=2,seed=1",
-    ]
+    vary = {"optimizer.muon_lr_ratio": ["0.5", "2"]}
+    names = ["muon_lr_ratio=0.5", "muon_lr_ratio=2"]
     lines = []
     cfg = load_config(None, [*settings, f"run_dir={tmp_path / 's'}"])
     sweep(cfg, vary, vmap=False, log=lines.append)
-    assert lines[0] == "sweep: 4 members, 1 compiled program (4 members)", lines
+    assert lines[0] == "sweep: 2 members, 1 compiled program (2 members)", lines
     assert any(
-        line.startswith("compiled one step for 4 members, run for each in turn") for line in lines
+        line.startswith("compiled one step for 2 members, run for each in turn") for line in lines
     ), lines
     logged = {name: numbers(tmp_path / "s" / name) for name in names}
     for name in names:
@@ -224,9 +222,9 @@ def test_a_sweep_over_muon_s_rate_trains_one_program_and_each_member_equals_its_
         member_config = tmp_path / "s" / name / "config.yaml"
         assert main(["train", "--config", str(member_config), f"run_dir={solo}"]) == 0
         assert numbers(solo) == logged[name], name
-    # The members differ: the ratio and the seed each change the losses.
+    # The members differ: Muon's rate changes the losses.
     last = {name: logged[name][SWEEP_STEPS]["loss"] for name in names}
-    assert len(set(last.values())) == 4, last
+    assert len(set(last.values())) == 2, last
 
 
 # --------------------------------------------------------------------------- 4. bad input
@@ -278,7 +276,8 @@ BAD = {
     ),
     "base_without_mup": (["model.mup_base_width=32"], ["model.mup_base_width"]),
     "mup_with_inverse_sqrt": (
-        ["model.parametrization=mup", "model.mup_base_width=32", "optimizer.schedule=inverse_sqrt"],
+        ["model.parametrization=mup", "model.mup_base_width=32"]
+        + ["optimizer.schedule=inverse_sqrt", "optimizer.warmup_steps=10"],
         ["model.parametrization=mup", "optimizer.schedule=inverse_sqrt"],
     ),
     "mup_with_unknown_role": (

@@ -166,11 +166,18 @@ def writable_family(config: ModelConfig, who: str = "save_hf") -> ModuleType:
     """The family module that :func:`save_hf` writes ``config`` as.
 
     Raises:
-      ValueError: starting with ``who``: a piece of the user's (``models.pieces``), a ``mixer``
+      ValueError: starting with ``who``: a piece of the user's (``models.pieces``), muP away
+        from its base width, a ``mixer``
         that is not attention, sparse attention (``local_window``), or a model that fits none
         of the families (what does not fit the closest, then how much each other one differs).
     """
     refuse_user_pieces(config, who)
+    if config.width_multiplier not in (None, 1.0):
+        raise ValueError(
+            f"{who}: model.parametrization=mup at {config.width_multiplier:g}x its base width "
+            "multiplies the logits and the attention scores by factors no Hugging Face "
+            "architecture has; only standard models (or muP at its base width) are written"
+        )
     if config.mixer != "attention":
         raise ValueError(
             f"{who}: model.mixer={config.mixer} (the Attention Free Transformer) has no "

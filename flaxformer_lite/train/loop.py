@@ -38,7 +38,7 @@ from flaxformer_lite.train.config import ConfigError, TrainConfig, config_from_d
 from flaxformer_lite.train.figures import pyplot as figure_pyplot
 from flaxformer_lite.train.lanes import InTurn, Lane, LaneActions, Vmapped
 from flaxformer_lite.train.metrics import peak_flops, plot_run
-from flaxformer_lite.train.optim import check_parameters
+from flaxformer_lite.train.optim import check_parameters, optimizer_line
 from flaxformer_lite.train.program import (
     TrainState,
     build_train_state,
@@ -210,8 +210,12 @@ def start(
         raise
     if main:
         run_dir.write_config(cfg.to_dict())
-    for line in layout_lines(state, built.shardings, mesh):
-        log(line)
+    for line in [
+        *layout_lines(state, built.shardings, mesh),
+        optimizer_line(cfg.optimizer, cfg.model),
+    ]:
+        if line is not None:
+            log(line)
     return StartedRun(
         cfg=cfg,
         run_dir=run_dir,

@@ -297,6 +297,32 @@ def check_parameters(cfg: OptimizerConfig, model: ModelConfig) -> None:
         )
 
 
+def optimizer_line(cfg: OptimizerConfig, model: ModelConfig) -> str | None:
+    """The start-up line of Muon's and muP's share: how many parameters each optimizer
+    updates, and the width multiplier; None for AdamW under the standard parametrization."""
+    if cfg.name == "adamw" and model.width_multiplier is None:
+        return None
+    counts: dict[str, list[int]] = {}
+    for path, kernel in model_kernels(model).items():
+        entry = counts.setdefault(_optimizer_of(cfg, kernel), [0, 0])
+        entry[0] += 1
+        entry[1] += math.prod(_shapes(model)[path])
+    parts = [f"{name} for {n} arrays ({size:,} parameters)" for name, (n, size) in counts.items()]
+    line = "optimizer: " + ", ".join(sorted(parts, reverse=True))
+    if model.width_multiplier is not None:
+        line += (
+            f"; muP at {model.width_multiplier:g}x its base width {model.mup_base_width} "
+            "(docs/reference.md has each parameter's multipliers)"
+        )
+    return line
+
+
+@functools.cache
+def _shapes(model: ModelConfig) -> dict[tuple, tuple[int, ...]]:
+    params = nnx.state(abstract_model(model), nnx.Param)
+    return {path: v.shape for path, v in nnx.to_flat_state(params)}
+
+
 def _optimizer_of(cfg: OptimizerConfig, kernel: Kernel) -> str:
     """``"muon"`` for a hidden projection kernel under Muon, else ``"adamw"``."""
     is_matrix = kernel.role == "hidden" and bool(kernel.inputs)
