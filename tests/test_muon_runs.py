@@ -7,12 +7,10 @@ The 8 devices are the simulated CPU devices of conftest.py; the one-device basel
 subprocess started with a single device.
 """
 
-import io
 import json
 import pathlib
 import subprocess
 import sys
-from contextlib import redirect_stdout
 
 import jax
 import numpy as np
@@ -125,9 +123,7 @@ def one_device(tmp_path_factory):
     ],
     ids=["data2_fsdp2_tensor2", "data2_context2_tensor2"],
 )
-def test_muon_with_mup_on_a_mesh_logs_the_losses_of_one_device(
-    tmp_path, one_device, mesh, summary
-):
+def test_muon_with_mup_on_a_mesh_logs_the_losses_of_one_device(tmp_path, one_device, mesh, summary):
     messages = []
     cfg = load_config(
         None,
@@ -135,6 +131,11 @@ def test_muon_with_mup_on_a_mesh_logs_the_losses_of_one_device(
     )
     run(cfg, progress=False, log=messages.append)
     assert summary in messages, [m for m in messages if m.startswith("mesh")]
+    said = [m for m in messages if m.startswith("optimizer: ")]
+    # gpt2-tiny's fused q/k/v [D, 3, H, Dh] (3 matrices of one array), out, wi, wo: 64 x (192 +
+    # 64 + 2 x 256) entries.
+    assert len(said) == 1 and "muon for 4 arrays (49,152 parameters)" in said[0], said
+    assert "muP at 2x its base width 32" in said[0], said
     losses, evals = one_device()
     assert sorted(losses) == [5, 10] and sorted(evals) == [MESH_STEPS]
     assert_relatively_close(losses_of(tmp_path / "run"), losses)
@@ -287,7 +288,7 @@ BAD = {
             "model.parametrization=mup",
             "model.mup_base_width=32",
         ],
-        ["model.parametrization=mup", "mlp/"],
+        ["model.parametrization=mup", "mlp/", "model.feed_forward=", ":RawFeedForward"],
     ),
     "muon_without_hidden_matrix": (
         [

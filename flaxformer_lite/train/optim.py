@@ -24,6 +24,7 @@ from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
 from flaxformer_lite.models.build import abstract_model
 from flaxformer_lite.models.config import ModelConfig
+from flaxformer_lite.models.pieces import user_pieces
 from flaxformer_lite.nn.parametrization import Kernel, multiplier, parameter_roles
 from flaxformer_lite.settings import setting
 
@@ -277,10 +278,11 @@ def check_parameters(cfg: OptimizerConfig, model: ModelConfig) -> None:
     if model.parametrization == "mup":
         unknown = [path for path, kernel in kernels.items() if kernel.role == "unknown"]
         if unknown:
+            pieces = ", ".join(f"model.{k}={v!r}" for k, v in user_pieces(model).items())
             raise ValueError(
-                f"model.parametrization=mup cannot scale parameter {_path_name(unknown[0])}: "
-                "built by a user's piece, not by Dense or Embed, its logical axis names do not "
-                "say which of its axes grow with the width"
+                f"model.parametrization=mup cannot scale parameter {_path_name(unknown[0])} "
+                f"(of the user's pieces {pieces}): not built by Dense or Embed, its logical axis "
+                "names do not say which of its axes grow with the width"
             )
     if cfg.name != "muon":
         return
