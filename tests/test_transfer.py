@@ -48,7 +48,7 @@ def sweep(tmp_path):
 
 
 def test_each_width_gets_its_seeds_mean_and_spread_and_its_best_rate(sweep):
-    table = transfer_table(sweep)
+    table = transfer_table([sweep])
     assert list(table) == [64, 128]  # widths as numbers, in order
     for width, entry in table.items():
         lrs = [point[0] for point in entry["points"]]
@@ -74,3 +74,27 @@ def test_a_setting_the_sweep_does_not_vary_exits_2(sweep, capsys):
     assert main(["transfer", str(sweep), "--curves", "model.num_heads"]) == 2
     assert "does not vary model.num_heads" in capsys.readouterr().err
     assert not (sweep / "plots").exists()
+
+
+def test_sweeps_run_apart_make_one_table_and_a_point_in_two_is_refused(sweep, tmp_path):
+    wide = tmp_path / "wide"
+    wide.mkdir()
+    record = json.loads((sweep / "sweep.json").read_text())
+    groups = record["summary"]["groups"]
+    record["summary"]["groups"] = {
+        name.replace("128", "256"): {
+            **group,
+            "members": [m.replace("128", "256") for m in group["members"]],
+        }
+        for name, group in groups.items()
+        if "d_model=128" in name
+    }
+    record["members"] = {
+        name.replace("128", "256"): {**s, "model.d_model": "256"}
+        for name, s in record["members"].items()
+        if s["model.d_model"] == "128"
+    }
+    (wide / "sweep.json").write_text(json.dumps(record))
+    assert list(transfer_table([sweep, wide])) == [64, 128, 256]
+    with pytest.raises(ValueError, match="is in two of the sweeps"):
+        transfer_table([sweep, sweep])

@@ -6,7 +6,7 @@ Under muP the best learning rate of a narrow model should be that of a wide one.
     flaxformer-lite sweep --config shakespeare_char --vary model.d_model=64,128,256 \\
         --vary optimizer.lr=1e-3,3e-3,1e-2 --vary seed=0,1 run_dir=runs/mup \\
         model.parametrization=mup model.mup_base_width=64 model.d_ff=null
-    table = transfer_table(pathlib.Path("runs/mup"))  # then plot_transfer(...)
+    table = transfer_table([pathlib.Path("runs/mup")])  # then plot_transfer(...)
 """
 
 from __future__ import annotations
@@ -21,38 +21,44 @@ from flaxformer_lite.train.sweep_summary import read_summary
 
 
 def transfer_table(
-    directory: pathlib.Path,
+    directories: list[pathlib.Path],
     *,
     x: str = "optimizer.lr",
     curves: str = "model.d_model",
     metric: str = "eval_loss",
 ) -> dict:
     """``{curve value: {"points": [(x, mean, std, n), ...] by x, "best": (x, mean, std, n)}}``
-    of the sweep in ``directory``, from its groups' means over seeds (the lowest mean is
-    best; a group whose members all diverged has no point).
+    of the sweeps in ``directories`` (one, or several that ran apart, say a width each), from
+    their groups' means over seeds (the lowest mean is best; a group whose members all diverged
+    has no point).
 
     Raises:
-      ValueError: ``x`` or ``curves`` not among the sweep's varied settings, or a group
-        without ``metric``.
+      ValueError: ``x`` or ``curves`` not among a sweep's varied settings, a group without
+        ``metric``, or one point in two sweeps.
     """
-    record = SweepDir(directory).read()
-    varied = record.get("vary", {})
-    for key in (x, curves):
-        if key not in varied:
-            raise ValueError(
-                f"{directory} does not vary {key}; it varies {', '.join(varied) or 'nothing'}"
-            )
-    members = record["members"]
     table: dict = {}
-    for name, group in read_summary(directory)["groups"].items():
-        if not group["members"]:
-            continue
-        if metric not in group:
-            raise ValueError(f"group {name} of {directory} has no {metric} logged")
-        settings = members[group["members"][0]]
-        stats = group[metric]
-        point = (float(settings[x]), stats["mean"], stats["std"] or 0.0, stats["n"])
-        table.setdefault(_number(settings[curves]), {"points": []})["points"].append(point)
+    for directory in directories:
+        record = SweepDir(directory).read()
+        varied = record.get("vary", {})
+        for key in (x, curves):
+            if key not in varied:
+                raise ValueError(
+                    f"{directory} does not vary {key}; it varies {', '.join(varied) or 'nothing'}"
+                )
+        for name, group in read_summary(directory)["groups"].items():
+            if not group["members"]:
+                continue
+            if metric not in group:
+                raise ValueError(f"group {name} of {directory} has no {metric} logged")
+            settings = record["members"][group["members"][0]]
+            stats = group[metric]
+            point = (float(settings[x]), stats["mean"], stats["std"] or 0.0, stats["n"])
+            points = table.setdefault(_number(settings[curves]), {"points": []})["points"]
+            if any(other[0] == point[0] for other in points):
+                raise ValueError(
+                    f"{curves}={settings[curves]}, {x}={settings[x]} is in two of the sweeps"
+                )
+            points.append(point)
     for entry in table.values():
         entry["points"].sort()
         entry["best"] = min(entry["points"], key=lambda point: point[1])
