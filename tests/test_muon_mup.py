@@ -75,7 +75,7 @@ def test_muon_updates_each_projection_by_a_float64_newton_schulz_of_its_momentum
         updates.append(flat(optimizer.update(model, g)))
     g1, g2 = flat(grads[0]), flat(grads[1])
 
-    L, D, H, Dh, F = 2, model_cfg.d_model, model_cfg.num_heads, model_cfg.head_dim, model_cfg.d_ff
+    L, D, H, Dh = 2, model_cfg.d_model, model_cfg.num_heads, model_cfg.head_dim
     matrices = {  # path -> the [in, out] matrices of one layer's leaf
         "decoder/layers/layers/self_attention/qkv/kernel": lambda x: [
             x[:, j].reshape(D, H * Dh) for j in range(3)

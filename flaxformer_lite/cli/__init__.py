@@ -1,7 +1,7 @@
 """The user commands: ``python train.py``, ``python sample.py``, ``python -m
 flaxformer_lite.train`` and ``flaxformer-lite
-train|sweep|ablation|config|prepare|plot|compare|generate|export|attention|compile``, one
-module each.
+train|sweep|ablation|config|prepare|plot|compare|generate|export|attention|compile|coords|transfer``,
+one module each.
 
     python train.py                                   # the embedded default
     python train.py --config gpt2_small train.steps=200 optimizer.lr=3e-4
@@ -15,6 +15,8 @@ module each.
     flaxformer-lite export --run-dir runs/default --out exports/default
     flaxformer-lite attention --run-dir runs/default --text "012+034=" --out maps
     flaxformer-lite compile --config gpt2_small --topology v5e-8
+    flaxformer-lite coords --config shakespeare_char --out coords/sp optimizer.lr=1e-2
+    flaxformer-lite transfer runs/mup
 
 Errors the user can fix (config, data, files) print one line and exit with status 2; a run
 stopped by a non-finite step exits 1; SIGTERM/SIGINT save a checkpoint and exit 128 + signal.
@@ -42,6 +44,9 @@ COMMANDS = {
     "export": "write a run as a Hugging Face directory (model and tokenizer)",
     "attention": "plot a run's attention weights on a text",
     "compile": "compile a config's step for a TPU slice: memory, collectives, MFU",
+    "coords": "muP's coordinate check: activation scales against width, as a PNG",
+    "transfer": "a sweep's loss against the learning rate, a curve per width, and the best rate "
+    "per width",
 }
 
 
