@@ -110,6 +110,8 @@ def steps_to_target(directory: pathlib.Path) -> dict:
         if optimizer not in best or loss < best[optimizer][1]:
             best[optimizer] = (name, loss, settings["optimizer.lr"])
     target = best["adamw"][1]
+    config = record["config"]
+    tokens = config["train"]["batch_size"] * config["data"]["seq_len"]  # a step's positions
     result = {"target": target}
     for optimizer, (name, loss, lr) in sorted(best.items()):
         reached, seconds = [], []
@@ -118,7 +120,6 @@ def steps_to_target(directory: pathlib.Path) -> dict:
             evals = [r for r in records if r.get("eval_loss") is not None]
             hits = [r["step"] for r in evals if r["eval_loss"] <= target]
             rates = [r["tokens_per_sec"] for r in records if r.get("tokens_per_sec")]
-            tokens = 12 * 64  # the recipe's batch x seq_len
             if hits:
                 reached.append(hits[0])
                 seconds.append(hits[0] * tokens / statistics.median(rates))

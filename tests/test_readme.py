@@ -28,10 +28,12 @@ from flaxformer_lite.cli.attention import attention_parser
 from flaxformer_lite.cli.compare import compare_parser
 from flaxformer_lite.cli.compile import compile_parser
 from flaxformer_lite.cli.config import config_parser
+from flaxformer_lite.cli.coords import coords_parser
 from flaxformer_lite.cli.export import export_parser
 from flaxformer_lite.cli.prepare import prepare_parser
 from flaxformer_lite.cli.sweep import sweep_parser
 from flaxformer_lite.cli.train import add_train_arguments
+from flaxformer_lite.cli.transfer import transfer_parser
 from flaxformer_lite.models import pieces
 from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.recipes import recipe_path
@@ -205,6 +207,12 @@ def test_documented_command_is_valid(name, command, tmp_path, monkeypatch):
             args = _parse(ablation_parser().parse_args, rest, command)
             for config in args.configs or ():
                 load_config(_config_file(config), [])
+        elif subcommand == "transfer":
+            _parse(transfer_parser().parse_args, rest, command)
+        elif subcommand == "coords":
+            args = _parse(coords_parser().parse_intermixed_args, rest, command)
+            monkeypatch.chdir(tmp_path)
+            load_config(_config_file(args.config), args.overrides)
         elif subcommand == "plot":
             assert rest in ([rest[0]], ["--run-dir", rest[-1]]), command  # plot [--run-dir] RUN
         else:

@@ -66,12 +66,13 @@ class Kernel:
     outputs and stacked copies (the layers of a scanned stack, the 3 of a fused q/k/v).
 
     ``split``: separate projections concatenated along an output axis (a grouped q/k/v
-    kernel ``[D, H + 2 Hk, Dh]``)."""
+    kernel ``[D, H + 2 Hk, Dh]``); ``shape``: the parameter's."""
 
     role: str
     inputs: tuple[int, ...] = ()
     outputs: tuple[int, ...] = ()
     split: bool = False
+    shape: tuple[int, ...] = ()
 
 
 def role_of(names: tuple, num_in_axes: int) -> str:
@@ -120,8 +121,9 @@ def parameter_roles(model: nnx.Module) -> dict[tuple, Kernel]:
         elif isinstance(node, Embed):
             roles[(*path, "embedding")] = Kernel("input")
     for path, node in nnx.iter_graph(model):
-        if isinstance(node, nnx.Param) and path not in roles:
-            roles[path] = _role_by_names(node)
+        if isinstance(node, nnx.Param):
+            kernel = roles[path] if path in roles else _role_by_names(node)
+            roles[path] = dataclasses.replace(kernel, shape=tuple(node.shape))
     return roles
 
 

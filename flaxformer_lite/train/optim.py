@@ -305,10 +305,10 @@ def optimizer_line(cfg: OptimizerConfig, model: ModelConfig) -> str | None:
     if cfg.name == "adamw" and model.width_multiplier is None:
         return None
     counts: dict[str, list[int]] = {}
-    for path, kernel in model_kernels(model).items():
+    for kernel in model_kernels(model).values():
         entry = counts.setdefault(_optimizer_of(cfg, kernel), [0, 0])
         entry[0] += 1
-        entry[1] += math.prod(_shapes(model)[path])
+        entry[1] += math.prod(kernel.shape)
     parts = [f"{name} for {n} arrays ({size:,} parameters)" for name, (n, size) in counts.items()]
     line = "optimizer: " + ", ".join(sorted(parts, reverse=True))
     if model.width_multiplier is not None:
@@ -317,12 +317,6 @@ def optimizer_line(cfg: OptimizerConfig, model: ModelConfig) -> str | None:
             "(docs/reference.md has each parameter's multipliers)"
         )
     return line
-
-
-@functools.cache
-def _shapes(model: ModelConfig) -> dict[tuple, tuple[int, ...]]:
-    params = nnx.state(abstract_model(model), nnx.Param)
-    return {path: v.shape for path, v in nnx.to_flat_state(params)}
 
 
 def _optimizer_of(cfg: OptimizerConfig, kernel: Kernel) -> str:
