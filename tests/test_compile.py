@@ -36,6 +36,7 @@ SUMMARY_KEYS = {
     "fits",
     "flops_per_step",
     "xla_flops_per_program",
+    "optimizer_flops_per_step",
     "collectives",
     "collectives_exact",
     "attention",
@@ -80,7 +81,9 @@ def test_the_report_says_what_its_numbers_assume():
     chip = topology.CHIPS["v5p"]
     counts = {op: dict(instructions=0, executed=0, bytes=0, exact=True) for op in COLLECTIVES}
     counts["collective-permute"] = dict(instructions=9, executed=2448, bytes=2**30, exact=True)
-    estimate = _roofline(chip_flops=12e12, xla_flops=1e12, traffic=1e9, sent=2**30, chip=chip)
+    estimate = _roofline(
+        chip_flops=12e12, optimizer_flops=0.0, xla_flops=1e12, traffic=1e9, sent=2**30, chip=chip
+    )
     report = Report(
         topology=parse_topology("v5p-8"),
         program="train step",
@@ -93,6 +96,7 @@ def test_the_report_says_what_its_numbers_assume():
         hbm=chip.hbm_bytes,
         xla_flops=1e12,
         model_flops=4 * 12e12,
+        optimizer_flops=0.0,
         hbm_traffic=1e9,
         collectives=counts,
         estimate=estimate,

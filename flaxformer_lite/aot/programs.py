@@ -28,6 +28,7 @@ from flaxformer_lite.decode import generate, seq2seq_generate
 from flaxformer_lite.models import build_model, generation_flops, training_flops_per_token
 from flaxformer_lite.ops.attention_choice import recorded_choices
 from flaxformer_lite.train.config import TrainConfig
+from flaxformer_lite.train.optim import newton_schulz_flops
 from flaxformer_lite.train.program import (
     abstract_batch,
     build_train_state,
@@ -53,6 +54,9 @@ class CompiledProgram:
       model_flops: the model's FLOPs per run of the program on all chips (the ``6 N`` count of
         :func:`~flaxformer_lite.models.training_flops_per_token`; for generation the forward
         FLOPs of :func:`~flaxformer_lite.models.generation_flops`).
+      optimizer_flops: one chip's FLOPs of the optimizer's own matmuls per step (Muon's
+        Newton-Schulz: its whole count over the chips each matrix is split over, ``fsdp x
+        tensor``; data replicas each orthogonalize every matrix), 0 for AdamW and generation.
       attention: the attention implementation(s) the trace used, joined by ``+``.
       weight_reads: how many times a run reads every weight at least (generation: once per
         new token), for the memory floor of the estimate.
@@ -68,6 +72,7 @@ class CompiledProgram:
     model_flops: float
     attention: str
     weight_reads: int = 1
+    optimizer_flops: float = 0.0
     out_of_memory: str | None = None
 
 
@@ -120,7 +125,13 @@ def compile_for(
         model_flops=model_flops,
         attention=attention,
         weight_reads=weight_reads,
+        optimizer_flops=0.0 if decode else _optimizer_flops(cfg),
     )
+
+
+def _optimizer_flops(cfg: TrainConfig) -> float:
+    """One chip's share of the optimizer's own FLOPs per step (:class:`CompiledProgram`)."""
+    return newton_schulz_flops(cfg.optimizer, cfg.model) / (cfg.mesh.fsdp * cfg.mesh.tensor)
 
 
 def _ordered(devices: list, sizes: tuple[int, ...]) -> list:

@@ -74,6 +74,7 @@ class Report:
     hbm: int | None
     xla_flops: float | None
     model_flops: float
+    optimizer_flops: float
     hbm_traffic: float | None
     collectives: dict[str, dict] | None
     estimate: Estimate | None
@@ -106,6 +107,8 @@ class Report:
             # XLA's cost analysis of the program, per chip: a loop's body counted once (None
             # from the GPU compiler)
             "xla_flops_per_program": self.xla_flops or None,
+            # per chip and step, Muon's Newton-Schulz (0 for AdamW): in XLA's count, not the model's
+            "optimizer_flops_per_step": self.optimizer_flops,
             "collectives": self.collectives
             and {op: self.collectives[op]["executed"] for op in COLLECTIVES},
             # False: a loop of unknown length holds some, counted once (a lower bound)
@@ -138,10 +141,17 @@ class Report:
         lines.append(
             f"FLOPs per step per chip: {self.xla_flops:.4g} (XLA's count), {model_flops:.4g} "
             "(the model's own count)"
+            + (
+                f" + {self.optimizer_flops:.4g} (Muon's Newton-Schulz, the chip's share)"
+                if self.optimizer_flops
+                else ""
+            )
         )
-        if self.xla_flops and model_flops > 1.5 * self.xla_flops:
+        looped = self.xla_flops - self.optimizer_flops  # the model's part of XLA's count
+        if self.xla_flops and model_flops > 1.5 * looped:
+            aside = " (Newton-Schulz's aside)" if self.optimizer_flops else ""
             lines.append(
-                f"  XLA's count is {model_flops / self.xla_flops:.3g}x lower: it counts a loop's "
+                f"  XLA's count{aside} is {model_flops / looped:.3g}x lower: it counts a loop's "
                 "body once (scanned layers, microbatches, a blockwise loss); the estimate "
                 "uses the model's"
             )
@@ -186,6 +196,7 @@ def analyse(program: CompiledProgram, topology: Topology) -> Report:
     if chip is not None:
         estimate = _roofline(
             chip_flops=program.model_flops / topology.chips,
+            optimizer_flops=program.optimizer_flops,
             xla_flops=xla_flops,
             traffic=max(traffic, program.weight_reads * program.param_bytes),
             sent=sum(collectives[op]["bytes"] for op in COLLECTIVES),
@@ -203,6 +214,7 @@ def analyse(program: CompiledProgram, topology: Topology) -> Report:
         hbm=chip.hbm_bytes if chip else None,
         xla_flops=xla_flops,
         model_flops=program.model_flops,
+        optimizer_flops=program.optimizer_flops,
         hbm_traffic=traffic,
         collectives=collectives,
         estimate=estimate,
@@ -229,6 +241,7 @@ def _out_of_memory(program: CompiledProgram, topology: Topology) -> Report:
         hbm=topology.chip.hbm_bytes,
         xla_flops=None,
         model_flops=program.model_flops,
+        optimizer_flops=program.optimizer_flops,
         hbm_traffic=None,
         collectives=None,
         estimate=None,
@@ -236,9 +249,13 @@ def _out_of_memory(program: CompiledProgram, topology: Topology) -> Report:
     )
 
 
-def _roofline(*, chip_flops, xla_flops, traffic, sent, chip) -> Estimate:
-    loops = max(1.0, chip_flops / xla_flops) if xla_flops else 1.0
-    compute = max(chip_flops, xla_flops) / chip.peak_flops
+def _roofline(*, chip_flops, optimizer_flops, xla_flops, traffic, sent, chip) -> Estimate:
+    """The roofline of a step of the model's ``chip_flops`` and the optimizer's: XLA's count
+    less the optimizer's, against the model's, says how often a loop's body runs. MFU counts
+    the model's FLOPs only (as PaLM's)."""
+    looped = xla_flops - optimizer_flops
+    loops = max(1.0, chip_flops / looped) if looped > 0 else 1.0
+    compute = max(chip_flops + optimizer_flops, xla_flops) / chip.peak_flops
     memory = traffic * loops / chip.hbm_bytes_per_s
     network = sent / chip.ring_bytes_per_s
     step = max(compute, memory, network)

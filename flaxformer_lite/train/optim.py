@@ -319,6 +319,24 @@ def optimizer_line(cfg: OptimizerConfig, model: ModelConfig) -> str | None:
     return line
 
 
+def newton_schulz_flops(cfg: OptimizerConfig, model: ModelConfig) -> float:
+    """The FLOPs of Muon's Newton-Schulz iterations in one optimizer step, over every matrix of
+    ``model`` (0 under AdamW): an iteration on an ``[m, n]`` matrix (``m <= n``) forms ``X X^T``
+    (``2 m^2 n``), its square (``2 m^3``) and their product with ``X`` (``2 m^2 n``)."""
+    if cfg.name != "muon":
+        return 0.0
+    total = 0.0
+    for kernel in model_kernels(model).values():
+        if _optimizer_of(cfg, kernel) != "muon":
+            continue
+        fan_in = math.prod(kernel.shape[i] for i in kernel.inputs)
+        fan_out = math.prod(kernel.shape[i] for i in kernel.outputs)
+        copies = math.prod(kernel.shape) // (fan_in * fan_out)  # layers, the q/k/v of a fused one
+        m, n = sorted((fan_in, fan_out))
+        total += copies * cfg.muon_ns_steps * (4 * m * m * n + 2 * m**3)
+    return total
+
+
 def _optimizer_of(cfg: OptimizerConfig, kernel: Kernel) -> str:
     """``"muon"`` for a hidden projection kernel under Muon, else ``"adamw"``."""
     is_matrix = kernel.role == "hidden" and bool(kernel.inputs)
