@@ -105,10 +105,14 @@ def steps_to_target(directory: pathlib.Path) -> dict:
     record, groups = SweepDir(directory).read(), read_summary(directory)["groups"]
     best = {}
     for name, group in groups.items():
+        if not group["members"] or "eval_loss" not in group:  # every member diverged
+            continue
         settings = record["members"][group["members"][0]]
         optimizer, loss = settings["optimizer.name"], group["eval_loss"]["mean"]
         if optimizer not in best or loss < best[optimizer][1]:
             best[optimizer] = (name, loss, settings["optimizer.lr"])
+    if set(best) != {"adamw", "muon"}:
+        raise SystemExit(f"{directory}: a sweep of both optimizers, found {sorted(best)}")
     target = best["adamw"][1]
     config = record["config"]
     tokens = config["train"]["batch_size"] * config["data"]["seq_len"]  # a step's positions

@@ -150,15 +150,17 @@ def test_the_code_reads_the_table_of_the_reference():
 M = 4  # the width multiplier of the measured models: d_model 64 over base 16
 PRESETS = {
     "gpt2-tiny": dict(scan_layers=True),  # normal init, tied head, fused q/k/v
-    "transformer-tiny": dict(tie_embeddings=False),  # xavier, encoder-decoder, untied head
+    # xavier, encoder-decoder, untied head, a relative-position table (of the heads: not grown)
+    "transformer-tiny": dict(tie_embeddings=False, positions="relative"),
     "bert-tiny": dict(num_classes=3),  # classifier, pooler, MLM-free
     "llama-tiny": dict(),  # GQA, SwiGLU, no biases
 }
 
 
 def pair(preset, **changes):
-    """The standard model and the muP one of ``preset`` at ``m = 4``, from the same seed."""
-    cfg = ModelConfig.from_preset(preset, **{**PRESETS[preset], **changes})
+    """The standard model and the muP one of ``preset`` at ``m = 4`` (its MLP 4 x d_model: it
+    grows too), from the same seed."""
+    cfg = ModelConfig.from_preset(preset, **{**PRESETS[preset], "d_ff": None, **changes})
     mup = cfg.replace(parametrization="mup", mup_base_width=cfg.d_model // M)
     return cfg, mup
 
@@ -171,11 +173,12 @@ def test_each_parameter_starts_and_learns_as_the_table_says(preset):
     table = reference_table()
     cfg, mup = pair(preset)
     models = {name: build_model(c, rngs=nnx.Rngs(0)) for name, c in (("sp", cfg), ("mup", mup))}
-    roles = {"/".join(map(str, k)): v.role for k, v in parameter_roles(models["mup"]).items()}
+    kernels = parameter_roles(models["mup"], mup.growing_axes)
+    roles = {"/".join(map(str, k)): v.role for k, v in kernels.items()}
     params = {name: flat(nnx.state(m, nnx.Param)) for name, m in models.items()}
     init_column = f"init std ({cfg.init})"
     for path, value in params["sp"].items():
-        if value.size < 512 or value.std() == 0:  # biases, norms: zeros and ones
+        if value.size < 100 or value.std() == 0:  # biases, norms: zeros and ones
             continue
         ratio = params["mup"][path].std() / value.std()
         assert ratio == pytest.approx(M ** table[roles[path]][init_column], rel=0.12), path
@@ -252,3 +255,39 @@ def test_a_mup_model_away_from_its_base_width_is_not_written_as_hugging_face():
     assert writable_family(cfg.replace(parametrization="mup", mup_base_width=cfg.d_model))
     with pytest.raises(ValueError, match="parametrization=mup at 4x its base width"):
         writable_family(mup)
+
+
+def test_mup_keeps_the_decay_per_step_and_grows_only_what_grows():
+    """With no gradient, a hidden matrix decays by ``lr * weight_decay`` per step under muP as
+    under the standard (the mup package's MuAdamW); an MLP of fixed ``d_ff`` does not grow, so
+    its kernels are not hidden; a relative-position table (of the heads) is not an input."""
+    cfg, mup = pair("gpt2-tiny", scan_layers=False)
+    opt = OptimizerConfig(lr=0.1, schedule="constant", warmup_steps=0, weight_decay=0.5)
+    for c in (cfg, mup):
+        model = build_model(c, rngs=nnx.Rngs(0))
+        before = flat(jax.tree.map(np.asarray, nnx.state(model, nnx.Param)))
+        tx, _ = make_optimizer(opt, c, total_steps=1)
+        zeros = jax.tree.map(jnp.zeros_like, nnx.state(model, nnx.Param))
+        moved = flat(nnx.Optimizer(model, tx, wrt=nnx.Param).update(model, zeros))
+        path = "decoder/layers/layers/0/mlp/wi/kernel"
+        np.testing.assert_allclose(moved[path], -0.1 * 0.5 * before[path], rtol=1e-6)
+    fixed = mup.replace(d_ff=256)
+    roles = {
+        k[-2:]: v.role
+        for k, v in parameter_roles(
+            build_model(fixed, rngs=nnx.Rngs(0)), fixed.growing_axes
+        ).items()
+    }
+    assert roles[("wi", "kernel")] == "output" and roles[("wo", "kernel")] == "input"
+    assert roles[("qkv", "kernel")] == "hidden"
+    t5 = ModelConfig.from_preset("transformer-tiny", positions="relative")
+    t5 = t5.replace(parametrization="mup", mup_base_width=16)
+    kernels = parameter_roles(build_model(t5, rngs=nnx.Rngs(0)), t5.growing_axes)
+    tables = [v.role for k, v in kernels.items() if "relative" in "/".join(map(str, k))]
+    assert tables and set(tables) == {"vector"}
+
+
+def test_a_base_width_is_kept_unread_under_the_standard_parametrization():
+    """So a sweep can vary model.parametrization over standard and mup with one base."""
+    cfg = ModelConfig.from_preset("gpt2-tiny", mup_base_width=16)
+    assert cfg.width_multiplier is None and cfg.attention_scale is None

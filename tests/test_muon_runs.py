@@ -275,7 +275,6 @@ BAD = {
         ["model.parametrization=mup", "model.mup_base_width=128"],
         ["model.mup_base_width (128)", "model.d_model (64)"],
     ),
-    "base_without_mup": (["model.mup_base_width=32"], ["model.mup_base_width"]),
     "mup_with_inverse_sqrt": (
         ["model.parametrization=mup", "model.mup_base_width=32"]
         + ["optimizer.schedule=inverse_sqrt", "optimizer.warmup_steps=10"],

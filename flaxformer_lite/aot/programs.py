@@ -28,7 +28,8 @@ from flaxformer_lite.decode import generate, seq2seq_generate
 from flaxformer_lite.models import build_model, generation_flops, training_flops_per_token
 from flaxformer_lite.ops.attention_choice import recorded_choices
 from flaxformer_lite.train.config import TrainConfig
-from flaxformer_lite.train.optim import newton_schulz_flops
+from flaxformer_lite.train.muon import newton_schulz_flops
+from flaxformer_lite.train.optim import model_kernels
 from flaxformer_lite.train.program import (
     abstract_batch,
     build_train_state,
@@ -131,7 +132,8 @@ def compile_for(
 
 def _optimizer_flops(cfg: TrainConfig) -> float:
     """One chip's share of the optimizer's own FLOPs per step (:class:`CompiledProgram`)."""
-    return newton_schulz_flops(cfg.optimizer, cfg.model) / (cfg.mesh.fsdp * cfg.mesh.tensor)
+    flops = newton_schulz_flops(cfg.optimizer, model_kernels(cfg.model))
+    return flops / (cfg.mesh.fsdp * cfg.mesh.tensor)
 
 
 def _ordered(devices: list, sizes: tuple[int, ...]) -> list:

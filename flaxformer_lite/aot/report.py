@@ -148,7 +148,7 @@ class Report:
             )
         )
         looped = self.xla_flops - self.optimizer_flops  # the model's part of XLA's count
-        if self.xla_flops and model_flops > 1.5 * looped:
+        if looped > 0 and model_flops > 1.5 * looped:
             aside = " (Newton-Schulz's aside)" if self.optimizer_flops else ""
             lines.append(
                 f"  XLA's count{aside} is {model_flops / looped:.3g}x lower: it counts a loop's "

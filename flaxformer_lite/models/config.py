@@ -14,7 +14,12 @@ from flaxformer_lite.nn.attention import Rope
 from flaxformer_lite.nn.attention_free import AFT_MIXERS
 from flaxformer_lite.nn.dense import INIT_SCHEMES, KernelInit
 from flaxformer_lite.nn.mlp import ACTIVATIONS
-from flaxformer_lite.nn.parametrization import PARAMETRIZATIONS, attention_scale, multiplier
+from flaxformer_lite.nn.parametrization import (
+    PARAMETRIZATIONS,
+    WIDTH_AXES,
+    attention_scale,
+    multiplier,
+)
 from flaxformer_lite.nn.stack import REMAT_POLICIES
 from flaxformer_lite.settings import setting
 
@@ -134,8 +139,8 @@ class ModelConfig:
     )
     mup_base_width: int | None = setting(
         None,
-        help="mup: the d_model at which muP is the standard parametrization (its learning "
-        "rates hold at every width)",
+        help="mup: the d_model of the base model, where muP is the standard parametrization "
+        "(the same heads; d_ff and head_dim scaled alike when null); read only under mup",
     )
     scale_residual_init: bool = setting(
         False, help="GPT-2: residual projections' init times 1/sqrt(2 layers)"
@@ -238,8 +243,28 @@ class ModelConfig:
         return self.d_model / self.mup_base_width
 
     @property
+    def growing_axes(self) -> frozenset[str]:
+        """The logical axes that grow with the width: under muP, those larger than in the base
+        model (this config at ``d_model = mup_base_width``: the same heads; ``d_ff`` and
+        ``head_dim`` smaller there only when derived from ``d_model``); under the standard
+        parametrization, every width-like axis."""
+        if self.width_multiplier is None:
+            return WIDTH_AXES
+        grown = {"embed", "embed_out", "aft_features"} if self.width_multiplier != 1 else set()
+        if grown and "d_ff" in self._derived:
+            grown.add("mlp")
+        if grown and "head_dim" in self._derived:
+            grown.add("head_dim")
+        return frozenset(grown)
+
+    @property
     def kernel_init(self) -> KernelInit:
-        return KernelInit(self.init, self.init_std, width_multiplier=self.width_multiplier)
+        return KernelInit(
+            self.init,
+            self.init_std,
+            width_multiplier=self.width_multiplier,
+            growing=self.growing_axes,
+        )
 
     @property
     def attention_scale(self) -> float | None:
@@ -267,19 +292,15 @@ class ModelConfig:
     # ----------------------------------------------------------------------- validation
     def _check_parametrization(self):
         _check_choice("parametrization", self.parametrization, PARAMETRIZATIONS)
-        if self.parametrization == "standard":
-            if self.mup_base_width is not None:
-                raise ValueError(
-                    "model.mup_base_width is the base width of muP; set "
-                    "model.parametrization=mup, or leave mup_base_width null"
-                )
+        if self.mup_base_width is not None:
+            _check_positive_int("mup_base_width", self.mup_base_width)
+        if self.parametrization == "standard":  # a base width is kept, unread (a sweep over both)
             return
         if self.mup_base_width is None:
             raise ValueError(
                 "model.parametrization=mup needs model.mup_base_width (the d_model at which "
                 "muP is the standard parametrization)"
             )
-        _check_positive_int("mup_base_width", self.mup_base_width)
         if self.mup_base_width > self.d_model:
             raise ValueError(
                 f"model.mup_base_width ({self.mup_base_width}) is larger than model.d_model "

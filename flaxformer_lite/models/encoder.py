@@ -127,7 +127,9 @@ class Encoder(nnx.Module):
             )
         if self.pooler is not None:
             pooled = jnp.tanh(self.pooler(pooled))
-        pooled = pooled * jnp.asarray(output_multiplier(self.config), pooled.dtype)  # muP's 1 / m
+        multiplier = output_multiplier(self.config)  # muP's 1 / m, as OutputHead's
+        if multiplier != 1.0:
+            pooled = pooled * jnp.asarray(multiplier, pooled.dtype)
         return self.classifier(apply_dropout(self.classifier_dropout, pooled))
 
     def _token_types(self, inputs, token_types) -> jax.Array | None:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from flaxformer_lite.nn.parametrization import Kernel, multiplier, role_of
+from flaxformer_lite.nn.parametrization import WIDTH_AXES, Kernel, multiplier, role_of
 from flaxformer_lite.nn.rngs import next_key
 from flaxformer_lite.ops.projection import project
 
@@ -45,12 +45,14 @@ class KernelInit:
       width_multiplier: muP's ``m = d_model / base_width``: each kernel's standard deviation
         times its role's power of ``m`` (:data:`~.parametrization.MUP`); None: the standard
         parametrization.
+      growing: the logical axes that grow with the width, which give a kernel its role.
     """
 
     scheme: str = "xavier"
     std: float = 0.02
     scale: float = 1.0
     width_multiplier: float | None = None
+    growing: frozenset = WIDTH_AXES
 
     def __post_init__(self):
         if self.scheme not in INIT_SCHEMES:
@@ -58,6 +60,13 @@ class KernelInit:
 
     def scaled(self, factor: float) -> KernelInit:
         return dataclasses.replace(self, scale=self.scale * factor)
+
+    def _check_placed(self) -> None:
+        if self.width_multiplier is not None:
+            raise ValueError(
+                "a muP initialization needs the parameter's role first: "
+                "init.for_role(role_of(names, num_in_axes, init.growing)).kernel(...)"
+            )
 
     def for_role(self, role: str) -> KernelInit:
         """This initialization for a parameter of ``role`` (muP's multiplier of its scheme)."""
@@ -73,8 +82,12 @@ class KernelInit:
         axes that index separate projections stored together (q/k/v), left out of the fans.
         ``split`` gives the sizes of separate projections concatenated along the first output
         axis (a grouped q/k/v kernel ``[D, H + 2 * Hk, Dh]``): each piece is initialized as
-        its own kernel. (Under muP, call it on :meth:`for_role`'s initialization.)
+        its own kernel.
+
+        Raises:
+          ValueError: a muP initialization not yet given its role (:meth:`for_role`).
         """
+        self._check_placed()
         if split:
             return self._concatenated(num_in_axes, fused_axes, split)
         if self.scheme == "normal":
@@ -116,6 +129,7 @@ class KernelInit:
         ``"xavier"`` uses a normal with std ``dim ** -0.5`` (Tensor2Tensor, fairseq): multiplied by
         ``sqrt(dim)`` as in the paper, embeddings then have unit variance.
         """
+        self._check_placed()
         std = self.std if self.scheme == "normal" else dim**-0.5
         return nnx.initializers.normal(std * self.scale)
 
@@ -163,7 +177,8 @@ class Dense(nnx.Module):
         self.in_shape, self.out_shape = _as_tuple(in_shape), _as_tuple(out_shape)
         self.fused_axes, self.split, self.dtype = tuple(fused_axes), tuple(split), dtype
         shape = self.in_shape + self.out_shape
-        self.role = role_of(names, len(self.in_shape))
+        self.role = role_of(names, len(self.in_shape), init.growing)
+        self.matrix = role_of(names, len(self.in_shape)) == "hidden"
         kernel_init = init.for_role(self.role).kernel(len(self.in_shape), fused_axes, split)
         self.kernel = param(rngs, kernel_init, shape, names, param_dtype)
         self.bias = (
@@ -189,7 +204,7 @@ class Dense(nnx.Module):
             for i in range(len(self.out_shape))
             if num_in + i not in self.fused_axes
         )
-        return Kernel(self.role, inputs, outputs, split=bool(self.split))
+        return Kernel(self.role, inputs, outputs, matrix=self.matrix, split=bool(self.split))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """``[..., *in_shape] -> [..., *out_shape]`` in the compute dtype."""

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flaxformer_lite.nn.dense import XAVIER, KernelInit, param
+from flaxformer_lite.nn.parametrization import role_of
 from flaxformer_lite.nn.sharding import gathered_for_compute
 from flaxformer_lite.ops.projection import project
 
@@ -18,7 +19,8 @@ class Embed(nnx.Module):
       num_embeddings: vocabulary (or position, or token-type) count.
       features: embedding size D.
       names: logical axis names of the table, ``("vocab", "embed")`` for tokens.
-      init: a :class:`KernelInit` (its ``embedding`` initializer, the table's role ``input``).
+      init: a :class:`KernelInit` (its ``embedding`` initializer, for the table's role: ``input``
+        when its features grow with the width).
       dtype: compute dtype of the outputs; param_dtype: storage dtype.
     """
 
@@ -35,7 +37,8 @@ class Embed(nnx.Module):
     ):
         self.dtype = dtype
         shape = (num_embeddings, features)
-        table_init = init.for_role("input").embedding(features)
+        self.role = role_of(names, 1, init.growing)  # "input" for a table of the width
+        table_init = init.for_role(self.role).embedding(features)
         self.embedding = param(rngs, table_init, shape, names, param_dtype)
 
     def __call__(self, ids: jax.Array) -> jax.Array:

@@ -2,15 +2,17 @@
 (maximal update parametrization; Yang et al. 2022, Tensor Programs V, Table 8) relative to a base
 width, under which the best learning rate of a narrow model is the best of a wide one.
 
-A parameter's role follows from the logical names of its axes (:data:`WIDTH_AXES` grow with the
-width): a kernel that maps the width to the width is ``hidden``, one that maps a fixed size to
-the width (an embedding table, the projection of continuous inputs) is ``input``, one that maps
-the width to a fixed size (the vocabulary head, a classifier) is ``output``; biases and norm
-scales are ``vector``. :data:`MUP` gives each role's multipliers as powers of the width
-multiplier ``m = d_model / base_width``; docs/reference.md has the same table, and a test holds
-the two together.
+A parameter's role follows from the logical names of its axes and which of them grow with the
+width (under muP: those larger than in the base model, ``ModelConfig.growing_axes``): a kernel
+that maps a growing size to a growing size is ``hidden``, one that maps a fixed size to a growing
+one (an embedding table, the projection of continuous inputs) is ``input``, one that maps a
+growing size to a fixed one (the vocabulary head, a classifier) is ``output``; biases, norm
+scales and whatever has no growing axis are ``vector``. :data:`MUP` gives each role's
+multipliers as powers of the width multiplier ``m = d_model / base_width``; docs/reference.md
+has the same table, and a test holds the two together. Muon's matrices are the projections
+between :data:`WIDTH_AXES`, whatever the parametrization.
 
-    roles = parameter_roles(model)   # {("decoder", "layers", 0, "mlp", "wi", "kernel"): Kernel}
+    roles = parameter_roles(model, growing)  # {("decoder", ..., "wi", "kernel"): Kernel(...)}
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 from flax import nnx
 
 PARAMETRIZATIONS = ("standard", "mup")
-# The logical axes whose size grows with the model's width (d_model, d_ff, heads, head_dim).
+# The logical axes whose size may grow with the model's width (d_model, d_ff, heads, head_dim).
 WIDTH_AXES = frozenset(
     {"embed", "embed_out", "mlp", "heads", "kv_heads", "qkv_heads", "head_dim", "aft_features"}
 )
@@ -65,22 +68,25 @@ class Kernel:
     """A parameter's role and, for a projection kernel, which of its axes are its inputs,
     outputs and stacked copies (the layers of a scanned stack, the 3 of a fused q/k/v).
 
-    ``split``: separate projections concatenated along an output axis (a grouped q/k/v
-    kernel ``[D, H + 2 Hk, Dh]``); ``shape``: the parameter's."""
+    ``matrix``: a projection between width-like axes, which Muon orthogonalizes. ``split``:
+    separate projections concatenated along an output axis (a grouped q/k/v kernel
+    ``[D, H + 2 Hk, Dh]``); ``shape``: the parameter's."""
 
     role: str
     inputs: tuple[int, ...] = ()
     outputs: tuple[int, ...] = ()
+    matrix: bool = False
     split: bool = False
     shape: tuple[int, ...] = ()
 
 
-def role_of(names: tuple, num_in_axes: int) -> str:
+def role_of(names: tuple, num_in_axes: int, growing: frozenset = WIDTH_AXES) -> str:
     """The role of a kernel whose axes have logical ``names``, the first ``num_in_axes`` its
-    inputs (a leading ``"layers"`` axis of a scanned stack is neither)."""
+    inputs (a leading ``"layers"`` axis of a scanned stack is neither), the ``growing`` ones
+    those that grow with the width."""
     names = tuple(name for name in names if name != "layers")
-    wide_in = bool(WIDTH_AXES & set(names[:num_in_axes]))
-    wide_out = bool(WIDTH_AXES & set(names[num_in_axes:]))
+    wide_in = bool(growing & set(names[:num_in_axes]))
+    wide_out = bool(growing & set(names[num_in_axes:]))
     if wide_in and wide_out:
         return "hidden"
     if wide_in:
@@ -105,10 +111,11 @@ def attention_scale(head_dim: int, base_head_dim: int | None) -> float | None:
     return math.sqrt(base_head_dim) / head_dim
 
 
-def parameter_roles(model: nnx.Module) -> dict[tuple, Kernel]:
-    """Every ``nnx.Param`` of ``model`` by its path: its :class:`Kernel`; role ``"unknown"`` for a
-    parameter of several axes not built by ``Dense`` or ``Embed`` whose role its axis names do
-    not give (a user's piece). Works on an abstract model (``nnx.eval_shape``)."""
+def parameter_roles(model: nnx.Module, growing: frozenset = WIDTH_AXES) -> dict[tuple, Kernel]:
+    """Every ``nnx.Param`` of ``model`` by its path: its :class:`Kernel` (``Dense`` and ``Embed``
+    hold their roles, from the ``growing`` axes of their init); role ``"unknown"`` for a
+    parameter of several axes, some growing, not built by them (a user's piece): which of its
+    axes are inputs its names do not say. Works on an abstract model (``nnx.eval_shape``)."""
     from flaxformer_lite.nn.dense import Dense
     from flaxformer_lite.nn.embed import Embed
 
@@ -119,21 +126,40 @@ def parameter_roles(model: nnx.Module) -> dict[tuple, Kernel]:
             if node.bias is not None:
                 roles[(*path, "bias")] = Kernel("vector")
         elif isinstance(node, Embed):
-            roles[(*path, "embedding")] = Kernel("input")
+            roles[(*path, "embedding")] = Kernel(node.role)
     for path, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Param):
-            kernel = roles[path] if path in roles else _role_by_names(node)
+            kernel = roles[path] if path in roles else _role_by_names(node, growing)
             roles[path] = dataclasses.replace(kernel, shape=tuple(node.shape))
     return roles
 
 
-def _role_by_names(param: nnx.Param) -> Kernel:
-    """A parameter's role from its shape and logical names: one axis (besides the layers) is
-    a vector; more with at most one width axis, an ``input`` (a table of position biases)."""
+def by_role(kernels: dict, value_of, params):
+    """``params`` with each parameter replaced by ``value_of(its Kernel)`` (``kernels`` from
+    :func:`parameter_roles`): works on an optimizer's trees of ``nnx.Variable``s (at init), of
+    arrays (at each update) and on those an ``optax.partition`` has masked."""
+
+    def value(path, _):
+        return value_of(kernels[path_key(path)])
+
+    return jax.tree_util.tree_map_with_path(
+        value, params, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+
+
+def path_key(path) -> tuple:
+    """A tree path of a parameter as :func:`parameter_roles` keys it."""
+    keys = tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", None))) for k in path)
+    return keys[:-1] if keys and keys[-1] == "value" else keys
+
+
+def _role_by_names(param: nnx.Param, growing: frozenset) -> Kernel:
+    """A parameter's role from its shape and logical names: one axis (besides the layers), or
+    none that grows (AFT's pairwise position biases), is a ``vector``; else ``unknown``."""
     names = param.get_metadata().get("out_sharding") or ()
     layers = sum(name == "layers" for name in names)
     if param.ndim - layers <= 1:
         return Kernel("vector")
-    if len(names) == param.ndim and len(WIDTH_AXES & set(names)) <= 1:
-        return Kernel("input")
+    if len(names) == param.ndim and not growing & set(names):
+        return Kernel("vector")
     return Kernel("unknown")

@@ -19,14 +19,13 @@ import math
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
-from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
 from flaxformer_lite.models.build import abstract_model
 from flaxformer_lite.models.config import ModelConfig
 from flaxformer_lite.models.pieces import user_pieces
-from flaxformer_lite.nn.parametrization import Kernel, multiplier, parameter_roles
+from flaxformer_lite.nn.parametrization import Kernel, by_role, multiplier, parameter_roles
 from flaxformer_lite.settings import setting
+from flaxformer_lite.train.muon import muon
 
 SCHEDULES = ("cosine", "linear", "constant", "inverse_sqrt")
 OPTIMIZERS = ("adamw", "muon")
@@ -224,45 +223,60 @@ def make_optimizer(
 def optimizer_of(
     cfg: OptimizerConfig, model: ModelConfig, learning_rate: optax.Schedule, numbers: dict
 ) -> optax.GradientTransformation:
-    """Clipping (if ``cfg.clip_norm`` is set), then AdamW with ``cfg``'s decay mask or Muon and
-    AdamW, then muP's rate multipliers, at ``learning_rate`` by step and with the
-    :data:`NUMBERS` of ``numbers``: floats, or scalar arrays traced in a step. The
-    transformation's state has the same structure either way.
+    """Clipping (if ``cfg.clip_norm`` is set), then AdamW with ``cfg``'s decay mask, or Muon for
+    the matrices and AdamW for the rest, each with muP's rate multipliers, at ``learning_rate``
+    by step and with the :data:`NUMBERS` of ``numbers``: floats, or scalar arrays traced in a
+    step. The transformation's state has the same structure either way.
 
     Raises:
       ValueError: Muon or muP on parameters they cannot place (:func:`check_parameters`).
     """
-    adamw = optax.adamw(
-        learning_rate,
-        b1=numbers["b1"],
-        b2=numbers["b2"],
-        eps=numbers["eps"],
-        weight_decay=numbers["weight_decay"],
-        mask=lambda params: weight_decay_mask(params, decay_embeddings=cfg.decay_embeddings),
-    )
     steps = [] if cfg.clip_norm is None else [optax.clip_by_global_norm(numbers["clip_norm"])]
-    if cfg.name == "adamw" and model.width_multiplier is None:
+    if cfg.name == "adamw" and model.width_multiplier is None:  # the chain runs always had
+        adamw = optax.adamw(
+            learning_rate,
+            b1=numbers["b1"],
+            b2=numbers["b2"],
+            eps=numbers["eps"],
+            weight_decay=numbers["weight_decay"],
+            mask=functools.partial(weight_decay_mask, decay_embeddings=cfg.decay_embeddings),
+        )
         return optax.chain(*steps, adamw) if steps else adamw
     check_parameters(cfg, model)
     kernels = model_kernels(model)
+    adamw = _adamw(cfg, _rate_multipliers(model, kernels, "adamw_lr"), learning_rate, numbers)
     if cfg.name == "muon":
-        labels = functools.partial(_leaf_values, kernels, lambda k: _optimizer_of(cfg, k))
+        field = "muon_rms_lr" if cfg.muon_rms is not None else "muon_lr"
+        scaled = _rate_multipliers(model, kernels, field)
+        labels = functools.partial(by_role, kernels, lambda k: "muon" if k.matrix else "adamw")
         update = optax.partition(
-            {"muon": _muon(cfg, kernels, learning_rate, numbers), "adamw": adamw}, labels
+            {"muon": muon(cfg, kernels, scaled, learning_rate, numbers), "adamw": adamw}, labels
         )
     else:
         update = adamw
-    steps.append(update)
-    for factor, mask in _rate_multipliers(cfg, model, kernels):
-        steps.append(optax.masked(optax.scale(factor), mask))
-    return optax.chain(*steps)
+    return optax.chain(*steps, update)
+
+
+def _adamw(cfg: OptimizerConfig, scaled: list, learning_rate, numbers: dict):
+    """``optax.adamw`` as a chain with muP's multipliers (``scaled``) of the Adam direction
+    before the decay: the decay per step stays ``lr * weight_decay``, as the mup package's
+    MuAdamW keeps it (it divides a hidden matrix's rate by ``m`` and multiplies its decay)."""
+    return optax.chain(
+        optax.scale_by_adam(b1=numbers["b1"], b2=numbers["b2"], eps=numbers["eps"]),
+        *scaled,
+        optax.add_decayed_weights(
+            numbers["weight_decay"],
+            functools.partial(weight_decay_mask, decay_embeddings=cfg.decay_embeddings),
+        ),
+        optax.scale_by_learning_rate(learning_rate),
+    )
 
 
 @functools.cache
 def model_kernels(model: ModelConfig) -> dict[tuple, Kernel]:
     """Each parameter of ``model``'s by its path: its role and axes
     (:func:`~flaxformer_lite.nn.parametrization.parameter_roles` of the abstract model)."""
-    return parameter_roles(abstract_model(model))
+    return parameter_roles(abstract_model(model), model.growing_axes)
 
 
 def check_parameters(cfg: OptimizerConfig, model: ModelConfig) -> None:
@@ -280,19 +294,20 @@ def check_parameters(cfg: OptimizerConfig, model: ModelConfig) -> None:
         if unknown:
             pieces = ", ".join(f"model.{k}={v!r}" for k, v in user_pieces(model).items())
             raise ValueError(
-                f"model.parametrization=mup cannot scale parameter {_path_name(unknown[0])} "
-                f"(of the user's pieces {pieces}): not built by Dense or Embed, its logical axis "
-                "names do not say which of its axes grow with the width"
+                f"model.parametrization=mup cannot scale parameter {_path_name(unknown[0])}"
+                + (f" (of {pieces})" if pieces else "")
+                + ": not built by Dense or Embed, its logical axis names do not say which of its "
+                "axes are inputs and which grow with the width"
             )
     if cfg.name != "muon":
         return
-    if any(kernel.split and kernel.role == "hidden" for kernel in kernels.values()):
+    if any(kernel.split and kernel.matrix for kernel in kernels.values()):
         raise ValueError(
             "optimizer.name=muon orthogonalizes q, k and v apart; model.fused_qkv with "
             "num_kv_heads < num_heads concatenates them along one axis, which Muon cannot "
             "split: set model.fused_qkv=false (the same projections as three kernels)"
         )
-    if not any(_optimizer_of(cfg, kernel) == "muon" for kernel in kernels.values()):
+    if not any(kernel.matrix for kernel in kernels.values()):
         raise ValueError(
             "optimizer.name=muon: the model has no hidden matrix for Muon (no projection "
             "kernel from the width to the width); use optimizer.name=adamw"
@@ -306,7 +321,8 @@ def optimizer_line(cfg: OptimizerConfig, model: ModelConfig) -> str | None:
         return None
     counts: dict[str, list[int]] = {}
     for kernel in model_kernels(model).values():
-        entry = counts.setdefault(_optimizer_of(cfg, kernel), [0, 0])
+        name = "muon" if cfg.name == "muon" and kernel.matrix else "adamw"
+        entry = counts.setdefault(name, [0, 0])
         entry[0] += 1
         entry[1] += math.prod(kernel.shape)
     parts = [f"{name} for {n} arrays ({size:,} parameters)" for name, (n, size) in counts.items()]
@@ -319,109 +335,21 @@ def optimizer_line(cfg: OptimizerConfig, model: ModelConfig) -> str | None:
     return line
 
 
-def newton_schulz_flops(cfg: OptimizerConfig, model: ModelConfig) -> float:
-    """The FLOPs of Muon's Newton-Schulz iterations in one optimizer step, over every matrix of
-    ``model`` (0 under AdamW): an iteration on an ``[m, n]`` matrix (``m <= n``) forms ``X X^T``
-    (``2 m^2 n``), its square (``2 m^3``) and their product with ``X`` (``2 m^2 n``)."""
-    if cfg.name != "muon":
-        return 0.0
-    total = 0.0
-    for kernel in model_kernels(model).values():
-        if _optimizer_of(cfg, kernel) != "muon":
-            continue
-        fan_in = math.prod(kernel.shape[i] for i in kernel.inputs)
-        fan_out = math.prod(kernel.shape[i] for i in kernel.outputs)
-        copies = math.prod(kernel.shape) // (fan_in * fan_out)  # layers, the q/k/v of a fused one
-        m, n = sorted((fan_in, fan_out))
-        total += copies * cfg.muon_ns_steps * (4 * m * m * n + 2 * m**3)
-    return total
-
-
-def _optimizer_of(cfg: OptimizerConfig, kernel: Kernel) -> str:
-    """``"muon"`` for a hidden projection kernel under Muon, else ``"adamw"``."""
-    is_matrix = kernel.role == "hidden" and bool(kernel.inputs)
-    return "muon" if cfg.name == "muon" and is_matrix else "adamw"
-
-
-def _muon(cfg: OptimizerConfig, kernels: dict, learning_rate, numbers: dict):
-    """Muon over the hidden matrices (the other leaves masked out): ``optax.contrib``'s
-    momentum and Newton-Schulz orthogonalization of each matrix over its input and output axes
-    (a scanned stack's layers and a fused q/k/v's three are batch axes), its shape scale, AdamW's
-    decoupled weight decay, at ``muon_lr_ratio`` times ``learning_rate``: the Muon branch of
-    ``optax.contrib.muon``, whose own AdamW branch would decay norms and biases."""
-
-    def dimension_numbers(params):
-        return _leaf_values(kernels, lambda k: MuonDimensionNumbers(k.inputs, k.outputs), params)
-
-    return optax.chain(
-        scale_by_muon(
-            ns_steps=cfg.muon_ns_steps,
-            beta=numbers["muon_beta"],
-            nesterov=True,
-            weight_dimension_numbers=dimension_numbers,
-        ),
-        _scale_by_shape(kernels, None if cfg.muon_rms is None else numbers["muon_rms"]),
-        optax.add_decayed_weights(numbers["weight_decay"]),
-        optax.scale_by_learning_rate(lambda count: numbers["muon_lr_ratio"] * learning_rate(count)),
-    )
-
-
-def _scale_by_shape(kernels: dict, rms) -> optax.GradientTransformation:
-    """Each orthogonalized update times ``rms * sqrt(max(fan_in, fan_out))`` (an update of RMS
-    ``rms``, Moonlight's), or without ``rms`` Keller Jordan's ``sqrt(max(1, fan_out / fan_in))``:
-    ``optax.contrib.muon``'s scale, over our matrices' input and output axes."""
-
-    def update(updates, state, params=None):
-        del params
-
-        def scaled(path, update):
-            kernel = kernels[_path_key(path)]
-            fan_in = math.prod(update.shape[i] for i in kernel.inputs)
-            fan_out = math.prod(update.shape[i] for i in kernel.outputs)
-            if rms is None:
-                return update * math.sqrt(max(1.0, fan_out / fan_in))
-            return update * (rms * math.sqrt(max(fan_in, fan_out)))
-
-        return jax.tree_util.tree_map_with_path(scaled, updates), state
-
-    return optax.GradientTransformation(optax.init_empty_state, update)
-
-
-def _rate_multipliers(cfg: OptimizerConfig, model: ModelConfig, kernels: dict):
-    """``[(factor, mask)]``: muP's learning-rate multiplier of each parameter by the optimizer
-    that updates it, one masked scaling per factor other than 1 (none under the standard)."""
+def _rate_multipliers(model: ModelConfig, kernels: dict, field: str) -> list:
+    """muP's multiplier of each parameter's update by its role's ``field`` of
+    :data:`~flaxformer_lite.nn.parametrization.MUP`: one masked ``optax.scale`` per factor other
+    than 1 (none under the standard parametrization or at the base width)."""
     m = model.width_multiplier
     if m is None:
         return []
-    rms = "muon_rms_lr" if cfg.muon_rms is not None else "muon_lr"
-
-    def factor(kernel: Kernel) -> float:
-        field = rms if _optimizer_of(cfg, kernel) == "muon" else "adamw_lr"
-        return multiplier(field, kernel.role, m)
-
-    factors = sorted({factor(kernel) for kernel in kernels.values()} - {1.0})
+    factors = sorted({multiplier(field, k.role, m) for k in kernels.values()} - {1.0})
     return [
-        (f, functools.partial(_leaf_values, kernels, lambda k, f=f: factor(k) == f))
+        optax.masked(
+            optax.scale(f),
+            functools.partial(by_role, kernels, lambda k, f=f: multiplier(field, k.role, m) == f),
+        )
         for f in factors
     ]
-
-
-def _leaf_values(kernels: dict, value_of, params):
-    """``params`` with each parameter replaced by ``value_of(its Kernel)``: works on the
-    optimizer's trees of ``nnx.Variable``s (at init) and of arrays (at each update)."""
-
-    def value(path, _):
-        return value_of(kernels[_path_key(path)])
-
-    return jax.tree_util.tree_map_with_path(
-        value, params, is_leaf=lambda x: isinstance(x, nnx.Variable)
-    )
-
-
-def _path_key(path) -> tuple:
-    """A tree path as :func:`~flaxformer_lite.nn.parametrization.parameter_roles` keys it."""
-    keys = tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", None))) for k in path)
-    return keys[:-1] if keys and keys[-1] == "value" else keys
 
 
 def _path_name(path: tuple) -> str:
