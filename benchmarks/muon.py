@@ -2,7 +2,7 @@
 learning rates and seeds, the steps each takes to reach AdamW's final eval loss.
 
     python benchmarks/muon.py --step                      # the step's cost, two model sizes
-    python benchmarks/muon.py --sweep runs/muon           # a sweep's steps to AdamW's loss
+    python benchmarks/muon.py --sweep runs/muon runs/muon8  # sweeps' steps to AdamW's loss
 
 ``--step``: the train step ``train.py`` runs (``build_train_state``, ``configured_train_step``: the
 optimizer's numbers as arguments) of the Tiny Shakespeare recipe's model (``--sizes 128``; 4
@@ -11,8 +11,9 @@ layers, batch 12 x 64) under ``optimizer.name=adamw`` and ``muon``, each compile
 noise hits both alike; the median window gives milliseconds per step, and their ratio what
 Newton-Schulz costs on top of AdamW's arithmetic.
 
-``--sweep DIR``: a finished ``flaxformer-lite sweep --vary optimizer.name=adamw,muon --vary
-optimizer.lr=... --vary seed=...``. Each optimizer's best rate is the one of lowest mean final
+``--sweep DIR [DIR ...]``: finished ``flaxformer-lite sweep --vary optimizer.name=adamw,muon
+--vary optimizer.lr=... --vary seed=...`` (several: more rates run apart). Each optimizer's best
+rate is the one of lowest mean final
 eval loss over its seeds; the target is AdamW's mean final eval loss at its best rate. For each
 member at its optimizer's best rate: the first evaluation step whose eval loss is at or below
 the target (none: the member never reached it), and the seconds to it (that step over its
@@ -51,7 +52,9 @@ def parser() -> argparse.ArgumentParser:
     command_line.add_argument("--layers", type=int, default=4)
     command_line.add_argument("--windows", type=int, default=5)
     command_line.add_argument("--steps", type=int, default=10, help="steps per window")
-    command_line.add_argument("--sweep", type=pathlib.Path, help="a sweep of both optimizers")
+    command_line.add_argument(
+        "--sweep", type=pathlib.Path, nargs="+", help="sweeps of both optimizers"
+    )
     return command_line
 
 
@@ -100,26 +103,29 @@ def step_cost(size: int, layers: int, windows: int, steps: int) -> dict:
     }
 
 
-def steps_to_target(directory: pathlib.Path) -> dict:
+def steps_to_target(directories: list[pathlib.Path]) -> dict:
     """Each optimizer's best rate, the target, and its members' steps and seconds to it."""
-    record, groups = SweepDir(directory).read(), read_summary(directory)["groups"]
-    best = {}
-    for name, group in groups.items():
-        if not group["members"] or "eval_loss" not in group:  # every member diverged
-            continue
-        settings = record["members"][group["members"][0]]
-        optimizer, loss = settings["optimizer.name"], group["eval_loss"]["mean"]
-        if optimizer not in best or loss < best[optimizer][1]:
-            best[optimizer] = (name, loss, settings["optimizer.lr"])
+    best, groups = {}, {}
+    for directory in directories:
+        record = SweepDir(directory).read()
+        config = record["config"]
+        tokens = config["train"]["batch_size"] * config["data"]["seq_len"]  # a step's positions
+        for name, group in read_summary(directory)["groups"].items():
+            if not group["members"] or "eval_loss" not in group:  # every member diverged
+                continue
+            settings = record["members"][group["members"][0]]
+            optimizer, loss = settings["optimizer.name"], group["eval_loss"]["mean"]
+            groups[(directory, name)] = group
+            if optimizer not in best or loss < best[optimizer][1]:
+                best[optimizer] = ((directory, name), loss, settings["optimizer.lr"])
     if set(best) != {"adamw", "muon"}:
-        raise SystemExit(f"{directory}: a sweep of both optimizers, found {sorted(best)}")
+        raise SystemExit(f"{directories}: sweeps of both optimizers, found {sorted(best)}")
     target = best["adamw"][1]
-    config = record["config"]
-    tokens = config["train"]["batch_size"] * config["data"]["seq_len"]  # a step's positions
     result = {"target": target}
-    for optimizer, (name, loss, lr) in sorted(best.items()):
+    for optimizer, ((directory, name), loss, lr) in sorted(best.items()):
         reached, seconds = [], []
-        for member in groups[name]["members"]:
+        members = groups[(directory, name)]["members"]
+        for member in members:
             records = read_metrics(directory / member, log=lambda _: None)
             evals = [r for r in records if r.get("eval_loss") is not None]
             hits = [r["step"] for r in evals if r["eval_loss"] <= target]
@@ -130,11 +136,11 @@ def steps_to_target(directory: pathlib.Path) -> dict:
         result[optimizer] = {
             "lr": lr,
             "final_eval_loss": loss,
-            "reached": f"{len(reached)}/{len(groups[name]['members'])}",
+            "reached": f"{len(reached)}/{len(members)}",
             "steps": _mean_std(reached),
             "seconds": _mean_std(seconds),
         }
-    if result["adamw"]["steps"][0] and result.get("muon", {}).get("steps", (None,))[0]:
+    if result["adamw"]["steps"][0] and result["muon"]["steps"][0]:
         result["muon_over_adamw"] = result["muon"]["steps"][0] / result["adamw"]["steps"][0]
     return result
 

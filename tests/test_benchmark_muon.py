@@ -30,19 +30,22 @@ def test_step_times_both_optimizers_side_by_side():
     assert row["ratio"] == pytest.approx(row["muon_ms"] / row["adamw_ms"])
 
 
-def test_steps_to_adamws_final_loss_from_a_sweep(tmp_path):
+def write_sweep(directory, names):
+    """A sweep's record and its members' metrics, of the members ``names`` of :data:`EVALS`."""
+    directory.mkdir()
     members, groups = {}, {}
-    for name, losses in EVALS.items():
+    for name in names:
+        losses = EVALS[name]
         settings = dict(pair.split("=") for pair in name.split(","))
         members[name] = {f"optimizer.{k}" if k != "seed" else k: v for k, v in settings.items()}
         group = name.rsplit(",", 1)[0]
         entry = groups.setdefault(group, {"members": [], "diverged": [], "finals": []})
         entry["members"].append(name)
         entry["finals"].append(losses[-1])
-        (tmp_path / name).mkdir()
+        (directory / name).mkdir()
         records = [{"step": 50, "loss": 3.0, "tokens_per_sec": 400.0}]
         records += [{"step": 100 * (i + 1), "eval_loss": v} for i, v in enumerate(losses)]
-        (tmp_path / name / "metrics.jsonl").write_text("\n".join(map(json.dumps, records)))
+        (directory / name / "metrics.jsonl").write_text("\n".join(map(json.dumps, records)))
     for entry in groups.values():
         finals = entry.pop("finals")
         entry["eval_loss"] = {"mean": sum(finals) / 2, "std": 0.1, "n": 2}
@@ -53,8 +56,22 @@ def test_steps_to_adamws_final_loss_from_a_sweep(tmp_path):
         "diverged": {},
         "summary": {"members": {}, "groups": groups},
     }
-    (tmp_path / "sweep.json").write_text(json.dumps(record))
-    result = load_benchmark("muon").main(["--sweep", str(tmp_path)])["sweep"]
+    (directory / "sweep.json").write_text(json.dumps(record))
+    return directory
+
+
+@pytest.mark.parametrize("apart", [False, True])
+def test_steps_to_adamws_final_loss_from_a_sweep(tmp_path, apart):
+    """From one sweep, or from two that ran the rates apart: the same result."""
+    if apart:
+        sweeps = [
+            write_sweep(tmp_path / "a", [n for n in EVALS if "lr=1e-3" in n]),
+            write_sweep(tmp_path / "b", [n for n in EVALS if "lr=3e-3" in n]),
+        ]
+    else:
+        sweeps = [write_sweep(tmp_path / "a", list(EVALS))]
+    argv = ["--sweep", *map(str, sweeps)]
+    result = load_benchmark("muon").main(argv)["sweep"]
     assert result["target"] == pytest.approx(2.1)  # AdamW at 1e-3: (2.0 + 2.2) / 2
     assert result["adamw"]["lr"] == "1e-3" and result["muon"]["lr"] == "1e-3"
     assert result["adamw"]["reached"] == "1/2" and result["adamw"]["steps"] == (300, 0.0)
