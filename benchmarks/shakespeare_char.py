@@ -119,7 +119,7 @@ from flaxformer_lite.data.pipeline import build_data
 from flaxformer_lite.train.config import TrainConfig, load_config
 from flaxformer_lite.train.host_memory import reuse_freed_host_memory
 from flaxformer_lite.train.metrics import read_metrics
-from flaxformer_lite.train.optim import make_optimizer
+from flaxformer_lite.train.optim import make_schedule
 from flaxformer_lite.train.run_dir import RunDir
 from flaxformer_lite.train.step import model_loss
 from flaxformer_lite.train.trained_run import load_run
@@ -316,7 +316,7 @@ def hugging_face(args, directory: pathlib.Path) -> dict:
     launch to exit; ``{"skipped": why}`` when torch or transformers cannot be imported."""
     cfg = recipe_config(args, directory / "hf")
     o = cfg.optimizer
-    _, schedule = make_optimizer(
+    schedule = make_schedule(
         o, total_steps=o.schedule_steps or cfg.train.steps, d_model=cfg.model.d_model
     )
     job = {

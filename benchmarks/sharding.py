@@ -143,7 +143,7 @@ def measure(cfg: ModelConfig, layout: str, batch_size: int, seq_len: int, device
     """The row of one layout (see the module docstring); ``error`` instead when the layout does
     not fit the model or the batch."""
     row: dict = {"layout": layout_label(layout)}
-    tx, _ = make_optimizer(OptimizerConfig(), total_steps=1000, d_model=cfg.d_model)
+    tx, _ = make_optimizer(OptimizerConfig(), cfg, total_steps=1000)
 
     def create():  # as the training loop creates its state
         model = build_model(cfg, rngs=nnx.Rngs(params=0, dropout=1))

@@ -129,9 +129,7 @@ class OurStep:
     """The compiled train step and its state; ``run(k)`` takes ``k`` steps."""
 
     def __init__(self, cfg: TrainConfig, batch: dict[str, np.ndarray]):
-        tx, _ = make_optimizer(
-            cfg.optimizer, total_steps=cfg.train.steps, d_model=cfg.model.d_model
-        )
+        tx, _ = make_optimizer(cfg.optimizer, cfg.model, total_steps=cfg.train.steps)
         model, optimizer = make_train_state(cfg, tx)
         graphdef, self.state = nnx.split((model, optimizer))
         self.parameters = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

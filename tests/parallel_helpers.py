@@ -8,6 +8,22 @@ from flax import nnx
 
 from flaxformer_lite.models import ModelConfig, build_model
 
+# The overrides of a train.py run on every mesh: the default run's gpt2-tiny with one layer,
+# dropout on: the byte tokenizer's 260 ids divide by the tensor sizes 4 and 2 (not 8), and its
+# heads, d_ff and d_model divide over every mesh the tests use. A constant learning rate: a
+# run's losses do not depend on train.steps.
+E2E = [
+    "model.num_decoder_layers=1",
+    "train.batch_size=8",
+    "data.seq_len=32",
+    "optimizer.warmup_steps=0",
+    "optimizer.schedule=constant",
+    "train.log_every=5",
+    "train.eval_every=1000",
+    "train.eval_batches=1",
+    "data.eval_size=16",
+]
+
 # A tiny GPT-2 (2 layers, d_model 64, 4 heads, d_ff 256, dropout on) with a vocabulary and
 # length that divide over every mesh the tests use.
 TINY = dict(vocab_size=64, max_length=16)

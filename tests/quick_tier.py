@@ -45,5 +45,7 @@ QUICK_FILES = frozenset(
         "test_compile.py",
         "test_interop_tokenizer.py",
         "test_sweep.py",
+        "test_transfer.py",
+        "test_coord_check.py",
     }
 )

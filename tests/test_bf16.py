@@ -79,7 +79,7 @@ def test_bfloat16_train_step_compiled_for_v5e_does_its_matmuls_in_bf16(attention
     cfg = load_config(None, ["model.dtype=bfloat16", "mesh.data=4", *ATTENTION[attention]])
     mesh = topologies.make_mesh(topology, (4, 1, 1, 1), parallel.MESH_AXES)
     rules = cfg.mesh.rules
-    tx, _ = make_optimizer(cfg.optimizer, total_steps=cfg.train.steps, d_model=cfg.model.d_model)
+    tx, _ = make_optimizer(cfg.optimizer, cfg.model, total_steps=cfg.train.steps)
     graphdef, state, shardings = parallel.abstract_sharded(
         lambda: make_train_state(cfg, tx), mesh, rules
     )

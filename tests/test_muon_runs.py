@@ -15,19 +15,16 @@ import sys
 import jax
 import numpy as np
 import pytest
-from flax import nnx
+from parallel_helpers import E2E
+from run_states import checkpointed_state
 from subprocess_env import subprocess_env
 from tiny_runs import TINY
 
 from flaxformer_lite.cli import main
-from flaxformer_lite.models import build_model
-from flaxformer_lite.train.checkpoint import Checkpointer
 from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.loop import run
 from flaxformer_lite.train.metrics import read_metrics
-from flaxformer_lite.train.optim import make_optimizer
 from flaxformer_lite.train.sweep import sweep
-from flaxformer_lite.train.trained_run import to_savable
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 
@@ -38,18 +35,6 @@ MUON_MUP = [
     "optimizer.name=muon",
     "model.parametrization=mup",
     "model.mup_base_width=32",
-]
-# test_parallel_training.py's E2E: the default run's gpt2-tiny with one layer, a constant rate.
-E2E = [
-    "model.num_decoder_layers=1",
-    "train.batch_size=8",
-    "data.seq_len=32",
-    "optimizer.warmup_steps=0",
-    "optimizer.schedule=constant",
-    "train.log_every=5",
-    "train.eval_every=1000",
-    "train.eval_batches=1",
-    "data.eval_size=16",
 ]
 MESH_STEPS = 10
 RTOL = 1e-5
@@ -160,28 +145,10 @@ def test_a_muon_run_interrupted_and_resumed_equals_the_uninterrupted_run(tmp_pat
     assert sorted(straight) == [1, 2, 3, 4, 5, 6]
     assert losses_of(tmp_path / "resumed") == straight
 
-    def final_state(run_dir):
-        cfg = load_config(run_dir / "config.yaml")
-        tx, _ = make_optimizer(cfg.optimizer, cfg.model, total_steps=cfg.train.steps)
-
-        def savable():
-            model = build_model(cfg.model, rngs=nnx.Rngs(0))
-            return to_savable(nnx.split((model, nnx.Optimizer(model, tx, wrt=nnx.Param)))[1])
-
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
-            jax.eval_shape(savable),
-        )
-        with Checkpointer(run_dir / "checkpoints", keep=3) as checkpointer:
-            restored = checkpointer.restore(abstract)
-        assert restored.step == 6
-        return restored.state
-
     jax.tree.map(
         np.testing.assert_array_equal,
-        final_state(tmp_path / "resumed"),
-        final_state(tmp_path / "straight"),
+        checkpointed_state(tmp_path / "resumed", 6),
+        checkpointed_state(tmp_path / "straight", 6),
     )
 
 

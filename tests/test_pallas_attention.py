@@ -209,7 +209,7 @@ def test_packed_gpt2_train_step_compiled_for_v5e_runs_the_pallas_kernel(caplog):
     overrides = ["model.dtype=bfloat16", "model.attention_dropout=0.0", "mesh.data=4"]
     cfg = load_config(None, overrides)
     mesh = topologies.make_mesh(topology, (4, 1, 1, 1), parallel.MESH_AXES)
-    tx, _ = make_optimizer(cfg.optimizer, total_steps=cfg.train.steps, d_model=cfg.model.d_model)
+    tx, _ = make_optimizer(cfg.optimizer, cfg.model, total_steps=cfg.train.steps)
     graphdef, state, shardings = parallel.abstract_sharded(
         lambda: make_train_state(cfg, tx), mesh, cfg.mesh.rules
     )

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from parallel_helpers import TINY, B, T, flat, key_free, tiny
+from parallel_helpers import E2E, TINY, B, T, flat, key_free, tiny
 from shared_dirs import shared_across_workers
 from subprocess_env import subprocess_env
 
@@ -51,20 +51,6 @@ def relative_close(a, b, rtol=1e-5):
 
 
 # --------------------------------------------------------------------------- same losses
-# The default run's gpt2-tiny with one layer, dropout on: the byte tokenizer's 260 ids divide by
-# the tensor sizes 4 and 2 (not 8), and its heads, d_ff and d_model divide over every mesh
-# below. A constant learning rate: a run's losses do not depend on train.steps.
-E2E = [
-    "model.num_decoder_layers=1",
-    "train.batch_size=8",
-    "data.seq_len=32",
-    "optimizer.warmup_steps=0",
-    "optimizer.schedule=constant",
-    "train.log_every=5",
-    "train.eval_every=1000",
-    "train.eval_batches=1",
-    "data.eval_size=16",
-]
 PER_DEVICE = re.compile(
     r"^per device: parameters ([\d.]+) MiB of ([\d.]+) MiB, "
     r"optimizer state ([\d.]+) MiB of ([\d.]+) MiB$"

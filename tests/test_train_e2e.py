@@ -12,19 +12,17 @@ import types
 import jax
 import numpy as np
 import pytest
-from flax import nnx
+from run_states import checkpointed_state
 from subprocess_env import subprocess_env
 from tiny_runs import QUICK, SHARED_RUNS
 
 from flaxformer_lite.cli import main
 from flaxformer_lite.cli.train import train_main
-from flaxformer_lite.models import build_model, training_flops_per_token
+from flaxformer_lite.models import training_flops_per_token
 from flaxformer_lite.train.checkpoint import Checkpointer
 from flaxformer_lite.train.config import ConfigError, load_config
 from flaxformer_lite.train.loop import TrainingError, run
 from flaxformer_lite.train.metrics import MetricsWriter, read_metrics
-from flaxformer_lite.train.optim import make_optimizer
-from flaxformer_lite.train.trained_run import to_savable
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 
@@ -126,30 +124,10 @@ def test_interrupted_and_resumed_equals_uninterrupted(tmp_path):
     run(config(tmp_path / "resumed", "train.steps=6", *often), progress=False, log=quiet)
     assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
 
-    def final_state(run_dir):
-        """The checkpointed parameters and optimizer state, restored into the structure the
-        loop builds (its shapes traced, nothing computed), on one device."""
-        cfg = load_config(run_dir / "config.yaml")
-        tx, _ = make_optimizer(cfg.optimizer, cfg.model, total_steps=cfg.train.steps)
-
-        def savable():
-            model = build_model(cfg.model, rngs=nnx.Rngs(0))
-            return to_savable(nnx.split((model, nnx.Optimizer(model, tx, wrt=nnx.Param)))[1])
-
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
-            jax.eval_shape(savable),
-        )
-        with Checkpointer(run_dir / "checkpoints", keep=3) as checkpointer:
-            restored = checkpointer.restore(abstract)
-        assert restored.step == 6
-        return restored.state
-
     jax.tree.map(
         np.testing.assert_array_equal,
-        final_state(tmp_path / "resumed"),
-        final_state(tmp_path / "straight"),
+        checkpointed_state(tmp_path / "resumed", 6),
+        checkpointed_state(tmp_path / "straight", 6),
     )
     evals = [
         [r.get("eval_loss") for r in records(tmp_path / name) if "eval_loss" in r]

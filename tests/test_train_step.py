@@ -41,9 +41,7 @@ def setup(preset, **overrides):
     cfg = ModelConfig.from_preset(preset, **{**SMALL, **overrides})
     model = build_model(cfg, rngs=nnx.Rngs(0))
     tx, _ = make_optimizer(
-        OptimizerConfig(lr=1e-2, schedule="constant", warmup_steps=0),
-        total_steps=100,
-        d_model=cfg.d_model,
+        OptimizerConfig(lr=1e-2, schedule="constant", warmup_steps=0), cfg, total_steps=100
     )
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     return cfg, model, optimizer

@@ -34,7 +34,7 @@ def checkpointed_model(run_dir, step):
     targets) and written into a fresh model's parameters."""
     cfg = load_config(run_dir / "config.yaml")
     model = build_model(cfg.model, rngs=nnx.Rngs(0))
-    tx, _ = make_optimizer(cfg.optimizer, total_steps=cfg.train.steps, d_model=cfg.model.d_model)
+    tx, _ = make_optimizer(cfg.optimizer, cfg.model, total_steps=cfg.train.steps)
     savable = to_savable(nnx.split((model, nnx.Optimizer(model, tx, wrt=nnx.Param)))[1])
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     abstract = jax.tree.map(
