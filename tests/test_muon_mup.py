@@ -291,3 +291,17 @@ def test_a_base_width_is_kept_unread_under_the_standard_parametrization():
     """So a sweep can vary model.parametrization over standard and mup with one base."""
     cfg = ModelConfig.from_preset("gpt2-tiny", mup_base_width=16)
     assert cfg.width_multiplier is None and cfg.attention_scale is None
+
+
+def test_a_d_ff_set_or_derived_alike_keeps_its_own_roles():
+    """Equal as values (d_ff 256 at d_model 64), set and derived differ in what grows."""
+    from flaxformer_lite.train.optim import model_kernels
+
+    derived = ModelConfig.from_preset("gpt2-tiny", d_ff=None).replace(
+        parametrization="mup", mup_base_width=16
+    )
+    set_ = derived.replace(d_ff=4 * derived.d_model)
+    assert set_ == derived  # the dataclass compares values
+    wi = ("decoder", "layers", "layers", 0, "mlp", "wi", "kernel")
+    assert model_kernels(derived)[wi].role == "hidden"
+    assert model_kernels(set_)[wi].role == "output"

@@ -272,11 +272,16 @@ def _adamw(cfg: OptimizerConfig, scaled: list, learning_rate, numbers: dict):
     )
 
 
-@functools.cache
 def model_kernels(model: ModelConfig) -> dict[tuple, Kernel]:
     """Each parameter of ``model``'s by its path: its role and axes
     (:func:`~flaxformer_lite.nn.parametrization.parameter_roles` of the abstract model)."""
-    return parameter_roles(abstract_model(model), model.growing_axes)
+    # Configs equal as values may grow apart: a d_ff of 4 * d_model set, or left to derive.
+    return _kernels(model, model.growing_axes)
+
+
+@functools.cache
+def _kernels(model: ModelConfig, growing: frozenset) -> dict[tuple, Kernel]:
+    return parameter_roles(abstract_model(model), growing)
 
 
 def check_parameters(cfg: OptimizerConfig, model: ModelConfig) -> None:
