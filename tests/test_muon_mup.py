@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 from flaxformer_lite.models import ModelConfig, build_model
+from flaxformer_lite.models.width import attention_scale, growing_axes
 from flaxformer_lite.nn.attention import MultiHeadAttention
 from flaxformer_lite.nn.parametrization import MUP, parameter_roles
 from flaxformer_lite.train.optim import OptimizerConfig, make_optimizer
@@ -173,7 +174,7 @@ def test_each_parameter_starts_and_learns_as_the_table_says(preset):
     table = reference_table()
     cfg, mup = pair(preset)
     models = {name: build_model(c, rngs=nnx.Rngs(0)) for name, c in (("sp", cfg), ("mup", mup))}
-    kernels = parameter_roles(models["mup"], mup.growing_axes)
+    kernels = parameter_roles(models["mup"], growing_axes(mup))
     roles = {"/".join(map(str, k)): v.role for k, v in kernels.items()}
     params = {name: flat(nnx.state(m, nnx.Param)) for name, m in models.items()}
     init_column = f"init std ({cfg.init})"
@@ -217,7 +218,7 @@ def test_the_logits_and_the_attention_take_the_table_multipliers():
     sp_model.eval(), mup_model.eval()  # no dropout
     tokens = jax.random.randint(jax.random.key(0), (2, 12), 1, cfg.vocab_size)
     expected_scale = np.sqrt(cfg.head_dim / M) / cfg.head_dim
-    assert mup.attention_scale == pytest.approx(expected_scale, rel=1e-12)
+    assert attention_scale(mup) == pytest.approx(expected_scale, rel=1e-12)
 
     mup_logits = mup_model(tokens)
     set_attention_scale(mup_model, None)
@@ -275,14 +276,14 @@ def test_mup_keeps_the_decay_per_step_and_grows_only_what_grows():
     roles = {
         k[-2:]: v.role
         for k, v in parameter_roles(
-            build_model(fixed, rngs=nnx.Rngs(0)), fixed.growing_axes
+            build_model(fixed, rngs=nnx.Rngs(0)), growing_axes(fixed)
         ).items()
     }
     assert roles[("wi", "kernel")] == "output" and roles[("wo", "kernel")] == "input"
     assert roles[("qkv", "kernel")] == "hidden"
     t5 = ModelConfig.from_preset("transformer-tiny", positions="relative")
     t5 = t5.replace(parametrization="mup", mup_base_width=16)
-    kernels = parameter_roles(build_model(t5, rngs=nnx.Rngs(0)), t5.growing_axes)
+    kernels = parameter_roles(build_model(t5, rngs=nnx.Rngs(0)), growing_axes(t5))
     tables = [v.role for k, v in kernels.items() if "relative" in "/".join(map(str, k))]
     assert tables and set(tables) == {"vector"}
 
@@ -290,7 +291,7 @@ def test_mup_keeps_the_decay_per_step_and_grows_only_what_grows():
 def test_a_base_width_is_kept_unread_under_the_standard_parametrization():
     """So a sweep can vary model.parametrization over standard and mup with one base."""
     cfg = ModelConfig.from_preset("gpt2-tiny", mup_base_width=16)
-    assert cfg.width_multiplier is None and cfg.attention_scale is None
+    assert cfg.width_multiplier is None and attention_scale(cfg) is None
 
 
 def test_a_d_ff_set_or_derived_alike_keeps_its_own_roles():

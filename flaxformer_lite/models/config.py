@@ -4,22 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 from typing import Any
 
 from flaxformer_lite import ops
 from flaxformer_lite.models import pieces
 from flaxformer_lite.models.presets import PRESETS
+from flaxformer_lite.models.width import check_parametrization, growing_axes
 from flaxformer_lite.nn.attention import Rope
 from flaxformer_lite.nn.attention_free import AFT_MIXERS
 from flaxformer_lite.nn.dense import INIT_SCHEMES, KernelInit
 from flaxformer_lite.nn.mlp import ACTIVATIONS
-from flaxformer_lite.nn.parametrization import (
-    PARAMETRIZATIONS,
-    WIDTH_AXES,
-    attention_scale,
-    multiplier,
-)
 from flaxformer_lite.nn.stack import REMAT_POLICIES
 from flaxformer_lite.settings import setting
 
@@ -243,38 +237,18 @@ class ModelConfig:
         return self.d_model / self.mup_base_width
 
     @property
-    def growing_axes(self) -> frozenset[str]:
-        """The logical axes that grow with the width: under muP, those larger than in the base
-        model (this config at ``d_model = mup_base_width``: the same heads; ``d_ff`` and
-        ``head_dim`` smaller there only when derived from ``d_model``); under the standard
-        parametrization, every width-like axis."""
-        if self.width_multiplier is None:
-            return WIDTH_AXES
-        grown = {"embed", "embed_out", "aft_features"} if self.width_multiplier != 1 else set()
-        if grown and "d_ff" in self._derived:
-            grown.add("mlp")
-        if grown and "head_dim" in self._derived:
-            grown.add("head_dim")
-        return frozenset(grown)
-
-    @property
     def kernel_init(self) -> KernelInit:
         return KernelInit(
             self.init,
             self.init_std,
             width_multiplier=self.width_multiplier,
-            growing=self.growing_axes,
+            growing=growing_axes(self),
         )
 
-    @property
-    def attention_scale(self) -> float | None:
-        """The attention logits' multiplier; None: the standard ``1 / sqrt(Dh)``."""
-        m = self.width_multiplier
-        if m is None:
-            return None
-        # A head_dim derived from d_model grows with it; one set explicitly stays.
-        base_head_dim = self.head_dim / m if "head_dim" in self._derived else self.head_dim
-        return attention_scale(self.head_dim, base_head_dim)
+    def is_derived(self, name: str) -> bool:
+        """Whether field ``name`` was left null and derived (``num_kv_heads``, ``head_dim``,
+        ``d_ff``): such a value follows the fields it derives from."""
+        return name in self._derived
 
     @property
     def rope(self) -> Rope | None:
@@ -290,23 +264,6 @@ class ModelConfig:
         return "decoder" if self.num_decoder_layers else "encoder"
 
     # ----------------------------------------------------------------------- validation
-    def _check_parametrization(self):
-        _check_choice("parametrization", self.parametrization, PARAMETRIZATIONS)
-        if self.mup_base_width is not None:
-            _check_positive_int("mup_base_width", self.mup_base_width)
-        if self.parametrization == "standard":  # a base width is kept, unread (a sweep over both)
-            return
-        if self.mup_base_width is None:
-            raise ValueError(
-                "model.parametrization=mup needs model.mup_base_width (the d_model at which "
-                "muP is the standard parametrization)"
-            )
-        if self.mup_base_width > self.d_model:
-            raise ValueError(
-                f"model.mup_base_width ({self.mup_base_width}) is larger than model.d_model "
-                f"({self.d_model}): muP scales a model up from its base width"
-            )
-
     def _check_mixer(self):
         pieces.MIXERS.check(self.mixer)
         if self.aft_window is not None:
@@ -377,7 +334,7 @@ class ModelConfig:
         if not self.norm_bias and self.norm == "rmsnorm":
             raise ValueError(f"norm_bias=False applies to layernorm; {self.norm} has no bias")
         _check_choice("init", self.init, INIT_SCHEMES)
-        self._check_parametrization()
+        check_parametrization(self)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("param_dtype", self.param_dtype, DTYPES)
         _check_choice("remat", self.remat, tuple(REMAT_POLICIES))
@@ -442,17 +399,3 @@ def _check_choice(name: str, value: Any, choices: tuple) -> None:
 def _suggest(name: str, options) -> str:
     close = difflib.get_close_matches(str(name), list(options), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def sqrt_d_model(cfg: ModelConfig) -> float:
-    """The paper's embedding multiplier ``sqrt(d_model)`` (1 when ``scale_embeddings`` is off);
-    under muP held at the base width's, ``sqrt(mup_base_width)``, as every input multiplier."""
-    if not cfg.scale_embeddings:
-        return 1.0
-    return math.sqrt(cfg.d_model if cfg.width_multiplier is None else cfg.mup_base_width)
-
-
-def output_multiplier(cfg: ModelConfig) -> float:
-    """The multiplier of an output head's logits: muP's ``1 / m``; 1 under the standard."""
-    m = cfg.width_multiplier
-    return 1.0 if m is None else multiplier("output", "output", m)

@@ -8,8 +8,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flaxformer_lite import ops
-from flaxformer_lite.models.config import ModelConfig, sqrt_d_model
+from flaxformer_lite.models.config import ModelConfig
 from flaxformer_lite.models.layers import make_layer_norm
+from flaxformer_lite.models.width import sqrt_d_model
 from flaxformer_lite.nn.dense import Dense
 from flaxformer_lite.nn.embed import Embed
 from flaxformer_lite.nn.rngs import apply_dropout, dropout

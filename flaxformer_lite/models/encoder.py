@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from flaxformer_lite.models.config import ModelConfig, output_multiplier
+from flaxformer_lite.models.config import ModelConfig
 from flaxformer_lite.models.embedding import (
     InputEmbedding,
     check_length,
@@ -15,6 +15,7 @@ from flaxformer_lite.models.embedding import (
 )
 from flaxformer_lite.models.heads import OutputHead
 from flaxformer_lite.models.layers import Tower, key_mask
+from flaxformer_lite.models.width import output_multiplier
 from flaxformer_lite.nn.dense import Dense
 from flaxformer_lite.nn.rngs import apply_dropout, dropout
 

@@ -7,8 +7,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from flaxformer_lite.models.config import ModelConfig, output_multiplier
+from flaxformer_lite.models.config import ModelConfig
 from flaxformer_lite.models.layers import make_layer_norm
+from flaxformer_lite.models.width import output_multiplier
 from flaxformer_lite.nn.dense import Dense, param
 from flaxformer_lite.nn.embed import Embed
 from flaxformer_lite.nn.mlp import nonlinearity_of
@@ -17,7 +18,7 @@ from flaxformer_lite.nn.mlp import nonlinearity_of
 class OutputHead(nnx.Module):
     """``[B, T, D]`` -> vocabulary logits (tied to the token table or separate), or a regression
     ``[B, T, output_dim]``; BERT's MLM transform (dense, activation, norm) first if configured.
-    Under muP the outputs are multiplied by ``1 / m`` (:func:`~.config.output_multiplier`)."""
+    Under muP the outputs are multiplied by ``1 / m`` (:func:`~.width.output_multiplier`)."""
 
     def __init__(self, cfg: ModelConfig, *, tokens: Embed | None, rngs: nnx.Rngs):
         common = dict(init=cfg.kernel_init, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from flax import nnx
 
+from flaxformer_lite.models.width import attention_scale
 from flaxformer_lite.nn.attention import MultiHeadAttention
 from flaxformer_lite.nn.attention_free import AFT_MIXERS, AttentionFree
 from flaxformer_lite.nn.dense import KernelInit, residual_scale
@@ -191,7 +192,7 @@ def attention_options(cfg: ModelConfig, *, num_layers: int, cross: bool = False)
         global_tokens=0 if cross else cfg.global_tokens,
         dropout_rate=cfg.attention_dropout,
         implementation=cfg.attention_implementation,
-        scale=cfg.attention_scale,
+        scale=attention_scale(cfg),
         init=cfg.kernel_init,
         out_init=residual_init(cfg, num_layers),
         dtype=cfg.dtype,

@@ -3,7 +3,7 @@
 width, under which the best learning rate of a narrow model is the best of a wide one.
 
 A parameter's role follows from the logical names of its axes and which of them grow with the
-width (under muP: those larger than in the base model, ``ModelConfig.growing_axes``): a kernel
+width (under muP: those larger than in the base model, ``models.width.growing_axes``): a kernel
 that maps a growing size to a growing size is ``hidden``, one that maps a fixed size to a growing
 one (an embedding table, the projection of continuous inputs) is ``input``, one that maps a
 growing size to a fixed one (the vocabulary head, a classifier) is ``output``; biases, norm

@@ -23,6 +23,7 @@ import optax
 from flaxformer_lite.models.build import abstract_model
 from flaxformer_lite.models.config import ModelConfig
 from flaxformer_lite.models.pieces import user_pieces
+from flaxformer_lite.models.width import growing_axes
 from flaxformer_lite.nn.parametrization import Kernel, by_role, multiplier, parameter_roles
 from flaxformer_lite.settings import setting
 from flaxformer_lite.train.muon import muon
@@ -276,7 +277,7 @@ def model_kernels(model: ModelConfig) -> dict[tuple, Kernel]:
     """Each parameter of ``model``'s by its path: its role and axes
     (:func:`~flaxformer_lite.nn.parametrization.parameter_roles` of the abstract model)."""
     # Configs equal as values may grow apart: a d_ff of 4 * d_model set, or left to derive.
-    return _kernels(model, model.growing_axes)
+    return _kernels(model, growing_axes(model))
 
 
 @functools.cache
