@@ -98,3 +98,12 @@ def test_sweeps_run_apart_make_one_table_and_a_point_in_two_is_refused(sweep, tm
     assert list(transfer_table([sweep, wide])) == [64, 128, 256]
     with pytest.raises(ValueError, match="is in two of the sweeps"):
         transfer_table([sweep, sweep])
+
+
+def test_a_plots_link_out_of_the_sweep_is_refused(sweep, tmp_path, capsys):
+    outside = tmp_path.parent / f"{tmp_path.name}_outside"
+    outside.mkdir()
+    (sweep / "plots").symlink_to(outside)
+    assert main(["transfer", str(sweep)]) == 2
+    assert "plots" in capsys.readouterr().err
+    assert list(outside.iterdir()) == []

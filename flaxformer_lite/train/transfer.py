@@ -16,6 +16,7 @@ import pathlib
 
 from flaxformer_lite.train.compare import format_table
 from flaxformer_lite.train.figures import pyplot, readable_ticks
+from flaxformer_lite.train.run_dir import RunDir
 from flaxformer_lite.train.sweep_dir import SweepDir
 from flaxformer_lite.train.sweep_summary import read_summary
 
@@ -79,7 +80,12 @@ def plot_transfer(
     directory: pathlib.Path, table: dict, *, x: str, curves: str, metric: str
 ) -> pathlib.Path:
     """Draws ``directory/plots/transfer.png``: ``metric`` against ``x`` (log axis), a curve per
-    value of ``curves`` with error bars of one standard deviation, its best point marked."""
+    value of ``curves`` with error bars of one standard deviation, its best point marked.
+
+    Raises:
+      RunDirLinkError: the sweep's directory holds symbolic links (nothing is written).
+    """
+    RunDir(directory).refuse_links()  # the figure's write would follow them out of it
     plt = pyplot()
     figure, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
     for index, (curve, entry) in enumerate(table.items()):
