@@ -106,6 +106,8 @@ def test_the_command_writes_into_a_new_directory_and_refuses_one_that_holds_file
     record = json.loads((out / "coord_check.json").read_text())
     assert record["widths"] == [32, 64] and record["steps"] == [0, 1]
     assert "layers/output" in printed and f"wrote {out / 'coord_check.png'}" in printed
+    assert "mean |x| of each module's output on the fixed batch after" in printed
+    assert f"over the layers and {record['seeds']} seed(s)" in printed
     before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
 
     assert coords_main([*flags, "--out", str(out), *TINY]) == 2

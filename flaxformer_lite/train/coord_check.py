@@ -206,6 +206,7 @@ def coord_check(
         "steps": list(range(steps + 1)),
         "scales": {group: table.tolist() for group, table in sorted(scales.items())},
         "loss": losses.tolist(),
+        "seeds": seeds,
         "parametrization": model_cfg.parametrization,
         "mup_base_width": model_cfg.mup_base_width,
         "optimizer": cfg.optimizer.name,
@@ -285,7 +286,12 @@ def scale_table(result: dict, step: int | None = None) -> str:
     first = max(map(len, rows))
     header = [f"{'t = ' + str(result['steps'][column]):<{first}}"]
     header += [f"{w:>9}" for w in widths] + [f"{f'x{widths[-1]}/{widths[0]}':>10}"]
-    lines = ["  ".join(header)]
+    lines = [
+        f"mean |x| of each module's output on the fixed batch after {result['steps'][column]} "
+        f"step(s), by width (d_model), over the layers and {result['seeds']} seed(s); the "
+        "batch's loss last",
+        "  ".join(header),
+    ]
     for group, values in rows.items():
         ratio = values[-1] / values[0] if values[0] else math.inf
         cells = [f"{group:<{first}}", *(f"{v:>9.3g}" for v in values), f"{ratio:>10.3g}"]
