@@ -19,7 +19,7 @@ LM_ROWS = ("documents", "windows")
 # Rows of a mixture's block (data/mixture.py): each source has a whole number of them, so the
 # smallest share a weight can give is one row in this many.
 BLOCK_ROWS = 1024
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # a source's name: a metric key's suffix
+METRIC_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # a name that is part of a metric key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +172,7 @@ class DataConfig:
         weights = [entry.weight for entry in self.mixture.values()]
         shares = dict(zip(self.mixture, weight_shares(weights), strict=True))
         for name, entry in self.mixture.items():
-            if not _NAME.fullmatch(name):
+            if not METRIC_NAME.fullmatch(name):
                 raise ValueError(
                     f"data.mixture.{name}: a source's name is letters, digits, '_', '-' and '.' "
                     "(it names its metrics, eval_loss/<name>)"

@@ -195,16 +195,7 @@ def iter_jsonl_records(
         string; the message names the file and line.
     """
     for path in files:
-        for number, line in enumerate(iter_lines(path, on_read), start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
-            if not isinstance(obj, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        for where, obj in iter_json_objects(path, on_read):
             if field not in obj:
                 keys = ", ".join(map(repr, obj)) or "none"
                 raise ValueError(f"{where}: no field {field!r} (keys: {keys})")
@@ -212,6 +203,27 @@ def iter_jsonl_records(
                 got = type(obj[field]).__name__
                 raise ValueError(f"{where}: field {field!r} must be a string, got {got}")
             yield {"text": obj[field]}
+
+
+def iter_json_objects(path: Path, on_read: OnRead | None = None) -> Iterator[tuple[str, dict]]:
+    """``(where, object)`` for every non-blank line of a JSONL file, ``where`` its
+    ``path:line``.
+
+    Raises:
+      FileNotFoundError, ValueError: as :func:`iter_lines`; a line that is not a JSON object
+        (the message names the file and line).
+    """
+    for number, line in enumerate(iter_lines(path, on_read), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+        if not isinstance(obj, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        yield where, obj
 
 
 def iter_parallel_records(

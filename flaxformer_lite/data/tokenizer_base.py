@@ -33,6 +33,9 @@ class Tokenizer(abc.ABC):
     sos_id: ClassVar[int] = SOS_ID
     eos_id: ClassVar[int] = EOS_ID
     unk_id: ClassVar[int] = UNK_ID
+    # Whether a decoder's input starts with ``sos_id``: a run's rows do; an imported Hugging Face
+    # tokenizer says whether its checkpoint's do (``HfTokenizer``).
+    add_bos: bool = True
 
     @property
     @abc.abstractmethod

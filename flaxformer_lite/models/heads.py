@@ -13,6 +13,7 @@ from flaxformer_lite.models.width import output_multiplier
 from flaxformer_lite.nn.dense import Dense, param
 from flaxformer_lite.nn.embed import Embed
 from flaxformer_lite.nn.mlp import nonlinearity_of
+from flaxformer_lite.nn.sharding import gathered_for_compute
 
 
 class OutputHead(nnx.Module):
@@ -59,3 +60,15 @@ class OutputHead(nnx.Module):
             return self.projection(x)
         logits = self.tokens.attend(x)
         return logits if self.bias is None else logits + self.bias[...].astype(logits.dtype)
+
+
+def head_projection(model):
+    """``[B, T', D] -> [B, T', V]``: ``model.head`` with its parameters gathered for compute, for
+    a loop over blocks of positions (``ops.chunked_cross_entropy``); gradients flow through it."""
+    head_def, head_state = nnx.split(model.head)
+    head_state = jax.tree.map(
+        lambda v: v.replace(gathered_for_compute(v[...], v.out_sharding)),
+        head_state,
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
+    return lambda x: nnx.merge(head_def, head_state)(x)

@@ -36,7 +36,12 @@ from flaxformer_lite.ops.attention_free import aft
 from flaxformer_lite.ops.attention_inputs import AttentionCall
 from flaxformer_lite.ops.attention_mask import AttentionMask
 from flaxformer_lite.ops.chunked_attention import chunked_attention
-from flaxformer_lite.ops.losses import chunked_cross_entropy, cross_entropy
+from flaxformer_lite.ops.losses import (
+    chunked_cross_entropy,
+    chunked_token_log_likelihood,
+    cross_entropy,
+    token_log_likelihood,
+)
 from flaxformer_lite.ops.masks import (
     causal_mask,
     combine_masks,
@@ -67,6 +72,7 @@ __all__ = [
     "causal_mask",
     "chunked_attention",
     "chunked_cross_entropy",
+    "chunked_token_log_likelihood",
     "combine_masks",
     "cross_entropy",
     "dot_product_attention",
@@ -82,4 +88,5 @@ __all__ = [
     "rope_frequencies",
     "segment_mask",
     "sinusoidal_positions",
+    "token_log_likelihood",
 ]

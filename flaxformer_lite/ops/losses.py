@@ -190,6 +190,57 @@ def chunked_cross_entropy(
     hidden = jnp.asarray(hidden)
     targets = jnp.asarray(targets)
     weights = None if weights is None else jnp.asarray(weights)
+    if isinstance(label_smoothing, int | float) and not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1); got {label_smoothing}")
+    _check_blocks(hidden, targets, weights, chunk)
+    ce, z, correct = _blockwise(
+        hidden,
+        targets,
+        project,
+        chunk,
+        lambda logits, block_targets: _token_terms(logits, block_targets, label_smoothing, z_loss),
+        backward=True,
+    )
+    return _weighted_mean(ce, z, correct, weights)
+
+
+def token_log_likelihood(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per token, in float32: ``log softmax(logits)[target]`` and whether the target is the
+    argmax (the greedy choice), as ``[...]`` arrays: what a continuation's log-likelihood and
+    lm-evaluation-harness's ``is_greedy`` sum and combine over its tokens.
+
+    Args:
+      logits: ``[..., V]`` unnormalized scores, any float dtype (cast to float32).
+      targets: ``[...]`` integer class ids in ``[0, V)``.
+
+    Raises:
+      ValueError, TypeError: as :func:`cross_entropy`.
+    """
+    logits = jnp.asarray(logits)
+    targets = jnp.asarray(targets)
+    _check_inputs(logits, targets, None, 0.0)
+    return _log_likelihood_terms(logits, targets)
+
+
+def chunked_token_log_likelihood(
+    hidden: jax.Array, targets: jax.Array, project: Callable[[jax.Array], jax.Array], *, chunk: int
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`token_log_likelihood` of ``project(hidden)`` (``[B, T, D]`` features over
+    ``[B, T]`` targets), ``chunk`` positions at a time as :func:`chunked_cross_entropy` walks
+    them: the logits of the whole batch are never held."""
+    hidden, targets = jnp.asarray(hidden), jnp.asarray(targets)
+    _check_blocks(hidden, targets, None, chunk)
+    return _blockwise(hidden, targets, project, chunk, _log_likelihood_terms, backward=False)
+
+
+def _log_likelihood_terms(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    ce, _, correct = _token_terms(logits, targets, 0.0, 0.0)
+    return -ce, correct.astype(bool)
+
+
+def _check_blocks(hidden, targets, weights, chunk) -> None:
+    """Raises ValueError unless ``hidden [B, T, D]`` lies over ``targets [B, T]`` (and
+    ``weights``) and ``chunk`` is a positive integer."""
     if hidden.ndim != 3 or targets.shape != hidden.shape[:2]:
         raise ValueError(
             f"hidden must be [B, T, D] over targets [B, T]; got hidden with shape {hidden.shape} "
@@ -202,6 +253,13 @@ def chunked_cross_entropy(
             f"weights must have the shape of targets {targets.shape}; got weights with shape "
             f"{weights.shape}"
         )
+
+
+def _blockwise(hidden, targets, project, chunk: int, terms, *, backward: bool) -> tuple:
+    """``terms(logits, targets)``'s per-token arrays ``[B, T]`` of ``logits = project(hidden)``,
+    made ``chunk`` positions at a time by a ``lax.scan``; with ``backward`` each block is
+    under ``jax.checkpoint``, so the backward pass projects it again rather than keeping its
+    logits."""
     batch, length, width = hidden.shape
     chunk = min(chunk, length)
     blocks = -(-length // chunk)
@@ -213,14 +271,14 @@ def chunked_cross_entropy(
     hidden = hidden.reshape(batch, blocks, chunk, width).swapaxes(0, 1)
     padded_targets = padded_targets.reshape(batch, blocks, chunk).swapaxes(0, 1)
 
-    @jax.checkpoint
     def block_terms(block_hidden, block_targets):
         logits = project(block_hidden)
-        _check_inputs(logits, block_targets, None, label_smoothing)
-        return _token_terms(logits, block_targets, label_smoothing, z_loss)
+        _check_inputs(logits, block_targets, None, 0.0)
+        return terms(logits, block_targets)
 
-    _, terms = jax.lax.scan(
+    if backward:
+        block_terms = jax.checkpoint(block_terms)
+    _, per_block = jax.lax.scan(
         lambda carry, block: (carry, block_terms(*block)), None, (hidden, padded_targets)
     )
-    ce, z, correct = (t.swapaxes(0, 1).reshape(batch, blocks * chunk)[:, :length] for t in terms)
-    return _weighted_mean(ce, z, correct, weights)
+    return tuple(t.swapaxes(0, 1).reshape(batch, blocks * chunk)[:, :length] for t in per_block)

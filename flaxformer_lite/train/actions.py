@@ -1,8 +1,9 @@
 """What the training loop does at the steps it is due, each an action with ``due(step, final)``
 (whether it is due after ``step``; ``final``: the run's last) and ``__call__(end)`` over that
 step's :class:`StepEnd`: log the training metrics (:class:`LogTrain`), evaluate
-(:class:`Evaluate`), save a checkpoint (:class:`SaveCheckpoint`). :class:`FiniteCheck` reads
-each step's finite flag, and :class:`Throughput` times the steps in between.
+(:class:`Evaluate`), score the downstream tasks (:class:`EvaluateTasks`), save a checkpoint
+(:class:`SaveCheckpoint`). :class:`FiniteCheck` reads each step's finite flag, and
+:class:`Throughput` times the steps in between.
 """
 
 from __future__ import annotations
@@ -241,6 +242,28 @@ class Evaluate:
         if not self.task.perplexity:
             return scores
         return {**scores, "eval_perplexity": math.exp(min(scores["eval_loss"], 80.0))}
+
+
+class EvaluateTasks:
+    """Every ``evals.every`` steps (default: at each evaluation) and at the run's end: the
+    downstream tasks' metrics (``task/<name>/<metric>``, :mod:`flaxformer_lite.evals`), every
+    process scoring its rows of each batch."""
+
+    part = "tasks"
+
+    def __init__(self, cfg, tasks, scorer, eval_graphdef, console: Console):
+        self.interval = cfg.evals.every or cfg.train.eval_every
+        self.total, self.tasks, self.scorer = cfg.train.steps, tasks, scorer
+        self.eval_graphdef, self.console = eval_graphdef, console
+
+    def due(self, step: int, final: bool) -> bool:
+        return every(self.interval, self.total, step)
+
+    def __call__(self, end: StepEnd) -> None:
+        model = nnx.merge(self.eval_graphdef, end.state)[0]
+        values = self.tasks.metrics(*self.scorer(model, self.tasks.requests))
+        self.console.tasks_scored(end.step, values)
+        end.values |= values
 
 
 class SaveCheckpoint:

@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from flaxformer_lite.data.config import DataConfig
+from flaxformer_lite.evals.config import EvalsConfig
 from flaxformer_lite.models.config import ModelConfig
 from flaxformer_lite.nn.context_parallel import check_context_length
 from flaxformer_lite.parallel import DistributedConfig
@@ -71,6 +72,11 @@ class TrainConfig:
         factory=OptimizerConfig, help="AdamW, its learning-rate schedule and clipping"
     )
     train: LoopConfig = setting(factory=LoopConfig, help="the training loop")
+    evals: EvalsConfig = setting(
+        factory=EvalsConfig,
+        help="downstream tasks (HellaSwag, ARC, PIQA, LAMBADA, a text's perplexity, one's own) "
+        "scored as lm-evaluation-harness scores them while training",
+    )
     checkpoint: CheckpointConfig = setting(
         factory=CheckpointConfig, help="Orbax checkpoints in <run_dir>/checkpoints"
     )
@@ -100,6 +106,11 @@ class TrainConfig:
             )
         if self.mesh.context > 1:
             self._check_context()
+        if self.evals.tasks and model.kind != "decoder":
+            raise ConfigError(
+                f"evals.tasks are scored by a decoder LM's log-likelihoods; model.kind is "
+                f"{model.kind}: leave evals.tasks empty"
+            )
 
     def _check_context(self):
         """A sequence split over ``mesh.context`` devices: a decoder whose only mixer is
@@ -138,6 +149,7 @@ RUNTIME_KEYS = (
     "train.decode_examples",
     "train.log_samples",
     "train.compilation_cache",
+    "evals.",
     "checkpoint.",
     "mesh.",
     "distributed.",

@@ -76,6 +76,21 @@ class Console:
             line += _listed(shown, lambda k: _metric(k) in DECODED)
         self.say(line)
 
+    def tasks_scored(self, step: int, values: dict) -> None:
+        """The downstream tasks' metrics at ``step`` (``task/<name>/<metric>``), each task's
+        with what they are over (its ``examples`` or ``tokens``)."""
+        tasks: dict[str, dict] = {}
+        for key, value in values.items():
+            _, name, metric = key.split("/", 2)
+            tasks.setdefault(name, {})[metric] = value
+        parts = []
+        for name, metrics in tasks.items():
+            unit = "examples" if "examples" in metrics else "tokens"
+            count = metrics.pop(unit)
+            scores = ", ".join(f"{metric} {value:.4g}" for metric, value in metrics.items())
+            parts.append(f"{name} {scores} (over {count:,} {unit})")
+        self.say(f"tasks at step {step}: " + "; ".join(parts))
+
     def say(self, message: str) -> None:
         """A line of its own, above the bar if there is one."""
         if self._bar is None:

@@ -25,6 +25,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from flaxformer_lite import parallel
 from flaxformer_lite.train.actions import (
     Evaluate,
+    EvaluateTasks,
     LogTrain,
     SaveCheckpoint,
     StepEnd,
@@ -97,9 +98,14 @@ class LaneActions:
             self.console,
             compiling,
         )
+        scoring = []
+        if run.tasks is not None:
+            graphdef = run.built.eval_graphdef
+            scoring = [EvaluateTasks(run.cfg, run.tasks, run.scorer, graphdef, self.console)]
         self.actions = [
             LogTrain(run.cfg.train.log_every, total, run.numbers["lr"], throughput, self.console),
             self.evaluate,
+            *scoring,
             SaveCheckpoint(run.checkpointer, run.cfg),
         ]
         self.resumed_step = run.step if run.resumed else None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +22,8 @@ from flaxformer_lite import parallel
 from flaxformer_lite.data.hf_tokenizer import load_hf_tokenizer
 from flaxformer_lite.data.pipeline import Data
 from flaxformer_lite.data.run_data import DataRequest, RunPaths, run_data
+from flaxformer_lite.evals import Scorer, TaskFileError, Tasks
+from flaxformer_lite.evals.tasks import read_tasks
 from flaxformer_lite.models import training_flops_per_token
 from flaxformer_lite.models.piece_checks import PieceError, check_pieces, failed_with_pieces
 from flaxformer_lite.train.actions import (
@@ -34,7 +37,7 @@ from flaxformer_lite.train.actions import (
 from flaxformer_lite.train.background_compile import BackgroundCompile
 from flaxformer_lite.train.checkpoint import Checkpointer, CheckpointShapeError
 from flaxformer_lite.train.compilation_cache import use_compilation_cache
-from flaxformer_lite.train.config import ConfigError, TrainConfig, config_from_dict
+from flaxformer_lite.train.config import TrainConfig, config_from_dict
 from flaxformer_lite.train.figures import pyplot as figure_pyplot
 from flaxformer_lite.train.lanes import InTurn, Lane, LaneActions, Vmapped
 from flaxformer_lite.train.metrics import peak_flops, plot_run
@@ -49,8 +52,8 @@ from flaxformer_lite.train.program import (
 )
 from flaxformer_lite.train.resume import (
     check_resume,
-    keep_schedule_span,
     restore_data_state,
+    settled_config,
     shapes_changed,
 )
 from flaxformer_lite.train.run_dir import RunDir
@@ -105,7 +108,7 @@ def run(
     log, progress = (log, progress) if main else (quiet, False)
     run_dir = RunDir(cfg.run_dir)
     # Process 0 holds the directory's lock for the whole run (other processes share it).
-    locked = run_dir.locked(fresh=fresh, log=log, removed_after=(PieceError,))
+    locked = run_dir.locked(fresh=fresh, log=log, removed_after=(PieceError, TaskFileError))
     with spent, locked if main else contextlib.nullcontext():
         _sync_processes("run directory ready")
         started = start(cfg, run_dir, force=force, log=log, spent=spent)
@@ -135,6 +138,8 @@ class StartedRun:
         (:func:`~.program.configured_train_step`).
       eval_step: the jitted eval step.
       place: puts a batch of this process's rows onto the mesh.
+      tasks: the downstream tasks (``evals.tasks``) tokenized, or None.
+      scorer: scores the tasks' requests in batches of the run's shape.
       spent: where the run's time goes.
     """
 
@@ -152,6 +157,8 @@ class StartedRun:
     train_step: Callable
     eval_step: Callable
     place: Callable
+    tasks: Tasks | None
+    scorer: Scorer
     spent: TimeSpent
 
 
@@ -184,10 +191,12 @@ def start(
         if resumed_step is not None:
             saved = config_from_dict(checkpointer.restore_config())
         check_resume(run_dir, cfg, saved, resumed_step, force=force, main=main, log=log)
+        downstream = read_tasks(cfg.evals)  # a bad task file is refused before data are written
         _sync_processes("inputs checked")
         with spent.part("data"):
             data = _build_data(cfg, run_dir, batch_sharding, main)
-        cfg = _settled_config(cfg, saved, data.vocab_size, log)
+            tasks = Tasks(downstream, data.tokenizer, cfg.data.seq_len) if downstream else None
+        cfg = settled_config(cfg, saved, data.vocab_size, log)
         built = build_train_state(
             cfg, mesh, abstract=resumed_step is not None, initializers=initializers
         )
@@ -210,9 +219,13 @@ def start(
         raise
     if main:
         run_dir.write_config(cfg.to_dict())
+    place = functools.partial(
+        parallel.put_batch, sharding=batch_sharding, global_batch=cfg.train.batch_size
+    )
     for line in [
         *layout_lines(state, built.shardings, mesh),
         optimizer_line(cfg.optimizer, cfg.model),
+        *(tasks.notices() if tasks else []),
     ]:
         if line is not None:
             log(line)
@@ -234,7 +247,15 @@ def start(
         eval_step=make_eval_step(
             built.eval_graphdef, task=task_of(cfg.model), loss_chunk=cfg.train.loss_chunk
         ),
-        place=lambda batch: parallel.put_batch(batch, batch_sharding, cfg.train.batch_size),
+        place=place,
+        tasks=tasks,
+        scorer=Scorer(
+            rows=cfg.train.batch_size,
+            length=cfg.data.seq_len,
+            place=place,
+            shard=parallel.process_batch_shard(batch_sharding, cfg.train.batch_size),
+            loss_chunk=cfg.train.loss_chunk,
+        ),
         spent=spent,
     )
 
@@ -406,36 +427,6 @@ def _build_data(cfg: TrainConfig, run_dir: RunDir, batch_sharding, main: bool) -
         tokenizer=tokenizer,
     )
     return run_data(request)
-
-
-def _settled_config(cfg: TrainConfig, saved: TrainConfig | None, vocab_size: int, log):
-    """``cfg`` with the tokenizer's vocabulary size and, resuming ``saved``, its schedule span.
-
-    Raises:
-      ConfigError: an ``init_from`` model with fewer embedding rows than its tokenizer's ids.
-    """
-    if cfg.init_from is not None:  # the embedding table may have more rows than ids
-        if vocab_size > cfg.model.vocab_size:
-            raise ConfigError(
-                f"init_from={cfg.init_from}: the tokenizer has {vocab_size} "
-                f"ids, the model {cfg.model.vocab_size} rows"
-            )
-    elif cfg.model.vocab_size != vocab_size:
-        log(f"model.vocab_size set to the tokenizer's {vocab_size}")
-        cfg = dataclasses.replace(cfg, model=cfg.model.replace(vocab_size=vocab_size))
-    if saved is None:
-        return cfg
-    if saved.mesh != cfg.mesh:
-        log(
-            f"resuming on mesh {_mesh_text(cfg.mesh)}; the checkpoint was written on "
-            f"{_mesh_text(saved.mesh)}: arrays are resharded as they are restored"
-        )
-    return keep_schedule_span(saved, cfg, log)
-
-
-def _mesh_text(mesh_cfg) -> str:
-    sizes = {name: getattr(mesh_cfg, name) for name in parallel.MESH_AXES}
-    return " x ".join(f"{name} {size}" for name, size in parallel.shown_sizes(sizes).items())
 
 
 def _sync_processes(name: str) -> None:

@@ -2,13 +2,16 @@
 on by mistake: one check, :func:`check_resume`, that compares the run directory with the config
 (its tokenizer, the data it was started on, the checkpoint's config and step, logged steps
 without a checkpoint) and reports every difference at once, each with its way forward. After
-the data are built, :func:`restore_data_state` compares the data pipeline with the checkpoint's.
+the data are built, :func:`restore_data_state` compares the data pipeline with the checkpoint's,
+and :func:`settled_config` settles what the run trains with (the tokenizer's vocabulary, the kept
+schedule span).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from flaxformer_lite import parallel
 from flaxformer_lite.data.inputs import (
     current_inputs,
     file_changes,
@@ -331,3 +334,33 @@ def restore_data_state(iterator, saved: dict, force: bool, log) -> None:
         )
     log("resuming with changed data (--force), from the same step:\n" + "\n".join(lines))
     iterator.set_state({**saved, "pipeline": current})
+
+
+def settled_config(cfg: TrainConfig, saved: TrainConfig | None, vocab_size: int, log):
+    """``cfg`` with the tokenizer's vocabulary size and, resuming ``saved``, its schedule span.
+
+    Raises:
+      ConfigError: an ``init_from`` model with fewer embedding rows than its tokenizer's ids.
+    """
+    if cfg.init_from is not None:  # the embedding table may have more rows than ids
+        if vocab_size > cfg.model.vocab_size:
+            raise ConfigError(
+                f"init_from={cfg.init_from}: the tokenizer has {vocab_size} "
+                f"ids, the model {cfg.model.vocab_size} rows"
+            )
+    elif cfg.model.vocab_size != vocab_size:
+        log(f"model.vocab_size set to the tokenizer's {vocab_size}")
+        cfg = dataclasses.replace(cfg, model=cfg.model.replace(vocab_size=vocab_size))
+    if saved is None:
+        return cfg
+    if saved.mesh != cfg.mesh:
+        log(
+            f"resuming on mesh {_mesh_text(cfg.mesh)}; the checkpoint was written on "
+            f"{_mesh_text(saved.mesh)}: arrays are resharded as they are restored"
+        )
+    return keep_schedule_span(saved, cfg, log)
+
+
+def _mesh_text(mesh_cfg) -> str:
+    sizes = {name: getattr(mesh_cfg, name) for name in parallel.MESH_AXES}
+    return " x ".join(f"{name} {size}" for name, size in parallel.shown_sizes(sizes).items())

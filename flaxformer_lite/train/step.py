@@ -20,8 +20,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from flaxformer_lite import ops
 from flaxformer_lite.data.tasks import task_named
 from flaxformer_lite.models.config import ModelConfig
+from flaxformer_lite.models.heads import head_projection
 from flaxformer_lite.nn.context_parallel import sequence_shards, shard_rows, to_context_layout
-from flaxformer_lite.nn.sharding import gathered_for_compute
 
 
 def task_of(cfg: ModelConfig) -> str:
@@ -62,18 +62,8 @@ def model_loss(
         outputs, targets, weights = (shard_rows(x, shards) for x in (outputs, targets, weights))
     loss_kwargs = dict(weights=weights, label_smoothing=label_smoothing, z_loss=z_loss)
     if features:
-        head_def, head_state = nnx.split(model.head)
-        head_state = jax.tree.map(
-            lambda v: v.replace(gathered_for_compute(v[...], v.out_sharding)),
-            head_state,
-            is_leaf=lambda x: isinstance(x, nnx.Variable),
-        )
         return ops.chunked_cross_entropy(
-            outputs,
-            targets,
-            lambda x: nnx.merge(head_def, head_state)(x),
-            chunk=loss_chunk,
-            **loss_kwargs,
+            outputs, targets, head_projection(model), chunk=loss_chunk, **loss_kwargs
         )
     return ops.cross_entropy(outputs, targets, **loss_kwargs)
 

@@ -33,6 +33,8 @@ from flaxformer_lite import parallel
 from flaxformer_lite.data.mixture import check_mixture_sources
 from flaxformer_lite.data.run_stores import check_sources
 from flaxformer_lite.data.sources import source_of
+from flaxformer_lite.evals import TaskFileError
+from flaxformer_lite.evals.tasks import read_tasks
 from flaxformer_lite.models.piece_checks import check_pieces
 from flaxformer_lite.models.pieces import trusted_code
 from flaxformer_lite.train.actions import quiet
@@ -172,11 +174,16 @@ def _plot(directory: SweepDir, log) -> None:
 
 def _check_data_files(members: list[Member]) -> None:
     """Each member's data files exist and hold text (:func:`~flaxformer_lite.data.run_stores.
-    check_sources`), before the sweep writes anything.
+    check_sources`), and its task files read (``evals.tasks``), before the sweep writes
+    anything.
 
     Raises:
       ConfigError: naming the member and the file."""
     for member in members:
+        try:
+            read_tasks(member.cfg.evals)
+        except TaskFileError as error:
+            raise ConfigError(f"{member.name}: {error}") from None
         data = member.cfg.data
         if not source_of(data).stored or not (data.path or data.mixture):
             continue

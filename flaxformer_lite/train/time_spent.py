@@ -1,14 +1,14 @@
 """Where a run's wall time went, for its closing line::
 
     done: runs/default (loss 0.01, ...); 61.2 s: start-up 3.1 s, data 2.5 s, compilation 5.6 s,
-    steps 45.0 s, evaluations 3.0 s, checkpoints 1.2 s, plots 0.8 s
+    steps 45.0 s, evaluations 3.0 s, tasks 1.1 s, checkpoints 1.2 s, plots 0.8 s
 
 The parts add up to the wall time by construction. Compilation is JAX's own account of its
 tracing, lowering and compiling (or reading back from the cache) on the run's own thread (the
 first step, a program the background compile had not ready), and the time that thread waits for
 the background compile (:mod:`.background_compile`); compiling on other threads while the steps
 run is not counted, since the run does not wait for it: where it takes the cores from the steps,
-it shows in the steps' time. Data, evaluations, checkpoints and
+it shows in the steps' time. Data, evaluations, tasks (downstream), checkpoints and
 plots are the spans the loop times, less the compilation inside them (the plots, drawn while the
 last checkpoint is written, count what the run waits for them past it); start-up and steps are
 what remains before the loop begins and after (steps: dispatching them and waiting for the
@@ -21,7 +21,17 @@ import contextlib
 import threading
 import time
 
-PARTS = ("start-up", "data", "compilation", "steps", "evaluations", "checkpoints", "plots")
+PARTS = (
+    "start-up",
+    "data",
+    "compilation",
+    "steps",
+    "evaluations",
+    "tasks",
+    "checkpoints",
+    "plots",
+)
+OPTIONAL_PARTS = ("tasks",)  # parts a run without them does not list
 # JAX's events around tracing a function, lowering it to MLIR and compiling it (or reading it
 # from the cache); they nest for nested jits, so the compilation is the union of their spans.
 _COMPILE_EVENTS = (
@@ -120,7 +130,9 @@ class TimeSpent:
         return self.seconds | since | {"compilation": self._compiling}
 
     def summary(self) -> str:
-        """``61.2 s: start-up 3.1 s, data 2.5 s, ...``: the wall time and its parts."""
+        """``61.2 s: start-up 3.1 s, data 2.5 s, ...``: the wall time and its parts (tasks only
+        where a run scored some)."""
         parts = self.parts()
-        listed = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in parts.items())
+        shown = {name: s for name, s in parts.items() if s or name not in OPTIONAL_PARTS}
+        listed = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in shown.items())
         return f"{sum(parts.values()):.1f} s: {listed}"
