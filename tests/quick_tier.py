@@ -47,5 +47,6 @@ QUICK_FILES = frozenset(
         "test_sweep.py",
         "test_transfer.py",
         "test_coord_check.py",
+        "test_evals.py",
     }
 )

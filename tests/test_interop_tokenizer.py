@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 from flaxformer_lite.attention_maps import token_labels
-from flaxformer_lite.cli import generate, main
+from flaxformer_lite.cli import main
 from flaxformer_lite.data.hf_tokenizer import HfTokenizer, load_hf_tokenizer
 from flaxformer_lite.data.tokenizers import load_tokenizer
 from flaxformer_lite.decode.text import continue_or_translate, printable
+from flaxformer_lite.train.trained_run import load_hf_checkpoint
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 
@@ -148,7 +149,7 @@ def hf_greedy(hf, model, input_ids, max_new_tokens, eos_id, pad_id):
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_generate_continues_like_hf_greedy(name, request, hf):
     hf_model, path = request.getfixturevalue(name)
-    model, tokenizer = generate.load_hf_checkpoint(path)
+    model, tokenizer = load_hf_checkpoint(path)
     ours = continue_or_translate(
         model, tokenizer, PROMPTS, add_bos=tokenizer.add_bos, max_new_tokens=20
     )
@@ -163,7 +164,7 @@ def test_generate_continues_like_hf_greedy(name, request, hf):
 
 def test_translate_decodes_like_hf_greedy(hf, marian):
     hf_model, path = marian
-    model, tokenizer = generate.load_hf_checkpoint(path)
+    model, tokenizer = load_hf_checkpoint(path)
     ours = continue_or_translate(model, tokenizer, PROMPTS, max_new_tokens=20)
     reference = hf.transformers.MarianTokenizer.from_pretrained(path)
     for prompt, new in zip(PROMPTS, ours, strict=True):
@@ -189,7 +190,7 @@ def test_generate_command_on_hf_dirs(gpt2, marian, capsys, tmp_path):
         )
         == 0
     )
-    model, tokenizer = generate.load_hf_checkpoint(gpt2[1])
+    model, tokenizer = load_hf_checkpoint(gpt2[1])
     [new] = continue_or_translate(
         model, tokenizer, ["hello world"], add_bos=False, max_new_tokens=6
     )

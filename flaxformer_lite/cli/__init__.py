@@ -1,6 +1,7 @@
 """The user commands: ``python train.py``, ``python sample.py``, ``python -m
 flaxformer_lite.train`` and ``flaxformer-lite
-train|sweep|ablation|config|prepare|plot|compare|generate|export|attention|compile|coords|transfer``,
+train|sweep|ablation|config|prepare|plot|compare|generate|evaluate|export|attention|compile|coords|
+transfer``,
 one module each.
 
     python train.py                                   # the embedded default
@@ -12,6 +13,7 @@ one module each.
     flaxformer-lite plot runs/default
     flaxformer-lite compare runs/a runs/b --metric loss eval_exact_match
     flaxformer-lite generate --run-dir runs/default --prompt "012+034="
+    flaxformer-lite evaluate --run-dir runs/shakespeare evals.tasks.hellaswag.path=hs.jsonl
     flaxformer-lite export --run-dir runs/default --out exports/default
     flaxformer-lite attention --run-dir runs/default --text "012+034=" --out maps
     flaxformer-lite compile --config gpt2_small --topology v5e-8
@@ -41,6 +43,7 @@ COMMANDS = {
     "plot": "draw every metric a run logged (loss, evals, ...) as PNGs",
     "compare": "put runs side by side: curves, final metrics, config diff",
     "generate": "continue or translate prompts with a run (as sample.py)",
+    "evaluate": "score a run or a Hugging Face model on downstream tasks (HellaSwag, LAMBADA, ...)",
     "export": "write a run as a Hugging Face directory (model and tokenizer)",
     "attention": "plot a run's attention weights on a text",
     "compile": "compile a config's step for a TPU slice: memory, collectives, MFU",

@@ -25,8 +25,7 @@ from flaxformer_lite.cli.flags import CommandParser, add_trust_code
 from flaxformer_lite.cli.library_log import library_log_to
 
 if TYPE_CHECKING:
-    from flaxformer_lite.data.tokenizers import Tokenizer
-    from flaxformer_lite.models import DecoderLM, EncoderDecoder
+    pass
 
 
 def generate_main(argv: list[str] | None = None, prog: str = "flaxformer-lite generate") -> int:
@@ -128,6 +127,8 @@ def run(args: argparse.Namespace, say=print) -> int:
     if args.hf_dir is not None:
         if args.step is not None:
             raise ValueError("--step applies to --run-dir, not --hf-dir")
+        from flaxformer_lite.train.trained_run import load_hf_checkpoint
+
         model, tokenizer = load_hf_checkpoint(args.hf_dir)
         add_bos, source = tokenizer.add_bos, args.hf_dir
     else:
@@ -226,30 +227,3 @@ def check_flags(args: argparse.Namespace) -> None:
             f"--beam-size {args.beam_size} is deterministic: it takes no --temperature "
             "or --num-samples (it prints --n-best hypotheses instead)"
         )
-
-
-def load_hf_checkpoint(directory: pathlib.Path) -> tuple[DecoderLM | EncoderDecoder, Tokenizer]:
-    """The model (``interop.load_hf``, float32, eval mode) and tokenizer of a Hugging Face
-    checkpoint directory; the architecture and the tokenizer are checked first, so an encoder-only
-    model or a directory without a tokenizer fails before any weights are read (ValueError /
-    FileNotFoundError naming the directory and the files)."""
-    from flaxformer_lite.data.hf_tokenizer import load_hf_tokenizer
-    from flaxformer_lite.interop import family_of, load_hf
-    from flaxformer_lite.interop.common import read_config
-
-    hf_config = read_config(directory)
-    architecture = family_of(hf_config).config_from_hf(hf_config)
-    if architecture.kind == "encoder":  # before the tokenizer, whose errors would mislead
-        raise ValueError(
-            f"{directory} holds an encoder-only model "
-            f"({', '.join(hf_config.get('architectures') or ['bert'])}); generate "
-            "needs a decoder LM or an encoder-decoder"
-        )
-    tokenizer = load_hf_tokenizer(directory)
-    model, _ = load_hf(directory)
-    if tokenizer.vocab_size > model.config.vocab_size:
-        raise ValueError(
-            f"{directory}: the tokenizer has {tokenizer.vocab_size} ids, the model "
-            f"only {model.config.vocab_size} embedding rows"
-        )
-    return model, tokenizer

@@ -74,12 +74,17 @@ def encode_pair(tokenizer: Tokenizer, context: str, continuation: str) -> Reques
 def rolling_requests(ids: Sequence[int], prefix: int, length: int) -> list[Request]:
     """The requests that score every token of ``ids`` once, in windows of ``length`` (lm-eval's
     ``get_rolling_token_windows`` with ``context_len=1`` and ``make_disjoint_window``): the
-    first predicts ``ids[:length]`` after ``prefix``, each next one up to ``length`` tokens
-    after the one token before them."""
+    first predicts ``ids[:length]`` after ``prefix``, each next one the next ``length`` tokens
+    (the last one fewer) after the tokens before them that fill its row."""
     ids = tuple(ids)
-    requests = [Request((prefix,), ids[:length])] if ids else []
-    for start in range(length, len(ids), length):
-        requests.append(Request(ids[start - 1 : start], ids[start : start + length]))
+    if not ids:
+        return []
+    requests = [Request((prefix,), ids[:length])]
+    done = min(length, len(ids))
+    while done < len(ids):
+        end = min(done + length, len(ids))
+        requests.append(Request(ids[end - length - 1 : done], ids[done:end]))
+        done = end
     return requests
 
 

@@ -8,7 +8,8 @@ and config, ready for inference, plots and generation.
 The helpers that convert the training state to and from what a checkpoint holds
 (:func:`to_savable`, :func:`from_savable`, :func:`restore_target`) live here and the training
 loop uses them too, so a run is restored exactly as it resumes;
-:func:`load_hf_weights` starts a run's state from a Hugging Face checkpoint (``init_from``).
+:func:`load_hf_weights` starts a run's state from a Hugging Face checkpoint (``init_from``), and
+:func:`load_hf_checkpoint` loads such a checkpoint's model and tokenizer for inference.
 """
 
 from __future__ import annotations
@@ -138,6 +139,75 @@ def load_run(
                 logger.warning("%s; trying the previous one", error)
     model, _ = nnx.merge(graphdef, from_savable(restored.state, state))
     return LoadedRun(model, tokenizer, config_from_dict(restored.config), restored.step)
+
+
+# What each model kind is called in messages.
+KIND_WORDS = {
+    "decoder": "a decoder LM",
+    "encoder_decoder": "an encoder-decoder",
+    "encoder": "an encoder",
+}
+
+
+def load_hf_checkpoint(
+    directory: pathlib.Path | str,
+    *,
+    kinds: tuple[str, ...] = ("decoder", "encoder_decoder"),
+    who: str = "generate",
+) -> tuple[nnx.Module, Tokenizer]:
+    """The model (``interop.load_hf``, float32, eval mode) and tokenizer of a Hugging Face
+    checkpoint directory, a model of one of ``kinds`` (what ``who`` needs); the architecture and
+    the tokenizer are checked first, so a model of another kind or a directory without a
+    tokenizer fails before any weights are read (ValueError / FileNotFoundError naming the
+    directory and the files)."""
+    from flaxformer_lite.data.hf_tokenizer import load_hf_tokenizer
+    from flaxformer_lite.interop import family_of, load_hf
+    from flaxformer_lite.interop.common import read_config
+
+    hf_config = read_config(directory)
+    architecture = family_of(hf_config).config_from_hf(hf_config)
+    if architecture.kind not in kinds:  # before the tokenizer, whose errors would mislead
+        needed = " or ".join(KIND_WORDS[kind] for kind in kinds)
+        raise ValueError(
+            f"{directory} holds {KIND_WORDS[architecture.kind]} "
+            f"({', '.join(hf_config.get('architectures') or ['bert'])}); {who} needs {needed}"
+        )
+    tokenizer = load_hf_tokenizer(directory)
+    model, _ = load_hf(directory)
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(
+            f"{directory}: the tokenizer has {tokenizer.vocab_size} ids, the model "
+            f"only {model.config.vocab_size} embedding rows"
+        )
+    return model, tokenizer
+
+
+def load_decoder(
+    *,
+    run_dir: pathlib.Path | str | None = None,
+    hf_dir: pathlib.Path | str | None = None,
+    step: int | None = None,
+    trust_code: bool = False,
+    who: str = "scoring",
+) -> tuple[nnx.Module, Tokenizer]:
+    """A decoder LM and its tokenizer, from a run directory (its checkpoint at ``step``,
+    default the newest; :func:`load_run`) or a Hugging Face checkpoint directory, for ``who``.
+
+    Raises:
+      ValueError: neither or both directories, ``step`` with ``hf_dir``, a model that is not
+        a decoder LM; as :func:`load_run` and :func:`load_hf_checkpoint`.
+    """
+    if (run_dir is None) == (hf_dir is None):
+        raise ValueError(f"{who} takes a run directory or a Hugging Face directory, one of them")
+    if hf_dir is not None:
+        if step is not None:
+            raise ValueError("a step applies to a run directory, not a Hugging Face directory")
+        return load_hf_checkpoint(hf_dir, kinds=("decoder",), who=who)
+    loaded = load_run(run_dir, step=step, trust_code=trust_code)
+    kind = loaded.config.model.kind
+    if kind != "decoder":
+        raise ValueError(f"{run_dir} holds {KIND_WORDS[kind]}; {who} needs a decoder LM")
+    return loaded.model, loaded.tokenizer
 
 
 def _restore_model_state(checkpointer: Checkpointer, step: int, mesh: Mesh):
