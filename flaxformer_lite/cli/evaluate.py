@@ -122,12 +122,13 @@ def _evaluate(args) -> int:
 
 def _table(values: dict[str, float]) -> str:
     """``task  metric  value  over`` rows of :meth:`Tasks.metrics`' values."""
+    from flaxformer_lite.evals.tasks import UNITS
     from flaxformer_lite.train.compare import format_table
 
     rows, counts = [], {}
     for key, value in values.items():
         _, name, metric = key.split("/", 2)
-        if metric in ("examples", "tokens"):
+        if metric in UNITS:
             counts[name] = f"{value:,} {metric}"
         else:
             rows.append([name, metric, f"{value:.4f}"])

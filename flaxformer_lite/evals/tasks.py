@@ -29,6 +29,31 @@ from flaxformer_lite.evals.requests import Request, encode_pair, rolling_request
 
 # lm-eval's default target_delimiter: a choice or last word follows its context after it.
 DELIMITER = " "
+PREFIX = "task/"  # a task's metrics are task/<name>/<metric>
+# What a task's metrics are over (task/<name>/<unit>: a count, not a result), and the metric
+# that stands for a task in a table: the first of HEADLINES it has.
+UNITS = ("examples", "tokens")
+HEADLINES = ("acc_norm", "acc", "byte_perplexity")
+
+
+def is_count(key: str) -> bool:
+    """Whether a logged ``key`` is what a task's metrics are over (``task/<name>/examples``)."""
+    return key.startswith(PREFIX) and key.rsplit("/", 1)[-1] in UNITS
+
+
+def headline_metrics(keys) -> list[str]:
+    """Of logged ``keys``, the one metric of each task that a table shows (``acc_norm`` of a
+    multiple-choice task, ``acc`` of LAMBADA, ``byte_perplexity`` of a text)."""
+    tasks: dict[str, set[str]] = {}
+    for key in keys:
+        if key.startswith(PREFIX) and key.count("/") == 2:
+            _, name, metric = key.split("/")
+            tasks.setdefault(name, set()).add(metric)
+    return [
+        f"{PREFIX}{name}/{next(m for m in HEADLINES if m in metrics)}"
+        for name, metrics in tasks.items()
+        if any(m in metrics for m in HEADLINES)
+    ]
 
 
 class DownstreamTask(abc.ABC):
@@ -155,10 +180,10 @@ class Tasks:
     def __init__(self, tasks: Sequence[DownstreamTask], tokenizer: Tokenizer, length: int):
         self.tasks, self.length = list(tasks), length
         self.requests: list[Request] = []
-        self._spans = []
+        self.spans = []
         for task in self.tasks:
             requests = task.requests(tokenizer, length)
-            self._spans.append(slice(len(self.requests), len(self.requests) + len(requests)))
+            self.spans.append(slice(len(self.requests), len(self.requests) + len(requests)))
             self.requests.extend(requests)
 
     @property
@@ -169,7 +194,7 @@ class Tasks:
     def notices(self) -> list[str]:
         """What the run says of its tasks before it trains: requests cut to fit."""
         lines = []
-        for task, span in zip(self.tasks, self._spans, strict=True):
+        for task, span in zip(self.tasks, self.spans, strict=True):
             cut = sum(request.cut(self.length) for request in self.requests[span])
             if cut:
                 lines.append(
@@ -183,10 +208,10 @@ class Tasks:
         """``task/<name>/<metric>`` of every task, and ``task/<name>/examples`` (``tokens``
         for text), what its metrics are over."""
         values = {}
-        for task, span in zip(self.tasks, self._spans, strict=True):
+        for task, span in zip(self.tasks, self.spans, strict=True):
             scores = task.metrics(loglikelihood[span], greedy[span])
-            values |= {f"task/{task.name}/{key}": value for key, value in scores.items()}
-            values[f"task/{task.name}/{task.unit}"] = task.size
+            values |= {f"{PREFIX}{task.name}/{key}": value for key, value in scores.items()}
+            values[f"{PREFIX}{task.name}/{task.unit}"] = task.size
         return values
 
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 import datetime
 import time
 
+from flaxformer_lite.evals.tasks import UNITS
+
 # Printed first, in this order; the rest of a step's metrics stay in metrics.jsonl.
 _STEP_KEYS = ("loss", "learning_rate")
 # An evaluation's metrics from greedy decoding (train.decode_examples examples), not over tokens.
@@ -85,7 +87,7 @@ class Console:
             tasks.setdefault(name, {})[metric] = value
         parts = []
         for name, metrics in tasks.items():
-            unit = "examples" if "examples" in metrics else "tokens"
+            unit = next(unit for unit in UNITS if unit in metrics)
             count = metrics.pop(unit)
             scores = ", ".join(f"{metric} {value:.4g}" for metric, value in metrics.items())
             parts.append(f"{name} {scores} (over {count:,} {unit})")

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
+from flaxformer_lite.evals.tasks import PREFIX, is_count
 from flaxformer_lite.train.compilation_cache import user_cache_dir
 from flaxformer_lite.train.figures import (
     draw,
@@ -334,15 +335,23 @@ def _words(name: str) -> str:
 
 def _metric_groups(records: list[dict]) -> dict[str, list[str]]:
     """The metrics of ``records`` by figure, in the order first logged (``loss`` and
-    ``learning_rate`` first): ``{"loss": ["loss", "eval_loss"], "eval_bleu": ["eval_bleu"]}``."""
+    ``learning_rate`` first): ``{"loss": ["loss", "eval_loss"], "eval_bleu": ["eval_bleu"]}``;
+    a downstream task's accuracies in one, ``{"task/hellaswag": ["task/hellaswag/acc",
+    "task/hellaswag/acc_norm"]}``."""
     logged = dict.fromkeys(["loss", "learning_rate"])
     for record in records:
         logged |= dict.fromkeys(k for k, v in record.items() if k != "step" and _number(v))
     logged = [key for key in logged if any(_number(r.get(key)) for r in records)]
     groups = {}
     for key in logged:
-        train = key.removeprefix("eval_")
-        groups.setdefault(train if train in logged else key, []).append(key)
+        if is_count(key):  # what a task's metrics are over: said by its line, not drawn
+            continue
+        if key.startswith(PREFIX) and key.endswith(("/acc", "/acc_norm")):  # a task's shares
+            group = key.rsplit("/", 1)[0]
+        else:
+            train = key.removeprefix("eval_")
+            group = train if train in logged else key
+        groups.setdefault(group, []).append(key)
     return groups
 
 

@@ -15,13 +15,15 @@ import pathlib
 import statistics
 from collections.abc import Sequence
 
+from flaxformer_lite.evals.tasks import headline_metrics, is_count
 from flaxformer_lite.train.compare import format_table
 from flaxformer_lite.train.metrics import read_metrics
 from flaxformer_lite.train.sweep_dir import SweepDir
 from flaxformer_lite.train.sweep_members import Member, group_of
 
 BEST = "best_eval_loss"  # the lowest eval_loss a member logged
-# The table's columns when logged; sweep.json has every metric.
+# The table's columns when logged, and each downstream task's headline metric; sweep.json has
+# every metric.
 TABLE_METRICS = ("loss", "eval_loss", BEST, "eval_accuracy", "eval_exact_match")
 # Throughput is the program's, not a member's result: not summarized.
 NOT_RESULTS = (
@@ -36,8 +38,9 @@ NOT_RESULTS = (
 
 def is_result(metric: str) -> bool:
     """Whether a logged ``metric`` is a result to average over seeds: not a step, rate or count
-    (a mixture's per-source ``eval_tokens/<name>`` is a count as ``eval_tokens`` is)."""
-    return metric.split("/")[0] not in NOT_RESULTS
+    (a mixture's per-source ``eval_tokens/<name>`` is a count as ``eval_tokens`` is, and a
+    task's ``task/<name>/examples``)."""
+    return metric.split("/")[0] not in NOT_RESULTS and not is_count(metric)
 
 
 def member_results(run_dir: pathlib.Path) -> dict[str, float]:
@@ -211,7 +214,8 @@ def compare_groups(a: dict[str, dict], b: dict[str, dict]) -> list[tuple[str, st
 def summary_table(summary: dict) -> str:
     """The groups' metrics as ``mean ± std (n)``, one row a group."""
     groups = summary["groups"]
-    metrics = [m for m in TABLE_METRICS if any(m in g for g in groups.values())]
+    logged = {key for group in groups.values() for key in group}
+    metrics = [m for m in TABLE_METRICS if m in logged] + headline_metrics(sorted(logged))
     rows = []
     for name, group in groups.items():
         cells = [_spread(group.get(metric)) for metric in metrics]

@@ -1,0 +1,257 @@
+"""Our task scores against lm-evaluation-harness's (EleutherAI, the field's common ruler), on a
+tiny run trained here on a small corpus (a BPE tokenizer, so that the request boundaries are
+tested) and its Hugging Face export:
+
+* lm-eval's Hugging Face model (``--model hf``) on the export, and our lm-eval model
+  (``flaxformer_lite``, :mod:`flaxformer_lite.evals.harness`) on the run, score the same
+  lm-eval tasks (HellaSwag, ARC-Easy, PIQA, LAMBADA from lm-eval's own YAMLs, a plain choice
+  task, over local files): the same log-likelihoods, greedy flags, acc and acc_norm, example
+  by example, and the same greedy generations;
+* our own evaluator (the run's ``evals``: the task files read by our formats) gives those
+  log-likelihoods too, and a text's rolling windows the adapter's perplexities.
+
+lm-eval runs in one subprocess (it imports torch, datasets and transformers), offline, with
+no bootstrapped standard errors (their pool forks a process that holds JAX's threads).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from subprocess_env import subprocess_env
+
+from flaxformer_lite.evals import Scorer, Tasks
+from flaxformer_lite.evals.tasks import read_tasks
+from flaxformer_lite.train.config import load_config
+from flaxformer_lite.train.export import export_run
+from flaxformer_lite.train.loop import run
+from flaxformer_lite.train.trained_run import load_decoder
+
+pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
+pytest.importorskip("lm_eval", reason="needs the lm-eval extra: pip install -e '.[dev]'")
+
+LINES = [
+    "the quick brown fox jumps over the lazy dog.",
+    "a lazy dog sleeps, the quick fox runs!",
+    "over and over: the fox, the dog, the end.",
+]
+LENGTH = 32  # the run's rows, and the positions both lm-eval models cut requests to
+FILES = {
+    "choice": [
+        {
+            "context": "the quick brown fox",
+            "choices": ["jumps over", "sleeps", "the end."],
+            "answer": 0,
+        },
+        {"context": "a lazy dog", "choices": ["sleeps, the", "jumps over", "dog dog"], "answer": 0},
+        {"context": "over and over:", "choices": ["the fox, the dog", "quick brown"], "answer": 1},
+        {"context": "the quick", "choices": ["brown fox", "lazy fox", "end"], "answer": 1},
+    ],
+    "hellaswag": [
+        {
+            "activity_label": "Fox",
+            "ctx_a": "the quick brown fox jumps",
+            "ctx_b": "over the",
+            "endings": ["lazy dog.", "fox [title] runs", "end."],
+            "label": "0",
+        },
+        {
+            "activity_label": "Dog",
+            "ctx_a": "a lazy dog",
+            "ctx_b": "sleeps, the",
+            "endings": ["quick fox runs!", "dog sleeps", "over and over"],
+            "label": 1,
+        },
+    ],
+    "arc": [
+        {
+            "question": "what jumps?",
+            "answerKey": "B",
+            "choices": {"text": ["the dog", "the fox", "the end"], "label": ["A", "B", "C"]},
+        },
+    ],
+    "piqa": [{"goal": "the lazy dog", "sol1": "sleeps", "sol2": "jumps over", "label": 0}],
+    "lambada": [{"text": line.rstrip(".!")} for line in LINES],
+    "echo": [{"text": "the quick brown fox", "answer": " jumps over the lazy dog."}],
+}
+# lm-eval's own task YAMLs over the files (``include`` keeps their prompts and metrics).
+INCLUDED = {
+    "hellaswag": "hellaswag/hellaswag.yaml",
+    "arc": "arc/arc_easy.yaml",
+    "piqa": "piqa/piqa.yaml",
+    "lambada": "lambada/lambada_openai.yaml",
+}
+OWN = {
+    "choice": {
+        "output_type": "multiple_choice",
+        "doc_to_text": "{{context}}",
+        "doc_to_choice": "{{choices}}",
+        "doc_to_target": "{{answer}}",
+        "metric_list": [{"metric": "acc"}, {"metric": "acc_norm"}],
+    },
+    "echo": {
+        "output_type": "generate_until",
+        "doc_to_text": "{{text}}",
+        "doc_to_target": "{{answer}}",
+        "generation_kwargs": {"until": ["!"], "max_gen_toks": 12},
+        "metric_list": [{"metric": "exact_match"}],
+    },
+    "corpus": {
+        "output_type": "loglikelihood_rolling",
+        "doc_to_text": "",
+        "doc_to_target": "{{text}}",
+        "metric_list": [{"metric": "word_perplexity"}, {"metric": "byte_perplexity"}],
+    },
+}
+SCRIPT = """
+import json, sys
+import lm_eval
+from lm_eval.tasks import TaskManager
+import flaxformer_lite.evals.harness  # registers flaxformer_lite beside lm-eval's own models
+tasks_dir, run_dir, hf_dir, out = sys.argv[1:]
+manager = TaskManager(include_path=tasks_dir)
+found = {}
+for name, model, args, tasks in [
+    ("hf", "hf", f"pretrained={hf_dir},dtype=float32,max_length=%(length)d", %(hf_tasks)r),
+    ("ours", "flaxformer_lite", f"run_dir={run_dir},max_length=%(length)d", %(our_tasks)r),
+]:
+    result = lm_eval.simple_evaluate(
+        model=model, model_args=args, tasks=tasks, task_manager=manager, log_samples=True,
+        device="cpu", batch_size=4, bootstrap_iters=0,
+    )
+    found[name] = {
+        task: [{"resps": s["resps"], "acc": s.get("acc"), "acc_norm": s.get("acc_norm")}
+               for s in samples]
+        for task, samples in result["samples"].items()
+    }
+    found[name]["results"] = result["results"]
+json.dump(found, open(out, "w"), default=str)
+"""
+
+
+@pytest.fixture(scope="module")
+def scored(tmp_path_factory):
+    """The run, its export, the task files, and what lm-eval's two models gave on them."""
+    import lm_eval
+
+    root = tmp_path_factory.mktemp("lm_eval")
+    (root / "corpus.txt").write_text("\n".join(LINES * 40) + "\n")
+    for name, objects in FILES.items():
+        (root / f"{name}.jsonl").write_text("".join(json.dumps(o) + "\n" for o in objects))
+    (root / "corpus.jsonl").write_text(json.dumps({"text": " ".join(LINES)}) + "\n")
+    run_dir = root / "run"
+    overrides = [
+        f"run_dir={run_dir}",
+        "data.source=text",
+        f"data.path={root / 'corpus.txt'}",
+        "data.text_documents=lines",
+        "data.tokenizer=bpe",
+        "data.vocab_size=280",
+        "model.num_decoder_layers=1",
+        "train.steps=40",
+        "train.batch_size=8",
+        f"data.seq_len={LENGTH}",
+        "optimizer.lr=0.01",
+        "optimizer.warmup_steps=0",
+        "train.log_every=40",
+        "train.eval_every=40",
+        "train.decode_examples=0",
+    ]
+    run(load_config(None, overrides), progress=False, log=lambda _: None)
+    export_run(run_dir, root / "hf")
+    tasks_dir = root / "tasks"
+    tasks_dir.mkdir()
+    library = __import__("pathlib").Path(lm_eval.__file__).parent / "tasks"
+    for name in [*INCLUDED, *OWN]:
+        split = "validation" if name == "hellaswag" else "test"
+        config = {
+            "task": f"t_{name}",
+            "dataset_path": "json",
+            "dataset_name": None,
+            "dataset_kwargs": {"data_files": {split: str(root / f"{name}.jsonl")}},
+            "training_split": None,
+            "validation_split": "validation" if split == "validation" else None,
+            "test_split": "test" if split == "test" else None,
+        }
+        if name in INCLUDED:
+            config["include"] = str(library / INCLUDED[name])
+        else:
+            config |= OWN[name]
+        (tasks_dir / f"t_{name}.yaml").write_text(json.dumps(config))
+    scoring = [f"t_{name}" for name in [*INCLUDED, "choice"]]
+    script = SCRIPT % {
+        "length": LENGTH,
+        "hf_tasks": [*scoring, "t_echo"],
+        "our_tasks": [*scoring, "t_echo", "t_corpus"],
+    }
+    out = root / "lm_eval.json"
+    offline = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(root / "hf_home")}
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tasks_dir), str(run_dir), str(root / "hf"), str(out)],
+        env=subprocess_env(1, **offline),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return root, json.loads(out.read_text())
+
+
+def _lls(samples) -> list[list[float]]:
+    return [[float(resp[0][0]) for resp in sample["resps"]] for sample in samples]
+
+
+@pytest.mark.slow
+def test_our_lm_eval_model_scores_as_lm_evals_hugging_face_model(scored):
+    _, found = scored
+    for task in [f"t_{name}" for name in [*INCLUDED, "choice"]]:
+        theirs, ours = found["hf"][task], found["ours"][task]
+        assert len(theirs) == len(ours) == len(FILES[task[2:]]), task
+        for number, (a, b) in enumerate(zip(theirs, ours, strict=True)):
+            where = f"{task} example {number}"
+            np.testing.assert_allclose(_lls([b]), _lls([a]), rtol=1e-5, atol=2e-4, err_msg=where)
+            greedy = [[resp[0][1] for resp in s["resps"]] for s in (a, b)]
+            assert greedy[0] == greedy[1], where
+            assert (a["acc"], a["acc_norm"]) == (b["acc"], b["acc_norm"]), where
+    assert found["ours"]["results"]["t_hellaswag"]["acc_norm,none"] == pytest.approx(
+        found["hf"]["results"]["t_hellaswag"]["acc_norm,none"]
+    )
+    # Greedy generation until "!": the same text from both models.
+    generated = [[s["resps"][0][0] for s in found[name]["t_echo"]] for name in ("hf", "ours")]
+    assert generated[0] == generated[1] and generated[0][0], generated
+
+
+@pytest.mark.slow
+def test_our_evaluator_gives_lm_evals_numbers(scored):
+    """The run's ``evals`` tasks, read by our formats from the same files: lm-eval's
+    log-likelihoods example by example, and the adapter's perplexities of a text."""
+    root, found = scored
+    overrides = [f"evals.tasks.{name}.path={root / name}.jsonl" for name in [*INCLUDED, "choice"]]
+    overrides += [
+        f"evals.tasks.corpus.path={root / 'corpus.jsonl'}",
+        "evals.tasks.corpus.format=text",
+    ]
+    downstream = read_tasks(load_config(None, overrides).evals)
+    model, tokenizer = load_decoder(run_dir=root / "run")
+    tasks = Tasks(downstream, tokenizer, LENGTH)
+    loglikelihood, _ = Scorer(rows=4, length=LENGTH)(model, tasks.requests)
+    values = tasks.metrics(loglikelihood, _)
+    for task, span in zip(tasks.tasks, tasks.spans, strict=True):
+        mine = loglikelihood[span]
+        if task.name == "corpus":
+            results = found["ours"]["results"]["t_corpus"]
+            for metric in ("word_perplexity", "byte_perplexity"):
+                assert values[f"task/corpus/{metric}"] == pytest.approx(
+                    results[f"{metric},none"], rel=1e-4
+                )
+            continue
+        theirs = np.concatenate(_lls(found["hf"][f"t_{task.name}"]))
+        np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=2e-4, err_msg=task.name)
+        results = found["hf"]["results"][f"t_{task.name}"]
+        assert values[f"task/{task.name}/acc"] == pytest.approx(results["acc,none"]), task.name
+        if "acc_norm,none" in results:
+            assert values[f"task/{task.name}/acc_norm"] == pytest.approx(results["acc_norm,none"])
