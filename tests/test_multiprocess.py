@@ -31,6 +31,7 @@ from multiprocess_cases import (
     reports,
     start_pair,
 )
+from tiny_runs import task_files
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 
@@ -92,11 +93,12 @@ def test_two_processes_train_resume_and_match_one_process(tmp_path, launch):
 @pytest.mark.slow
 def test_two_processes_share_one_prepared_text_cache_and_match_one_process(tmp_path, launch):
     """A text source is prepared once, by process 0, into the shared run directory's cache; the
-    other process reads it, and the two processes' global batches are one process's."""
+    other process reads it, and the two processes' global batches are one process's; the
+    downstream tasks, each process scoring its rows of each batch, score as one process."""
     lines = [f"{a} plus {b} is {a + b}" for a in range(60) for b in range(0, 60, 7)]
     (tmp_path / "corpus.txt").write_text("\n".join(lines) + "\n")
     text = ["data.source=text", f"data.path={tmp_path / 'corpus.txt'}", "data.tokenizer=char"]
-    args = [*QUICK, *text, "train.steps=10", "checkpoint.every=1000"]  # the final one only
+    args = [*QUICK, *text, *task_files(tmp_path), "train.steps=10", "checkpoint.every=1000"]
     reference = tmp_path / "reference"
     one = launch("reference", tmp_path, [f"run_dir={reference}", *args], devices=4)
     two = tmp_path / "two"
@@ -108,3 +110,9 @@ def test_two_processes_share_one_prepared_text_cache_and_match_one_process(tmp_p
     assert len(caches) == 1 and caches[0].name.startswith("text-"), f"{caches}{context}"
     assert (caches[0] / "manifest.json").is_file(), context
     assert_losses_close(two, reference, context)
+    scored = [
+        {k: v for k, v in records(d)[-1].items() if k.startswith("task/")} for d in (two, reference)
+    ]
+    assert scored[0].keys() == scored[1].keys() and "task/sums/acc_norm" in scored[0], context
+    for key, value in scored[1].items():
+        assert scored[0][key] == pytest.approx(value, rel=1e-5), key + context

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 from subprocess_env import subprocess_env
-from tiny_runs import TINY
+from tiny_runs import TINY, task_files
 
 from flaxformer_lite import load_run
 from flaxformer_lite.cli import main
@@ -47,7 +47,17 @@ SETTINGS = [
 ]
 VARY = {"seed": ["0", "1"], "optimizer.lr": ["1e-3", "3e-3"]}
 MEMBERS = ["seed=0,lr=1e-3", "seed=0,lr=3e-3", "seed=1,lr=1e-3", "seed=1,lr=3e-3"]
-COMPARED = ("loss", "accuracy", "grad_norm", "learning_rate", "eval_loss", "eval_accuracy")
+COMPARED = (
+    "loss",
+    "accuracy",
+    "grad_norm",
+    "learning_rate",
+    "eval_loss",
+    "eval_accuracy",
+    "task/sums/acc",
+    "task/sums/acc_norm",
+    "task/words/perplexity",
+)
 
 
 def numbers(run_dir):
@@ -70,7 +80,8 @@ def swept(tmp_path_factory):
     """Four members (two seeds x two learning rates), 20 steps, vmapped over the 8 simulated
     devices (on a CPU a sweep steps its members in turn unless told to vmap them)."""
     directory = tmp_path_factory.mktemp("sweep") / "s"
-    cfg = load_config(None, [*SETTINGS, f"run_dir={directory}"])
+    tasks = task_files(directory.parent)  # each member scores them at its evaluations
+    cfg = load_config(None, [*SETTINGS, *tasks, f"run_dir={directory}"])
     lines = []
     summary = sweep(cfg, VARY, vmap=True, log=lines.append)
     return directory, summary, lines
@@ -117,7 +128,8 @@ def test_each_member_stepped_in_turn_logs_exactly_what_its_own_run_logs(
         "train.eval_every=100",
         "optimizer.schedule=cosine",
     ]
-    cfg = load_config(None, [*SETTINGS, *steps, f"run_dir={tmp_path / 's'}"])
+    tasks = task_files(tmp_path)
+    cfg = load_config(None, [*SETTINGS, *steps, *tasks, f"run_dir={tmp_path / 's'}"])
     sweep(cfg, VARY, vmap=False, log=lambda _: None)
     for name in MEMBERS:
         member = tmp_path / "s" / name
@@ -137,7 +149,14 @@ def test_the_summary_is_the_mean_and_sample_deviation_of_the_members_metrics(swe
         last = [r[-1]["eval_loss"] for r in records]
         best = [min(x["eval_loss"] for x in r if "eval_loss" in x) for r in records]
         losses = [next(x["loss"] for x in reversed(r) if "loss" in x) for r in records]
-        for metric, values in (("eval_loss", last), ("best_eval_loss", best), ("loss", losses)):
+        scores = [r[-1]["task/sums/acc_norm"] for r in records]
+        assert "task/sums/examples" not in group  # what the scores are over, not a result
+        for metric, values in (
+            ("eval_loss", last),
+            ("best_eval_loss", best),
+            ("loss", losses),
+            ("task/sums/acc_norm", scores),
+        ):
             assert group[metric]["n"] == 2
             assert group[metric]["mean"] == pytest.approx(sum(values) / 2, rel=1e-12)
             assert group[metric]["std"] == pytest.approx(abs(values[0] - values[1]) / 2**0.5)
@@ -153,7 +172,7 @@ def test_sigterm_then_the_same_sweep_again_equals_an_unbroken_sweep(swept, tmp_p
             os.kill(os.getpid(), signal.SIGTERM)
         return step_of(self, *args)
 
-    cfg = load_config(None, [*SETTINGS, f"run_dir={tmp_path / 's'}"])
+    cfg = load_config(None, [*SETTINGS, *task_files(tmp_path), f"run_dir={tmp_path / 's'}"])
     monkeypatch.setattr(lanes.Vmapped, "step", stopping_at_step_12)
     with pytest.raises(Interrupted) as stopped:
         sweep(cfg, VARY, vmap=True, log=lambda _: None)
@@ -221,7 +240,8 @@ def vary_names(vary):
 
 def test_a_diverging_member_is_frozen_and_the_others_train_on(swept, tmp_path):
     directory, _, _ = swept
-    cfg = load_config(None, [*SETTINGS, f"run_dir={tmp_path / 's'}", "seed=0"])
+    tasks = task_files(tmp_path)
+    cfg = load_config(None, [*SETTINGS, *tasks, f"run_dir={tmp_path / 's'}", "seed=0"])
     lines = []
     summary = sweep(cfg, {"optimizer.lr": ["3e-3", "1e30"]}, log=lines.append)  # in turn
     step = summary["members"]["lr=1e30"]["diverged_at"]
@@ -244,7 +264,7 @@ def test_a_diverging_member_is_frozen_and_the_others_train_on(swept, tmp_path):
 def test_a_sweep_on_one_device_stepped_in_turn_equals_the_sweep_vmapped_on_eight(swept, tmp_path):
     directory, _, _ = swept
     entry = "import sys; from flaxformer_lite.cli import main; sys.exit(main())"
-    command = [sys.executable, "-c", entry, "sweep", *SETTINGS]
+    command = [sys.executable, "-c", entry, "sweep", *SETTINGS, *task_files(tmp_path)]
     command += [
         f"run_dir={tmp_path / 's'}",
         "--vary",

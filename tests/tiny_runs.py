@@ -55,3 +55,28 @@ TRANSLATION = [
     "train.steps=20",
     "checkpoint.every=10",
 ]
+
+
+def task_files(directory) -> list[str]:
+    """Overrides that score two downstream tasks (flaxformer_lite.evals) whose files are
+    written into ``directory``: ``sums``, multiple choice on sums of the arithmetic generator's
+    kind, and ``words``, LAMBADA's last word."""
+    import json
+
+    sums = [
+        {
+            "context": f"{a:03d}+{b:03d}=",
+            "choices": [str(a + b + d) for d in (0, 1, 10)],
+            "answer": 0,
+        }
+        for a, b in ((12, 34), (250, 250), (7, 8), (100, 1), (999, 1))
+    ]
+    (directory / "sums.jsonl").write_text("".join(json.dumps(s) + "\n" for s in sums))
+    words = ["one plus one is two", "two and two make four", "ten minus one is nine"]
+    (directory / "words.jsonl").write_text("".join(json.dumps({"text": w}) + "\n" for w in words))
+    return [
+        f"evals.tasks.sums.path={directory / 'sums.jsonl'}",
+        "evals.tasks.sums.format=choice",
+        f"evals.tasks.words.path={directory / 'words.jsonl'}",
+        "evals.tasks.words.format=lambada",
+    ]
