@@ -28,6 +28,7 @@ from flaxformer_lite.cli.attention import attention_parser
 from flaxformer_lite.cli.compare import compare_parser
 from flaxformer_lite.cli.compile import compile_parser
 from flaxformer_lite.cli.config import config_parser
+from flaxformer_lite.cli.evaluate import evaluate_parser
 from flaxformer_lite.cli.coords import coords_parser
 from flaxformer_lite.cli.export import export_parser
 from flaxformer_lite.cli.prepare import prepare_parser
@@ -213,6 +214,10 @@ def test_documented_command_is_valid(name, command, tmp_path, monkeypatch):
             args = _parse(coords_parser().parse_intermixed_args, rest, command)
             monkeypatch.chdir(tmp_path)
             load_config(_config_file(args.config), args.overrides)
+        elif subcommand == "evaluate":
+            args = _parse(evaluate_parser().parse_intermixed_args, rest, command)
+            monkeypatch.chdir(tmp_path)
+            load_config(None, args.overrides)  # evals.* settings of the schema
         elif subcommand == "plot":
             assert rest in ([rest[0]], ["--run-dir", rest[-1]]), command  # plot [--run-dir] RUN
         else:

@@ -21,11 +21,15 @@ class TaskFile:
     """One downstream task (``evals.tasks.<name>``): its file, the file's format, how many of
     its examples are scored."""
 
-    path: str = setting("", help="the task's file (jsonl; a text file for format text)")
+    path: str = setting(
+        "",
+        help="the task's file (jsonl; a text file for format text), or builtin:"
+        "shakespeare_next_line or builtin:shakespeare_last_word",
+    )
     format: str | None = setting(
         None,
         help="hellaswag, arc, piqa, choice (context, choices, answer), lambada or text "
-        "(perplexity); null: the task's name",
+        "(perplexity); null: a built-in task's own, else the task's name",
     )
     limit: int | None = setting(None, help="score the first this many examples; null: all")
 

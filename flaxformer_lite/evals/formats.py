@@ -12,6 +12,11 @@
 * text whose perplexity is measured (:class:`Passage`): ``text``, a text file (one document)
   or jsonl with a ``text`` field (one document per line).
 
+Two tasks ship with the package, made from the part of Tiny Shakespeare that the
+``shakespeare_char`` recipe holds out (``tests/shakespeare_tasks.py`` makes them):
+``builtin:shakespeare_next_line`` (multiple choice: a line's true rest among four) and
+``builtin:shakespeare_last_word`` (a speech's last word, LAMBADA's shape).
+
 A problem raises :class:`TaskFileError` naming the file and line.
 """
 
@@ -132,6 +137,35 @@ FORMATS: dict[str, Format] = {
 }
 # lm-eval's task names for the same formats.
 ALIASES = {"arc_easy": "arc", "arc_challenge": "arc", "lambada_openai": "lambada"}
+# Task files in the package (tasks/NAME.jsonl), by ``builtin:NAME``, and their formats.
+BUILTIN_TASKS = {"shakespeare_next_line": "choice", "shakespeare_last_word": "lambada"}
+
+
+def task_path(path: str | Path) -> Path:
+    """The file ``path`` names: a path, or a task file of the package (``builtin:NAME``).
+
+    Raises:
+      TaskFileError: an unknown built-in name.
+    """
+    text = str(path)
+    if not text.startswith(readers.BUILTIN):
+        return Path(path)
+    name = text.removeprefix(readers.BUILTIN)
+    if name not in BUILTIN_TASKS:
+        known = ", ".join(readers.BUILTIN + n for n in BUILTIN_TASKS)
+        raise TaskFileError(f"{text}: no such built-in task (there are: {known})")
+    return Path(__file__).parent / "tasks" / f"{name}.jsonl"
+
+
+def format_of(name: str, path: str, format: str | None) -> str:
+    """The format of task ``name`` whose file is ``path``: ``format`` if given, a built-in
+    task's own, else the task's name (``hellaswag``)."""
+    if format is not None:
+        return format
+    builtin = str(path).removeprefix(readers.BUILTIN)
+    if str(path).startswith(readers.BUILTIN) and builtin in BUILTIN_TASKS:
+        return BUILTIN_TASKS[builtin]
+    return name
 
 
 def format_named(name: str, where: str) -> Format:
@@ -154,7 +188,8 @@ def read_task_file(path: str | Path, format: str, limit: int | None = None) -> l
       TaskFileError: a missing or empty file, a line that is not JSON or lacks a field, a label
         out of range, no choices (the message names the file and line).
     """
-    path, reader = Path(path), format_named(format, str(path))
+    reader = format_named(format, str(path))
+    path = task_path(path)
     examples: list = []
     try:
         if reader.kind == "text" and path.suffix != ".jsonl":

@@ -24,7 +24,7 @@ import numpy as np
 
 from flaxformer_lite.data.tokenizers import Tokenizer
 from flaxformer_lite.evals.config import EvalsConfig, TaskFile
-from flaxformer_lite.evals.formats import TaskFileError, format_named, read_task_file
+from flaxformer_lite.evals.formats import TaskFileError, format_named, format_of, read_task_file
 from flaxformer_lite.evals.requests import Request, encode_pair, rolling_requests
 
 # lm-eval's default target_delimiter: a choice or last word follows its context after it.
@@ -156,10 +156,9 @@ def load_task(name: str, task_file: TaskFile) -> DownstreamTask:
     Raises:
       TaskFileError: an unknown format, or a file it cannot read (naming the file and line).
     """
-    format_name = task_file.format or name
-    reader = format_named(
-        format_name, f"evals.tasks.{name}" + (".format" if task_file.format else "")
-    )
+    format_name = format_of(name, task_file.path, task_file.format)
+    setting = f"evals.tasks.{name}" + (".format" if task_file.format else "")
+    reader = format_named(format_name, setting)
     examples = read_task_file(task_file.path, format_name, task_file.limit)
     return KINDS[reader.kind](name, examples)
 
