@@ -28,8 +28,8 @@ from flaxformer_lite.cli.attention import attention_parser
 from flaxformer_lite.cli.compare import compare_parser
 from flaxformer_lite.cli.compile import compile_parser
 from flaxformer_lite.cli.config import config_parser
-from flaxformer_lite.cli.evaluate import evaluate_parser
 from flaxformer_lite.cli.coords import coords_parser
+from flaxformer_lite.cli.evaluate import evaluate_parser
 from flaxformer_lite.cli.export import export_parser
 from flaxformer_lite.cli.prepare import prepare_parser
 from flaxformer_lite.cli.sweep import sweep_parser
