@@ -356,3 +356,31 @@ def test_the_evals_section(tmp_path):
         load_config(None, ["evals.every=0"])
     with pytest.raises(ConfigError, match="evals.tasks are scored by a decoder LM"):
         load_config(None, ["model.preset=bert-tiny", "evals.tasks.x.path=y"])
+
+
+def test_the_built_in_tasks_are_made_from_the_held_out_tail():
+    """The shipped files are what tests/shakespeare_tasks.py makes, every line of their contexts
+    and answers from the last tenth of Tiny Shakespeare (what shakespeare_char holds out)."""
+    from shakespeare_tasks import make_tasks
+
+    from flaxformer_lite.data import readers
+    from flaxformer_lite.evals.formats import task_path
+
+    text = readers.read_text(readers.builtin_text("tinyshakespeare"))
+    head = text[: int(len(text) * 0.9)]
+    for name, records in make_tasks(text).items():
+        lines = task_path(f"builtin:{name}").read_text().splitlines()
+        assert [json.loads(line) for line in lines] == records, name
+        assert len(records) == 200
+    tasks = {
+        name: load_task(name, TaskFile(path=f"builtin:{name}"))
+        for name in ("shakespeare_next_line", "shakespeare_last_word")
+    }
+    tail = text[len(head) :]
+    for example in tasks["shakespeare_next_line"].examples:  # a speaker, then lines of its speech
+        passage = example.context + " " + example.choices[example.answer]
+        assert all(line in tail for line in passage.split("\n")), example
+    for example in tasks["shakespeare_last_word"].examples:
+        assert all(line in tail for line in example.text.split("\n")), example
+    with pytest.raises(TaskFileError, match="builtin:nope: no such built-in task"):
+        load_task("x", TaskFile(path="builtin:nope", format="choice"))

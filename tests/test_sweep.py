@@ -17,7 +17,7 @@ from tiny_runs import TINY, task_files
 
 from flaxformer_lite import load_run
 from flaxformer_lite.cli import main
-from flaxformer_lite.train import lanes
+from flaxformer_lite.train import lanes, sweep_summary
 from flaxformer_lite.train import sweep as sweep_module
 from flaxformer_lite.train.config import ConfigError, load_config
 from flaxformer_lite.train.loop import Interrupted, run
@@ -320,6 +320,17 @@ def test_a_directory_holding_a_run_is_refused(tmp_path, capsys):
     assert sorted(p.name for p in (tmp_path / "s").iterdir()) == held
 
 
+def test_groups_without_spread_get_no_verdict():
+    """Two groups whose members each logged one value (a task scored on few examples): the
+    difference is said, with no verdict of noise (their standard error is 0)."""
+    a, b = mean_std([0.4, 0.4]), mean_std([0.6, 0.6])
+    line = sweep_summary.difference_text("task/x/acc", difference({"m": a}, {"m": b}, "m"))
+    assert line == (
+        "task/x/acc: difference +0.2 ± 0: each group's members logged one value, no spread to "
+        "judge it against"
+    )
+
+
 def test_the_difference_of_two_groups_has_its_standard_error():
     a, b = mean_std([1.0, 2.0, 3.0]), mean_std([3.0, 4.0, 5.0, 6.0])
     assert a == {"mean": 2.0, "std": 1.0, "n": 3}
@@ -370,6 +381,12 @@ def test_compare_two_groups_says_the_difference_its_error_and_whether_it_is_nois
     diff = difference(a, b, "eval_loss")
     assert f"eval_loss: difference {diff['difference']:+.4g} ± {diff['stderr']:.2g}" in printed
     assert ("within noise" if diff["within_noise"] else "beyond noise") in printed
+    metric = "task/sums/acc_norm"  # a downstream task's score, as any metric
+    assert (
+        main(["compare", f"{directory}:lr=1e-3", f"{directory}:lr=3e-3", "--metric", metric]) == 0
+    )
+    diff = difference(a, b, metric)
+    assert f"{metric}: difference {diff['difference']:+.4g}" in capsys.readouterr().out
     assert main(["compare", str(directory), str(directory / MEMBERS[0])]) == 2
     assert "compare takes two sweeps" in capsys.readouterr().err
     assert main(["compare", f"{directory}:lr=1", f"{directory}:lr=3e-3"]) == 2
