@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from subprocess_env import subprocess_env
 
+from flaxformer_lite.cli import main
 from flaxformer_lite.evals import Scorer, Tasks
 from flaxformer_lite.evals.tasks import read_tasks
 from flaxformer_lite.train.config import load_config
@@ -112,13 +113,10 @@ import json, sys
 import lm_eval
 from lm_eval.tasks import TaskManager
 import flaxformer_lite.evals.harness  # registers flaxformer_lite beside lm-eval's own models
-tasks_dir, run_dir, hf_dir, out = sys.argv[1:]
+tasks_dir, jobs, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
 manager = TaskManager(include_path=tasks_dir)
 found = {}
-for name, model, args, tasks in [
-    ("hf", "hf", f"pretrained={hf_dir},dtype=float32,max_length=%(length)d", %(hf_tasks)r),
-    ("ours", "flaxformer_lite", f"run_dir={run_dir},max_length=%(length)d", %(our_tasks)r),
-]:
+for name, (model, args, tasks) in jobs.items():
     result = lm_eval.simple_evaluate(
         model=model, model_args=args, tasks=tasks, task_manager=manager, log_samples=True,
         device="cpu", batch_size=4, bootstrap_iters=0,
@@ -131,11 +129,14 @@ for name, model, args, tasks in [
     found[name]["results"] = result["results"]
 json.dump(found, open(out, "w"), default=str)
 """
+IMPORTED = ("gpt2", "llama")  # random checkpoints: GPT-2's tokenizer adds no BOS, Llama's does
 
 
 @pytest.fixture(scope="module")
-def scored(tmp_path_factory):
-    """The run, its export, the task files, and what lm-eval's two models gave on them."""
+def scored(tmp_path_factory, hf):
+    """The run, its export, two imported checkpoints, the task files, and what lm-eval's
+    models gave on them."""
+    import hf_checkpoints
     import lm_eval
 
     root = tmp_path_factory.mktemp("lm_eval")
@@ -182,16 +183,23 @@ def scored(tmp_path_factory):
         else:
             config |= OWN[name]
         (tasks_dir / f"t_{name}.yaml").write_text(json.dumps(config))
+    hf_checkpoints.gpt2_dir(hf.transformers, hf.torch, root / "gpt2")
+    hf_checkpoints.llama_dir(hf.transformers, hf.torch, root / "llama")
     scoring = [f"t_{name}" for name in [*INCLUDED, "choice"]]
-    script = SCRIPT % {
-        "length": LENGTH,
-        "hf_tasks": [*scoring, "t_echo"],
-        "our_tasks": [*scoring, "t_echo", "t_corpus"],
+    hf_args = f"dtype=float32,max_length={LENGTH}"
+    jobs = {
+        "hf": ["hf", f"pretrained={root / 'hf'},{hf_args}", [*scoring, "t_echo"]],
+        "ours": [
+            "flaxformer_lite",
+            f"run_dir={run_dir},max_length={LENGTH}",
+            [*scoring, "t_echo", "t_corpus"],
+        ],
+        **{name: ["hf", f"pretrained={root / name},{hf_args}", scoring] for name in IMPORTED},
     }
     out = root / "lm_eval.json"
     offline = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(root / "hf_home")}
     done = subprocess.run(
-        [sys.executable, "-c", script, str(tasks_dir), str(run_dir), str(root / "hf"), str(out)],
+        [sys.executable, "-c", SCRIPT, str(tasks_dir), json.dumps(jobs), str(out)],
         env=subprocess_env(1, **offline),
         capture_output=True,
         text=True,
@@ -226,22 +234,27 @@ def test_our_lm_eval_model_scores_as_lm_evals_hugging_face_model(scored):
 
 
 @pytest.mark.slow
-def test_our_evaluator_gives_lm_evals_numbers(scored):
-    """The run's ``evals`` tasks, read by our formats from the same files: lm-eval's
-    log-likelihoods example by example, and the adapter's perplexities of a text."""
+@pytest.mark.parametrize("source", ["run", *IMPORTED])
+def test_our_evaluator_gives_lm_evals_numbers(scored, source, tmp_path):
+    """The run's ``evals`` tasks, read by our formats from the same files, on the run, and on
+    imported Hugging Face checkpoints (``evaluate --hf-dir``): lm-eval's log-likelihoods example
+    by example; on the run, the adapter's perplexities of a text too."""
     root, found = scored
     overrides = [f"evals.tasks.{name}.path={root / name}.jsonl" for name in [*INCLUDED, "choice"]]
-    overrides += [
-        f"evals.tasks.corpus.path={root / 'corpus.jsonl'}",
-        "evals.tasks.corpus.format=text",
-    ]
-    downstream = read_tasks(load_config(None, overrides).evals)
-    model, tokenizer = load_decoder(run_dir=root / "run")
-    tasks = Tasks(downstream, tokenizer, LENGTH)
-    loglikelihood, _ = Scorer(rows=4, length=LENGTH)(model, tasks.requests)
-    values = tasks.metrics(loglikelihood, _)
+    if source == "run":
+        overrides += [
+            f"evals.tasks.corpus.path={root / 'corpus.jsonl'}",
+            "evals.tasks.corpus.format=text",
+        ]
+        model, tokenizer = load_decoder(run_dir=root / "run")
+        reference = found["hf"]
+    else:
+        model, tokenizer = load_decoder(hf_dir=root / source)
+        reference = found[source]
+    tasks = Tasks(read_tasks(load_config(None, overrides).evals), tokenizer, LENGTH)
+    loglikelihood, greedy = Scorer(rows=4, length=LENGTH)(model, tasks.requests)
+    values = tasks.metrics(loglikelihood, greedy)
     for task, span in zip(tasks.tasks, tasks.spans, strict=True):
-        mine = loglikelihood[span]
         if task.name == "corpus":
             results = found["ours"]["results"]["t_corpus"]
             for metric in ("word_perplexity", "byte_perplexity"):
@@ -249,9 +262,18 @@ def test_our_evaluator_gives_lm_evals_numbers(scored):
                     results[f"{metric},none"], rel=1e-4
                 )
             continue
-        theirs = np.concatenate(_lls(found["hf"][f"t_{task.name}"]))
-        np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=2e-4, err_msg=task.name)
-        results = found["hf"]["results"][f"t_{task.name}"]
+        theirs = np.concatenate(_lls(reference[f"t_{task.name}"]))
+        np.testing.assert_allclose(
+            loglikelihood[span], theirs, rtol=1e-5, atol=2e-4, err_msg=task.name
+        )
+        results = reference["results"][f"t_{task.name}"]
         assert values[f"task/{task.name}/acc"] == pytest.approx(results["acc,none"]), task.name
         if "acc_norm,none" in results:
             assert values[f"task/{task.name}/acc_norm"] == pytest.approx(results["acc_norm,none"])
+    # The command, on the same directory and tasks.
+    where = (
+        ["--run-dir", str(root / "run")] if source == "run" else ["--hf-dir", str(root / source)]
+    )
+    argv = [*where, "--max-length", str(LENGTH), "--json", str(tmp_path / "scores.json")]
+    assert main(["evaluate", *argv, *overrides]) == 0
+    assert json.loads((tmp_path / "scores.json").read_text()) == pytest.approx(values, rel=1e-5)
