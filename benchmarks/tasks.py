@@ -16,7 +16,9 @@ in positions a second: the tokens the requests fill (tasks), every position of a
 that requests fill (the rest is packing's padding).
 
 Then ``--steps`` steps of the config trained with the tasks every ``--every`` steps, and the
-tasks' share of that run's wall time (the closing line's ``tasks`` part over its total).
+tasks' share of that run's wall time (the closing line's ``tasks`` part over its total). The
+checks: scoring at half the forward pass's throughput or more, packing filling 85% of the
+positions or more.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ from flaxformer_lite.train.loop import run
 from flaxformer_lite.train.time_spent import TimeSpent
 
 TASKS = {"next_line": "builtin:shakespeare_next_line", "last_word": "builtin:shakespeare_last_word"}
+# What the checks hold scoring to: most of the forward pass's throughput, little padding.
+MIN_RATIO, MIN_FILLED = 0.5, 0.85
 
 
 def parser() -> argparse.ArgumentParser:
@@ -121,16 +125,24 @@ def main(argv: list[str] | None = None) -> dict:
         row |= run_share(config, args.steps, args.every, args.limit)
         rows.append(row)
     print(
-        "config  rows  requests  positions (filled)  tasks pos/s  forward pos/s  ratio  "
-        "run: tasks s / wall s"
+        "| config | rows | requests | positions (filled) | tasks pos/s | forward pos/s | "
+        "tasks / forward | a run: tasks s / wall s |"
     )
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         print(
-            f"{row['config']}  {row['rows']}  {row['requests']}  {row['positions']:,} "
-            f"({row['filled']:.0%})  {row['tasks_per_sec']:,.0f}  {row['forward_per_sec']:,.0f}  "
-            f"{row['ratio']:.2f}x  {row['tasks_seconds']:.1f} / {row['run_seconds']:.1f} "
-            f"({row['share']:.1%})"
+            f"| `{row['config']}` | {row['rows']} | {row['requests']:,} | {row['positions']:,} "
+            f"({row['filled']:.0%}) | {row['tasks_per_sec']:,.0f} | {row['forward_per_sec']:,.0f} "
+            f"| {row['ratio']:.2f}x | {row['tasks_seconds']:.1f} / {row['run_seconds']:.1f} "
+            f"({row['share']:.1%}) |"
         )
+    for row in rows:
+        checks = (
+            (row["ratio"] >= MIN_RATIO, f"scoring at {MIN_RATIO}x the forward pass or more"),
+            (row["filled"] >= MIN_FILLED, f"packing fills {MIN_FILLED:.0%} of the positions"),
+        )
+        for passed, what in checks:
+            print(f"{'PASS' if passed else 'FAIL'}: {row['config']}: {what}")
     print(json.dumps(rows))
     return {"rows": rows}
 

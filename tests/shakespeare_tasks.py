@@ -45,8 +45,10 @@ def make_tasks(text: str) -> dict[str, list[dict]]:
         words = body[i].split(" ")
         cut = len(words) // 2
         if len(next_line) < EXAMPLES:
-            others = [long[j] for j in rng.choice(len(long), CHOICES - 1, replace=False)]
-            endings = [" ".join(o[1][o[2]].split(" ")[cut:]) for o in others]
+            # Other lines with words past the cut: every choice has some.
+            others = [e for e in long if len(e[1][e[2]].split(" ")) > cut]
+            picked = [others[j] for j in rng.choice(len(others), CHOICES - 1, replace=False)]
+            endings = [" ".join(o[1][o[2]].split(" ")[cut:]) for o in picked]
             truth = " ".join(words[cut:])
             if truth not in endings:
                 answer = int(rng.integers(CHOICES))

@@ -3,6 +3,7 @@ global batches, one-document rows per task, eval batches, and the prefetching it
 errors and shutdown."""
 
 import dataclasses
+import gc
 import json
 import threading
 import time
@@ -250,6 +251,21 @@ def test_errors_in_the_thread_surface_on_next_in_order_and_close_stops_it():
     assert len(prefetch_threads()) == before
     with pytest.raises(ValueError, match="closed"):
         next(iterator)
+
+
+def test_an_iterator_dropped_without_close_ends_its_thread():
+    """Its thread holds it weakly: once collected, the thread, waiting on a full queue, ends."""
+    before = set(prefetch_threads())
+    iterator = TrainIterator(lambda step: {"step": step}, {}, prefetch=2)
+    next(iterator)
+    [thread] = set(prefetch_threads()) - before
+    deadline = time.monotonic() + 60
+    while iterator._worker._queue.qsize() < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)  # the queue full: the thread waits for room
+    del iterator
+    gc.collect()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
 
 
 def test_a_slow_consumer_never_waits_for_a_faster_pipeline():

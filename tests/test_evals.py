@@ -118,12 +118,36 @@ def test_encode_pair_is_lm_evals(bpe):
     assert [(r.context, r.continuation) for r in got] == expected
 
 
-def test_requests_keep_their_last_tokens():
+def test_requests_keep_their_last_tokens_and_refuse_what_a_row_cannot_score():
     request = Request(tuple(range(1, 11)), (20, 21))
     assert request.tokens(5) == (7, 8, 9, 10, 20, 21) and request.cut(5)
     assert not request.cut(11)
     with pytest.raises(ValueError, match="adds no token"):
         encode_pair(ByteTokenizer(), "context", "")
+    with pytest.raises(ValueError, match="the continuation is 3 tokens, more than the 2"):
+        list(pack([Request((1,), (5, 6, 7))], rows=1, length=2))
+    with pytest.raises(ValueError, match="a request needs a context"):
+        list(pack([Request((), (5, 6))], rows=1, length=8))
+
+
+def test_a_context_of_spaces_without_sos_starts_from_sos():
+    """A tokenizer whose inputs start with no <sos> (GPT-2's): a context of spaces alone
+    moves them to the continuation and leaves <sos>, as an empty context does."""
+
+    class NoBos(ByteTokenizer):
+        add_bos = False
+
+    request = encode_pair(NoBos(), "  ", "ab")
+    assert request.context == (NoBos.sos_id,)
+    assert request.continuation == tuple(NoBos().encode("  ab"))
+
+
+def test_the_adapter_reads_lm_evals_batch_size():
+    from flaxformer_lite.evals.harness import _rows
+
+    assert [_rows(v) for v in ("16", 4, None, "auto", "auto:4")] == [16, 4, 16, 16, 16]
+    with pytest.raises(ValueError, match="batch_size must be a positive number or auto"):
+        _rows("many")
 
 
 def _spaces(text: str) -> list[int]:
@@ -202,7 +226,7 @@ def test_last_word_and_text_metrics_are_their_formulas(bpe):
     texts = [Passage("one two  three", "f"), Passage("é four", "f:2")]
     text = Text("t", texts)
     requests = text.requests(bpe, 4)
-    tokens = sum(len(bpe.encode(p.text)) for p in texts)
+    tokens = sum(1 + len(bpe.encode(p.text)) for p in texts)  # <sos> and the text's, as lm-eval
     assert sum(len(r.continuation) for r in requests) == tokens == text.size
     loglikelihood = -np.arange(1.0, len(requests) + 1)
     values = text.metrics(loglikelihood, np.zeros(len(requests), bool))
@@ -297,6 +321,11 @@ def test_arc_piqa_choice_and_lambada_formats(tmp_path):
             ":1: the answer's index 2 is out of range for 2 choices",
         ),
         ('{"context": "c", "choices": [], "answer": 0}\n', "choice", ":1: no choices"),
+        (
+            '{"context": "c", "choices": ["a", ""], "answer": 0}\n',
+            "choice",
+            ":1: choice 1 is empty",
+        ),
         ('{"context": "c", "answer": 0}\n', "choice", ":1: no field 'choices'"),
         ('{"context": "c", "choices": [1], "answer": 0}\n', "choice", ":1: choices holds int"),
         (

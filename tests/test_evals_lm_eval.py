@@ -5,10 +5,10 @@ tested) and its Hugging Face export:
 * lm-eval's Hugging Face model (``--model hf``) on the export, and our lm-eval model
   (``flaxformer_lite``, :mod:`flaxformer_lite.evals.harness`) on the run, score the same
   lm-eval tasks (HellaSwag, ARC-Easy, PIQA, LAMBADA from lm-eval's own YAMLs, a plain choice
-  task, over local files): the same log-likelihoods, greedy flags, acc and acc_norm, example
-  by example, and the same greedy generations;
+  task, a text's rolling log-likelihood, over local files): the same log-likelihoods, greedy
+  flags, acc and acc_norm, example by example, and the same greedy generations;
 * our own evaluator (the run's ``evals``: the task files read by our formats) gives those
-  log-likelihoods too, and a text's rolling windows the adapter's perplexities.
+  numbers too, on the run and on imported GPT-2 (no BOS) and Llama (BOS) checkpoints.
 
 lm-eval runs in one subprocess (it imports torch, datasets and transformers), offline, with
 no bootstrapped standard errors (their pool forks a process that holds JAX's threads).
@@ -185,14 +185,14 @@ def scored(tmp_path_factory, hf):
         (tasks_dir / f"t_{name}.yaml").write_text(json.dumps(config))
     hf_checkpoints.gpt2_dir(hf.transformers, hf.torch, root / "gpt2")
     hf_checkpoints.llama_dir(hf.transformers, hf.torch, root / "llama")
-    scoring = [f"t_{name}" for name in [*INCLUDED, "choice"]]
+    scoring = [f"t_{name}" for name in [*INCLUDED, "choice", "corpus"]]
     hf_args = f"dtype=float32,max_length={LENGTH}"
     jobs = {
         "hf": ["hf", f"pretrained={root / 'hf'},{hf_args}", [*scoring, "t_echo"]],
         "ours": [
             "flaxformer_lite",
             f"run_dir={run_dir},max_length={LENGTH}",
-            [*scoring, "t_echo", "t_corpus"],
+            [*scoring, "t_echo"],
         ],
         **{name: ["hf", f"pretrained={root / name},{hf_args}", scoring] for name in IMPORTED},
     }
@@ -225,6 +225,10 @@ def test_our_lm_eval_model_scores_as_lm_evals_hugging_face_model(scored):
             greedy = [[resp[0][1] for resp in s["resps"]] for s in (a, b)]
             assert greedy[0] == greedy[1], where
             assert (a["acc"], a["acc_norm"]) == (b["acc"], b["acc_norm"]), where
+    # A text's rolling windows: the same perplexities.
+    for metric in ("word_perplexity,none", "byte_perplexity,none"):
+        theirs, ours = (found[name]["results"]["t_corpus"][metric] for name in ("hf", "ours"))
+        assert ours == pytest.approx(theirs, rel=1e-4), metric
     assert found["ours"]["results"]["t_hellaswag"]["acc_norm,none"] == pytest.approx(
         found["hf"]["results"]["t_hellaswag"]["acc_norm,none"]
     )
@@ -238,14 +242,14 @@ def test_our_lm_eval_model_scores_as_lm_evals_hugging_face_model(scored):
 def test_our_evaluator_gives_lm_evals_numbers(scored, source, tmp_path):
     """The run's ``evals`` tasks, read by our formats from the same files, on the run, and on
     imported Hugging Face checkpoints (``evaluate --hf-dir``): lm-eval's log-likelihoods example
-    by example; on the run, the adapter's perplexities of a text too."""
+    by example, and its perplexities of a text."""
     root, found = scored
     overrides = [f"evals.tasks.{name}.path={root / name}.jsonl" for name in [*INCLUDED, "choice"]]
+    overrides += [
+        f"evals.tasks.corpus.path={root / 'corpus.jsonl'}",
+        "evals.tasks.corpus.format=text",
+    ]
     if source == "run":
-        overrides += [
-            f"evals.tasks.corpus.path={root / 'corpus.jsonl'}",
-            "evals.tasks.corpus.format=text",
-        ]
         model, tokenizer = load_decoder(run_dir=root / "run")
         reference = found["hf"]
     else:
@@ -255,8 +259,8 @@ def test_our_evaluator_gives_lm_evals_numbers(scored, source, tmp_path):
     loglikelihood, greedy = Scorer(rows=4, length=LENGTH)(model, tasks.requests)
     values = tasks.metrics(loglikelihood, greedy)
     for task, span in zip(tasks.tasks, tasks.spans, strict=True):
-        if task.name == "corpus":
-            results = found["ours"]["results"]["t_corpus"]
+        if task.name == "corpus":  # a text's rolling windows: <sos> scored where it is a token
+            results = reference["results"]["t_corpus"]
             for metric in ("word_perplexity", "byte_perplexity"):
                 assert values[f"task/corpus/{metric}"] == pytest.approx(
                     results[f"{metric},none"], rel=1e-4

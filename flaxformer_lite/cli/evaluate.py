@@ -15,8 +15,7 @@ import time
 
 from flaxformer_lite.cli.errors import guarded, notice, say
 from flaxformer_lite.cli.flags import CommandParser, add_trust_code
-
-DEFAULT_ROWS = 16
+from flaxformer_lite.evals.config import DEFAULT_ROWS
 
 
 def evaluate_main(argv: list[str] | None = None) -> int:

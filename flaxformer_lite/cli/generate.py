@@ -18,14 +18,10 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-from typing import TYPE_CHECKING
 
 from flaxformer_lite.cli.errors import guarded, notice, say
 from flaxformer_lite.cli.flags import CommandParser, add_trust_code
 from flaxformer_lite.cli.library_log import library_log_to
-
-if TYPE_CHECKING:
-    pass
 
 
 def generate_main(argv: list[str] | None = None, prog: str = "flaxformer-lite generate") -> int:

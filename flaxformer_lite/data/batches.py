@@ -14,6 +14,7 @@ import dataclasses
 import json
 import queue
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -145,27 +146,47 @@ def _padded(batch: dict[str, np.ndarray], layout: Layout) -> dict[str, np.ndarra
     return {k: np.pad(v, [(0, padding)] + [(0, 0)] * (v.ndim - 1)) for k, v in batch.items()}
 
 
+# How often a prefetch thread waiting for room in its queue looks whether it is to stop.
+_WAKE = 0.5
+
+
 class _Prefetch:
     """A daemon thread that makes the batches of steps ``first``, ``first + 1``, ... into a
-    queue of ``size``; an exception it meets is queued in place of the batch."""
+    queue of ``size``; an exception it meets is queued in place of the batch. It holds its
+    iterator's ``make`` weakly: an iterator dropped without ``close`` is collected, and the
+    thread ends within :data:`_WAKE` seconds (the batches it made, on the devices, freed)."""
 
     def __init__(self, make, first: int, size: int):
         self._queue: queue.Queue = queue.Queue(maxsize=size)
         self._stopping = threading.Event()
         self._thread = threading.Thread(
-            target=self._run, args=(make, first), name="flaxformer-lite-prefetch", daemon=True
+            target=self._run,
+            args=(weakref.WeakMethod(make), first),
+            name="flaxformer-lite-prefetch",
+            daemon=True,
         )
         self._thread.start()
 
-    def _run(self, make, step: int) -> None:
-        while not self._stopping.is_set():
+    def _run(self, made: weakref.WeakMethod, step: int) -> None:
+        while not self._stopping.is_set() and (make := made()) is not None:
             try:
                 item = (make(step), None)
             except BaseException as error:  # handed to the consumer, which raises it
-                self._queue.put((None, error))
+                item = (None, error)
+            del make  # while the queue is full, the iterator may be collected
+            if not self._put(item) or item[1] is not None:
                 return
-            self._queue.put(item)  # blocks while the queue is full; stop() makes room
             step += 1
+
+    def _put(self, item) -> bool:
+        """Queues ``item`` once there is room; False if asked to stop meanwhile."""
+        while not self._stopping.is_set():
+            try:
+                self._queue.put(item, timeout=_WAKE)
+                return True
+            except queue.Full:
+                continue
+        return False
 
     def get(self) -> dict[str, np.ndarray]:
         batch, error = self._queue.get()
@@ -267,7 +288,7 @@ class TrainIterator:
             self._worker = None
 
     def __del__(self):
-        # Only the flag: at interpreter exit the queue module may already be torn down, and the
-        # daemon thread, blocked on a full queue or not, ends with the interpreter.
+        # Only the flag, which the thread reads within _WAKE seconds: at interpreter exit the
+        # queue module may already be torn down, and the daemon thread ends with the interpreter.
         if self._worker is not None:
             self._worker.request_stop()

@@ -12,8 +12,20 @@ lm-eval itself (:mod:`.harness`).
 from flaxformer_lite.evals.config import EvalsConfig, TaskFile
 from flaxformer_lite.evals.formats import FORMATS, TaskFileError, read_task_file
 from flaxformer_lite.evals.requests import Request, encode_pair, pack, rolling_requests
-from flaxformer_lite.evals.score import Scorer, request_scores
 from flaxformer_lite.evals.tasks import Tasks, load_task
+
+# The scoring needs JAX: imported when first named, so that reading task files and configs
+# (and every command's --help) does not import it.
+_SCORING = ("Scorer", "request_scores")
+
+
+def __getattr__(name: str):
+    if name in _SCORING:
+        from flaxformer_lite.evals import score
+
+        return getattr(score, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "FORMATS",

@@ -13,7 +13,11 @@ from __future__ import annotations
 import dataclasses
 
 from flaxformer_lite.data.config import METRIC_NAME
+from flaxformer_lite.data.readers import BUILTIN
+from flaxformer_lite.evals.formats import BUILTIN_TASKS, FORMATS
 from flaxformer_lite.settings import setting
+
+DEFAULT_ROWS = 16  # rows of a scoring batch where no run's train.batch_size gives them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,13 +27,13 @@ class TaskFile:
 
     path: str = setting(
         "",
-        help="the task's file (jsonl; a text file for format text), or builtin:"
-        "shakespeare_next_line or builtin:shakespeare_last_word",
+        help="the task's file (jsonl; a text file for format text), or one of "
+        + ", ".join(BUILTIN + name for name in BUILTIN_TASKS),
     )
     format: str | None = setting(
         None,
-        help="hellaswag, arc, piqa, choice (context, choices, answer), lambada or text "
-        "(perplexity); null: a built-in task's own, else the task's name",
+        help=", ".join(FORMATS) + " (docs/reference.md); null: a built-in task's own, else the "
+        "task's name",
     )
     limit: int | None = setting(None, help="score the first this many examples; null: all")
 

@@ -10,7 +10,8 @@
   task of one's own: ``{"context": ..., "choices": [...], "answer": 0}``;
 * a passage's last word (:class:`Passage`): ``lambada`` (``{"text": ...}``, LAMBADA's jsonl);
 * text whose perplexity is measured (:class:`Passage`): ``text``, a text file (one document)
-  or jsonl with a ``text`` field (one document per line).
+  or a ``.jsonl`` file (``.jsonl.gz``, ``.jsonl.xz``) with a ``text`` field (one document per
+  line).
 
 Two tasks ship with the package, made from the part of Tiny Shakespeare that the
 ``shakespeare_char`` recipe holds out (``tests/shakespeare_tasks.py`` makes them):
@@ -124,16 +125,15 @@ class Format:
 
     kind: str
     read: Callable[[dict, str], Choice | Passage]
-    fields: str
 
 
 FORMATS: dict[str, Format] = {
-    "hellaswag": Format("choice", _hellaswag, "activity_label, ctx_a, ctx_b, endings, label"),
-    "arc": Format("choice", _arc, "question, choices {text, label}, answerKey"),
-    "piqa": Format("choice", _piqa, "goal, sol1, sol2, label"),
-    "choice": Format("choice", _plain_choice, "context, choices, answer"),
-    "lambada": Format("last_word", _lambada, "text"),
-    "text": Format("text", _document, "a text file, or jsonl with text"),
+    "hellaswag": Format("choice", _hellaswag),
+    "arc": Format("choice", _arc),
+    "piqa": Format("choice", _piqa),
+    "choice": Format("choice", _plain_choice),
+    "lambada": Format("last_word", _lambada),
+    "text": Format("text", _document),
 }
 # lm-eval's task names for the same formats.
 ALIASES = {"arc_easy": "arc", "arc_challenge": "arc", "lambada_openai": "lambada"}
@@ -192,7 +192,7 @@ def read_task_file(path: str | Path, format: str, limit: int | None = None) -> l
     path = task_path(path)
     examples: list = []
     try:
-        if reader.kind == "text" and path.suffix != ".jsonl":
+        if reader.kind == "text" and ".jsonl" not in path.suffixes:  # x.jsonl.gz is jsonl
             return [Passage(readers.read_text(path), str(path))]
         for where, obj in readers.iter_json_objects(path):
             if limit is not None and len(examples) == limit:
@@ -237,6 +237,8 @@ def _index(value: int | str, where: str, field: str) -> int:
 def _choice(context: str, choices: list[str], answer: int, where: str) -> Choice:
     if not choices:
         raise TaskFileError(f"{where}: no choices")
+    if "" in choices:  # acc_norm divides by its length
+        raise TaskFileError(f"{where}: choice {choices.index('')} is empty")
     if not 0 <= answer < len(choices):
         raise TaskFileError(
             f"{where}: the answer's index {answer} is out of range for {len(choices)} choices"

@@ -16,7 +16,7 @@ lm-eval's own command line, every flag as ``lm_eval`` takes it. From Python::
 ``model_args``: ``run_dir`` (with ``step``, default the newest) or ``hf_dir``; ``max_length``,
 the positions a request is cut to from the left (default the model's ``max_length``, as lm-eval's
 Hugging Face model reads its ``n_positions``); ``trust_code`` for a run with code of its own.
-``batch_size`` is the rows of one scoring batch (``auto``: 8). The log-likelihoods are those of
+``batch_size`` is the rows of one scoring batch (``auto``: 16). The log-likelihoods are those of
 ``flaxformer-lite evaluate`` and of a run's ``evals`` (:mod:`flaxformer_lite.evals`): one
 implementation, held to lm-eval's Hugging Face model on our export by the tests.
 """
@@ -31,10 +31,9 @@ import numpy as np
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
+from flaxformer_lite.evals.config import DEFAULT_ROWS
 from flaxformer_lite.evals.requests import encode_pair, rolling_requests, text_ids
 from flaxformer_lite.evals.score import Scorer
-
-DEFAULT_ROWS = 8
 
 
 @register_model("flaxformer_lite")
@@ -59,21 +58,27 @@ class FlaxformerLM(LM):
             run_dir=run_dir, hf_dir=hf_dir, step=step, trust_code=trust_code, who="lm-eval"
         )
         self.length = int(max_length or self.model.config.max_length)
-        rows = batch_size if isinstance(batch_size, int) and batch_size > 0 else DEFAULT_ROWS
-        self.scorer = Scorer(rows=rows, length=self.length)
-        self.rows = rows
+        self.rows = _rows(batch_size)
+        self.scorer = Scorer(rows=self.rows, length=self.length)
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """Each ``(context, continuation)``'s log-likelihood and whether it is greedy.
+
+        Raises:
+          ValueError: a continuation longer than ``max_length`` tokens (lm-eval's Hugging
+            Face model would score the wrong positions).
+        """
         scored = [encode_pair(self.tokenizer, *request.args) for request in requests]
         loglikelihood, greedy = self.scorer(self.model, scored)
         return [(float(a), bool(b)) for a, b in zip(loglikelihood, greedy, strict=True)]
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-        """Each text's tokens after ``<sos>``, in windows of ``max_length``."""
+        """Each text's tokens (``<sos>`` first where the tokenizer starts inputs with it) after
+        a ``<sos>``, in windows of ``max_length``."""
         windows, owners = [], []
         for number, request in enumerate(requests):
             (text,) = request.args
-            ids = self.tokenizer.encode(text)
+            ids = text_ids(self.tokenizer, text)  # as lm-eval's Hugging Face model's tok_encode
             parts = rolling_requests(ids, self.tokenizer.sos_id, self.length)
             windows += parts
             owners += [number] * len(parts)
@@ -106,6 +111,24 @@ class FlaxformerLM(LM):
                 for index, ids in zip(batch, written, strict=True):
                     answers[index] = _cut(self.tokenizer.decode(ids), until)
         return answers
+
+
+def _rows(batch_size: int | str | None) -> int:
+    """The rows of a batch from lm-eval's ``--batch_size`` (text on its command line): a
+    positive number, or ``auto`` / ``auto:N`` / none for :data:`~.config.DEFAULT_ROWS`.
+
+    Raises:
+      ValueError: anything else.
+    """
+    if batch_size is None or str(batch_size).startswith("auto"):
+        return DEFAULT_ROWS
+    try:
+        rows = int(batch_size)
+    except ValueError:
+        rows = 0
+    if rows < 1:
+        raise ValueError(f"batch_size must be a positive number or auto, got {batch_size!r}")
+    return rows
 
 
 def _generation(options: dict) -> tuple[tuple[str, ...], int, float, int]:

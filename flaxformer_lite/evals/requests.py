@@ -31,6 +31,17 @@ class Request:
     context: tuple[int, ...]
     continuation: tuple[int, ...]
 
+    def check(self, length: int) -> None:
+        """Raises ValueError unless the request can be scored in a row of ``length``: a
+        context, and a continuation of at most ``length`` tokens."""
+        if not self.context:
+            raise ValueError("a request needs a context, <sos> at least")
+        if len(self.continuation) > length:
+            raise ValueError(
+                f"the continuation is {len(self.continuation)} tokens, more than the {length} "
+                "positions a row scores"
+            )
+
     def tokens(self, length: int) -> tuple[int, ...]:
         """The request's last ``length + 1`` tokens: a row's ``length`` inputs and targets."""
         return (self.context + self.continuation)[-(length + 1) :]
@@ -65,7 +76,8 @@ def encode_pair(tokenizer: Tokenizer, context: str, continuation: str) -> Reques
             context, continuation = context[:-spaces], context[-spaces:] + continuation
         whole = text_ids(tokenizer, context + continuation)
         head = text_ids(tokenizer, context)
-        request = Request(head, whole[len(head) :])
+        # A context of spaces alone, with no <sos> to start it: <sos> alone, as an empty one.
+        request = Request(head or (tokenizer.sos_id,), whole[len(head) :])
     if not request.continuation:
         raise ValueError(f"the continuation {continuation!r} adds no token to its context")
     return request
@@ -98,7 +110,12 @@ def pack(
     A batch is an ``lm`` batch (``inputs``, ``targets``, ``weights`` 1 at the continuation's
     targets, ``segment_ids`` and ``positions`` of packed rows) with ``request`` int ``[B, T]``;
     the last batch's unused rows are padding (weight 0).
+
+    Raises:
+      ValueError: a request that :meth:`Request.check` refuses.
     """
+    for request in requests:
+        request.check(length)
     order = sorted(range(len(requests)), key=lambda i: -len(requests[i].tokens(length)))
     batch, indices, row, used = _empty(rows, length), [], 0, 0
     for index in order:

@@ -8,7 +8,10 @@ lm-evaluation-harness computes them from the same log-likelihoods:
   ``perplexity``, ``exp`` of the mean negative log-likelihood of the last words;
 * text: ``token_perplexity`` (``exp`` of the mean negative log-likelihood per token of the
   model's tokenizer), ``byte_perplexity``, ``bits_per_byte`` and ``word_perplexity`` (lm-eval's
-  ``loglikelihood_rolling`` metrics, over UTF-8 bytes and whitespace-separated words).
+  ``loglikelihood_rolling`` metrics, over UTF-8 bytes and whitespace-separated words). As
+  lm-eval's Hugging Face model, the text's tokens are those its inputs start with: a tokenizer
+  that starts them with ``<sos>`` (a run's, Llama's) has its ``<sos>`` scored, after a
+  ``<sos>``, as one of them.
 
 :class:`Tasks` holds a run's tasks tokenized once, their requests scored together.
 """
@@ -25,7 +28,7 @@ import numpy as np
 from flaxformer_lite.data.tokenizers import Tokenizer
 from flaxformer_lite.evals.config import EvalsConfig, TaskFile
 from flaxformer_lite.evals.formats import TaskFileError, format_named, format_of, read_task_file
-from flaxformer_lite.evals.requests import Request, encode_pair, rolling_requests
+from flaxformer_lite.evals.requests import Request, encode_pair, rolling_requests, text_ids
 
 # lm-eval's default target_delimiter: a choice or last word follows its context after it.
 DELIMITER = " "
@@ -57,8 +60,7 @@ def headline_metrics(keys) -> list[str]:
 
 
 class DownstreamTask(abc.ABC):
-    """A task file's examples (``examples``, of a file holding ``total`` of them at least) and
-    how they are scored."""
+    """A task file's examples and how they are scored."""
 
     unit = "examples"
 
@@ -116,7 +118,7 @@ class LastWord(DownstreamTask):
     def metrics(self, loglikelihood, greedy):
         return {
             "acc": float(np.mean(greedy)),
-            "perplexity": math.exp(min(-float(np.mean(loglikelihood)), 700.0)),
+            "perplexity": _exp(-float(np.mean(loglikelihood))),
         }
 
 
@@ -127,7 +129,7 @@ class Text(DownstreamTask):
         self._tokens = 0
         requests = []
         for example in self.examples:
-            ids = tokenizer.encode(example.text)
+            ids = text_ids(tokenizer, example.text)
             self._tokens += len(ids)
             requests.extend(rolling_requests(ids, tokenizer.sos_id, length))
         return requests
@@ -221,11 +223,10 @@ def _fitting(tokenizer, context: str, continuation: str, length: int, where: str
         request = encode_pair(tokenizer, context, DELIMITER + continuation)
     except ValueError as error:
         raise TaskFileError(f"{where}: {error}") from None
-    if len(request.continuation) > length:
-        raise TaskFileError(
-            f"{where}: the continuation is {len(request.continuation)} tokens, more than the "
-            f"{length} positions a row scores"
-        )
+    try:
+        request.check(length)
+    except ValueError as error:
+        raise TaskFileError(f"{where}: {error}") from None
     return request
 
 

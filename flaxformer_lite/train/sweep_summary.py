@@ -232,8 +232,8 @@ def difference_text(metric: str, diff: dict) -> str:
         return f"{metric}: difference {diff['difference']:+.4g} (one member: no error bar)"
     if diff["stderr"] == 0:  # a score of few examples: every seed gave the same one
         return (
-            f"{metric}: difference {diff['difference']:+.4g} ± 0: each group's members logged one "
-            "value, no spread to judge it against"
+            f"{metric}: difference {diff['difference']:+.4g} ± 0: each group's members all logged "
+            "the same value, no spread to judge it against"
         )
     verdict = (
         "within noise (under 2 standard errors)"

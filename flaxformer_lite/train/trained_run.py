@@ -145,7 +145,7 @@ def load_run(
 KIND_WORDS = {
     "decoder": "a decoder LM",
     "encoder_decoder": "an encoder-decoder",
-    "encoder": "an encoder",
+    "encoder": "an encoder-only model",
 }
 
 
@@ -170,7 +170,8 @@ def load_hf_checkpoint(
         needed = " or ".join(KIND_WORDS[kind] for kind in kinds)
         raise ValueError(
             f"{directory} holds {KIND_WORDS[architecture.kind]} "
-            f"({', '.join(hf_config.get('architectures') or ['bert'])}); {who} needs {needed}"
+            f"({', '.join(hf_config.get('architectures') or [str(hf_config.get('model_type'))])}); "
+            f"{who} needs {needed}"
         )
     tokenizer = load_hf_tokenizer(directory)
     model, _ = load_hf(directory)
