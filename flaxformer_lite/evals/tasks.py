@@ -125,6 +125,10 @@ class LastWord(DownstreamTask):
 class Text(DownstreamTask):
     unit = "tokens"
 
+    def __init__(self, name: str, examples: list):
+        super().__init__(name, examples)
+        self._tokens = 0  # counted by requests(), with the tokenizer
+
     def requests(self, tokenizer, length):
         self._tokens = 0
         requests = []
