@@ -7,10 +7,12 @@ Compiling is most of the suite's time on a CPU:
 
 * JAX's persistent compilation cache is on, in one directory for the whole session. It is set
   up through environment variables, so this process, the pytest-xdist workers (started with
-  its environment after this file is imported) and the subprocesses tests start share it.
-  Several end-to-end tests compile the same programs (the default run's train step above
-  all); each is compiled once. The cache is keyed by the program, the compile options, the
-  XLA flags and the devices, so a hit runs the very executable a compile would have produced.
+  its environment after this file is imported) and the subprocesses tests start share it:
+  the subprocesses write it, every process reads it (in-process compiles are not written,
+  see below). Several end-to-end tests compile the same programs (the default run's train
+  step above all): what one subprocess compiled, the others and the workers read back. The
+  cache is keyed by the program, the compile options, the XLA flags and the devices, so a
+  hit runs the very executable a compile would have produced.
   Set ``JAX_COMPILATION_CACHE_DIR`` yourself to keep a cache between sessions; otherwise a
   temporary one is removed at the end of the session.
 * A module marked ``pytestmark = pytest.mark.fast_compile`` compiles with XLA's LLVM backend
@@ -54,6 +56,11 @@ from flaxformer_lite.train import host_memory  # noqa: E402
 
 # Reference comparisons at float32 round-off need full-precision matmuls on every backend.
 jax.config.update("jax_default_matmul_precision", "highest")
+# This process (a worker's in-process tests) reads the session's cache but writes nothing to it:
+# XLA:CPU's serialization of an executable for the cache (jax's put_executable_and_time) has
+# crashed a long-lived worker (SIGSEGV, SIGABRT) in full runs, never a test's short subprocess,
+# and the subprocesses keep writing it (JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS below).
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
 
 _NO_OPTIMIZATIONS = "jax_disable_most_optimizations"
 

@@ -128,6 +128,11 @@ for name, (model, args, tasks) in jobs.items():
     }
     found[name]["results"] = result["results"]
 json.dump(found, open(out, "w"), default=str)
+# lm-eval's own command line with our model registered (python -m flaxformer_lite.evals.harness).
+flaxformer_lite.evals.harness.main([
+    "--model", "flaxformer_lite", "--model_args", jobs["ours"][1], "--tasks", "t_choice",
+    "--include_path", tasks_dir, "--batch_size", "4", "--output_path", out + ".cli",
+])
 """
 IMPORTED = ("gpt2", "llama")  # random checkpoints: GPT-2's tokenizer adds no BOS, Llama's does
 
@@ -215,7 +220,7 @@ def _lls(samples) -> list[list[float]]:
 
 @pytest.mark.slow
 def test_our_lm_eval_model_scores_as_lm_evals_hugging_face_model(scored):
-    _, found = scored
+    root, found = scored
     for task in [f"t_{name}" for name in [*INCLUDED, "choice"]]:
         theirs, ours = found["hf"][task], found["ours"][task]
         assert len(theirs) == len(ours) == len(FILES[task[2:]]), task
@@ -232,6 +237,10 @@ def test_our_lm_eval_model_scores_as_lm_evals_hugging_face_model(scored):
     assert found["ours"]["results"]["t_hellaswag"]["acc_norm,none"] == pytest.approx(
         found["hf"]["results"]["t_hellaswag"]["acc_norm,none"]
     )
+    # The command line (lm-eval's, our model registered) wrote the same scores.
+    [written] = (root / "lm_eval.json.cli").rglob("results_*.json")
+    results = json.loads(written.read_text())["results"]["t_choice"]
+    assert results["acc_norm,none"] == found["ours"]["results"]["t_choice"]["acc_norm,none"]
     # Greedy generation until "!": the same text from both models.
     generated = [[s["resps"][0][0] for s in found[name]["t_echo"]] for name in ("hf", "ours")]
     assert generated[0] == generated[1] and generated[0][0], generated

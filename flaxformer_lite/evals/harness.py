@@ -150,8 +150,13 @@ def _cut(text: str, until: tuple[str, ...]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """lm-eval's command line with ``flaxformer_lite`` registered."""
+    import multiprocessing
+
     from lm_eval.__main__ import cli_evaluate
 
+    # lm-eval's bootstrapped standard errors run in a process pool; a forked child of this
+    # process, which holds JAX's threads, may deadlock.
+    multiprocessing.set_start_method("spawn", force=True)
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
     cli_evaluate()
