@@ -48,5 +48,6 @@ QUICK_FILES = frozenset(
         "test_transfer.py",
         "test_coord_check.py",
         "test_evals.py",
+        "test_interop_peft.py",
     }
 )

@@ -48,6 +48,9 @@ def evaluate_parser() -> CommandParser:
     )
     parser.add_argument("--step", type=int, help="the run's checkpoint (default: the newest)")
     parser.add_argument(
+        "--adapter", type=pathlib.Path, help="a PEFT LoRA adapter of --hf-dir, merged in"
+    )
+    parser.add_argument(
         "--max-length",
         type=int,
         help="positions a request is cut to, from the left (default: the model's max_length, "
@@ -100,6 +103,7 @@ def _evaluate(args) -> int:
         step=args.step,
         trust_code=args.trust_code,
         who="evaluate",
+        adapter=args.adapter,
     )
     length = args.max_length or model.config.max_length
     tasks = Tasks(downstream, tokenizer, length)

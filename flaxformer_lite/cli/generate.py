@@ -56,6 +56,12 @@ def parser(prog: str = "flaxformer-lite generate") -> argparse.ArgumentParser:
         "target.spm + vocab.json)",
     )
     p.add_argument(
+        "--adapter",
+        type=pathlib.Path,
+        help="a PEFT LoRA adapter of --hf-dir (adapter_config.json, adapter_model.safetensors), "
+        "merged into its weights",
+    )
+    p.add_argument(
         "--prompt",
         action="append",
         required=True,
@@ -120,12 +126,14 @@ def run(args: argparse.Namespace, say=print) -> int:
     from flaxformer_lite.decode.text import continue_or_translate, printable, translate_beam
     from flaxformer_lite.models import DecoderLM, EncoderDecoder
 
+    if args.hf_dir is None and args.adapter is not None:
+        raise ValueError("--adapter applies to --hf-dir, the adapter's base, not --run-dir")
     if args.hf_dir is not None:
         if args.step is not None:
             raise ValueError("--step applies to --run-dir, not --hf-dir")
         from flaxformer_lite.train.trained_run import load_hf_checkpoint
 
-        model, tokenizer = load_hf_checkpoint(args.hf_dir)
+        model, tokenizer = load_hf_checkpoint(args.hf_dir, adapter=args.adapter)
         add_bos, source = tokenizer.add_bos, args.hf_dir
     else:
         from flaxformer_lite.train.compilation_cache import use_compilation_cache

@@ -13,7 +13,8 @@ lm-eval's own command line, every flag as ``lm_eval`` takes it. From Python::
     import flaxformer_lite.evals.harness  # registers the model
     lm_eval.simple_evaluate(model="flaxformer_lite", model_args="run_dir=runs/x", tasks=[...])
 
-``model_args``: ``run_dir`` (with ``step``, default the newest) or ``hf_dir``; ``max_length``,
+``model_args``: ``run_dir`` (with ``step``, default the newest) or ``hf_dir`` (with a PEFT
+LoRA ``adapter`` of it); ``max_length``,
 the positions a request is cut to from the left (default the model's ``max_length``, as lm-eval's
 Hugging Face model reads its ``n_positions``); ``trust_code`` for a run with code of its own.
 ``batch_size`` is the rows of one scoring batch (``auto``: 16). The log-likelihoods are those of
@@ -49,13 +50,19 @@ class FlaxformerLM(LM):
         max_length: int | None = None,
         batch_size: int | str | None = None,
         trust_code: bool = False,
+        adapter: str | None = None,
         **lm_eval_options,  # device, max_batch_size: lm-eval's, for its own models
     ):
         super().__init__()
         from flaxformer_lite.train.trained_run import load_decoder
 
         self.model, self.tokenizer = load_decoder(
-            run_dir=run_dir, hf_dir=hf_dir, step=step, trust_code=trust_code, who="lm-eval"
+            run_dir=run_dir,
+            hf_dir=hf_dir,
+            step=step,
+            trust_code=trust_code,
+            who="lm-eval",
+            adapter=adapter,
         )
         self.length = int(max_length or self.model.config.max_length)
         self.rows = _rows(batch_size)

@@ -154,12 +154,14 @@ def load_hf_checkpoint(
     *,
     kinds: tuple[str, ...] = ("decoder", "encoder_decoder"),
     who: str = "generate",
+    adapter: pathlib.Path | str | None = None,
 ) -> tuple[nnx.Module, Tokenizer]:
     """The model (``interop.load_hf``, float32, eval mode) and tokenizer of a Hugging Face
-    checkpoint directory, a model of one of ``kinds`` (what ``who`` needs); the architecture and
-    the tokenizer are checked first, so a model of another kind or a directory without a
-    tokenizer fails before any weights are read (ValueError / FileNotFoundError naming the
-    directory and the files)."""
+    checkpoint directory, a model of one of ``kinds`` (what ``who`` needs), with the PEFT LoRA
+    ``adapter`` of that base merged in (``interop.merge_peft``); the architecture and the
+    tokenizer are checked first, so a model of another kind or a directory without a tokenizer
+    fails before any weights are read (ValueError / FileNotFoundError naming the directory and
+    the files)."""
     from flaxformer_lite.data.hf_tokenizer import load_hf_tokenizer
     from flaxformer_lite.interop import family_of, load_hf
     from flaxformer_lite.interop.common import read_config
@@ -174,7 +176,11 @@ def load_hf_checkpoint(
             f"{who} needs {needed}"
         )
     tokenizer = load_hf_tokenizer(directory)
-    model, _ = load_hf(directory)
+    model, cfg = load_hf(directory)
+    if adapter is not None:
+        from flaxformer_lite.interop.peft import merge_peft
+
+        merge_peft(model, cfg, adapter)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(
             f"{directory}: the tokenizer has {tokenizer.vocab_size} ids, the model "
@@ -190,9 +196,11 @@ def load_decoder(
     step: int | None = None,
     trust_code: bool = False,
     who: str = "scoring",
+    adapter: pathlib.Path | str | None = None,
 ) -> tuple[nnx.Module, Tokenizer]:
     """A decoder LM and its tokenizer, from a run directory (its checkpoint at ``step``,
-    default the newest; :func:`load_run`) or a Hugging Face checkpoint directory, for ``who``.
+    default the newest; :func:`load_run`) or a Hugging Face checkpoint directory (with a PEFT
+    LoRA ``adapter`` of it merged in), for ``who``.
 
     Raises:
       ValueError: neither or both directories, ``step`` with ``hf_dir``, a model that is not
@@ -203,7 +211,9 @@ def load_decoder(
     if hf_dir is not None:
         if step is not None:
             raise ValueError("a step applies to a run directory, not a Hugging Face directory")
-        return load_hf_checkpoint(hf_dir, kinds=("decoder",), who=who)
+        return load_hf_checkpoint(hf_dir, kinds=("decoder",), who=who, adapter=adapter)
+    if adapter is not None:
+        raise ValueError("a PEFT adapter applies to a Hugging Face directory, not a run directory")
     loaded = load_run(run_dir, step=step, trust_code=trust_code)
     kind = loaded.config.model.kind
     if kind != "decoder":
