@@ -59,7 +59,8 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # This process (a worker's in-process tests) reads the session's cache but writes nothing to it:
 # XLA:CPU's serialization of an executable for the cache (jax's put_executable_and_time) has
 # crashed a long-lived worker (SIGSEGV, SIGABRT) in full runs, never a test's short subprocess,
-# and the subprocesses keep writing it (JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS below).
+# and the subprocesses keep writing it (JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS below). The
+# worker also compiles one program at a time (fast_compile.one_compile_at_a_time).
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
 
 _NO_OPTIMIZATIONS = "jax_disable_most_optimizations"
@@ -89,6 +90,7 @@ def pytest_unconfigure(config):
 
 
 fast_compile.add_to_unoptimized_compiles()
+fast_compile.one_compile_at_a_time()
 
 
 def _set_optimizations_off(off: bool):

@@ -42,3 +42,22 @@ def add_to_unoptimized_compiles() -> None:
         return get_compile_options(*args, env_options_overrides=env_options_overrides, **kwargs)
 
     jax_compiler.get_compile_options = options
+
+
+def one_compile_at_a_time() -> None:
+    """Has this process compile (and read or write the compilation cache) one program at a
+    time. A worker's full run crashed XLA:CPU (SIGSEGV, SIGABRT, inside the backend's compile
+    or an executable's serialization) where a run's thread and its background compile
+    (flaxformer_lite/train/background_compile.py) compiled at once with :data:`OPTIONS` and
+    optimizations off; the tests' programs are the same compiled in turn."""
+    import threading
+
+    compile_or_get_cached = jax_compiler.compile_or_get_cached
+    lock = threading.RLock()  # a compile that compiles another on its thread goes on
+
+    @functools.wraps(compile_or_get_cached)
+    def one_at_a_time(*args, **kwargs):
+        with lock:
+            return compile_or_get_cached(*args, **kwargs)
+
+    jax_compiler.compile_or_get_cached = one_at_a_time
