@@ -1,6 +1,7 @@
 """A Hugging Face PEFT LoRA adapter (``adapter_config.json`` + ``adapter_model.safetensors``)
-merged into the model of its base: each targeted kernel ``W`` becomes ``W + scale * A B``, the
-function ``peft.PeftModel.from_pretrained(base, adapter)`` computes, with ``scale = alpha / r``
+merged into the model of its base, read from a local directory: each targeted kernel ``W``
+becomes ``W + scale * A B``, the function PEFT's ``PeftModel`` computes on that base, with
+``scale = alpha / r``
 (``alpha / sqrt(r)`` under ``use_rslora``).
 
     model, cfg = load_hf("checkpoints/gpt2")
