@@ -35,6 +35,7 @@ def export_parser() -> CommandParser:
         examples=(
             "flaxformer-lite export --run-dir runs/default --out exports/default",
             "flaxformer-lite export --run-dir runs/gpt2_ft --out exports/gpt2_ft --step 200",
+            "flaxformer-lite export --run-dir runs/lora --out exports/lora-adapter --peft",
         ),
     )
     parser.add_argument("--run-dir", type=pathlib.Path, required=True, help="a train.py run")
@@ -42,6 +43,12 @@ def export_parser() -> CommandParser:
         "--out", type=pathlib.Path, required=True, help="the directory to write (new or empty)"
     )
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    parser.add_argument(
+        "--peft",
+        action="store_true",
+        help="write a LoRA run's adapters alone as a PEFT adapter of its init_from model "
+        "(adapter_config.json, adapter_model.safetensors); default: the model, merged",
+    )
     add_trust_code(parser)
     return parser
 
@@ -49,7 +56,13 @@ def export_parser() -> CommandParser:
 def _export(args) -> int:
     from flaxformer_lite.train.export import export_run
 
-    exported = export_run(args.run_dir, args.out, step=args.step)
+    exported = export_run(args.run_dir, args.out, step=args.step, peft=args.peft)
+    if args.peft:
+        say(
+            f"wrote {exported.path}: a PEFT LoRA adapter of step {exported.step} for the "
+            f"{exported.architecture} base; load with peft.PeftModel.from_pretrained(base, path)"
+        )
+        return 0
     say(
         f"wrote {exported.path}: {exported.architecture} of step {exported.step}, "
         f"{exported.tokenizer} tokenizer; load with transformers.{exported.auto_class}"

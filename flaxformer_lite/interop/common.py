@@ -102,16 +102,19 @@ def write_checkpoint(
     tensors: Mapping[str, np.ndarray],
     *,
     generation_config: Mapping[str, Any] | None = None,
+    weights_file: str = WEIGHTS_FILE,
+    config_file: str = CONFIG_FILE,
 ) -> None:
     """Writes ``config.json`` and one ``model.safetensors`` (tagged ``format: pt``, which
     ``transformers`` expects) into ``path``, creating the directory, and ``generation_config``
-    (if given) as ``generation_config.json``.
+    (if given) as ``generation_config.json``; other names for the first two (a PEFT adapter's
+    files) as ``config_file`` and ``weights_file``.
 
     Each file is written under a temporary name and then renamed over the old one, weights
     first, so an interrupted save leaves no half-written file (at worst, when overwriting, new
     weights beside the previous ``config.json``)."""
     os.makedirs(path, exist_ok=True)
-    weights = os.path.join(path, WEIGHTS_FILE)
+    weights = os.path.join(path, weights_file)
     contiguous = {name: np.ascontiguousarray(x) for name, x in tensors.items()}
     try:
         save_file(contiguous, weights + ".tmp", metadata={"format": "pt"})
@@ -126,7 +129,7 @@ def write_checkpoint(
     os.replace(weights + ".tmp", weights)
     if generation_config is not None:
         write_json(os.path.join(path, GENERATION_CONFIG_FILE), generation_config)
-    write_json(os.path.join(path, CONFIG_FILE), config)
+    write_json(os.path.join(path, config_file), config)
 
 
 def write_json(file: str | os.PathLike, content: Mapping[str, Any]) -> None:

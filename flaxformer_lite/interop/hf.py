@@ -22,6 +22,7 @@ from flaxformer_lite.models.decoder_lm import DecoderLM
 from flaxformer_lite.models.encoder import Encoder
 from flaxformer_lite.models.encoder_decoder import EncoderDecoder
 from flaxformer_lite.models.pieces import user_pieces
+from flaxformer_lite.nn.lora import BASE, has_adapters, merge_adapters
 
 Model = DecoderLM | Encoder | EncoderDecoder
 
@@ -127,7 +128,9 @@ def save_hf(
 ) -> None:
     """Writes ``config.json`` and ``model.safetensors`` that ``transformers``' ``from_pretrained``
     loads as the matching HF model (GPT-2, Llama, BERT or Marian, chosen by ``config``; a BERT
-    with ``num_classes`` as ``BertForSequenceClassification``, see ``interop.bert``).
+    with ``num_classes`` as ``BertForSequenceClassification``, see ``interop.bert``); a model
+    with LoRA adapters is written merged (``W + scale * A B``; ``interop.save_peft`` writes the
+    adapters alone).
 
     Args:
       model: our ``DecoderLM``, ``Encoder`` or ``EncoderDecoder`` (loop or scanned layers).
@@ -144,15 +147,15 @@ def save_hf(
         ``mixer`` is not attention, or its attention is sparse (``local_window``).
     """
     family = writable_family(config)
-    params = _layer_params(model, config)
+    if has_adapters(model):  # a LoRA model is written merged: the function it computes
+        model = nnx.clone(model)
+        merge_adapters(model)
+    params = layer_params(model, config)
     config, params = _with_zero_biases(config, params, getattr(family, "ZERO_BIASES", ()))
     hf_config = family.config_to_hf(config)
     unwritten = family.unwritten(config) if hasattr(family, "unwritten") else ()
     tensors = common.params_to_tensors(family.rules(config), params, ignore=unwritten)
-    if family is gpt2:  # what GPT2LMHeadModel itself writes
-        tensors = {
-            ("transformer." + n if n != "lm_head.weight" else n): x for n, x in tensors.items()
-        }
+    tensors = {checkpoint_name(family, name): x for name, x in tensors.items()}
     generation = None
     if special_ids is not None:
         generation = _generation_ids(config, special_ids)
@@ -160,6 +163,14 @@ def save_hf(
         if "forced_eos_token_id" in hf_config:  # Marian's OPUS-MT id; our decoding forces none
             hf_config["forced_eos_token_id"] = None
     common.write_checkpoint(path, hf_config, tensors, generation_config=generation)
+
+
+def checkpoint_name(family: ModuleType, name: str) -> str:
+    """A rule's HF name as the family's model names the tensor (and its module):
+    ``GPT2LMHeadModel`` holds the body under ``transformer.``."""
+    if family is gpt2 and name != "lm_head.weight":
+        return "transformer." + name
+    return name
 
 
 def writable_family(config: ModelConfig, who: str = "save_hf") -> ModuleType:
@@ -243,7 +254,7 @@ def _abstract_split(cfg: ModelConfig):
 def _with_zero_biases(config: ModelConfig, params: dict, biases) -> tuple[ModelConfig, dict]:
     """``config`` with the ``biases`` it lacks turned on, and ``params`` with those biases as
     zeros (their shapes from the abstract model of that config, with a loop stack's paths as
-    :func:`_layer_params` names them): the same function, in the family's layout."""
+    :func:`layer_params` names them): the same function, in the family's layout."""
     absent = {name: True for name in biases if not getattr(config, name)}
     if not absent:
         return config, params
@@ -257,12 +268,12 @@ def _with_zero_biases(config: ModelConfig, params: dict, biases) -> tuple[ModelC
     return config, params
 
 
-def _layer_params(model, config: ModelConfig) -> dict[str, np.ndarray]:
-    """Our parameters as dotted path -> numpy array, with a scanned stack's layers split into
-    the paths of a loop stack (``{encoder,decoder}.layers.layers.{i}....``) that the rules
-    name."""
+def layer_params(model, config: ModelConfig, kind=BASE) -> dict[str, np.ndarray]:
+    """Our parameters of ``kind`` (default: the base model's, no adapters) as dotted path ->
+    numpy array, with a scanned stack's layers split into the paths of a loop stack
+    (``{encoder,decoder}.layers.layers.{i}....``) that the rules name."""
     params = {}
-    for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    for path, variable in nnx.to_flat_state(nnx.state(model, kind)):
         name, value = _dotted(path), np.asarray(jax.device_get(variable[...]))
         stack = next((s for s in _STACKS if name.startswith(s + ".")), None)
         if config.scan_layers and stack is not None:

@@ -192,6 +192,7 @@ class Dense(nnx.Module):
             if use_bias
             else None
         )
+        self.lora = nnx.data(None)  # a low-rank adapter (:mod:`.lora`), added to a built model
 
     def kernel_axes(self) -> Kernel:
         """The kernel's role and its input and output axes (after a scanned stack's layers;
@@ -213,6 +214,8 @@ class Dense(nnx.Module):
         y = project(x.astype(self.dtype), self.kernel[...].astype(self.dtype), n)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
+        if self.lora is not None:
+            y = y + self.lora(x)
         return y
 
 

@@ -268,12 +268,13 @@ class EvaluateTasks:
 
 class SaveCheckpoint:
     """Every ``checkpoint.every`` steps and at the run's last step (the end, or a stop signal):
-    the state, the data iterator's state, the config and the step's eval loss."""
+    the state (a LoRA run's without its ``base``, which it names), the data iterator's state,
+    the config and the step's eval loss."""
 
     part = "checkpoints"
 
-    def __init__(self, checkpointer: Checkpointer, cfg):
-        self.checkpointer, self.cfg = checkpointer, cfg
+    def __init__(self, checkpointer: Checkpointer, cfg, base: dict | None = None):
+        self.checkpointer, self.cfg, self.base = checkpointer, cfg, base
 
     def due(self, step: int, final: bool) -> bool:
         return final or step % self.cfg.checkpoint.every == 0
@@ -287,6 +288,7 @@ class SaveCheckpoint:
             config=self.cfg.to_dict(),
             force=end.final,
             metrics=None if eval_loss is None else {"eval_loss": eval_loss},
+            base=self.base,
         )
 
 

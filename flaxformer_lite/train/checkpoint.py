@@ -15,7 +15,8 @@ array. Orbax's on-disk layout::
     <directory>/<step>/state/        the arrays: TensorStore (OCDBT + Zarr), written per shard
     <directory>/<step>/data_state/   JSON
     <directory>/<step>/config/       JSON
-    <directory>/<step>/fingerprints/ JSON, each array's dtype and fingerprint (see below)
+    <directory>/<step>/fingerprints/ JSON, each array's dtype and fingerprint (see below); a
+                                     LoRA run's also the base's it leaves out (``base``)
     <directory>/<step>/metrics/      JSON, the ``metrics`` given to ``save`` (for "best" retention)
     <directory>/<step>.orbax-checkpoint-tmp/   a save in flight
 
@@ -99,6 +100,7 @@ class Restored:
     state: Any
     data_state: dict[str, Any]
     config: dict[str, Any]
+    base: dict[str, Any] | None = None
 
 
 class Checkpointer:
@@ -176,6 +178,7 @@ class Checkpointer:
         config: Mapping[str, Any],
         metrics: Mapping[str, Any] | None = None,
         force: bool = False,
+        base: Mapping[str, Any] | None = None,
     ) -> bool:
         """Starts writing checkpoint ``step``; True if it did (a multiple of ``every``, or
         ``force``). A step already saved is never rewritten (False).
@@ -190,12 +193,16 @@ class Checkpointer:
           config: the resolved config, JSON-able (``TrainConfig.to_dict()``).
           metrics: scalars stored with the checkpoint; ``metrics["eval_loss"]`` ranks "best".
           force: save even when ``step`` is not a multiple of ``every`` (last step, SIGTERM).
+          base: what names the arrays ``state`` leaves out (a LoRA run's base parameters,
+            made again when it resumes), JSON-able; restored as ``Restored.base``.
         """
         if step in self._manager.all_steps():
             return False
         # Checked here: orbax would only fail in the background thread, after save returned.
         data_state, config = _json_dict("data_state", data_state), _json_dict("config", config)
         fingerprints = {"algorithm": ALGORITHM, "arrays": fingerprints_of(state)}
+        if base is not None:
+            fingerprints["base"] = _json_dict("base", base)
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(state),
             data_state=ocp.args.JsonSave(data_state),
@@ -309,7 +316,8 @@ class Checkpointer:
             return restored
 
         step, items = self._restore(read, step, final=True)
-        return Restored(step, items.state, dict(items.data_state), dict(items.config))
+        base = items[FINGERPRINTS].get("base") if FINGERPRINTS in items else None
+        return Restored(step, items.state, dict(items.data_state), dict(items.config), base)
 
     def restore_config(self, step: int | None = None) -> dict[str, Any]:
         """Only the config of checkpoint ``step`` (default: the newest readable one). The

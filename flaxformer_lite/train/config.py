@@ -37,7 +37,7 @@ from flaxformer_lite.train.init_from import checkpoint_model
 from flaxformer_lite.train.optim import OptimizerConfig
 from flaxformer_lite.train.recipes import recipe_path, unknown_recipe_hint
 from flaxformer_lite.train.schema import ConfigError, OverrideText, UnknownKeyError, build
-from flaxformer_lite.train.sections import CheckpointConfig, LoopConfig, MeshConfig
+from flaxformer_lite.train.sections import CheckpointConfig, LoopConfig, LoraConfig, MeshConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +72,10 @@ class TrainConfig:
         factory=OptimizerConfig, help="AdamW, its learning-rate schedule and clipping"
     )
     train: LoopConfig = setting(factory=LoopConfig, help="the training loop")
+    lora: LoraConfig = setting(
+        factory=LoraConfig,
+        help="low-rank adapters (LoRA): with lora.rank set, only they train, the base stays",
+    )
     evals: EvalsConfig = setting(
         factory=EvalsConfig,
         help="downstream tasks (HellaSwag, ARC, PIQA, LAMBADA, a text's perplexity, one's own) "
@@ -106,10 +110,30 @@ class TrainConfig:
             )
         if self.mesh.context > 1:
             self._check_context()
+        if self.lora.rank is not None:
+            self._check_lora()
         if self.evals.tasks and model.kind != "decoder":
             raise ConfigError(
                 f"evals.tasks are scored by a decoder LM's log-likelihoods; model.kind is "
                 f"{model.kind}: leave evals.tasks empty"
+            )
+
+    def _check_lora(self):
+        """Adapters train with AdamW on a standard model; a PEFT adapter belongs to a base."""
+        if self.optimizer.name != "adamw":
+            raise ConfigError(
+                f"lora.rank with optimizer.name={self.optimizer.name}: the adapters train with "
+                "adamw (Muon orthogonalizes whole matrices, not their low-rank factors)"
+            )
+        if self.model.parametrization != "standard":
+            raise ConfigError(
+                "lora.rank with model.parametrization=mup: muP has no rule for the adapters' "
+                "factors; use the standard parametrization"
+            )
+        if self.lora.adapter is not None and self.init_from is None:
+            raise ConfigError(
+                f"lora.adapter={self.lora.adapter} needs init_from: the Hugging Face model the "
+                "adapter was trained on"
             )
 
     def _check_context(self):

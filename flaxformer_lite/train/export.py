@@ -8,6 +8,9 @@ The directory holds ``config.json`` and ``model.safetensors`` (``interop.save_hf
 tokenizer's pad, bos and eos ids in ``config.json`` and ``generation_config.json``, and the run's
 tokenizer as ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json``
 (:mod:`flaxformer_lite.data.tokenizer_export`). ``flaxformer-lite generate --hf-dir`` reads it too.
+A run with LoRA adapters is written merged; with ``peft=True`` its adapters alone are written as
+a PEFT adapter of its ``init_from`` model instead (``adapter_config.json``,
+``adapter_model.safetensors``: ``peft.PeftModel.from_pretrained(base, path)``).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import shutil
 from flaxformer_lite.data.store import owner, remove_stale_partials
 from flaxformer_lite.data.tokenizer_export import hf_tokenizer_files
 from flaxformer_lite.interop.hf import refuse_user_pieces, save_hf, writable_family
+from flaxformer_lite.interop.peft import save_peft
+from flaxformer_lite.nn.lora import has_adapters
 from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.run_dir import RunDir
 from flaxformer_lite.train.step import task_of
@@ -37,8 +42,9 @@ AUTO_CLASSES = {
 
 @dataclasses.dataclass(frozen=True)
 class Exported:
-    """What :func:`export_run` wrote: the directory, the HF architecture and the ``transformers``
-    Auto class that loads it, the run's checkpoint step and tokenizer name."""
+    """What :func:`export_run` wrote: the directory, the HF architecture and the class that
+    loads it (a ``transformers`` Auto class, or ``PeftModel`` of ``peft`` for an adapter), the run's
+    checkpoint step and tokenizer name."""
 
     path: pathlib.Path
     architecture: str
@@ -53,6 +59,7 @@ def export_run(
     *,
     step: int | None = None,
     trust_code: bool = False,
+    peft: bool = False,
 ) -> Exported:
     """Writes the model of ``run_dir``'s checkpoint ``step`` (default the newest) and the run's
     tokenizer into the new directory ``out``.
@@ -61,14 +68,16 @@ def export_run(
     once complete: an export that fails leaves nothing behind.
 
     An ``out`` that is a symbolic link is followed: the export replaces the empty directory it
-    points to, and the link is kept. ``trust_code``: as ``load_run``'s.
+    points to, and the link is kept. ``trust_code``: as ``load_run``'s. ``peft``: write the
+    run's LoRA adapters alone, as a PEFT adapter.
 
     Raises:
       FileExistsError: ``out`` exists and is not an empty directory.
       FileNotFoundError: ``run_dir`` is no run (as ``load_run``).
       ValueError: ``out`` is inside a run directory; the model has no Hugging Face
         counterpart (the AFT mixer, sparse attention, a layout none of GPT-2, Llama, BERT,
-        Marian has: the message says which setting), or ``step`` has no checkpoint.
+        Marian has: the message says which setting), or ``step`` has no checkpoint; ``peft``
+        for a run without adapters.
     """
     out = pathlib.Path(out)
     if out.is_symlink():  # the directory meant is the one it points to
@@ -90,6 +99,8 @@ def export_run(
     loaded = load_run(run_dir, step=step, trust_code=trust_code)
     model_config = loaded.config.model
     family = writable_family(model_config, who=f"export of {run_dir}")
+    if peft and not has_adapters(loaded.model):
+        raise ValueError(f"export of {run_dir}: the run has no LoRA adapters (lora.rank unset)")
     tokenizer = loaded.tokenizer
     task = task_of(model_config)
     files = hf_tokenizer_files(tokenizer, task=task, max_length=model_config.max_length)
@@ -99,9 +110,12 @@ def export_run(
     remove_stale_partials(staging)  # those of exports killed on this host (kill -9)
     staging.mkdir()  # with the umask's permissions, which the export keeps
     try:
-        save_hf(loaded.model, model_config, staging, special_ids=special_ids)
-        for name, content in files.items():
-            (staging / name).write_bytes(content)
+        if peft:
+            save_peft(loaded.model, model_config, staging, base=loaded.config.init_from)
+        else:
+            save_hf(loaded.model, model_config, staging, special_ids=special_ids)
+            for name, content in files.items():
+                (staging / name).write_bytes(content)
         if out.exists():  # empty, checked above
             out.rmdir()
         os.replace(staging, out)
@@ -109,7 +123,8 @@ def export_run(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     architecture = family.config_to_hf(model_config)["architectures"][0]
-    return Exported(out, architecture, AUTO_CLASSES[architecture], loaded.step, tokenizer.name)
+    loader = "PeftModel" if peft else AUTO_CLASSES[architecture]
+    return Exported(out, architecture, loader, loaded.step, tokenizer.name)
 
 
 __all__ = ["AUTO_CLASSES", "Exported", "export_run"]

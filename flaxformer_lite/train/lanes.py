@@ -106,7 +106,7 @@ class LaneActions:
             LogTrain(run.cfg.train.log_every, total, run.numbers["lr"], throughput, self.console),
             self.evaluate,
             *scoring,
-            SaveCheckpoint(run.checkpointer, run.cfg),
+            SaveCheckpoint(run.checkpointer, run.cfg, run.base),
         ]
         self.resumed_step = run.step if run.resumed else None
         for notice in (warmup_notice(run.cfg.optimizer, total), *run.data.notices):

@@ -24,8 +24,10 @@ from flaxformer_lite.data.pipeline import Data
 from flaxformer_lite.data.run_data import DataRequest, RunPaths, run_data
 from flaxformer_lite.evals import Scorer, TaskFileError, Tasks
 from flaxformer_lite.evals.tasks import read_tasks
+from flaxformer_lite.interop.peft import load_peft_adapters
 from flaxformer_lite.models import training_flops_per_token
 from flaxformer_lite.models.piece_checks import PieceError, check_pieces, failed_with_pieces
+from flaxformer_lite.nn.lora import lora_scale
 from flaxformer_lite.train.actions import (
     Evaluate,
     FiniteCheck,
@@ -45,6 +47,7 @@ from flaxformer_lite.train.optim import check_parameters, optimizer_line
 from flaxformer_lite.train.program import (
     TrainState,
     build_train_state,
+    check_adapters,
     configured_train_step,
     layout_lines,
     resolve_mesh,
@@ -61,7 +64,14 @@ from flaxformer_lite.train.signals import Interrupted, SignalAgreement, stop_on_
 from flaxformer_lite.train.step import make_eval_step, task_of
 from flaxformer_lite.train.step_numbers import step_numbers
 from flaxformer_lite.train.time_spent import TimeSpent
-from flaxformer_lite.train.trained_run import from_savable, load_hf_weights, restore_target
+from flaxformer_lite.train.trained_run import (
+    base_record,
+    check_base,
+    from_savable,
+    load_hf_weights,
+    restorable_state,
+    restore_target,
+)
 
 
 def run(
@@ -103,6 +113,7 @@ def run(
     use_compilation_cache(cfg.train.compilation_cache)
     check_pieces(cfg.model)  # code named by import path: refused or traced before any write
     check_parameters(cfg.optimizer, cfg.model)
+    check_adapters(cfg)
     parallel.initialize(cfg.distributed)
     main = jax.process_index() == 0
     log, progress = (log, progress) if main else (quiet, False)
@@ -140,6 +151,7 @@ class StartedRun:
       place: puts a batch of this process's rows onto the mesh.
       tasks: the downstream tasks (``evals.tasks``) tokenized, or None.
       scorer: scores the tasks' requests in batches of the run's shape.
+      base: a LoRA run's base, as its checkpoints name it (:func:`~.trained_run.base_record`).
       spent: where the run's time goes.
     """
 
@@ -159,6 +171,7 @@ class StartedRun:
     place: Callable
     tasks: Tasks | None
     scorer: Scorer
+    base: dict | None
     spent: TimeSpent
 
 
@@ -197,23 +210,30 @@ def start(
             data = _build_data(cfg, run_dir, batch_sharding, main)
             tasks = Tasks(downstream, data.tokenizer, cfg.data.seq_len) if downstream else None
         cfg = settled_config(cfg, saved, data.vocab_size, log)
-        built = build_train_state(
-            cfg, mesh, abstract=resumed_step is not None, initializers=initializers
-        )
+        if saved is not None:
+            built = restorable_state(cfg, mesh, initializers)
+        else:
+            built = build_train_state(cfg, mesh, abstract=False, initializers=initializers)
         state, step = built.state, 0
+        if saved is None and cfg.init_from is not None:  # a resumed run keeps its checkpoint
+            state = load_hf_weights(state, cfg.init_from)
+            log(f"initialized the model from {cfg.init_from}")
+            if cfg.lora.adapter is not None:
+                scale = lora_scale(cfg.lora.alpha, cfg.lora.rank, cfg.lora.rslora)
+                state = load_peft_adapters(state, cfg.model, cfg.lora.adapter, scale)
+                log(f"initialized the adapters from {cfg.lora.adapter}")
+        base = base_record(cfg, state)
         if saved is not None:
             try:
                 with spent.part("checkpoints"):
                     restored = checkpointer.restore(restore_target(state))
             except CheckpointShapeError as error:  # --force takes another config, not arrays
                 raise shapes_changed(error, saved, cfg) from None
+            check_base(restored, base, checkpointer.directory)
             state = from_savable(restored.state, state)
             restore_data_state(data.train, restored.data_state, force, log)
             step = restored.step
             log(f"resumed from step {step} of {checkpointer.directory}")
-        elif cfg.init_from is not None:  # a resumed run keeps its checkpoint
-            state = load_hf_weights(state, cfg.init_from)
-            log(f"initialized the model from {cfg.init_from}")
     except BaseException:
         checkpointer.close()
         raise
@@ -256,6 +276,7 @@ def start(
             shard=parallel.process_batch_shard(batch_sharding, cfg.train.batch_size),
             loss_chunk=cfg.train.loss_chunk,
         ),
+        base=base,
         spent=spent,
     )
 

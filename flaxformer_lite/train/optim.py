@@ -192,13 +192,14 @@ def inverse_sqrt_schedule(scale: float, *, warmup_steps: int, d_model: int) -> o
 
 
 def weight_decay_mask(params, *, decay_embeddings: bool = False):
-    """True for the parameters weight decay applies to: projection kernels (and embedding
-    tables if ``decay_embeddings``); never norm scales or biases.
+    """True for the parameters weight decay applies to: projection kernels and their low-rank
+    adapters' factors (and embedding tables if ``decay_embeddings``); never norm scales or
+    biases.
 
     Works on any pytree whose paths name the parameters (``nnx.state(model, nnx.Param)``): the
-    library names kernels ``kernel`` and tables ``embedding``.
+    library names kernels ``kernel``, adapters ``lora`` and tables ``embedding``.
     """
-    decayed = {"kernel", "embedding"} if decay_embeddings else {"kernel"}
+    decayed = {"kernel", "lora", "embedding"} if decay_embeddings else {"kernel", "lora"}
 
     def decays(path, _):
         names = {getattr(key, "key", getattr(key, "name", None)) for key in path}

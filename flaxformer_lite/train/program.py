@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from flaxformer_lite import parallel
 from flaxformer_lite.data import tasks
 from flaxformer_lite.models import build_model
+from flaxformer_lite.nn.lora import add_adapters, trainable
 from flaxformer_lite.nn.rngs import dropout_rates
 from flaxformer_lite.train.config import TrainConfig
 from flaxformer_lite.train.optim import make_optimizer, optimizer_of, table_schedule
@@ -94,12 +95,41 @@ def schedule_span(cfg: TrainConfig) -> int:
 
 def make_train_state(cfg: TrainConfig, tx, seed=None) -> tuple[nnx.Module, nnx.Optimizer]:
     """The run's ``(model, optimizer)`` as ``train.py`` creates them, seeded by ``seed`` (an int
-    or a traced scalar; default ``cfg.seed``); their split state is what a checkpoint holds
+    or a traced scalar; default ``cfg.seed``), with ``cfg.lora``'s adapters (the optimizer then
+    over them alone); their split state is what a checkpoint holds
     (through :func:`~.trained_run.to_savable`)."""
     seed = cfg.seed if seed is None else seed
     rngs = nnx.Rngs(params=jax.random.key(seed), dropout=jax.random.key(seed + 1))
+    model = adapted_model(cfg, rngs)
+    return model, nnx.Optimizer(model, tx, wrt=trainable(model))
+
+
+def adapted_model(cfg: TrainConfig, rngs: nnx.Rngs) -> nnx.Module:
+    """The model of ``cfg``, with ``cfg.lora``'s adapters drawn after its parameters (so the
+    base is the seed's with or without them).
+
+    Raises:
+      ValueError: a ``lora.targets`` entry that names no projection, a ``lora.rank`` above a
+        targeted matrix's smaller side.
+    """
     model = build_model(cfg.model, rngs=rngs)
-    return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+    if cfg.lora.rank is not None:
+        add_adapters(
+            model,
+            rank=cfg.lora.rank,
+            alpha=cfg.lora.alpha,
+            targets=cfg.lora.targets,
+            dropout_rate=cfg.lora.dropout,
+            rslora=cfg.lora.rslora,
+            rngs=rngs,
+        )
+    return model
+
+
+def check_adapters(cfg: TrainConfig) -> None:
+    """:func:`adapted_model`'s errors, found on shapes alone before a run writes anything."""
+    if cfg.lora.rank is not None:
+        nnx.eval_shape(lambda: adapted_model(cfg, nnx.Rngs(0)))
 
 
 def configured_train_step(cfg: TrainConfig, graphdef, shardings, state_treedef=None):
@@ -149,8 +179,8 @@ def numbered_step(cfg: TrainConfig, graphdef):
 
 def layout_lines(state, shardings, mesh) -> list[str]:
     """The start-up summary of a train state laid out on ``mesh``: the mesh, the bytes of the
-    parameters and of the optimizer state per device (of all), and a warning for each large
-    replicated parameter."""
+    parameters and of the optimizer state per device (of all), what trains where adapters do,
+    and a warning for each large replicated parameter."""
     lines = [f"mesh: {parallel.describe_mesh(mesh)}"]
     params = nnx.filter_state(state[0], nnx.Param)
     param_shardings = nnx.filter_state(shardings[0], nnx.Param)
@@ -162,6 +192,15 @@ def layout_lines(state, shardings, mesh) -> list[str]:
         per_device = sum(layout.device_bytes for layout in layouts)
         sizes.append(f"{name} {_mib(per_device)} of {_mib(total)}")
     lines.append("per device: " + ", ".join(sizes))
+    adapters = nnx.filter_state(state[0], nnx.LoRAParam)
+    if jax.tree.leaves(adapters):
+        count = functools.partial(sum, start=0)
+        trained = count(x.size for x in jax.tree.leaves(adapters))
+        total = count(x.size for x in jax.tree.leaves(params))
+        lines.append(
+            f"trainable: the LoRA adapters, {trained:,} of {total:,} parameters "
+            f"({trained / total:.2%}); the base's {total - trained:,} stay as they are"
+        )
     lines += [
         f"warning: {warning}"
         for warning in parallel.replicated_warnings(params, param_shardings, mesh)

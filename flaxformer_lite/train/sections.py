@@ -1,5 +1,6 @@
 """The sections of the training config that no other package owns: the loop (``train``), the
-checkpoints (``checkpoint``) and the device mesh (``mesh``); :mod:`.config` puts them together
+checkpoints (``checkpoint``), the device mesh (``mesh``) and low-rank adapters (``lora``);
+:mod:`.config` puts them together
 with the model's, the data's and the optimizer's into :class:`~.config.TrainConfig`."""
 
 from __future__ import annotations
@@ -128,6 +129,40 @@ class MeshConfig:
             check_rules(self.rules, MESH_AXES)
         except ValueError as error:
             raise ConfigError(str(error)) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters (:mod:`flaxformer_lite.nn.lora`, PEFT's LoRA) on the projections that
+    ``targets`` name: with a ``rank``, only the adapters train; the base (``init_from``'s
+    weights, or the seed's) stays as it is, and the checkpoints hold the adapters alone."""
+
+    rank: int | None = setting(
+        None, help="the adapters' rank r (PEFT's r); null: no adapters, every weight trains"
+    )
+    alpha: float = setting(8.0, help="PEFT's lora_alpha: the adapters' output times alpha / r")
+    dropout: float = setting(0.0, help="PEFT's lora_dropout, on each adapter's input")
+    targets: tuple[str, ...] = setting(
+        ("attention", "mlp"),
+        help="the projections adapted: attention, mlp, a projection's name (query, key, value, "
+        "qkv, out, wi, wi_gate, wo) or parts of its path (cross_attention.query)",
+    )
+    rslora: bool = setting(False, help="rank-stabilized LoRA: alpha / sqrt(r) (use_rslora)")
+    adapter: str | None = setting(
+        None,
+        help="a PEFT adapter directory (of init_from's model) whose weights a fresh run's "
+        "adapters start from; null: fresh adapters (B = 0)",
+    )
+
+    def __post_init__(self):
+        if self.rank is not None:
+            _check_positive("lora.rank", self.rank)
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+        if not self.targets:
+            raise ConfigError("lora.targets is empty: name the projections to adapt")
+        if self.adapter is not None and self.rank is None:
+            raise ConfigError("lora.adapter needs lora.rank (the adapter's r)")
 
 
 def _check_positive(key: str, value) -> None:

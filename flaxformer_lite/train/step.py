@@ -143,7 +143,8 @@ def train_step(
     as arguments (vmapped over a sweep's members on accelerators).
 
     ``graphdef, state = nnx.split((model, optimizer))``; ``optimizer`` an ``nnx.Optimizer`` over
-    ``nnx.Param``, which applies the update, or ``tx`` in its place (a transformation with the
+    what trains (``nnx.Param``, or a LoRA model's ``nnx.LoRAParam``s: the rest is kept as it
+    is), which applies the update, or ``tx`` in its place (a transformation with the
     same state, whose numbers may be arrays). With ``grad_accum_steps = k`` microbatch ``i`` is
     rows ``i, i + k, ...`` of the batch, run one after another (``lax.scan``), for k times less
     activation memory; every device keeps computing on its own rows. Metrics: ``loss``,
@@ -156,8 +157,9 @@ def train_step(
     loss_kwargs = dict(
         task=task, label_smoothing=label_smoothing, z_loss=z_loss, loss_chunk=loss_chunk
     )
-    model, _ = nnx.merge(graphdef, state)
-    model_def, params, rest = nnx.split(model, nnx.Param, ...)
+    model, optimizer = nnx.merge(graphdef, state)
+    trained = optimizer.wrt  # every Param, or a LoRA run's adapters alone
+    model_def, params, rest = nnx.split(model, trained, ...)
 
     def micro_step(carry, micro):
         grads_sum, rest, totals = carry
@@ -167,7 +169,7 @@ def train_step(
             micro_model = nnx.merge(model_def, params, rest, copy=True)
             loss, metrics = model_loss(micro_model, micro, **loss_kwargs)
             count = metrics["num_tokens"]
-            return loss * count, (metrics, nnx.state(micro_model, nnx.Not(nnx.Param)))
+            return loss * count, (metrics, nnx.state(micro_model, nnx.Not(trained)))
 
         grads, (metrics, rest) = jax.grad(token_sum, has_aux=True)(params)
         count = metrics["num_tokens"]

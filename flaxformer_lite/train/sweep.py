@@ -53,6 +53,7 @@ from flaxformer_lite.train.optim import check_parameters
 from flaxformer_lite.train.program import (
     abstract_batch,
     build_train_state,
+    check_adapters,
     numbered_step,
     resolve_mesh,
 )
@@ -113,6 +114,7 @@ def _sweep(cfg: TrainConfig, vary, *, fresh: bool, force: bool, vmap, log, spent
     for member in members:  # code named by import path, imported (if trusted) and traced
         check_pieces(member.cfg.model)
         check_parameters(member.cfg.optimizer, member.cfg.model)
+        check_adapters(member.cfg)
     parallel.initialize(cfg.distributed)
     main = jax.process_index() == 0
     log = log if main else quiet  # every process trains, process 0 reports and writes
