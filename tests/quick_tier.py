@@ -49,5 +49,6 @@ QUICK_FILES = frozenset(
         "test_coord_check.py",
         "test_evals.py",
         "test_interop_peft.py",
+        "test_lora.py",
     }
 )

@@ -5,10 +5,10 @@ optimizer state array by array."""
 import jax
 from flax import nnx
 
-from flaxformer_lite.models import build_model
 from flaxformer_lite.train.checkpoint import Checkpointer
 from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.optim import make_optimizer
+from flaxformer_lite.train.program import make_train_state
 from flaxformer_lite.train.trained_run import to_savable
 
 
@@ -18,9 +18,8 @@ def checkpointed_state(run_dir, step: int):
     cfg = load_config(run_dir / "config.yaml")
     tx, _ = make_optimizer(cfg.optimizer, cfg.model, total_steps=cfg.train.steps)
 
-    def savable():
-        model = build_model(cfg.model, rngs=nnx.Rngs(0))
-        return to_savable(nnx.split((model, nnx.Optimizer(model, tx, wrt=nnx.Param)))[1])
+    def savable():  # a LoRA run's: its adapters, not the base
+        return to_savable(nnx.split(make_train_state(cfg, tx))[1])
 
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     abstract = jax.tree.map(

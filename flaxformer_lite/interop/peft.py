@@ -102,7 +102,21 @@ def merge_peft(model, cfg: ModelConfig, directory: str | os.PathLike) -> int:
 def load_peft_adapters(state, cfg: ModelConfig, directory: str | os.PathLike, scale: float):
     """Writes the PEFT adapter in ``directory`` into the adapters of a created train state
     (``state[0]``: a model of ``cfg`` with LoRA adapters of ``scale``), each in the sharding
-    of the array it replaces; returns ``state``.
+    of the array it replaces; returns ``state``. Errors: as :func:`peft_values`'."""
+    values = peft_values(state[0], cfg, directory, scale)
+
+    def place(path, like):
+        value = np.asarray(values[path], like.dtype)
+        return jax.make_array_from_callback(value.shape, like.sharding, lambda i: value[i])
+
+    placed = {path: place(path, like) for path, like in _adapters(state[0]).items()}
+    nnx.replace_by_pure_dict(state[0], traverse_util.unflatten_dict(placed))
+    return state
+
+
+def peft_values(model_state, cfg: ModelConfig, directory, scale: float) -> dict[tuple, np.ndarray]:
+    """The PEFT adapter in ``directory`` as the values of the adapters of ``model_state`` (a
+    model of ``cfg`` with LoRA adapters of ``scale``; its arrays may be abstract), by path.
 
     Raises:
       ValueError: as :func:`read_peft`; an adapter whose modules, rank or scale differ from the
@@ -110,15 +124,14 @@ def load_peft_adapters(state, cfg: ModelConfig, directory: str | os.PathLike, sc
     """
     settings, pairs = read_peft(cfg, directory)
     theirs = lora_scale(settings["lora_alpha"], settings["r"], bool(settings.get("use_rslora")))
-    flat = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.filter_state(state[0], nnx.LoRAParam)))
-    adapters = {_dotted(path): value for path, value in flat.items()}
+    adapters = {_dotted(path): path for path in _adapters(model_state)}
     factors = {
         f"{kernel.removesuffix('.kernel')}.lora.{part}": value
         for kernel, pair in pairs.items()
         for part, value in zip("ab", pair, strict=True)
     }
     values = _stacked(cfg, factors)
-    rank = next(iter(adapters.values())).shape[-1]  # a: [..., r]
+    rank = next(iter(_adapters(model_state).values())).shape[-1]  # a: [..., r]
     problems = [
         *(
             f"it adapts {name[:-7]}, which lora.targets leave out"
@@ -130,16 +143,13 @@ def load_peft_adapters(state, cfg: ModelConfig, directory: str | os.PathLike, sc
     ]
     if problems:
         raise ValueError(f"{directory} does not fit the run's adapters: {sorted(problems)[0]}")
+    return {path: values[name] for name, path in adapters.items()}
 
-    def place(name):
-        value = np.asarray(values[name], adapters[name].dtype)
-        return jax.make_array_from_callback(
-            value.shape, adapters[name].sharding, lambda i: value[i]
-        )
 
-    placed = {path: place(_dotted(path)) for path in flat}
-    nnx.replace_by_pure_dict(state[0], traverse_util.unflatten_dict(placed))
-    return state
+def _adapters(model_state) -> dict[tuple, object]:
+    """The LoRA factors of a model's state by path."""
+    pure = nnx.to_pure_dict(nnx.filter_state(model_state, nnx.LoRAParam))
+    return traverse_util.flatten_dict(pure)
 
 
 def save_peft(

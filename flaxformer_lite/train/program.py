@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from flaxformer_lite import parallel
 from flaxformer_lite.data import tasks
 from flaxformer_lite.models import build_model
-from flaxformer_lite.nn.lora import add_adapters, trainable
+from flaxformer_lite.nn.lora import add_adapters, lora_scale, trainable
 from flaxformer_lite.nn.rngs import dropout_rates
 from flaxformer_lite.train.config import TrainConfig
 from flaxformer_lite.train.optim import make_optimizer, optimizer_of, table_schedule
@@ -127,9 +127,17 @@ def adapted_model(cfg: TrainConfig, rngs: nnx.Rngs) -> nnx.Module:
 
 
 def check_adapters(cfg: TrainConfig) -> None:
-    """:func:`adapted_model`'s errors, found on shapes alone before a run writes anything."""
-    if cfg.lora.rank is not None:
-        nnx.eval_shape(lambda: adapted_model(cfg, nnx.Rngs(0)))
+    """:func:`adapted_model`'s errors, and those of a PEFT adapter to start from
+    (``lora.adapter``) that does not fit them, found on shapes alone before a run writes
+    anything."""
+    if cfg.lora.rank is None:
+        return
+    model = nnx.eval_shape(lambda: adapted_model(cfg, nnx.Rngs(0)))
+    if cfg.lora.adapter is not None:
+        from flaxformer_lite.interop.peft import peft_values
+
+        scale = lora_scale(cfg.lora.alpha, cfg.lora.rank, cfg.lora.rslora)
+        peft_values(nnx.state(model), cfg.model, cfg.lora.adapter, scale)
 
 
 def configured_train_step(cfg: TrainConfig, graphdef, shardings, state_treedef=None):
