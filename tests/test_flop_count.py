@@ -17,6 +17,7 @@ from flaxformer_lite.models import (
     training_flops_per_token,
 )
 from flaxformer_lite.models.accounting import _keys_per_query
+from flaxformer_lite.nn.lora import add_adapters
 
 # The presets' structure at a width where one compile of the unoptimized program counts in a
 # tenth of a second: one layer per stack (unrolled: XLA counts a scanned body once).
@@ -45,14 +46,24 @@ def small(preset, **overrides):
     return ModelConfig.from_preset(preset, **{**sizes, **overrides})
 
 
-def xla_training_flops_per_token(cfg, seq_len=128, batch=2):
-    """XLA's count of a gradient step of the unoptimized program, per token."""
-    model = nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(model)
+def xla_training_flops_per_token(cfg, seq_len=128, batch=2, lora_rank=None):
+    """XLA's count of a gradient step of the unoptimized program, per token; with
+    ``lora_rank``, the gradient of adapters on every projection of attention and the MLP."""
+
+    def create():
+        rngs = nnx.Rngs(0)
+        model = build_model(cfg, rngs=rngs)
+        if lora_rank is not None:
+            add_adapters(model, rank=lora_rank, alpha=1, targets=["attention", "mlp"], rngs=rngs)
+        return model
+
+    model = nnx.eval_shape(create)
+    trained = nnx.LoRAParam if lora_rank is not None else ...
+    graphdef, state, frozen = nnx.split(model, trained, ...)
     tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
 
-    def loss(params, tokens):
-        model = nnx.merge(graphdef, params)
+    def loss(params, frozen, tokens):
+        model = nnx.merge(graphdef, params, frozen)
         if cfg.kind == "encoder_decoder":
             out = model(tokens, tokens)
         elif cfg.num_classes is not None:
@@ -61,7 +72,7 @@ def xla_training_flops_per_token(cfg, seq_len=128, batch=2):
             out = model(tokens)
         return out.astype(jnp.float32).mean()
 
-    lowered = jax.jit(jax.grad(loss, allow_int=True)).lower(state, tokens)
+    lowered = jax.jit(jax.grad(loss, allow_int=True)).lower(state, frozen, tokens)
     return lowered.cost_analysis()["flops"] / (batch * seq_len)
 
 
@@ -92,6 +103,24 @@ def test_the_flop_count_agrees_with_xla(case):
     seq_len = 512 if cfg.local_window else 128
     ratio = xla_training_flops_per_token(cfg, seq_len) / training_flops_per_token(cfg, seq_len)
     assert LOW < ratio < HIGH, ratio
+
+
+@pytest.mark.parametrize("preset", ["gpt2-small", "llama-style", "transformer-base"])
+def test_a_lora_step_counts_the_base_s_matmuls_twice_and_the_adapters_six_times(preset):
+    """Two layers: XLA also skips the input gradients of the first layer's projections (nothing
+    below them trains), which the count, made for deep stacks, keeps."""
+    layers = {
+        k: 2 for k in ("num_encoder_layers", "num_decoder_layers") if getattr(small(preset), k)
+    }
+    cfg = small(preset, **layers)
+    rngs = nnx.Rngs(0)
+    model = build_model(cfg, rngs=rngs)
+    add_adapters(model, rank=8, alpha=1, targets=["attention", "mlp"], rngs=rngs)
+    adapters = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
+    ours = training_flops_per_token(cfg, 128, adapter_params=adapters)
+    ratio = xla_training_flops_per_token(cfg, 128, lora_rank=8) / ours
+    assert LOW < ratio < HIGH, ratio
+    assert ours < 0.75 * training_flops_per_token(cfg, 128)  # no weight gradients of the base
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from flaxformer_lite import parallel
 from flaxformer_lite.aot.topology import Topology, topology_devices
 from flaxformer_lite.decode import generate, seq2seq_generate
-from flaxformer_lite.models import build_model, generation_flops, training_flops_per_token
+from flaxformer_lite.models import build_model, generation_flops
 from flaxformer_lite.ops.attention_choice import recorded_choices
 from flaxformer_lite.train.config import TrainConfig
 from flaxformer_lite.train.muon import newton_schulz_flops
@@ -34,6 +34,7 @@ from flaxformer_lite.train.program import (
     abstract_batch,
     build_train_state,
     configured_train_step,
+    flops_per_token,
     resolve_mesh,
     tracing_layout,
 )
@@ -158,7 +159,7 @@ def _train_step(cfg: TrainConfig, mesh, _max_new_tokens):
     active = jax.ShapeDtypeStruct((), jnp.bool_, sharding=replicated)
     params = _params(state[0], shardings[0])
     tokens = cfg.train.batch_size * cfg.data.seq_len
-    flops = tokens * training_flops_per_token(cfg.model, cfg.data.seq_len)
+    flops = tokens * flops_per_token(cfg, state)
     return step, (state, batch, numbers, active), (params, (state[1], shardings[1])), flops, 1
 
 

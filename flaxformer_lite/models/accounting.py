@@ -33,7 +33,9 @@ def parameter_counts(model_or_config) -> dict[str, int]:
     return {"total": total, "non_embedding": total - embedding}
 
 
-def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+def training_flops_per_token(
+    cfg: ModelConfig, seq_len: int, *, adapter_params: int | None = None
+) -> float:
     """Training FLOPs per token (forward + backward = 3x forward), for MFU: the work the model
     needs, whatever an implementation computes on top.
 
@@ -47,8 +49,16 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     positions as attention does (``H * Dh -> D``); AFT-simple's mixing is elementwise (free). An
     encoder-decoder counts per target token, source and target both ``seq_len`` long. A piece of
     the user's (``models.pieces``) is counted as the built-in one in its place.
+
+    With ``adapter_params`` (a LoRA run's adapters, the base frozen) the base's weight
+    gradients are work no one needs: its matmuls count twice (forward, input gradients), the
+    mixing three times, and each adapter parameter ``6`` per token.
     """
-    return 3 * _forward_flops(cfg, seq_len, seq_len) / seq_len
+    forward = _forward_flops(cfg, seq_len, seq_len)
+    if adapter_params is None:
+        return 3 * forward / seq_len
+    matmuls = _forward_flops(cfg, seq_len, seq_len, mixing=False)
+    return (3 * forward - matmuls) / seq_len + 6 * adapter_params
 
 
 def generation_flops(cfg: ModelConfig, prompt_len: int, new_tokens: int) -> float:
@@ -62,9 +72,12 @@ def generation_flops(cfg: ModelConfig, prompt_len: int, new_tokens: int) -> floa
     return _forward_flops(cfg, total, total)
 
 
-def _forward_flops(cfg: ModelConfig, source_len: int, target_len: int) -> float:
+def _forward_flops(
+    cfg: ModelConfig, source_len: int, target_len: int, *, mixing: bool = True
+) -> float:
     """Forward FLOPs of one row: ``target_len`` tokens through the model (and an
-    encoder-decoder's ``source_len`` through its encoder), 2 per multiply-add."""
+    encoder-decoder's ``source_len`` through its encoder), 2 per multiply-add; those of the
+    parameters' matmuls alone without ``mixing``."""
     d, h, hk, dh, f = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.d_ff
     query_out, key_value = 2 * d * h * dh, 2 * d * hk * dh
     self_attention = 4 * d * d if cfg.mixer in AFT_MIXERS else query_out + key_value
@@ -78,7 +91,7 @@ def _forward_flops(cfg: ModelConfig, source_len: int, target_len: int) -> float:
     # Continuous inputs are projected (token ids are looked up, for free); an encoder-decoder's
     # decoder with a regression head also projects its continuous targets.
     inputs = d * (cfg.input_dim or 0)
-    mixing = _mixing_per_key(cfg)
+    mixing, source_keys = (_mixing_per_key(cfg), source_len) if mixing else (0, 0)
     if cfg.kind != "encoder_decoder":
         causal = cfg.kind == "decoder"
         layers = enc + dec
@@ -93,7 +106,7 @@ def _forward_flops(cfg: ModelConfig, source_len: int, target_len: int) -> float:
     target_inputs = d * (cfg.output_dim or 0)
     decoder = target_len * (
         2 * (dec * (self_attention + query_out + mlp) + head + target_inputs)
-        + 4 * dec * (mixing * _keys_per_query(cfg, target_len, causal=True) + h * dh * source_len)
+        + 4 * dec * (mixing * _keys_per_query(cfg, target_len, causal=True) + h * dh * source_keys)
     )
     return encoder + decoder
 

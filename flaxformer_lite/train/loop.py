@@ -25,7 +25,6 @@ from flaxformer_lite.data.run_data import DataRequest, RunPaths, run_data
 from flaxformer_lite.evals import Scorer, TaskFileError, Tasks
 from flaxformer_lite.evals.tasks import read_tasks
 from flaxformer_lite.interop.peft import load_peft_adapters
-from flaxformer_lite.models import training_flops_per_token
 from flaxformer_lite.models.piece_checks import PieceError, check_pieces, failed_with_pieces
 from flaxformer_lite.nn.lora import lora_scale
 from flaxformer_lite.train.actions import (
@@ -49,6 +48,7 @@ from flaxformer_lite.train.program import (
     build_train_state,
     check_adapters,
     configured_train_step,
+    flops_per_token,
     layout_lines,
     resolve_mesh,
     tracing_layout,
@@ -307,8 +307,7 @@ def train(
         log(f"{where} is at step {step} = train.steps already; raise train.steps to go on")
     program = (Vmapped if vmap else InTurn)(lanes)
     tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
-    flops_per_token = training_flops_per_token(cfg.model, cfg.data.seq_len)
-    throughput = Throughput(tokens_per_step, flops_per_token, peak_flops(), log)
+    throughput = Throughput(tokens_per_step, flops_per_token(cfg, first.state), peak_flops(), log)
     program.prefetch()  # in the prefetch threads, beside the steps
     with spent.part("data"):
         batches = program.next_batches(step) if step < total else None

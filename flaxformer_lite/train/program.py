@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from flaxformer_lite import parallel
 from flaxformer_lite.data import tasks
-from flaxformer_lite.models import build_model
+from flaxformer_lite.models import build_model, training_flops_per_token
 from flaxformer_lite.nn.lora import add_adapters, lora_scale, trainable
 from flaxformer_lite.nn.rngs import dropout_rates
 from flaxformer_lite.train.config import TrainConfig
@@ -183,6 +183,15 @@ def numbered_step(cfg: TrainConfig, graphdef):
         return state, metrics, active & (metrics["finite"] | skip)
 
     return step
+
+
+def flops_per_token(cfg: TrainConfig, state) -> float:
+    """The training FLOPs per token of ``cfg``'s model
+    (:func:`~flaxformer_lite.models.training_flops_per_token`), a LoRA run's with its base
+    frozen and the adapters of ``state``."""
+    adapters = jax.tree.leaves(nnx.filter_state(state[0], nnx.LoRAParam))
+    count = sum(x.size for x in adapters) if adapters else None
+    return training_flops_per_token(cfg.model, cfg.data.seq_len, adapter_params=count)
 
 
 def layout_lines(state, shardings, mesh) -> list[str]:
