@@ -274,3 +274,18 @@ def test_generate_continues_with_the_adapters(lora_run, capsys):
         == 0
     )
     assert capsys.readouterr().out.strip()
+
+
+def test_the_recipe_fine_tunes_an_exported_base_of_ours(tmp_path, monkeypatch):
+    """The three commands of configs/lora_shakespeare.yaml, cut to a few steps of a small base."""
+    monkeypatch.chdir(tmp_path)
+    small = ["model.num_decoder_layers=1", "model.d_model=32", "model.d_ff=64", "model.num_heads=2"]
+    short = ["train.steps=2", "train.eval_every=2", "train.eval_batches=1", "train.batch_size=8"]
+    base = ["--config", "shakespeare_char", "run_dir=runs/shakespeare_base", *small, *short]
+    assert main(["train", "--no-progress", *base]) == 0
+    export = ["export", "--run-dir", "runs/shakespeare_base", "--out", "exports/shakespeare_base"]
+    assert main(export) == 0
+    assert main(["train", "--no-progress", "--config", "lora_shakespeare", *short]) == 0
+    cfg = load_config(tmp_path / "runs" / "lora_shakespeare" / "config.yaml")
+    assert (cfg.init_from, cfg.lora.rank, cfg.model.d_model) == ("exports/shakespeare_base", 8, 32)
+    assert losses_of(tmp_path / "runs" / "lora_shakespeare")
