@@ -3,15 +3,20 @@ logits of ``peft.PeftModel`` on the Hugging Face base, for GPT-2 (Conv1D, a fuse
 Llama (grouped keys and values) and BERT; adapters it cannot read, or of another base, refused
 naming the key, the model unchanged."""
 
+import dataclasses
 import json
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
-from flaxformer_lite.interop import load_hf
-from flaxformer_lite.interop.peft import merge_peft
+from flaxformer_lite.interop import load_hf, save_hf
+from flaxformer_lite.interop.peft import merge_peft, save_peft
+from flaxformer_lite.models import ModelConfig, build_model
+from flaxformer_lite.nn.lora import add_adapters
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 
@@ -190,3 +195,56 @@ def _llama_tokenizer(base):
         unk_token=hf_checkpoints.EOT,
     )
     tokenizer.save_pretrained(base)
+
+
+@pytest.mark.parametrize("name", list(TARGETS))
+def test_our_adapters_written_as_peft_give_our_logits_and_read_back_merged(
+    adapters, hf, tmp_path, name
+):
+    """``save_peft`` of adapters on every attention and MLP projection of ``load_hf``'s model:
+    ``PeftModel`` on the base computes our logits, and ``merge_peft`` of the written adapter
+    into a fresh base, the same."""
+    peft = pytest.importorskip("peft", reason="needs the dev extra's peft")
+    base, _, _ = adapters[name]
+    model, cfg = load_hf(base)
+    rngs = nnx.Rngs(params=4, dropout=5)
+    add_adapters(model, rank=3, alpha=5, targets=["attention", "mlp"], rngs=rngs)
+    drawn = jax.tree.map(lambda x: 0.3 * np.random.default_rng(x.size).normal(size=x.shape),
+                         nnx.state(model, nnx.LoRAParam))  # fmt: skip
+    nnx.update(model, drawn)
+    model.eval()
+    ours = np.asarray(model(jnp.asarray(IDS)))
+    modules = save_peft(model, cfg, tmp_path / "adapter", base=str(base))
+    assert len(modules) == {"gpt2": 4, "llama": 7, "bert": 6}[name] * 2
+    auto = "AutoModelForMaskedLM" if name == "bert" else "AutoModelForCausalLM"
+    hf_base = getattr(hf.transformers, auto).from_pretrained(base)
+    adapted = peft.PeftModel.from_pretrained(hf_base, tmp_path / "adapter").eval()
+    with hf.torch.no_grad():
+        theirs = adapted(input_ids=hf.torch.tensor(IDS)).logits.numpy()
+    np.testing.assert_allclose(theirs, ours, atol=1e-4)
+    fresh, _ = load_hf(base)
+    merge_peft(fresh, cfg, tmp_path / "adapter")
+    np.testing.assert_allclose(np.asarray(fresh(jnp.asarray(IDS))), ours, atol=1e-5)
+
+
+def test_a_scanned_stack_s_adapters_are_written_layer_by_layer(hf, tmp_path):
+    peft = pytest.importorskip("peft", reason="needs the dev extra's peft")
+    cfg = dataclasses.replace(ModelConfig.from_preset("gpt2-tiny", vocab_size=50), scan_layers=True)
+    rngs = nnx.Rngs(params=0, dropout=1)
+    model = build_model(cfg, rngs=rngs)
+    save_hf(model, cfg, tmp_path / "base")
+    add_adapters(model, rank=2, alpha=2, targets=["qkv", "wo"], rngs=rngs)
+    nnx.update(model, jax.tree.map(lambda x: x + 0.1, nnx.state(model, nnx.LoRAParam)))
+    model.eval()
+    save_peft(model, cfg, tmp_path / "adapter")
+    settings = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert settings["target_modules"] == [
+        "transformer.h.0.mlp.c_proj", "transformer.h.0.attn.c_attn",
+        "transformer.h.1.mlp.c_proj", "transformer.h.1.attn.c_attn",
+    ]  # fmt: skip
+    assert settings["fan_in_fan_out"] and settings["task_type"] == "CAUSAL_LM"
+    hf_base = hf.transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "base")
+    adapted = peft.PeftModel.from_pretrained(hf_base, tmp_path / "adapter").eval()
+    with hf.torch.no_grad():
+        theirs = adapted(input_ids=hf.torch.tensor(IDS)).logits.numpy()
+    np.testing.assert_allclose(theirs, np.asarray(model(jnp.asarray(IDS))), atol=1e-4)

@@ -17,6 +17,7 @@ import pytest
 from flax import nnx
 
 from flaxformer_lite.models import ModelConfig, build_model
+from flaxformer_lite.nn import stack
 from flaxformer_lite.nn.lora import (
     BASE,
     LoRA,
@@ -197,3 +198,35 @@ def test_a_train_step_changes_the_adapters_alone_with_decay_as_kernels():
     after = nnx.state(model, nnx.LoRAParam)
     for path, variable in nnx.to_flat_state(after):
         assert np.abs(np.asarray(variable[...])).max() > 0, path
+
+
+def _step_temporaries(overrides, monkeypatch=None, policy=None) -> float:
+    """The temporary bytes of the compiled train step of a small scanned decoder whose layers
+    save their matmul outputs (``model.remat=dots_saveable``)."""
+    cfg = load_config(
+        None,
+        [
+            "model.d_model=256",
+            "model.d_ff=1024",
+            "model.num_decoder_layers=2",
+            "model.scan_layers=true",
+            "model.remat=dots_saveable",
+            "model.vocab_size=64",
+            *overrides,
+        ],
+    )
+    if policy is not None:
+        monkeypatch.setitem(stack.REMAT_POLICIES, "dots_saveable", policy)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: make_train_state(cfg, optax.adamw(1e-3))))
+    arrays = (("inputs", jnp.int32), ("targets", jnp.int32), ("weights", jnp.float32))
+    batch = {name: jax.ShapeDtypeStruct((8, 256), dtype) for name, dtype in arrays}
+    step = jax.jit(lambda s, b: train_step(graphdef, s, b, task="lm"))
+    return step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_a_remat_policy_that_saves_matmuls_saves_an_adapted_projection_s_output(monkeypatch):
+    """``x W + x A B`` is no matmul output: saved by name, or the backward pass keeps the
+    adapter's own output to recompute the sum (measured: 1.4x the temporaries of the step)."""
+    named = _step_temporaries(["lora.rank=8"])
+    unnamed = _step_temporaries(["lora.rank=8"], monkeypatch, jax.checkpoint_policies.dots_saveable)
+    assert named < 0.85 * unnamed, (named, unnamed)

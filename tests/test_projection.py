@@ -130,3 +130,24 @@ def test_kernel_gradient_transposes_the_narrower_operand(kernel_shape, narrower)
     out_shape = (4, 16, *kernel_shape[1:])
     expected = x.shape if narrower == "x" else out_shape
     assert _kernel_gradient_lhs(x, jnp.zeros(kernel_shape), 1) == expected
+
+
+def test_an_untrained_kernel_s_backward_keeps_only_the_kernel():
+    """``trained=False`` (a LoRA model's frozen base): the same value and input gradient, and
+    the residuals of its VJP with respect to ``x`` hold no copy of ``x``."""
+    _, _, _, (x, kernel, _) = _inputs((2, 5, 4), (4, 3, 2, 3), 1)
+
+    def loss(x, trained):
+        return jnp.sum(project(x, kernel, 1, trained=trained) ** 2)
+
+    np.testing.assert_array_equal(project(x, kernel, 1, trained=False), project(x, kernel, 1))
+    np.testing.assert_allclose(
+        jax.grad(loss)(x, False), jax.grad(loss)(x, True), rtol=1e-6, atol=1e-6
+    )
+
+    def residual_shapes(trained):  # a VJP function's leaves are the residuals it keeps
+        vjp = jax.vjp(lambda x: project(x, kernel, 1, trained=trained), x)[1]
+        return [r.shape for r in jax.tree.leaves(vjp)]
+
+    shapes = {trained: residual_shapes(trained) for trained in (True, False)}
+    assert x.shape in shapes[True] and x.shape not in shapes[False], shapes

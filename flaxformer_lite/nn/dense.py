@@ -14,10 +14,15 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from flaxformer_lite.nn.parametrization import WIDTH_AXES, Kernel, multiplier, role_of
 from flaxformer_lite.nn.rngs import next_key
 from flaxformer_lite.ops.projection import project
+
+# The name of an adapted projection's output (:mod:`.lora`): the remat policies that save
+# matmul outputs save it (:data:`~.stack.REMAT_POLICIES`).
+ADAPTED = "adapted_projection"
 
 INIT_SCHEMES = ("xavier", "normal")
 
@@ -211,11 +216,13 @@ class Dense(nnx.Module):
         """``[..., *in_shape] -> [..., *out_shape]`` in the compute dtype."""
         # project raises a ValueError naming both shapes when x does not end with in_shape.
         n = len(self.in_shape)
-        y = project(x.astype(self.dtype), self.kernel[...].astype(self.dtype), n)
+        kernel = self.kernel[...].astype(self.dtype)
+        # A kernel with an adapter is the frozen base's: no gradient of it is taken.
+        y = project(x.astype(self.dtype), kernel, n, trained=self.lora is None)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         if self.lora is not None:
-            y = y + self.lora(x)
+            y = checkpoint_name(y + self.lora(x), ADAPTED)
         return y
 
 

@@ -14,13 +14,22 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from flaxformer_lite.nn.dense import ADAPTED
 from flaxformer_lite.nn.sharding import ACTIVATION_NAMES, constrain
 
+# NOTE: an adapted projection's output (``x W + x A B``, a LoRA model's) is a sum, not a matmul
+# output: the policies that save matmul outputs save it by name, or the backward pass would
+# keep the adapter's own output to recompute it, as large again.
+_ADAPTED = jax.checkpoint_policies.save_only_these_names(ADAPTED)
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
-    "dots_saveable": jax.checkpoint_policies.dots_saveable,
-    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots_saveable": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_saveable, _ADAPTED
+    ),
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _ADAPTED
+    ),
 }
 
 

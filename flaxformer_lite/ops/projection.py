@@ -19,13 +19,18 @@ import jax
 import jax.numpy as jnp
 
 
-def project(x: jax.Array, kernel: jax.Array, num_in_axes: int = 1) -> jax.Array:
+def project(
+    x: jax.Array, kernel: jax.Array, num_in_axes: int = 1, *, trained: bool = True
+) -> jax.Array:
     """``x @ kernel`` over the last ``num_in_axes`` axes of ``x``.
 
     Args:
       x: ``[..., *in_shape]``.
       kernel: ``[*in_shape, *out_shape]`` with the dtype of ``x`` (cast both beforehand).
       num_in_axes: how many trailing axes of ``x`` (leading axes of ``kernel``) are contracted.
+      trained: False for a kernel no gradient is taken of (a LoRA model's base): the plain
+        ``tensordot``, whose backward pass keeps only the kernel, where the custom VJP's
+        residuals would keep ``x`` too (a scanned stack saves every residual of every layer).
 
     Returns:
       ``[..., *out_shape]`` in the result dtype of ``jnp.tensordot(x, kernel, num_in_axes)``.
@@ -39,6 +44,8 @@ def project(x: jax.Array, kernel: jax.Array, num_in_axes: int = 1) -> jax.Array:
             f"project contracts {num_in_axes} axes: x of shape {x.shape} must end with the "
             f"kernel's leading axes {in_shape} (kernel shape {kernel.shape})"
         )
+    if not trained:
+        return jnp.tensordot(x, kernel, axes=num_in_axes)
     return _project(x, kernel, num_in_axes)
 
 
