@@ -98,8 +98,8 @@ def compare(args) -> dict:
     return {name: {**sizes[name], "step_ms": statistics.median(times[name])} for name in programs}
 
 
-def main() -> None:
-    args = parser().parse_args()
+def main(argv: list[str] | None = None) -> dict:
+    args = parser().parse_args(argv)
     result = compare(args)
     full, lora = result["full"], result["lora"]
     print(
@@ -119,6 +119,7 @@ def main() -> None:
         f"{lora['optimizer_bytes'] / full['optimizer_bytes']:.2%} | "
         f"{lora['step_ms'] / full['step_ms']:.2f}x |"
     )
+    return result
 
 
 if __name__ == "__main__":

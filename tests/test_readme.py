@@ -156,14 +156,19 @@ def _config_file(config: pathlib.Path | None) -> pathlib.Path | None:
     return config if config is None or recipe_path(config) else REPO / config
 
 
+def _init_from_configs(overrides: list[str], tmp_path: pathlib.Path) -> None:
+    """A GPT-2 ``config.json`` where each ``init_from=DIR`` override points."""
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if key == "init_from":
+            _gpt2_config(tmp_path / value)
+
+
 def _check_training_command(argv, command, tmp_path, monkeypatch):
     parser = argparse.ArgumentParser(prog="train.py")
     add_train_arguments(parser)
     args = _parse(parser.parse_intermixed_args, argv, command)
-    for override in args.overrides:
-        key, _, value = override.partition("=")
-        if key == "init_from":
-            _gpt2_config(tmp_path / value)
+    _init_from_configs(args.overrides, tmp_path)
     config = _config_file(args.config)
     monkeypatch.chdir(tmp_path)  # relative paths of overrides resolve here
     cfg = load_config(config, args.overrides)
@@ -188,6 +193,7 @@ def test_documented_command_is_valid(name, command, tmp_path, monkeypatch):
             assert load_config(None, args.overrides).data.source in ("text", "jsonl", "parallel")
         elif subcommand == "sweep":
             args = _parse(sweep_parser().parse_intermixed_args, rest, command)
+            _init_from_configs(args.overrides, tmp_path)
             monkeypatch.chdir(tmp_path)
             sweep_members(
                 load_config(_config_file(args.config), args.overrides), parse_vary(args.vary)
