@@ -6,5 +6,15 @@ Face's call arguments into ours."""
 
 from flaxformer_lite.interop.arguments import hf_arguments
 from flaxformer_lite.interop.hf import FAMILIES, SUPPORTED, family_of, load_hf, save_hf
+from flaxformer_lite.interop.peft import merge_peft, save_peft
 
-__all__ = ["FAMILIES", "SUPPORTED", "family_of", "hf_arguments", "load_hf", "save_hf"]
+__all__ = [
+    "FAMILIES",
+    "SUPPORTED",
+    "family_of",
+    "hf_arguments",
+    "load_hf",
+    "merge_peft",
+    "save_hf",
+    "save_peft",
+]
