@@ -26,7 +26,7 @@ from flaxformer_lite.train.sweep import sweep
 from flaxformer_lite.train.sweep_dir import SweepDir
 from flaxformer_lite.train.sweep_members import sweep_members
 from flaxformer_lite.train.sweep_plot import group_curve
-from flaxformer_lite.train.sweep_summary import difference, read_summary
+from flaxformer_lite.train.sweep_summary import difference, metric_values, read_summary
 
 pytestmark = pytest.mark.fast_compile
 
@@ -324,14 +324,18 @@ def test_compare_two_groups_says_the_difference_its_error_and_whether_it_is_nois
     assert main(["compare", f"{directory}:lr=1e-3", f"{directory}:lr=3e-3"]) == 0
     printed = capsys.readouterr().out
     a, b = summary["groups"]["lr=1e-3"], summary["groups"]["lr=3e-3"]
-    diff = difference(a, b, "eval_loss")
-    assert f"eval_loss: difference {diff['difference']:+.4g} ± {diff['stderr']:.2g}" in printed
+    members = summary["members"]
+    diff = difference(*(metric_values(g, members, "eval_loss") for g in (a, b)))
+    assert diff["test"] == "paired t over 2 shared seeds"  # both groups trained on seeds 0, 1
+    assert f"eval_loss: difference {diff['difference']:+.4g}, 95% CI [" in printed
+    assert f"p = {diff['p']:.2g} (paired t over 2 shared seeds, df 1)" in printed
     assert ("within noise" if diff["within_noise"] else "beyond noise") in printed
+    assert "loss: difference" in printed and "no held-out measure" in printed
     metric = "task/sums/acc_norm"  # a downstream task's score, as any metric
     assert (
         main(["compare", f"{directory}:lr=1e-3", f"{directory}:lr=3e-3", "--metric", metric]) == 0
     )
-    diff = difference(a, b, metric)
+    diff = difference(*(metric_values(g, members, metric) for g in (a, b)))
     assert f"{metric}: difference {diff['difference']:+.4g}" in capsys.readouterr().out
     assert main(["compare", str(directory), str(directory / MEMBERS[0])]) == 2
     assert "compare takes two sweeps" in capsys.readouterr().err

@@ -1,41 +1,83 @@
 """A sweep's groups and summary, without training: which members share a compiled step,
-the mean and standard deviation of a group, the difference of two groups and its verdict, and
+the mean and standard deviation of a group, the difference of two groups and its test (against
+scipy.stats: Welch's t, paired t over shared seeds), and
 which logged numbers are results. (Sweeps trained: test_sweep.py.)"""
 
 import statistics
 
 import pytest
+from scipy import stats
 from tiny_runs import TINY
 
 from flaxformer_lite.train import sweep as sweep_module
 from flaxformer_lite.train import sweep_summary
 from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.sweep_members import split_settings, sweep_members
-from flaxformer_lite.train.sweep_summary import difference, mean_std
+from flaxformer_lite.train.sweep_summary import difference
 
 
 def test_groups_without_spread_get_no_verdict():
     """Two groups whose members each logged one value (a task scored on few examples): the
-    difference is said, with no verdict of noise (their standard error is 0)."""
-    a, b = mean_std([0.4, 0.4]), mean_std([0.6, 0.6])
-    line = sweep_summary.difference_text("task/x/acc", difference({"m": a}, {"m": b}, "m"))
+    difference is said, with no verdict of noise."""
+    diff = difference({0: 0.4, 1: 0.4}, {0: 0.6, 1: 0.6})
+    line = sweep_summary.difference_text("task/x/acc", diff)
     assert line == (
-        "task/x/acc: difference +0.2 ± 0: each group's members all logged the same value, no "
-        "spread to judge it against"
+        "task/x/acc: difference +0.2 ± 0: the members logged the same value, no spread to "
+        "judge it against"
     )
 
 
-def test_the_difference_of_two_groups_has_its_standard_error():
-    a, b = mean_std([1.0, 2.0, 3.0]), mean_std([3.0, 4.0, 5.0, 6.0])
-    assert a == {"mean": 2.0, "std": 1.0, "n": 3}
-    diff = difference({"x": a}, {"x": b}, "x")
-    stderr = (1.0 / 3 + statistics.variance([3.0, 4.0, 5.0, 6.0]) / 4) ** 0.5
-    assert diff["difference"] == 2.5 and diff["stderr"] == pytest.approx(stderr)
-    assert diff["within_noise"] is False  # 2.5 > 2 * 0.866
-    close = difference({"x": a}, {"x": mean_std([2.5, 1.5, 3.5])}, "x")
-    assert close["within_noise"] is True
-    single = difference({"x": mean_std([1.0])}, {"x": b}, "x")
-    assert single["stderr"] is None and single["within_noise"] is None
+def test_unpaired_groups_get_welch_s_t_test_as_scipy_computes_it():
+    a, b = {"a0": 1.0, "a1": 2.0, "a2": 3.0}, {"b0": 3.0, "b1": 4.0, "b2": 5.0, "b3": 6.5}
+    diff = difference(a, b)
+    welch = stats.ttest_ind(list(b.values()), list(a.values()), equal_var=False)
+    low, high = welch.confidence_interval(0.95)
+    assert diff["test"] == "Welch's t" and diff["n"] == (3, 4)
+    assert diff["difference"] == pytest.approx(4.625 - 2.0)
+    assert diff["p"] == pytest.approx(welch.pvalue) and diff["df"] == pytest.approx(welch.df)
+    assert diff["ci"] == pytest.approx((low, high))
+    stderr = (statistics.variance(a.values()) / 3 + statistics.variance(b.values()) / 4) ** 0.5
+    assert diff["stderr"] == pytest.approx(stderr)
+    assert diff["within_noise"] == (welch.pvalue >= 0.05)
+    line = sweep_summary.difference_text("eval_loss", diff)
+    assert line == (
+        f"eval_loss: difference +2.625, 95% CI [{low:+.3g}, {high:+.3g}], p = {welch.pvalue:.2g} "
+        f"(Welch's t, df {welch.df:.3g}): {'within' if welch.pvalue >= 0.05 else 'beyond'} "
+        "noise at the 5% level"
+    )
+
+
+def test_two_seeds_a_side_at_3_standard_errors_are_within_noise():
+    """The issue's case: 2 seeds per arm, the difference 3.1 standard errors, which the old
+    rule (2 standard errors) called beyond noise; Welch's t with its ~2 degrees of freedom."""
+    diff = difference({0: 1.50, 1: 1.52}, {2: 1.44, 3: 1.46})
+    assert diff["difference"] / diff["stderr"] < -3 and diff["p"] > 0.05
+    assert diff["within_noise"] is True
+
+
+def test_groups_trained_on_the_same_seeds_are_paired():
+    """Per-seed differences far tighter than the spread across seeds: the paired test sees
+    them; Welch's would not."""
+    a = {0: 1.470, 1: 1.500, 2: 1.530}
+    b = {0: 1.4634, 1: 1.4918, 2: 1.5229}
+    diff = difference(a, b)
+    paired = stats.ttest_rel([b[s] for s in (0, 1, 2)], [a[s] for s in (0, 1, 2)])
+    assert diff["test"] == "paired t over 3 shared seeds" and diff["df"] == 2
+    assert diff["p"] == pytest.approx(paired.pvalue) and diff["within_noise"] is False
+    assert diff["ci"] == pytest.approx(tuple(paired.confidence_interval(0.95)))
+    assert difference({0: 1.470, 1: 1.500, 2: 1.530}, {3: 1.4634, 4: 1.4918, 5: 1.5229})[
+        "within_noise"
+    ]  # the same numbers on other seeds: Welch's, within noise
+
+
+def test_the_training_loss_and_one_member_groups_get_no_verdict():
+    diff = difference({0: 2.0, 1: 2.2}, {0: 1.5, 1: 1.6})
+    line = sweep_summary.difference_text("loss", diff)
+    assert line.startswith("loss: difference -0.55 ± ") and "no held-out measure" in line
+    assert "noise" not in line
+    single = difference({0: 1.0}, {1: 2.0, 2: 3.0})
+    assert single["test"] is None and single["within_noise"] is None
+    assert "no error bar, no test" in sweep_summary.difference_text("eval_loss", single)
 
 
 @pytest.mark.parametrize(

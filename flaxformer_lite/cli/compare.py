@@ -27,8 +27,10 @@ def compare_parser() -> CommandParser:
         description="Put several runs side by side, as after an ablation: their curves of "
         "each metric on one figure (against steps and against tokens), a table of their "
         "final metrics, and a table of the settings in which their configs differ. Two sweeps "
-        "(or two groups of sweeps, or one sweep's two groups): the difference of each metric's "
-        "mean over seeds, with its standard error, and whether it is within noise.",
+        "(or two groups of sweeps, or one sweep's two groups): the second's mean over seeds "
+        "minus the first's for each metric, its 95% confidence interval and p by a t-test "
+        "(paired over the seeds both groups trained on, else Welch's), within or beyond noise "
+        "at the 5% level; the training loss (one batch) gets no verdict.",
         examples=(
             "flaxformer-lite compare runs/a runs/b",
             "flaxformer-lite compare runs/a runs/b --metric loss eval_exact_match --out ab.png",
@@ -92,12 +94,13 @@ def _compare(args) -> int:
 
 
 def _compare_sweeps(first: pathlib.Path, second: pathlib.Path, metrics) -> int:
-    """Each pair of groups: the second's mean minus the first's, with its standard error."""
+    """Each pair of groups: the second's mean minus the first's, tested (Welch's t, or paired
+    over the seeds both trained on)."""
     from flaxformer_lite.train import sweep_summary
 
     a, b = sweep_summary.sweep_groups(first), sweep_summary.sweep_groups(second)
     for label_a, label_b in sweep_summary.compare_groups(a, b):
-        group_a, group_b = a[label_a], b[label_b]
+        (group_a, members_a), (group_b, members_b) = a[label_a], b[label_b]
         shared = [m for m in sweep_summary.TABLE_METRICS if m in group_a and m in group_b]
         chosen = metrics or shared
         if not chosen:  # a group whose members all diverged has no results
@@ -110,6 +113,9 @@ def _compare_sweeps(first: pathlib.Path, second: pathlib.Path, metrics) -> int:
             raise ValueError(f"{label_a} and {label_b} do not both have {', '.join(missing)}")
         say(f"{label_b} - {label_a} (n = {group_b[chosen[0]]['n']} and {group_a[chosen[0]]['n']}):")
         for metric in chosen:
-            diff = sweep_summary.difference(group_a, group_b, metric)
+            diff = sweep_summary.difference(
+                sweep_summary.metric_values(group_a, members_a, metric),
+                sweep_summary.metric_values(group_b, members_b, metric),
+            )
             say("  " + sweep_summary.difference_text(metric, diff))
     return 0

@@ -1,11 +1,14 @@
 """A sweep's numbers with their noise: each member's final metrics (the last value it logged of
 each) and best eval loss, read from its ``metrics.jsonl``; for each group of members that differ
 only in their seed, the mean and the sample standard deviation (``ddof=1``) over its n members;
-the difference of two groups' means with its standard error.
+the difference of two groups' means (the second's minus the first's), tested: Welch's t, or a
+paired t where the groups trained on the same seeds.
 
     summary = summarize(pathlib.Path("runs/seeds"), members, diverged={})
     print(summary_table(summary))
-    difference(summary["groups"]["lr=1e-3"], summary["groups"]["lr=3e-3"], "eval_loss")
+    groups, members = summary["groups"], summary["members"]
+    a, b = (metric_values(groups[g], members, "eval_loss") for g in ("lr=1e-3", "lr=3e-3"))
+    print(difference_text("eval_loss", difference(a, b)))  # lr=3e-3's minus lr=1e-3's
 """
 
 from __future__ import annotations
@@ -91,20 +94,65 @@ def mean_std(values: Sequence[float]) -> dict:
     }
 
 
-def difference(a: dict, b: dict, metric: str) -> dict:
-    """``b``'s mean of ``metric`` minus ``a``'s, its standard error ``sqrt(s_a^2/n_a +
-    s_b^2/n_b)`` and whether it is within noise (under two standard errors); the error is None
-    when a group has one member (no spread to go by).
+# The level of compare's test: a difference is "beyond noise" when p < LEVEL.
+LEVEL = 0.05
+# Metrics reported without a verdict, and why.
+NO_VERDICT = {"loss": "the last step's one batch, no held-out measure: see eval_loss"}
 
-    Raises:
-      KeyError: a group that has no value of ``metric``.
-    """
-    x, y = a[metric], b[metric]
-    diff = y["mean"] - x["mean"]
-    if x["std"] is None or y["std"] is None:
-        return {"difference": diff, "stderr": None, "within_noise": None}
-    stderr = math.sqrt(x["std"] ** 2 / x["n"] + y["std"] ** 2 / y["n"])
-    return {"difference": diff, "stderr": stderr, "within_noise": abs(diff) < 2 * stderr}
+
+def difference(a: dict, b: dict, *, level: float = LEVEL) -> dict:
+    """``b``'s mean minus ``a``'s (``b - a``) of one metric, tested: ``a`` and ``b`` map each
+    member's seed (or name) to its value. Members of both groups trained on the same seeds (2 or
+    more) are paired: a paired t-test of the per-seed differences; otherwise Welch's t-test
+    (unequal variances, Welch-Satterthwaite degrees of freedom). Returns ``{"difference",
+    "stderr", "test", "df", "ci" (low, high at 1 - level), "p", "level", "within_noise"
+    (p >= level), "n" (a's, b's)}``; the test's entries are None when a group has one member
+    or no spread (a p that is not a number)."""
+    import numpy as np
+    from scipy import stats
+
+    x, y = list(a.values()), list(b.values())
+    diff = statistics.fmean(y) - statistics.fmean(x)
+    result = {
+        "difference": diff, "stderr": None, "test": None, "df": None, "ci": None, "p": None,
+        "level": level, "within_noise": None, "n": (len(x), len(y)),
+    }  # fmt: skip
+    shared = sorted(a.keys() & b.keys(), key=str)
+    paired = len(shared) >= 2 and len(shared) == len(a) == len(b)
+    if not paired and min(len(x), len(y)) < 2:
+        return result
+    with np.errstate(invalid="ignore", divide="ignore"):
+        if paired:
+            test = stats.ttest_rel([b[k] for k in shared], [a[k] for k in shared])
+            name = f"paired t over {len(shared)} shared seeds"
+            spread = statistics.stdev(b[k] - a[k] for k in shared) / math.sqrt(len(shared))
+        else:
+            test = stats.ttest_ind(y, x, equal_var=False)
+            name = "Welch's t"
+            spread = math.sqrt(statistics.variance(x) / len(x) + statistics.variance(y) / len(y))
+        if not math.isfinite(test.statistic):  # no spread: every member logged one value
+            return {**result, "stderr": 0.0, "test": name}
+        low, high = test.confidence_interval(1 - level)
+    return {
+        **result,
+        "stderr": spread,
+        "test": name,
+        "df": float(test.df),
+        "ci": (float(low), float(high)),
+        "p": float(test.pvalue),
+        "within_noise": bool(test.pvalue >= level),
+    }
+
+
+def metric_values(group: dict, members: dict, metric: str) -> dict:
+    """A group's counted members' values of ``metric``, by seed where the sweep varied it (by
+    member name otherwise): what :func:`difference` takes. ``members``: the summary's."""
+    values = {}
+    for name in group["members"]:
+        results = members[name]["results"]
+        if metric in results:
+            values[members[name]["settings"].get("seed", name)] = results[metric]
+    return values
 
 
 def read_summary(directory: pathlib.Path) -> dict:
@@ -177,20 +225,22 @@ def is_sweep(path: pathlib.Path) -> bool:
     return split_group(path) is not None
 
 
-def sweep_groups(path: pathlib.Path) -> dict[str, dict]:
+def sweep_groups(path: pathlib.Path) -> dict[str, tuple[dict, dict]]:
     """The groups ``path`` names: every group of the sweep ``DIR``, or ``DIR:GROUP``'s one, by
-    label (``DIR:GROUP``).
+    label (``DIR:GROUP``), each with the summary's members (``(group, members)``: what
+    :func:`metric_values` reads).
 
     Raises:
       ValueError: no finished sweep there, or no such group (naming those there are)."""
     text = str(path)
     directory, group = split_group(path) or (pathlib.Path(text), None)
-    groups = read_summary(directory)["groups"]
+    summary = read_summary(directory)
+    groups, members = summary["groups"], summary["members"]
     if group is None:
-        return {f"{directory}:{name}": values for name, values in groups.items()}
+        return {f"{directory}:{name}": (values, members) for name, values in groups.items()}
     if group not in groups:
         raise ValueError(f"{directory} has no group {group!r}; its groups: {', '.join(groups)}")
-    return {text: groups[group]}
+    return {text: (groups[group], members)}
 
 
 def compare_groups(a: dict[str, dict], b: dict[str, dict]) -> list[tuple[str, str]]:
@@ -225,24 +275,23 @@ def summary_table(summary: dict) -> str:
 
 
 def difference_text(metric: str, diff: dict) -> str:
-    """One line: the difference, its standard error, and what it means."""
-    if not math.isfinite(diff["difference"]) or not math.isfinite(diff["stderr"] or 0.0):
-        return f"{metric}: difference {diff['difference']:+.4g}: a mean is not finite, no verdict"
-    if diff["stderr"] is None:
-        return f"{metric}: difference {diff['difference']:+.4g} (one member: no error bar)"
-    if diff["stderr"] == 0:  # a score of few examples: every seed gave the same one
-        return (
-            f"{metric}: difference {diff['difference']:+.4g} ± 0: each group's members all logged "
-            "the same value, no spread to judge it against"
-        )
-    verdict = (
-        "within noise (under 2 standard errors)"
-        if diff["within_noise"]
-        else f"{abs(diff['difference']) / diff['stderr']:.1f} standard errors: beyond noise"
-    )
+    """One line: the difference (``b - a``), then its confidence interval, the test and its p
+    with the verdict at the test's level; a metric of :data:`NO_VERDICT` with its standard error
+    and why it gets none."""
+    value = f"{metric}: difference {diff['difference']:+.4g}"
+    if not math.isfinite(diff["difference"]):
+        return f"{value}: a mean is not finite, no verdict"
+    if diff["test"] is None:
+        return f"{value} (a group of one member: no error bar, no test)"
+    if diff["p"] is None:  # a score of few examples: every seed gave the same one
+        return f"{value} ± 0: the members logged the same value, no spread to judge it against"
+    if metric in NO_VERDICT:
+        return f"{value} ± {diff['stderr']:.2g} (standard error; {NO_VERDICT[metric]})"
+    low, high = diff["ci"]
+    verdict = "within noise" if diff["within_noise"] else "beyond noise"
     return (
-        f"{metric}: difference {diff['difference']:+.4g} ± {diff['stderr']:.2g} "
-        f"(standard error): {verdict}"
+        f"{value}, {1 - diff['level']:.0%} CI [{low:+.3g}, {high:+.3g}], p = {diff['p']:.2g} "
+        f"({diff['test']}, df {diff['df']:.3g}): {verdict} at the {diff['level']:.0%} level"
     )
 
 
