@@ -136,7 +136,8 @@ def test_a_signal_during_start_up_exits_128_plus_signal(tmp_path, signum):
     assert "Traceback" not in err, err
     assert err.strip().splitlines()[-1] in (
         f"stopped by {signal.Signals(signum).name}",
-        f"{signal.Signals(signum).name} at step 1: checkpoint saved",  # it was that quick
+        f"{signal.Signals(signum).name} at step 1: checkpoint saved; run the same command to "
+        "resume",  # it was that quick
     )
 
 

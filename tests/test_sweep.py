@@ -176,6 +176,11 @@ def test_sigterm_then_the_same_sweep_again_equals_an_unbroken_sweep(swept, tmp_p
     with pytest.raises(Interrupted) as stopped:
         sweep(cfg, VARY, vmap=True, log=lambda _: None)
     assert stopped.value.step == 12
+    said = str(stopped.value)
+    assert said.startswith("SIGTERM at step 12: checkpoints saved of the members ") and all(
+        name in said for name in MEMBERS
+    )
+    assert said.endswith("; run the same command to resume"), said
     stopped_summary = read_summary(tmp_path / "s")  # made from what the members logged so far
     assert stopped_summary["groups"]["lr=1e-3"]["loss"]["n"] == 2
     assert {m["results"]["step"] for m in stopped_summary["members"].values()} == {10}
@@ -341,6 +346,31 @@ def test_compare_two_groups_says_the_difference_its_error_and_whether_it_is_nois
     assert "compare takes two sweeps" in capsys.readouterr().err
     assert main(["compare", f"{directory}:lr=1", f"{directory}:lr=3e-3"]) == 2
     assert "has no group 'lr=1'; its groups: lr=1e-3, lr=3e-3" in capsys.readouterr().err
+
+
+def test_a_sweep_stopped_before_a_group_plots_the_rest_and_compare_says_why_not(
+    swept, tmp_path, capsys
+):
+    """The members of group lr=3e-3 never logged (a sweep stopped before their program): plot
+    draws the others and names them; compare of the two groups says what is missing."""
+    directory, _, _ = swept
+    stopped = tmp_path / "s"
+    shutil.copytree(directory, stopped)
+    record = json.loads((stopped / "sweep.json").read_text())
+    record.pop("summary")  # a sweep that never finished has none
+    (stopped / "sweep.json").write_text(json.dumps(record))
+    waiting = [name for name in MEMBERS if name.endswith("lr=3e-3")]
+    for name in waiting:
+        shutil.rmtree(stopped / name)
+    assert main(["plot", str(stopped)]) == 0
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert printed == [
+        f"wrote {stopped / 'plots' / 'sweep.png'}",
+        f"left out, not logged yet: {', '.join(waiting)} (the same sweep command resumes)",
+    ]
+    assert main(["compare", str(stopped)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "have no metric in common to compare" in err[0], err
 
 
 def test_plot_draws_each_group_s_mean_and_spread(swept, capsys):

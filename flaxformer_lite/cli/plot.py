@@ -41,7 +41,7 @@ def _plot(run_dir: pathlib.Path) -> int:
     from flaxformer_lite.train.metrics import plot_run
     from flaxformer_lite.train.run_dir import RunDir
     from flaxformer_lite.train.sweep_dir import SweepDir
-    from flaxformer_lite.train.sweep_plot import plot_sweep
+    from flaxformer_lite.train.sweep_plot import plot_sweep, unlogged_members
 
     sweep = SweepDir(run_dir).is_sweep()
     if not sweep and run_dir.is_dir() and not RunDir(run_dir).is_run():  # plots/ is the user's
@@ -51,8 +51,12 @@ def _plot(run_dir: pathlib.Path) -> int:
             "into a run's or a sweep's plots/ only"
         )
     written = plot_sweep(run_dir) if sweep else plot_run(run_dir)
+    waiting = unlogged_members(run_dir) if sweep else []
     if not written:
-        raise ValueError(f"{RunDir(run_dir).metrics}: no metrics logged yet, nothing to plot")
+        where = f"no member of {run_dir}" if sweep else RunDir(run_dir).metrics
+        raise ValueError(f"{where}: no metrics logged yet, nothing to plot")
     for path in written:
         say(f"wrote {path}")
+    if waiting:
+        say(f"left out, not logged yet: {', '.join(waiting)} (the same sweep command resumes)")
     return 0

@@ -382,7 +382,8 @@ def train(
                 with spent.part("checkpoints"):
                     for lane in lanes:
                         lane.run.checkpointer.wait()
-                raise Interrupted(signum, step)
+                named = tuple(lane.name for lane in lanes if lane.name is not None)
+                raise Interrupted(signum, step, named)
             if any(due):  # tokens/s times training steps alone, not evaluations or saves
                 throughput.restart(step)
         finite.now()

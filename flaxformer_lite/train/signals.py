@@ -12,11 +12,18 @@ import numpy as np
 
 
 class Interrupted(RuntimeError):  # noqa: N818 - raised on a signal, not an error of the run
-    """SIGTERM or SIGINT arrived: a checkpoint was written and the run stopped."""
+    """SIGTERM or SIGINT arrived: a checkpoint was written and the run (or a sweep's
+    ``members`` trained together) stopped."""
 
-    def __init__(self, signum: int, step: int):
-        super().__init__(f"{signal.Signals(signum).name} at step {step}: checkpoint saved")
-        self.signum, self.step = signum, step
+    def __init__(self, signum: int, step: int, members: tuple[str, ...] = ()):
+        saved = "checkpoint saved"
+        if members:
+            shown = ", ".join(members[:4]) + (f", ... ({len(members)} in all)" * (len(members) > 4))
+            saved = f"checkpoints saved of the members {shown}"
+        super().__init__(
+            f"{signal.Signals(signum).name} at step {step}: {saved}; run the same command to resume"
+        )
+        self.signum, self.step, self.members = signum, step, members
 
 
 class _StopFlag:

@@ -13,6 +13,7 @@ import numpy as np
 
 from flaxformer_lite.train.compare import load_runs
 from flaxformer_lite.train.figures import log_scale_if_wide, pyplot, readable_ticks
+from flaxformer_lite.train.metrics import read_metrics
 from flaxformer_lite.train.run_dir import RunDir
 from flaxformer_lite.train.sweep_dir import SweepDir
 from flaxformer_lite.train.sweep_summary import read_summary
@@ -30,9 +31,27 @@ def group_curve(records: list[list[dict]], metric: str):
     return np.asarray(steps), table.mean(axis=0), spread
 
 
+def unlogged_members(directory: pathlib.Path) -> list[str]:
+    """The members of the sweep in ``directory`` that have logged no step yet (a sweep stopped
+    before their program, or still compiling it)."""
+    sweep_dir = SweepDir(directory)
+    return [
+        name
+        for name in sweep_dir.read()["members"]
+        if not any("step" in record for record in _records(sweep_dir.member(name).path))
+    ]
+
+
+def _records(run_dir: pathlib.Path) -> list[dict]:
+    if not RunDir(run_dir).metrics.is_file():
+        return []
+    return read_metrics(run_dir, log=lambda _: None)
+
+
 def plot_sweep(directory: pathlib.Path) -> list[pathlib.Path]:
-    """Writes ``directory/plots/sweep.png`` (a row per metric: by step, by tokens); returns
-    ``[path]``, or ``[]`` when no member has logged a step yet.
+    """Writes ``directory/plots/sweep.png`` (a row per metric: by step, by tokens) of the
+    members that have logged (:func:`unlogged_members` are left out); returns ``[path]``, or
+    ``[]`` when no member has logged a step yet.
 
     Raises:
       ValueError: ``directory/sweep.json`` is not a sweep's record (:func:`.read_summary`).
@@ -41,10 +60,11 @@ def plot_sweep(directory: pathlib.Path) -> list[pathlib.Path]:
     sweep_dir = SweepDir(directory)
     RunDir(directory).refuse_links()
     groups = read_summary(directory)["groups"]
+    waiting = set(unlogged_members(directory))
     runs = {
-        name: load_runs([sweep_dir.member(member).path for member in group["members"]])
+        name: load_runs([sweep_dir.member(m).path for m in group["members"] if m not in waiting])
         for name, group in groups.items()
-        if group["members"]
+        if set(group["members"]) - waiting
     }
     logged = {k for group in runs.values() for run in group for r in run.records for k in r}
     metrics = [metric for metric in CURVES if metric in logged]
