@@ -295,3 +295,46 @@ def test_the_readme_variant_runs_as_written_in_a_sweep(tmp_path, monkeypatch, ca
     assert main(compare) == 0
     table = capsys.readouterr().out
     assert "my_attention:softmax_plus_one" in table and "n=3" in table.replace(" ", "")
+
+
+def test_a_resume_with_changed_code_is_refused_unless_forced(tmp_path, monkeypatch, capsys):
+    """The run records its pieces' code (pieces.json); the same command after the file was
+    edited is refused naming the setting, and --force goes on, saying so."""
+    monkeypatch.chdir(tmp_path)
+    source = "from user_pieces import same_as_xla as attention\n"
+    (tmp_path / "edited_attention.py").write_text(source)
+    setting = "model.attention_implementation=edited_attention:attention"
+    argv = ["train", "--trust-code", setting, "run_dir=run", *TINY, "checkpoint.every=2"]
+    assert main([*argv, "train.steps=2"]) == 0
+    recorded = json.loads((tmp_path / "run" / "pieces.json").read_text())
+    assert list(recorded) == ["model.attention_implementation"]
+    (tmp_path / "edited_attention.py").write_text(source + "# edited\n")
+    sys.modules.pop("edited_attention")  # as a new process: the edited file is imported
+    pieces.ATTENTION.entries.pop("edited_attention:attention")
+    before = (tmp_path / "run" / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    assert main([*argv, "train.steps=4"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and f"the code of {setting} changed" in error[0], error
+    assert "--force" in error[0] and (tmp_path / "run" / "metrics.jsonl").read_text() == before
+    assert main([*argv, "train.steps=4", "--force"]) == 0
+    assert f"going on with the changed code of {setting} (--force)" in capsys.readouterr().out
+    assert json.loads((tmp_path / "run" / "pieces.json").read_text()) != recorded
+
+
+def test_a_name_registered_again_with_other_code_is_a_change(tmp_path):
+    def first(call):
+        return user_pieces.same_as_xla(call)
+
+    def second(call):
+        return user_pieces.softmax_plus_one(call)
+
+    settings = [*TINY, f"run_dir={tmp_path / 'run'}", "model.attention_implementation=again"]
+    try:
+        flaxformer_lite.register_attention("again", first)
+        run(load_config(None, [*settings, "train.steps=2"]), progress=False, log=lambda _: None)
+        flaxformer_lite.register_attention("again", second)
+        with pytest.raises(ValueError, match="the code of model.attention_implementation=again"):
+            run(load_config(None, [*settings, "train.steps=4"]), progress=False, log=print)
+    finally:
+        pieces.ATTENTION.entries.pop("again", None)

@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import hashlib
 import importlib
+import inspect
+import marshal
 import os
 import re
 import sys
@@ -354,6 +357,38 @@ def user_pieces(cfg: ModelConfig) -> dict[str, str]:
         if value is not None and not registry.is_builtin(value):
             found[registry.setting] = value
     return found
+
+
+def piece_sources(cfg: ModelConfig) -> dict[str, str | None]:
+    """Setting -> a fingerprint of the code of each of ``cfg``'s pieces that is the user's
+    (already imported, by :func:`~.piece_checks.check_pieces`): the sha256 of its module's file
+    for an import path, of its source (or compiled code) for a name registered in Python. A
+    run records them, and a resume with other code is a change (:mod:`~flaxformer_lite.train
+    .resume`)."""
+    return {
+        registry.setting: _code_fingerprint(registry.get(value), value)
+        for registry, value in piece_settings(cfg)
+        if value is not None and not registry.is_builtin(value)
+    }
+
+
+def _code_fingerprint(obj: Any, value: str) -> str | None:
+    """The sha256 of the file of an import path's module, or of a registered object's source
+    (of its bytecode where Python kept no source); None for an object that has neither."""
+    try:
+        if is_import_path(value):
+            with open(inspect.getsourcefile(sys.modules[value.partition(":")[0]]), "rb") as file:
+                text = file.read()
+        else:
+            # An attention backend holds the user's function as its ``run``.
+            obj = obj.run if isinstance(obj, attention_choice.Backend) else obj
+            text = inspect.getsource(obj).encode()
+    except (OSError, TypeError, KeyError):
+        code = getattr(obj, "__code__", None)
+        if code is None:
+            return None
+        text = marshal.dumps(code)
+    return "sha256:" + hashlib.sha256(text).hexdigest()
 
 
 def piece_settings(cfg: ModelConfig) -> list[tuple[Registry, Any]]:

@@ -26,6 +26,7 @@ from flaxformer_lite.evals import Scorer, TaskFileError, Tasks
 from flaxformer_lite.evals.tasks import read_tasks
 from flaxformer_lite.interop.peft import load_peft_adapters
 from flaxformer_lite.models.piece_checks import PieceError, check_pieces, failed_with_pieces
+from flaxformer_lite.models.pieces import piece_sources, user_pieces
 from flaxformer_lite.nn.lora import lora_scale
 from flaxformer_lite.train.actions import (
     Evaluate,
@@ -239,6 +240,8 @@ def start(
         raise
     if main:
         run_dir.write_config(cfg.to_dict())
+        if user_pieces(cfg.model):
+            run_dir.write_pieces(piece_sources(cfg.model))
     place = functools.partial(
         parallel.put_batch, sharding=batch_sharding, global_batch=cfg.train.batch_size
     )

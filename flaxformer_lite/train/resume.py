@@ -21,6 +21,7 @@ from flaxformer_lite.data.inputs import (
 )
 from flaxformer_lite.data.sources import source_of
 from flaxformer_lite.data.tokenizers import NAME_FILE
+from flaxformer_lite.models.pieces import piece_sources
 from flaxformer_lite.train.config import ConfigError, TrainConfig, config_diff, is_runtime_key
 from flaxformer_lite.train.program import schedule_span
 from flaxformer_lite.train.run_dir import RunDir, move_aside
@@ -108,6 +109,7 @@ def check_resume(
         *_tokenizer_gone(run, resuming),
         *([] if recorded is None else _input_differences(run, cfg, recorded, resuming)),
         *([] if saved is None else _config_differences(saved, cfg, data_compared)),
+        *_code_changed(run, cfg),
     ]
     if differences and (not force or any(d.forced is None for d in differences)):
         raise ConfigError("\n".join(d.text() for d in differences))
@@ -145,6 +147,29 @@ def _data_inside_run(run: RunDir, cfg: TrainConfig) -> list[Difference]:
                 )
             ]
     return []
+
+
+def _code_changed(run: RunDir, cfg: TrainConfig) -> list[Difference]:
+    """A piece of the user's whose code differs from the code the run recorded: the same name,
+    another function (an edited file, a name registered again)."""
+    recorded = run.read_pieces() or {}
+    changed = [
+        setting
+        for setting, fingerprint in piece_sources(cfg.model).items()
+        if recorded.get(setting) not in (None, fingerprint) and fingerprint is not None
+    ]
+    if not changed:
+        return []
+    names = ", ".join(f"{key}={getattr(cfg.model, key.removeprefix('model.'))}" for key in changed)
+    return [
+        Difference(
+            f"the code of {names} changed since {run} recorded it (pieces.json): its "
+            "checkpoints were trained with the code as it was",
+            (),
+            f"put the code back, pass --force to go on with the new code, or {_FRESH}",
+            forced=f"going on with the changed code of {names}",
+        )
+    ]
 
 
 def _steps_done(run: RunDir, cfg: TrainConfig, saved_step: int | None) -> list[Difference]:

@@ -5,6 +5,7 @@ the lock that gives it one run at a time.
       run.json         the mark of a run directory, written first
       config.yaml      the resolved config (written once the run is restored or started)
       inputs.json      what the data were built from (:mod:`flaxformer_lite.data.inputs`)
+      pieces.json      a fingerprint of the code of each of the user's pieces (a run that has one)
       tokenizer/       the run's tokenizer: its ids are the checkpoints' ids
       prepared/        token stores prepared from the text, jsonl or parallel sources
       checkpoints/     Orbax step directories (:mod:`.checkpoint`)
@@ -64,6 +65,7 @@ class RunDir:
     mark = property(lambda self: self.path / "run.json")
     config = property(lambda self: self.path / "config.yaml")
     inputs = property(lambda self: self.path / "inputs.json")
+    pieces = property(lambda self: self.path / "pieces.json")
     tokenizer = property(lambda self: self.path / "tokenizer")
     prepared = property(lambda self: self.path / "prepared")
     checkpoints = property(lambda self: self.path / "checkpoints")
@@ -159,6 +161,18 @@ class RunDir:
         partial.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
         partial.replace(self.config)
 
+    def write_pieces(self, fingerprints: dict) -> None:
+        """Writes ``pieces.json`` (the user's pieces' code fingerprints) aside and renames it."""
+        partial = self.pieces.with_name(self.pieces.name + ".tmp")
+        partial.write_text(json.dumps(fingerprints, indent=1), encoding="utf-8")
+        partial.replace(self.pieces)
+
+    def read_pieces(self) -> dict | None:
+        """What :meth:`write_pieces` wrote, or None (a run started before the record)."""
+        if not self.pieces.is_file():
+            return None
+        return json.loads(self.pieces.read_text(encoding="utf-8"))
+
     @contextlib.contextmanager
     def locked(
         self,
@@ -214,14 +228,14 @@ class RunDir:
         lock, its mark, the stores it prepared (a cache of the data, made again at the next
         start) and empty folders: bad input (a validation file that fails after the training
         data were prepared) leaves no trace. After ``bad_input`` found at the first step (a
-        user's piece that fails at the run's shapes) also its config, the record of its inputs,
-        its tokenizer and empty logs; any other failure (out of memory) keeps them."""
+        user's piece that fails at the run's shapes) also its config, the records of its inputs
+        and pieces, its tokenizer and empty logs; any other failure (out of memory) keeps them."""
         if self.has_checkpoint() or (self.metrics.is_file() and self.metrics.stat().st_size):
             return
         kept, ours = [self.prepared], [self.lock, self.mark]
         if bad_input:
             kept += [self.tokenizer, self.tensorboard]
-            ours += [self.config, self.inputs, self.metrics]
+            ours += [self.config, self.inputs, self.pieces, self.metrics]
         files = [
             p
             for p in self.path.rglob("*")
