@@ -15,8 +15,7 @@ array. Orbax's on-disk layout::
     <directory>/<step>/state/        the arrays: TensorStore (OCDBT + Zarr), written per shard
     <directory>/<step>/data_state/   JSON
     <directory>/<step>/config/       JSON
-    <directory>/<step>/fingerprints/ JSON, each array's dtype and fingerprint (see below); a
-                                     LoRA run's also the base's it leaves out (``base``)
+    <directory>/<step>/fingerprints/ JSON, each array's dtype and fingerprint (below; ``base``)
     <directory>/<step>/metrics/      JSON, the ``metrics`` given to ``save`` (for "best" retention)
     <directory>/<step>.orbax-checkpoint-tmp/   a save in flight
 
@@ -69,9 +68,8 @@ logger = logging.getLogger(__name__)
 
 
 def _not_read_only_notice(record: logging.LogRecord) -> bool:
-    """Drops Orbax's warnings that a manager is read-only ("Given directory is read only",
-    "read_only=True, setting save_interval_steps=0"): ``read_only`` is this class's request not
-    to write (a run read by ``load_run`` or ``generate``), nothing a user has to hear about."""
+    """Drops Orbax's warnings that a manager is read-only: ``read_only`` is this class's request
+    not to write (``load_run``, ``generate``), nothing a user has to hear about."""
     message = record.getMessage()
     return not message.startswith(
         ("Given directory is read only", "CheckpointManagerOptions.read_only=True")
@@ -83,13 +81,13 @@ FINGERPRINTS = "fingerprints"  # the item holding each array's fingerprint
 
 
 class CheckpointError(OSError):
-    """A checkpoint could not be written, or none could be restored; the message names the
-    directory (and step) and what to do. An ``OSError``: the run's environment, not its code."""
+    """A checkpoint could not be written or restored, named with what to do (an ``OSError``:
+    the run's environment, not its code)."""
 
 
 class CheckpointShapeError(ValueError):
-    """The restore target's arrays have other shapes (or other names) than the checkpoint's:
-    the model changed since it was saved. The checkpoint itself is readable and kept."""
+    """The restore target's arrays have other shapes or names than the checkpoint's (the model
+    changed); the checkpoint is readable and kept."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,8 +191,7 @@ class Checkpointer:
           config: the resolved config, JSON-able (``TrainConfig.to_dict()``).
           metrics: scalars stored with the checkpoint; ``metrics["eval_loss"]`` ranks "best".
           force: save even when ``step`` is not a multiple of ``every`` (last step, SIGTERM).
-          base: what names the arrays ``state`` leaves out (a LoRA run's base parameters,
-            made again when it resumes), JSON-able; restored as ``Restored.base``.
+          base: what names the arrays ``state`` leaves out (a LoRA run's base), JSON-able.
         """
         if step in self._manager.all_steps():
             return False

@@ -24,10 +24,8 @@ from flaxformer_lite.data.pipeline import Data
 from flaxformer_lite.data.run_data import DataRequest, RunPaths, run_data
 from flaxformer_lite.evals import Scorer, TaskFileError, Tasks
 from flaxformer_lite.evals.tasks import read_tasks
-from flaxformer_lite.interop.peft import load_peft_adapters
 from flaxformer_lite.models.piece_checks import PieceError, check_pieces, failed_with_pieces
 from flaxformer_lite.models.pieces import piece_sources, user_pieces
-from flaxformer_lite.nn.lora import lora_scale
 from flaxformer_lite.train.actions import (
     Evaluate,
     FiniteCheck,
@@ -46,7 +44,6 @@ from flaxformer_lite.train.metrics import peak_flops, plot_run
 from flaxformer_lite.train.optim import check_parameters, optimizer_line
 from flaxformer_lite.train.program import (
     TrainState,
-    build_train_state,
     check_adapters,
     configured_train_step,
     flops_per_token,
@@ -69,9 +66,8 @@ from flaxformer_lite.train.trained_run import (
     base_record,
     check_base,
     from_savable,
-    load_hf_weights,
-    restorable_state,
     restore_target,
+    starting_state,
 )
 
 
@@ -211,19 +207,8 @@ def start(
             data = _build_data(cfg, run_dir, batch_sharding, main)
             tasks = Tasks(downstream, data.tokenizer, cfg.data.seq_len) if downstream else None
         cfg = settled_config(cfg, saved, data.vocab_size, log)
-        if saved is not None:
-            built = restorable_state(cfg, mesh, initializers)
-        else:
-            built = build_train_state(cfg, mesh, abstract=False, initializers=initializers)
-        state, step = built.state, 0
-        if saved is None and cfg.init_from is not None:  # a resumed run keeps its checkpoint
-            state = load_hf_weights(state, cfg.init_from)
-            log(f"initialized the model from {cfg.init_from}")
-            if cfg.lora.adapter is not None:
-                scale = lora_scale(cfg.lora.alpha, cfg.lora.rank, cfg.lora.rslora)
-                state = load_peft_adapters(state, cfg.model, cfg.lora.adapter, scale)
-                log(f"initialized the adapters from {cfg.lora.adapter}")
-        base = base_record(cfg, state)
+        built = starting_state(cfg, mesh, saved is not None, initializers, log)
+        state, step, base = built.state, 0, base_record(cfg, built.state)
         if saved is not None:
             try:
                 with spent.part("checkpoints"):

@@ -29,7 +29,7 @@ from jax.sharding import Mesh
 from flaxformer_lite import parallel
 from flaxformer_lite.data.tokenizers import Tokenizer, load_tokenizer
 from flaxformer_lite.models.pieces import trusted_code
-from flaxformer_lite.nn.lora import BASE, has_adapters
+from flaxformer_lite.nn.lora import BASE, has_adapters, lora_scale
 from flaxformer_lite.train.checkpoint import Checkpointer, CheckpointError
 from flaxformer_lite.train.config import TrainConfig, config_from_dict
 from flaxformer_lite.train.fingerprints import fingerprints_of
@@ -251,6 +251,28 @@ def restorable_state(cfg: TrainConfig, mesh: Mesh, initializers: dict | None = N
     return dataclasses.replace(built, state=load_hf_weights(built.state, cfg.init_from))
 
 
+def starting_state(
+    cfg: TrainConfig, mesh: Mesh, resuming: bool, initializers: dict | None, log
+) -> TrainState:
+    """A run's train state before its first step: to restore its checkpoint into
+    (:func:`restorable_state`), or created from the seed, with ``init_from``'s weights (and a
+    LoRA run's ``lora.adapter``) in place; ``log`` says where they came from."""
+    if resuming:
+        return restorable_state(cfg, mesh, initializers)
+    built = build_train_state(cfg, mesh, abstract=False, initializers=initializers)
+    if cfg.init_from is None:
+        return built
+    state = load_hf_weights(built.state, cfg.init_from)
+    log(f"initialized the model from {cfg.init_from}")
+    if cfg.lora.adapter is not None:
+        from flaxformer_lite.interop.peft import load_peft_adapters
+
+        scale = lora_scale(cfg.lora.alpha, cfg.lora.rank, cfg.lora.rslora)
+        state = load_peft_adapters(state, cfg.model, cfg.lora.adapter, scale)
+        log(f"initialized the adapters from {cfg.lora.adapter}")
+    return dataclasses.replace(built, state=state)
+
+
 def base_record(cfg: TrainConfig, state) -> dict[str, Any] | None:
     """What names a LoRA run's base in its checkpoints: where it comes from and each
     parameter's fingerprint; None for a run without adapters (its checkpoints hold it all)."""
@@ -380,5 +402,6 @@ __all__ = [
     "restorable_state",
     "restore_target",
     "saved_part",
+    "starting_state",
     "to_savable",
 ]
