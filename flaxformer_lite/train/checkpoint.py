@@ -20,12 +20,10 @@ array. Orbax's on-disk layout::
     <directory>/<step>.orbax-checkpoint-tmp/   a save in flight
 
 Guarantees, and where they come from:
-  * Async saves (orbax): ``save`` returns once the arrays are copied off the device; the files are
-    written in the background into the ``.orbax-checkpoint-tmp`` directory, which is renamed to
-    ``<step>`` only when complete (on GCS: a ``commit_success.txt`` marks it). Orbax lists only
-    finished step directories, so a process killed mid-save leaves the previous checkpoints as
-    they were and the incomplete one is never picked up. Older checkpoints are deleted only after
-    the new one is committed.
+  * Async saves (orbax): ``save`` returns once the arrays are off the device; the files go into
+    ``.orbax-checkpoint-tmp``, renamed to ``<step>`` when complete (GCS: ``commit_success.txt``).
+    Only finished steps are listed, so a save killed midway is never picked up, and older
+    checkpoints are deleted only after the new one is committed.
   * Retention (orbax preservation policies): the newest ``keep`` checkpoints, plus the single one
     with the lowest ``metrics["eval_loss"]`` among the saves that reported it.
   * Corruption (this module): a checkpoint that fails to restore (a truncated or missing file,
