@@ -38,8 +38,7 @@ Guarantees, and where they come from:
   * Changed shapes (this module): a restore target whose array shapes differ from the
     checkpoint's raises :class:`CheckpointShapeError` (nothing is set aside: the checkpoint is
     fine, the model is not the one it was saved from).
-  * Resharding (orbax): ``restore`` places every array on the sharding its abstract target
-    carries, whatever the mesh the checkpoint was written from.
+  * Resharding (orbax): ``restore`` places each array on its target's sharding, any mesh.
 """
 
 from __future__ import annotations
@@ -90,7 +89,7 @@ class CheckpointShapeError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Restored:
-    """What :meth:`Checkpointer.restore` returns: ``state`` laid out on the requested shardings."""
+    """What :meth:`Checkpointer.restore` returns: ``state`` on the requested shardings."""
 
     step: int
     state: Any
