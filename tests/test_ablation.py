@@ -3,6 +3,7 @@ means and deviations, the figure, the JSON; a command of the installed package (
 10), in its --help without the history of the project."""
 
 import json
+import pathlib
 import statistics
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from subprocess_env import subprocess_env
 
 from flaxformer_lite.cli import main
 from flaxformer_lite.cli.ablation import FLAXFORMER_LITE, ablation, parser
+from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.metrics import read_metrics
 
 TINY = """\
@@ -40,15 +42,30 @@ def test_the_ablation_trains_every_config_and_compares_them(tmp_path, capsys, mo
     # cache for every program) rather than conftest.py's 8 devices compiled with optimizations.
     for name, value in subprocess_env(1).items():
         monkeypatch.setenv(name, value)
+    monkeypatch.chdir(tmp_path)  # where the sweeps import the user's attention from
+    (tmp_path / "plus_one.py").write_text("from user_pieces import softmax_plus_one\n")
+    monkeypatch.setenv("PYTHONPATH", str(pathlib.Path(__file__).parent))
     configs = []
     for mixer in ("attention", "aft_simple"):
         configs.append(tmp_path / f"{mixer}.yaml")
         configs[-1].write_text(TINY.format(mixer=mixer))
+    user = "  attention_implementation: plus_one:softmax_plus_one\n"  # imported: --trust-code
+    configs[0].write_text(TINY.format(mixer="attention").replace("  mixer", user + "  mixer"))
     runs = tmp_path / "runs"
     argv = ["--configs", *map(str, configs), "--runs", str(runs), "--seeds", "2", "--steps", "4"]
+    argv += ["--trust-code", "train.eval_every=2", "--baseline", "attention"]
     result = ablation(parser().parse_args(argv))
     printed = capsys.readouterr().out
     assert json.loads(printed.strip().splitlines()[-1]) == result
+    assert result["baseline"] == "attention"
+    assert "aft_simple - attention:" in printed
+    assert "eval_loss: difference " in printed and "(paired t over 2 shared seeds, df 1)" in printed
+    member = load_config(runs / "aft_simple" / "seed=1" / "config.yaml")
+    assert member.train.eval_every == 2 and member.train.steps == 4  # the overrides, each config
+    # The same command again resumes every sweep where it is: nothing trained, nothing moved.
+    again = ablation(parser().parse_args(argv))
+    assert [row["eval_loss"] for row in again["runs"]] == [r["eval_loss"] for r in result["runs"]]
+    assert not list(tmp_path.glob("runs/*.old*"))
     assert [row["run"] for row in result["runs"]] == ["attention", "aft_simple"]
     for row in result["runs"]:
         assert row["seeds"] == 2 and not row["diverged"]

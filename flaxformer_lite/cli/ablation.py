@@ -1,19 +1,22 @@
 """``flaxformer-lite ablation``: configs that differ in one choice, each trained over several
-seeds, set side by side as mean ± std over the seeds.
+seeds, set side by side as mean ± std over the seeds and tested against a baseline.
 
     flaxformer-lite ablation                            # the shipped ablations/*, 3 seeds each
     flaxformer-lite ablation --steps 400 --configs ablations/attention ablations/aft_simple
-    flaxformer-lite ablation --configs a.yaml b.yaml --seeds 5 --runs runs/mine
+    flaxformer-lite ablation --configs a.yaml b.yaml --seeds 5 --runs runs/mine train.batch_size=16
 
-Each config is one ``flaxformer-lite sweep --config CONFIG --vary seed=0,...,N-1 --fresh``
-subprocess (its members stepped together by one compiled program) in
-``--runs``/<config name>/seed=<n>; the configs train one after another, so that they do not
-share the cores. ``--steps`` sets ``train.steps`` of all alike. Printed: a table of each config's
-final ``eval_loss`` and ``eval_exact_match`` as mean ± sample standard deviation over its seeds
-(the sweep's ``sweep.json`` summary), the sweep's last logged tokens/s (every member logs its
-program's rate per member, so the sweep's is members x a member's) and wall seconds, the settings
-in which the configs differ, the figure of their mean curves over the seeds (against steps and
-tokens), and, as the last line, one JSON object with the table.
+Each config is one ``flaxformer-lite sweep --config CONFIG --vary seed=0,...,N-1`` subprocess
+(its members stepped together by one compiled program, its progress printed as it trains) in
+``--runs``/<config name>/seed=<n>, with the ``key=value`` overrides and ``--trust-code`` given;
+the configs train one after another, so that they do not share the cores, and the same command
+again resumes them (``--fresh`` starts over). ``--steps`` sets ``train.steps`` of all alike.
+Printed: a table of each config's final ``eval_loss`` and ``eval_exact_match`` as mean ± sample
+standard deviation over its seeds (the sweep's ``sweep.json`` summary), the sweep's last logged
+tokens/s (every member logs its program's rate per member, so the sweep's is members x a
+member's) and wall seconds, each config's difference from ``--baseline`` tested as ``compare``
+tests it (paired over the shared seeds), the settings in which the configs differ, the figure
+of their mean curves ± std over the seeds (against steps and tokens), and, as the last line, one
+JSON object with the table.
 """
 
 from __future__ import annotations
@@ -71,6 +74,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, default=3, help="seeds of every config (default: 3)")
     p.add_argument("--steps", type=int, help="train.steps of every run (default: each config's)")
     p.add_argument("--out", type=pathlib.Path, help="the figure (default: RUNS/compare.png)")
+    p.add_argument(
+        "--baseline", help="the config the others are tested against (default: the first)"
+    )
+    p.add_argument("--fresh", action="store_true", help="start every sweep over")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="settings of every config")
     add_trust_code(p)
     return p
 
@@ -87,39 +95,54 @@ def ablation(args: argparse.Namespace) -> dict:
     if args.seeds < 1 or (args.steps is not None and args.steps < 1):
         raise ValueError(f"--seeds and --steps must be positive, got {args.seeds}, {args.steps}")
     configs = args.configs or [name for name in recipes() if name.startswith("ablations/")]
+    names = [pathlib.Path(config).stem for config in configs]
+    baseline = args.baseline or names[0]
+    if baseline not in names:
+        raise ValueError(f"--baseline {baseline}: not one of the configs ({', '.join(names)})")
+    overrides = [*args.overrides, *([] if args.steps is None else [f"train.steps={args.steps}"])]
+    for override in overrides:
+        if override.partition("=")[0] in ("run_dir", "seed") or "=" not in override:
+            raise ValueError(
+                f"{override}: overrides are key=value, not run_dir or seed (--runs, --seeds)"
+            )
     seconds = {}
-    for config in configs:
-        name = pathlib.Path(config).stem
-        seconds[name] = _sweep(config, args.runs / name, args.seeds, args.steps)
-    return _compare(configs, args.runs, seconds, args.out or args.runs / "compare.png")
+    for config, name in zip(configs, names, strict=True):
+        say(f"ablation: {name} ({configs.index(config) + 1} of {len(configs)})")
+        flags = ["--fresh"] * args.fresh + ["--trust-code"] * args.trust_code
+        seconds[name] = _sweep(config, args.runs / name, args.seeds, [*flags, *overrides])
+    return _compare(configs, args.runs, seconds, args.out or args.runs / "compare.png", baseline)
 
 
-def _sweep(config: str, sweep_dir: pathlib.Path, seeds: int, steps: int | None) -> float:
-    """Trains ``seeds`` seeds of ``config`` into ``sweep_dir`` afresh in a ``flaxformer-lite
-    sweep`` subprocess; its wall seconds. A sweep that fails ends the ablation with its exit
-    status (128 + signal if killed): it has printed what went wrong."""
-    command = [sys.executable, "-c", FLAXFORMER_LITE, "sweep", "--config", config, "--fresh"]
+def _sweep(config: str, sweep_dir: pathlib.Path, seeds: int, arguments: list[str]) -> float:
+    """Trains ``seeds`` seeds of ``config`` into ``sweep_dir`` (resuming what is there) in a
+    ``flaxformer-lite sweep`` subprocess that prints its progress; its wall seconds. A sweep that
+    fails ends the ablation with its exit status (128 + signal if killed): it has printed what
+    went wrong."""
+    command = [sys.executable, "-c", FLAXFORMER_LITE, "sweep", "--config", config, *arguments]
     command += ["--vary", "seed=" + ",".join(map(str, range(seeds))), f"run_dir={sweep_dir}"]
-    command += [] if steps is None else [f"train.steps={steps}"]
     started = time.perf_counter()
-    status = subprocess.run(command, stdout=subprocess.DEVNULL).returncode
+    sys.stdout.flush()
+    status = subprocess.run(command).returncode
     if status:
         raise SystemExit(status if status > 0 else 128 - status)
     return time.perf_counter() - started
 
 
-def _compare(configs, runs: pathlib.Path, seconds: dict, out: pathlib.Path) -> dict:
-    """Prints the table of the configs' sweeps, their differing settings and the figure."""
-    from flaxformer_lite.train import compare
+def _compare(configs, runs: pathlib.Path, seconds: dict, out: pathlib.Path, baseline) -> dict:
+    """Prints the table of the configs' sweeps, each one's difference from ``baseline``, their
+    differing settings and the figure."""
+    from flaxformer_lite.train import compare, sweep_summary
     from flaxformer_lite.train.sweep_dir import SweepDir
+    from flaxformer_lite.train.sweep_plot import plot_groups
 
-    rows, means = [], []
+    rows, means, groups = [], [], {}
     for config in configs:
         name = pathlib.Path(config).stem
         summary = SweepDir(runs / name).read()["summary"]
         members = compare.load_runs([runs / name / member for member in summary["members"]])
         means.append(_mean_run(name, members))
         (group,) = summary["groups"].values()  # the members differ only in their seed
+        groups[name] = (group, summary["members"], members)
         rows.append(
             {
                 "run": name,
@@ -141,11 +164,22 @@ def _compare(configs, runs: pathlib.Path, seconds: dict, out: pathlib.Path) -> d
         if row["diverged"]:
             say(f"{row['run']}: diverged and not counted: {', '.join(row['diverged'])}")
     say("")
+    base, base_members, _ = groups[baseline]
+    for name, (group, group_members, _) in groups.items():
+        if name == baseline:
+            continue
+        say(f"{name} - {baseline}:")
+        for metric in (m for m in RESULTS if m in group and m in base):
+            diff = sweep_summary.difference(
+                sweep_summary.metric_values(base, base_members, metric),
+                sweep_summary.metric_values(group, group_members, metric),
+            )
+            say("  " + sweep_summary.difference_text(metric, diff))
+    say("")
     say(compare.settings_table(means))
-    metrics = [m for m in METRICS if m in compare.logged_metrics(means)]
-    figure = compare.plot_comparison(means, metrics, out)
-    say(f"\nfigure (each config's mean over its seeds): {figure}")
-    result = {"runs": rows, "figure": str(figure)}
+    figure = plot_groups({name: runs_of for name, (_, _, runs_of) in groups.items()}, out)
+    say(f"\nfigure (each config's mean ± std over its seeds): {figure}")
+    result = {"runs": rows, "baseline": baseline, "figure": str(figure)}
     say(json.dumps(result))
     return result
 

@@ -66,10 +66,19 @@ def plot_sweep(directory: pathlib.Path) -> list[pathlib.Path]:
         for name, group in groups.items()
         if set(group["members"]) - waiting
     }
+    plots = sweep_dir.plots
+    written = plot_groups(runs, plots / "sweep.png")
+    return [] if written is None else [written]
+
+
+def plot_groups(runs: dict[str, list], path: pathlib.Path) -> pathlib.Path | None:
+    """Draws each group's mean curve ± one standard deviation over its runs (``compare.Run``s)
+    of every metric of :data:`CURVES` logged, by step and by tokens, into ``path`` (a PNG);
+    None when nothing was logged."""
     logged = {k for group in runs.values() for run in group for r in run.records for k in r}
     metrics = [metric for metric in CURVES if metric in logged]
     if not metrics:
-        return []
+        return None
     plt = pyplot()
     figure, axes = plt.subplots(
         len(metrics), 2, figsize=(11, 3.6 * len(metrics) + 0.4), squeeze=False, layout="constrained"
@@ -98,9 +107,7 @@ def plot_sweep(directory: pathlib.Path) -> list[pathlib.Path]:
             readable_ticks(ax)
     handles, labels = axes[0][0].get_legend_handles_labels()
     figure.legend(handles, labels, loc="outside upper center", ncols=min(len(labels), 3))
-    plots = sweep_dir.plots
-    plots.mkdir(exist_ok=True)
-    path = plots / "sweep.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=100)
     plt.close(figure)
-    return [path]
+    return path
