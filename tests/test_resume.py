@@ -193,3 +193,17 @@ def test_a_synthetic_run_with_a_leftover_data_path_resumes(tmp_path, capsys):
     assert train_main([*args, "train.steps=1"]) == 0, capsys.readouterr().err
     assert train_main([*args, "train.steps=2"]) == 0, capsys.readouterr().err
     assert "no prepared store" not in capsys.readouterr().err
+
+
+def test_a_resumed_run_s_warmup_notice_is_its_kept_schedule_s(tmp_path):
+    """30 steps with a warmup of 100: 3 steps of warmup, said; raised to 40 on resume, the
+    schedule keeps its 30-step span, and so does the notice."""
+    settings = [*TINY, f"run_dir={tmp_path / 'run'}", "optimizer.warmup_steps=100"]
+    settings += ["train.log_every=10", "checkpoint.every=10"]
+    lines = []
+    run(load_config(None, [*settings, "train.steps=30"]), progress=False, log=lines.append)
+    said = "optimizer.warmup_steps (100) is longer than the schedule's 30 steps: warming up over 3"
+    assert any(line.startswith(said) for line in lines), lines
+    lines.clear()
+    run(load_config(None, [*settings, "train.steps=40"]), progress=False, log=lines.append)
+    assert any(line.startswith(said) for line in lines), lines

@@ -36,7 +36,7 @@ from flaxformer_lite.train.config import ConfigError
 from flaxformer_lite.train.console import Console
 from flaxformer_lite.train.metrics import MetricsWriter
 from flaxformer_lite.train.optim import warmup_notice
-from flaxformer_lite.train.program import numbered_step, tracing_layout
+from flaxformer_lite.train.program import numbered_step, schedule_span, tracing_layout
 from flaxformer_lite.train.step import on_leaves, task_of
 from flaxformer_lite.train.time_spent import TimeSpent
 
@@ -109,7 +109,9 @@ class LaneActions:
             SaveCheckpoint(run.checkpointer, run.cfg, run.base),
         ]
         self.resumed_step = run.step if run.resumed else None
-        for notice in (warmup_notice(run.cfg.optimizer, total), *run.data.notices):
+        # The schedule's span: a resumed run keeps the one it was trained with.
+        span = schedule_span(run.cfg)
+        for notice in (warmup_notice(run.cfg.optimizer, span), *run.data.notices):
             if notice:
                 self.log(notice)
 

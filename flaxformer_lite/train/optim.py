@@ -144,10 +144,6 @@ def make_schedule(cfg: OptimizerConfig, *, total_steps: int, d_model: int) -> op
     warmup_steps = fitted_warmup_steps(cfg, total_steps)
     end = cfg.lr * cfg.end_lr_ratio
     warmup = optax.linear_schedule(0.0, cfg.lr, warmup_steps)
-    if cfg.schedule != "constant" and 0 < total_steps == warmup_steps:
-        # No steps left to decay over (optax refuses a span of 0): the limit of a shrinking
-        # span, the end value from total_steps on, as when a decay reaches its end there.
-        return optax.join_schedules([warmup, optax.constant_schedule(end)], [warmup_steps])
     if cfg.schedule == "cosine":
         # optax counts the warmup inside decay_steps.
         return optax.warmup_cosine_decay_schedule(
@@ -162,20 +158,22 @@ def make_schedule(cfg: OptimizerConfig, *, total_steps: int, d_model: int) -> op
 
 
 def fitted_warmup_steps(cfg: OptimizerConfig, total_steps: int) -> int:
-    """The warmup the schedule uses: ``cfg.warmup_steps``, or a tenth of a run shorter than it
-    (a short smoke run then still reaches ``lr`` and decays). ``inverse_sqrt`` keeps its own."""
-    if cfg.schedule == "inverse_sqrt" or cfg.warmup_steps <= total_steps:
+    """The warmup the schedule uses: ``cfg.warmup_steps``, or a tenth of a run no longer than
+    it (a short smoke run then still reaches ``lr`` and decays; a warmup as long as the run would
+    reach ``lr`` only at its end). ``inverse_sqrt`` keeps its own."""
+    if cfg.schedule == "inverse_sqrt" or cfg.warmup_steps < total_steps or not cfg.warmup_steps:
         return cfg.warmup_steps
     return total_steps // 10
 
 
 def warmup_notice(cfg: OptimizerConfig, total_steps: int) -> str | None:
-    """The one-line notice for a warmup shortened to fit the run, else None."""
+    """The one-line notice for a warmup shortened to fit the schedule's ``total_steps``."""
     fitted = fitted_warmup_steps(cfg, total_steps)
     if fitted == cfg.warmup_steps:
         return None
+    longer = "longer than" if cfg.warmup_steps > total_steps else "as long as"
     return (
-        f"optimizer.warmup_steps ({cfg.warmup_steps}) is longer than the run's {total_steps} "
+        f"optimizer.warmup_steps ({cfg.warmup_steps}) is {longer} the schedule's {total_steps} "
         f"steps: warming up over {fitted} steps instead"
     )
 
