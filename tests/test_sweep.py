@@ -91,6 +91,10 @@ def test_the_members_are_runs_trained_as_one_program(swept):
     assert sorted(p.name for p in directory.iterdir() if p.is_dir()) == ["plots", *MEMBERS]
     assert lines[-1] == f"wrote {directory / 'plots' / 'sweep.png'}"  # in place of a member's
     assert lines[0] == "sweep: 4 members, 1 compiled program (4 members)"
+    # A member's tokens/s is its share of the step that advances all four: said so.
+    logged = [line for line in lines if line.startswith(f"{MEMBERS[0]}: step 10/")]
+    assert len(logged) == 1 and "k tokens/s (positions, this member's: the step's " in logged[0]
+    assert "k over its 4 members)" in logged[0], logged
     assert any(
         line.startswith("compiled one step for 4 members, vmapped, on mesh member 4 x data 2")
         for line in lines

@@ -30,12 +30,14 @@ _COUNTS = ("eval_tokens", "eval_decoded_examples")
 
 
 class Console:
-    """The run's printed progress from step ``initial`` to ``total``; ``log`` prints a line."""
+    """The run's printed progress from step ``initial`` to ``total``; ``log`` prints a line;
+    ``members``: the sweep's members one compiled step advances together (each logs its share
+    of the step's tokens/s)."""
 
-    def __init__(self, total: int, initial: int, *, bar: bool, log):
+    def __init__(self, total: int, initial: int, *, bar: bool, log, members: int = 1):
         from tqdm import tqdm
 
-        self.total, self.log = total, log
+        self.total, self.log, self.members = total, log, members
         self._bar = (
             tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True) if bar else None
         )
@@ -52,8 +54,14 @@ class Console:
             self._bar.set_postfix({k: f"{v:.4g}" for k, v in values.items() if v is not None})
             return
         parts = [f"{k} {values[k]:.4g}" for k in _STEP_KEYS if values.get(k) is not None]
-        if values.get("tokens_per_sec"):
-            parts.append(f"{values['tokens_per_sec'] / 1000:.1f}k tokens/s (positions)")
+        if rate := values.get("tokens_per_sec"):
+            share = (
+                f", this member's: the step's {rate * self.members / 1000:.1f}k over its "
+                f"{self.members} members"
+                if self.members > 1
+                else ""
+            )
+            parts.append(f"{rate / 1000:.1f}k tokens/s (positions{share})")
         elapsed = time.perf_counter() - self._started
         parts.append(f"{_duration(elapsed)} elapsed")
         if step > self._first:

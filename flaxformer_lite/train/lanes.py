@@ -79,10 +79,13 @@ class LaneActions:
     (logging, evaluating with the lanes' one eval step, saving), and what a non-finite step of
     it does."""
 
-    def __init__(self, lane: Lane, eval_step, throughput, compiling, progress, log, main: bool):
+    def __init__(
+        self, lane: Lane, eval_step, throughput, compiling, progress, log, main: bool, members=1
+    ):
         run, total = lane.run, lane.run.cfg.train.steps
         self.lane, self.log = lane, lane.log(log)
-        self.console = Console(total, run.step, bar=progress and lane.name is None, log=self.log)
+        bar = progress and lane.name is None
+        self.console = Console(total, run.step, bar=bar, log=self.log, members=members)
         self.writer = (
             MetricsWriter(run.run_dir.path, resume_step=run.step, log=self.log)
             if main

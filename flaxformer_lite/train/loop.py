@@ -312,7 +312,9 @@ def train(
         loops = []
         for lane in lanes:
             loops.append(
-                LaneActions(lane, first.eval_step, throughput, compiling, progress, log, main)
+                LaneActions(
+                    lane, first.eval_step, throughput, compiling, progress, log, main, len(lanes)
+                )
             )
             stack.callback(loops[-1].close)
         finite = FiniteCheck([each.on_nonfinite for each in loops], program)
@@ -438,8 +440,7 @@ def _build_data(cfg: TrainConfig, run_dir: RunDir, batch_sharding, main: bool) -
     return run_data(request)
 
 
-def _sync_processes(name: str) -> None:
-    """Waits until every process of a multi-process run gets here (no-op for one process)."""
+def _sync_processes(name: str) -> None:  # every process of a run waits for the others here
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
