@@ -338,3 +338,35 @@ def test_a_name_registered_again_with_other_code_is_a_change(tmp_path):
             run(load_config(None, [*settings, "train.steps=4"]), progress=False, log=print)
     finally:
         pieces.ATTENTION.entries.pop("again", None)
+
+
+def test_a_name_registered_in_another_process_is_said_to_need_registering_again():
+    with pytest.raises(ValueError) as unknown:
+        load_config(None, ["model.norm=my_norm"])
+    assert "norm must be one of ('layernorm', 'rmsnorm'" in str(unknown.value)
+    assert (
+        "a name registered in Python lasts as long as its process: register 'my_norm' again in "
+        "this one (flaxformer_lite.register_norm)"
+    ) in str(unknown.value)
+
+
+def test_an_attention_without_weights_says_how_to_give_them(tmp_path, monkeypatch):
+    """Attention maps of an import path's function (nothing registered by hand) and of a name
+    registered without weights=: each told its own way to give them."""
+    from flaxformer_lite import ops
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "weightless.py").write_text("from user_pieces import same_as_xla as attend\n")
+    q = jnp.ones((1, 4, 2, 8))
+    with pieces.trusted_code():
+        pieces.ATTENTION.get("weightless:attend")
+    try:
+        with pytest.raises(ValueError, match="give the function a `weights` attribute"):
+            ops.attention_weights(q, q, implementation="weightless:attend")
+        flaxformer_lite.register_attention("weightless", user_pieces.same_as_xla)
+        with pytest.raises(ValueError, match="register it with weights="):
+            ops.attention_weights(q, q, implementation="weightless")
+    finally:
+        pieces.ATTENTION.entries.pop("weightless", None)
+        pieces.ATTENTION.entries.pop("weightless:attend", None)
+        sys.modules.pop("weightless", None)

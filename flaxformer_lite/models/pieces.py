@@ -107,13 +107,23 @@ class Registry:
         self._add(name, obj)
 
     def check(self, value: Any) -> None:
-        """Raises a ValueError unless ``value`` is a registered name or an import path."""
+        """Raises a ValueError unless ``value`` is a registered name or an import path; a plain
+        name is said to be maybe one registered in another process (a run's config names the
+        piece, not its code)."""
         if value in self.entries or is_import_path(value):
             return
-        raise ValueError(
-            f"{self.setting.removeprefix('model.')} must be one of {tuple(self.entries)} or an "
-            f"import path module:attr, got {value!r}"
+        setting = self.setting.removeprefix("model.")
+        unknown = (
+            f"{setting} must be one of {tuple(self.entries)} or an import path module:attr, got "
+            f"{value!r}"
         )
+        if isinstance(value, str) and re.fullmatch(r"[\w.-]+", value):
+            unknown += (
+                f"; a name registered in Python lasts as long as its process: register "
+                f"{value!r} again in this one (flaxformer_lite.register_"
+                f"{setting.removesuffix('_implementation')}), or name the code by import path"
+            )
+        raise ValueError(unknown)
 
     def get(self, value: str) -> Any:
         """The object ``value`` names; an import path is imported (only in trusted code) and

@@ -173,8 +173,13 @@ def attention_weights(
         return xla_weights(call)  # each built-in implementation computes softmax's
     backend = attention_choice.BACKENDS[attention_choice.choose(call, implementation).backend]
     if backend.weights is None:
+        how = (
+            "give the function a `weights` attribute"
+            if ":" in implementation  # an import path: nothing was registered by hand
+            else "register it with weights="
+        )
         raise ValueError(
-            f"attention implementation {implementation!r} was registered without weights=, so "
-            "it has no attention weights to show"
+            f"attention implementation {implementation!r} has no attention weights to show: "
+            f"{how} (weights(call) -> float32 [B, H, T, S])"
         )
     return backend.weights(call)
