@@ -315,3 +315,17 @@ def test_the_old_rope_scaling_kind_is_read_as_its_type(tmp_path):
         f"config file {path}: model.rope_scaling.kind is now model.rope_scaling.type "
         "(read as model.rope_scaling.type)"
     )
+
+
+@pytest.mark.parametrize(
+    ("override", "meant"),
+    [
+        ("data.mixture.code.wieght=1", "data.mixture.code.weight"),
+        ("evals.tasks.x.pth=a.jsonl", "evals.tasks.x.path"),
+    ],
+)
+def test_a_misspelled_key_of_a_named_entry_is_pointed_at_the_entry_s_key(override, meant):
+    mixture = ["data.source=text", "data.path=null", "data.mixture.code.path=README.md"]
+    with pytest.raises(ConfigError) as error:
+        load_config(None, [*mixture, override])
+    assert str(error.value).endswith(f"(did you mean {meant!r}?)"), str(error.value)

@@ -326,8 +326,26 @@ def closest_key_hint(key: str) -> str:
     """`` (did you mean 'optimizer.lr'?)`` for an unknown dotted ``key``: our name for what other
     trainers call it (:data:`OTHER_NAMES`), else the closest spelling; empty if neither."""
     ours = OTHER_NAMES.get(key.rpartition(".")[2])
-    close = [ours] if ours and ours != key else difflib.get_close_matches(key, valid_keys(), n=1)
+    candidates = valid_keys() + _entry_keys(key)
+    close = [ours] if ours and ours != key else difflib.get_close_matches(key, candidates, n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _entry_keys(key: str, cls=TrainConfig, prefix: str = "") -> list[str]:
+    """The keys of the named entry ``key`` is in, in a section of named entries
+    (``data.mixture.<name>.weight``, ``evals.tasks.<name>.path``)."""
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        section, hint = prefix + field.name, hints[field.name]
+        if dataclasses.is_dataclass(hint):
+            if found := _entry_keys(key, hint, section + "."):
+                return found
+        elif typing.get_origin(hint) is dict and key.startswith(section + "."):
+            entry = typing.get_args(hint)[1]
+            name = key.removeprefix(section + ".").partition(".")[0]
+            if dataclasses.is_dataclass(entry):
+                return [f"{section}.{name}.{f.name}" for f in dataclasses.fields(entry)]
+    return []
 
 
 def config_diff(old: TrainConfig, new: TrainConfig) -> dict[str, tuple[Any, Any]]:
