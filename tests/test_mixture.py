@@ -12,9 +12,12 @@ import pytest
 from flaxformer_lite.cli import main
 from flaxformer_lite.cli.train import train_main
 from flaxformer_lite.data.config import BLOCK_ROWS, DataConfig, MixtureSource
+from flaxformer_lite.data.documents import Documents
 from flaxformer_lite.data.mixture import Mixture, block_counts, weighted_texts
+from flaxformer_lite.data.notices import small_source_notice, unknown_notice
 from flaxformer_lite.data.pipeline import build_data
 from flaxformer_lite.data.store import prepare_store
+from flaxformer_lite.data.tokenizers import CharTokenizer
 from flaxformer_lite.train import loop
 from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.loop import Interrupted, run
@@ -252,7 +255,8 @@ def test_a_mixture_of_prepared_stores_shares_their_tokenizer(corpora, tmp_path):
     assert data.tokenizer.name == "byte" and set(data.sources) == {"letters", "digits"}
     assert next(data.train)["inputs"].shape == (8, 16)
     assert data.notices[0] == (
-        "data.mixture: every 1,024 training rows hold letters 512 (50.0%), digits 512 (50.0%)"
+        "data.mixture (weights letters 1, digits 1): every 1,024 training rows hold letters 512 "
+        "(50.0%), digits 512 (50.0%)"
     )
     mixture["digits"] = MixtureSource(str(tmp_path / "other"))  # a char store among byte ones
     with pytest.raises(ValueError, match="^data.mixture.digits: .*tokenizer"):
@@ -276,3 +280,25 @@ def test_prepare_refuses_a_mixture_in_one_line(corpora, tmp_path, capsys):
 
 def _quiet(_message):
     pass
+
+
+def test_unknown_tokens_and_a_source_too_small_for_a_row_are_said():
+    """Text a tokenizer has no id for becomes <unk>, counted per split; a source whose training
+    tokens do not fill a row is said to repeat."""
+    tokenizer = CharTokenizer.fit(["abc"])
+    texts = ["abcxyz", "aaa", "zz"]  # x, y, z: not in the vocabulary
+    documents = Documents(
+        tokens={"text": np.concatenate([tokenizer.encode(t) for t in texts])},
+        offsets={"text": np.cumsum([0, *map(len, texts)])},
+        digests=np.arange(3, dtype=np.uint64),
+    )
+    assert unknown_notice(tokenizer, documents, np.asarray([0, 2]), "code training") == (
+        "5 of the 8 code training tokens (62.5%) are <unk>: text the char tokenizer has no id "
+        "for (its vocabulary came from other text)"
+    )
+    assert unknown_notice(tokenizer, documents, np.asarray([1]), "code training") is None
+    assert small_source_notice("tiny", 3, 32) == (
+        "data.mixture.tiny: its 3 training tokens fill less than one row of data.seq_len=32: its "
+        "share of the rows repeats them"
+    )
+    assert small_source_notice("big", 33, 32) is None

@@ -49,18 +49,23 @@ from flaxformer_lite.data.batches import (
     eval_batches,
     eval_row_count,
 )
-from flaxformer_lite.data.config import BLOCK_ROWS, DataConfig
+from flaxformer_lite.data.config import DataConfig
 from flaxformer_lite.data.documents import (
     Documents,
     hold_out_tails,
     split_documents,
 )
-from flaxformer_lite.data.features import truncation
 from flaxformer_lite.data.mixture import (
     MixtureBatches,
     check_mixture_sources,
     mixture_tokenizer,
     named_source,
+)
+from flaxformer_lite.data.notices import (
+    mixture_notice,
+    small_source_notice,
+    truncation_notice,
+    unknown_notice,
 )
 from flaxformer_lite.data.run_stores import (
     check_sources,
@@ -238,8 +243,12 @@ def build_data(
             ("validation", corpus.validation),
         ):
             split = f"{name} {split}" if name else split
-            if notice := _truncation_notice(task_type, docs, split_ids, cfg.seq_len, split):
+            if notice := truncation_notice(task_type, docs, split_ids, cfg.seq_len, split):
                 notices.append(notice)
+            if notice := unknown_notice(tokenizer, docs, split_ids, split):
+                notices.append(notice)
+        if name and (notice := small_source_notice(name, tokens, cfg.seq_len)):
+            notices.append(notice)
         valid_documents, valid_ids = corpus.validation
         parts[name] = EvalPart(
             batch_count=-(-eval_row_count(*corpus.validation, layout) // batch_size),
@@ -252,8 +261,7 @@ def build_data(
         weights = [entry.weight for entry in cfg.mixture.values()]
         make = MixtureBatches(batches, weights, seed)
         counts = zip(cfg.mixture, make.mixture.counts.tolist(), strict=True)
-        shares = ", ".join(f"{name} {n:,} ({n / BLOCK_ROWS:.1%})" for name, n in counts)
-        notices.insert(0, f"data.mixture: every {BLOCK_ROWS:,} training rows hold {shares}")
+        notices.insert(0, mixture_notice(cfg.mixture, counts))
     else:
         make = batches[0]
     tokens = [part.tokens for part in parts.values()]
@@ -271,21 +279,6 @@ def build_data(
         notices=tuple(notices),
         make_eval_batches=lambda: itertools.chain(*(p.make_batches() for p in parts.values())),
         sources=parts if cfg.mixture else {},
-    )
-
-
-def _truncation_notice(
-    task: tasks.Task, documents: Documents, ids: np.ndarray, seq_len: int, split: str
-) -> str | None:
-    """What a task that fits each example in one row cuts from the ``split`` documents ``ids``."""
-    if task.pieces:
-        return None
-    examples, cut, total = truncation(documents, ids, task.kept(seq_len))
-    if not examples:
-        return None
-    return (
-        f"data.seq_len={seq_len} cuts {examples:,} of the {len(ids):,} {split} examples: "
-        f"{cut:,} of their {total:,} tokens ({cut / max(total, 1):.1%}) are not seen"
     )
 
 
