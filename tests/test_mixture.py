@@ -2,6 +2,7 @@
 a tokenizer fitted on the sources by weight, a validation loss per source, a bit-exact resume
 after SIGTERM, and bad mixtures refused in one line before anything is written."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -302,3 +303,29 @@ def test_unknown_tokens_and_a_source_too_small_for_a_row_are_said():
         "share of the rows repeats them"
     )
     assert small_source_notice("big", 33, 32) is None
+
+
+def test_each_source_s_samples_draw_their_own_key():
+    """A mixture's sources are sampled at an evaluation with keys of their own: the same
+    prompts under sources 0 and 1 continue differently."""
+    import types
+
+    from flax import nnx
+
+    from flaxformer_lite.data.tasks import task_named
+    from flaxformer_lite.data.tokenizers import ByteTokenizer
+    from flaxformer_lite.models import build_model
+    from flaxformer_lite.train.actions import decoded_eval
+
+    cfg = load_config(None, ["data.source=text", "data.path=x.txt", "train.log_samples=2"])
+    model = build_model(dataclasses.replace(cfg.model, vocab_size=260), rngs=nnx.Rngs(0))
+    model.eval()
+    data = types.SimpleNamespace(tokenizer=ByteTokenizer())
+    examples = [{"text": "the first line of a play\n"}, {"text": "and its second line\n"}]
+    logged = {0: [], 1: []}
+    for source, lines in logged.items():
+        decoded_eval(cfg, data, examples, task_named("lm"), model, 10, lines.append, source)
+    assert len(logged[0]) == 2 and logged[0] != logged[1]
+    again = []
+    decoded_eval(cfg, data, examples, task_named("lm"), model, 10, again.append, 0)
+    assert again == logged[0]  # a key of the seed, the step and the source: the same samples

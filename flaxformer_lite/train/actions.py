@@ -231,9 +231,9 @@ class Evaluate:
         """:func:`decoded_eval`'s scores of ``model``; a mixture's per source (``key/name``),
         since a corpus BLEU does not pool."""
         scores = {}
-        for name, part in self.data.sources.items() or [("", self.data)]:
+        for index, (name, part) in enumerate(self.data.sources.items() or [("", self.data)]):
             decoded = decoded_eval(
-                self.cfg, self.data, part.eval_examples, self.task, model, step, log
+                self.cfg, self.data, part.eval_examples, self.task, model, step, log, index
             )
             scores |= {f"{key}/{name}" if name else key: value for key, value in decoded.items()}
         return scores
@@ -364,12 +364,14 @@ def eval_coverage(cfg, data, task: Task, counted: float) -> str:
     return f"{counted:,.0f} of the {data.eval_tokens:,} validation tokens, {share:.1%}: {batches}"
 
 
-def decoded_eval(cfg, data, examples, task: Task, model, step: int, log) -> dict[str, float]:
+def decoded_eval(
+    cfg, data, examples, task: Task, model, step: int, log, source: int = 0
+) -> dict[str, float]:
     """Greedy-decodes ``train.decode_examples`` of the validation ``examples`` (all of
-    ``data``'s, or a mixture's source's), logs ``train.log_samples`` of them, and returns their
-    scores and ``eval_decoded_examples``, how many were decoded; on plain text, logs
+    ``data``'s, or a mixture's ``source``-th's), logs ``train.log_samples`` of them, and returns
+    their scores and ``eval_decoded_examples``, how many were decoded; on plain text, logs
     ``train.log_samples`` sampled continuations of validation prompts (no score: text has no
-    answer to compare with)."""
+    answer to compare with), each source's with a key of its own."""
     if jax.process_count() > 1:  # the prompts are not split over processes
         return {}
     # One batch of prompts on whatever devices hold the parameters: no activation layout rules.
@@ -381,7 +383,7 @@ def decoded_eval(cfg, data, examples, task: Task, model, step: int, log) -> dict
                 examples,
                 num_samples=cfg.train.log_samples,
                 max_length=min(cfg.model.max_length, cfg.data.seq_len),
-                seed=cfg.seed + step,
+                rng=jax.random.fold_in(jax.random.key(cfg.seed + step), source),
             )
             for number, sample in enumerate(samples, 1):
                 prediction = printable(sample.prediction)

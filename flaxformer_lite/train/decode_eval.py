@@ -124,10 +124,10 @@ def continue_texts(
     *,
     num_samples: int,
     max_length: int,
-    seed: int,
+    rng: jax.Array,
     temperature: float = 0.8,
 ) -> list[Sample]:
-    """Sampled continuations (``temperature``, key ``seed``) of prompts from the validation
+    """Sampled continuations (``temperature``, key ``rng``) of prompts from the validation
     texts ``examples`` (dicts with ``text``): the start of each of the first ``num_samples``
     texts, or, with fewer texts, line starts spread over the first one. A prompt is a quarter of
     ``max_length`` tokens, and the continuation fills the rest. ``reference`` is left empty."""
@@ -143,7 +143,7 @@ def continue_texts(
         prompts,
         max_new_tokens=max(1, max_length - max(map(len, prompts))),
         temperature=temperature,
-        rng=jax.random.key(seed),
+        rng=rng,
     )
     return [
         Sample(
