@@ -117,3 +117,19 @@ def test_counts_and_rates_are_not_averaged_as_results():
     counts = ("eval_tokens", "eval_tokens/books", "eval_decoded_examples", "mfu", "step")
     for count in (*counts, "task/hellaswag/examples", "task/wiki/tokens"):
         assert not is_result(count), count
+
+
+def test_member_names_are_the_command_line_s_and_fit_any_file_system():
+    """Python floats read as the command line writes them (one sweep, one set of names, however
+    started); an import path's colon, no file name's on every system, reads as a dot."""
+    cfg = load_config(None, [*TINY, "run_dir=runs/s"])
+    from_python = sweep_members(cfg, {"seed": [0, 1], "optimizer.lr": [1e-3, 2.5e-4, 0.5]})
+    from_cli = sweep_members(cfg, {"seed": ["0", "1"], "optimizer.lr": ["1e-3", "2.5e-4", "0.5"]})
+    assert [m.name for m in from_python] == [m.name for m in from_cli]
+    assert from_python[0].name == "seed=0,lr=1e-3" and from_python[1].name == "seed=0,lr=2.5e-4"
+    user = sweep_members(cfg, {"model.attention_implementation": ["xla", "mine:softmax_temp"]})
+    assert [m.name for m in user] == [
+        "attention_implementation=xla",
+        "attention_implementation=mine.softmax_temp",
+    ]
+    assert user[1].cfg.model.attention_implementation == "mine:softmax_temp"

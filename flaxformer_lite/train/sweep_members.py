@@ -199,8 +199,13 @@ def _fitted(name: str) -> str:
 
 
 def _path_text(value: Any) -> str:
-    """``value`` as a directory name's piece: as written, no slashes or spaces."""
-    return re.sub(r"[/\s\\]+", "_", str(value)) or "_"
+    """``value`` as a directory name's piece: as written, no slashes, spaces or colons (an import
+    path's ``module:attr`` reads ``module.attr``: a colon is no file name's on every system);
+    a small Python float as the command line writes it (``1e-3``, not ``0.001``)."""
+    if isinstance(value, float) and value and abs(value) < 1e-2:
+        mantissa, exponent = f"{value:.14e}".split("e")
+        value = f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+    return re.sub(r"[/\s\\]+", "_", str(value)).replace(":", ".") or "_"
 
 
 def _nested(key: str, value: Any) -> dict:
