@@ -144,8 +144,13 @@ def test_compare_and_plot_refuse_a_summary_of_another_shape(tmp_path, capsys, gr
 
 def test_a_mean_that_is_not_finite_gets_no_verdict(tmp_path, capsys):
     nan = {"mean": math.nan, "std": 0.1, "n": 2}
-    groups = {"a": {"members": [], "loss": STATS}, "b": {"members": [], "loss": nan}}
-    directory = a_sweep(tmp_path / "s", {"members": {}, "groups": groups})
+    groups = {
+        "a": {"members": ["a0", "a1"], "loss": STATS},
+        "b": {"members": ["b0", "b1"], "loss": nan},
+    }
+    values = {"a0": 0.9, "a1": 1.1, "b0": math.nan, "b1": 1.0}
+    members = {name: {"settings": {}, "results": {"loss": value}} for name, value in values.items()}
+    directory = a_sweep(tmp_path / "s", {"members": members, "groups": groups})
     assert main(["compare", str(directory)]) == 0
     assert "loss: difference +nan: a mean is not finite, no verdict" in capsys.readouterr().out
 
