@@ -323,8 +323,14 @@ def test_export_out_inside_a_run_is_refused_and_a_link_is_followed(trained_runs,
     stale = tmp_path / f".target.export-{socket.gethostname()}-{int(gone.stdout)}"
     stale.mkdir()
     (stale / "model.safetensors").write_bytes(b"partial")
+    capsys.readouterr()
     assert main(["export", "--run-dir", str(run_dir), "--out", str(tmp_path / "link")]) == 0
     assert (tmp_path / "link").is_symlink() and (tmp_path / "target" / "config.json").is_file()
+    # the tiny run's 64 learned positions: transformers' generate cannot go past them, ours slides.
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        "note: its position table has 64 rows: transformers' generate fails past 64 tokens (an "
+        "IndexError), where flaxformer-lite generate slides its window"
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "run", "target"]
 
 

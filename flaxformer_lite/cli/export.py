@@ -68,4 +68,6 @@ def _export(args) -> int:
         f"{exported.tokenizer} tokenizer; load with transformers.{exported.auto_class}"
         f".from_pretrained and AutoTokenizer.from_pretrained"
     )
+    for note in exported.notes:
+        say(f"note: {note}")
     return 0

@@ -44,13 +44,14 @@ AUTO_CLASSES = {
 class Exported:
     """What :func:`export_run` wrote: the directory, the HF architecture and the class that
     loads it (a ``transformers`` Auto class, or ``PeftModel`` of ``peft`` for an adapter), the run's
-    checkpoint step and tokenizer name."""
+    checkpoint step and tokenizer name, and what a user of the export should know (``notes``)."""
 
     path: pathlib.Path
     architecture: str
     auto_class: str
     step: int
     tokenizer: str
+    notes: tuple[str, ...] = ()
 
 
 def export_run(
@@ -124,7 +125,14 @@ def export_run(
         raise
     architecture = family.config_to_hf(model_config)["architectures"][0]
     loader = "PeftModel" if peft else AUTO_CLASSES[architecture]
-    return Exported(out, architecture, loader, loaded.step, tokenizer.name)
+    notes = []
+    if model_config.kind == "decoder" and model_config.positions == "learned":
+        notes.append(
+            f"its position table has {model_config.max_length} rows: transformers' generate "
+            f"fails past {model_config.max_length} tokens (an IndexError), where flaxformer-lite "
+            "generate slides its window"
+        )
+    return Exported(out, architecture, loader, loaded.step, tokenizer.name, tuple(notes))
 
 
 __all__ = ["AUTO_CLASSES", "Exported", "export_run"]
