@@ -326,10 +326,11 @@ def test_export_out_inside_a_run_is_refused_and_a_link_is_followed(trained_runs,
     capsys.readouterr()
     assert main(["export", "--run-dir", str(run_dir), "--out", str(tmp_path / "link")]) == 0
     assert (tmp_path / "link").is_symlink() and (tmp_path / "target" / "config.json").is_file()
-    # the tiny run's 64 learned positions: transformers' generate cannot go past them, ours slides.
+    # learned positions: transformers' generate cannot go past them, ours slides.
+    rows = load_config(run_dir / "config.yaml").model.max_length
     assert capsys.readouterr().out.strip().splitlines()[-1] == (
-        "note: its position table has 64 rows: transformers' generate fails past 64 tokens (an "
-        "IndexError), where flaxformer-lite generate slides its window"
+        f"note: its position table has {rows} rows: transformers' generate fails past {rows} "
+        "tokens (an IndexError), where flaxformer-lite generate slides its window"
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "run", "target"]
 
