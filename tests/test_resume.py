@@ -207,3 +207,14 @@ def test_a_resumed_run_s_warmup_notice_is_its_kept_schedule_s(tmp_path):
     lines.clear()
     run(load_config(None, [*settings, "train.steps=40"]), progress=False, log=lines.append)
     assert any(line.startswith(said) for line in lines), lines
+
+
+def test_a_run_that_logs_too_few_points_for_a_curve_says_so(tmp_path):
+    lines = []
+    settings = [*TINY, f"run_dir={tmp_path / 'run'}", "train.steps=20", "train.log_every=10"]
+    cfg = load_config(None, settings)
+    run(cfg, progress=False, log=lines.append)
+    assert (
+        "train.log_every=10 logs 2 point(s) of the run's 20 steps: its curves will show little; "
+        "train.log_every=1 draws 20"
+    ) in lines

@@ -74,6 +74,18 @@ class Lane:
         return lambda message: log(f"{self.name}: {message}")
 
 
+def _sparse_curves_notice(log_every: int, steps: int) -> str | None:
+    """A run long enough for a curve that logs too few points to draw one (a recipe's
+    ``train.log_every`` kept while its ``train.steps`` were cut)."""
+    points = steps // log_every
+    if steps < 20 or points >= 3:
+        return None
+    return (
+        f"train.log_every={log_every} logs {points} point(s) of the run's {steps} steps: its "
+        f"curves will show little; train.log_every={max(1, steps // 20)} draws 20"
+    )
+
+
 class LaneActions:
     """What the loop keeps of a lane while it steps: its console, metrics writer and actions
     (logging, evaluating with the lanes' one eval step, saving), and what a non-finite step of
@@ -114,7 +126,8 @@ class LaneActions:
         self.resumed_step = run.step if run.resumed else None
         # The schedule's span: a resumed run keeps the one it was trained with.
         span = schedule_span(run.cfg)
-        for notice in (warmup_notice(run.cfg.optimizer, span), *run.data.notices):
+        sparse = _sparse_curves_notice(run.cfg.train.log_every, total)
+        for notice in (warmup_notice(run.cfg.optimizer, span), sparse, *run.data.notices):
             if notice:
                 self.log(notice)
 
