@@ -216,7 +216,7 @@ def test_a_tokenizer_left_by_a_failed_attempt_is_refused_for_other_data(tmp_path
         raise ValueError("the optimizer failed")
 
     with monkeypatch.context() as patch:  # a failure after the tokenizer was saved
-        patch.setattr(loop_module, "build_train_state", fail)
+        patch.setattr(loop_module, "starting_state", fail)
         with pytest.raises(ValueError, match="the optimizer failed"):
             run(failing, progress=False, log=lambda _: None)
     assert (run_dir / "tokenizer").is_dir() and (run_dir / "inputs.json").is_file()
