@@ -248,3 +248,26 @@ def test_a_scanned_stack_s_adapters_are_written_layer_by_layer(hf, tmp_path):
     with hf.torch.no_grad():
         theirs = adapted(input_ids=hf.torch.tensor(IDS)).logits.numpy()
     np.testing.assert_allclose(theirs, np.asarray(model(jnp.asarray(IDS))), atol=1e-4)
+
+
+def test_an_rslora_adapter_of_any_rank_round_trips_into_a_run_s_adapters(tmp_path):
+    """save_peft writes rsLoRA's scale as a plain alpha (alpha * sqrt(r)), which reads back within
+    the float's last bit; load_peft_adapters takes it (rank 5: not exactly)."""
+    from flaxformer_lite.interop.peft import load_peft_adapters
+    from flaxformer_lite.nn.lora import lora_scale
+
+    cfg = ModelConfig.from_preset("gpt2-tiny", vocab_size=50)
+    rngs = nnx.Rngs(params=0, dropout=1)
+    model = build_model(cfg, rngs=rngs)
+    add_adapters(model, rank=5, alpha=16, targets=["mlp"], rslora=True, rngs=rngs)
+    nnx.update(model, jax.tree.map(lambda x: x + 0.1, nnx.state(model, nnx.LoRAParam)))
+    save_peft(model, cfg, tmp_path / "adapter")
+    fresh = build_model(cfg, rngs=nnx.Rngs(params=2, dropout=3))
+    add_adapters(fresh, rank=5, alpha=16, targets=["mlp"], rslora=True, rngs=nnx.Rngs(4))
+    state = nnx.split((fresh, fresh))[1]
+    state = load_peft_adapters(state, cfg, tmp_path / "adapter", lora_scale(16, 5, True))
+    jax.tree.map(
+        np.testing.assert_allclose,
+        nnx.to_pure_dict(nnx.filter_state(state[0], nnx.LoRAParam)),
+        nnx.to_pure_dict(nnx.state(model, nnx.LoRAParam)),
+    )

@@ -17,6 +17,7 @@ from flaxformer_lite.data.config import DataConfig, MixtureSource
 from flaxformer_lite.data.mixture import block_counts
 from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.run_dir import RunDir
+from flaxformer_lite.train.sweep import sweep
 from flaxformer_lite.train.sweep_members import NAME_BYTES, parse_vary, sweep_members
 
 pytestmark = pytest.mark.fast_compile
@@ -226,3 +227,25 @@ def test_members_whose_files_give_other_vocabularies_train_as_programs_of_their_
         for path in (tmp_path / "s").glob("path=*")
     }
     assert len(sizes) == 2
+
+
+def test_a_sweep_recorded_under_the_old_member_names_resumes_in_its_directories(tmp_path):
+    """Names were ``lr=0.001`` for a Python float before they read as the command line's
+    ``lr=1e-3``: such a sweep resumes in its own directories, not refused as another."""
+    directory = tmp_path / "s"
+    settings = [*TINY, f"run_dir={directory}", "optimizer.schedule=constant"]
+    vary = {"optimizer.lr": [1e-3, 3e-3]}
+    sweep(load_config(None, [*settings, "train.steps=2"]), vary, vmap=False, log=lambda _: None)
+    record = json.loads((directory / "sweep.json").read_text())
+    for new, old in (("lr=1e-3", "lr=0.001"), ("lr=3e-3", "lr=0.003")):
+        (directory / new).rename(directory / old)
+        record["members"][old] = record["members"].pop(new)
+    record.pop("summary")
+    (directory / "sweep.json").write_text(json.dumps(record))
+    lines = []
+    sweep(load_config(None, [*settings, "train.steps=3"]), vary, vmap=False, log=lines.append)
+    assert f"lr=0.001: resumed from step 2 of {directory / 'lr=0.001'}/checkpoints" in lines
+    assert sorted(p.name for p in directory.iterdir() if p.name.startswith("lr")) == [
+        "lr=0.001",
+        "lr=0.003",
+    ]

@@ -3,6 +3,7 @@ the mean and standard deviation of a group, the difference of two groups and its
 scipy.stats: Welch's t, paired t over shared seeds), and
 which logged numbers are results. (Sweeps trained: test_sweep.py.)"""
 
+import math
 import statistics
 
 import pytest
@@ -19,12 +20,21 @@ from flaxformer_lite.train.sweep_summary import difference
 def test_groups_without_spread_get_no_verdict():
     """Two groups whose members each logged one value (a task scored on few examples): the
     difference is said, with no verdict of noise."""
-    diff = difference({0: 0.4, 1: 0.4}, {0: 0.6, 1: 0.6})
+    diff = difference({0: 0.4, 1: 0.4}, {2: 0.6, 3: 0.6})
     line = sweep_summary.difference_text("task/x/acc", diff)
     assert line == (
         "task/x/acc: difference +0.2 ± 0: the members logged the same value, no spread to "
         "judge it against"
     )
+    # Whatever the values' rounding (0.1 and 0.7 leave scipy a t of 1e32), and paired too.
+    assert difference({0: 0.1, 1: 0.1, 2: 0.1}, {3: 0.7, 4: 0.7, 5: 0.7})["p"] is None
+    paired = difference({0: 0.3, 1: 0.5}, {0: 0.6, 1: 0.8})
+    assert paired["p"] is None and "the same difference on every seed" in (
+        sweep_summary.difference_text("x", paired)
+    )
+    for bad in (math.inf, math.nan):  # an infinite perplexity: said, not a crash
+        line = sweep_summary.difference_text("x", difference({0: bad, 1: 1.0}, {0: 2.0, 1: 3.0}))
+        assert line.endswith("a mean is not finite, no verdict")
 
 
 def test_unpaired_groups_get_welch_s_t_test_as_scipy_computes_it():

@@ -139,9 +139,10 @@ def _compare(configs, runs: pathlib.Path, seconds: dict, out: pathlib.Path, base
     for config in configs:
         name = pathlib.Path(config).stem
         summary = SweepDir(runs / name).read()["summary"]
-        members = compare.load_runs([runs / name / member for member in summary["members"]])
-        means.append(_mean_run(name, members))
         (group,) = summary["groups"].values()  # the members differ only in their seed
+        # Its counted members: a diverged one's curves are not averaged in.
+        members = compare.load_runs([runs / name / member for member in group["members"]])
+        means.append(_mean_run(name, members))
         groups[name] = (group, summary["members"], members)
         rows.append(
             {

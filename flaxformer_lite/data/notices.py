@@ -31,16 +31,25 @@ def truncation_notice(
 
 def unknown_notice(tokenizer, documents: Documents, ids: np.ndarray, split: str) -> str | None:
     """How many of the ``split`` documents' tokens are ``<unk>``: text the tokenizer has no id
-    for (a character or word its vocabulary, fitted on other text, lacks)."""
+    for (a character or word its vocabulary, fitted on other text, lacks). Tokenizers that have
+    an id for every text (bytes, byte-level BPE) are not read."""
     unk = getattr(tokenizer, "unk_id", None)
-    if unk is None or not len(ids):
+    if unk is None or getattr(tokenizer, "covers_all_text", False) or not len(ids):
         return None
     unknown = total = 0
     for field in documents.fields:
-        offsets = documents.offsets[field]
-        # unknown ids before each offset, so a document's count is a difference of two
-        before = np.concatenate([[0], np.cumsum(documents.tokens[field] == unk)])
-        unknown += int((before[offsets[ids + 1]] - before[offsets[ids]]).sum())
+        tokens, offsets = documents.tokens[field], documents.offsets[field]
+        # The <unk> positions, read a block at a time (a store may not fit in memory twice),
+        # then the documents they fall in.
+        positions = np.concatenate(
+            [
+                start + np.flatnonzero(tokens[start : start + _BLOCK] == unk)
+                for start in range(0, len(tokens), _BLOCK)
+            ]
+            or [np.zeros(0, np.int64)]
+        )
+        owners = np.searchsorted(offsets, positions, side="right") - 1
+        unknown += int(np.isin(owners, ids).sum())
         total += int(documents.lengths(field)[ids].sum())
     if not unknown:
         return None
@@ -48,6 +57,9 @@ def unknown_notice(tokenizer, documents: Documents, ids: np.ndarray, split: str)
         f"{unknown:,} of the {total:,} {split} tokens ({unknown / total:.1%}) are <unk>: text the "
         f"{tokenizer.name} tokenizer has no id for (its vocabulary came from other text)"
     )
+
+
+_BLOCK = 1 << 24  # tokens read at a time when counting <unk>
 
 
 def mixture_notice(mixture: Mapping, counts: Iterable[tuple[str, int]]) -> str:

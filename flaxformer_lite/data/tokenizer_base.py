@@ -33,6 +33,8 @@ class Tokenizer(abc.ABC):
     sos_id: ClassVar[int] = SOS_ID
     eos_id: ClassVar[int] = EOS_ID
     unk_id: ClassVar[int] = UNK_ID
+    # Whether every text has ids of its own (bytes, byte-level BPE): ``unk_id`` never appears.
+    covers_all_text: ClassVar[bool] = False
     # Whether a decoder's input starts with ``sos_id``: a run's rows do; an imported Hugging Face
     # tokenizer says whether its checkpoint's do (``HfTokenizer``).
     add_bos: bool = True

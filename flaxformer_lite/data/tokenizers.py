@@ -59,6 +59,7 @@ class ByteTokenizer(Tokenizer):
 
     name = "byte"
     vocab_size = 256 + NUM_SPECIAL
+    covers_all_text = True
 
     def encode(self, text: str) -> list[int]:
         return [b + NUM_SPECIAL for b in text.encode("utf-8")]
@@ -194,6 +195,7 @@ class BpeTokenizer(Tokenizer):
     """
 
     name = "bpe"
+    covers_all_text = True
 
     def __init__(self, hf_tokenizer):
         """Wraps a ``tokenizers.Tokenizer`` whose first four ids are the specials, in order."""

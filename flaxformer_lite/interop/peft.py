@@ -17,6 +17,7 @@ says how its inputs and outputs lie in ours (a fused q/k/v ``[D, 3, H, Dh]``, an
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 
@@ -84,6 +85,8 @@ def merge_peft(model, cfg: ModelConfig, directory: str | os.PathLike) -> int:
     """Adds the LoRA adapter in ``directory`` to ``model``'s kernels (``cfg``: its config, as
     :func:`~flaxformer_lite.interop.load_hf` gives them); returns how many kernels it changed.
     Errors: as :func:`read_peft`'s; nothing is changed then."""
+    if cfg.scan_layers:
+        raise ValueError("merge_peft takes a model of stacked layers in a loop (load_hf's)")
     settings, pairs = read_peft(cfg, directory)
     scale = lora_scale(settings["lora_alpha"], settings["r"], bool(settings.get("use_rslora")))
     flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
@@ -139,7 +142,11 @@ def peft_values(model_state, cfg: ModelConfig, directory, scale: float) -> dict[
         ),
         *(f"it has no pair for {name[:-7]}" for name in adapters.keys() - values.keys()),
         *([f"its r is {settings['r']}, lora.rank {rank}"] if settings["r"] != rank else []),
-        *([f"its scale is {theirs:g}, lora.alpha / rank {scale:g}"] if theirs != scale else []),
+        *(
+            [f"its scale (lora_alpha / r) is {theirs:.6g}, the run's {scale:.6g}"]
+            if not math.isclose(theirs, scale, rel_tol=1e-9)
+            else []
+        ),
     ]
     if problems:
         raise ValueError(f"{directory} does not fit the run's adapters: {sorted(problems)[0]}")

@@ -383,7 +383,10 @@ def decoded_eval(
                 examples,
                 num_samples=cfg.train.log_samples,
                 max_length=min(cfg.model.max_length, cfg.data.seq_len),
-                rng=jax.random.fold_in(jax.random.key(cfg.seed + step), source),
+                # A mixture's sources each their own key; one source the key it always had.
+                rng=jax.random.fold_in(jax.random.key(cfg.seed + step), source)
+                if source
+                else jax.random.key(cfg.seed + step),
             )
             for number, sample in enumerate(samples, 1):
                 prediction = printable(sample.prediction)

@@ -102,6 +102,11 @@ def export_run(
     family = writable_family(model_config, who=f"export of {run_dir}")
     if peft and not has_adapters(loaded.model):
         raise ValueError(f"export of {run_dir}: the run has no LoRA adapters (lora.rank unset)")
+    if peft and loaded.config.init_from is None:
+        raise ValueError(
+            f"export of {run_dir}: its adapters adapt a base made from seed={loaded.config.seed}, "
+            "which no one else has: export the model merged (without --peft)"
+        )
     tokenizer = loaded.tokenizer
     task = task_of(model_config)
     files = hf_tokenizer_files(tokenizer, task=task, max_length=model_config.max_length)

@@ -372,7 +372,7 @@ def train(
                 with spent.part("checkpoints"):
                     for lane in lanes:
                         lane.run.checkpointer.wait()
-                named = tuple(lane.name for lane in lanes if lane.name is not None)
+                named = tuple(lane.name for lane in lanes if lane.name and lane.alive)
                 raise Interrupted(signum, step, named)
             if any(due):  # tokens/s times training steps alone, not evaluations or saves
                 throughput.restart(step)

@@ -110,7 +110,7 @@ def sweep(
 def _sweep(cfg: TrainConfig, vary, *, fresh: bool, force: bool, vmap, log, spent) -> dict:
     """:func:`sweep`, the code it names trusted or not."""
     use_compilation_cache(cfg.train.compilation_cache)
-    members = sweep_members(cfg, vary)
+    members = recorded_names(sweep_members(cfg, vary), SweepDir(cfg.run_dir), fresh)
     for member in members:  # code named by import path, imported (if trusted) and traced
         check_pieces(member.cfg.model)
         check_parameters(member.cfg.optimizer, member.cfg.model)
@@ -196,6 +196,26 @@ def _check_data_files(members: list[Member]) -> None:
                 check_sources(data)
         except (FileNotFoundError, ValueError) as error:
             raise ConfigError(f"{member.name}: {error}") from None
+
+
+def recorded_names(members: list[Member], directory: SweepDir, fresh: bool) -> list[Member]:
+    """``members`` under the names the sweep in ``directory`` recorded for the same settings:
+    a sweep started before member names changed (``lr=0.001`` for ``lr=1e-3``, an import
+    path's colon) resumes in its own directories."""
+    if fresh or not directory.is_sweep():
+        return members
+    try:
+        recorded = directory.read().get("members", {})
+    except ValueError:  # refused, naming the file, when the directory is opened
+        return members
+    by_settings = {repr(sorted(settings.items())): name for name, settings in recorded.items()}
+    renamed = []
+    for member in members:
+        plain = repr(sorted((k, _plain(v)) for k, v in member.settings.items()))
+        name = by_settings.get(plain, member.name)
+        cfg = dataclasses.replace(member.cfg, run_dir=str(directory.member(name).path))
+        renamed.append(dataclasses.replace(member, name=name, cfg=cfg))
+    return renamed
 
 
 def _open_directory(directory: SweepDir, record: dict, *, fresh: bool, force: bool, log):

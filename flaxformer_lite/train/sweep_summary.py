@@ -119,19 +119,25 @@ def difference(a: dict, b: dict, *, level: float = LEVEL) -> dict:
     }  # fmt: skip
     shared = sorted(a.keys() & b.keys(), key=str)
     paired = len(shared) >= 2 and len(shared) == len(a) == len(b)
-    if not paired and min(len(x), len(y)) < 2:
+    if not math.isfinite(diff) or (not paired and min(len(x), len(y)) < 2):
         return result
+    if paired:
+        differences = np.asarray([b[k] - a[k] for k in shared], np.float64)
+        spread = float(differences.std(ddof=1)) / math.sqrt(len(shared))
+        name = f"paired t over {len(shared)} shared seeds"
+    else:
+        variances = (np.var(v, ddof=1) / len(v) for v in (np.asarray(x), np.asarray(y)))
+        spread = math.sqrt(sum(variances))
+        name = "Welch's t"
+    # No spread (every member, or every seed's difference, the same): no test to run; scipy's
+    # statistic would be the rounding error's.
+    if spread <= 1e-12 * max(abs(diff), *map(abs, x + y), 1e-300):
+        return {**result, "stderr": 0.0, "test": name}
     with np.errstate(invalid="ignore", divide="ignore"):
         if paired:
             test = stats.ttest_rel([b[k] for k in shared], [a[k] for k in shared])
-            name = f"paired t over {len(shared)} shared seeds"
-            spread = statistics.stdev(b[k] - a[k] for k in shared) / math.sqrt(len(shared))
         else:
             test = stats.ttest_ind(y, x, equal_var=False)
-            name = "Welch's t"
-            spread = math.sqrt(statistics.variance(x) / len(x) + statistics.variance(y) / len(y))
-        if not math.isfinite(test.statistic):  # no spread: every member logged one value
-            return {**result, "stderr": 0.0, "test": name}
         low, high = test.confidence_interval(1 - level)
     return {
         **result,
@@ -284,7 +290,8 @@ def difference_text(metric: str, diff: dict) -> str:
     if diff["test"] is None:
         return f"{value} (a group of one member: no error bar, no test)"
     if diff["p"] is None:  # a score of few examples: every seed gave the same one
-        return f"{value} ± 0: the members logged the same value, no spread to judge it against"
+        same = "difference on every seed" if diff["test"].startswith("paired") else "value"
+        return f"{value} ± 0: the members logged the same {same}, no spread to judge it against"
     if metric in NO_VERDICT:
         return f"{value} ± {diff['stderr']:.2g} (standard error; {NO_VERDICT[metric]})"
     low, high = diff["ci"]
