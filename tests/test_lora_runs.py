@@ -225,6 +225,9 @@ def test_a_sweep_over_rank_and_rate_is_one_program_per_rank(tmp_path):
         == 0
     )
     assert losses_of(tmp_path / "solo") == losses_of(member)
+    # A seeded base is no one else's: its adapters alone are not exported as a PEFT adapter.
+    peft = ["export", "--run-dir", str(tmp_path / "solo"), "--out", str(tmp_path / "a"), "--peft"]
+    assert main(peft) == 2 and not (tmp_path / "a").exists()
 
 
 @pytest.mark.parametrize(
