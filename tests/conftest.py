@@ -25,6 +25,7 @@ Compiling is most of the suite's time on a CPU:
   Unmarked modules compile as users' programs do.
 """
 
+import gc
 import os
 import pathlib
 import shutil
@@ -120,6 +121,16 @@ def _set_optimizations_off(off: bool):
     previous = jax.config.values[_NO_OPTIMIZATIONS]
     jax.config.update(_NO_OPTIMIZATIONS, off)
     return previous
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _caches_cleared_after_each_module():
+    """A worker runs a thousand tests: the programs each module compiled are dropped when it
+    ends (``jax.clear_caches``), so a long-lived worker does not carry every module's executables
+    (late in full runs XLA:CPU has aborted workers that hold them)."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="module", autouse=True)
