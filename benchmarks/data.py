@@ -43,7 +43,7 @@ from flaxformer_lite.data.readers import iter_text_records
 from flaxformer_lite.data.store import prepare_store
 from flaxformer_lite.data.tasks import task_named
 from flaxformer_lite.data.tokenizers import make_tokenizer
-from flaxformer_lite.train.host_memory import reuse_freed_host_memory
+from flaxformer_lite.process import reuse_freed_host_memory
 
 from loop_vs_step import train_py_against_step
 

@@ -33,7 +33,7 @@ import tempfile
 
 import jax
 
-from flaxformer_lite.train.host_memory import reuse_freed_host_memory
+from flaxformer_lite.process import reuse_freed_host_memory
 
 from loop_vs_step import train_py_against_step
 

@@ -116,8 +116,8 @@ from flax import nnx
 
 from flaxformer_lite.data import readers
 from flaxformer_lite.data.pipeline import build_data
+from flaxformer_lite.process import reuse_freed_host_memory
 from flaxformer_lite.train.config import TrainConfig, load_config
-from flaxformer_lite.train.host_memory import reuse_freed_host_memory
 from flaxformer_lite.train.metrics import read_metrics
 from flaxformer_lite.train.optim import make_schedule
 from flaxformer_lite.train.run_dir import RunDir

@@ -28,7 +28,7 @@ and after each; the best of them). Each window also counts the process's minor p
 kernel CPU seconds per step (``getrusage``): memory mapped afresh every step is zeroed by the
 kernel page by page, a cost outside the frameworks' arithmetic that hardly depends on the
 machine's load. Run as a script, it first makes glibc keep freed memory for
-reuse, as ``train.py`` does (:mod:`flaxformer_lite.train.host_memory`): a setting of the whole
+reuse, as ``train.py`` does (:mod:`flaxformer_lite.process`): a setting of the whole
 process, so the peer runs under it too. After each window, every matmul of our step is timed
 alone in XLA and in PyTorch (``matmuls.py``): what our step would take if it were only its
 matmuls, an optimistic floor set against both steps and the target. The output is a table,
@@ -64,8 +64,8 @@ import numpy as np
 from flax import nnx
 
 from flaxformer_lite.models.accounting import training_flops_per_token
+from flaxformer_lite.process import reuse_freed_host_memory
 from flaxformer_lite.train.config import TrainConfig, load_config
-from flaxformer_lite.train.host_memory import reuse_freed_host_memory
 from flaxformer_lite.train.metrics import matmul_peak_flops
 from flaxformer_lite.train.optim import make_optimizer
 from flaxformer_lite.train.program import make_train_state

@@ -7,11 +7,7 @@ sweep(cfg, {"seed": [0, 1, 2]})                       # members as one program; 
 register_attention("sigmoid", sigmoid_attention)      # model.attention_implementation=sigmoid
 """
 
-from flaxformer_lite.platforms import skip_absent_tpu
-
 __version__ = "0.1.0"
-
-skip_absent_tpu()  # before any backend starts: libtpu's warnings on a host without TPU chips
 
 # Where the names this package exports at its top live; imported on first use, so that
 # importing a submodule (``flaxformer_lite.ops``) does not import the training code.

@@ -46,14 +46,18 @@ if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 * 2**30))
 
+from flaxformer_lite import process  # noqa: E402
+
+# The session is a program: it chooses its backends as the commands do (the workers and the
+# subprocesses inherit the choice), importing the package chooses nothing.
+process.skip_absent_tpu()
+
 import fast_compile  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
 from quick_tier import QUICK_FILES  # noqa: E402
 from shared_dirs import shared_across_workers  # noqa: E402
 from tiny_runs import SHARED_RUNS, TRANSLATION  # noqa: E402
-
-from flaxformer_lite.train import host_memory  # noqa: E402
 
 # Reference comparisons at float32 round-off need full-precision matmuls on every backend.
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -148,8 +152,8 @@ def _fast_compile_modules(request):
 @pytest.fixture(autouse=True)
 def _keep_malloc_defaults(monkeypatch):
     """``train_main`` called in-process would set glibc's malloc for the rest of the worker's
-    tests (``flaxformer_lite.train.host_memory``); tests that need the setting start a process."""
-    monkeypatch.setattr(host_memory, "reuse_freed_host_memory", lambda: False)
+    tests (``flaxformer_lite.process``); tests that need the setting start a process."""
+    monkeypatch.setattr(process, "reuse_freed_host_memory", lambda: False)
 
 
 @pytest.fixture(autouse=True)

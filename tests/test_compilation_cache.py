@@ -17,7 +17,7 @@ import pytest
 from subprocess_env import subprocess_env
 from tiny_runs import TINY
 
-from flaxformer_lite.train import compilation_cache
+from flaxformer_lite import process
 
 # Runs train.py's main, then prints how many programs it compiled and read from the cache.
 _COUNTING_TRAIN = """
@@ -107,8 +107,8 @@ def test_the_setting_turns_the_cache_off(tmp_path):
 
 def test_a_cache_directory_the_user_gave_jax_is_kept(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert compilation_cache.user_cache_dir() == tmp_path / "flaxformer_lite"
+    assert process.user_cache_dir() == tmp_path / "flaxformer_lite"
     ours = jax.config.jax_compilation_cache_dir
     assert ours == os.environ["JAX_COMPILATION_CACHE_DIR"]  # tests/conftest.py's
-    compilation_cache.use_compilation_cache(True)
+    process.use_compilation_cache(True)
     assert jax.config.jax_compilation_cache_dir == ours

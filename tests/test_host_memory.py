@@ -1,5 +1,5 @@
 """Host memory reuse: with glibc keeping freed memory, XLA's per-call temporary buffers stop
-faulting in fresh pages (``flaxformer_lite.train.host_memory``)."""
+faulting in fresh pages (``flaxformer_lite.process``)."""
 
 import os
 import platform
@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
+from flaxformer_lite import process
 from flaxformer_lite.cli.train import train_main
-from flaxformer_lite.train import host_memory
 
 # A jitted function whose temporaries (4 MiB each) XLA's worker threads allocate and free on
 # every call; it prints the minor page faults per call once warm. "reuse" makes the setting
@@ -18,7 +18,7 @@ FAULTS_PER_CALL = """
 import resource, sys
 if sys.argv[1] == "reuse":
     import flaxformer_lite.cli.train
-    from flaxformer_lite.train.host_memory import reuse_freed_host_memory
+    from flaxformer_lite.process import reuse_freed_host_memory
     assert reuse_freed_host_memory()
 import jax, jax.numpy as jnp
 x = jnp.ones((1024, 1024)) / 1024
@@ -57,6 +57,6 @@ def test_freed_xla_buffers_are_reused_instead_of_faulted_in_again():
 
 def test_train_py_reuses_freed_host_memory(monkeypatch, tmp_path):
     calls = []
-    monkeypatch.setattr(host_memory, "reuse_freed_host_memory", lambda: calls.append(1) or True)
+    monkeypatch.setattr(process, "reuse_freed_host_memory", lambda: calls.append(1) or True)
     assert train_main([f"init_from={tmp_path / 'missing'}", f"run_dir={tmp_path / 'run'}"]) == 2
     assert calls == [1]

@@ -1,6 +1,7 @@
 """The commands' backends: libtpu on a host without TPU chips makes them start the CPU alone,
 without libtpu's start-up warnings; a host with chips, a GPU plugin or the user's
-``JAX_PLATFORMS`` is left to jax."""
+``JAX_PLATFORMS`` is left to jax. Importing the package chooses nothing: a script's process is
+its own (``flaxformer_lite.process``)."""
 
 import glob
 import importlib.util
@@ -13,7 +14,7 @@ import jax
 import pytest
 from jax._src import hardware_utils
 
-from flaxformer_lite import platforms
+from flaxformer_lite import process as platforms
 
 GUARDED = (
     "from flaxformer_lite.cli.errors import guarded; import jax; "
@@ -24,7 +25,7 @@ GUARDED = (
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu not installed")
 @pytest.mark.parametrize("first", ["jax", "flaxformer_lite"])
 def test_a_command_on_a_host_without_tpu_chips_starts_the_cpu_quietly(first):
-    """Imported after jax, the package sets jax's config; before it, ``JAX_PLATFORMS``."""
+    """A command started after jax's import sets jax's config; before it, ``JAX_PLATFORMS``."""
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     code = f"import {first}, sys; print('jax' in sys.modules); {GUARDED}"
     result = subprocess.run(
@@ -91,21 +92,39 @@ def test_tpu_chips_are_counted_by_jaxs_own_test_run_from_its_file(monkeypatch, t
     assert platforms.tpu_chip_count() == 2
     (tmp_path / "a" / "device").unlink()  # jax's test raises FileNotFoundError
     assert platforms.tpu_chip_count() is None
-    code = "import sys; from flaxformer_lite import platforms; n = platforms.tpu_chip_count(); "
+    code = "import sys; from flaxformer_lite import process; n = process.tpu_chip_count(); "
     code += "print(isinstance(n, int), 'jax' in sys.modules)"
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert (child.returncode, child.stdout) == (0, "True False\n"), child.stderr
 
 
-def test_importing_the_package_and_load_run_print_nothing(tmp_path):
-    """Issue 45 item 5: libtpu's warnings on a host without TPU chips (for any script that
-    imports the package, README's Python blocks too) and Orbax's "read only" warning of
-    ``load_run``. The run is a tiny one, trained in the same child."""
+def test_importing_the_package_changes_neither_the_environment_nor_jax():
+    """Issue 64: ``import flaxformer_lite`` (and its public names) leaves ``JAX_PLATFORMS``
+    unset, jax's config as it was, and jax itself unimported."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    code = "import os, flaxformer_lite; print(os.environ.get('JAX_PLATFORMS'))"
+    child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert (child.returncode, child.stdout) == (0, "None\n"), child.stderr
+    code = (
+        "import os, sys, jax; before = jax.config.jax_platforms; import flaxformer_lite; "
+        "flaxformer_lite.load_run, flaxformer_lite.sweep, flaxformer_lite.register_norm; "
+        "print(os.environ.get('JAX_PLATFORMS'), jax.config.jax_platforms == before)"
+    )
+    child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert (child.returncode, child.stdout) == (0, "None True\n"), child.stderr
+    code = "import sys, flaxformer_lite; print('jax' in sys.modules)"
+    child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert (child.returncode, child.stdout) == (0, "False\n"), child.stderr
+
+
+def test_load_run_prints_nothing(tmp_path):
+    """Issue 45 item 5: Orbax's "read only" warning of ``load_run``, in a script that chose
+    its backend (libtpu's own start-up warnings are the script's choice since issue 64). The
+    run is a tiny one, trained by the command."""
     from subprocess_env import subprocess_env
     from tiny_runs import TINY
 
     env = subprocess_env(1)
-    del env["JAX_PLATFORMS"]  # as a user's script starts: jax picks the backends
     train = [sys.executable, "-m", "flaxformer_lite.train", f"run_dir={tmp_path}/run"]
     trained = subprocess.run(
         [*train, *TINY, "train.steps=2"], env=env, capture_output=True, text=True, timeout=300
@@ -118,4 +137,4 @@ def test_importing_the_package_and_load_run_print_nothing(tmp_path):
     child = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
     )
-    assert (child.returncode, child.stdout, child.stderr) == (0, "2\n", "")
+    assert (child.returncode, child.stdout, child.stderr) == (0, "2\n", ""), child.stderr

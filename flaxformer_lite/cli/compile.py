@@ -68,7 +68,7 @@ def compile_parser() -> argparse.ArgumentParser:
 
 def _compile(args) -> int:
     from flaxformer_lite.aot import analyse, compile_for, parse_topology, prepare_host
-    from flaxformer_lite.train.compilation_cache import use_compilation_cache
+    from flaxformer_lite.process import use_compilation_cache
     from flaxformer_lite.train.config import load_config
 
     topology = parse_topology(args.topology)

@@ -14,6 +14,7 @@ import traceback
 from collections.abc import Callable
 
 from flaxformer_lite.cli.library_log import plain_terminal_records
+from flaxformer_lite.process import skip_absent_tpu
 
 # ValueError: bad settings and data (ConfigError is one); OSError: unreadable, unwritable or
 # corrupt files, a full disk (CheckpointError is one).
@@ -25,7 +26,9 @@ def guarded(fn: Callable[[], int], *, trust_code: bool = False) -> int:
     """``fn()``'s exit status, or 2 after printing ``error: ...`` for one of :data:`USER_ERRORS`
     or XLA's RESOURCE_EXHAUSTED (:func:`out_of_memory`); a stop signal while ``fn`` runs ends
     the process (:func:`exit_on_signals`). Log records on the terminal read ``warning: ...``.
-    ``trust_code`` (``--trust-code``): ``fn`` imports the code settings name by import path."""
+    ``trust_code`` (``--trust-code``): ``fn`` imports the code settings name by import path.
+    Every command runs here, so the backends are chosen here (:func:`~.process.skip_absent_tpu`)."""
+    skip_absent_tpu()
     plain_terminal_records()
     try:
         with exit_on_signals(), trusted(trust_code):

@@ -136,7 +136,7 @@ def run(args: argparse.Namespace, say=print) -> int:
         model, tokenizer = load_hf_checkpoint(args.hf_dir, adapter=args.adapter)
         add_bos, source = tokenizer.add_bos, args.hf_dir
     else:
-        from flaxformer_lite.train.compilation_cache import use_compilation_cache
+        from flaxformer_lite.process import use_compilation_cache
         from flaxformer_lite.train.trained_run import load_run
 
         loaded = load_run(args.run_dir, step=args.step)

@@ -83,7 +83,7 @@ def sweep_parser() -> CommandParser:
 
 
 def _sweep(args, started: float) -> int:
-    from flaxformer_lite.train.host_memory import reuse_freed_host_memory
+    from flaxformer_lite.process import reuse_freed_host_memory, use_compilation_cache
 
     reuse_freed_host_memory()  # before JAX starts its backend's threads
     import jax
@@ -112,6 +112,7 @@ def _sweep(args, started: float) -> int:
             if key != "run_dir" and isinstance(values[0], str)
         ]
         cfg = load_config(args.config, [*args.overrides, *firsts], notify=notice)
+        use_compilation_cache(cfg.train.compilation_cache)
         directory = SweepDir(cfg.run_dir)
         directory.refuse_if_not_a_sweep()  # before the libraries' log is written in it
         library_log_to(directory.library_log)

@@ -78,7 +78,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 def _train(args, started: float) -> int:
     if args.show_config:
         return guarded(lambda: show_config(args.config, args.overrides))
-    from flaxformer_lite.train.host_memory import reuse_freed_host_memory
+    from flaxformer_lite.process import reuse_freed_host_memory, use_compilation_cache
 
     reuse_freed_host_memory()  # before JAX starts its backend's threads
     import jax
@@ -92,6 +92,7 @@ def _train(args, started: float) -> int:
         cfg = load_config(args.config, args.overrides, notify=notice)
         if args.stretch_schedule:
             cfg = stretch_schedule(cfg)
+        use_compilation_cache(cfg.train.compilation_cache)
         library_log_to(RunDir(cfg.run_dir).library_log)
         spent = TimeSpent(started)
         # A bar only on a terminal: written to a file or a pipe it is one line of carriage returns.

@@ -36,7 +36,6 @@ from flaxformer_lite.train.actions import (
 )
 from flaxformer_lite.train.background_compile import BackgroundCompile
 from flaxformer_lite.train.checkpoint import Checkpointer, CheckpointShapeError
-from flaxformer_lite.train.compilation_cache import use_compilation_cache
 from flaxformer_lite.train.config import TrainConfig, config_from_dict
 from flaxformer_lite.train.figures import pyplot as figure_pyplot
 from flaxformer_lite.train.lanes import InTurn, Lane, LaneActions, Vmapped
@@ -107,7 +106,6 @@ def run(
       Interrupted: SIGTERM / SIGINT (after the checkpoint is written).
     """
     spent = TimeSpent() if spent is None else spent
-    use_compilation_cache(cfg.train.compilation_cache)
     check_pieces(cfg.model)  # code named by import path: refused or traced before any write
     check_parameters(cfg.optimizer, cfg.model)
     check_adapters(cfg)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from flaxformer_lite.evals.tasks import PREFIX, is_count
-from flaxformer_lite.train.compilation_cache import user_cache_dir
+from flaxformer_lite.process import user_cache_dir
 from flaxformer_lite.train.figures import (
     draw,
     log_scale_if_wide,
@@ -401,7 +401,7 @@ def peak_flops() -> float | None:
 
 def cpu_peak_flops() -> float:
     """This machine's :func:`matmul_peak_flops`, measured once and kept in
-    ``cpu_peak_flops.json`` of :func:`~.compilation_cache.user_cache_dir` under the
+    ``cpu_peak_flops.json`` of :func:`~flaxformer_lite.process.user_cache_dir` under the
     CPU's name, its cores and jax's version. Timed at every start, the peak moved by 20% (a run
     read MFU 0.50, and 0.42 resumed): kept, every run on the machine divides by one number."""
     path = user_cache_dir() / "cpu_peak_flops.json"

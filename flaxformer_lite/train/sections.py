@@ -47,8 +47,9 @@ class LoopConfig:
     )
     compilation_cache: bool = setting(
         True,
-        help="keep compiled programs in ~/.cache/flaxformer_lite/jax ($XDG_CACHE_HOME): a "
-        "second run of a config compiles nothing it compiled before; false: compile every run",
+        help="the commands keep compiled programs in ~/.cache/flaxformer_lite/jax "
+        "($XDG_CACHE_HOME): a second run of a config compiles nothing it compiled before; false: "
+        "compile every run (a script chooses with flaxformer_lite.process.use_compilation_cache)",
     )
 
     def __post_init__(self):

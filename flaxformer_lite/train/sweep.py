@@ -38,7 +38,6 @@ from flaxformer_lite.evals.tasks import read_tasks
 from flaxformer_lite.models.piece_checks import check_pieces
 from flaxformer_lite.models.pieces import trusted_code
 from flaxformer_lite.train.actions import quiet
-from flaxformer_lite.train.compilation_cache import use_compilation_cache
 from flaxformer_lite.train.config import (
     ConfigError,
     TrainConfig,
@@ -109,7 +108,6 @@ def sweep(
 
 def _sweep(cfg: TrainConfig, vary, *, fresh: bool, force: bool, vmap, log, spent) -> dict:
     """:func:`sweep`, the code it names trusted or not."""
-    use_compilation_cache(cfg.train.compilation_cache)
     members = recorded_names(sweep_members(cfg, vary), SweepDir(cfg.run_dir), fresh)
     for member in members:  # code named by import path, imported (if trusted) and traced
         check_pieces(member.cfg.model)
