@@ -60,8 +60,9 @@ from flax import nnx  # noqa: E402
 from flaxformer_lite import parallel  # noqa: E402
 from flaxformer_lite.aot import COLLECTIVES, collective_counts  # noqa: E402
 from flaxformer_lite.models import ModelConfig, build_model  # noqa: E402
-from flaxformer_lite.train.optim import OptimizerConfig, make_optimizer  # noqa: E402
+from flaxformer_lite.train.optim import make_optimizer
 from flaxformer_lite.train.program import train_and_eval_graphdefs  # noqa: E402
+from flaxformer_lite.train.sections import OptimizerConfig  # noqa: E402
 from flaxformer_lite.train.step import make_train_step, task_of  # noqa: E402
 
 DEVICES = 8

@@ -66,8 +66,8 @@ from flax import nnx
 from flaxformer_lite.models.accounting import training_flops_per_token
 from flaxformer_lite.process import reuse_freed_host_memory
 from flaxformer_lite.train.config import TrainConfig, load_config
-from flaxformer_lite.train.metrics import matmul_peak_flops
 from flaxformer_lite.train.optim import make_optimizer
+from flaxformer_lite.train.peak_flops import matmul_peak_flops
 from flaxformer_lite.train.program import make_train_state
 from flaxformer_lite.train.step import make_train_step
 

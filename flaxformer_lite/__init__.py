@@ -9,30 +9,22 @@ register_attention("sigmoid", sigmoid_attention)      # model.attention_implemen
 
 __version__ = "0.1.0"
 
+from flaxformer_lite.lazy import lazy_names
+
 # Where the names this package exports at its top live; imported on first use, so that
 # importing a submodule (``flaxformer_lite.ops``) does not import the training code.
-_LAZY = {
-    "load_run": "flaxformer_lite.train.trained_run",
-    "LoadedRun": "flaxformer_lite.train.trained_run",
-    "export_run": "flaxformer_lite.train.export",
-    "sweep": "flaxformer_lite.train.sweep",
-    "register_attention": "flaxformer_lite.ops.attention_choice",
-    "register_mixer": "flaxformer_lite.models.pieces",
-    "register_positions": "flaxformer_lite.models.pieces",
-    "register_norm": "flaxformer_lite.models.pieces",
-    "register_feed_forward": "flaxformer_lite.models.pieces",
-    "trusted_code": "flaxformer_lite.models.pieces",
+_HOMES = {
+    "flaxformer_lite.train.trained_run": ("load_run", "LoadedRun"),
+    "flaxformer_lite.train.export": ("export_run",),
+    "flaxformer_lite.train.sweep": ("sweep",),
+    "flaxformer_lite.ops.attention_choice": ("register_attention",),
+    "flaxformer_lite.models.pieces": (
+        "register_mixer",
+        "register_positions",
+        "register_norm",
+        "register_feed_forward",
+    ),
+    "flaxformer_lite.registry": ("trusted_code",),
 }
-__all__ = ["__version__", *_LAZY]
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'flaxformer_lite' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
+__getattr__, __dir__ = lazy_names(__name__, _HOMES)
+__all__ = ["__version__", *(name for names in _HOMES.values() for name in names)]

@@ -173,13 +173,13 @@ def _peak_flops_once_per_worker(monkeypatch):
     """On a CPU every run of the training loop measures the host's peak FLOP/s for its MFU, a
     2048^3 matmul timed 6 times (about 2 s on a small machine: more than many short runs take to
     train). The peak is the host's, so a worker measures it once, at its first run, and its later
-    in-process runs reuse it; ``metrics.peak_flops`` itself, the benchmarks and the subprocesses
+    in-process runs reuse it; ``peak_flops.peak_flops`` itself, the benchmarks and the subprocesses
     measure as before."""
-    from flaxformer_lite.train import loop, metrics
+    from flaxformer_lite.train import loop, peak_flops
 
     def once():
         if not _PEAK_FLOPS:
-            _PEAK_FLOPS.append(metrics.peak_flops())
+            _PEAK_FLOPS.append(peak_flops.peak_flops())
         return _PEAK_FLOPS[0]
 
     monkeypatch.setattr(loop, "peak_flops", once)

@@ -28,6 +28,7 @@ QUICK_FILES = frozenset(
         "test_projection.py",
         "test_pipeline.py",
         "test_cli_help.py",
+        "test_choices.py",
         "test_parallel.py",
         "test_synthetic.py",
         "test_masks.py",

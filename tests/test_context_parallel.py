@@ -27,7 +27,7 @@ from flaxformer_lite.nn.context_parallel import (
     to_context_layout,
     zigzag_order,
 )
-from flaxformer_lite.ops.attention_choice import BACKENDS
+from flaxformer_lite.ops.attention_choice import CHUNKED, XLA
 from flaxformer_lite.ops.attention_inputs import validated_call
 from flaxformer_lite.parallel import (
     DEFAULT_RULES,
@@ -103,8 +103,8 @@ def test_chunked_attention_takes_query_positions_as_they_are(pieces):
     mask = ops.AttentionMask(**pieces, query_positions=positions)
 
     call = validated_call(q, k, v, None, mask)
-    assert BACKENDS["chunked"].sees(call).mask.explicit is None  # nothing folded for chunked
-    assert BACKENDS["xla"].sees(call).mask.explicit is not None
+    assert CHUNKED.sees(call).mask.explicit is None  # nothing folded for chunked
+    assert XLA.sees(call).mask.explicit is not None
 
     def chunked(q, k, v):
         flags = dict(is_causal=False, local_window=None, global_tokens=0)

@@ -13,7 +13,7 @@ from attention_cases import ATOL, assert_close_to_scale, make_qkv
 from flaxformer_lite import ops
 from flaxformer_lite.ops import AttentionMask, attention_choice
 from flaxformer_lite.ops.attention_inputs import AttentionCall
-from flaxformer_lite.ops.chunked_attention import _Geometry
+from flaxformer_lite.ops.chunked import _Geometry
 from flaxformer_lite.ops.cudnn_attention import cudnn_unsupported_reason
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py

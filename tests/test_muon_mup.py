@@ -15,7 +15,8 @@ from flaxformer_lite.models import ModelConfig, build_model
 from flaxformer_lite.models.width import attention_scale, growing_axes
 from flaxformer_lite.nn.attention import MultiHeadAttention
 from flaxformer_lite.nn.parametrization import MUP, parameter_roles
-from flaxformer_lite.train.optim import OptimizerConfig, make_optimizer
+from flaxformer_lite.train.optim import make_optimizer
+from flaxformer_lite.train.sections import OptimizerConfig
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 

@@ -40,7 +40,8 @@ from flaxformer_lite.parallel import (
     put_batch,
     rule_pairs,
 )
-from flaxformer_lite.parallel.rules import LOGICAL_NAMES, variable_names
+from flaxformer_lite.parallel.config import LOGICAL_NAMES
+from flaxformer_lite.parallel.rules import variable_names
 from flaxformer_lite.train.config import ConfigError, config_from_dict, load_config
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py

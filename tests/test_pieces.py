@@ -19,10 +19,12 @@ from tiny_models import lm_train_step, make, tiny, tokens
 from tiny_runs import TINY
 
 import flaxformer_lite
+from flaxformer_lite import choices
 from flaxformer_lite.attention_maps import attention_maps
 from flaxformer_lite.cli import main
 from flaxformer_lite.decode import generate
 from flaxformer_lite.models import pieces
+from flaxformer_lite.registry import trusted_code
 from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.loop import run
 from flaxformer_lite.train.trained_run import load_run
@@ -244,7 +246,7 @@ def test_a_variant_run_records_resumes_generates_and_compares(variant_run, monke
         "--max-new-tokens",
         "3",
     ]
-    pieces.MIXERS.entries.pop(f"{name}:Mixer")  # as in a new process: the code is not imported
+    choices.MIXERS.entries.pop(f"{name}:Mixer")  # as in a new process: the code is not imported
     sys.modules.pop(name)
     assert main(generate_argv) == 2  # the run's settings name code: trust is asked for again
     assert "--trust-code" in capsys.readouterr().err
@@ -311,7 +313,7 @@ def test_a_resume_with_changed_code_is_refused_unless_forced(tmp_path, monkeypat
     assert list(recorded) == ["model.attention_implementation"]
     (tmp_path / "edited_attention.py").write_text(source + "# edited\n")
     sys.modules.pop("edited_attention")  # as a new process: the edited file is imported
-    pieces.ATTENTION.entries.pop("edited_attention:attention")
+    choices.ATTENTION.entries.pop("edited_attention:attention")
     before = (tmp_path / "run" / "metrics.jsonl").read_text()
     capsys.readouterr()
     assert main([*argv, "train.steps=4"]) == 2
@@ -338,7 +340,7 @@ def test_a_name_registered_again_with_other_code_is_a_change(tmp_path):
         with pytest.raises(ValueError, match="the code of model.attention_implementation=again"):
             run(load_config(None, [*settings, "train.steps=4"]), progress=False, log=print)
     finally:
-        pieces.ATTENTION.entries.pop("again", None)
+        choices.ATTENTION.entries.pop("again", None)
 
 
 def test_a_name_registered_in_another_process_is_said_to_need_registering_again():
@@ -359,8 +361,8 @@ def test_an_attention_without_weights_says_how_to_give_them(tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     (tmp_path / "weightless.py").write_text("from user_pieces import same_as_xla as attend\n")
     q = jnp.ones((1, 4, 2, 8))
-    with pieces.trusted_code():
-        pieces.ATTENTION.get("weightless:attend")
+    with trusted_code():
+        choices.ATTENTION.get("weightless:attend")
     try:
         with pytest.raises(ValueError, match="give the function a `weights` attribute"):
             ops.attention_weights(q, q, implementation="weightless:attend")
@@ -368,6 +370,6 @@ def test_an_attention_without_weights_says_how_to_give_them(tmp_path, monkeypatc
         with pytest.raises(ValueError, match="register it with weights="):
             ops.attention_weights(q, q, implementation="weightless")
     finally:
-        pieces.ATTENTION.entries.pop("weightless", None)
-        pieces.ATTENTION.entries.pop("weightless:attend", None)
+        choices.ATTENTION.entries.pop("weightless", None)
+        choices.ATTENTION.entries.pop("weightless:attend", None)
         sys.modules.pop("weightless", None)

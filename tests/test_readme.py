@@ -21,6 +21,7 @@ import shlex
 import pytest
 from benchmark_scripts import load_benchmark
 
+from flaxformer_lite import choices
 from flaxformer_lite.aot import parse_topology
 from flaxformer_lite.cli import generate
 from flaxformer_lite.cli.ablation import parser as ablation_parser
@@ -35,7 +36,6 @@ from flaxformer_lite.cli.prepare import prepare_parser
 from flaxformer_lite.cli.sweep import sweep_parser
 from flaxformer_lite.cli.train import add_train_arguments
 from flaxformer_lite.cli.transfer import transfer_parser
-from flaxformer_lite.models import pieces
 from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.recipes import recipe_path
 from flaxformer_lite.train.sweep_members import parse_vary, sweep_members
@@ -271,11 +271,11 @@ def registries_restored():
     ``register_mixer("talking_heads", ...)`` would otherwise replace test_pieces.py's piece of
     that name for the rest of the process."""
     registries = (
-        pieces.ATTENTION,
-        pieces.MIXERS,
-        pieces.POSITION_BIASES,
-        pieces.NORMS,
-        pieces.FEED_FORWARDS,
+        choices.ATTENTION,
+        choices.MIXERS,
+        choices.POSITION_BIASES,
+        choices.NORMS,
+        choices.FEED_FORWARDS,
     )
     saved = [(registry.entries, dict(registry.entries)) for registry in registries]
     yield

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxformer_lite.ops.rope import RopeScaling, apply_rope, rope_frequencies
+from flaxformer_lite.choices import RopeScaling
+from flaxformer_lite.ops.rope import apply_rope, rope_frequencies
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 

@@ -21,7 +21,7 @@ from tiny_runs import TINY
 
 from flaxformer_lite.cli import main
 from flaxformer_lite.cli.train import train_main
-from flaxformer_lite.train import metrics
+from flaxformer_lite.train import metrics, peak_flops
 from flaxformer_lite.train.config import TrainConfig
 from flaxformer_lite.train.metrics import MetricsWriter, plot_run, read_metrics
 from flaxformer_lite.train.run_dir import MARK
@@ -34,22 +34,22 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 def test_peak_flops_is_the_datasheet_on_accelerators_and_a_measured_matmul_on_cpu(
     monkeypatch, tmp_path
 ):
-    assert 0 < metrics.matmul_peak_flops(n=128, repeats=2) < float("inf")
+    assert 0 < peak_flops.matmul_peak_flops(n=128, repeats=2) < float("inf")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     timings = iter([7.0e9, 5.0e9])
-    monkeypatch.setattr(metrics, "matmul_peak_flops", lambda: next(timings))
+    monkeypatch.setattr(peak_flops, "matmul_peak_flops", lambda: next(timings))
     # Issue 45 item 9: this host's CPU, measured once; a later start (a resumed run) reads the
     # same peak, so its MFU compares.
-    assert metrics.peak_flops() == metrics.peak_flops() == 7.0e9
+    assert peak_flops.peak_flops() == peak_flops.peak_flops() == 7.0e9
     (cached,) = json.loads((tmp_path / "flaxformer_lite" / "cpu_peak_flops.json").read_text())
     assert cached.endswith(f"cores, jax {jax.__version__}")
     (tmp_path / "flaxformer_lite" / "cpu_peak_flops.json").write_text("{not json")
-    assert metrics.peak_flops() == 5.0e9  # a damaged cache: measured again
+    assert peak_flops.peak_flops() == 5.0e9  # a damaged cache: measured again
     chip = type("Device", (), {"platform": "gpu", "device_kind": "NVIDIA H100 80GB HBM3"})
     monkeypatch.setattr(jax, "devices", lambda: [chip(), chip()])
-    assert metrics.peak_flops() == 2 * 989e12
+    assert peak_flops.peak_flops() == 2 * 989e12
     chip.device_kind = "a chip not in the table"
-    assert metrics.peak_flops() is None
+    assert peak_flops.peak_flops() is None
 
 
 def events(directory: pathlib.Path) -> list:

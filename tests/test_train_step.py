@@ -11,7 +11,7 @@ from flaxformer_lite import parallel
 from flaxformer_lite.data import tasks
 from flaxformer_lite.models import ModelConfig, build_model
 from flaxformer_lite.train.config import load_config
-from flaxformer_lite.train.optim import OptimizerConfig, make_optimizer
+from flaxformer_lite.train.optim import make_optimizer
 from flaxformer_lite.train.program import (
     build_train_state,
     configured_train_step,
@@ -19,6 +19,7 @@ from flaxformer_lite.train.program import (
     tracing_layout,
     train_and_eval_graphdefs,
 )
+from flaxformer_lite.train.sections import OptimizerConfig
 from flaxformer_lite.train.step import make_eval_step, make_train_step, model_loss, task_of
 from flaxformer_lite.train.step_numbers import step_numbers
 

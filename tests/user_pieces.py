@@ -96,7 +96,7 @@ class LogDistanceBias(nnx.Module):
 
 
 def same_layer_norm(cfg, *, rngs):
-    return pieces.layer_norm(cfg, rngs=rngs)
+    return pieces.layer_norm_module(cfg, rngs=rngs)
 
 
 class ScaleNorm(nnx.Module):
@@ -130,7 +130,7 @@ class PickyNorm(nnx.Module):
     fails at a run's longer rows (as ``error``, raised while traced)."""
 
     def __init__(self, cfg, *, rngs, error=RuntimeError):
-        self.norm, self.error = pieces.layer_norm(cfg, rngs=rngs), error
+        self.norm, self.error = pieces.layer_norm_module(cfg, rngs=rngs), error
 
     def __call__(self, x):
         if x.shape[1] != 8:

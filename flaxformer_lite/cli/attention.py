@@ -47,7 +47,7 @@ def attention_main(argv: list[str] | None = None) -> int:
 
 def _attention(args) -> int:
     from flaxformer_lite.attention_maps import write_text_attention_maps
-    from flaxformer_lite.nn.attention_free import AFT_MIXERS
+    from flaxformer_lite.choices import AFT_MIXERS
     from flaxformer_lite.train.run_dir import RunDir
     from flaxformer_lite.train.trained_run import load_run
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from flaxformer_lite.cli.library_log import plain_terminal_records
 from flaxformer_lite.process import skip_absent_tpu
+from flaxformer_lite.registry import trusted_code
 
 # ValueError: bad settings and data (ConfigError is one); OSError: unreadable, unwritable or
 # corrupt files, a full disk (CheckpointError is one).
@@ -31,7 +32,7 @@ def guarded(fn: Callable[[], int], *, trust_code: bool = False) -> int:
     skip_absent_tpu()
     plain_terminal_records()
     try:
-        with exit_on_signals(), trusted(trust_code):
+        with exit_on_signals(), trusted_code(trust_code):
             return fn()
     except USER_ERRORS as error:
         say(f"error: {error}", stream=sys.stderr)
@@ -110,15 +111,6 @@ def out_of_memory(message: str) -> str:
 def _gib(number: str, unit: str) -> str:
     power = "KMGT".find(unit[0]) + 1 if unit[0] in "KMGT" else 0
     return f"{float(number) * 1024**power / 2**30:.2f} GiB"
-
-
-def trusted(trust_code: bool):
-    """``models.pieces.trusted_code`` if ``trust_code`` (importing the models only then)."""
-    if not trust_code:
-        return contextlib.nullcontext()
-    from flaxformer_lite.models.pieces import trusted_code
-
-    return trusted_code()
 
 
 @contextlib.contextmanager

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 from flax import nnx
 
+from flaxformer_lite.choices import AFT_MIXERS
 from flaxformer_lite.models.build import abstract_model
 from flaxformer_lite.models.config import ModelConfig
-from flaxformer_lite.nn.attention_free import AFT_MIXERS
 
 # Tables looked up rather than multiplied: "non-embedding" parameter counts leave them out.
 _EMBEDDING_TABLES = ("tokens", "positions", "token_types")

@@ -4,18 +4,25 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from flaxformer_lite import ops
-from flaxformer_lite.models import pieces
+from flaxformer_lite import choices
+from flaxformer_lite.choices import (
+    ACTIVATIONS,
+    AFT_MIXERS,
+    INIT_SCHEMES,
+    REMAT_NAMES,
+    ROPE_LAYOUTS,
+    SINUSOIDAL_LAYOUTS,
+    RopeScaling,
+)
 from flaxformer_lite.models.presets import PRESETS
 from flaxformer_lite.models.width import check_parametrization, growing_axes
-from flaxformer_lite.nn.attention import Rope
-from flaxformer_lite.nn.attention_free import AFT_MIXERS
-from flaxformer_lite.nn.dense import INIT_SCHEMES, KernelInit
-from flaxformer_lite.nn.mlp import ACTIVATIONS
-from flaxformer_lite.nn.stack import REMAT_POLICIES
 from flaxformer_lite.settings import setting
+
+if TYPE_CHECKING:
+    from flaxformer_lite.nn.attention import Rope
+    from flaxformer_lite.nn.dense import KernelInit
 
 NORM_POSITIONS = ("pre", "post")
 POOLINGS = ("first", "mean")
@@ -74,7 +81,7 @@ class ModelConfig:
     rope_layout: str = setting(
         "half", help="RoPE's pairing of features: half (GPT-NeoX, Llama) or interleaved"
     )
-    rope_scaling: ops.RopeScaling | None = setting(
+    rope_scaling: RopeScaling | None = setting(
         None, help="null, or {type: linear|ntk|llama3|dynamic, factor: ...} to stretch RoPE"
     )
     relative_buckets: int = setting(32, help="relative positions: the number of distance buckets")
@@ -214,12 +221,12 @@ class ModelConfig:
         """``local_window`` as a ``(left, right)`` tuple; ``global_tokens`` only with it."""
         if self.local_window is not None:
             try:
-                window = ops.masks.check_local_window(self.local_window)
+                window = choices.check_local_window(self.local_window)
             except ValueError as e:
                 raise ValueError(f"model.{e}") from None
             object.__setattr__(self, "local_window", window)
         try:
-            ops.masks.check_global_tokens(self.global_tokens)
+            choices.check_global_tokens(self.global_tokens)
         except ValueError as e:
             raise ValueError(f"model.{e}") from None
         if self.global_tokens and self.local_window is None:
@@ -238,6 +245,9 @@ class ModelConfig:
 
     @property
     def kernel_init(self) -> KernelInit:
+        # The model's code imports JAX; reading and checking a config does not.
+        from flaxformer_lite.nn.dense import KernelInit
+
         return KernelInit(
             self.init,
             self.init_std,
@@ -254,6 +264,8 @@ class ModelConfig:
     def rope(self) -> Rope | None:
         if self.positions != "rope":
             return None
+        from flaxformer_lite.nn.attention import Rope
+
         return Rope(self.rope_base, self.rope_layout, self.rope_scaling)
 
     @property
@@ -265,7 +277,7 @@ class ModelConfig:
 
     # ----------------------------------------------------------------------- validation
     def _check_mixer(self):
-        pieces.MIXERS.check(self.mixer)
+        choices.MIXERS.check(self.mixer)
         if self.aft_window is not None:
             _check_positive_int("aft_window", self.aft_window)
         if (self.mixer == "aft_local") != (self.aft_window is not None):
@@ -286,7 +298,7 @@ class ModelConfig:
 
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):
-            object.__setattr__(self, "rope_scaling", ops.RopeScaling(**self.rope_scaling))
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
         for name in ("vocab_size", "d_model", "num_heads", "max_length"):
             _check_positive_int(name, getattr(self, name))
         for name in ("num_encoder_layers", "num_decoder_layers", "type_vocab_size"):
@@ -315,20 +327,20 @@ class ModelConfig:
             object.__setattr__(self, "d_ff", 4 * self.d_model)
         if not (self.num_encoder_layers or self.num_decoder_layers):
             raise ValueError("a model needs num_encoder_layers > 0 or num_decoder_layers > 0")
-        pieces.NORMS.check(self.norm)
-        pieces.FEED_FORWARDS.check(self.feed_forward)
+        choices.NORMS.check(self.norm)
+        choices.FEED_FORWARDS.check(self.feed_forward)
         _check_choice("norm_position", self.norm_position, NORM_POSITIONS)
-        if self.positions not in pieces.BUILTIN_POSITIONS:
+        if self.positions not in choices.BUILTIN_POSITIONS:
             try:
-                pieces.POSITION_BIASES.check(self.positions)
+                choices.POSITION_BIASES.check(self.positions)
             except ValueError:
-                choices = (*pieces.BUILTIN_POSITIONS, *pieces.POSITION_BIASES.entries)
+                valid = (*choices.BUILTIN_POSITIONS, *choices.POSITION_BIASES.entries)
                 raise ValueError(
-                    f"positions must be one of {choices} or an import path module:attr, got "
+                    f"positions must be one of {valid} or an import path module:attr, got "
                     f"{self.positions!r}"
                 ) from None
-        _check_choice("rope_layout", self.rope_layout, ops.rope.ROPE_LAYOUTS)
-        _check_choice("sinusoidal_layout", self.sinusoidal_layout, ops.positions.SINUSOIDAL_LAYOUTS)
+        _check_choice("rope_layout", self.rope_layout, ROPE_LAYOUTS)
+        _check_choice("sinusoidal_layout", self.sinusoidal_layout, SINUSOIDAL_LAYOUTS)
         _check_choice("activation", self.activation, tuple(ACTIVATIONS))
         _check_choice("pooling", self.pooling, POOLINGS)
         if not self.norm_bias and self.norm == "rmsnorm":
@@ -337,9 +349,9 @@ class ModelConfig:
         check_parametrization(self)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("param_dtype", self.param_dtype, DTYPES)
-        _check_choice("remat", self.remat, tuple(REMAT_POLICIES))
+        _check_choice("remat", self.remat, REMAT_NAMES)
         if self.attention_implementation is not None:
-            pieces.ATTENTION.check(self.attention_implementation)
+            choices.ATTENTION.check(self.attention_implementation)
         self._check_mixer()
         for name in ("embedding_dropout", "attention_dropout", "residual_dropout"):
             rate = getattr(self, name)

@@ -4,8 +4,9 @@ cross-attention and the MLP, each a residual sublayer with its norm before (pre-
 position bias and final norm.
 
 The layers and their parts are built from a :class:`ModelConfig`: its mixer, norm, feed-forward
-block and position bias by name, from the registries of :mod:`.pieces` (the modules they are made
-of, ``nn``, take explicit arguments).
+block and position bias by name, from the registries of :mod:`flaxformer_lite.choices` (the
+built-in pieces are in :mod:`.pieces`; the modules they are made of, ``nn``, take explicit
+arguments).
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from flaxformer_lite.models import pieces
+from flaxformer_lite import choices
 from flaxformer_lite.models.config import ModelConfig
+from flaxformer_lite.models.pieces import attention_options
 from flaxformer_lite.nn import context_parallel
 from flaxformer_lite.nn.attention import MultiHeadAttention
 from flaxformer_lite.nn.rngs import apply_dropout, dropout
@@ -24,13 +26,13 @@ from flaxformer_lite.nn.stack import LayerStack
 
 def make_layer_norm(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
     """The norm ``cfg.norm`` names (``layernorm``, ``rmsnorm`` or a user's) over D."""
-    return pieces.NORMS.get(cfg.norm)(cfg, rngs=rngs)
+    return choices.NORMS.get(cfg.norm)(cfg, rngs=rngs)
 
 
 def make_cross_attention(cfg: ModelConfig, *, num_layers: int, rngs: nnx.Rngs):
     """The ``MultiHeadAttention`` of a decoder layer over the encoder's output."""
     return MultiHeadAttention(
-        **pieces.attention_options(cfg, num_layers=num_layers, cross=True), rngs=rngs
+        **attention_options(cfg, num_layers=num_layers, cross=True), rngs=rngs
     )
 
 
@@ -63,14 +65,16 @@ class TransformerLayer(nnx.Module):
     ):
         self.causal, self.pre_norm = causal, cfg.norm_position == "pre"
         self.parallel = cfg.parallel_block
-        self.self_attention = pieces.MIXERS.get(cfg.mixer)(cfg, num_layers=num_layers, rngs=rngs)
+        self.self_attention = choices.MIXERS.get(cfg.mixer)(cfg, num_layers=num_layers, rngs=rngs)
         self.self_attention_norm = make_layer_norm(cfg, rngs)
         if cross_attention:
             self.cross_attention = make_cross_attention(cfg, num_layers=num_layers, rngs=rngs)
             self.cross_attention_norm = make_layer_norm(cfg, rngs)
         else:
             self.cross_attention = self.cross_attention_norm = None
-        self.mlp = pieces.FEED_FORWARDS.get(cfg.feed_forward)(cfg, num_layers=num_layers, rngs=rngs)
+        self.mlp = choices.FEED_FORWARDS.get(cfg.feed_forward)(
+            cfg, num_layers=num_layers, rngs=rngs
+        )
         # A parallel block normalizes once for both branches.
         self.mlp_norm = None if self.parallel else make_layer_norm(cfg, rngs)
         self.dropout = dropout(cfg.residual_dropout, rngs, "residual")
@@ -184,8 +188,10 @@ class Tower(nnx.Module):
         # relative bias, under which runs' checkpoints hold its table.
         self.relative_bias = (
             None
-            if cfg.positions in pieces.BUILTIN_POSITIONS
-            else pieces.POSITION_BIASES.get(cfg.positions)(cfg, bidirectional=not causal, rngs=rngs)
+            if cfg.positions in choices.BUILTIN_POSITIONS
+            else choices.POSITION_BIASES.get(cfg.positions)(
+                cfg, bidirectional=not causal, rngs=rngs
+            )
         )
 
         def make_layer(layer_rngs):

@@ -17,15 +17,9 @@ from flaxformer_lite import ops
 if TYPE_CHECKING:
     from flaxformer_lite.models.config import ModelConfig
 
-from flaxformer_lite.models.pieces import (
-    ATTENTION,
-    FEED_FORWARDS,
-    NORMS,
-    POSITION_BIASES,
-    first_line,
-    piece_settings,
-    user_pieces,
-)
+from flaxformer_lite.choices import ATTENTION, FEED_FORWARDS, NORMS, POSITION_BIASES
+from flaxformer_lite.models.pieces import piece_settings, user_pieces
+from flaxformer_lite.registry import first_line
 
 
 def check_pieces(cfg: ModelConfig) -> None:

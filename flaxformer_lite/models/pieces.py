@@ -11,9 +11,10 @@
   model.feed_forward               the MLP sublayer, a module (:func:`register_feed_forward`)
 
 A setting holds a registered name or an import path ``package.module:attr`` (an installed module
-or one in the current directory). The built-in pieces are registered below: they are each
-registry's first users; ``register_*`` adds a user's, no trust needed for what the running process
-registered itself. An import path is imported only inside :func:`trusted_code` (``--trust-code``,
+or one in the current directory). The registries are in :mod:`flaxformer_lite.choices` (read by
+the config without JAX), the built-in pieces below, named there by import path; ``register_*``
+adds a user's, no trust needed for what the running process registered itself. An import path is
+imported only inside :func:`~flaxformer_lite.registry.trusted_code` (``--trust-code``,
 ``trust_code=True``), as transformers' ``trust_remote_code``: a config file or a run's settings
 name it, and importing it runs its code. Imported, it is registered under its path. When a model
 is built, :func:`check_pieces` traces each piece that is not built in on small shapes, so that a
@@ -22,160 +23,28 @@ wrong signature or shape is one line naming the setting, before training starts.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import hashlib
-import importlib
 import inspect
 import marshal
-import os
-import re
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from flax import nnx
 
+from flaxformer_lite import choices
 from flaxformer_lite.models.width import attention_scale
 from flaxformer_lite.nn.attention import MultiHeadAttention
-from flaxformer_lite.nn.attention_free import AFT_MIXERS, AttentionFree
+from flaxformer_lite.nn.attention_free import AttentionFree
 from flaxformer_lite.nn.dense import KernelInit, residual_scale
 from flaxformer_lite.nn.mlp import MLP
 from flaxformer_lite.nn.norms import LayerNorm, RMSNorm
 from flaxformer_lite.nn.positions import ALiBi, RelativePositionBias
 from flaxformer_lite.ops import attention_choice
+from flaxformer_lite.registry import Registry, is_import_path
 
 if TYPE_CHECKING:
     from flaxformer_lite.models.config import ModelConfig
-
-IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
-TRUST_FLAG = "--trust-code (trust_code=True in Python)"
-
-_TRUSTED: contextvars.ContextVar[bool] = contextvars.ContextVar("trusted_code", default=False)
-
-
-@contextlib.contextmanager
-def trusted_code(trust: bool = True) -> Iterator[None]:
-    """Within the block, import paths in model settings are imported if ``trust`` (the
-    commands' ``--trust-code``; ``load_run(..., trust_code=True)`` and the like use this). A
-    block inside a trusted one stays trusted."""
-    token = _TRUSTED.set(_TRUSTED.get() or bool(trust))
-    try:
-        yield
-    finally:
-        _TRUSTED.reset(token)
-
-
-def is_import_path(value: Any) -> bool:
-    """Whether ``value`` is written as an import path ``package.module:attr``."""
-    return isinstance(value, str) and IMPORT_PATH.match(value) is not None
-
-
-class Registry:
-    """The names one setting accepts, each standing for an object that meets ``contract``.
-
-    Args:
-      setting: the setting, ``model.mixer``.
-      contract: what a registered object is, in a line (for error messages).
-      entries: name -> object; the names present at construction are the built-in ones.
-      add: registers ``(name, obj)`` in ``entries`` (by default a plain assignment).
-    """
-
-    def __init__(
-        self,
-        setting: str,
-        contract: str,
-        entries: dict[str, Any],
-        add: Callable[[str, Any], None] | None = None,
-    ):
-        self.setting, self.contract, self.entries = setting, contract, entries
-        self.builtin = frozenset(entries)
-        self._add = add or entries.__setitem__
-
-    def register(self, name: str, obj: Any) -> None:
-        """Makes ``obj`` the piece ``name`` (replacing a name registered before, not a built-in
-        one); settings and overrides then take ``name``."""
-        if not isinstance(name, str) or not re.fullmatch(r"[\w.-]+", name):
-            raise ValueError(
-                f"a {self.setting} name is letters, digits, _, - and ., got {name!r} (import "
-                "paths module:attr need no registering)"
-            )
-        if name in self.builtin:
-            raise ValueError(f"{self.setting}={name!r} is built in; register under another name")
-        if not callable(obj):
-            raise ValueError(f"{self.setting}={name!r} must be callable ({self.contract})")
-        self._add(name, obj)
-
-    def check(self, value: Any) -> None:
-        """Raises a ValueError unless ``value`` is a registered name or an import path; a plain
-        name is said to be maybe one registered in another process (a run's config names the
-        piece, not its code)."""
-        if value in self.entries or is_import_path(value):
-            return
-        setting = self.setting.removeprefix("model.")
-        unknown = (
-            f"{setting} must be one of {tuple(self.entries)} or an import path module:attr, got "
-            f"{value!r}"
-        )
-        if isinstance(value, str) and re.fullmatch(r"[\w.-]+", value):
-            unknown += (
-                f"; a name registered in Python lasts as long as its process: register "
-                f"{value!r} again in this one (flaxformer_lite.register_"
-                f"{setting.removesuffix('_implementation')}), or name the code by import path"
-            )
-        raise ValueError(unknown)
-
-    def get(self, value: str) -> Any:
-        """The object ``value`` names; an import path is imported (only in trusted code) and
-        registered under its path.
-
-        Raises:
-          ValueError: an unknown name; an import path outside :func:`trusted_code`, that does
-            not import, or whose attribute is missing or not callable.
-        """
-        if value in self.entries:
-            return self.entries[value]
-        self.check(value)
-        module_name, _, attr = value.partition(":")
-        if not _TRUSTED.get():
-            raise ValueError(
-                f"{self.setting}={value!r} names code to import (module {module_name}); "
-                f"importing runs it: pass {TRUST_FLAG} if you trust it"
-            )
-        obj = _imported(module_name, self.setting, value)
-        for part in attr.split("."):
-            if not hasattr(obj, part):
-                raise ValueError(f"{self.setting}={value!r}: {module_name} has no attribute {attr}")
-            obj = getattr(obj, part)
-        if not callable(obj):
-            raise ValueError(
-                f"{self.setting}={value!r} is a {type(obj).__name__}, not callable; expected "
-                f"{self.contract}"
-            )
-        self._add(value, obj)
-        return obj
-
-    def is_builtin(self, value: Any) -> bool:
-        return value in self.builtin
-
-
-def _imported(module_name: str, setting: str, value: str):
-    """The module ``module_name``, imported with the current directory on the path (as
-    ``python -m`` has it)."""
-    cwd = os.getcwd()
-    added = cwd not in sys.path and "" not in sys.path
-    if added:
-        sys.path.insert(0, cwd)
-    try:
-        return importlib.import_module(module_name)
-    except Exception as error:  # the user's module may raise anything while importing
-        raise ValueError(
-            f"{setting}={value!r}: importing {module_name} failed "
-            f"({type(error).__name__}: {first_line(error)})"
-        ) from error
-    finally:
-        if added:
-            sys.path.remove(cwd)
 
 
 # --------------------------------------------------------------------------- built-in pieces
@@ -235,13 +104,13 @@ def attention_free(cfg: ModelConfig, *, num_layers: int, rngs: nnx.Rngs) -> Atte
     )
 
 
-def layer_norm(cfg: ModelConfig, *, rngs: nnx.Rngs) -> LayerNorm:
+def layer_norm_module(cfg: ModelConfig, *, rngs: nnx.Rngs) -> LayerNorm:
     """The norm ``layernorm`` over D, with a bias if ``norm_bias``."""
     options = dict(eps=cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
     return LayerNorm(cfg.d_model, use_bias=cfg.norm_bias, **options, rngs=rngs)
 
 
-def rms_norm(cfg: ModelConfig, *, rngs: nnx.Rngs) -> RMSNorm:
+def rms_norm_module(cfg: ModelConfig, *, rngs: nnx.Rngs) -> RMSNorm:
     """The norm ``rmsnorm`` over D."""
     options = dict(eps=cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
     return RMSNorm(cfg.d_model, **options, rngs=rngs)
@@ -280,40 +149,6 @@ def alibi(cfg: ModelConfig, *, bidirectional: bool, rngs: nnx.Rngs) -> ALiBi:
     return ALiBi(cfg.num_heads)
 
 
-# --------------------------------------------------------------------------- the registries
-ATTENTION = Registry(
-    "model.attention_implementation",
-    "fn(call: ops.AttentionCall) -> [B, T, H, Dv]",
-    attention_choice.BACKENDS,
-    add=attention_choice.register_attention,
-)
-MIXERS = Registry(
-    "model.mixer",
-    "factory(cfg, *, num_layers, rngs) -> a module: x [B, T, D] and the keywords mask, bias, "
-    "positions, is_causal, cache_index, segment_ids -> [B, T, D]",
-    {"attention": self_attention, **dict.fromkeys(AFT_MIXERS, attention_free)},
-)
-POSITION_BIASES = Registry(
-    "model.positions",
-    "factory(cfg, *, bidirectional, rngs) -> a module: query positions [T], key positions [S] "
-    "-> a logit bias [1, H, T, S]",
-    {"relative": relative_bias, "alibi": alibi},
-)
-# Position schemes that are not a logit bias: the embedding adds sinusoidal and learned ones,
-# the attention rotates queries and keys by RoPE.
-BUILTIN_POSITIONS = ("sinusoidal", "learned", "rope", "none")
-NORMS = Registry(
-    "model.norm",
-    "factory(cfg, *, rngs) -> a module: [..., D] -> [..., D]",
-    {"layernorm": layer_norm, "rmsnorm": rms_norm},
-)
-FEED_FORWARDS = Registry(
-    "model.feed_forward",
-    "factory(cfg, *, num_layers, rngs) -> a module: x [B, T, D] -> [B, T, D]",
-    {"mlp": mlp},
-)
-
-
 def register_mixer(name: str, factory: Callable[..., nnx.Module]) -> None:
     """Makes ``factory`` the self-attention sublayer ``model.mixer=name``.
 
@@ -330,7 +165,7 @@ def register_mixer(name: str, factory: Callable[..., nnx.Module]) -> None:
     ``attention_options(cfg, num_layers=num_layers)``, and overrides ``attend`` (and ``weights``,
     for attention maps): projections, RoPE, the cache and the mask stay the library's.
     """
-    MIXERS.register(name, factory)
+    choices.MIXERS.register(name, factory)
 
 
 def register_positions(name: str, factory: Callable[..., nnx.Module]) -> None:
@@ -342,21 +177,21 @@ def register_positions(name: str, factory: Callable[..., nnx.Module]) -> None:
     decoding, the cache index onwards and the cache's slots) and returns a float bias
     ``[1, H, T, S]`` (``[1, 1, T, S]`` for one shared by the heads).
     """
-    POSITION_BIASES.register(name, factory)
+    choices.POSITION_BIASES.register(name, factory)
 
 
 def register_norm(name: str, factory: Callable[..., nnx.Module]) -> None:
     """Makes ``factory`` the norm ``model.norm=name`` (of every sublayer, the embedding where
     ``embed_norm`` and the final one): ``factory(cfg, *, rngs)`` builds a module whose call
     maps ``[..., D]`` to ``[..., D]`` (D = ``cfg.d_model``)."""
-    NORMS.register(name, factory)
+    choices.NORMS.register(name, factory)
 
 
 def register_feed_forward(name: str, factory: Callable[..., nnx.Module]) -> None:
     """Makes ``factory`` the feed-forward sublayer ``model.feed_forward=name``:
     ``factory(cfg, *, num_layers, rngs)`` builds one layer's module, whose call maps
     ``x [B, T, D]`` to ``[B, T, D]``."""
-    FEED_FORWARDS.register(name, factory)
+    choices.FEED_FORWARDS.register(name, factory)
 
 
 # --------------------------------------------------------------------------- checks
@@ -402,16 +237,11 @@ def _code_fingerprint(obj: Any, value: str) -> str | None:
 
 
 def piece_settings(cfg: ModelConfig) -> list[tuple[Registry, Any]]:
-    positions = None if cfg.positions in BUILTIN_POSITIONS else cfg.positions
+    positions = None if cfg.positions in choices.BUILTIN_POSITIONS else cfg.positions
     return [
-        (ATTENTION, cfg.attention_implementation),
-        (MIXERS, cfg.mixer),
-        (POSITION_BIASES, positions),
-        (NORMS, cfg.norm),
-        (FEED_FORWARDS, cfg.feed_forward),
+        (choices.ATTENTION, cfg.attention_implementation),
+        (choices.MIXERS, cfg.mixer),
+        (choices.POSITION_BIASES, positions),
+        (choices.NORMS, cfg.norm),
+        (choices.FEED_FORWARDS, cfg.feed_forward),
     ]
-
-
-def first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return text[0][:300] if text else ""

@@ -12,14 +12,11 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from flaxformer_lite.nn.parametrization import (
-    PARAMETRIZATIONS,
-    WIDTH_AXES,
-    multiplier,
-)
+from flaxformer_lite.choices import PARAMETRIZATIONS, WIDTH_AXES
 from flaxformer_lite.nn.parametrization import (
     attention_scale as _attention_scale,
 )
+from flaxformer_lite.nn.parametrization import multiplier
 
 if TYPE_CHECKING:
     from flaxformer_lite.models.config import ModelConfig

@@ -1,28 +1,17 @@
 """Flax NNX modules: parameters (with logical axis names) around the math of ``ops``."""
 
-from flaxformer_lite.nn.attention import MultiHeadAttention, Rope
-from flaxformer_lite.nn.dense import Dense, KernelInit
-from flaxformer_lite.nn.embed import Embed
-from flaxformer_lite.nn.mlp import ACTIVATIONS, MLP
-from flaxformer_lite.nn.norms import LayerNorm, RMSNorm
-from flaxformer_lite.nn.positions import RelativePositionBias
-from flaxformer_lite.nn.sharding import ACTIVATION_NAMES, constrain
-from flaxformer_lite.nn.stack import REMAT_POLICIES, LayerStack, stack_layer_states
+from flaxformer_lite.lazy import lazy_names
 
-__all__ = [
-    "ACTIVATION_NAMES",
-    "ACTIVATIONS",
-    "MLP",
-    "REMAT_POLICIES",
-    "Dense",
-    "Embed",
-    "KernelInit",
-    "LayerNorm",
-    "LayerStack",
-    "MultiHeadAttention",
-    "RMSNorm",
-    "RelativePositionBias",
-    "Rope",
-    "constrain",
-    "stack_layer_states",
-]
+# Each name's module, imported when the name is first read (flaxformer_lite.lazy).
+_HOMES = {
+    "flaxformer_lite.nn.attention": ("MultiHeadAttention", "Rope"),
+    "flaxformer_lite.nn.dense": ("Dense", "KernelInit"),
+    "flaxformer_lite.nn.embed": ("Embed",),
+    "flaxformer_lite.nn.mlp": ("ACTIVATIONS", "MLP"),
+    "flaxformer_lite.nn.norms": ("LayerNorm", "RMSNorm"),
+    "flaxformer_lite.nn.positions": ("RelativePositionBias",),
+    "flaxformer_lite.nn.sharding": ("ACTIVATION_NAMES", "constrain"),
+    "flaxformer_lite.nn.stack": ("REMAT_POLICIES", "LayerStack", "stack_layer_states"),
+}
+__getattr__, __dir__ = lazy_names(__name__, _HOMES)
+__all__ = [name for names in _HOMES.values() for name in names]

@@ -8,10 +8,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flaxformer_lite import ops
+from flaxformer_lite.choices import AFT_MIXERS
 from flaxformer_lite.nn.dense import XAVIER, Dense, KernelInit, param
 from flaxformer_lite.ops import attention_free
-
-AFT_MIXERS = ("aft_full", "aft_local", "aft_simple")
 
 
 class AttentionFree(nnx.Module):

@@ -29,6 +29,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from flaxformer_lite import ops
+from flaxformer_lite.parallel.config import check_context_length
 
 # The logical name of the activations' sequence dimension (nn.ACTIVATION_NAMES).
 LENGTH_NAME = "activation_length"
@@ -50,15 +51,6 @@ def sequence_shards() -> int:
     """How many devices split each sequence under the active mesh and rules (1 outside)."""
     mesh = jax.sharding.get_abstract_mesh()
     return math.prod(mesh.shape[axis] for axis in sequence_axes())
-
-
-def check_context_length(length: int, shards: int, what: str = "data.seq_len") -> None:
-    """Raises ValueError unless ``2 * shards`` blocks divide a sequence of ``length``."""
-    if length % (2 * shards):
-        raise ValueError(
-            f"{what} {length} does not split over mesh.context={shards}: the zig-zag layout "
-            f"cuts each sequence into 2 x {shards} = {2 * shards} equal blocks"
-        )
 
 
 def zigzag_order(length: int, shards: int) -> np.ndarray:

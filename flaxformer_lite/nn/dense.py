@@ -16,15 +16,14 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from flaxformer_lite.nn.parametrization import WIDTH_AXES, Kernel, multiplier, role_of
+from flaxformer_lite.choices import INIT_SCHEMES, WIDTH_AXES
+from flaxformer_lite.nn.parametrization import Kernel, multiplier, role_of
 from flaxformer_lite.nn.rngs import next_key
 from flaxformer_lite.ops.projection import project
 
 # The name of an adapted projection's output (:mod:`.lora`): the remat policies that save
 # matmul outputs save it (:data:`~.stack.REMAT_POLICIES`).
 ADAPTED = "adapted_projection"
-
-INIT_SCHEMES = ("xavier", "normal")
 
 
 def param(rngs: nnx.Rngs, init, shape: tuple[int, ...], names: tuple, dtype) -> nnx.Param:

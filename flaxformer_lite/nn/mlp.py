@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from flaxformer_lite.choices import ACTIVATIONS
 from flaxformer_lite.nn.dense import XAVIER, Dense, KernelInit
 
 # Elementwise nonlinearities; a gated MLP multiplies one of them into a second projection.
@@ -16,12 +17,6 @@ _NONLINEARITIES = {
     "gelu": functools.partial(jax.nn.gelu, approximate=False),
     "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),
     "silu": jax.nn.silu,
-}
-# activation name -> (nonlinearity, gated)
-ACTIVATIONS = {
-    **{name: (name, False) for name in _NONLINEARITIES},
-    "swiglu": ("silu", True),  # Shazeer 2020, LLaMA
-    "geglu": ("gelu", True),
 }
 
 

@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
 
-import jax
-from flax import nnx
+from flaxformer_lite.choices import WIDTH_AXES
 
-PARAMETRIZATIONS = ("standard", "mup")
-# The logical axes whose size may grow with the model's width (d_model, d_ff, heads, head_dim).
-WIDTH_AXES = frozenset(
-    {"embed", "embed_out", "mlp", "heads", "kv_heads", "qkv_heads", "head_dim", "aft_features"}
-)
+if TYPE_CHECKING:
+    from flax import nnx
+
 ROLES = ("input", "hidden", "output", "vector")
 
 
@@ -116,6 +114,9 @@ def parameter_roles(model: nnx.Module, growing: frozenset = WIDTH_AXES) -> dict[
     hold their roles, from the ``growing`` axes of their init); role ``"unknown"`` for a
     parameter of several axes, some growing, not built by them (a user's piece): which of its
     axes are inputs its names do not say. Works on an abstract model (``nnx.eval_shape``)."""
+    # The roles' table above is read by the config (muP's checks), which imports no JAX.
+    from flax import nnx
+
     from flaxformer_lite.nn.dense import Dense
     from flaxformer_lite.nn.embed import Embed
 
@@ -138,6 +139,8 @@ def by_role(kernels: dict, value_of, params):
     """``params`` with each parameter replaced by ``value_of(its Kernel)`` (``kernels`` from
     :func:`parameter_roles`): works on an optimizer's trees of ``nnx.Variable``s (at init), of
     arrays (at each update) and on those an ``optax.partition`` has masked."""
+    import jax
+    from flax import nnx
 
     def value(path, _):
         return value_of(kernels[path_key(path)])

@@ -26,67 +26,43 @@ Conventions:
   not go through them; reverse mode, ``jit`` and ``vmap`` do.
 """
 
-from flaxformer_lite.ops.attention import (
-    attention_weights,
-    dot_product_attention,
-    reference_attention,
-)
-from flaxformer_lite.ops.attention_choice import register_attention
-from flaxformer_lite.ops.attention_free import aft
-from flaxformer_lite.ops.attention_inputs import AttentionCall
-from flaxformer_lite.ops.attention_mask import AttentionMask
-from flaxformer_lite.ops.chunked_attention import chunked_attention
-from flaxformer_lite.ops.losses import (
-    chunked_cross_entropy,
-    chunked_token_log_likelihood,
-    cross_entropy,
-    token_log_likelihood,
-)
-from flaxformer_lite.ops.masks import (
-    causal_mask,
-    combine_masks,
-    global_tokens_mask,
-    local_window_mask,
-    padding_mask,
-    segment_mask,
-)
-from flaxformer_lite.ops.norms import layer_norm, rms_norm
-from flaxformer_lite.ops.positions import (
-    alibi_bias,
-    alibi_slopes,
-    relative_position_buckets,
-    sinusoidal_positions,
-)
-from flaxformer_lite.ops.projection import project
-from flaxformer_lite.ops.rope import RopeScaling, apply_rope, rope_frequencies
+from flaxformer_lite.lazy import lazy_names
 
-__all__ = [
-    "AttentionCall",
-    "AttentionMask",
-    "RopeScaling",
-    "aft",
-    "alibi_bias",
-    "alibi_slopes",
-    "apply_rope",
-    "attention_weights",
-    "causal_mask",
-    "chunked_attention",
-    "chunked_cross_entropy",
-    "chunked_token_log_likelihood",
-    "combine_masks",
-    "cross_entropy",
-    "dot_product_attention",
-    "layer_norm",
-    "global_tokens_mask",
-    "local_window_mask",
-    "padding_mask",
-    "project",
-    "reference_attention",
-    "register_attention",
-    "relative_position_buckets",
-    "rms_norm",
-    "rope_frequencies",
-    "segment_mask",
-    "sinusoidal_positions",
-    "token_log_likelihood",
-]
+# Each name's module, imported when the name is first read (flaxformer_lite.lazy).
+_HOMES = {
+    "flaxformer_lite.ops.attention": (
+        "attention_weights",
+        "dot_product_attention",
+        "reference_attention",
+    ),
+    "flaxformer_lite.ops.attention_choice": ("register_attention",),
+    "flaxformer_lite.ops.attention_free": ("aft",),
+    "flaxformer_lite.ops.attention_inputs": ("AttentionCall",),
+    "flaxformer_lite.ops.attention_mask": ("AttentionMask",),
+    "flaxformer_lite.ops.chunked": ("chunked_attention",),
+    "flaxformer_lite.ops.losses": (
+        "chunked_cross_entropy",
+        "chunked_token_log_likelihood",
+        "cross_entropy",
+        "token_log_likelihood",
+    ),
+    "flaxformer_lite.ops.masks": (
+        "causal_mask",
+        "combine_masks",
+        "global_tokens_mask",
+        "local_window_mask",
+        "padding_mask",
+        "segment_mask",
+    ),
+    "flaxformer_lite.ops.norms": ("layer_norm", "rms_norm"),
+    "flaxformer_lite.ops.positions": (
+        "alibi_bias",
+        "alibi_slopes",
+        "relative_position_buckets",
+        "sinusoidal_positions",
+    ),
+    "flaxformer_lite.ops.projection": ("project",),
+    "flaxformer_lite.ops.rope": ("RopeScaling", "apply_rope", "rope_frequencies"),
+}
+__getattr__, __dir__ = lazy_names(__name__, _HOMES)
+__all__ = [name for names in _HOMES.values() for name in names]

@@ -37,6 +37,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from flaxformer_lite.choices import ATTENTION
 from flaxformer_lite.ops import attention_choice
 from flaxformer_lite.ops.attention_inputs import (
     MASK_VALUE,
@@ -171,7 +172,7 @@ def attention_weights(
     call = validated_call(query, key, key, bias, mask, scale=scale).positions_folded()
     if implementation is None or implementation in attention_choice.IMPLEMENTATIONS:
         return xla_weights(call)  # each built-in implementation computes softmax's
-    backend = attention_choice.BACKENDS[attention_choice.choose(call, implementation).backend]
+    backend = ATTENTION.get(attention_choice.choose(call, implementation).backend)
     if backend.weights is None:
         how = (
             "give the function a `weights` attribute"

@@ -1,12 +1,12 @@
 """The implementations of attention, what each can run, and which one a call runs.
 
 Each :class:`Backend` says why it cannot take a call (a reason, or ``None``) and how to run it;
-:data:`BACKENDS` holds them by name, the built-in ones and those a user adds with
-:func:`register_attention` (an attention function of their own: sigmoid attention, a softmax
-with a +1), run wherever ``implementation=`` names them. :func:`choose` returns a
-:class:`Choice`: the implementation that runs and why it passed over the others. The choice is
-logged at trace time under the logger ``flaxformer_lite.ops.attention`` (that of
-:func:`flaxformer_lite.ops.dot_product_attention`, where users look for it), and
+the registry :data:`~flaxformer_lite.choices.ATTENTION` holds them by name, the built-in ones
+and those a user adds with :func:`register_attention` (an attention function of their own:
+sigmoid attention, a softmax with a +1), run wherever ``implementation=`` names them.
+:func:`choose` returns a :class:`Choice`: the implementation that runs and why it passed over
+the others. The choice is logged at trace time under the logger ``flaxformer_lite.ops.attention``
+(that of :func:`flaxformer_lite.ops.dot_product_attention`, where users look for it), and
 :func:`recorded_choices` hands the choices of a trace to a caller (``aot`` reports them).
 """
 
@@ -21,8 +21,9 @@ from collections.abc import Callable, Iterator
 
 import jax
 
+from flaxformer_lite.choices import ATTENTION
 from flaxformer_lite.ops.attention_inputs import AttentionCall
-from flaxformer_lite.ops.chunked_attention import chunked_attention
+from flaxformer_lite.ops.chunked import chunked_attention
 from flaxformer_lite.ops.cudnn_attention import cudnn_attention, cudnn_unsupported_reason
 from flaxformer_lite.ops.pallas_attention import pallas_attention, pallas_unsupported_reason
 from flaxformer_lite.ops.xla_attention import xla_attention, xla_weights
@@ -70,6 +71,10 @@ class Backend:
         """``call`` as this implementation takes it."""
         return call if self.takes_query_positions else call.positions_folded()
 
+    def __call__(self, call: AttentionCall) -> jax.Array:
+        """``[B, T, H, Dv]``: ``call`` run by this implementation."""
+        return self.run(self.sees(call))
+
 
 def _not_on_tpu(call: AttentionCall) -> str | None:
     return None if call.platform == "tpu" else "chosen automatically on TPU only"
@@ -96,31 +101,24 @@ def _chunked(call: AttentionCall) -> jax.Array:
     )
 
 
-BACKENDS: dict[str, Backend] = {}
+# The built-in implementations, named in :data:`~flaxformer_lite.choices.ATTENTION` in the order
+# the automatic choice tries them: the first that runs a call and is not passed over
+# automatically runs it.
+CUDNN = Backend("cudnn", cudnn_attention, cudnn_unsupported_reason, home="gpu")
+PALLAS = Backend(
+    "pallas", pallas_attention, pallas_unsupported_reason, _not_on_tpu, home="tpu", falls_back=True
+)
+CHUNKED = Backend("chunked", _chunked, not_automatic=_small, takes_query_positions=True)
+XLA = Backend("xla", xla_attention)
+IMPLEMENTATIONS = ATTENTION.builtin  # "xla", the last, runs every call
 
 
-def register(backend: Backend) -> None:
-    """Adds ``backend`` to :data:`BACKENDS` under its name (replacing one registered before)."""
-    BACKENDS[backend.name] = backend
-
-
-# The built-in implementations are the registry's first entries, in the order the automatic
-# choice tries them: the first that runs a call and is not passed over automatically runs it.
-for _backend in (
-    Backend("cudnn", cudnn_attention, cudnn_unsupported_reason, home="gpu"),
-    Backend(
-        "pallas",
-        pallas_attention,
-        pallas_unsupported_reason,
-        _not_on_tpu,
-        home="tpu",
-        falls_back=True,
-    ),
-    Backend("chunked", _chunked, not_automatic=_small, takes_query_positions=True),
-    Backend("xla", xla_attention),
-):
-    register(_backend)
-IMPLEMENTATIONS = tuple(BACKENDS)  # the built-in ones; "xla", the last, runs every call
+def named_backend(name: str, fn: Callable[[AttentionCall], jax.Array] | Backend) -> Backend:
+    """The :class:`Backend` that runs ``fn`` wherever ``name`` is asked for (an import path's
+    function, with its ``weights`` attribute if it has one)."""
+    if isinstance(fn, Backend):
+        return fn
+    return Backend(name, fn, not_automatic=_named_only, weights=getattr(fn, "weights", None))
 
 
 def register_attention(
@@ -148,10 +146,10 @@ def register_attention(
     Raises:
       ValueError: ``name`` is built in or not such a name; ``fn`` or ``weights`` not callable.
     """
-    if not isinstance(name, str) or not name or not all(c.isalnum() or c in "_-.:" for c in name):
+    if not isinstance(name, str) or not name or not all(c.isalnum() or c in "_-." for c in name):
         raise ValueError(
-            "an attention implementation's name is letters, digits, _, - and . (or an import "
-            f"path module:attr), got {name!r}"
+            "an attention implementation's name is letters, digits, _, - and . (an import path "
+            f"module:attr needs no registering), got {name!r}"
         )
     if name in IMPLEMENTATIONS:
         raise ValueError(f"attention implementation {name!r} is built in; choose another name")
@@ -159,7 +157,7 @@ def register_attention(
         if value is not None and not callable(value):
             raise ValueError(f"register_attention({name!r}): {what} is not callable: {value!r}")
     weights = getattr(fn, "weights", None) if weights is None else weights
-    register(Backend(name, fn, not_automatic=_named_only, weights=weights))
+    ATTENTION.register(name, Backend(name, fn, not_automatic=_named_only, weights=weights))
 
 
 def _named_only(call: AttentionCall) -> str:
@@ -187,12 +185,12 @@ def choose(call: AttentionCall, implementation: str | None = None) -> Choice:
     """
     passed_over = []
     if implementation is not None:
-        if implementation not in BACKENDS:
+        if implementation not in ATTENTION.entries:
             raise ValueError(
-                f"implementation must be one of {tuple(BACKENDS)} or None (others are added by "
-                f"ops.register_attention), got {implementation!r}"
+                f"implementation must be one of {tuple(ATTENTION.entries)} or None (others are "
+                f"added by ops.register_attention), got {implementation!r}"
             )
-        backend = BACKENDS[implementation]
+        backend = ATTENTION.get(implementation)
         reason = backend.unsupported(backend.sees(call))
         if reason is None:
             return _recorded(Choice(implementation, implementation), call)
@@ -200,7 +198,7 @@ def choose(call: AttentionCall, implementation: str | None = None) -> Choice:
             raise ValueError(f'implementation="{implementation}" cannot run these inputs: {reason}')
         passed_over.append((implementation, reason))
     for name in IMPLEMENTATIONS:
-        backend = BACKENDS[name]
+        backend = ATTENTION.get(name)
         if name == implementation:
             continue
         seen = backend.sees(call)
@@ -213,8 +211,7 @@ def choose(call: AttentionCall, implementation: str | None = None) -> Choice:
 
 def run(call: AttentionCall, implementation: str | None = None) -> jax.Array:
     """``[B, T, H, Dv]``: ``call`` run by the implementation :func:`choose` picks."""
-    backend = BACKENDS[choose(call, implementation).backend]
-    return backend.run(backend.sees(call))
+    return ATTENTION.get(choose(call, implementation).backend)(call)
 
 
 _RECORDS: contextvars.ContextVar[list[Choice] | None] = contextvars.ContextVar(
@@ -244,7 +241,7 @@ def _recorded(choice: Choice, call: AttentionCall) -> Choice:
     for name, reason in choice.passed_over:
         if name == choice.requested:
             log_once(f'attention: implementation="{name}" falls back ({reason})')
-        elif BACKENDS[name].home == call.platform:
+        elif ATTENTION.get(name).home == call.platform:
             log_once(f"attention: {name} not used ({reason})")
     if choice.requested != choice.backend:
         reasons = "; ".join(f"not {name}: {reason}" for name, reason in choice.passed_over)

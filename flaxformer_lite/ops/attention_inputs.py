@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src import config as jax_config
 
+from flaxformer_lite.choices import check_global_tokens, check_local_window
 from flaxformer_lite.ops.attention_mask import AttentionMask
-from flaxformer_lite.ops.masks import check_global_tokens, check_local_window
 
 # Fill for masked logits. Finite, so that max() and exp(max_old - max_new) of a row whose keys
 # are all masked stay NaN-free; implementations zero such rows explicitly.

@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flaxformer_lite.choices import check_global_tokens, check_local_window
+
 
 def causal_mask(
     q_len: int,
@@ -180,26 +182,6 @@ def combine_masks(*masks: jax.Array | None) -> jax.Array | None:
     for m in present[1:]:
         combined = combined & m
     return combined
-
-
-def check_local_window(window) -> tuple[int, int]:
-    """Validates a ``(left, right)`` window of non-negative Python ints and returns it."""
-    if (
-        not isinstance(window, tuple | list)
-        or len(window) != 2
-        or not all(isinstance(w, int | np.integer) and w >= 0 for w in window)
-    ):
-        raise ValueError(f"local_window must be (left, right) non-negative ints, got {window!r}")
-    return int(window[0]), int(window[1])
-
-
-def check_global_tokens(global_tokens) -> int:
-    """Validates a non-negative Python int count of global tokens and returns it."""
-    if isinstance(global_tokens, bool) or not isinstance(global_tokens, int | np.integer):
-        raise ValueError(f"global_tokens must be a non-negative int, got {global_tokens!r}")
-    if global_tokens < 0:
-        raise ValueError(f"global_tokens must be a non-negative int, got {global_tokens!r}")
-    return int(global_tokens)
 
 
 def _query_positions(q_len, offset, positions):

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SINUSOIDAL_LAYOUTS = ("interleaved", "concat")
+from flaxformer_lite.choices import SINUSOIDAL_LAYOUTS
 
 
 def sinusoidal_positions(

@@ -1,61 +1,43 @@
 """Sharding over devices and hosts: a ``(data, fsdp, context, tensor)`` mesh, logical axis rules,
 state created in its shards, batches fed per process, ``jax.distributed`` for several hosts."""
 
-from flaxformer_lite.parallel.create import abstract_sharded, create_sharded
-from flaxformer_lite.parallel.distributed import (
-    DistributedConfig,
-    initialize,
-    process_batch_shard,
-    put_batch,
-)
-from flaxformer_lite.parallel.mesh import (
-    MESH_AXES,
-    describe_mesh,
-    make_mesh,
-    mesh_shape,
-    mesh_sizes,
-    shown_sizes,
-)
-from flaxformer_lite.parallel.rules import (
-    DEFAULT_RULES,
-    batch_sharding,
-    check_batch_size,
-    check_rules,
-    logical_spec,
-    rule_pairs,
-    shard_bytes,
-    state_shardings,
-)
-from flaxformer_lite.parallel.summary import (
-    array_layouts,
-    device_bytes,
-    device_memory_limit,
-    replicated_warnings,
-)
+from flaxformer_lite.lazy import lazy_names
 
-__all__ = [
-    "DEFAULT_RULES",
-    "DistributedConfig",
-    "MESH_AXES",
-    "abstract_sharded",
-    "array_layouts",
-    "batch_sharding",
-    "check_batch_size",
-    "check_rules",
-    "create_sharded",
-    "describe_mesh",
-    "device_bytes",
-    "device_memory_limit",
-    "initialize",
-    "logical_spec",
-    "make_mesh",
-    "mesh_shape",
-    "mesh_sizes",
-    "shown_sizes",
-    "process_batch_shard",
-    "put_batch",
-    "replicated_warnings",
-    "rule_pairs",
-    "shard_bytes",
-    "state_shardings",
-]
+# Each name's module, imported when the name is first read (flaxformer_lite.lazy).
+_HOMES = {
+    "flaxformer_lite.parallel.create": ("abstract_sharded", "create_sharded"),
+    "flaxformer_lite.parallel.distributed": (
+        "initialize",
+        "process_batch_shard",
+        "put_batch",
+    ),
+    "flaxformer_lite.parallel.config": (
+        "MESH_AXES",
+        "DEFAULT_RULES",
+        "check_rules",
+        "DistributedConfig",
+    ),
+    "flaxformer_lite.parallel.mesh": (
+        "describe_mesh",
+        "make_mesh",
+        "mesh_shape",
+        "mesh_sizes",
+        "shown_sizes",
+    ),
+    "flaxformer_lite.parallel.rules": (
+        "batch_sharding",
+        "check_batch_size",
+        "logical_spec",
+        "rule_pairs",
+        "shard_bytes",
+        "state_shardings",
+    ),
+    "flaxformer_lite.parallel.summary": (
+        "array_layouts",
+        "device_bytes",
+        "device_memory_limit",
+        "replicated_warnings",
+    ),
+}
+__getattr__, __dir__ = lazy_names(__name__, _HOMES)
+__all__ = [name for names in _HOMES.values() for name in names]

@@ -9,7 +9,6 @@ with ``jax.make_array_from_process_local_data``; no process ever holds the whole
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Mapping
 
@@ -17,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from flaxformer_lite.settings import setting
+from flaxformer_lite.parallel.config import DistributedConfig
 
 # The variables a launcher sets for every process (the first is also read by JAX itself).
 ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = (
@@ -25,36 +24,6 @@ ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = (
     "JAX_NUM_PROCESSES",
     "JAX_PROCESS_ID",
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class DistributedConfig:
-    """How this process joins a multi-process run (``jax.distributed.initialize``); each
-    field's help is beside it. The address, count and id may also come from
-    ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID``."""
-
-    enabled: bool | None = setting(
-        None,
-        help="null: connect when an address or count is given (here or in JAX_* variables); true: "
-        "always, JAX detecting the rest (SLURM, Open MPI, TPU pods, GKE); false: never",
-    )
-    coordinator_address: str | None = setting(
-        None, help="host:port of process 0's coordination service"
-    )
-    num_processes: int | None = setting(None, help="how many processes take part")
-    process_id: int | None = setting(None, help="this process's index in [0, num_processes)")
-    initialization_timeout: int = setting(300, help="seconds to wait for every process to connect")
-    heartbeat_timeout: int = setting(
-        100,
-        help="seconds without a heartbeat before a process counts dead (the others then stop with "
-        "an error)",
-    )
-
-    def __post_init__(self):
-        for name in ("initialization_timeout", "heartbeat_timeout"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def initialize(cfg: DistributedConfig, environ: Mapping[str, str] = os.environ) -> bool:

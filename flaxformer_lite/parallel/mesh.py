@@ -22,9 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-# Inner axes get neighbouring chips: tensor (every matmul) innermost, then context (K/V
-# all-gathered by every attention layer).
-MESH_AXES = ("data", "fsdp", "context", "tensor")
+from flaxformer_lite.parallel.config import MESH_AXES
 
 
 def mesh_shape(

@@ -14,53 +14,14 @@ without a rule, or with an empty one, are replicated.
 
 from __future__ import annotations
 
-import difflib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import jax
 from flax import linen, nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-Rules = Mapping[str, tuple[str, ...]]
-
-# Data parallelism over "data"; ZeRO-3 parameter sharding over "fsdp", which splits the batch
-# too; Megatron tensor parallelism over "tensor" (attention heads, MLP units, the vocabulary);
-# context parallelism over "context", which splits the activations' sequence
-# (:mod:`flaxformer_lite.nn.context_parallel`; parameters are not split by it).
-DEFAULT_RULES: dict[str, tuple[str, ...]] = {
-    "batch": ("data", "fsdp"),
-    "activation_length": ("context",),
-    "embed": ("fsdp",),
-    "vocab": ("tensor",),
-    "heads": ("tensor",),
-    "kv_heads": ("tensor",),
-    "mlp": ("tensor",),
-    "layers": (),
-    "activation_embed": (),
-}
-
-# Every logical name the library's parameters and activations use (tests/test_parallel.py checks
-# this against the models): a rule for another name would shard nothing, so it is refused.
-LOGICAL_NAMES = (
-    *DEFAULT_RULES,
-    *("length", "norm", "head_dim", "qkv", "qkv_heads", "relpos_buckets", "token_types"),
-    *("features", "embed_out", "outputs", "classes"),
-    *("aft_features", "aft_query_length", "aft_key_length"),
-)
-
-# The model config field behind each logical name, for error messages.
-CONFIG_FIELDS = {
-    "vocab": "model.vocab_size",
-    "embed": "model.d_model",
-    "heads": "model.num_heads",
-    "kv_heads": "model.num_kv_heads",
-    "mlp": "model.d_ff",
-    "head_dim": "model.head_dim",
-    "layers": "the number of layers",
-    "length": "model.max_length",
-    "activation_length": "data.seq_len",
-}
+from flaxformer_lite.parallel.config import CONFIG_FIELDS, Rules
 
 
 def rule_pairs(rules: Rules) -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
@@ -74,26 +35,6 @@ def rule_pairs(rules: Rules) -> tuple[tuple[str, str | tuple[str, ...] | None], 
 def logical_spec(names: Sequence[str | None], rules: Rules) -> PartitionSpec:
     """The ``PartitionSpec`` of an array whose dimensions have the logical ``names``."""
     return linen.logical_to_mesh_axes(tuple(names), rule_pairs(rules))
-
-
-def check_rules(rules: Rules, mesh_axes: Sequence[str]) -> None:
-    """Raises ValueError naming a rule for a name no array has (:data:`LOGICAL_NAMES`), or one
-    that uses an unknown mesh axis or one axis twice."""
-    for name, axes in rules.items():
-        if name not in LOGICAL_NAMES:
-            close = difflib.get_close_matches(name, LOGICAL_NAMES, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(
-                f"mesh.rules.{name}: no array has a logical axis {name!r}{hint}; the names are "
-                f"{', '.join(LOGICAL_NAMES)}"
-            )
-        for axis in axes:
-            if axis not in mesh_axes:
-                raise ValueError(
-                    f"mesh.rules.{name} names mesh axis {axis!r}; the axes are {tuple(mesh_axes)}"
-                )
-        if len(set(axes)) != len(axes):
-            raise ValueError(f"mesh.rules.{name} names a mesh axis twice: {axes}")
 
 
 def variable_names(variable: nnx.Variable) -> tuple[str | None, ...]:

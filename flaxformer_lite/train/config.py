@@ -30,14 +30,18 @@ import yaml
 from flaxformer_lite.data.config import DataConfig
 from flaxformer_lite.evals.config import EvalsConfig
 from flaxformer_lite.models.config import ModelConfig
-from flaxformer_lite.nn.context_parallel import check_context_length
-from flaxformer_lite.parallel import DistributedConfig
+from flaxformer_lite.parallel.config import DistributedConfig, check_context_length
 from flaxformer_lite.settings import flatten, setting
 from flaxformer_lite.train.init_from import checkpoint_model
-from flaxformer_lite.train.optim import OptimizerConfig
 from flaxformer_lite.train.recipes import recipe_path, unknown_recipe_hint
 from flaxformer_lite.train.schema import ConfigError, OverrideText, UnknownKeyError, build
-from flaxformer_lite.train.sections import CheckpointConfig, LoopConfig, LoraConfig, MeshConfig
+from flaxformer_lite.train.sections import (
+    CheckpointConfig,
+    LoopConfig,
+    LoraConfig,
+    MeshConfig,
+    OptimizerConfig,
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,8 +39,9 @@ from flaxformer_lite.train.checkpoint import Checkpointer, CheckpointShapeError
 from flaxformer_lite.train.config import TrainConfig, config_from_dict
 from flaxformer_lite.train.figures import pyplot as figure_pyplot
 from flaxformer_lite.train.lanes import InTurn, Lane, LaneActions, Vmapped
-from flaxformer_lite.train.metrics import peak_flops, plot_run
+from flaxformer_lite.train.metrics import plot_run
 from flaxformer_lite.train.optim import check_parameters, optimizer_line
+from flaxformer_lite.train.peak_flops import peak_flops
 from flaxformer_lite.train.program import (
     TrainState,
     check_adapters,

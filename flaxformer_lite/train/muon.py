@@ -18,7 +18,7 @@ from optax.contrib import MuonDimensionNumbers, scale_by_muon
 from flaxformer_lite.nn.parametrization import by_role, path_key
 
 if TYPE_CHECKING:
-    from flaxformer_lite.train.optim import OptimizerConfig
+    from flaxformer_lite.train.sections import OptimizerConfig
 
 
 def muon(cfg: OptimizerConfig, kernels: dict, scaled: list, learning_rate, numbers: dict):

@@ -12,7 +12,6 @@ multiplier (:data:`~flaxformer_lite.nn.parametrization.MUP`).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -25,110 +24,8 @@ from flaxformer_lite.models.config import ModelConfig
 from flaxformer_lite.models.pieces import user_pieces
 from flaxformer_lite.models.width import growing_axes
 from flaxformer_lite.nn.parametrization import Kernel, by_role, multiplier, parameter_roles
-from flaxformer_lite.settings import setting
 from flaxformer_lite.train.muon import muon
-
-SCHEDULES = ("cosine", "linear", "constant", "inverse_sqrt")
-OPTIMIZERS = ("adamw", "muon")
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerConfig:
-    """AdamW or Muon, the schedule and clipping. Defaults suit the small CPU models; the paper
-    presets use ``schedule="inverse_sqrt", lr=1.0, warmup_steps=4000, b2=0.98, eps=1e-9``. Each
-    field's help is beside it. A run resumed with more ``train.steps`` keeps the span its
-    schedule had (the rate stays at its end value after it), unless ``schedule_steps`` is set
-    (with ``--force``) to stretch it.
-    """
-
-    name: str = setting(
-        "adamw",
-        help="adamw, or muon: Muon (optax.contrib.muon) for the hidden matrices, AdamW (b1, b2, "
-        "eps) for embeddings, the output head, norms and biases",
-    )
-
-    lr: float = setting(
-        3e-3,
-        help="the peak learning rate (inverse_sqrt: the multiplier of the paper's formula, 1.0 the "
-        "paper's)",
-    )
-    schedule: str = setting(
-        "cosine",
-        help="cosine, linear (to end_lr_ratio * lr at the last step), constant (after warmup) or "
-        "inverse_sqrt",
-    )
-    warmup_steps: int = setting(
-        100,
-        help="linear warmup steps from 0 to lr (a run shorter than it warms up over a tenth of its "
-        "steps)",
-    )
-    end_lr_ratio: float = setting(
-        0.1, help="the last learning rate of cosine / linear, as a share of lr"
-    )
-    b1: float = setting(0.9, help="Adam's first-moment decay")
-    b2: float = setting(0.999, help="Adam's second-moment decay")
-    eps: float = setting(1e-8, help="Adam's epsilon")
-    weight_decay: float = setting(
-        0.01, help="decoupled weight decay (AdamW) of the kernels; 0 is Adam"
-    )
-    decay_embeddings: bool = setting(
-        False, help="also decay the embedding tables (norms and biases never)"
-    )
-    clip_norm: float | None = setting(
-        1.0, help="clip the global gradient norm to this; null: no clipping"
-    )
-    schedule_steps: int | None = setting(
-        None, help="steps the cosine / linear decay spans; null: train.steps (kept on resume)"
-    )
-    muon_lr_ratio: float = setting(
-        1.0, help="muon: the matrices' learning rate as a multiple of lr (the schedule's)"
-    )
-    muon_rms: float | None = setting(
-        0.2,
-        help="muon: scale each orthogonalized update to this RMS times its rate, AdamW's typical "
-        "RMS (Moonlight's rule: Muon then takes AdamW's lr and weight decay); null: Keller "
-        "Jordan's scale sqrt(max(1, fan_out / fan_in)), which wants a larger muon_lr_ratio",
-    )
-    muon_beta: float = setting(0.95, help="muon: the momentum (Nesterov) of the matrices")
-    muon_ns_steps: int = setting(5, help="muon: Newton-Schulz iterations per update")
-
-    def __post_init__(self):
-        if self.name not in OPTIMIZERS:
-            raise ValueError(f"optimizer.name must be one of {OPTIMIZERS}, got {self.name!r}")
-        for name in ("muon_lr_ratio", "muon_rms"):
-            value = getattr(self, name)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int | float) or value <= 0
-            ):
-                raise ValueError(f"optimizer.{name} must be a number > 0, got {value!r}")
-        if not 0 <= self.muon_beta < 1:
-            raise ValueError(f"optimizer.muon_beta must be in [0, 1), got {self.muon_beta!r}")
-        if not isinstance(self.muon_ns_steps, int) or self.muon_ns_steps < 1:
-            raise ValueError(
-                f"optimizer.muon_ns_steps must be an int >= 1, got {self.muon_ns_steps!r}"
-            )
-        if self.schedule not in SCHEDULES:
-            raise ValueError(
-                f"optimizer.schedule must be one of {SCHEDULES}, got {self.schedule!r}"
-            )
-        for name in ("lr", "b1", "b2", "eps", "weight_decay", "end_lr_ratio"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-                raise ValueError(f"optimizer.{name} must be a number >= 0, got {value!r}")
-        if not (0 <= self.b1 < 1 and 0 <= self.b2 < 1):
-            raise ValueError(f"optimizer.b1 and b2 must be in [0, 1), got {self.b1}, {self.b2}")
-        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise ValueError(
-                f"optimizer.warmup_steps must be an int >= 0, got {self.warmup_steps!r}"
-            )
-        if self.schedule == "inverse_sqrt" and self.warmup_steps < 1:
-            raise ValueError("optimizer.schedule='inverse_sqrt' needs warmup_steps >= 1")
-        if self.schedule_steps is not None and self.schedule_steps < 1:
-            raise ValueError(
-                f"optimizer.schedule_steps must be >= 1 or None, got {self.schedule_steps!r}"
-            )
-        if self.clip_norm is not None and not self.clip_norm > 0:
-            raise ValueError(f"optimizer.clip_norm must be > 0 or None, got {self.clip_norm!r}")
+from flaxformer_lite.train.sections import OptimizerConfig
 
 
 def make_schedule(cfg: OptimizerConfig, *, total_steps: int, d_model: int) -> optax.Schedule:

@@ -36,7 +36,7 @@ from flaxformer_lite.data.sources import source_of
 from flaxformer_lite.evals import TaskFileError
 from flaxformer_lite.evals.tasks import read_tasks
 from flaxformer_lite.models.piece_checks import check_pieces
-from flaxformer_lite.models.pieces import trusted_code
+from flaxformer_lite.registry import trusted_code
 from flaxformer_lite.train.actions import quiet
 from flaxformer_lite.train.config import (
     ConfigError,

@@ -28,8 +28,8 @@ from jax.sharding import Mesh
 
 from flaxformer_lite import parallel
 from flaxformer_lite.data.tokenizers import Tokenizer, load_tokenizer
-from flaxformer_lite.models.pieces import trusted_code
 from flaxformer_lite.nn.lora import BASE, has_adapters, lora_scale
+from flaxformer_lite.registry import trusted_code
 from flaxformer_lite.train.checkpoint import Checkpointer, CheckpointError
 from flaxformer_lite.train.config import TrainConfig, config_from_dict
 from flaxformer_lite.train.fingerprints import fingerprints_of
