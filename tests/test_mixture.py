@@ -5,6 +5,8 @@ after SIGTERM, and bad mixtures refused in one line before anything is written."
 import dataclasses
 import json
 import os
+import pathlib
+import re
 import signal
 
 import numpy as np
@@ -114,6 +116,70 @@ def test_a_mixture_logs_every_eval_metric_per_source_and_over_all(corpora, tmp_p
     vocabulary = json.loads((run_dir / "tokenizer" / "vocab.json").read_text())["itos"]
     assert {"a", "h", "7", "+", "="} <= set(vocabulary)  # fitted on both sources
     assert sorted(p.name.split("-")[0] for p in (run_dir / "prepared").iterdir()) == ["text"] * 2
+
+
+def test_a_text_file_beside_a_jsonl_corpus_trains_each_read_as_its_own_kind(corpora, tmp_path):
+    """Issue 64: each part of a mixture may be its own kind of source: a text file beside a
+    jsonl corpus (its own field), one tokenizer fitted on both, each evaluated on its own and
+    recorded by its own reader; the same command again resumes with nothing changed."""
+    root, _ = corpora
+    with (tmp_path / "code.jsonl").open("w") as file:
+        for i in range(60):
+            file.write(json.dumps({"body": f"x = {i} * [{i % 5}]", "text": "NOT THIS"}) + "\n")
+    run_dir = tmp_path / "run"
+    overrides = [
+        *TINY,
+        f"run_dir={run_dir}",
+        "data.source=text",
+        "data.tokenizer=char",
+        f"data.mixture.prose.path={root / 'letters.txt'}",
+        f"data.mixture.code.path={tmp_path / 'code.jsonl'}",
+        "data.mixture.code.source=jsonl",
+        "data.mixture.code.field=body",
+        "train.steps=2",
+    ]
+    run(load_config(None, overrides), progress=False, log=_quiet)
+    last = _records(run_dir)[-1]
+    assert np.isfinite(last["eval_loss/prose"]) and np.isfinite(last["eval_loss/code"])
+    vocabulary = json.loads((run_dir / "tokenizer" / "vocab.json").read_text())["itos"]
+    assert {"a", "h", "[", "*"} <= set(vocabulary) and "N" not in vocabulary  # the field's text
+    stores = sorted(p.name.split("-")[0] for p in (run_dir / "prepared").iterdir())
+    assert stores == ["jsonl", "text"]
+    recorded = json.loads((run_dir / "inputs.json").read_text())
+    assert sorted(pathlib.Path(f["path"]).name for f in recorded["files"]) == [
+        "code.jsonl",
+        "letters.txt",
+    ]
+    said = []
+    run(load_config(None, [*overrides, "train.steps=3"]), progress=False, log=said.append)
+    assert not [line for line in said if "changed" in line], said
+    assert _records(run_dir)[-1]["step"] == 3
+
+
+@pytest.mark.parametrize(
+    "parts, message",
+    [
+        (
+            ["data.mixture.store.source=prepared"],
+            "data.mixture.store.source=prepared: the parts of a mixture share one tokenizer",
+        ),
+        (
+            ["data.mixture.pairs.source=parallel"],
+            "data.mixture: its parts' examples differ",
+        ),
+        (["data.mixture.pairs.source=csv"], "data.mixture.pairs.source must be one of"),
+    ],
+)
+def test_parts_of_kinds_that_cannot_mix_are_refused(tmp_path, parts, message):
+    name = parts[0].split(".")[2]
+    overrides = [
+        "data.source=text",
+        "data.mixture.prose.path=a.txt",
+        f"data.mixture.{name}.path=b",
+        *parts,
+    ]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_config(None, overrides)
 
 
 def test_a_mixture_of_pairs_scores_each_sources_decoded_examples(tmp_path):

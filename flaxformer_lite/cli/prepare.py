@@ -71,12 +71,12 @@ def prepare_main(argv: list[str] | None = None) -> int:
 
 def _prepare(args) -> int:
     from flaxformer_lite.data.run_stores import check_sources, prepare_source, prepare_validation
-    from flaxformer_lite.data.sources import SOURCES, source_of
+    from flaxformer_lite.data.sources import SOURCES
     from flaxformer_lite.train.config import load_config
 
     cfg = load_config(args.config, args.overrides, notify=notice)
     data = cfg.data
-    if not source_of(data).made_by_run:
+    if not data.reader.made_by_run:
         *others, last = (name for name, source in SOURCES.items() if source.made_by_run)
         raise ValueError(
             f"data.source={data.source!r}: prepare reads files (data.source {', '.join(others)} "

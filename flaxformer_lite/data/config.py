@@ -4,6 +4,7 @@ batches (:func:`flaxformer_lite.data.pipeline.build_data` reads it)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from typing import Any, ClassVar
@@ -11,7 +12,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from flaxformer_lite.data import readers
-from flaxformer_lite.data.sources import SOURCES, source_of
+from flaxformer_lite.data.sources import SOURCES, Source, source_of
 from flaxformer_lite.data.tokenizers import NUM_SPECIAL, TOKENIZERS
 from flaxformer_lite.settings import setting
 
@@ -24,12 +25,19 @@ METRIC_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # a name that is part o
 
 @dataclasses.dataclass(frozen=True)
 class MixtureSource:
-    """One named source of a weighted mixture (``data.mixture.<name>``): files of
-    ``data.source``, their share of the training rows, their own validation data."""
+    """One named source of a weighted mixture (``data.mixture.<name>``): files of its own
+    source (default ``data.source``), their share of the training rows, their own validation
+    data."""
 
     path: str = setting(
         "", help="the source's files, as data.path names them (a glob, a TSV file, a store)"
     )
+    source: str | None = setting(
+        None,
+        help="its kind: text, jsonl or parallel (beside one another), prepared (beside stores); "
+        "null: data.source",
+    )
+    field: str | None = setting(None, help="a jsonl source's text field; null: data.field")
     weight: float = setting(1.0, help="the source's share of training rows, relative to the others")
     validation_path: str | None = setting(
         None,
@@ -81,9 +89,9 @@ class DataConfig:
     )
     mixture: dict[str, MixtureSource] = setting(
         factory=dict,
-        help="named sources of one data.source with weights, in place of data.path: "
-        "{name: {path: ..., weight: 3, validation_path: ...}}; each batch's rows drawn by weight, "
-        "each source evaluated on its own (eval_loss/<name>); {}: data.path alone",
+        help="named sources with weights, in place of data.path: {name: {path: ..., weight: 3, "
+        "validation_path: ..., source: jsonl}}; each batch's rows drawn by weight, each source "
+        "evaluated on its own (eval_loss/<name>); {}: data.path alone",
     )
     tokenizer: str | None = setting(
         None,
@@ -126,7 +134,7 @@ class DataConfig:
         _check_choice("lm_rows", self.lm_rows, LM_ROWS)
         if self.text_documents is not None:
             _check_choice("text_documents", self.text_documents, readers.TEXT_DOCUMENTS)
-        source = source_of(self)
+        source = self.reader
         # Unset means byte but for a source that brings its own (a store): resolved here, so the
         # configs and records of other sources say byte, as they did before the setting could be
         # unset. That it was unset is kept (not a field) for to_dict.
@@ -171,7 +179,18 @@ class DataConfig:
             )
         weights = [entry.weight for entry in self.mixture.values()]
         shares = dict(zip(self.mixture, weight_shares(weights), strict=True))
+        records = {}
         for name, entry in self.mixture.items():
+            kind = entry.source or self.source
+            _check_choice(f"mixture.{name}.source", kind, tuple(SOURCES))
+            # One tokenizer reads every part: a store's own, or one made for the files.
+            if SOURCES[kind].brings_tokenizer != self.reader.brings_tokenizer:
+                raise ValueError(
+                    f"data.mixture.{name}.source={kind}: the parts of a mixture share one "
+                    "tokenizer, so stores (prepared, which bring theirs) mix with stores under "
+                    "data.source=prepared, and text, jsonl and parallel sources with one another"
+                )
+            records[name] = SOURCES[kind].record_type
             if not METRIC_NAME.fullmatch(name):
                 raise ValueError(
                     f"data.mixture.{name}: a source's name is letters, digits, '_', '-' and '.' "
@@ -182,27 +201,53 @@ class DataConfig:
                     f"data.mixture.{name}.weight={entry.weight}: a share of "
                     f"{shares[name]:.2g} of the rows is under the least one, 1/{BLOCK_ROWS}"
                 )
+        kinds = {record for record in records.values() if record is not None}
+        if len(kinds) > 1:
+            described = ", ".join(f"{name} {record}" for name, record in records.items())
+            raise ValueError(
+                f"data.mixture: its parts' examples differ ({described} records): a mixture's "
+                "parts make one kind of example"
+            )
+
+    @functools.cached_property
+    def reader(self) -> Source:
+        """The source ``source`` names, with these reading settings: resolved once, asked
+        (``stored``, ``brings_tokenizer``, ``files``, ...) wherever the run needs it."""
+        return source_of(self)
 
     @property
     def documents(self) -> str:
         """How a text file becomes documents: ``text_documents``, or a whole file by default."""
         return self.text_documents or readers.DEFAULT_DOCUMENTS
 
-    def paths(self) -> dict[str, str]:
-        """The settings that name files or stores, by key, and the path each names:
-        ``data.path`` and ``data.validation_path``, or every mixture source's."""
-        named = {"data.path": self.path, "data.validation_path": self.validation_path}
-        for name, entry in self.mixture.items():
-            named[f"data.mixture.{name}.path"] = entry.path
-            named[f"data.mixture.{name}.validation_path"] = entry.validation_path
-        return {key: path for key, path in named.items() if path is not None}
+    def paths(self) -> dict[str, tuple[DataConfig, str]]:
+        """The settings that name files or stores, by key: the path each names and the settings
+        of the source that reads it (:meth:`parts`): ``data.path`` and
+        ``data.validation_path``, or every mixture source's."""
+        named = {}
+        for name, part in self.parts().items():
+            prefix = f"data.mixture.{name}." if name else "data."
+            for key in ("path", "validation_path"):
+                if getattr(part, key) is not None:
+                    named[prefix + key] = part, getattr(part, key)
+        return named
+
+    def parts(self) -> dict[str, DataConfig]:
+        """The run's sources by name, each as the settings of a run of it alone: a mixture's
+        (:meth:`mixture_sources`), or one source as a mixture of one, named ``""``."""
+        return self.mixture_sources() if self.mixture else {"": self}
 
     def mixture_sources(self) -> dict[str, DataConfig]:
-        """Each mixture source's settings by name: these settings with the source's path and
-        validation path, as a run of that source alone would have them."""
+        """Each mixture source's settings by name: these settings with the source's kind, path
+        and validation path, as a run of that source alone would have them."""
         return {
             name: dataclasses.replace(
-                self, path=entry.path, validation_path=entry.validation_path, mixture={}
+                self,
+                source=entry.source or self.source,
+                field=entry.field or self.field,
+                path=entry.path,
+                validation_path=entry.validation_path,
+                mixture={},
             )
             for name, entry in self.mixture.items()
         }

@@ -17,14 +17,14 @@ import pathlib
 from typing import Any
 
 from flaxformer_lite.data.config import DataConfig
-from flaxformer_lite.data.sources import SOURCES, source_of
+from flaxformer_lite.data.sources import SOURCES
 from flaxformer_lite.data.store import MANIFEST
 from flaxformer_lite.settings import flatten
 
 
 def current_inputs(cfg: DataConfig) -> dict[str, Any]:
     """The data settings and the source files as they are now (sizes only: cheap)."""
-    files = [f for path in _paths(cfg) for f in _files_now(cfg, path)]
+    files = [f for part, path in cfg.paths().values() for f in _files_now(part, path)]
     return {"data": dataclasses.asdict(cfg), "files": files}
 
 
@@ -35,16 +35,11 @@ def built_inputs(cfg: DataConfig, prepared: pathlib.Path) -> dict[str, Any]:
     jsonl or parallel ones)."""
     inputs = current_inputs(cfg)
     files = []
-    for path in _paths(cfg):
-        found = store_of(cfg, prepared, path)
-        files += _files_now(cfg, path) if found is None else _manifest_files(found[1])
+    for part, path in cfg.paths().values():
+        found = store_of(part, prepared, path)
+        files += _files_now(part, path) if found is None else _manifest_files(found[1])
     inputs["files"] = files
     return inputs
-
-
-def _paths(cfg: DataConfig) -> list[str]:
-    """The data's paths: ``data.path``, ``data.validation_path`` if set, or a mixture's."""
-    return list(cfg.paths().values())
 
 
 def write_inputs(path: pathlib.Path, inputs: dict[str, Any]) -> None:
@@ -99,7 +94,7 @@ def file_changes(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]
 
 
 def _files_now(cfg: DataConfig, path: str) -> list[dict[str, Any]]:
-    source = source_of(cfg)
+    source = cfg.reader
     if not source.made_by_run:  # a given store never changes: its manifest is its source
         found = store_of(cfg, None, path)
         return [] if found is None else _manifest_files(found[1])
@@ -124,7 +119,7 @@ def store_of(
     read from (where the source keeps it: ``path`` for a prepared source, the run's
     cache in ``prepared`` for a source of files), if there is one yet."""
     path = cfg.path if path is None else path
-    source = source_of(cfg)
+    source = cfg.reader
     if not source.stored or (source.made_by_run and prepared is None):
         return None
     directory = source.store_at(path, prepared)

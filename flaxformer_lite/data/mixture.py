@@ -23,7 +23,6 @@ from flaxformer_lite.data import tokenizers
 from flaxformer_lite.data.batches import TrainBatches
 from flaxformer_lite.data.config import BLOCK_ROWS, DataConfig, weight_shares
 from flaxformer_lite.data.run_stores import check_sources
-from flaxformer_lite.data.sources import source_of
 from flaxformer_lite.data.store import open_store
 from flaxformer_lite.data.store_writer import BATCH_SIZE, SourcePasses, training_texts
 from flaxformer_lite.data.tokenizers import Tokenizer
@@ -121,10 +120,10 @@ def weighted_texts(
 def fitted_tokenizer(cfg: DataConfig) -> Tokenizer:
     """``data.tokenizer`` (char, word or bpe) fitted on the training parts of the mixture's
     sources, each seen by its weight (:func:`weighted_texts`)."""
-    source, streams, sizes = source_of(cfg), [], []
+    streams, sizes = [], []
     for part in cfg.mixture_sources().values():
-        files = source.files(part.path)
-        passes = SourcePasses(source, files, BATCH_SIZE, None)
+        files = part.reader.files(part.path)
+        passes = SourcePasses(part.reader, files, BATCH_SIZE, None)
         fraction = None if part.validation_path else cfg.validation_fraction
         streams.append(lambda p=passes, f=fraction, w=part.path: training_texts(p, f, w))
         sizes.append(sum(f.stat().st_size for f in files) * (1 - (fraction or 0)))
@@ -167,7 +166,7 @@ def named_source(name: str) -> Iterator[None]:
 def mixture_tokenizer(cfg: DataConfig) -> Tokenizer:
     """A new mixture's tokenizer: its first store's (each store is checked against it), one
     fitted on the sources by weight, or the one ``data.tokenizer`` names."""
-    source = source_of(cfg)
+    source = cfg.reader
     if source.brings_tokenizer:
         return open_store(source.store_at(next(iter(cfg.mixture.values())).path, None)).tokenizer
     if cfg.tokenizer in tokenizers.FITTED_TOKENIZERS:

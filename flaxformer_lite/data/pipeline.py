@@ -32,6 +32,7 @@ number of processes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -75,7 +76,7 @@ from flaxformer_lite.data.run_stores import (
     validation_records,
     validation_store,
 )
-from flaxformer_lite.data.sources import source_of, source_of_store
+from flaxformer_lite.data.sources import source_of_store
 from flaxformer_lite.data.tokenizers import Tokenizer
 
 # Fitted tokenizers see all training records of a file source, or this many synthetic examples.
@@ -283,10 +284,11 @@ def build_data(
 
 
 def _check_fits(cfg: DataConfig, task: str) -> None:
-    source = source_of(cfg)
-    records = source.record_type_of(cfg)
-    if records is not None:  # else checked against the store's manifest once it is open
-        tasks.task_named(task).check_records(records, source.described(cfg))
+    for name, part in cfg.parts().items():
+        records = part.reader.record_type_of(part)
+        if records is not None:  # else checked against the store's manifest once it is open
+            with named_source(name) if name else contextlib.nullcontext():
+                tasks.task_named(task).check_records(records, part.reader.described(part))
 
 
 def _load(
@@ -294,7 +296,7 @@ def _load(
 ) -> tuple[Tokenizer, Corpus]:
     """The tokenizer (``chosen``, or made with the data) and the source tokenized, with its
     validation split."""
-    source = source_of(cfg)
+    source = cfg.reader
     if not source.stored:
         train, valid = source.examples(cfg, "train", seed), source.examples(cfg, "validation", seed)
         # Drawn only if a tokenizer is fitted on them: the byte tokenizer reads none.
@@ -369,7 +371,7 @@ def prepare_run_store(
     A multi-process run calls this on one process before the others build their data, so that a
     shared run directory's cache is written once; on a file system of its own, a process that
     finds no store prepares its own copy."""
-    if not source_of(cfg).stored:
+    if not cfg.reader.stored:
         return
     if not cfg.mixture:
         _prepare_stores(cfg, prepared, run_tokenizer(cfg, directory, given))
@@ -425,7 +427,7 @@ def _saved_tokenizer(cfg: DataConfig, directory: Path, given: Tokenizer | None) 
         return None
     tokenizer = tokenizers.load_tokenizer(directory)
     name = cfg.tokenizer if given is None else given.name
-    if not source_of(cfg).brings_tokenizer and tokenizer.name != name:
+    if not cfg.reader.brings_tokenizer and tokenizer.name != name:
         wanted = f"data.tokenizer={name!r}" if given is None else f"a {name!r} tokenizer"
         raise ValueError(
             f"{directory}: holds a saved {tokenizer.name!r} tokenizer, but this run uses {wanted}"

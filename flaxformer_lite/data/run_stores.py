@@ -17,7 +17,7 @@ import numpy as np
 from flaxformer_lite.data import readers
 from flaxformer_lite.data.config import DataConfig
 from flaxformer_lite.data.documents import Documents, text_digests
-from flaxformer_lite.data.sources import source_of, source_of_store
+from flaxformer_lite.data.sources import source_of_store
 from flaxformer_lite.data.store import (
     Store,
     check_tokenizer,
@@ -32,7 +32,7 @@ def check_sources(cfg: DataConfig) -> dict[str, set[Path]]:
     """Refuses a missing source, a file with nothing but blanks, or validation data that the
     training data hold too, before anything is written; the message names the setting and the
     file. Returns the files (a store: its directory) each setting names, resolved."""
-    source, named = source_of(cfg), {}
+    source, named = cfg.reader, {}
     for key in ("path", "validation_path"):
         path = getattr(cfg, key)
         if path is None:
@@ -63,7 +63,7 @@ def run_store(cfg: DataConfig, prepared: Path | None, tokenizer: Tokenizer | Non
     """``data.path``'s store, or the source's in the run's cache (made with ``tokenizer`` if the
     run has one: a resumed run's saved copy, or ``init_from``'s), checked against ``tokenizer``
     and against ``data.text_documents`` and ``data.tokenizer`` where they are set."""
-    source = source_of(cfg)
+    source = cfg.reader
     if source.made_by_run:
         return prepare_source(cfg, source.store_at(cfg.path, prepared), tokenizer)
     store = open_store(source.store_at(cfg.path, prepared))
@@ -87,7 +87,7 @@ def run_store(cfg: DataConfig, prepared: Path | None, tokenizer: Tokenizer | Non
 
 def validation_store(cfg: DataConfig, prepared: Path | None, train: Store) -> Store:
     """``data.validation_path``'s store: prepared in the run's cache, or opened."""
-    source = source_of(cfg)
+    source = cfg.reader
     if source.made_by_run:
         return prepare_validation(cfg, source.store_at(cfg.validation_path, prepared), train)
     store = open_store(source.store_at(cfg.validation_path, prepared))

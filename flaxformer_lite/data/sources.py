@@ -1,7 +1,7 @@
 """Sources: the classes of the ``data.source`` setting's values, one each behind one protocol
 (:class:`Source`), found by that value in :data:`SOURCES`:
 
-    source = source_of(cfg)                  # cfg.source's class, with cfg's reading settings
+    source = cfg.reader                      # cfg.source's class, with cfg's reading settings
     source.files("corpus/*.txt")             # what the run reads, for the fingerprint and checks
     source.store_at("corpus/*.txt", run.prepared)   # where its store is (the run's cache)
 

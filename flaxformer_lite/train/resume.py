@@ -19,7 +19,6 @@ from flaxformer_lite.data.inputs import (
     setting_changes,
     store_of,
 )
-from flaxformer_lite.data.sources import source_of
 from flaxformer_lite.data.tokenizers import NAME_FILE
 from flaxformer_lite.models.pieces import piece_sources
 from flaxformer_lite.train.config import ConfigError, TrainConfig, config_diff, is_runtime_key
@@ -130,10 +129,10 @@ def check_resume(
 def _data_inside_run(run: RunDir, cfg: TrainConfig) -> list[Difference]:
     """Data files inside the run directory (a glob over a folder that holds the run): the run
     would train on its own lock, logs and checkpoints, and find them changed when it resumes."""
-    source, root = source_of(cfg.data), run.path.resolve()
-    for key, pattern in cfg.data.paths().items():
+    root = run.path.resolve()
+    for key, (part, pattern) in cfg.data.paths().items():
         try:
-            files = source.files(pattern)  # none for a store, named by its directory
+            files = part.reader.files(pattern)  # none for a store, named by its directory
         except (OSError, ValueError):  # named when the data are built
             files = []
         inside = [f.resolve() for f in files if f.resolve().is_relative_to(root)]
@@ -215,10 +214,10 @@ def _input_differences(
     """The data files and settings against the ``recorded`` inputs; a given store that is gone
     is not a change ``--force`` can go on with, and other weights of a mixture's sources are
     said in one line."""
-    source = source_of(cfg.data)
+    source = cfg.data.reader
     if source.stored and not source.made_by_run:  # a given store, that the run cannot make again
         missing = [
-            path for path in cfg.data.paths().values() if store_of(cfg.data, None, path) is None
+            path for part, path in cfg.data.paths().values() if store_of(part, None, path) is None
         ]
         if missing:
             return [
@@ -308,7 +307,7 @@ def _changed_settings(saved: TrainConfig, cfg: TrainConfig) -> dict[str, tuple]:
     if schedule_span(cfg) == cfg.train.steps and schedule_span(saved) == saved.train.steps:
         diff.pop("optimizer.schedule_steps", None)
     diff.pop("model.vocab_size", None)
-    source = source_of(cfg.data)
+    source = cfg.data.reader
     for key in [key for key in diff if key.startswith("data.")]:
         if source.same_setting(key.removeprefix("data."), *diff[key]):
             del diff[key]
@@ -319,9 +318,9 @@ def _move_old_data_aside(run: RunDir, cfg: TrainConfig, resuming: bool, log) -> 
     """Under ``--force``, what the old data made: their cached store is prepared again (with the
     run's tokenizer when there is a checkpoint to resume, whose ids it must keep; else the
     tokenizer an earlier attempt left is made again from these data)."""
-    for path in cfg.data.paths().values():
-        cached = store_of(cfg.data, run.prepared, path)
-        if cached is not None and source_of(cfg.data).made_by_run:
+    for part, path in cfg.data.paths().values():
+        cached = store_of(part, run.prepared, path)
+        if cached is not None and cfg.data.reader.made_by_run:
             log(f"moved the store prepared from the old data to {move_aside(cached[0])}")
     if not resuming and run.tokenizer.exists():
         log(f"moved the tokenizer made from the old data to {move_aside(run.tokenizer)}")

@@ -32,7 +32,6 @@ import jax
 from flaxformer_lite import parallel
 from flaxformer_lite.data.mixture import check_mixture_sources
 from flaxformer_lite.data.run_stores import check_sources
-from flaxformer_lite.data.sources import source_of
 from flaxformer_lite.evals import TaskFileError
 from flaxformer_lite.evals.tasks import read_tasks
 from flaxformer_lite.models.piece_checks import check_pieces
@@ -185,7 +184,7 @@ def _check_data_files(members: list[Member]) -> None:
         except TaskFileError as error:
             raise ConfigError(f"{member.name}: {error}") from None
         data = member.cfg.data
-        if not source_of(data).stored or not (data.path or data.mixture):
+        if not data.reader.stored or not (data.path or data.mixture):
             continue
         try:
             if data.mixture:
@@ -353,7 +352,7 @@ def _reuse_prepared_data(member: Member, prepared: dict[str, RunDir]) -> None:
     stores, hard-linked (written once, never changed), instead of tokenizing the files again;
     notes the first member of each data's settings. Process 0 writes the runs' files."""
     data, run = member.cfg.data, RunDir(member.cfg.run_dir)
-    if jax.process_index() != 0 or not source_of(data).made_by_run:
+    if jax.process_index() != 0 or not data.reader.made_by_run:
         return
     key = repr((data, member.cfg.init_from))
     if key not in prepared:
