@@ -96,3 +96,22 @@ def test_commands_that_read_files_import_no_jax(tmp_path, command):
     )
     assert child.returncode == 0, child.stderr
     assert child.stdout.splitlines()[-1] == "0", child.stdout[-500:]
+
+
+def test_the_model_kind_is_a_value_with_behaviour():
+    """Issue 64: ``model.kind`` is resolved once into a value that says what follows from it
+    (no string comparisons), written as its plain name."""
+    from flaxformer_lite.models.config import ModelConfig, ModelKind
+
+    decoder = ModelConfig(num_encoder_layers=0, num_decoder_layers=1, vocab_size=16)
+    encoder = ModelConfig(num_encoder_layers=1, num_decoder_layers=0, vocab_size=16)
+    both = ModelConfig(num_encoder_layers=1, num_decoder_layers=1, vocab_size=16)
+    kinds = (decoder.kind, encoder.kind, both.kind)
+    assert kinds == (ModelKind.DECODER, ModelKind.ENCODER, ModelKind.ENCODER_DECODER)
+    assert [kind.generates for kind in kinds] == [True, False, True]
+    assert [kind.is_seq2seq for kind in kinds] == [False, False, True]
+    assert (
+        f"{both.kind}" == "encoder_decoder"
+        and yaml.safe_dump(str(encoder.kind)) == "encoder\n...\n"
+    )
+    assert encoder.kind.words == "an encoder-only model"

@@ -165,7 +165,7 @@ def _train_step(cfg: TrainConfig, mesh, _max_new_tokens):
 
 def _generation(cfg: TrainConfig, mesh, max_new_tokens: int):
     kind = cfg.model.kind
-    if kind not in ("decoder", "encoder_decoder"):
+    if not kind.generates:
         raise ValueError(f"--decode needs a decoder or encoder-decoder model; model.kind is {kind}")
 
     def create():
@@ -180,7 +180,7 @@ def _generation(cfg: TrainConfig, mesh, max_new_tokens: int):
     @jax.jit
     def run(state, prompts):
         model = nnx.merge(graphdef, state)
-        if kind == "decoder":
+        if not kind.is_seq2seq:
             return generate(model, prompts, max_new_tokens=max_new_tokens)
         return seq2seq_generate(model, prompts, max_new_tokens=max_new_tokens)
 

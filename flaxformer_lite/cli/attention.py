@@ -54,7 +54,7 @@ def _attention(args) -> int:
     run = load_run(args.run_dir, step=args.step)
     model_cfg = run.config.model
     # An AFT mixer has no attention weights: only an encoder-decoder's cross-attention has maps.
-    seq2seq = model_cfg.kind == "encoder_decoder"
+    seq2seq = model_cfg.kind.is_seq2seq
     if model_cfg.mixer in AFT_MIXERS and (not seq2seq or args.target is None):
         raise ValueError(
             f"{args.run_dir}: the self-attention mixer is {model_cfg.mixer}, which has no "

@@ -295,6 +295,6 @@ def _generation_ids(config: ModelConfig, ids: Mapping[str, int | None]) -> dict[
             )
     found = {"pad_token_id": ids.get("pad"), "bos_token_id": ids.get("bos")}
     found["eos_token_id"] = ids.get("eos")
-    if config.kind == "encoder_decoder":
+    if config.kind.is_seq2seq:
         found["decoder_start_token_id"] = ids.get("bos")
     return found

@@ -28,13 +28,13 @@ from flax import nnx, traverse_util
 
 from flaxformer_lite.interop import common
 from flaxformer_lite.interop.common import Rule
-from flaxformer_lite.models.config import ModelConfig
+from flaxformer_lite.models.config import ModelConfig, ModelKind
 from flaxformer_lite.nn.lora import lora_scale, projections
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 _KEY = re.compile(r"base_model\.model\.(?P<module>.+)\.lora_(?P<part>[AB])(\.default)?\.weight")
 # PEFT's task_type for each kind of model (a masked LM has none: a plain PeftModel).
-TASK_TYPES = {"decoder": "CAUSAL_LM", "encoder_decoder": "SEQ_2_SEQ_LM"}
+TASK_TYPES = {ModelKind.DECODER: "CAUSAL_LM", ModelKind.ENCODER_DECODER: "SEQ_2_SEQ_LM"}
 
 
 def read_peft(cfg: ModelConfig, directory) -> tuple[dict, dict[str, tuple]]:

@@ -66,7 +66,7 @@ def generation_flops(cfg: ModelConfig, prompt_len: int, new_tokens: int) -> floa
     through its stack; an encoder-decoder encodes its source (the prompt) once and runs only
     the new tokens through its decoder, attending to the source. Counted as
     :func:`training_flops_per_token`'s forward third."""
-    if cfg.kind == "encoder_decoder":
+    if cfg.kind.is_seq2seq:
         return _forward_flops(cfg, prompt_len, new_tokens)
     total = prompt_len + new_tokens
     return _forward_flops(cfg, total, total)
@@ -92,8 +92,8 @@ def _forward_flops(
     # decoder with a regression head also projects its continuous targets.
     inputs = d * (cfg.input_dim or 0)
     mixing, source_keys = (_mixing_per_key(cfg), source_len) if mixing else (0, 0)
-    if cfg.kind != "encoder_decoder":
-        causal = cfg.kind == "decoder"
+    if not cfg.kind.is_seq2seq:
+        causal = cfg.kind.generates
         layers = enc + dec
         matmuls = layers * (self_attention + mlp) + head + inputs
         keys = _keys_per_query(cfg, target_len, causal=causal)

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 from flax import nnx
 
-from flaxformer_lite.models.config import ModelConfig
+from flaxformer_lite.models.config import ModelConfig, ModelKind
 from flaxformer_lite.models.decoder_lm import DecoderLM
 from flaxformer_lite.models.encoder import Encoder
 from flaxformer_lite.models.encoder_decoder import EncoderDecoder
 from flaxformer_lite.models.piece_checks import check_pieces
 
-MODEL_CLASSES = {"encoder_decoder": EncoderDecoder, "decoder": DecoderLM, "encoder": Encoder}
+MODEL_CLASSES = {
+    ModelKind.ENCODER_DECODER: EncoderDecoder,
+    ModelKind.DECODER: DecoderLM,
+    ModelKind.ENCODER: Encoder,
+}
 
 
 def build_model(cfg: ModelConfig, *, rngs: nnx.Rngs):

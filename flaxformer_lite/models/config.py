@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 from typing import TYPE_CHECKING, Any
 
 from flaxformer_lite import choices
@@ -23,6 +24,33 @@ from flaxformer_lite.settings import setting
 if TYPE_CHECKING:
     from flaxformer_lite.nn.attention import Rope
     from flaxformer_lite.nn.dense import KernelInit
+
+
+class ModelKind(enum.StrEnum):
+    """Which of the three models a config builds (:attr:`ModelConfig.kind`), and what follows
+    from it; written as its value (``decoder``) in configs and messages."""
+
+    DECODER = "decoder"
+    ENCODER_DECODER = "encoder_decoder"
+    ENCODER = "encoder"
+
+    @property
+    def words(self) -> str:
+        """The model in words, for messages: ``a decoder LM``."""
+        return {"decoder": "a decoder LM", "encoder_decoder": "an encoder-decoder"}.get(
+            self.value, "an encoder-only model"
+        )
+
+    @property
+    def generates(self) -> bool:
+        """Whether it decodes tokens one by one (a decoder LM, an encoder-decoder)."""
+        return self is not ModelKind.ENCODER
+
+    @property
+    def is_seq2seq(self) -> bool:
+        """Whether it reads a source and writes a target (the encoder-decoder)."""
+        return self is ModelKind.ENCODER_DECODER
+
 
 NORM_POSITIONS = ("pre", "post")
 POOLINGS = ("first", "mean")
@@ -269,11 +297,11 @@ class ModelConfig:
         return Rope(self.rope_base, self.rope_layout, self.rope_scaling)
 
     @property
-    def kind(self) -> str:
-        """``"encoder_decoder"``, ``"decoder"`` or ``"encoder"``."""
+    def kind(self) -> ModelKind:
+        """The model: both layer counts above 0 an encoder-decoder, else the one that is."""
         if self.num_encoder_layers and self.num_decoder_layers:
-            return "encoder_decoder"
-        return "decoder" if self.num_decoder_layers else "encoder"
+            return ModelKind.ENCODER_DECODER
+        return ModelKind.DECODER if self.num_decoder_layers else ModelKind.ENCODER
 
     # ----------------------------------------------------------------------- validation
     def _check_mixer(self):
@@ -367,7 +395,7 @@ class ModelConfig:
             raise ValueError(f"rope needs an even head_dim, got {self.head_dim}")
         if self.positions == "sinusoidal" and self.d_model % 2:
             raise ValueError(f"sinusoidal positions need an even d_model, got {self.d_model}")
-        token_targets = self.kind == "encoder_decoder" or self.input_dim is None
+        token_targets = self.kind.is_seq2seq or self.input_dim is None
         if self.tie_embeddings and (self.output_dim is not None or not token_targets):
             raise ValueError(
                 "tie_embeddings needs a token table and vocabulary outputs; set "
@@ -387,9 +415,9 @@ class ModelConfig:
                 f"relative_buckets // 2, got {self.relative_buckets} and "
                 f"{self.relative_max_distance}"
             )
-        if self.num_classes is not None and self.kind != "encoder":
+        if self.num_classes is not None and self.kind is not ModelKind.ENCODER:
             raise ValueError("num_classes (a classification head) is for encoder-only models")
-        if self.type_vocab_size and self.kind != "encoder":
+        if self.type_vocab_size and self.kind is not ModelKind.ENCODER:
             raise ValueError("type_vocab_size (token-type embeddings) is for encoder-only models")
         if self.output_bias and self.output_dim is not None:
             raise ValueError(

@@ -61,7 +61,7 @@ def _probe(setting: str, obj, cfg: ModelConfig) -> tuple[str, tuple, Callable[[]
     """``(the inputs in words, the wanted output shape, a function running the piece on
     them)``: two rows of at most 8 positions, causal in a decoder."""
     b, t, dtype = 2, min(8, cfg.max_length), jnp.dtype(cfg.dtype)
-    causal = cfg.kind != "encoder"
+    causal = cfg.kind.generates
     num_layers = max(cfg.num_encoder_layers, cfg.num_decoder_layers)
     x = jnp.zeros((b, t, cfg.d_model), dtype)
 

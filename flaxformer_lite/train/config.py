@@ -29,7 +29,7 @@ import yaml
 
 from flaxformer_lite.data.config import DataConfig
 from flaxformer_lite.evals.config import EvalsConfig
-from flaxformer_lite.models.config import ModelConfig
+from flaxformer_lite.models.config import ModelConfig, ModelKind
 from flaxformer_lite.parallel.config import DistributedConfig, check_context_length
 from flaxformer_lite.settings import flatten, setting
 from flaxformer_lite.train.init_from import checkpoint_model
@@ -116,7 +116,7 @@ class TrainConfig:
             self._check_context()
         if self.lora.rank is not None:
             self._check_lora()
-        if self.evals.tasks and model.kind != "decoder":
+        if self.evals.tasks and model.kind is not ModelKind.DECODER:
             raise ConfigError(
                 f"evals.tasks are scored by a decoder LM's log-likelihoods; model.kind is "
                 f"{model.kind}: leave evals.tasks empty"
@@ -144,7 +144,7 @@ class TrainConfig:
         """A sequence split over ``mesh.context`` devices: a decoder whose only mixer is
         attention (its keys are gathered across the devices), in whole zig-zag blocks."""
         context, model = self.mesh.context, self.model
-        if model.kind != "decoder":
+        if model.kind is not ModelKind.DECODER:
             raise ConfigError(
                 f"mesh.context={context} splits the sequences of decoder models; model.kind is "
                 f"{model.kind}: use mesh.context=1"

@@ -33,7 +33,7 @@ from flax import nnx
 from flaxformer_lite import ops
 from flaxformer_lite.data.tasks import task_named
 from flaxformer_lite.models import build_model
-from flaxformer_lite.models.config import ModelConfig
+from flaxformer_lite.models.config import ModelConfig, ModelKind
 from flaxformer_lite.models.heads import OutputHead
 from flaxformer_lite.models.layers import TransformerLayer
 from flaxformer_lite.nn.dense import Dense
@@ -172,11 +172,12 @@ def coord_check(
         config refuses.
     """
     model_cfg = cfg.model
-    if model_cfg.kind != "decoder" or model_cfg.input_dim is not None or model_cfg.output_dim:
-        what = "a decoder LM of continuous inputs or outputs" if model_cfg.kind == "decoder" else ""
+    decoder = model_cfg.kind is ModelKind.DECODER
+    if not decoder or model_cfg.input_dim is not None or model_cfg.output_dim:
+        what = "a decoder LM of continuous inputs or outputs" if decoder else ""
         raise ValueError(
             f"the coordinate check trains decoder LMs on token ids (model kind 'decoder'); the "
-            f"config's model is {what or f'of kind {model_cfg.kind!r}'}"
+            f"config's model is {what or f'of kind {str(model_cfg.kind)!r}'}"
         )
     widths = sorted(set(widths))
     configs = [width_config(model_cfg, width) for width in widths]  # refuses a width up front

@@ -24,6 +24,7 @@ from flaxformer_lite.data.store import owner, remove_stale_partials
 from flaxformer_lite.data.tokenizer_export import hf_tokenizer_files
 from flaxformer_lite.interop.hf import refuse_user_pieces, save_hf, writable_family
 from flaxformer_lite.interop.peft import save_peft
+from flaxformer_lite.models.config import ModelKind
 from flaxformer_lite.nn.lora import has_adapters
 from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.run_dir import RunDir
@@ -131,7 +132,7 @@ def export_run(
     architecture = family.config_to_hf(model_config)["architectures"][0]
     loader = "PeftModel" if peft else AUTO_CLASSES[architecture]
     notes = []
-    if model_config.kind == "decoder" and model_config.positions == "learned":
+    if model_config.kind is ModelKind.DECODER and model_config.positions == "learned":
         notes.append(
             f"its position table has {model_config.max_length} rows: transformers' generate "
             f"fails past {model_config.max_length} tokens (an IndexError), where flaxformer-lite "

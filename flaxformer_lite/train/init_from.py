@@ -58,10 +58,10 @@ def checkpoint_model(path: str, values: Mapping[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"init_from={path}: {error}") from None
     except KeyError as error:
         raise ConfigError(f"init_from={path}: config.json lacks the key {error}") from None
-    if cfg.kind not in ("decoder", "encoder_decoder"):
+    if not cfg.kind.generates:
         raise ConfigError(
             f"init_from={path}: fine-tuning supports decoder LMs and "
-            f"encoder-decoders, not {cfg.kind!r} models"
+            f"encoder-decoders, not {cfg.kind.words}"
         )
     checkpoint, underived = cfg.to_dict(), cfg.to_dict(derived=False)
     for key, value in model.items():

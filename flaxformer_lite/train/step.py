@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from flaxformer_lite import ops
 from flaxformer_lite.data.tasks import task_named
-from flaxformer_lite.models.config import ModelConfig
+from flaxformer_lite.models.config import ModelConfig, ModelKind
 from flaxformer_lite.models.heads import head_projection
 from flaxformer_lite.nn.context_parallel import sequence_shards, shard_rows, to_context_layout
 
@@ -27,9 +27,9 @@ from flaxformer_lite.nn.context_parallel import sequence_shards, shard_rows, to_
 def task_of(cfg: ModelConfig) -> str:
     """What a model of ``cfg`` is trained on: next tokens (``lm``), target tokens given a source
     (``seq2seq``), masked tokens (``mlm``) or a label per sequence (``classify``)."""
-    if cfg.kind == "decoder":
+    if cfg.kind is ModelKind.DECODER:
         return "lm"
-    if cfg.kind == "encoder_decoder":
+    if cfg.kind.is_seq2seq:
         return "seq2seq"
     return "classify" if cfg.num_classes is not None else "mlm"
 

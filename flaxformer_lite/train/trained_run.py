@@ -28,6 +28,7 @@ from jax.sharding import Mesh
 
 from flaxformer_lite import parallel
 from flaxformer_lite.data.tokenizers import Tokenizer, load_tokenizer
+from flaxformer_lite.models.config import ModelKind
 from flaxformer_lite.nn.lora import BASE, has_adapters, lora_scale
 from flaxformer_lite.registry import trusted_code
 from flaxformer_lite.train.checkpoint import Checkpointer, CheckpointError
@@ -144,17 +145,12 @@ def load_run(
 
 
 # What each model kind is called in messages.
-KIND_WORDS = {
-    "decoder": "a decoder LM",
-    "encoder_decoder": "an encoder-decoder",
-    "encoder": "an encoder-only model",
-}
 
 
 def load_hf_checkpoint(
     directory: pathlib.Path | str,
     *,
-    kinds: tuple[str, ...] = ("decoder", "encoder_decoder"),
+    kinds: tuple[ModelKind, ...] = (ModelKind.DECODER, ModelKind.ENCODER_DECODER),
     who: str = "generate",
     adapter: pathlib.Path | str | None = None,
 ) -> tuple[nnx.Module, Tokenizer]:
@@ -171,9 +167,9 @@ def load_hf_checkpoint(
     hf_config = read_config(directory)
     architecture = family_of(hf_config).config_from_hf(hf_config)
     if architecture.kind not in kinds:  # before the tokenizer, whose errors would mislead
-        needed = " or ".join(KIND_WORDS[kind] for kind in kinds)
+        needed = " or ".join(kind.words for kind in kinds)
         raise ValueError(
-            f"{directory} holds {KIND_WORDS[architecture.kind]} "
+            f"{directory} holds {architecture.kind.words} "
             f"({', '.join(hf_config.get('architectures') or [str(hf_config.get('model_type'))])}); "
             f"{who} needs {needed}"
         )
@@ -213,13 +209,13 @@ def load_decoder(
     if hf_dir is not None:
         if step is not None:
             raise ValueError("a step applies to a run directory, not a Hugging Face directory")
-        return load_hf_checkpoint(hf_dir, kinds=("decoder",), who=who, adapter=adapter)
+        return load_hf_checkpoint(hf_dir, kinds=(ModelKind.DECODER,), who=who, adapter=adapter)
     if adapter is not None:
         raise ValueError("a PEFT adapter applies to a Hugging Face directory, not a run directory")
     loaded = load_run(run_dir, step=step, trust_code=trust_code)
     kind = loaded.config.model.kind
-    if kind != "decoder":
-        raise ValueError(f"{run_dir} holds {KIND_WORDS[kind]}; {who} needs a decoder LM")
+    if kind is not ModelKind.DECODER:
+        raise ValueError(f"{run_dir} holds {kind.words}; {who} needs a decoder LM")
     return loaded.model, loaded.tokenizer
 
 
