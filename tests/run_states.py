@@ -6,10 +6,10 @@ import jax
 from flax import nnx
 
 from flaxformer_lite.train.checkpoint import Checkpointer
+from flaxformer_lite.train.checkpoint_format import to_savable
 from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.optim import make_optimizer
 from flaxformer_lite.train.program import make_train_state
-from flaxformer_lite.train.trained_run import to_savable
 
 
 def checkpointed_state(run_dir, step: int):

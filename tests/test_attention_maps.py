@@ -24,10 +24,10 @@ from flaxformer_lite.models import EncoderDecoder, ModelConfig, build_model
 from flaxformer_lite.nn.attention import MultiHeadAttention
 from flaxformer_lite.nn.stack import stack_layer_states
 from flaxformer_lite.train.checkpoint import Checkpointer
+from flaxformer_lite.train.checkpoint_format import to_savable
 from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.optim import make_optimizer
 from flaxformer_lite.train.program import make_train_state
-from flaxformer_lite.train.trained_run import to_savable
 
 B, T, S = 2, 7, 9
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py

@@ -30,10 +30,10 @@ from flaxformer_lite.parallel import (
     rule_pairs,
 )
 from flaxformer_lite.train.checkpoint import Checkpointer
+from flaxformer_lite.train.checkpoint_format import from_savable, restore_target, to_savable
 from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.loop import run
 from flaxformer_lite.train.step import make_train_step
-from flaxformer_lite.train.trained_run import from_savable, restore_target, to_savable
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 

@@ -13,9 +13,10 @@ from flaxformer_lite import parallel
 from flaxformer_lite.data.tokenizers import ByteTokenizer
 from flaxformer_lite.models import DecoderLM, build_model
 from flaxformer_lite.train.checkpoint import Checkpointer
+from flaxformer_lite.train.checkpoint_format import to_savable
 from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.optim import make_optimizer
-from flaxformer_lite.train.trained_run import LoadedRun, load_run, to_savable
+from flaxformer_lite.train.trained_run import LoadedRun, load_run
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
 

@@ -24,10 +24,10 @@ from flaxformer_lite.decode.generate import compile_only
 from flaxformer_lite.decode.text import printable
 from flaxformer_lite.train.background_compile import BackgroundCompile
 from flaxformer_lite.train.checkpoint import Checkpointer
+from flaxformer_lite.train.checkpoint_format import to_savable
 from flaxformer_lite.train.console import Console
 from flaxformer_lite.train.decode_eval import continue_texts, decodable, decode_eval
 from flaxformer_lite.train.time_spent import TimeSpent
-from flaxformer_lite.train.trained_run import to_savable
 
 
 class TrainingError(RuntimeError):

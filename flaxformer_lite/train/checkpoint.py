@@ -57,7 +57,7 @@ import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
-from flaxformer_lite.train.checkpoint_target import abstract_leaf, changed_arrays
+from flaxformer_lite.train.checkpoint_format import abstract_leaf, changed_arrays
 from flaxformer_lite.train.fingerprints import ALGORITHM, fingerprints_of, verify
 from flaxformer_lite.train.orbax_threads import stop_background_saves
 

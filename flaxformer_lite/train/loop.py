@@ -36,6 +36,12 @@ from flaxformer_lite.train.actions import (
 )
 from flaxformer_lite.train.background_compile import BackgroundCompile
 from flaxformer_lite.train.checkpoint import Checkpointer, CheckpointShapeError
+from flaxformer_lite.train.checkpoint_format import (
+    base_record,
+    check_base,
+    from_savable,
+    restore_target,
+)
 from flaxformer_lite.train.config import TrainConfig, config_from_dict
 from flaxformer_lite.train.figures import pyplot as figure_pyplot
 from flaxformer_lite.train.lanes import InTurn, Lane, LaneActions, Vmapped
@@ -62,13 +68,7 @@ from flaxformer_lite.train.signals import Interrupted, SignalAgreement, stop_on_
 from flaxformer_lite.train.step import make_eval_step, task_of
 from flaxformer_lite.train.step_numbers import step_numbers
 from flaxformer_lite.train.time_spent import TimeSpent
-from flaxformer_lite.train.trained_run import (
-    base_record,
-    check_base,
-    from_savable,
-    restore_target,
-    starting_state,
-)
+from flaxformer_lite.train.trained_run import starting_state
 
 
 def run(
@@ -147,7 +147,7 @@ class StartedRun:
       place: puts a batch of this process's rows onto the mesh.
       tasks: the downstream tasks (``evals.tasks``) tokenized, or None.
       scorer: scores the tasks' requests in batches of the run's shape.
-      base: a LoRA run's base, as its checkpoints name it (:func:`~.trained_run.base_record`).
+      base: a LoRA run's base, as its checkpoints name it (:func:`~.checkpoint_format.base_record`).
       spent: where the run's time goes.
     """
 

@@ -97,7 +97,7 @@ def make_train_state(cfg: TrainConfig, tx, seed=None) -> tuple[nnx.Module, nnx.O
     """The run's ``(model, optimizer)`` as ``train.py`` creates them, seeded by ``seed`` (an int
     or a traced scalar; default ``cfg.seed``), with ``cfg.lora``'s adapters (the optimizer then
     over them alone); their split state is what a checkpoint holds
-    (through :func:`~.trained_run.to_savable`)."""
+    (through :func:`~.checkpoint_format.to_savable`)."""
     seed = cfg.seed if seed is None else seed
     rngs = nnx.Rngs(params=jax.random.key(seed), dropout=jax.random.key(seed + 1))
     model = adapted_model(cfg, rngs)

@@ -18,10 +18,8 @@ import dataclasses
 import logging
 import pathlib
 from collections.abc import Sequence
-from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx, traverse_util
 from jax.sharding import Mesh
@@ -29,11 +27,17 @@ from jax.sharding import Mesh
 from flaxformer_lite import parallel
 from flaxformer_lite.data.tokenizers import Tokenizer, load_tokenizer
 from flaxformer_lite.models.config import ModelKind
-from flaxformer_lite.nn.lora import BASE, has_adapters, lora_scale
+from flaxformer_lite.nn.lora import lora_scale
 from flaxformer_lite.registry import trusted_code
 from flaxformer_lite.train.checkpoint import Checkpointer, CheckpointError
+from flaxformer_lite.train.checkpoint_format import (
+    base_part,
+    base_record,
+    check_base,
+    from_savable,
+    restore_target,
+)
 from flaxformer_lite.train.config import TrainConfig, config_from_dict
-from flaxformer_lite.train.fingerprints import fingerprints_of
 from flaxformer_lite.train.program import TrainState, build_train_state
 from flaxformer_lite.train.run_dir import RunDir
 
@@ -269,39 +273,6 @@ def starting_state(
     return dataclasses.replace(built, state=state)
 
 
-def base_record(cfg: TrainConfig, state) -> dict[str, Any] | None:
-    """What names a LoRA run's base in its checkpoints: where it comes from and each
-    parameter's fingerprint; None for a run without adapters (its checkpoints hold it all)."""
-    if not has_adapters(state[0]):
-        return None
-    source = f"init_from={cfg.init_from}" if cfg.init_from else f"seed={cfg.seed}"
-    return {"source": source, "arrays": fingerprints_of(nnx.to_pure_dict(_base(state)))}
-
-
-def check_base(restored, base: dict[str, Any] | None, where) -> None:
-    """Refuses adapters restored onto a base other than the one they were trained on.
-
-    Raises:
-      ValueError: a parameter of ``base`` whose fingerprint differs from the checkpoint's
-        record (naming it and both sources).
-    """
-    saved = restored.base
-    if base is None or saved is None:
-        return
-    changed = [name for name, value in base["arrays"].items() if saved["arrays"].get(name) != value]
-    if changed:
-        raise ValueError(
-            f"{where} step {restored.step} holds adapters of another base: they were trained "
-            f"on {saved['source']}, and {base['source']} differs in {len(changed)} "
-            f"parameter(s), e.g. {changed[0]}; give the base they were trained on"
-        )
-
-
-def _base(state):
-    """The base parameters of a train state (every Param but the adapters)."""
-    return nnx.filter_state(state[0], BASE)
-
-
 def load_hf_weights(state, path: pathlib.Path | str):
     """Writes the parameters of the Hugging Face checkpoint ``path`` (read by
     ``interop.load_hf``) into the model part ``state[0]`` of a created train state, each in the
@@ -315,7 +286,7 @@ def load_hf_weights(state, path: pathlib.Path | str):
 
     hf_model, _ = load_hf(path)
     loaded = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(hf_model, nnx.Param)))
-    like = traverse_util.flatten_dict(nnx.to_pure_dict(_base(state)))
+    like = traverse_util.flatten_dict(nnx.to_pure_dict(base_part(state)))
     shapes = {k: tuple(v.shape) for k, v in loaded.items()}
     wanted = {k: tuple(v.shape) for k, v in like.items()}
     if shapes != wanted:
@@ -337,67 +308,10 @@ def load_hf_weights(state, path: pathlib.Path | str):
     return state
 
 
-def saved_part(state):
-    """What a checkpoint holds of a split train state: all of it, or, for a LoRA run, all but
-    the base's parameters (made again from ``init_from`` or the seed, named by
-    :func:`base_record`)."""
-    if not has_adapters(state):
-        return state
-    return nnx.filter_state(state, nnx.Not(BASE))
-
-
-def to_savable(state) -> dict:
-    """The split state's :func:`saved_part` as a nested dict of plain arrays (typed PRNG keys
-    as their key data)."""
-    return jax.tree.map(
-        lambda x: jax.random.key_data(x) if _is_key(x) else x, nnx.to_pure_dict(saved_part(state))
-    )
-
-
-def from_savable(saved: dict, like):
-    """The inverse of :func:`to_savable`, written into the state ``like`` (concrete, or abstract
-    as :func:`flaxformer_lite.parallel.abstract_sharded` makes it; a LoRA run's with its base in
-    place) and returned."""
-
-    def restore(saved_leaf, like_leaf):
-        if not _is_key(like_leaf):
-            return saved_leaf
-        # An abstract key has no implementation to ask; nnx.Rngs made it with the default one.
-        impl = jax.random.key_impl(like_leaf) if isinstance(like_leaf, jax.Array) else None
-        return jax.random.wrap_key_data(saved_leaf, impl=impl)
-
-    part = saved_part(like)
-    nnx.replace_by_pure_dict(part, jax.tree.map(restore, saved, nnx.to_pure_dict(part)))
-    return like if part is like else nnx.merge_state(like, part)
-
-
-def restore_target(abstract_state) -> dict[str, Any]:
-    """What :func:`to_savable` makes of ``abstract_state``, as ``ShapeDtypeStruct``s carrying the
-    current shardings: checkpoints restore straight into this layout."""
-
-    def leaf(x):
-        if _is_key(x):
-            data = jax.eval_shape(jax.random.key_data, x)
-            return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=x.sharding)
-        return x
-
-    return jax.tree.map(leaf, nnx.to_pure_dict(saved_part(abstract_state)))
-
-
-def _is_key(x) -> bool:
-    return jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
 __all__ = [
     "LoadedRun",
-    "base_record",
-    "check_base",
-    "from_savable",
     "load_hf_weights",
     "load_run",
     "restorable_state",
-    "restore_target",
-    "saved_part",
     "starting_state",
-    "to_savable",
 ]
