@@ -102,15 +102,15 @@ def recorded(monkeypatch):
     record = type("Record", (), {})()
     record.events, record.states, record.nonfinite, record.signal_at = [], [], set(), None
     record.placed_on = []
-    run_data, make_train_step = loop.run_data, loop.configured_train_step
+    build_data, make_train_step = loop.DataPlan.build, loop.configured_train_step
     put_batch = loop.parallel.put_batch
 
     def recording_put_batch(*args, **kwargs):
         record.placed_on.append(threading.current_thread().name)
         return put_batch(*args, **kwargs)
 
-    def recording_data(*args, **kwargs):
-        return _Data(run_data(*args, **kwargs), record.events, record.states)
+    def recording_data(plan):
+        return _Data(build_data(plan), record.events, record.states)
 
     def recording_step(*args, **kwargs):
         step_fn = make_train_step(*args, **kwargs)
@@ -131,7 +131,7 @@ def recorded(monkeypatch):
         return step
 
     monkeypatch.setattr(loop.parallel, "put_batch", recording_put_batch)
-    monkeypatch.setattr(loop, "run_data", recording_data)
+    monkeypatch.setattr(loop.DataPlan, "build", recording_data)
     monkeypatch.setattr(loop, "configured_train_step", recording_step)
     record.start = 0
     return record

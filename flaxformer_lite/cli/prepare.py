@@ -70,6 +70,7 @@ def prepare_main(argv: list[str] | None = None) -> int:
 
 
 def _prepare(args) -> int:
+    from flaxformer_lite.data.plan import given_tokenizer
     from flaxformer_lite.data.run_stores import check_sources, prepare_source, prepare_validation
     from flaxformer_lite.data.sources import SOURCES
     from flaxformer_lite.train.config import load_config
@@ -93,11 +94,7 @@ def _prepare(args) -> int:
             "and the store to prepare them into"
         )
     check_sources(data)  # the validation files too, before the training store is built
-    tokenizer = None
-    if cfg.init_from is not None:  # a fine-tuning run keeps the checkpoint's tokenizer
-        from flaxformer_lite.data.hf_tokenizer import load_hf_tokenizer
-
-        tokenizer = load_hf_tokenizer(cfg.init_from)
+    tokenizer = given_tokenizer(cfg.init_from)  # a fine-tuning run keeps the checkpoint's
     progress = None
     # A bar only on a terminal, as train.py's: in a file or a pipe it is carriage returns.
     if not args.no_progress and sys.stdout.isatty() and sys.stderr.isatty():

@@ -1,6 +1,6 @@
 """What a run's data depend on, its inputs' fingerprint: the ``data`` settings and the source
 files (path and size, and sha256 where a prepared store's manifest has it: the store hashed them,
-this module never does). :func:`~flaxformer_lite.data.run_data.run_data` records it in
+this module never does). :meth:`~flaxformer_lite.data.plan.DataPlan.build` records it in
 ``RUN/inputs.json`` when the run's data are built; resuming reads it back and compares it with
 the inputs as they are now, once:
 

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from flaxformer_lite.data.tasks import Task, task_named
+from flaxformer_lite.data import Task, task_named
 from flaxformer_lite.decode.generate import compile_only
 from flaxformer_lite.decode.text import printable
 from flaxformer_lite.train.background_compile import BackgroundCompile

@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from flaxformer_lite.data.config import DataConfig
+from flaxformer_lite.data import DataConfig
 from flaxformer_lite.evals.config import EvalsConfig
 from flaxformer_lite.models.config import ModelConfig, ModelKind
 from flaxformer_lite.parallel.config import DistributedConfig, check_context_length

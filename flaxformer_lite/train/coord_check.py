@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from flaxformer_lite import ops
-from flaxformer_lite.data.tasks import task_named
+from flaxformer_lite.data import task_named
 from flaxformer_lite.models import build_model
 from flaxformer_lite.models.config import ModelConfig, ModelKind
 from flaxformer_lite.models.heads import OutputHead

@@ -21,10 +21,7 @@ from collections.abc import Sequence
 
 import jax
 
-from flaxformer_lite.data import generator
-from flaxformer_lite.data.documents import TEXT_RECORDS
-from flaxformer_lite.data.tasks import Task, task_named
-from flaxformer_lite.data.tokenizers import Tokenizer
+from flaxformer_lite.data import TEXT_RECORDS, Generator, Task, Tokenizer, split_prompt, task_named
 from flaxformer_lite.decode import until_eos
 from flaxformer_lite.decode.text import new_tokens, prompt_ids, source_ids
 
@@ -43,7 +40,7 @@ def decodable(task: Task, examples: Sequence[dict]) -> bool:
     of the synthetic prompt=answer generators (plain text has no answer to compare with)."""
     if not task.decodes:
         return False
-    prompted = isinstance(examples, generator.Generator) and examples.records == TEXT_RECORDS
+    prompted = isinstance(examples, Generator) and examples.records == TEXT_RECORDS
     return prompted or not task.continues
 
 
@@ -72,7 +69,7 @@ def decode_eval(
     continues = task_named(task).continues  # a decoder LM, else an encoder-decoder
     records = [examples[i] for i in range(min(num_examples, len(examples)))]
     if continues:
-        pairs = [generator.split_prompt(r["text"]) for r in records]
+        pairs = [split_prompt(r["text"]) for r in records]
         inputs = [prompt_ids(tokenizer, prompt) for prompt, _ in pairs]
     else:
         pairs = [(r["source"], r["target"]) for r in records]
@@ -91,7 +88,7 @@ def decode_eval(
         "eval_exact_match": _exact_match(examples, records, predictions, pairs),
         "eval_token_accuracy": token_accuracy(outputs, references),
     }
-    if not continues and not isinstance(examples, generator.Generator):
+    if not continues and not isinstance(examples, Generator):
         import sacrebleu  # imported here: only translation data is scored by it
 
         metrics["eval_bleu"] = sacrebleu.corpus_bleu(
@@ -111,7 +108,7 @@ def token_accuracy(outputs: Sequence[Sequence[int]], references: Sequence[Sequen
 
 
 def _exact_match(examples, records, predictions, pairs) -> float:
-    if isinstance(examples, generator.Generator) and examples.metric == "exact_match":
+    if isinstance(examples, Generator) and examples.metric == "exact_match":
         return examples.score(predictions, records)["exact_match"]
     hits = sum(p.strip() == r.strip() for p, (_, r) in zip(predictions, pairs, strict=True))
     return hits / len(predictions)

@@ -20,8 +20,7 @@ import os
 import pathlib
 import shutil
 
-from flaxformer_lite.data.store import owner, remove_stale_partials
-from flaxformer_lite.data.tokenizer_export import hf_tokenizer_files
+from flaxformer_lite.data import hf_tokenizer_files, owner, remove_stale_partials
 from flaxformer_lite.interop.hf import refuse_user_pieces, save_hf, writable_family
 from flaxformer_lite.interop.peft import save_peft
 from flaxformer_lite.models.config import ModelKind

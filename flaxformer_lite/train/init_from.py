@@ -10,7 +10,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from flaxformer_lite.data.config import DataConfig
+from flaxformer_lite.data import DataConfig
 from flaxformer_lite.train.schema import ConfigError
 
 # The model keys that may be set with init_from: they change how the checkpoint's architecture

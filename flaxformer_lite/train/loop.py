@@ -19,9 +19,7 @@ from typing import Any
 import jax
 
 from flaxformer_lite import parallel
-from flaxformer_lite.data.hf_tokenizer import load_hf_tokenizer
-from flaxformer_lite.data.pipeline import Data
-from flaxformer_lite.data.run_data import DataRequest, RunPaths, run_data
+from flaxformer_lite.data import Data, DataPlan, RunPaths
 from flaxformer_lite.evals import Scorer, TaskFileError, Tasks
 from flaxformer_lite.evals.tasks import read_tasks
 from flaxformer_lite.models.piece_checks import PieceError, check_pieces, failed_with_pieces
@@ -422,9 +420,7 @@ def _evaluation_compiler(evaluate: Evaluate, shapes, mesh, rules) -> Callable[[]
 def _build_data(cfg: TrainConfig, run_dir: RunDir, batch_sharding, main: bool) -> Data:
     """This process's data: its share of each global batch; process 0 writes the run's files."""
     shard_index, shard_count = parallel.process_batch_shard(batch_sharding, cfg.train.batch_size)
-    # init_from: the checkpoint's tokenizer, with its ids (a resumed run reads the saved copy).
-    tokenizer = None if cfg.init_from is None else load_hf_tokenizer(cfg.init_from)
-    request = DataRequest(
+    plan = DataPlan(
         cfg.data,
         task=task_of(cfg.model),
         seed=cfg.seed,
@@ -434,9 +430,9 @@ def _build_data(cfg: TrainConfig, run_dir: RunDir, batch_sharding, main: bool) -
         shard_count=shard_count,
         writer=main,
         barrier=_sync_processes if jax.process_count() > 1 else None,
-        tokenizer=tokenizer,
+        init_from=cfg.init_from,
     )
-    return run_data(request)
+    return plan.build()
 
 
 def _sync_processes(name: str) -> None:  # every process of a run waits for the others here

@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from flaxformer_lite import parallel
-from flaxformer_lite.data import tasks
+from flaxformer_lite.data import task_named
 from flaxformer_lite.models import build_model, training_flops_per_token
 from flaxformer_lite.nn.lora import add_adapters, lora_scale, trainable
 from flaxformer_lite.nn.rngs import dropout_rates
@@ -257,7 +257,7 @@ def abstract_batch(cfg: TrainConfig, sharding) -> dict[str, jax.ShapeDtypeStruct
     """
     if cfg.model.input_dim is not None or cfg.model.output_dim is not None:
         raise ValueError("compile takes token models; model.input_dim/output_dim are set")
-    task = tasks.task_named(task_of(cfg.model))
+    task = task_named(task_of(cfg.model))
     shapes = task.batch_shapes(
         packed=task.is_packed(cfg.data.packing),
         batch_size=cfg.train.batch_size,

@@ -12,14 +12,14 @@ from __future__ import annotations
 import dataclasses
 
 from flaxformer_lite import parallel
-from flaxformer_lite.data.inputs import (
+from flaxformer_lite.data import (
+    NAME_FILE,
     current_inputs,
     file_changes,
     read_inputs,
     setting_changes,
     store_of,
 )
-from flaxformer_lite.data.tokenizers import NAME_FILE
 from flaxformer_lite.models.pieces import piece_sources
 from flaxformer_lite.train.config import ConfigError, TrainConfig, config_diff, is_runtime_key
 from flaxformer_lite.train.program import schedule_span

@@ -13,7 +13,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-from flaxformer_lite.data.config import DataConfig
+from flaxformer_lite.data import DataConfig
 from flaxformer_lite.models.config import ModelConfig
 from flaxformer_lite.models.presets import PRESETS
 

@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from flaxformer_lite import ops
-from flaxformer_lite.data.tasks import task_named
+from flaxformer_lite.data import task_named
 from flaxformer_lite.models.config import ModelConfig, ModelKind
 from flaxformer_lite.models.heads import head_projection
 from flaxformer_lite.nn.context_parallel import sequence_shards, shard_rows, to_context_layout

@@ -30,8 +30,7 @@ from typing import Any
 import jax
 
 from flaxformer_lite import parallel
-from flaxformer_lite.data.mixture import check_mixture_sources
-from flaxformer_lite.data.run_stores import check_sources
+from flaxformer_lite.data import check_data_files
 from flaxformer_lite.evals import TaskFileError
 from flaxformer_lite.evals.tasks import read_tasks
 from flaxformer_lite.models.piece_checks import check_pieces
@@ -172,8 +171,8 @@ def _plot(directory: SweepDir, log) -> None:
 
 
 def _check_data_files(members: list[Member]) -> None:
-    """Each member's data files exist and hold text (:func:`~flaxformer_lite.data.run_stores.
-    check_sources`), and its task files read (``evals.tasks``), before the sweep writes
+    """Each member's data files exist and hold text (:func:`~flaxformer_lite.data.plan.
+    check_data_files`), and its task files read (``evals.tasks``), before the sweep writes
     anything.
 
     Raises:
@@ -187,10 +186,7 @@ def _check_data_files(members: list[Member]) -> None:
         if not data.reader.stored or not (data.path or data.mixture):
             continue
         try:
-            if data.mixture:
-                check_mixture_sources(data.mixture_sources())
-            else:
-                check_sources(data)
+            check_data_files(data)
         except (FileNotFoundError, ValueError) as error:
             raise ConfigError(f"{member.name}: {error}") from None
 

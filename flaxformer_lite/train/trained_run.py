@@ -25,7 +25,7 @@ from flax import nnx, traverse_util
 from jax.sharding import Mesh
 
 from flaxformer_lite import parallel
-from flaxformer_lite.data.tokenizers import Tokenizer, load_tokenizer
+from flaxformer_lite.data import Tokenizer, load_hf_tokenizer, load_tokenizer
 from flaxformer_lite.models.config import ModelKind
 from flaxformer_lite.nn.lora import lora_scale
 from flaxformer_lite.registry import trusted_code
@@ -164,7 +164,6 @@ def load_hf_checkpoint(
     tokenizer are checked first, so a model of another kind or a directory without a tokenizer
     fails before any weights are read (ValueError / FileNotFoundError naming the directory and
     the files)."""
-    from flaxformer_lite.data.hf_tokenizer import load_hf_tokenizer
     from flaxformer_lite.interop import family_of, load_hf
     from flaxformer_lite.interop.common import read_config
 
