@@ -45,6 +45,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from flaxformer_lite.aot import parse_topology  # noqa: E402
+from flaxformer_lite.data.tasks import TASKS
 from flaxformer_lite.models import ModelConfig, build_model  # noqa: E402
 from flaxformer_lite.models.accounting import training_flops_per_token  # noqa: E402
 from flaxformer_lite.parallel import (  # noqa: E402
@@ -211,7 +212,7 @@ def timed_step(cfg: ModelConfig, mesh, batch: dict):
     graphdef, state, shardings = create_sharded(create, mesh, DEFAULT_RULES)
     batch = jax.device_put(batch, batch_sharding(mesh, DEFAULT_RULES))
     with tracing_layout(mesh, DEFAULT_RULES):
-        step = make_train_step(graphdef, task="lm", state_shardings=shardings)
+        step = make_train_step(graphdef, task=TASKS["lm"], state_shardings=shardings)
         holder = {"state": step(state, batch)[0]}  # compiles
 
     def run(steps: int) -> float:

@@ -41,7 +41,7 @@ from flaxformer_lite.data.documents import split_documents
 from flaxformer_lite.data.pipeline import build_data
 from flaxformer_lite.data.readers import iter_text_records
 from flaxformer_lite.data.store import prepare_store
-from flaxformer_lite.data.tasks import task_named
+from flaxformer_lite.data.tasks import TASKS, task_named
 from flaxformer_lite.data.tokenizers import make_tokenizer
 from flaxformer_lite.process import reuse_freed_host_memory
 
@@ -106,7 +106,7 @@ def best_rate(work, tokens: int, repeats: int) -> float:
 
 def default_pipeline(batches: int, repeats: int, directory: pathlib.Path) -> float:
     data = build_data(
-        DataConfig(), task="lm", seed=0, batch_size=32, directory=directory, prefetch=0
+        DataConfig(), task=TASKS["lm"], seed=0, batch_size=32, directory=directory, prefetch=0
     )
     next(data.train)
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from flaxformer_lite.data.config import DataConfig
 from flaxformer_lite.data.pipeline import build_data
+from flaxformer_lite.data.tasks import TASKS
 from flaxformer_lite.train.run_dir import RunDir
 
 if TYPE_CHECKING:  # annotations only: importing them would import JAX
@@ -157,7 +158,7 @@ def train_lm(job: dict) -> dict:
     torch, transformers = libraries
     data = build_data(
         DataConfig(**job["data"]),
-        task="lm",
+        task=TASKS["lm"],
         seed=job["seed"],
         batch_size=job["batch_size"],
         directory=RunDir(job["directory"]).tokenizer,

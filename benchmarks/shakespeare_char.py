@@ -116,6 +116,7 @@ from flax import nnx
 
 from flaxformer_lite.data import readers
 from flaxformer_lite.data.pipeline import build_data
+from flaxformer_lite.data.tasks import TASKS
 from flaxformer_lite.process import reuse_freed_host_memory
 from flaxformer_lite.train.config import TrainConfig, load_config
 from flaxformer_lite.train.metrics import read_metrics
@@ -239,12 +240,12 @@ def evaluate_run(run_dir: pathlib.Path, cfg: TrainConfig) -> dict:
 
     @jax.jit
     def summed(state, batch):
-        _, metrics = model_loss(nnx.merge(graphdef, state), batch, task="lm")
+        _, metrics = model_loss(nnx.merge(graphdef, state), batch, task=TASKS["lm"])
         return metrics["loss"] * metrics["num_tokens"], metrics["num_tokens"]
 
     data = build_data(
         cfg.data,
-        task="lm",
+        task=TASKS["lm"],
         seed=cfg.seed,
         batch_size=cfg.train.batch_size,
         directory=RunDir(run_dir).tokenizer,

@@ -59,11 +59,13 @@ from flax import nnx  # noqa: E402
 
 from flaxformer_lite import parallel  # noqa: E402
 from flaxformer_lite.aot import COLLECTIVES, collective_counts  # noqa: E402
+from flaxformer_lite.data.tasks import TASKS
 from flaxformer_lite.models import ModelConfig, build_model  # noqa: E402
+from flaxformer_lite.train.config import task_of  # noqa: E402
 from flaxformer_lite.train.optim import make_optimizer
 from flaxformer_lite.train.program import train_and_eval_graphdefs  # noqa: E402
 from flaxformer_lite.train.sections import OptimizerConfig  # noqa: E402
-from flaxformer_lite.train.step import make_train_step, task_of  # noqa: E402
+from flaxformer_lite.train.step import make_train_step  # noqa: E402
 
 DEVICES = 8
 LAYOUTS = [
@@ -174,7 +176,7 @@ def measure(cfg: ModelConfig, layout: str, batch_size: int, seq_len: int, device
         parallel.shard_bytes(x.shape, x.dtype, batch_sharding) for x in batch.values()
     )
 
-    step = make_train_step(graphdef, task="lm", state_shardings=shardings)
+    step = make_train_step(graphdef, task=TASKS["lm"], state_shardings=shardings)
     with (
         stderr_lines() as log,
         jax.set_mesh(mesh),
@@ -319,7 +321,7 @@ def main(argv=None) -> list[dict]:
         )
     devices = devices[:DEVICES]
     cfg = model_config(args.preset, args.vocab_multiple, args.scan_layers)
-    if task_of(cfg) != "lm":
+    if task_of(cfg).name != "lm":
         raise SystemExit(f"{args.preset} is not a decoder LM; this benchmark feeds lm batches")
     preset_vocab = ModelConfig.from_preset(args.preset).vocab_size
     vocab = (

@@ -63,6 +63,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from flaxformer_lite.data.tasks import TASKS
 from flaxformer_lite.models.accounting import training_flops_per_token
 from flaxformer_lite.process import reuse_freed_host_memory
 from flaxformer_lite.train.config import TrainConfig, load_config
@@ -134,7 +135,7 @@ class OurStep:
         graphdef, self.state = nnx.split((model, optimizer))
         self.parameters = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
         self.batch = jax.device_put(batch)
-        step = make_train_step(graphdef, task="lm")
+        step = make_train_step(graphdef, task=TASKS["lm"])
         start = time.perf_counter()
         traced = step.trace(self.state, self.batch)
         self.step = traced.lower().compile()

@@ -5,6 +5,7 @@ import numpy as np
 
 from flaxformer_lite.data.config import DataConfig
 from flaxformer_lite.data.pipeline import build_data
+from flaxformer_lite.data.tasks import task_named
 from flaxformer_lite.data.tokenizers import ByteTokenizer
 
 # 30 distinct lines of 10 to 18 bytes; validation_fraction=0.1 leaves 27 for training.
@@ -29,10 +30,16 @@ def text_cfg(path, **kwargs):
 
 
 def build(cfg, tmp_path, *, task="lm", seed=0, batch_size=4, directory=None, **kwargs):
+    """``build_data`` of the task named ``task`` (an unknown name raises as the lookup does)."""
     directory = directory or tmp_path / "tokenizer"
     kwargs.setdefault("prepared", tmp_path / "prepared")
     return build_data(
-        cfg, task=task, seed=seed, batch_size=batch_size, directory=directory, **kwargs
+        cfg,
+        task=task_named(task),
+        seed=seed,
+        batch_size=batch_size,
+        directory=directory,
+        **kwargs,
     )
 
 

@@ -14,6 +14,7 @@ from tiny_runs import SHARED_RUNS
 from tpu_topology import v5e_2x2
 
 from flaxformer_lite import ops, parallel
+from flaxformer_lite.data.tasks import TASKS
 from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.loop import run
 from flaxformer_lite.train.optim import make_optimizer
@@ -90,7 +91,7 @@ def test_bfloat16_train_step_compiled_for_v5e_does_its_matmuls_in_bf16(attention
         tokens = jax.ShapeDtypeStruct((8, cfg.data.seq_len), jnp.int32, sharding=rows)
         weights = jax.ShapeDtypeStruct(tokens.shape, jnp.float32, sharding=rows)
         batch = {"inputs": tokens, "targets": tokens, "weights": weights}
-        step = make_train_step(graphdef, task="lm", state_shardings=shardings)
+        step = make_train_step(graphdef, task=TASKS["lm"], state_shardings=shardings)
         hlo = step.lower(state, batch).compile().as_text()
     assert ("tpu_custom_call" in hlo) == (attention == "pallas")
     # Parameters stay float32; every matmul of the step (forward and backward) reads bf16.

@@ -20,6 +20,7 @@ from flax import nnx
 
 from flaxformer_lite import ops
 from flaxformer_lite.cli import main
+from flaxformer_lite.data.tasks import TASKS
 from flaxformer_lite.models import ModelConfig, build_model
 from flaxformer_lite.nn.context_parallel import (
     context_attention,
@@ -240,7 +241,7 @@ def train(cfg, mesh, packed, loss_chunk=None, rules=DEFAULT_RULES):
     initial = params(state)
     with tracing_layout(mesh, rules):
         step = make_train_step(
-            graphdef, task="lm", loss_chunk=loss_chunk, state_shardings=shardings
+            graphdef, task=TASKS["lm"], loss_chunk=loss_chunk, state_shardings=shardings
         )
         history = []
         for batch in batches:
@@ -317,7 +318,7 @@ def test_context_step_gathers_only_keys_and_values():
 
     def grads(state, batch):
         (model,) = nnx.merge(graphdef, state)
-        return nnx.grad(lambda m: model_loss(m, batch, task="lm", loss_chunk=8)[0])(model)
+        return nnx.grad(lambda m: model_loss(m, batch, task=TASKS["lm"], loss_chunk=8)[0])(model)
 
     batch = jax.device_put(lm_batch(0, False), batch_sharding(mesh, DEFAULT_RULES))
     with tracing_layout(mesh, DEFAULT_RULES):
@@ -342,7 +343,7 @@ def test_a_checkpoint_of_a_context_run_restores_on_other_meshes(tmp_path):
 
     source = make_mesh(1, 1, 1, context=4, devices=jax.devices()[:4])
     graphdef, state, shardings = create_sharded(create, source, DEFAULT_RULES)
-    step = make_train_step(graphdef, task="lm", state_shardings=shardings)
+    step = make_train_step(graphdef, task=TASKS["lm"], state_shardings=shardings)
     with tracing_layout(source, DEFAULT_RULES):
         for seed in range(2):
             batch = jax.device_put(lm_batch(seed, True), batch_sharding(source, DEFAULT_RULES))
@@ -362,7 +363,7 @@ def test_a_checkpoint_of_a_context_run_restores_on_other_meshes(tmp_path):
             )
             restored = from_savable(checkpointer.restore(restore_target(abstract)).state, abstract)
             target_step = make_train_step(
-                target_graphdef, task="lm", state_shardings=target_shardings
+                target_graphdef, task=TASKS["lm"], state_shardings=target_shardings
             )
             got = next_loss(mesh, target_step, restored)
             assert abs(got - want) <= 1e-5 * abs(want), (dict(mesh.shape), got, want)

@@ -279,6 +279,7 @@ def test_a_checkpoint_tokenizer_exports_as_transformers_reads_it(hf, family, tmp
     import hf_checkpoints
 
     from flaxformer_lite.data.hf_tokenizer import load_hf_tokenizer
+    from flaxformer_lite.data.tasks import TASKS
     from flaxformer_lite.data.tokenizer_export import hf_tokenizer_files
 
     checkpoint = tmp_path / "checkpoint"
@@ -289,7 +290,7 @@ def test_a_checkpoint_tokenizer_exports_as_transformers_reads_it(hf, family, tmp
     else:
         getattr(hf_checkpoints, f"{family}_dir")(hf.transformers, hf.torch, checkpoint)
     ours = load_hf_tokenizer(checkpoint)
-    task = "seq2seq" if family == "marian" else "lm"
+    task = TASKS["seq2seq" if family == "marian" else "lm"]
     out = tmp_path / "export"
     out.mkdir()
     for name, content in hf_tokenizer_files(ours, task=task, max_length=64).items():
@@ -297,7 +298,7 @@ def test_a_checkpoint_tokenizer_exports_as_transformers_reads_it(hf, family, tmp
     exported = hf.transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
     for text in ("hello world", "the lazy fox"):
         ids = ours.encode(text)
-        expected = [*ids, ours.eos_id] if task == "seq2seq" else [ours.sos_id, *ids]
+        expected = [*ids, ours.eos_id] if task.name == "seq2seq" else [ours.sos_id, *ids]
         assert exported(text).input_ids == expected
         assert exported.decode(expected, skip_special_tokens=True) == ours.decode(expected)
     assert (exported.eos_token_id, exported.pad_token_id) == (ours.eos_id, ours.pad_id)

@@ -18,6 +18,7 @@ from tiny_runs import QUICK
 
 from flaxformer_lite.cli import main
 from flaxformer_lite.data import synthetic
+from flaxformer_lite.data.tasks import TASKS
 from flaxformer_lite.data.tokenizers import EOS_ID, SOS_ID
 from flaxformer_lite.decode import beam_search, generate, right_pad, seq2seq_generate, until_eos
 from flaxformer_lite.models import Encoder
@@ -89,7 +90,12 @@ def test_decode_eval_scores_agree_with_its_samples(lm_run):
     examples = synthetic.make_generator("arithmetic", split="validation", seed=0, size=16)
     max_length = loaded.model.config.max_length
     values, samples = decode_eval(
-        loaded.model, loaded.tokenizer, examples, task="lm", num_examples=10, max_length=max_length
+        loaded.model,
+        loaded.tokenizer,
+        examples,
+        task=TASKS["lm"],
+        num_examples=10,
+        max_length=max_length,
     )
     assert len(samples) == 10
     hits = [s.prediction.strip() == s.reference for s in samples]

@@ -16,6 +16,7 @@ from flaxformer_lite.cli import main
 from flaxformer_lite.cli.train import train_main
 from flaxformer_lite.data.hf_tokenizer import HfTokenizer, load_hf_tokenizer
 from flaxformer_lite.data.pipeline import build_data
+from flaxformer_lite.data.tasks import TASKS
 from flaxformer_lite.decode.text import continue_or_translate
 from flaxformer_lite.train.config import ConfigError, load_config
 from flaxformer_lite.train.loop import run
@@ -88,7 +89,7 @@ def test_first_step_loss_is_the_hf_loss_and_it_falls(hf, gpt2, finetuned, tmp_pa
     tokenizer = load_hf_tokenizer(gpt2[1])
     data = build_data(
         cfg.data,
-        task="lm",
+        task=TASKS["lm"],
         seed=cfg.seed,
         batch_size=cfg.train.batch_size,
         directory=tmp_path / "tokenizer",

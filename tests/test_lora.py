@@ -16,6 +16,7 @@ import optax
 import pytest
 from flax import nnx
 
+from flaxformer_lite.data.tasks import TASKS
 from flaxformer_lite.models import ModelConfig, build_model
 from flaxformer_lite.nn import stack
 from flaxformer_lite.nn.lora import (
@@ -191,7 +192,9 @@ def test_a_train_step_changes_the_adapters_alone_with_decay_as_kernels():
         "weights": jnp.ones(IDS.shape, jnp.float32),
     }
     for _ in range(2):  # the second step moves A too (B was 0 in the first)
-        state, metrics = jax.jit(lambda s, b: train_step(graphdef, s, b, task="lm"))(state, batch)
+        state, metrics = jax.jit(lambda s, b: train_step(graphdef, s, b, task=TASKS["lm"]))(
+            state, batch
+        )
     assert bool(metrics["finite"])
     model, _ = nnx.merge(graphdef, state)
     jax.tree.map(np.testing.assert_array_equal, nnx.state(model, BASE), base)
@@ -220,7 +223,7 @@ def _step_temporaries(overrides, monkeypatch=None, policy=None) -> float:
     graphdef, state = nnx.split(nnx.eval_shape(lambda: make_train_state(cfg, optax.adamw(1e-3))))
     arrays = (("inputs", jnp.int32), ("targets", jnp.int32), ("weights", jnp.float32))
     batch = {name: jax.ShapeDtypeStruct((8, 256), dtype) for name, dtype in arrays}
-    step = jax.jit(lambda s, b: train_step(graphdef, s, b, task="lm"))
+    step = jax.jit(lambda s, b: train_step(graphdef, s, b, task=TASKS["lm"]))
     return step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
 
 

@@ -20,6 +20,7 @@ from flaxformer_lite.data.mixture import Mixture, block_counts, weighted_texts
 from flaxformer_lite.data.notices import small_source_notice, unknown_notice
 from flaxformer_lite.data.pipeline import build_data
 from flaxformer_lite.data.store import prepare_store
+from flaxformer_lite.data.tasks import TASKS
 from flaxformer_lite.data.tokenizers import CharTokenizer
 from flaxformer_lite.train import loop
 from flaxformer_lite.train.config import load_config
@@ -317,7 +318,7 @@ def test_a_mixture_of_prepared_stores_shares_their_tokenizer(corpora, tmp_path):
     mixture = {name: MixtureSource(str(tmp_path / name)) for name in ("letters", "digits")}
     cfg = DataConfig(source="prepared", mixture=mixture, seq_len=16)
     data = build_data(
-        cfg, task="lm", seed=0, batch_size=8, directory=tmp_path / "tokenizer", prefetch=0
+        cfg, task=TASKS["lm"], seed=0, batch_size=8, directory=tmp_path / "tokenizer", prefetch=0
     )
     assert data.tokenizer.name == "byte" and set(data.sources) == {"letters", "digits"}
     assert next(data.train)["inputs"].shape == (8, 16)
@@ -329,7 +330,7 @@ def test_a_mixture_of_prepared_stores_shares_their_tokenizer(corpora, tmp_path):
     with pytest.raises(ValueError, match="^data.mixture.digits: .*tokenizer"):
         build_data(
             DataConfig(source="prepared", mixture=mixture, seq_len=16),
-            task="lm",
+            task=TASKS["lm"],
             seed=0,
             batch_size=8,
             directory=tmp_path / "other-run",

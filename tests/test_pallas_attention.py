@@ -21,6 +21,7 @@ from tpu_topology import v5e_2x2
 
 from flaxformer_lite import ops, parallel
 from flaxformer_lite.aot.topology import H100_TARGET_CONFIG
+from flaxformer_lite.data.tasks import TASKS
 from flaxformer_lite.ops import attention_choice, pallas_attention
 from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.optim import make_optimizer
@@ -223,7 +224,7 @@ def test_packed_gpt2_train_step_compiled_for_v5e_runs_the_pallas_kernel(caplog):
         ints = jax.ShapeDtypeStruct((8, cfg.data.seq_len), jnp.int32, sharding=rows)
         weights = jax.ShapeDtypeStruct(ints.shape, jnp.float32, sharding=rows)
         batch = dict(inputs=ints, targets=ints, weights=weights, positions=ints, segment_ids=ints)
-        step = make_train_step(graphdef, task="lm", state_shardings=shardings)
+        step = make_train_step(graphdef, task=TASKS["lm"], state_shardings=shardings)
         hlo = step.lower(state, batch).compile().as_text()
     assert "tpu_custom_call" in hlo
     assert not [r.message for r in caplog.records if "attention:" in r.message]

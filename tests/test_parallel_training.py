@@ -20,6 +20,7 @@ from parallel_helpers import E2E, TINY, B, T, flat, key_free, tiny
 from shared_dirs import shared_across_workers
 from subprocess_env import subprocess_env
 
+from flaxformer_lite.data.tasks import TASKS
 from flaxformer_lite.parallel import (
     DEFAULT_RULES,
     abstract_sharded,
@@ -202,7 +203,7 @@ def test_a_checkpoint_restores_onto_other_meshes_bit_for_bit(tmp_path):
     rules = DEFAULT_RULES
     source = make_mesh(2, 1, 4)
     graphdef, state, shardings = create_sharded(create, source, rules)
-    step = make_train_step(graphdef, task="lm", state_shardings=shardings)
+    step = make_train_step(graphdef, task=TASKS["lm"], state_shardings=shardings)
     place = batch_sharding(source, rules)
     with jax.set_mesh(source), nnx.logical_axis_rules(rule_pairs(rules)):
         for i in range(3):
@@ -236,7 +237,7 @@ def test_a_checkpoint_restores_onto_other_meshes_bit_for_bit(tmp_path):
                 assert {d for d in array.devices()} == set(mesh.devices.flat), (name, path)
             jax.tree.map(np.testing.assert_array_equal, key_free(to_savable(restored_state)), saved)
             target_step = make_train_step(
-                target_graphdef, task="lm", state_shardings=target_shardings
+                target_graphdef, task=TASKS["lm"], state_shardings=target_shardings
             )
             with jax.set_mesh(mesh), nnx.logical_axis_rules(rule_pairs(rules)):
                 batch = put_batch(next_batch, batch_sharding(mesh, rules), B)

@@ -13,6 +13,7 @@ from flaxformer_lite.data import sentiment_words, synthetic, tasks
 from flaxformer_lite.data.config import DataConfig
 from flaxformer_lite.data.features import MASK_ID
 from flaxformer_lite.data.pipeline import build_data
+from flaxformer_lite.data.tasks import TASKS
 from flaxformer_lite.data.tokenizers import EOS_ID, SOS_ID, UNK_ID
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
@@ -390,11 +391,11 @@ def test_bpe_is_trained_on_jsonl_text_and_saved(tmp_path):
 
 
 def test_packing_by_default_for_language_modelling_only(tmp_path):
-    lm = build_data(DataConfig(), task="lm", seed=0, batch_size=4, directory=tmp_path / "a")
+    lm = build_data(DataConfig(), task=TASKS["lm"], seed=0, batch_size=4, directory=tmp_path / "a")
     assert "segment_ids" in next(lm.train)
     seq2seq = build_data(
         DataConfig(generator="number_words"),
-        task="seq2seq",
+        task=TASKS["seq2seq"],
         seed=0,
         batch_size=4,
         directory=tmp_path / "b",

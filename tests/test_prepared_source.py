@@ -9,6 +9,7 @@ import pytest
 from flaxformer_lite.data.config import DataConfig
 from flaxformer_lite.data.pipeline import build_data
 from flaxformer_lite.data.store import prepare_store
+from flaxformer_lite.data.tasks import TASKS
 from flaxformer_lite.data.tokenizers import ByteTokenizer
 from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.run_dir import RunDir
@@ -27,7 +28,7 @@ def build(cfg, run_dir, **kwargs):
     run = RunDir(run_dir)
     return build_data(
         cfg,
-        task="lm",
+        task=TASKS["lm"],
         seed=3,
         batch_size=4,
         directory=run.tokenizer,
@@ -125,7 +126,7 @@ def test_a_prepared_store_must_fit_the_task(tmp_path):
         build(DataConfig(source="prepared", path=str(store), seq_len=16), tmp_path / "run")
     data = build_data(
         DataConfig(source="prepared", path=str(store), seq_len=16),
-        task="seq2seq",
+        task=TASKS["seq2seq"],
         seed=0,
         batch_size=2,
         directory=tmp_path / "run2" / "tokenizer",

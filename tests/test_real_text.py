@@ -22,6 +22,7 @@ from flaxformer_lite.cli import train as train_cli
 from flaxformer_lite.data.config import DataConfig
 from flaxformer_lite.data.pipeline import build_data
 from flaxformer_lite.data.store import open_store
+from flaxformer_lite.data.tasks import TASKS
 from flaxformer_lite.train.actions import evaluate
 from flaxformer_lite.train.console import Console
 from flaxformer_lite.train.step import make_eval_step
@@ -43,7 +44,7 @@ def text_data(tmp_path, text=BOOK, name="book.txt", **settings):
     return built(DataConfig(**values), tmp_path)
 
 
-def built(cfg, tmp_path, task="lm", tokenizer="tok"):
+def built(cfg, tmp_path, task=TASKS["lm"], tokenizer="tok"):
     """The data of ``cfg`` for ``task``, batches of 4, its tokenizer in ``tmp_path/<tokenizer>``,
     a file source prepared in ``tmp_path/prepared``."""
     return build_data(
@@ -146,7 +147,7 @@ def float64_loss(model, tokenizer, texts) -> float:
 def test_the_eval_loss_is_over_every_validation_token_whatever_the_row_layout(tmp_path):
     text = "\n".join(f"line {i}: " + "xyz" * (i % 13) for i in range(60))
     model, graphdef, state = _tiny_lm()
-    eval_step = make_eval_step(nnx.graphdef((model, None)), task="lm")
+    eval_step = make_eval_step(nnx.graphdef((model, None)), task=TASKS["lm"])
     losses = []
     for settings in ({}, {"lm_rows": "windows"}, {"packing": False}):
         data = text_data(tmp_path / str(len(losses)), text=text, text_documents="lines", **settings)
@@ -200,7 +201,7 @@ def test_a_task_that_must_cut_examples_says_how_much(tmp_path):
         seq_len=16,
         validation_fraction=0.25,
     )
-    data = built(cfg, tmp_path, task="seq2seq")
+    data = built(cfg, tmp_path, task=TASKS["seq2seq"])
     data.train.close()
     sources = [len(line.split("\t")[0]) for line in pairs.splitlines()]
     targets = [len(line.split("\t")[1]) for line in pairs.splitlines()]

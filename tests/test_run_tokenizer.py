@@ -5,6 +5,7 @@ import pytest
 
 from flaxformer_lite.data.config import DataConfig, MixtureSource
 from flaxformer_lite.data.pipeline import build_data, run_tokenizer
+from flaxformer_lite.data.tasks import TASKS
 from flaxformer_lite.data.tokenizers import ByteTokenizer, CharTokenizer, make_tokenizer
 
 
@@ -41,7 +42,7 @@ def test_a_mixtures_tokenizer_is_decided_before_its_stores_are_made(tmp_path, co
     assert chosen.decode(chosen.encode("abc+=?")) == "abc+=?"  # both sources' characters
     data = build_data(
         cfg,
-        task="lm",
+        task=TASKS["lm"],
         seed=0,
         batch_size=2,
         directory=tmp_path / "tokenizer",
@@ -55,6 +56,6 @@ def test_a_synthetic_source_fits_the_named_tokenizer_and_saves_it_once(tmp_path)
     cfg = DataConfig(source="synthetic", generator="reverse", tokenizer="byte", train_size=8)
     directory = tmp_path / "tokenizer"
     assert run_tokenizer(cfg, directory, None) is None
-    data = build_data(cfg, task="lm", seed=0, batch_size=2, directory=directory)
+    data = build_data(cfg, task=TASKS["lm"], seed=0, batch_size=2, directory=directory)
     assert isinstance(data.tokenizer, ByteTokenizer)
     assert isinstance(run_tokenizer(cfg, directory, None), ByteTokenizer)

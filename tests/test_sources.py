@@ -13,6 +13,7 @@ from flaxformer_lite.data.inputs import current_inputs
 from flaxformer_lite.data.pipeline import build_data
 from flaxformer_lite.data.sources import SOURCES, FileSource, register, source_of
 from flaxformer_lite.data.store import prepare_store
+from flaxformer_lite.data.tasks import TASKS
 
 TEXTS = [f"row {i} " + "xyz"[i % 3] * (i % 7) for i in range(40)]
 
@@ -47,7 +48,7 @@ def test_a_source_defined_outside_the_package_trains_end_to_end(tmp_path, csv_so
     cfg = DataConfig(source="csv_text", path=str(path), seq_len=16, tokenizer="char")
     data = build_data(
         cfg,
-        task="lm",
+        task=TASKS["lm"],
         seed=0,
         batch_size=4,
         directory=tmp_path / "tokenizer",
@@ -68,7 +69,7 @@ def test_a_source_defined_outside_the_package_trains_end_to_end(tmp_path, csv_so
     # The same source reads from the cached store the second time (made once).
     again = build_data(
         cfg,
-        task="lm",
+        task=TASKS["lm"],
         seed=0,
         batch_size=4,
         directory=tmp_path / "tokenizer",

@@ -21,6 +21,7 @@ from flaxformer_lite.data import store_writer
 from flaxformer_lite.data.config import DataConfig
 from flaxformer_lite.data.pipeline import build_data
 from flaxformer_lite.data.store import open_store, prepare_store
+from flaxformer_lite.data.tasks import TASKS
 from flaxformer_lite.data.tokenizers import (
     SPECIAL_TOKENS,
     ByteTokenizer,
@@ -159,14 +160,14 @@ def test_ids_past_the_vocabulary_are_refused_as_batches_are_made(tmp_path):
     vocab = store.tokenizer.vocab_size
     for rows in ("documents", "windows"):
         cfg = DataConfig(source="prepared", path=str(store.path), seq_len=16, lm_rows=rows)
-        data = build_data(cfg, task="lm", seed=0, batch_size=4, directory=tmp_path / rows)
+        data = build_data(cfg, task=TASKS["lm"], seed=0, batch_size=4, directory=tmp_path / rows)
         message = f"{store.path / 'text.tokens'}: token id 60000 is not in the vocabulary"
         with pytest.raises(ValueError, match=f"{message} of the store's tokenizer \\({vocab} ids"):
             next(data.train)
         with pytest.raises(ValueError, match=message):
             next(data.eval_batches())
     cfg = DataConfig(source="prepared", path=str(store.path), seq_len=16)
-    data = build_data(cfg, task="mlm", seed=0, batch_size=4, directory=tmp_path / "mlm")
+    data = build_data(cfg, task=TASKS["mlm"], seed=0, batch_size=4, directory=tmp_path / "mlm")
     with pytest.raises(ValueError, match=message):
         next(data.train)
 
@@ -258,6 +259,7 @@ def test_a_killed_prepare_leaves_nothing_that_opens(tmp_path):
 MEASURE_PREPARE = """
 import resource, sys
 from flaxformer_lite.data import readers, store, store_writer
+from flaxformer_lite.data.tasks import TASKS
 readers.CHUNK_BYTES = store_writer.READ_BYTES = 1 << 16
 big, small, out = sys.argv[1:]
 settings = dict(source="text", documents="lines")

@@ -9,7 +9,6 @@ import yaml
 from flaxformer_lite.models import ModelConfig
 from flaxformer_lite.ops import RopeScaling
 from flaxformer_lite.train.config import (
-    OTHER_NAMES,
     ConfigError,
     TrainConfig,
     config_diff,
@@ -18,6 +17,7 @@ from flaxformer_lite.train.config import (
     load_config,
     valid_keys,
 )
+from flaxformer_lite.train.config_keys import OTHER_NAMES
 from flaxformer_lite.train.recipes import recipe_path, recipes, summary
 
 

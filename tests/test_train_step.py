@@ -8,9 +8,9 @@ import pytest
 from flax import nnx
 
 from flaxformer_lite import parallel
-from flaxformer_lite.data import tasks
+from flaxformer_lite.data.tasks import TASKS
 from flaxformer_lite.models import ModelConfig, build_model
-from flaxformer_lite.train.config import load_config
+from flaxformer_lite.train.config import load_config, task_of
 from flaxformer_lite.train.optim import make_optimizer
 from flaxformer_lite.train.program import (
     build_train_state,
@@ -20,7 +20,7 @@ from flaxformer_lite.train.program import (
     train_and_eval_graphdefs,
 )
 from flaxformer_lite.train.sections import OptimizerConfig
-from flaxformer_lite.train.step import make_eval_step, make_train_step, model_loss, task_of
+from flaxformer_lite.train.step import make_eval_step, make_train_step, model_loss
 from flaxformer_lite.train.step_numbers import step_numbers
 
 pytestmark = pytest.mark.fast_compile  # XLA's backend optimizations off: conftest.py
@@ -92,22 +92,23 @@ def test_each_task_learns_its_batch(preset, overrides):
     task = task_of(cfg)
     graphdef, state = nnx.split((model, optimizer))
     step = make_train_step(graphdef, task=task)
-    batch = make_batch(task)
+    batch = make_batch(task.name)
     losses = []
     for _ in range(12):
         state, metrics = step(state, batch)
         assert bool(metrics["finite"])
         losses.append(float(metrics["loss"]))
     assert losses[-1] < 0.5 * losses[0], losses
-    if task != "classify":
+    if task.name != "classify":
         assert float(metrics["num_tokens"]) == batch["weights"].sum()
 
 
 def test_tasks_follow_the_model_kind():
     assert [
-        task_of(ModelConfig.from_preset(p)) for p in ("gpt2-tiny", "transformer-tiny", "bert-tiny")
+        task_of(ModelConfig.from_preset(p)).name
+        for p in ("gpt2-tiny", "transformer-tiny", "bert-tiny")
     ] == ["lm", "seq2seq", "mlm"]
-    assert task_of(ModelConfig.from_preset("bert-tiny", num_classes=3)) == "classify"
+    assert task_of(ModelConfig.from_preset("bert-tiny", num_classes=3)).name == "classify"
 
 
 def test_gradient_accumulation_equals_the_whole_batch():
@@ -120,8 +121,10 @@ def test_gradient_accumulation_equals_the_whole_batch():
     graphdef, state = nnx.split(sgd_setup())
     copy = nnx.split(sgd_setup())[1]  # the same seeds: the same state
     batch = make_batch("lm")
-    whole, whole_metrics = make_train_step(graphdef, task="lm")(state, batch)
-    parts, parts_metrics = make_train_step(graphdef, task="lm", grad_accum_steps=2)(copy, batch)
+    whole, whole_metrics = make_train_step(graphdef, task=TASKS["lm"])(state, batch)
+    parts, parts_metrics = make_train_step(graphdef, task=TASKS["lm"], grad_accum_steps=2)(
+        copy, batch
+    )
     for key in ("loss", "accuracy", "num_tokens", "grad_norm"):
         np.testing.assert_allclose(parts_metrics[key], whole_metrics[key], rtol=1e-5)
     jax.tree.map(
@@ -130,7 +133,7 @@ def test_gradient_accumulation_equals_the_whole_batch():
         snapshot(whole),
     )
     with pytest.raises(ValueError, match="not divisible by grad_accum_steps=3"):
-        make_train_step(graphdef, task="lm", grad_accum_steps=3)(parts, batch)
+        make_train_step(graphdef, task=TASKS["lm"], grad_accum_steps=3)(parts, batch)
 
 
 @pytest.mark.parametrize(
@@ -148,7 +151,7 @@ def test_a_chunked_loss_step_equals_the_plain_step(preset, overrides):
     cfg, model, optimizer = setup(preset, **{**SMALL, "vocab_size": 32, **overrides})
     graphdef, state = nnx.split((model, optimizer))
     copy = jax.tree.map(jnp.copy, state)
-    batch, task = make_batch(task_of(cfg)), task_of(cfg)
+    batch, task = make_batch(task_of(cfg).name), task_of(cfg)
     loss = dict(task=task, label_smoothing=0.1, z_loss=1e-3)
     plain, plain_metrics = make_train_step(graphdef, **loss)(state, batch)
     chunked, chunked_metrics = make_train_step(graphdef, **loss, loss_chunk=3)(copy, batch)
@@ -178,7 +181,7 @@ def test_a_non_finite_step_leaves_the_state_unchanged():
     before = snapshot(state)
     batch = make_batch("lm")
     batch["inputs"][0, 0] = 5
-    state, metrics = make_train_step(graphdef, task="lm")(state, batch)
+    state, metrics = make_train_step(graphdef, task=TASKS["lm"])(state, batch)
     assert not bool(metrics["finite"])
     jax.tree.map(np.testing.assert_array_equal, snapshot(state), before)
 
@@ -190,7 +193,7 @@ def test_the_update_overwrites_the_donated_state_in_place():
     _, model, optimizer = setup("gpt2-tiny", d_model=128, d_ff=512, vocab_size=4096)
     graphdef, state = nnx.split((model, optimizer))
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    compiled = make_train_step(graphdef, task="lm").lower(state, make_batch("lm")).compile()
+    compiled = make_train_step(graphdef, task=TASKS["lm"]).lower(state, make_batch("lm")).compile()
     memory = compiled.memory_analysis()
     batch_bytes = sum(x.nbytes for x in make_batch("lm").values())
     assert memory.alias_size_in_bytes == memory.argument_size_in_bytes - batch_bytes
@@ -202,8 +205,8 @@ def test_the_step_over_the_states_leaves_is_the_same_step():
     graphdef, state = nnx.split((model, optimizer))
     leaves, treedef = jax.tree.flatten(jax.tree.map(jnp.copy, state))
     batch = make_batch("lm")
-    state, metrics = make_train_step(graphdef, task="lm")(state, batch)
-    on_leaves = make_train_step(graphdef, task="lm", state_treedef=treedef)
+    state, metrics = make_train_step(graphdef, task=TASKS["lm"])(state, batch)
+    on_leaves = make_train_step(graphdef, task=TASKS["lm"], state_treedef=treedef)
     leaves, leaf_metrics = on_leaves(leaves, batch)
     assert isinstance(leaves, list)
     for key in ("loss", "grad_norm", "finite"):
@@ -223,10 +226,10 @@ def test_eval_step_is_the_loss_without_dropout():
     batch = make_batch("lm")
     model.eval()
     eval_graphdef, state = nnx.split((model, optimizer))
-    metrics = make_eval_step(eval_graphdef, task="lm")(state, batch)
-    expected = model_loss(model, jax.tree.map(jnp.asarray, batch), task="lm")[1]
+    metrics = make_eval_step(eval_graphdef, task=TASKS["lm"])(state, batch)
+    expected = model_loss(model, jax.tree.map(jnp.asarray, batch), task=TASKS["lm"])[1]
     np.testing.assert_allclose(metrics["loss"], expected["loss"], rtol=1e-5)
-    again = make_eval_step(eval_graphdef, task="lm")(state, batch)
+    again = make_eval_step(eval_graphdef, task=TASKS["lm"])(state, batch)
     np.testing.assert_array_equal(again["loss"], metrics["loss"])
 
 
@@ -234,7 +237,7 @@ def step_program_ops(num_layers, scan_layers):
     """The number of StableHLO ops in the lowered train step of a ``num_layers`` decoder LM."""
     _, model, optimizer = setup("gpt2-tiny", num_decoder_layers=num_layers, scan_layers=scan_layers)
     graphdef, state = nnx.split((model, optimizer))
-    lowered = make_train_step(graphdef, task="lm").lower(state, make_batch("lm"))
+    lowered = make_train_step(graphdef, task=TASKS["lm"]).lower(state, make_batch("lm"))
     return lowered.as_text().count("stablehlo.")
 
 
@@ -262,9 +265,7 @@ def test_the_loss_reads_every_array_of_the_tasks_batch(preset, overrides, packed
     task = task_of(cfg)
     rng = np.random.default_rng(0)
     batch = {}
-    for key, (shape, dtype) in (
-        tasks.task_named(task).batch_shapes(packed=packed, batch_size=B, seq_len=T).items()
-    ):
+    for key, (shape, dtype) in task.batch_shapes(packed=packed, batch_size=B, seq_len=T).items():
         values = rng.integers(0, 2 if key == "labels" else 32, shape)
         batch[key] = values > 8 if dtype == np.bool_ else values.astype(dtype)
     if packed:

@@ -1,7 +1,7 @@
 """Input pipelines: a source -> documents -> sharded, resumable numpy batches, made ahead.
 
     run = RunDir("runs/x")            # where a run keeps its tokenizer and prepared stores
-    data = build_data(cfg.data, task=task_of(cfg.model), seed=0, batch_size=32,
+    data = build_data(cfg.data, task=cfg.task, seed=0, batch_size=32,
                       directory=run.tokenizer, prepared=run.prepared)
     batch = next(data.train)          # this process's share of the next global batch
     state = data.train.get_state()    # JSON-able: save it with the checkpoint, set_state to resume
@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from flaxformer_lite.data import tasks, tokenizers
+from flaxformer_lite.data import tokenizers
 from flaxformer_lite.data.batches import (
     Layout,
     TrainBatches,
@@ -77,6 +77,7 @@ from flaxformer_lite.data.run_stores import (
     validation_store,
 )
 from flaxformer_lite.data.sources import source_of_store
+from flaxformer_lite.data.tasks import Task
 from flaxformer_lite.data.tokenizers import Tokenizer
 
 # Fitted tokenizers see all training records of a file source, or this many synthetic examples.
@@ -151,7 +152,7 @@ class Corpus:
 def build_data(
     cfg: DataConfig,
     *,
-    task: str,
+    task: Task,
     seed: int,
     batch_size: int,
     directory: Path,
@@ -166,7 +167,8 @@ def build_data(
 
     Args:
       cfg: the data config.
-      task: one of :data:`~flaxformer_lite.data.tasks.TASKS` (``train.step.task_of``).
+      task: what the model trains on (``TrainConfig.task``), one of
+        :data:`~flaxformer_lite.data.tasks.TASKS`.
       seed: shuffles the training stream (and, with it, the synthetic data and MLM masking).
       batch_size: the global batch size; each process gets ``batch_size // process_count`` rows.
       directory: where the tokenizer is saved. A tokenizer already saved there is loaded
@@ -187,7 +189,7 @@ def build_data(
         tokenizer that is not the run's, or bad data (the message names the file).
       FileNotFoundError: a missing data or tokenizer file.
     """
-    task_type = tasks.task_named(task)
+    task_type = task
     if not 0 <= process_index < process_count:
         raise ValueError(f"process_index {process_index} is not in [0, {process_count})")
     if batch_size < 1 or batch_size % process_count:
@@ -199,7 +201,7 @@ def build_data(
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
     if (cfg.packing or cfg.lm_rows != "documents") and not task_type.pieces:
         raise ValueError(
-            f"data.packing=true and data.lm_rows apply to task 'lm' only, not {task!r}"
+            f"data.packing=true and data.lm_rows apply to task 'lm' only, not {task.name!r}"
         )
     packing = task_type.is_packed(cfg.packing)
     _check_fits(cfg, task)
@@ -227,7 +229,7 @@ def build_data(
         mlm_probability=cfg.mlm_probability,
         seed=seed,
     )
-    pipeline = dict(task=task, rows=layout.rows, seq_len=cfg.seq_len, seed=seed)
+    pipeline = dict(task=task.name, rows=layout.rows, seq_len=cfg.seq_len, seed=seed)
     pipeline.update(batch_size=batch_size, train_documents=0, train_tokens=0)
     parts, notices = {}, []
     for name, corpus in corpora.items():
@@ -283,16 +285,16 @@ def build_data(
     )
 
 
-def _check_fits(cfg: DataConfig, task: str) -> None:
+def _check_fits(cfg: DataConfig, task: Task) -> None:
     for name, part in cfg.parts().items():
         records = part.reader.record_type_of(part)
         if records is not None:  # else checked against the store's manifest once it is open
             with named_source(name) if name else contextlib.nullcontext():
-                tasks.task_named(task).check_records(records, part.reader.described(part))
+                task.check_records(records, part.reader.described(part))
 
 
 def _load(
-    cfg: DataConfig, task: str, seed: int, prepared: Path | None, chosen: Tokenizer | None
+    cfg: DataConfig, task: Task, seed: int, prepared: Path | None, chosen: Tokenizer | None
 ) -> tuple[Tokenizer, Corpus]:
     """The tokenizer (``chosen``, or made with the data) and the source tokenized, with its
     validation split."""
@@ -313,7 +315,7 @@ def _load(
 
 
 def _load_store(
-    cfg: DataConfig, prepared: Path | None, chosen: Tokenizer | None, task: str
+    cfg: DataConfig, prepared: Path | None, chosen: Tokenizer | None, task: Task
 ) -> tuple[Tokenizer, Corpus]:
     """A prepared store (``data.source=prepared``), or a text, jsonl or parallel source prepared
     into a store in ``prepared`` on first use: one read path for all.
@@ -322,7 +324,7 @@ def _load_store(
     check_sources(cfg)
     store = run_store(cfg, prepared, chosen)
     records = records_of(store)
-    tasks.task_named(task).check_records(records, f"the store {store.path} ({records} documents)")
+    task.check_records(records, f"the store {store.path} ({records} documents)")
     valid_store = None
     if cfg.validation_path is not None:
         try:
@@ -351,7 +353,7 @@ def _load_store(
 
 
 def _load_mixture(
-    cfg: DataConfig, task: str, prepared: Path | None, tokenizer: Tokenizer
+    cfg: DataConfig, task: Task, prepared: Path | None, tokenizer: Tokenizer
 ) -> dict[str, Corpus]:
     """Each source of a mixture tokenized with the mixture's ``tokenizer``, by name."""
     corpora = {}

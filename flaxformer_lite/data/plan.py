@@ -1,7 +1,7 @@
 """A run's data as one plan: one value made from the run's data settings and its paths, which a
 training run asks for its data, and nothing else of data/.
 
-    plan = DataPlan(cfg.data, task=task_of(cfg.model), seed=0, batch_size=32,
+    plan = DataPlan(cfg.data, task=cfg.task, seed=0, batch_size=32,
                     paths=RunPaths(run.tokenizer, run.prepared, run.inputs),
                     init_from=cfg.init_from)
     data = plan.build()       # batches, evaluation passes, tokenizer, notices; the inputs recorded
@@ -29,6 +29,7 @@ from flaxformer_lite.data.inputs import built_inputs, write_inputs
 from flaxformer_lite.data.mixture import check_mixture_sources
 from flaxformer_lite.data.pipeline import Data, build_data, prepare_run_store
 from flaxformer_lite.data.run_stores import check_sources
+from flaxformer_lite.data.tasks import Task
 from flaxformer_lite.data.tokenizers import Tokenizer
 
 
@@ -48,7 +49,7 @@ class DataPlan:
 
     Attributes:
       data: the data settings.
-      task: what the model trains on (``train.step.task_of``).
+      task: what the model trains on (``TrainConfig.task``).
       seed: the run's seed.
       batch_size: the global batch size.
       paths: the run's paths.
@@ -62,7 +63,7 @@ class DataPlan:
     """
 
     data: DataConfig
-    task: str
+    task: Task
     seed: int
     batch_size: int
     paths: RunPaths

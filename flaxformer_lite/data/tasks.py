@@ -2,7 +2,7 @@
 records it trains on, how its rows are made, its loss's model call, what its metrics count,
 whether its model writes text, and its tokenizer's export template. The rest of the package asks
 the task (:func:`task_named`) rather than its name; which task a model trains on is
-:func:`flaxformer_lite.train.step.task_of`'s to say.
+:func:`flaxformer_lite.train.config.task_of`'s to say.
 
 A batch is a dict of arrays, each of :class:`Array` ``(shape, dtype, meaning)`` with its shape
 in the project's letters: ``B`` rows, ``T = data.seq_len`` positions of the target side, and
@@ -57,7 +57,7 @@ class Task(abc.ABC):
     """What differs by task; one instance of each subclass is in :data:`TASKS`.
 
     Attributes:
-      name: what ``train.step.task_of`` calls it, and the data pipeline's state records.
+      name: what ``train.config.task_of`` calls it, and the data pipeline's state records.
       arrays: its batch (:data:`PACKED_KEYS` aside).
       records: the record types (:mod:`flaxformer_lite.data.documents`) it trains on, and
         ``needs`` says so in words.

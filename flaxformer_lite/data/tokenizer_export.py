@@ -31,7 +31,7 @@ import json
 from collections.abc import Mapping
 
 from flaxformer_lite.data.features import MASK_ID
-from flaxformer_lite.data.tasks import Task, task_named
+from flaxformer_lite.data.tasks import Task
 from flaxformer_lite.data.tokenizers import (
     EOS_ID,
     NUM_SPECIAL,
@@ -46,7 +46,7 @@ SPECIAL_MAP_FILE = "special_tokens_map.json"
 _NAMES = ("pad", "bos", "eos", "unk")  # HF's names of our four specials, in id order
 
 
-def hf_tokenizer_files(tokenizer: Tokenizer, *, task: str, max_length: int) -> dict[str, bytes]:
+def hf_tokenizer_files(tokenizer: Tokenizer, *, task: Task, max_length: int) -> dict[str, bytes]:
     """File name -> contents of ``tokenizer``'s Hugging Face files, for a model of ``task``.
 
     Args:
@@ -57,7 +57,6 @@ def hf_tokenizer_files(tokenizer: Tokenizer, *, task: str, max_length: int) -> d
     Raises:
       ValueError: a tokenizer these files cannot express (named).
     """
-    task = task_named(task)
     if tokenizer.name == "hf":
         return _checkpoint_files(tokenizer, task=task, max_length=max_length)
     hf = _hf_tokenizer(tokenizer)

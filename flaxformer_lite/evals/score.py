@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from flaxformer_lite import ops
-from flaxformer_lite.data.tasks import task_named
+from flaxformer_lite.data.tasks import TASKS
 from flaxformer_lite.evals.requests import Request, pack
 from flaxformer_lite.models.heads import head_projection
 from flaxformer_lite.nn.context_parallel import sequence_shards, to_context_layout
@@ -44,7 +44,7 @@ def request_scores(
     if shards > 1:
         batch = to_context_layout(batch, shards)
     features = loss_chunk is not None
-    outputs = task_named("lm").predict(model, batch, features=features)
+    outputs = TASKS["lm"].predict(model, batch, features=features)
     if features:
         log_p, greedy = ops.chunked_token_log_likelihood(
             outputs, batch["targets"], head_projection(model), chunk=loss_chunk

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from flaxformer_lite.data import Task, task_named
+from flaxformer_lite.data import Task
 from flaxformer_lite.decode.generate import compile_only
 from flaxformer_lite.decode.text import printable
 from flaxformer_lite.train.background_compile import BackgroundCompile
@@ -177,14 +177,14 @@ class Evaluate:
         self,
         cfg,
         data,
-        task: str,
+        task: Task,
         eval_step,
         eval_graphdef,
         place,
         console: Console,
         compiled: BackgroundCompile | None = None,
     ):
-        self.cfg, self.data, self.task, self.eval_step = cfg, data, task_named(task), eval_step
+        self.cfg, self.data, self.task, self.eval_step = cfg, data, task, eval_step
         self.eval_graphdef, self.place, self.console = eval_graphdef, place, console
         self.compiled = compiled
 
@@ -398,7 +398,7 @@ def decoded_eval(
             model,
             data.tokenizer,
             examples,
-            task=task.name,
+            task=task,
             num_examples=cfg.train.decode_examples,
             max_length=cfg.model.max_length,
         )

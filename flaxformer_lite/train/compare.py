@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from flaxformer_lite.train.config import renamed_keys
+from flaxformer_lite.train.config_keys import renamed_keys
 from flaxformer_lite.train.figures import draw, log_scale_if_wide, pyplot, readable_ticks
 from flaxformer_lite.train.metrics import read_metrics
 from flaxformer_lite.train.run_dir import RunDir

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import pathlib
 import re
 import typing
@@ -27,11 +28,12 @@ from typing import Any
 
 import yaml
 
-from flaxformer_lite.data import DataConfig
+from flaxformer_lite.data import TASKS, DataConfig, Task
 from flaxformer_lite.evals.config import EvalsConfig
 from flaxformer_lite.models.config import ModelConfig, ModelKind
 from flaxformer_lite.parallel.config import DistributedConfig, check_context_length
 from flaxformer_lite.settings import flatten, setting
+from flaxformer_lite.train.config_keys import OTHER_NAMES, renamed_key, renamed_keys
 from flaxformer_lite.train.init_from import checkpoint_model
 from flaxformer_lite.train.recipes import recipe_path, unknown_recipe_hint
 from flaxformer_lite.train.schema import ConfigError, OverrideText, UnknownKeyError, build
@@ -159,12 +161,27 @@ class TrainConfig:
         except ValueError as error:
             raise ConfigError(str(error)) from None
 
+    @functools.cached_property
+    def task(self) -> Task:
+        """What the model trains on (:func:`task_of`), resolved once."""
+        return task_of(self.model)
+
     def to_dict(self) -> dict[str, Any]:
         """Plain values (lists for tuples), ready for YAML and JSON;
         ``config_from_dict(cfg.to_dict()) == cfg``."""
         values = dataclasses.asdict(self)
         values["model"] = self.model.to_dict(derived=False)  # derived values stay derived
         return _plain(values)
+
+
+def task_of(model: ModelConfig) -> Task:
+    """What a model of ``model`` is trained on: next tokens (``lm``), target tokens given a
+    source (``seq2seq``), masked tokens (``mlm``) or a label per sequence (``classify``)."""
+    if model.kind is ModelKind.DECODER:
+        return TASKS["lm"]
+    if model.kind.is_seq2seq:
+        return TASKS["seq2seq"]
+    return TASKS["classify" if model.num_classes is not None else "mlm"]
 
 
 # Keys that may change when a run resumes: they do not change what is being trained.
@@ -183,53 +200,6 @@ RUNTIME_KEYS = (
     "distributed.",
 )
 
-# Keys renamed since runs saved their configs: old dotted key -> new, in the same section. An
-# old key is read as its new name wherever it appears (a config file, an override, an older
-# run's config.yaml or checkpoint), so an older run resumes without a difference.
-RENAMED_KEYS = {
-    "data.task": "data.generator",
-    "data.task_options": "data.generator_options",
-    "model.rope_scaling.kind": "model.rope_scaling.type",
-}
-
-# Our key for the names nanoGPT, Hugging Face's TrainingArguments / configs and levanter give a
-# setting: an unknown key whose last part is one of them is pointed here, in whatever section it
-# was typed, before any match by spelling (which finds `optimizer.end_lr_ratio` for
-# `optimizer.learning_rate`).
-OTHER_NAMES = {
-    **dict.fromkeys(("learning_rate", "lr", "peak_lr", "max_lr"), "optimizer.lr"),
-    **dict.fromkeys(("min_lr", "min_lr_ratio"), "optimizer.end_lr_ratio"),
-    **dict.fromkeys(("warmup_steps", "warmup_iters", "warmup"), "optimizer.warmup_steps"),
-    **dict.fromkeys(("lr_decay_iters", "decay_steps"), "optimizer.schedule_steps"),
-    **dict.fromkeys(("lr_scheduler_type", "lr_schedule"), "optimizer.schedule"),
-    **dict.fromkeys(("beta1", "adam_beta1"), "optimizer.b1"),
-    **dict.fromkeys(("beta2", "adam_beta2"), "optimizer.b2"),
-    **dict.fromkeys(("epsilon", "adam_epsilon", "adam_eps"), "optimizer.eps"),
-    **dict.fromkeys(("grad_clip", "max_grad_norm", "clip_grad_norm"), "optimizer.clip_norm"),
-    "weight_decay": "optimizer.weight_decay",
-    **dict.fromkeys(("max_steps", "max_iters", "num_train_steps", "num_steps"), "train.steps"),
-    **dict.fromkeys(
-        ("batch_size", "train_batch_size", "per_device_train_batch_size"), "train.batch_size"
-    ),
-    "gradient_accumulation_steps": "train.grad_accum_steps",
-    **dict.fromkeys(("eval_interval", "eval_steps", "steps_per_eval"), "train.eval_every"),
-    **dict.fromkeys(("log_interval", "logging_steps"), "train.log_every"),
-    **dict.fromkeys(("eval_iters", "max_eval_batches"), "train.eval_batches"),
-    **dict.fromkeys(("save_steps", "steps_per_export"), "checkpoint.every"),
-    **dict.fromkeys(("block_size", "seq_length", "max_seq_length"), "data.seq_len"),
-    "dataset": "data.path",
-    **dict.fromkeys(("out_dir", "output_dir"), "run_dir"),
-    **dict.fromkeys(
-        ("n_layer", "n_layers", "num_layers", "num_hidden_layers"), "model.num_decoder_layers"
-    ),
-    **dict.fromkeys(("n_head", "num_attention_heads"), "model.num_heads"),
-    **dict.fromkeys(("n_embd", "hidden_size", "hidden_dim", "d_embed"), "model.d_model"),
-    **dict.fromkeys(("intermediate_size", "mlp_dim", "n_inner"), "model.d_ff"),
-    **dict.fromkeys(("num_key_value_heads", "n_kv_heads"), "model.num_kv_heads"),
-    **dict.fromkeys(("n_positions", "max_position_embeddings"), "model.max_length"),
-    "dropout": "model.residual_dropout",
-}
-
 
 def load_config(
     path: str | pathlib.Path | None = None,
@@ -238,7 +208,8 @@ def load_config(
 ) -> TrainConfig:
     """The config of a YAML file (or the defaults) with ``key=value`` overrides applied; ``path``
     that is no file but a shipped recipe's name (``gpt2_small``) reads that recipe. ``notify``
-    gets a line for each old key name (:data:`RENAMED_KEYS`) the file or an override uses.
+    gets a line for each old key name (:data:`~.config_keys.RENAMED_KEYS`) the file or an
+    override uses.
 
     Raises:
       ConfigError: a missing or malformed file, an unknown key (with the closest valid key), a
@@ -271,7 +242,7 @@ def load_config(
         key, sep, raw = override.partition("=")
         if not sep or not key:
             raise ConfigError(f"overrides are key=value, got {override!r}")
-        set_dotted(values, _renamed_key(key.strip(), override, notify), OverrideText(raw))
+        set_dotted(values, renamed_key(key.strip(), override, notify), OverrideText(raw))
     init_from = values.get("init_from")
     if isinstance(init_from, OverrideText) and init_from.strip().lower() in ("", "none", "null"):
         init_from = values["init_from"] = None
@@ -319,7 +290,7 @@ def _yaml_line(error: yaml.YAMLError) -> str:
 
 def config_from_dict(values: Mapping[str, Any]) -> TrainConfig:
     """A :class:`TrainConfig` from nested plain values, checked key by key; old key names
-    (:data:`RENAMED_KEYS`, as older runs saved them) are read as their new ones."""
+    (:data:`~.config_keys.RENAMED_KEYS`, as older runs saved them) are read as their new ones."""
     try:
         return build(TrainConfig, renamed_keys(values, "the config"), "")
     except UnknownKeyError as error:
@@ -328,7 +299,8 @@ def config_from_dict(values: Mapping[str, Any]) -> TrainConfig:
 
 def closest_key_hint(key: str) -> str:
     """`` (did you mean 'optimizer.lr'?)`` for an unknown dotted ``key``: our name for what other
-    trainers call it (:data:`OTHER_NAMES`), else the closest spelling; empty if neither."""
+    trainers call it (:data:`~.config_keys.OTHER_NAMES`), else the closest spelling; empty if
+    neither."""
     ours = OTHER_NAMES.get(key.rpartition(".")[2])
     candidates = valid_keys() + _entry_keys(key)
     close = [ours] if ours and ours != key else difflib.get_close_matches(key, candidates, n=1)
@@ -360,48 +332,6 @@ def config_diff(old: TrainConfig, new: TrainConfig) -> dict[str, tuple[Any, Any]
         for key in sorted(old_flat.keys() | new_flat.keys())
         if old_flat.get(key) != new_flat.get(key)
     }
-
-
-def renamed_keys(
-    values: Mapping[str, Any], where: str, notify: Callable[[str], None] | None = None
-) -> dict[str, Any]:
-    """Nested ``values`` with each old key of :data:`RENAMED_KEYS` under its new name (the
-    sections on the way copied, ``values`` left as it is); ``notify`` gets a line for each.
-
-    Raises:
-      ConfigError: an old key and its new name both given.
-    """
-    values = dict(values)
-    for old, new in RENAMED_KEYS.items():
-        *sections, old_name = old.split(".")
-        new_name = new.rpartition(".")[2]
-        node = values
-        for section in sections:
-            if not isinstance(node.get(section), Mapping):
-                break
-            node[section] = node = dict(node[section])
-        else:
-            if old_name not in node:
-                continue
-            if new_name in node:
-                raise ConfigError(
-                    f"{where}: {old} and {new} are one setting ({old} is its old name): "
-                    f"give only {new}"
-                )
-            node[new_name] = node.pop(old_name)
-            if notify is not None:
-                notify(f"{where}: {old} is now {new} (read as {new})")
-    return values
-
-
-def _renamed_key(key: str, override: str, notify: Callable[[str], None] | None) -> str:
-    """The dotted ``key`` of ``override`` with an old name (:data:`RENAMED_KEYS`) replaced."""
-    for old, new in RENAMED_KEYS.items():
-        if key == old or key.startswith(old + "."):
-            if notify is not None:
-                notify(f"{override}: {old} is now {new} (read as {new})")
-            return new + key[len(old) :]
-    return key
 
 
 def is_runtime_key(key: str) -> bool:

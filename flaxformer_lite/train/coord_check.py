@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from flaxformer_lite import ops
-from flaxformer_lite.data import task_named
+from flaxformer_lite.data import TASKS
 from flaxformer_lite.models import build_model
 from flaxformer_lite.models.config import ModelConfig, ModelKind
 from flaxformer_lite.models.heads import OutputHead
@@ -132,7 +132,7 @@ def fixed_batch(model: ModelConfig, *, batch_size: int, seq_len: int) -> dict[st
 @nnx.jit
 def _train_step(model, optimizer, batch):
     def loss_of(model):
-        return model_loss(model, batch, task="lm")[0]
+        return model_loss(model, batch, task=TASKS["lm"])[0]
 
     optimizer.update(model, nnx.grad(loss_of)(model))
 
@@ -140,7 +140,7 @@ def _train_step(model, optimizer, batch):
 def _forward(model, batch: dict) -> tuple[dict[str, float], float]:
     """One eager forward pass: ``({group: mean |x| over its layers}, loss)``."""
     with recording(model) as records:
-        logits = task_named("lm").predict(model, batch, features=False)
+        logits = TASKS["lm"].predict(model, batch, features=False)
     loss, _ = ops.cross_entropy(logits, batch["targets"], weights=batch["weights"])
     return {group: float(np.mean(values)) for group, values in records.items()}, float(loss)
 

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import jax
 
-from flaxformer_lite.data import TEXT_RECORDS, Generator, Task, Tokenizer, split_prompt, task_named
+from flaxformer_lite.data import TEXT_RECORDS, Generator, Task, Tokenizer, split_prompt
 from flaxformer_lite.decode import until_eos
 from flaxformer_lite.decode.text import new_tokens, prompt_ids, source_ids
 
@@ -49,7 +49,7 @@ def decode_eval(
     tokenizer: Tokenizer,
     examples: Sequence[dict],
     *,
-    task: str,
+    task: Task,
     num_examples: int,
     max_length: int,
 ) -> tuple[dict[str, float], list[Sample]]:
@@ -66,7 +66,7 @@ def decode_eval(
     Returns:
       ``({"eval_exact_match", "eval_token_accuracy"[, "eval_bleu"]}, samples)``.
     """
-    continues = task_named(task).continues  # a decoder LM, else an encoder-decoder
+    continues = task.continues  # a decoder LM, else an encoder-decoder
     records = [examples[i] for i in range(min(num_examples, len(examples)))]
     if continues:
         pairs = [split_prompt(r["text"]) for r in records]

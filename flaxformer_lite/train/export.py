@@ -25,9 +25,8 @@ from flaxformer_lite.interop.hf import refuse_user_pieces, save_hf, writable_fam
 from flaxformer_lite.interop.peft import save_peft
 from flaxformer_lite.models.config import ModelKind
 from flaxformer_lite.nn.lora import has_adapters
-from flaxformer_lite.train.config import load_config
+from flaxformer_lite.train.config import load_config, task_of
 from flaxformer_lite.train.run_dir import RunDir
-from flaxformer_lite.train.step import task_of
 from flaxformer_lite.train.trained_run import load_run
 
 # The transformers Auto class that loads each architecture save_hf writes.

@@ -37,7 +37,7 @@ from flaxformer_lite.train.console import Console
 from flaxformer_lite.train.metrics import MetricsWriter
 from flaxformer_lite.train.optim import warmup_notice
 from flaxformer_lite.train.program import numbered_step, schedule_span, tracing_layout
-from flaxformer_lite.train.step import on_leaves, task_of
+from flaxformer_lite.train.step import on_leaves
 from flaxformer_lite.train.time_spent import TimeSpent
 
 
@@ -106,7 +106,7 @@ class LaneActions:
         self.evaluate = Evaluate(
             run.cfg,
             run.data,
-            task_of(run.cfg.model),
+            run.cfg.task,
             eval_step,
             run.built.eval_graphdef,
             run.place,

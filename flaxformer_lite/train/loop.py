@@ -63,7 +63,7 @@ from flaxformer_lite.train.resume import (
 )
 from flaxformer_lite.train.run_dir import RunDir
 from flaxformer_lite.train.signals import Interrupted, SignalAgreement, stop_on_signals
-from flaxformer_lite.train.step import make_eval_step, task_of
+from flaxformer_lite.train.step import make_eval_step
 from flaxformer_lite.train.step_numbers import step_numbers
 from flaxformer_lite.train.time_spent import TimeSpent
 from flaxformer_lite.train.trained_run import starting_state
@@ -250,7 +250,7 @@ def start(
             cfg, built.graphdef, built.shardings, jax.tree.structure(state)
         ),
         eval_step=make_eval_step(
-            built.eval_graphdef, task=task_of(cfg.model), loss_chunk=cfg.train.loss_chunk
+            built.eval_graphdef, task=cfg.task, loss_chunk=cfg.train.loss_chunk
         ),
         place=place,
         tasks=tasks,
@@ -422,7 +422,7 @@ def _build_data(cfg: TrainConfig, run_dir: RunDir, batch_sharding, main: bool) -
     shard_index, shard_count = parallel.process_batch_shard(batch_sharding, cfg.train.batch_size)
     plan = DataPlan(
         cfg.data,
-        task=task_of(cfg.model),
+        task=cfg.task,
         seed=cfg.seed,
         batch_size=cfg.train.batch_size,
         paths=RunPaths(run_dir.tokenizer, run_dir.prepared, run_dir.inputs),

@@ -16,13 +16,12 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from flaxformer_lite import parallel
-from flaxformer_lite.data import task_named
 from flaxformer_lite.models import build_model, training_flops_per_token
 from flaxformer_lite.nn.lora import add_adapters, lora_scale, trainable
 from flaxformer_lite.nn.rngs import dropout_rates
 from flaxformer_lite.train.config import TrainConfig
 from flaxformer_lite.train.optim import make_optimizer, optimizer_of, table_schedule
-from flaxformer_lite.train.step import on_leaves, task_of, train_step
+from flaxformer_lite.train.step import on_leaves, train_step
 from flaxformer_lite.train.step_numbers import DROPOUT_NUMBERS, numbers_aside
 
 
@@ -171,7 +170,7 @@ def numbered_step(cfg: TrainConfig, graphdef):
                 graphdef,
                 state,
                 batch,
-                task=task_of(cfg.model),
+                task=cfg.task,
                 # Off, the loss skips the smoothing term (a mean over the vocabulary).
                 label_smoothing=numbers["label_smoothing"] if cfg.train.label_smoothing else 0.0,
                 z_loss=numbers["z_loss"],
@@ -257,7 +256,7 @@ def abstract_batch(cfg: TrainConfig, sharding) -> dict[str, jax.ShapeDtypeStruct
     """
     if cfg.model.input_dim is not None or cfg.model.output_dim is not None:
         raise ValueError("compile takes token models; model.input_dim/output_dim are set")
-    task = task_named(task_of(cfg.model))
+    task = cfg.task
     shapes = task.batch_shapes(
         packed=task.is_packed(cfg.data.packing),
         batch_size=cfg.train.batch_size,

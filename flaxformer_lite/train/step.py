@@ -18,27 +18,16 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from flaxformer_lite import ops
-from flaxformer_lite.data import task_named
-from flaxformer_lite.models.config import ModelConfig, ModelKind
+from flaxformer_lite.data import Task
 from flaxformer_lite.models.heads import head_projection
 from flaxformer_lite.nn.context_parallel import sequence_shards, shard_rows, to_context_layout
-
-
-def task_of(cfg: ModelConfig) -> str:
-    """What a model of ``cfg`` is trained on: next tokens (``lm``), target tokens given a source
-    (``seq2seq``), masked tokens (``mlm``) or a label per sequence (``classify``)."""
-    if cfg.kind is ModelKind.DECODER:
-        return "lm"
-    if cfg.kind.is_seq2seq:
-        return "seq2seq"
-    return "classify" if cfg.num_classes is not None else "mlm"
 
 
 def model_loss(
     model,
     batch: dict,
     *,
-    task: str,
+    task: Task,
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     loss_chunk: int | None = None,
@@ -51,7 +40,6 @@ def model_loss(
     features and output head instead: the same loss, never the logits of the whole batch at once
     (``classify`` has one logit row per example and ignores it).
     """
-    task = task_named(task)
     features = loss_chunk is not None and task.per_token
     shards = sequence_shards()  # above 1 for decoder LMs only (TrainConfig refuses the others)
     if shards > 1:  # a loss over tokens: the same in any order
@@ -71,7 +59,7 @@ def model_loss(
 def make_train_step(
     graphdef,
     *,
-    task: str,
+    task: Task,
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     loss_chunk: int | None = None,
@@ -129,7 +117,7 @@ def train_step(
     state,
     batch: dict,
     *,
-    task: str,
+    task: Task,
     label_smoothing=0.0,
     z_loss=0.0,
     loss_chunk: int | None = None,
@@ -212,7 +200,7 @@ def train_step(
     return state, metrics
 
 
-def make_eval_step(eval_graphdef, *, task: str, loss_chunk: int | None = None):
+def make_eval_step(eval_graphdef, *, task: Task, loss_chunk: int | None = None):
     """``eval_step(state, batch) -> metrics`` with ``loss``, ``accuracy`` and ``num_tokens``
     (for token-weighted averages over batches); ``loss_chunk`` as for :func:`model_loss`.
 
