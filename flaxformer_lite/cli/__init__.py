@@ -39,7 +39,7 @@ COMMANDS = {
     "sweep": "train several runs (seeds, settings) as one program; mean ± std",
     "ablation": "sweep configs over seeds and set them side by side, mean ± std",
     "config": "print the resolved config as YAML, every key explained",
-    "prepare": "tokenize a text, jsonl or parallel source once into a store",
+    "prepare": "tokenize a source of files once into a store",
     "plot": "draw every metric a run logged (loss, evals, ...) as PNGs",
     "compare": "put runs side by side: curves, final metrics, config diff",
     "generate": "continue or translate prompts with a run (as sample.py)",

@@ -1,4 +1,4 @@
-"""``flaxformer-lite prepare``: tokenize a text, JSONL or parallel source once into a prepared token
+"""``flaxformer-lite prepare``: tokenize a source of files once into a prepared token
 store (:mod:`flaxformer_lite.data.store`), with the data settings a training run would use.
 
     flaxformer-lite prepare --out stores/lines data.source=text data.path='corpus/*.txt' \\
@@ -32,7 +32,7 @@ def prepare_parser() -> argparse.ArgumentParser:
     """The ``prepare`` command's flags and its ``key=value`` overrides."""
     parser = CommandParser(
         prog="flaxformer-lite prepare",
-        description="Tokenize the configured text, jsonl or parallel source once into a store "
+        description="Tokenize the configured source of files once into a store "
         "of token ids (data.source, data.path, data.field, data.text_documents, data.tokenizer, "
         "data.vocab_size, data.tokenizer_path and data.validation_fraction, as train.py reads "
         "them; a fitted tokenizer sees the training part only). With data.validation_path, "
@@ -72,16 +72,16 @@ def prepare_main(argv: list[str] | None = None) -> int:
 def _prepare(args) -> int:
     from flaxformer_lite.data.plan import given_tokenizer
     from flaxformer_lite.data.run_stores import check_sources, prepare_source, prepare_validation
-    from flaxformer_lite.data.sources import SOURCES
+    from flaxformer_lite.data.sources import names_of, spelled
     from flaxformer_lite.train.config import load_config
 
     cfg = load_config(args.config, args.overrides, notify=notice)
     data = cfg.data
     if not data.reader.made_by_run:
-        *others, last = (name for name, source in SOURCES.items() if source.made_by_run)
+        files = spelled(names_of(lambda source: source.made_by_run))
         raise ValueError(
-            f"data.source={data.source!r}: prepare reads files (data.source {', '.join(others)} "
-            f"or {last}, with data.path)"
+            f"data.source={data.source!r}: prepare reads files (data.source {files}, with "
+            "data.path)"
         )
     if data.mixture:
         raise ValueError(

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from flaxformer_lite.data import readers
-from flaxformer_lite.data.sources import SOURCES, Source, source_of
+from flaxformer_lite.data.sources import SOURCES, Source, names_of, source_of, spelled
 from flaxformer_lite.data.tokenizers import NUM_SPECIAL, TOKENIZERS
 from flaxformer_lite.settings import setting
 
@@ -34,8 +34,8 @@ class MixtureSource:
     )
     source: str | None = setting(
         None,
-        help="its kind: text, jsonl or parallel (beside one another), prepared (beside stores); "
-        "null: data.source",
+        help=f"its kind: {spelled(names_of(lambda source: source.made_by_run))} (beside one "
+        "another), prepared (beside stores); null: data.source",
     )
     field: str | None = setting(None, help="a jsonl source's text field; null: data.field")
     weight: float = setting(1.0, help="the source's share of training rows, relative to the others")
@@ -61,7 +61,7 @@ class DataConfig:
 
     source: str = setting(
         "synthetic",
-        help="synthetic (made by data.generator), text, jsonl, parallel or prepared (a store)",
+        help=f"{spelled(names_of())} (synthetic: made by data.generator; prepared: a store)",
     )
     generator: str = setting(
         "arithmetic",
@@ -185,10 +185,11 @@ class DataConfig:
             _check_choice(f"mixture.{name}.source", kind, tuple(SOURCES))
             # One tokenizer reads every part: a store's own, or one made for the files.
             if SOURCES[kind].brings_tokenizer != self.reader.brings_tokenizer:
+                files = names_of(lambda source: source.made_by_run)
                 raise ValueError(
                     f"data.mixture.{name}.source={kind}: the parts of a mixture share one "
                     "tokenizer, so stores (prepared, which bring theirs) mix with stores under "
-                    "data.source=prepared, and text, jsonl and parallel sources with one another"
+                    f"data.source=prepared, and {spelled(files, 'and')} sources with one another"
                 )
             records[name] = SOURCES[kind].record_type
             if not METRIC_NAME.fullmatch(name):

@@ -25,7 +25,7 @@ from __future__ import annotations
 import abc
 import hashlib
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -69,9 +69,7 @@ class Source:
     def check(self, cfg: DataConfig) -> None:
         """Refuses the settings this source cannot take, in one line naming the setting."""
         if cfg.text_documents is not None and not self.reads_documents:
-            readers = " or ".join(
-                name for name, source in SOURCES.items() if source.reads_documents
-            )
+            readers = spelled(names_of(lambda source: source.reads_documents))
             raise ValueError(
                 "data.text_documents says how text files become documents: it needs "
                 f"data.source {readers}, not {self.name!r}"
@@ -238,10 +236,8 @@ class SyntheticSource(Source):
 
     def check(self, cfg: DataConfig) -> None:
         if cfg.mixture:
-            *others, last = (name for name, source in SOURCES.items() if source.stored)
-            raise ValueError(
-                f"data.mixture mixes files: it needs data.source {', '.join(others)} or {last}"
-            )
+            stored = spelled(names_of(lambda source: source.stored))
+            raise ValueError(f"data.mixture mixes files: it needs data.source {stored}")
         if cfg.generator not in synthetic.GENERATORS:
             names = ", ".join(synthetic.GENERATORS)
             raise ValueError(f"data.generator must be one of {names}; got {cfg.generator!r}")
@@ -287,6 +283,16 @@ def register(source: type[Source]) -> type[Source]:
 
 for _source in (SyntheticSource, TextSource, JsonlSource, ParallelSource, PreparedSource):
     register(_source)
+
+
+def names_of(having: Callable[[type[Source]], bool] = lambda source: True) -> tuple[str, ...]:
+    """The names of the sources ``having`` is true of, in registration order."""
+    return tuple(name for name, source in SOURCES.items() if having(source))
+
+
+def spelled(names: Sequence[str], last: str = "or") -> str:
+    """``text, jsonl or parallel``: ``names`` as a sentence says them."""
+    return f"{', '.join(names[:-1])} {last} {names[-1]}" if len(names) > 1 else "".join(names)
 
 
 def source_of(cfg: DataConfig) -> Source:
