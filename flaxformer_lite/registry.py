@@ -38,25 +38,46 @@ def is_import_path(value: Any) -> bool:
     return isinstance(value, str) and IMPORT_PATH.match(value) is not None
 
 
-class Registry:
-    """The names one setting accepts, each standing for an object that meets ``contract``.
+class Registry(Mapping):
+    """The names one setting accepts, each standing for an object that meets ``contract``: a
+    read-only mapping of name -> object (the built-in ones first, in order), a user's added by
+    :meth:`register`; where the setting may name code by import path (the model's pieces),
+    :meth:`resolve` imports it.
 
     Args:
       setting: the setting, ``model.mixer``.
       contract: what a registered object is, in a line (for error messages).
-      builtin: name -> the import path ``module:attr`` of each built-in object, in order;
-        imported when the name is first used.
+      builtin: name -> each built-in object, or its import path ``module:attr``, imported when
+        the name is first read (so that checking a name imports nothing).
       entry: the import path of ``entry(name, obj)``, which makes a user's object the entry
         kept under its name (an attention function its ``Backend``); default: the object.
+      imports: whether the setting may name code by import path.
     """
 
     def __init__(
-        self, setting: str, contract: str, builtin: Mapping[str, str], entry: str | None = None
+        self,
+        setting: str,
+        contract: str,
+        builtin: Mapping[str, Any],
+        entry: str | None = None,
+        imports: bool = True,
     ):
-        self.setting, self.contract = setting, contract
+        self.setting, self.contract, self.imports = setting, contract, imports
         self.builtin = tuple(builtin)
-        self.entries: dict[str, Any] = dict(builtin)  # a built-in's import path until used
+        self.entries: dict[str, Any] = dict(builtin)  # a built-in's import path until read
         self._entry = entry
+
+    def __getitem__(self, name: str) -> Any:
+        entry = self.entries[name]
+        if name in self.builtin and isinstance(entry, str):
+            entry = self.entries[name] = _attribute(entry)
+        return entry
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
 
     def register(self, name: str, obj: Any) -> None:
         """Makes ``obj`` the piece ``name`` (replacing a name registered before, not a built-in
@@ -79,8 +100,10 @@ class Registry:
         """Raises a ValueError unless ``value`` is a registered name or an import path; a plain
         name is said to be maybe one registered in another process (a run's config names the
         piece, not its code)."""
-        if value in self.entries or is_import_path(value):
+        if value in self.entries or (self.imports and is_import_path(value)):
             return
+        if not self.imports:
+            raise ValueError(f"{self.setting} must be one of {', '.join(self)}, got {value!r}")
         setting = self.setting.removeprefix("model.")
         unknown = (
             f"{setting} must be one of {tuple(self.entries)} or an import path module:attr, got "
@@ -94,7 +117,7 @@ class Registry:
             )
         raise ValueError(unknown)
 
-    def get(self, value: str) -> Any:
+    def resolve(self, value: str) -> Any:
         """The object ``value`` names; an import path is imported (only in trusted code) and
         registered under its path.
 
@@ -102,10 +125,8 @@ class Registry:
           ValueError: an unknown name; an import path outside :func:`trusted_code`, that does
             not import, or whose attribute is missing or not callable.
         """
-        if value in self.builtin and isinstance(self.entries[value], str):
-            self.entries[value] = _attribute(self.entries[value])
         if value in self.entries:
-            return self.entries[value]
+            return self[value]
         self.check(value)
         module_name, _, attr = value.partition(":")
         if not _TRUSTED.get():

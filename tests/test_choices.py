@@ -28,8 +28,8 @@ def test_each_name_is_implemented_where_the_table_says():
     assert tuple(REMAT_POLICIES) == choices.REMAT_NAMES
     for registry in (choices.ATTENTION, choices.MIXERS, choices.POSITION_BIASES, choices.NORMS):
         for name in registry.builtin:
-            assert callable(registry.get(name)), (registry.setting, name)
-    assert choices.ATTENTION.get("xla") is attention_choice.XLA
+            assert callable(registry.resolve(name)), (registry.setting, name)
+    assert choices.ATTENTION.resolve("xla") is attention_choice.XLA
     assert attention_choice.IMPLEMENTATIONS == ("cudnn", "pallas", "chunked", "xla")
 
 
@@ -49,21 +49,39 @@ def test_every_name_a_package_exports_resolves_when_first_read():
         _ = ops.nonesuch
 
 
+def test_every_choice_registers_one_way():
+    """Issue 64: attention implementations, the model's pieces, sources, tasks and tokenizers
+    are each a Registry: a mapping of name -> object, its built-ins first."""
+    from flaxformer_lite.data.sources import SOURCES
+    from flaxformer_lite.data.tasks import TASKS
+    from flaxformer_lite.data.tokenizers import FITTED_TOKENIZERS, TOKENIZERS
+
+    registries = (choices.ATTENTION, choices.MIXERS, choices.NORMS, SOURCES, TASKS, TOKENIZERS)
+    assert all(isinstance(registry, Registry) for registry in registries)
+    assert tuple(SOURCES) == ("synthetic", "text", "jsonl", "parallel", "prepared")
+    assert tuple(TOKENIZERS) == ("byte", "char", "word", "bpe", "sentencepiece")
+    assert FITTED_TOKENIZERS == ("char", "word", "bpe")
+    assert all(task.name == name for name, task in TASKS.items())
+    with pytest.raises(ValueError, match="data.source must be one of synthetic, text"):
+        SOURCES.check("csv")
+
+
 def test_a_registry_resolves_built_ins_on_first_use_and_imports_paths_only_when_trusted():
     registry = Registry("model.thing", "fn() -> int", {"json": "json:dumps"})
     assert registry.entries["json"] == "json:dumps"  # nothing imported by checking a name
     registry.check("json")
-    assert registry.get("json") is json.dumps
+    assert registry["json"] is registry.resolve("json") is json.dumps
+    assert list(registry) == ["json"] and registry.get("nonesuch") is None
     with pytest.raises(ValueError, match="built in"):
         registry.register("json", len)
     registry.register("length", len)
-    assert registry.get("length") is len and not registry.is_builtin("length")
+    assert registry.resolve("length") is len and not registry.is_builtin("length")
     with pytest.raises(ValueError, match="names code to import"):
-        registry.get("os.path:join")
+        registry.resolve("os.path:join")
     with trusted_code():
         import os.path
 
-        assert registry.get("os.path:join") is os.path.join
+        assert registry.resolve("os.path:join") is os.path.join
     with pytest.raises(ValueError, match="must be one of"):
         registry.check("nonesuch")
 

@@ -362,7 +362,7 @@ def test_an_attention_without_weights_says_how_to_give_them(tmp_path, monkeypatc
     (tmp_path / "weightless.py").write_text("from user_pieces import same_as_xla as attend\n")
     q = jnp.ones((1, 4, 2, 8))
     with trusted_code():
-        choices.ATTENTION.get("weightless:attend")
+        choices.ATTENTION.resolve("weightless:attend")
     try:
         with pytest.raises(ValueError, match="give the function a `weights` attribute"):
             ops.attention_weights(q, q, implementation="weightless:attend")

@@ -32,7 +32,7 @@ class CsvTextSource(FileSource):
 
 @pytest.fixture
 def csv_source(monkeypatch):
-    monkeypatch.setitem(SOURCES, CsvTextSource.name, CsvTextSource)
+    monkeypatch.setitem(SOURCES.entries, CsvTextSource.name, CsvTextSource)
 
 
 def test_the_registry_holds_every_source_by_its_setting_value():
@@ -80,11 +80,9 @@ def test_a_source_defined_outside_the_package_trains_end_to_end(tmp_path, csv_so
 
 
 def test_register_adds_a_source_by_its_name(monkeypatch):
-    monkeypatch.setattr("flaxformer_lite.data.sources.SOURCES", dict(SOURCES))
-    from flaxformer_lite.data import sources
-
+    monkeypatch.setattr(SOURCES, "entries", dict(SOURCES.entries))
     assert register(CsvTextSource) is CsvTextSource
-    assert sources.SOURCES["csv_text"] is CsvTextSource
+    assert SOURCES["csv_text"] is CsvTextSource
 
 
 def _write(source, directory):

@@ -32,6 +32,12 @@ class SentencePieceTokenizer(Tokenizer):
 
     name = "sentencepiece"
 
+    @classmethod
+    def made(cls, *, texts=None, vocab_size=None, path=None) -> SentencePieceTokenizer:
+        if path is None:
+            raise ValueError("tokenizer 'sentencepiece' needs path (a .model file)")
+        return cls(path)
+
     def __init__(self, model_path: Path | str):
         """Loads ``model_path``; raises FileNotFoundError or ValueError naming it if unusable."""
         import sentencepiece  # Imported here: the other tokenizers work without it.

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from flaxformer_lite.data import generator, readers, synthetic
 from flaxformer_lite.data.documents import PAIR_RECORDS, TEXT_RECORDS
+from flaxformer_lite.registry import Registry
 
 if TYPE_CHECKING:  # the settings are read, never built, here
     from flaxformer_lite.data.config import DataConfig
@@ -272,17 +273,21 @@ class SyntheticSource(Source):
         return synthetic.make_generator(cfg.generator, split=split, seed=seed, size=size, **options)
 
 
-SOURCES: dict[str, type[Source]] = {}
+SOURCES = Registry(
+    "data.source",
+    "a Source subclass",
+    {
+        source.name: source
+        for source in (SyntheticSource, TextSource, JsonlSource, ParallelSource, PreparedSource)
+    },
+    imports=False,
+)
 
 
 def register(source: type[Source]) -> type[Source]:
     """Adds ``source`` to :data:`SOURCES` under its name (a decorator)."""
-    SOURCES[source.name] = source
+    SOURCES.register(source.name, source)
     return source
-
-
-for _source in (SyntheticSource, TextSource, JsonlSource, ParallelSource, PreparedSource):
-    register(_source)
 
 
 def names_of(having: Callable[[type[Source]], bool] = lambda source: True) -> tuple[str, ...]:

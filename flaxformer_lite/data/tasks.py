@@ -28,6 +28,7 @@ import numpy as np
 
 from flaxformer_lite.data import features
 from flaxformer_lite.data.documents import LABELLED_RECORDS, PAIR_RECORDS, TEXT_RECORDS, Documents
+from flaxformer_lite.registry import Registry
 
 if TYPE_CHECKING:
     from flaxformer_lite.data.batches import Layout
@@ -258,7 +259,12 @@ class Classify(Task):
         return features.classify_rows(documents, docs, **ids)
 
 
-TASKS: dict[str, Task] = {task.name: task for task in (LM(), Seq2Seq(), MLM(), Classify())}
+TASKS = Registry(
+    "task",
+    "a Task",
+    {task.name: task for task in (LM(), Seq2Seq(), MLM(), Classify())},
+    imports=False,
+)
 
 
 def task_named(name: str) -> Task:
@@ -267,6 +273,5 @@ def task_named(name: str) -> Task:
     Raises:
       ValueError: an unknown name, with the known ones.
     """
-    if name not in TASKS:
-        raise ValueError(f"task must be one of {tuple(TASKS)}, got {name!r}")
+    TASKS.check(name)
     return TASKS[name]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import ClassVar
 
@@ -38,6 +38,20 @@ class Tokenizer(abc.ABC):
     # Whether a decoder's input starts with ``sos_id``: a run's rows do; an imported Hugging Face
     # tokenizer says whether its checkpoint's do (``HfTokenizer``).
     add_bos: bool = True
+    # Whether it is fitted on the data's texts (char, word, bpe), else given whole.
+    fitted: ClassVar[bool] = False
+
+    @classmethod
+    def made(
+        cls,
+        *,
+        texts: Iterable[str] | None = None,
+        vocab_size: int | None = None,
+        path: Path | str | None = None,
+    ) -> Tokenizer:
+        """The tokenizer ``data.tokenizer`` names, made as the settings say: fitted on ``texts``
+        (up to ``vocab_size``) or read from ``path``, whichever this kind takes."""
+        return cls()
 
     @property
     @abc.abstractmethod

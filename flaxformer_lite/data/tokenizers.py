@@ -46,6 +46,7 @@ from flaxformer_lite.data.tokenizer_base import (
     read_json_object,
     require_file,
 )
+from flaxformer_lite.registry import Registry
 
 VOCAB_FILE = "vocab.json"
 BPE_FILE = "tokenizer.json"
@@ -124,6 +125,11 @@ class CharTokenizer(_VocabTokenizer):
 
     name = "char"
     separator = ""
+    fitted = True
+
+    @classmethod
+    def made(cls, *, texts=None, vocab_size=None, path=None) -> CharTokenizer:
+        return cls.fit(texts)
 
     @classmethod
     def fit(cls, texts: Iterable[str]) -> CharTokenizer:
@@ -147,6 +153,14 @@ class WordTokenizer(_VocabTokenizer):
 
     name = "word"
     separator = " "
+    fitted = True
+
+    @classmethod
+    def made(cls, *, texts=None, vocab_size=None, path=None) -> WordTokenizer:
+        """Capped at ``vocab_size`` ids, specials included, if given."""
+        if vocab_size is not None and vocab_size <= NUM_SPECIAL:
+            raise ValueError(f"word vocab_size must be > {NUM_SPECIAL}, got {vocab_size}")
+        return cls.fit(texts, max_size=None if vocab_size is None else vocab_size - NUM_SPECIAL)
 
     def __init__(self, itos: Sequence[str], lowercase: bool = False):
         super().__init__(itos)
@@ -196,6 +210,13 @@ class BpeTokenizer(Tokenizer):
 
     name = "bpe"
     covers_all_text = True
+    fitted = True
+
+    @classmethod
+    def made(cls, *, texts=None, vocab_size=None, path=None) -> BpeTokenizer:
+        if vocab_size is None:
+            raise ValueError("tokenizer 'bpe' needs vocab_size")
+        return cls.train(texts, vocab_size)
 
     def __init__(self, hf_tokenizer):
         """Wraps a ``tokenizers.Tokenizer`` whose first four ids are the specials, in order."""
@@ -276,12 +297,23 @@ class BpeTokenizer(Tokenizer):
             raise ValueError(f"{path}: not a valid Hugging Face tokenizer file ({e})") from None
 
 
-_CLASSES: dict[str, type[Tokenizer]] = {
-    cls.name: cls for cls in (ByteTokenizer, CharTokenizer, WordTokenizer, BpeTokenizer)
-}
 # SentencePiece's tokenizer loads the sentencepiece package only when one is made or loaded.
-TOKENIZERS = (*_CLASSES, "sentencepiece")
-FITTED_TOKENIZERS = ("char", "word", "bpe")  # fitted on texts; the others are given whole
+TOKENIZERS = Registry(
+    "data.tokenizer",
+    "a Tokenizer class",
+    {
+        cls.name: cls
+        for cls in (
+            ByteTokenizer,
+            CharTokenizer,
+            WordTokenizer,
+            BpeTokenizer,
+            SentencePieceTokenizer,
+        )
+    },
+    imports=False,
+)
+FITTED_TOKENIZERS = tuple(name for name, cls in TOKENIZERS.items() if cls.fitted)
 
 
 def make_tokenizer(
@@ -307,24 +339,9 @@ def make_tokenizer(
     if name not in TOKENIZERS:
         valid = ", ".join(TOKENIZERS)
         raise ValueError(f"unknown tokenizer {name!r}; valid tokenizers: {valid}")
-    if name in FITTED_TOKENIZERS and texts is None:
+    if TOKENIZERS[name].fitted and texts is None:
         raise ValueError(f"tokenizer {name!r} needs texts to fit on")
-    if name == "byte":
-        return ByteTokenizer()
-    if name == "char":
-        return CharTokenizer.fit(texts)
-    if name == "word":
-        if vocab_size is not None and vocab_size <= NUM_SPECIAL:
-            raise ValueError(f"word vocab_size must be > {NUM_SPECIAL}, got {vocab_size}")
-        max_size = None if vocab_size is None else vocab_size - NUM_SPECIAL
-        return WordTokenizer.fit(texts, max_size=max_size)
-    if name == "bpe":
-        if vocab_size is None:
-            raise ValueError("tokenizer 'bpe' needs vocab_size")
-        return BpeTokenizer.train(texts, vocab_size)
-    if path is None:
-        raise ValueError("tokenizer 'sentencepiece' needs path (a .model file)")
-    return SentencePieceTokenizer(path)
+    return TOKENIZERS[name].made(texts=texts, vocab_size=vocab_size, path=path)
 
 
 def load_tokenizer(directory: Path | str) -> Tokenizer:
@@ -336,12 +353,10 @@ def load_tokenizer(directory: Path | str) -> Tokenizer:
     name = read_json_object(marker).get("kind")
     if name == "hf":  # a Hugging Face checkpoint's tokenizer, saved by a run trained from it
         return HfTokenizer._load_files(directory)
-    if name == "sentencepiece":
-        return SentencePieceTokenizer._load_files(directory)
-    if not isinstance(name, str) or name not in _CLASSES:
+    if not isinstance(name, str) or name not in TOKENIZERS:
         valid = ", ".join(TOKENIZERS)
         raise ValueError(f"{marker}: unknown tokenizer {name!r}; valid tokenizers: {valid}")
-    return _CLASSES[name]._load_files(directory)
+    return TOKENIZERS[name]._load_files(directory)
 
 
 def _nonempty_texts(texts: Iterable[str], name: str) -> Iterator[str]:

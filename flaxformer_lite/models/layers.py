@@ -26,7 +26,7 @@ from flaxformer_lite.nn.stack import LayerStack
 
 def make_layer_norm(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
     """The norm ``cfg.norm`` names (``layernorm``, ``rmsnorm`` or a user's) over D."""
-    return choices.NORMS.get(cfg.norm)(cfg, rngs=rngs)
+    return choices.NORMS.resolve(cfg.norm)(cfg, rngs=rngs)
 
 
 def make_cross_attention(cfg: ModelConfig, *, num_layers: int, rngs: nnx.Rngs):
@@ -65,14 +65,16 @@ class TransformerLayer(nnx.Module):
     ):
         self.causal, self.pre_norm = causal, cfg.norm_position == "pre"
         self.parallel = cfg.parallel_block
-        self.self_attention = choices.MIXERS.get(cfg.mixer)(cfg, num_layers=num_layers, rngs=rngs)
+        self.self_attention = choices.MIXERS.resolve(cfg.mixer)(
+            cfg, num_layers=num_layers, rngs=rngs
+        )
         self.self_attention_norm = make_layer_norm(cfg, rngs)
         if cross_attention:
             self.cross_attention = make_cross_attention(cfg, num_layers=num_layers, rngs=rngs)
             self.cross_attention_norm = make_layer_norm(cfg, rngs)
         else:
             self.cross_attention = self.cross_attention_norm = None
-        self.mlp = choices.FEED_FORWARDS.get(cfg.feed_forward)(
+        self.mlp = choices.FEED_FORWARDS.resolve(cfg.feed_forward)(
             cfg, num_layers=num_layers, rngs=rngs
         )
         # A parallel block normalizes once for both branches.
@@ -189,7 +191,7 @@ class Tower(nnx.Module):
         self.relative_bias = (
             None
             if cfg.positions in choices.BUILTIN_POSITIONS
-            else choices.POSITION_BIASES.get(cfg.positions)(
+            else choices.POSITION_BIASES.resolve(cfg.positions)(
                 cfg, bidirectional=not causal, rngs=rngs
             )
         )

@@ -32,7 +32,7 @@ def check_pieces(cfg: ModelConfig) -> None:
     """
     pieces = user_pieces(cfg)
     objects = tuple(
-        (setting, registry.get(pieces[setting]))
+        (setting, registry.resolve(pieces[setting]))
         for registry, _ in piece_settings(cfg)
         if (setting := registry.setting) in pieces
     )

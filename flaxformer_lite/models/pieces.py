@@ -211,7 +211,7 @@ def piece_sources(cfg: ModelConfig) -> dict[str, str | None]:
     run records them, and a resume with other code is a change (:mod:`~flaxformer_lite.train
     .resume`)."""
     return {
-        registry.setting: _code_fingerprint(registry.get(value), value)
+        registry.setting: _code_fingerprint(registry.resolve(value), value)
         for registry, value in piece_settings(cfg)
         if value is not None and not registry.is_builtin(value)
     }

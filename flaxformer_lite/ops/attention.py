@@ -172,7 +172,7 @@ def attention_weights(
     call = validated_call(query, key, key, bias, mask, scale=scale).positions_folded()
     if implementation is None or implementation in attention_choice.IMPLEMENTATIONS:
         return xla_weights(call)  # each built-in implementation computes softmax's
-    backend = ATTENTION.get(attention_choice.choose(call, implementation).backend)
+    backend = ATTENTION.resolve(attention_choice.choose(call, implementation).backend)
     if backend.weights is None:
         how = (
             "give the function a `weights` attribute"

@@ -190,7 +190,7 @@ def choose(call: AttentionCall, implementation: str | None = None) -> Choice:
                 f"implementation must be one of {tuple(ATTENTION.entries)} or None (others are "
                 f"added by ops.register_attention), got {implementation!r}"
             )
-        backend = ATTENTION.get(implementation)
+        backend = ATTENTION.resolve(implementation)
         reason = backend.unsupported(backend.sees(call))
         if reason is None:
             return _recorded(Choice(implementation, implementation), call)
@@ -198,7 +198,7 @@ def choose(call: AttentionCall, implementation: str | None = None) -> Choice:
             raise ValueError(f'implementation="{implementation}" cannot run these inputs: {reason}')
         passed_over.append((implementation, reason))
     for name in IMPLEMENTATIONS:
-        backend = ATTENTION.get(name)
+        backend = ATTENTION.resolve(name)
         if name == implementation:
             continue
         seen = backend.sees(call)
@@ -211,7 +211,7 @@ def choose(call: AttentionCall, implementation: str | None = None) -> Choice:
 
 def run(call: AttentionCall, implementation: str | None = None) -> jax.Array:
     """``[B, T, H, Dv]``: ``call`` run by the implementation :func:`choose` picks."""
-    return ATTENTION.get(choose(call, implementation).backend)(call)
+    return ATTENTION.resolve(choose(call, implementation).backend)(call)
 
 
 _RECORDS: contextvars.ContextVar[list[Choice] | None] = contextvars.ContextVar(
@@ -241,7 +241,7 @@ def _recorded(choice: Choice, call: AttentionCall) -> Choice:
     for name, reason in choice.passed_over:
         if name == choice.requested:
             log_once(f'attention: implementation="{name}" falls back ({reason})')
-        elif ATTENTION.get(name).home == call.platform:
+        elif ATTENTION.resolve(name).home == call.platform:
             log_once(f"attention: {name} not used ({reason})")
     if choice.requested != choice.backend:
         reasons = "; ".join(f"not {name}: {reason}" for name, reason in choice.passed_over)
