@@ -208,12 +208,11 @@ def build_data(
     save = process_index == 0 if save_tokenizer is None else save_tokenizer
     if cfg.mixture:  # before a tokenizer is fitted on them
         check_mixture_sources(cfg.mixture_sources())
-    chosen = run_tokenizer(cfg, Path(directory), tokenizer)
-    if cfg.mixture:
-        tokenizer, corpora = chosen, _load_mixture(cfg, task, prepared, chosen)
-    else:
-        tokenizer, corpus = _load(cfg, task, seed, prepared, chosen)
-        corpora = {"": corpus}
+    # One tokenizer for every part: decided here, else made with the first part's data.
+    tokenizer, corpora = run_tokenizer(cfg, Path(directory), tokenizer), {}
+    for name, part in cfg.parts().items():
+        with named_source(name) if name else contextlib.nullcontext():
+            tokenizer, corpora[name] = _load(part, task, seed, prepared, tokenizer)
     if save and not _has_saved_tokenizer(Path(directory)):
         tokenizer.save(directory)
     layout = Layout(
@@ -350,17 +349,6 @@ def _load_store(
         train, valid = train[: cfg.train_size], valid[: cfg.eval_size]
         examples = validation_records(store, valid)
     return store.tokenizer, Corpus((documents, train), (documents, valid), examples)
-
-
-def _load_mixture(
-    cfg: DataConfig, task: Task, prepared: Path | None, tokenizer: Tokenizer
-) -> dict[str, Corpus]:
-    """Each source of a mixture tokenized with the mixture's ``tokenizer``, by name."""
-    corpora = {}
-    for name, part in cfg.mixture_sources().items():
-        with named_source(name):
-            corpora[name] = _load_store(part, prepared, tokenizer, task)[1]
-    return corpora
 
 
 def prepare_run_store(

@@ -53,8 +53,8 @@ class DataPlan:
       seed: the run's seed.
       batch_size: the global batch size.
       paths: the run's paths.
-      shard_index, shard_count: which of ``shard_count`` equal blocks of each global batch's
-        rows this process makes.
+      process_index, process_count: which of ``process_count`` equal blocks of each global
+        batch's rows this process makes (processes that feed the same devices' rows share one).
       writer: whether this process writes the run's files (exactly one process per file system).
       barrier: waits until every process of a multi-process run calls it with the same name;
         None for one process.
@@ -67,8 +67,8 @@ class DataPlan:
     seed: int
     batch_size: int
     paths: RunPaths
-    shard_index: int = 0
-    shard_count: int = 1
+    process_index: int = 0
+    process_count: int = 1
     writer: bool = True
     barrier: Callable[[str], None] | None = None
     init_from: str | Path | None = None
@@ -93,8 +93,8 @@ class DataPlan:
             batch_size=self.batch_size,
             directory=paths.tokenizer,
             prepared=paths.prepared,
-            process_index=self.shard_index,
-            process_count=self.shard_count,
+            process_index=self.process_index,
+            process_count=self.process_count,
             save_tokenizer=self.writer,
             tokenizer=tokenizer,
         )
