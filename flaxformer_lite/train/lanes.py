@@ -314,7 +314,7 @@ class Vmapped:
     def member(self, stacked: list, index: int) -> list:
         """Member ``index``'s state leaves, laid out as its run lays them out."""
         shardings = jax.tree.leaves(self.lanes[index].run.built.shardings)
-        return jax.device_put([x[index] for x in stacked], shardings)
+        return jax.device_put(_member_leaves(stacked, index), shardings)
 
     def member_shapes(self, stacked: list, index: int) -> list:
         """Member ``index``'s state leaves' shapes and shardings, as its run lays them out."""
@@ -325,7 +325,7 @@ class Vmapped:
         ]
 
     def member_metrics(self, metrics: dict, index: int) -> dict:
-        return {key: value[index] for key, value in metrics.items()}
+        return _member_leaves(metrics, index)
 
     def finite(self, metrics: dict) -> list[bool]:
         return [bool(flag) for flag in np.asarray(metrics["finite"])]
@@ -366,6 +366,13 @@ class Vmapped:
         if joining.any() and done > min(lane.run.step for lane in self.lanes):
             active = active | jax.device_put(joining, self.member_sharding)
         return self._compiled(stacked, batch, self.numbers, active)
+
+
+@jax.jit
+def _member_leaves(stacked, index):
+    """Member ``index``'s part of each stacked leaf, in one program: indexed leaf by leaf, each
+    leaf's shape would dispatch (and compile) a program of its own."""
+    return jax.tree.map(lambda x: x[index], stacked)
 
 
 def member_mesh(mesh: jax.sharding.Mesh, members: int) -> jax.sharding.Mesh:
