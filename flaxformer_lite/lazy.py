@@ -5,6 +5,7 @@ without JAX."""
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -28,6 +29,6 @@ def lazy_names(
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
     def __dir__() -> list[str]:
-        return sorted(home_of)
+        return sorted({*vars(sys.modules[package]), *home_of})
 
     return __getattr__, __dir__
