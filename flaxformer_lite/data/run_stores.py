@@ -129,10 +129,8 @@ def prepare_source(
     store already there when it was made from the same inputs."""
     return prepare_store(
         out_dir,
-        source=cfg.source,
+        source=cfg.reader,
         path=cfg.path,
-        field=cfg.field,
-        documents=cfg.documents,
         tokenizer=tokenizer,
         tokenizer_name=cfg.tokenizer,
         vocab_size=cfg.vocab_size,

@@ -52,7 +52,7 @@ import numpy as np
 
 from flaxformer_lite.data import readers, tokenizers
 from flaxformer_lite.data.documents import FIELDS, Documents
-from flaxformer_lite.data.sources import FileSource, source_named
+from flaxformer_lite.data.sources import FileSource, Source, source_named
 from flaxformer_lite.data.store_writer import (
     BATCH_SIZE,
     DIGESTS,
@@ -86,7 +86,7 @@ class Store:
 def prepare_store(
     out_dir: Path | str,
     *,
-    source: str,
+    source: str | Source,
     path: str,
     field: str = "text",
     documents: str = readers.DEFAULT_DOCUMENTS,
@@ -105,10 +105,11 @@ def prepare_store(
     Args:
       out_dir: the store directory; it must not exist, be empty, or hold a store of these
         inputs. A symbolic link is followed: the store is made where it points, the link kept.
-      source, path, field: the source (``text``, ``jsonl``, ``parallel``, or another
-        registered), its files, and the JSONL field holding the text.
-      documents: how a ``text`` source's files become documents (``file``, ``paragraphs`` or
-        ``lines``: :mod:`~flaxformer_lite.data.readers`).
+      source, path: the source (as a config's ``reader`` gives it, or its name: ``text``,
+        ``jsonl``, ``parallel``, or another registered) and its files.
+      field, documents: the JSONL field holding the text and how a ``text`` source's files
+        become documents (``file``, ``paragraphs`` or ``lines``:
+        :mod:`~flaxformer_lite.data.readers`), for a source given by name.
       tokenizer: use this tokenizer; otherwise ``tokenizer_name`` (``byte``, ``sentencepiece``
         from ``tokenizer_path``, or ``char``, ``word``, ``bpe`` fitted with ``vocab_size`` on
         the training part: all but the ``validation_fraction`` that
@@ -129,9 +130,9 @@ def prepare_store(
         out_dir = out_dir.resolve()
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-    file_source = source_named(source, field, documents)
+    file_source = source if isinstance(source, Source) else source_named(source, field, documents)
     if not isinstance(file_source, FileSource):
-        raise ValueError(f"source {source!r} is not files to prepare into a store")
+        raise ValueError(f"source {file_source.name!r} is not files to prepare into a store")
     files = file_source.files(path)
     fitted = None
     if tokenizer is None and tokenizer_name in tokenizers.FITTED_TOKENIZERS:
