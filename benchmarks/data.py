@@ -43,7 +43,7 @@ from flaxformer_lite.data.readers import iter_text_records
 from flaxformer_lite.data.store import prepare_store
 from flaxformer_lite.data.tasks import TASKS, task_named
 from flaxformer_lite.data.tokenizers import make_tokenizer
-from flaxformer_lite.process import reuse_freed_host_memory
+from flaxformer_lite.process import reuse_freed_host_memory, skip_absent_tpu
 
 from loop_vs_step import train_py_against_step
 
@@ -330,5 +330,6 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    skip_absent_tpu()  # as the commands do
     reuse_freed_host_memory()  # as train.py does, before JAX starts its backend
     main()

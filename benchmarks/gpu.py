@@ -14,7 +14,7 @@ Ours is ``train.py``'s loop (:func:`flaxformer_lite.train.loop.run`) for ``--ste
 logging every ``--log-every``: tokens/s and MFU are the medians of the logged windows after the
 first (the loop's clock starts after its compiling step; the peer's first window warms up), as
 the loop logs them (MFU: training FLOPs per token times
-tokens/s over the devices' peak, the datasheet's bf16 peak of ``train/metrics.py``'s table, or
+tokens/s over the devices' peak, the datasheet's bf16 peak of ``train/peak_flops.py``'s table, or
 on a CPU a measured matmul peak). The attention backend is the one the traced step chose, the
 peak memory the device's ``peak_bytes_in_use`` (the CPU keeps no count: the process's peak
 resident set instead). The peer (:func:`hf_gpt2.train_bf16`) is a ``GPT2LMHeadModel`` of the
@@ -112,12 +112,14 @@ def train_ours(job: dict) -> dict:
     import jax
 
     from flaxformer_lite.ops.attention_choice import recorded_choices
+    from flaxformer_lite.process import use_compilation_cache
     from flaxformer_lite.train import loop
     from flaxformer_lite.train.config import load_config
     from flaxformer_lite.train.metrics import read_metrics
     from flaxformer_lite.train.run_dir import RunDir
 
     cfg = load_config(job["recipe"], job["overrides"])
+    use_compilation_cache(cfg.train.compilation_cache)  # as train.py does
     with recorded_choices() as choices:
         loop.run(cfg, progress=False, log=lambda _: None)
     logged = [record for record in read_metrics(cfg.run_dir) if "tokens_per_sec" in record]
@@ -166,7 +168,7 @@ def run(args) -> dict:
             ours = in_own_process("gpu.train_ours", job, directory)
             ours |= {
                 "tokens_per_sec": steady(ours["window_tokens_per_sec"]),
-                # None: a device whose peak train/metrics.py's table does not know
+                # None: a device whose peak train/peak_flops.py's table does not know
                 "mfu": None if None in ours["window_mfu"] else steady(ours["window_mfu"]),
             }
             result = {"ours": ours, "peer": {"skipped": "--no-hf"}}
@@ -245,4 +247,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    from flaxformer_lite.process import skip_absent_tpu
+
+    skip_absent_tpu()  # as the commands do
     main()

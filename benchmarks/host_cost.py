@@ -33,7 +33,7 @@ import tempfile
 
 import jax
 
-from flaxformer_lite.process import reuse_freed_host_memory
+from flaxformer_lite.process import reuse_freed_host_memory, skip_absent_tpu
 
 from loop_vs_step import train_py_against_step
 
@@ -136,5 +136,6 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    skip_absent_tpu()  # as the commands do
     reuse_freed_host_memory()  # as train.py does, before JAX starts its backend
     main()

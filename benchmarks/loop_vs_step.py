@@ -19,6 +19,7 @@ from unittest import mock
 
 import jax
 
+from flaxformer_lite.process import use_compilation_cache
 from flaxformer_lite.train import loop
 from flaxformer_lite.train.config import TrainConfig, load_config
 from flaxformer_lite.train.metrics import read_metrics
@@ -46,6 +47,7 @@ def short_run_overrides(run_dir, steps: int) -> dict:
 
 def logged_tokens_per_sec(cfg: TrainConfig) -> float:
     """Runs the loop on ``cfg`` (a fresh run directory) and returns its last logged tokens/s."""
+    use_compilation_cache(cfg.train.compilation_cache)  # as train.py does
     loop.run(cfg, progress=False, log=lambda _: None)
     return read_metrics(cfg.run_dir)[-1]["tokens_per_sec"]
 

@@ -117,7 +117,7 @@ from flax import nnx
 from flaxformer_lite.data import readers
 from flaxformer_lite.data.pipeline import build_data
 from flaxformer_lite.data.tasks import TASKS
-from flaxformer_lite.process import reuse_freed_host_memory
+from flaxformer_lite.process import reuse_freed_host_memory, skip_absent_tpu
 from flaxformer_lite.train.config import TrainConfig, load_config
 from flaxformer_lite.train.metrics import read_metrics
 from flaxformer_lite.train.optim import make_schedule
@@ -597,5 +597,6 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    skip_absent_tpu()  # as the commands do
     reuse_freed_host_memory()  # as train.py does, before JAX starts its backend
     main()

@@ -37,6 +37,7 @@ from flaxformer_lite.data import readers
 from flaxformer_lite.data.tokenizers import make_tokenizer
 from flaxformer_lite.evals import Scorer, TaskFile, Tasks, load_task, pack
 from flaxformer_lite.models.build import build_model
+from flaxformer_lite.process import skip_absent_tpu, use_compilation_cache
 from flaxformer_lite.train.config import load_config
 from flaxformer_lite.train.loop import run
 from flaxformer_lite.train.time_spent import TimeSpent
@@ -111,7 +112,9 @@ def run_share(config: str, steps: int, every: int, limit: int | None) -> dict:
             if limit is not None:
                 overrides.append(f"evals.tasks.{name}.limit={limit}")
         spent = TimeSpent()
-        run(load_config(config, overrides), progress=False, log=lambda _: None, spent=spent)
+        cfg = load_config(config, overrides)
+        use_compilation_cache(cfg.train.compilation_cache)  # as train.py does
+        run(cfg, progress=False, log=lambda _: None, spent=spent)
         parts = spent.parts()
     wall = sum(parts.values())
     return {"run_seconds": wall, "tasks_seconds": parts["tasks"], "share": parts["tasks"] / wall}
@@ -148,4 +151,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    skip_absent_tpu()  # as the commands do
     main()

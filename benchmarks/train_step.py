@@ -65,7 +65,7 @@ from flax import nnx
 
 from flaxformer_lite.data.tasks import TASKS
 from flaxformer_lite.models.accounting import training_flops_per_token
-from flaxformer_lite.process import reuse_freed_host_memory
+from flaxformer_lite.process import reuse_freed_host_memory, skip_absent_tpu
 from flaxformer_lite.train.config import TrainConfig, load_config
 from flaxformer_lite.train.optim import make_optimizer
 from flaxformer_lite.train.peak_flops import matmul_peak_flops
@@ -437,5 +437,6 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    skip_absent_tpu()  # as the commands do
     reuse_freed_host_memory()  # as train.py does, before JAX starts its backend
     main()

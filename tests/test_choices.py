@@ -133,3 +133,4 @@ def test_the_model_kind_is_a_value_with_behaviour():
         and yaml.safe_dump(str(encoder.kind)) == "encoder\n...\n"
     )
     assert encoder.kind.words == "an encoder-only model"
+    assert repr(encoder.kind) == "'encoder'"  # as settings show it in messages

@@ -132,6 +132,7 @@ def test_a_text_file_beside_a_jsonl_corpus_trains_each_read_as_its_own_kind(corp
         *TINY,
         f"run_dir={run_dir}",
         "data.source=text",
+        "data.text_documents=lines",  # the text part's; the jsonl part's are its records
         "data.tokenizer=char",
         f"data.mixture.prose.path={root / 'letters.txt'}",
         f"data.mixture.code.path={tmp_path / 'code.jsonl'}",
@@ -151,9 +152,10 @@ def test_a_text_file_beside_a_jsonl_corpus_trains_each_read_as_its_own_kind(corp
         "code.jsonl",
         "letters.txt",
     ]
-    said = []
-    run(load_config(None, [*overrides, "train.steps=3"]), progress=False, log=said.append)
-    assert not [line for line in said if "changed" in line], said
+    said = []  # the text part's kind written out is the same setting: no change to refuse
+    again = [*overrides, "data.mixture.prose.source=text", "train.steps=3"]
+    run(load_config(None, again), progress=False, log=said.append)
+    assert not [line for line in said if "changed" in line or "differ" in line], said
     assert _records(run_dir)[-1]["step"] == 3
 
 
@@ -169,6 +171,14 @@ def test_a_text_file_beside_a_jsonl_corpus_trains_each_read_as_its_own_kind(corp
             "data.mixture: its parts' examples differ",
         ),
         (["data.mixture.pairs.source=csv"], "data.mixture.pairs.source must be one of"),
+        (
+            ["data.mixture.pairs.source=synthetic"],
+            "data.mixture.pairs.source must be one of text, jsonl, parallel, prepared",
+        ),
+        (
+            ["data.mixture.pairs.source=jsonl", "data.mixture.pairs.text_documents=lines"],
+            "data.mixture.pairs: data.text_documents says how text files become documents",
+        ),
     ],
 )
 def test_parts_of_kinds_that_cannot_mix_are_refused(tmp_path, parts, message):

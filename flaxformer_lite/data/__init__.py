@@ -10,7 +10,7 @@ record of a run's inputs and what an export writes. Each is imported on first us
 from flaxformer_lite.lazy import lazy_names
 
 _HOMES = {
-    "flaxformer_lite.data.config": ("DataConfig", "MixtureSource"),
+    "flaxformer_lite.data.config": ("DataConfig", "MixtureSource", "settled_parts"),
     "flaxformer_lite.data.plan": (
         "Data",
         "DataPlan",

@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import math
 import re
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import numpy as np
@@ -38,6 +39,9 @@ class MixtureSource:
         "another), prepared (beside stores); null: data.source",
     )
     field: str | None = setting(None, help="a jsonl source's text field; null: data.field")
+    text_documents: str | None = setting(
+        None, help="a text source's documents (file, paragraphs, lines); null: data.text_documents"
+    )
     weight: float = setting(1.0, help="the source's share of training rows, relative to the others")
     validation_path: str | None = setting(
         None,
@@ -182,7 +186,7 @@ class DataConfig:
         records = {}
         for name, entry in self.mixture.items():
             kind = entry.source or self.source
-            _check_choice(f"mixture.{name}.source", kind, tuple(SOURCES))
+            _check_choice(f"mixture.{name}.source", kind, names_of(lambda source: source.stored))
             # One tokenizer reads every part: a store's own, or one made for the files.
             if SOURCES[kind].brings_tokenizer != self.reader.brings_tokenizer:
                 files = names_of(lambda source: source.made_by_run)
@@ -202,6 +206,11 @@ class DataConfig:
                     f"data.mixture.{name}.weight={entry.weight}: a share of "
                     f"{shares[name]:.2g} of the rows is under the least one, 1/{BLOCK_ROWS}"
                 )
+        for name, part in self._parts().items():  # each part's own settings, checked now
+            try:
+                part()
+            except ValueError as error:
+                raise ValueError(f"data.mixture.{name}: {error}") from None
         kinds = {record for record in records.values() if record is not None}
         if len(kinds) > 1:
             described = ", ".join(f"{name} {record}" for name, record in records.items())
@@ -241,17 +250,27 @@ class DataConfig:
     def mixture_sources(self) -> dict[str, DataConfig]:
         """Each mixture source's settings by name: these settings with the source's kind, path
         and validation path, as a run of that source alone would have them."""
-        return {
-            name: dataclasses.replace(
+        return {name: part() for name, part in self._parts().items()}
+
+    def _parts(self) -> dict[str, Callable[[], DataConfig]]:
+        """What makes each mixture source's settings (:meth:`mixture_sources`), unmade."""
+        parts = {}
+        for name, entry in self.mixture.items():
+            kind = entry.source or self.source
+            reads_documents = kind in SOURCES and SOURCES[kind].reads_documents
+            # The section's documents are a text source's; a part's own are checked as its.
+            documents = entry.text_documents or (self.text_documents if reads_documents else None)
+            parts[name] = functools.partial(
+                dataclasses.replace,
                 self,
-                source=entry.source or self.source,
+                source=kind,
                 field=entry.field or self.field,
+                text_documents=documents,
                 path=entry.path,
                 validation_path=entry.validation_path,
                 mixture={},
             )
-            for name, entry in self.mixture.items()
-        }
+        return parts
 
     def to_dict(self, *, derived: bool = True) -> dict[str, Any]:
         """Plain values. ``derived=False`` gives None for a setting left unset (``tokenizer``):
@@ -261,6 +280,25 @@ class DataConfig:
         if not derived:
             values.update(dict.fromkeys(self._derived))
         return values
+
+
+def settled_parts(values: dict[str, Any]) -> dict[str, Any]:
+    """A data section as plain values with each mixture source's unset kind, field and
+    documents read as the section's, as :meth:`DataConfig.mixture_sources` reads them: two
+    sections that say the same parts in other words compare equal (an older record, without
+    those keys, too)."""
+    mixture = {}
+    for name, entry in (values.get("mixture") or {}).items():
+        kind = entry.get("source") or values.get("source")
+        reads_documents = kind in SOURCES and SOURCES[kind].reads_documents
+        documents = entry.get("text_documents") or values.get("text_documents")
+        mixture[name] = {
+            **entry,
+            "source": kind,
+            "field": entry.get("field") or values.get("field"),
+            "text_documents": documents if reads_documents else None,
+        }
+    return {**values, "mixture": mixture} if mixture else values
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:

@@ -16,7 +16,7 @@ import json
 import pathlib
 from typing import Any
 
-from flaxformer_lite.data.config import DataConfig
+from flaxformer_lite.data.config import DataConfig, settled_parts
 from flaxformer_lite.data.sources import SOURCES
 from flaxformer_lite.data.store import MANIFEST
 from flaxformer_lite.settings import flatten
@@ -68,7 +68,7 @@ def setting_changes(recorded: dict[str, Any], current: dict[str, Any]) -> dict[s
     if recorded_source is not None:
         before = {**recorded_source.unrecorded, **before}
     source = SOURCES[now["source"]]
-    before, now = flatten(before), flatten(now)
+    before, now = flatten(settled_parts(before)), flatten(settled_parts(now))
     return {
         f"data.{key}": (source.settled(key, before.get(key)), source.settled(key, now.get(key)))
         for key in sorted(before.keys() | now.keys())

@@ -161,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from lm_eval.__main__ import cli_evaluate
 
+    from flaxformer_lite.process import skip_absent_tpu
+
+    skip_absent_tpu()  # a command of ours: it chooses the backends as the others do
     # lm-eval's bootstrapped standard errors run in a process pool; a forked child of this
     # process, which holds JAX's threads, may deadlock.
     multiprocessing.set_start_method("spawn", force=True)

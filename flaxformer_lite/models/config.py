@@ -34,6 +34,9 @@ class ModelKind(enum.StrEnum):
     ENCODER_DECODER = "encoder_decoder"
     ENCODER = "encoder"
 
+    def __repr__(self) -> str:  # as its plain value, in messages that show settings
+        return repr(self.value)
+
     @property
     def words(self) -> str:
         """The model in words, for messages: ``a decoder LM``."""

@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from flaxformer_lite.data import TASKS, DataConfig, Task
+from flaxformer_lite.data import TASKS, DataConfig, Task, settled_parts
 from flaxformer_lite.evals.config import EvalsConfig
 from flaxformer_lite.models.config import ModelConfig, ModelKind
 from flaxformer_lite.parallel.config import DistributedConfig, check_context_length
@@ -326,7 +326,7 @@ def _entry_keys(key: str, cls=TrainConfig, prefix: str = "") -> list[str]:
 
 def config_diff(old: TrainConfig, new: TrainConfig) -> dict[str, tuple[Any, Any]]:
     """``{dotted key: (old, new)}`` for every leaf that differs."""
-    old_flat, new_flat = flatten(old.to_dict()), flatten(new.to_dict())
+    old_flat, new_flat = (flatten(_settled(cfg.to_dict())) for cfg in (old, new))
     return {
         key: (old_flat.get(key), new_flat.get(key))
         for key in sorted(old_flat.keys() | new_flat.keys())
@@ -364,6 +364,11 @@ def set_dotted(values: dict, key: str, value) -> None:
             raise ConfigError(f"cannot set {key}: {section} is not a section")
         node = child
     node[leaf] = value
+
+
+def _settled(values: dict[str, Any]) -> dict[str, Any]:
+    """A config's plain values, a mixture's parts settled (:func:`~.data.config.settled_parts`)."""
+    return {**values, "data": settled_parts(values["data"])}
 
 
 def _plain(value):

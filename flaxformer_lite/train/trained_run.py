@@ -170,7 +170,7 @@ def load_hf_checkpoint(
     hf_config = read_config(directory)
     architecture = family_of(hf_config).config_from_hf(hf_config)
     if architecture.kind not in kinds:  # before the tokenizer, whose errors would mislead
-        needed = " or ".join(kind.words for kind in kinds)
+        needed = " or ".join(ModelKind(kind).words for kind in kinds)
         raise ValueError(
             f"{directory} holds {architecture.kind.words} "
             f"({', '.join(hf_config.get('architectures') or [str(hf_config.get('model_type'))])}); "
