@@ -1,7 +1,8 @@
 """One way to register a choice: a :class:`Registry` holds the names a setting accepts, the
-built-in ones (each the import path of its object, imported when first used, so that checking a
-name imports nothing) and those a user registers; a setting may also name code by import path
-``package.module:attr``, imported only inside :func:`trusted_code`. Imports no JAX.
+built-in ones (each its object, or the import path of one whose module would import JAX,
+imported when first read, so that checking a name imports nothing) and those a user registers;
+a model's setting may also name code by import path ``package.module:attr``, imported only
+inside :func:`trusted_code`. Imports no JAX.
 """
 
 from __future__ import annotations
